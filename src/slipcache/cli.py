@@ -1,0 +1,60 @@
+"""The `slipcache` command: one subcommand per job, each defined in the module that does the work."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from slipcache import __version__
+from slipcache.errors import SlipcacheError
+
+# name -> (module, help). The module defines add_<name>_arguments(parser) and run_<name>(args) -> int.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("slipcache.train", "train a DLRM model (synthetic data by default)"),
+    "eval": ("slipcache.train", "evaluate a checkpoint on a dataset split"),
+    "synth": ("slipcache.data.synthetic", "generate a synthetic Criteo-shaped dataset"),
+    "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
+    "bench": ("slipcache.bench", "benchmark embedding implementations"),
+    "experiment": ("slipcache.experiments", "run the papers' experiments and write a report"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slipcache",
+        description="Train recommendation models with mixed-precision cached embeddings "
+        "and stale-input skipping.",
+    )
+    parser.add_argument("--version", action="version", version=f"slipcache {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        getattr(module, f"add_{name}_arguments")(sub_parser)
+        sub_parser.set_defaults(_module=module_name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(args._module)
+    try:
+        return int(getattr(module, f"run_{args.command}")(args) or 0)
+    except SlipcacheError as exc:
+        print(f"slipcache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
+        print(f"slipcache {args.command}: error: {exc.strerror or exc}: {exc.filename}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"slipcache {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Criteo readers, preprocessing, the binary dataset format, synthetic data and batch iteration."""
