@@ -1,0 +1,73 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipcache import checkpoint
+from slipcache.errors import SlipcacheError
+
+
+def test_roundtrip(tmp_path: Path) -> None:
+    state = {"w": torch.arange(5.0), "step": 3, "nested": {"rng": torch.get_rng_state()}}
+    checkpoint.save_checkpoint(tmp_path / "a.pt", state)
+    loaded = checkpoint.load_checkpoint(tmp_path / "a.pt")
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    assert torch.equal(loaded["nested"]["rng"], state["nested"]["rng"])
+
+
+def test_crash_mid_write_keeps_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "latest.pt"
+    checkpoint.save_checkpoint(target, {"step": 1, "w": torch.ones(3)})
+    real_save = torch.save
+
+    def crashing_save(obj: object, f: object) -> None:
+        real_save(obj, f)  # write the complete payload, then die before the rename
+        f.write(b"garbage")  # type: ignore[attr-defined]
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(torch, "save", crashing_save)
+    with pytest.raises(OSError, match="disk on fire"):
+        checkpoint.save_checkpoint(target, {"step": 2, "w": torch.zeros(3)})
+    monkeypatch.undo()
+    loaded = checkpoint.load_checkpoint(target)
+    assert loaded["step"] == 1 and torch.equal(loaded["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["latest.pt"]  # temp file cleaned up
+
+
+def test_partial_write_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "latest.pt"
+    checkpoint.save_checkpoint(target, {"step": 1})
+
+    def half_save(obj: object, f: object) -> None:
+        f.write(b"PK\x03\x04 half a zip")  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", half_save)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(target, {"step": 2})
+    monkeypatch.undo()
+    assert checkpoint.load_checkpoint(target)["step"] == 1
+
+
+def test_missing_and_corrupt(tmp_path: Path) -> None:
+    with pytest.raises(SlipcacheError, match="not found"):
+        checkpoint.load_checkpoint(tmp_path / "nope.pt")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"this is not a checkpoint")
+    with pytest.raises(SlipcacheError, match="corrupt"):
+        checkpoint.load_checkpoint(bad)
+    good = tmp_path / "good.pt"
+    checkpoint.save_checkpoint(good, {"w": torch.randn(100)})
+    truncated = tmp_path / "trunc.pt"
+    truncated.write_bytes(good.read_bytes()[:200])
+    with pytest.raises(SlipcacheError, match="corrupt"):
+        checkpoint.load_checkpoint(truncated)
+
+
+def test_run_checkpoints_latest_and_rotation(tmp_path: Path) -> None:
+    for samples in (100, 200, 300):
+        checkpoint.save_run_checkpoint(tmp_path, {"samples": samples}, samples, keep=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["ckpt-000000000200.pt", "ckpt-000000000300.pt", "latest.pt"]
+    assert checkpoint.load_checkpoint(tmp_path)["samples"] == 300  # a directory means its latest.pt
+    assert checkpoint.load_checkpoint(tmp_path / "ckpt-000000000200.pt")["samples"] == 200
