@@ -1,0 +1,215 @@
+"""DLRM (Naumov et al. 2019) and the fp32 `torch.nn.EmbeddingBag` baseline for its embeddings.
+
+Data flow, top to bottom:
+
+    dense [B, 13] --bottom MLP--> x [B, D]
+    sparse ids [B, T] --embedding collection--> e [B, T, D]
+    interaction: pairwise dot products of the T + 1 vectors {x, e_1..e_T} (upper triangle, no
+                 diagonal) concatenated with x          -> [B, D + (T + 1) T / 2]
+    top MLP -> logit [B]
+
+The embedding collection is pluggable: `build_embeddings` returns either the baseline below or the
+mixed-precision cached collection from `slipcache.embedding`; both share the interface in
+docs/design.md, so the model and the training loop do not care which one they get.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from slipcache.errors import InvalidInputError, SlipcacheError
+
+EMBEDDING_KINDS = ("cached", "torch")
+
+
+@dataclass
+class ModelConfig:
+    """DLRM shape. Defaults follow the DLRM reference configuration for Criteo Kaggle."""
+
+    table_sizes: list[int]
+    num_dense: int = 13
+    embedding_dim: int = 16
+    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])  # last == embedding_dim
+    top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])  # last == 1 (the logit)
+
+    def __post_init__(self) -> None:
+        if not self.table_sizes or min(self.table_sizes) < 1:
+            raise SlipcacheError(f"table sizes must be positive, got {self.table_sizes}")
+        if not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
+            raise SlipcacheError(
+                f"the bottom MLP must end in the embedding dim {self.embedding_dim}, got {self.bottom_mlp}"
+            )
+        if not self.top_mlp or self.top_mlp[-1] != 1:
+            raise SlipcacheError(f"the top MLP must end in 1 output (the logit), got {self.top_mlp}")
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.table_sizes)
+
+    @property
+    def interaction_dim(self) -> int:
+        """Width of the top MLP input: D + (T+1)T/2 (16 + 27*26/2 = 367 for Criteo)."""
+        n = self.num_tables + 1
+        return self.embedding_dim + n * (n - 1) // 2
+
+
+class TorchEmbeddingBagCollection(nn.Module):
+    """fp32 baseline: one `nn.EmbeddingBag` per table with sparse gradients, as in the DLRM reference.
+
+    It has no cache and no fused update (`fused_update=False`): the trainer steps a torch optimizer over
+    `parameters()`, which receive sparse gradients.
+    """
+
+    fused_update = False
+
+    def __init__(self, table_sizes: list[int], dim: int, *, lr: float = 0.1, seed: int = 0) -> None:
+        super().__init__()
+        self.table_sizes = list(table_sizes)
+        self.dim = dim
+        self.lr = lr
+        self.table_offsets = torch.tensor([0, *torch.tensor(self.table_sizes).cumsum(0).tolist()])
+        self._sizes = torch.tensor(self.table_sizes, dtype=torch.long)
+        self.bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in self.table_sizes)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for bag, n in zip(self.bags, self.table_sizes, strict=True):
+                bound = math.sqrt(1.0 / n)  # DLRM reference init
+                bag.weight.uniform_(-bound, bound, generator=gen)
+        self._lookups = torch.zeros(len(self.table_sizes), dtype=torch.long)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids LongTensor [B, T], one id per table -> [B, T, D]."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != len(self.table_sizes):
+            raise InvalidInputError(
+                f"expected ids of shape [B, {len(self.table_sizes)}], got {getattr(ids, 'shape', type(ids))}"
+            )
+        ids = ids.long()
+        if ids.numel() and (bool((ids < 0).any()) or bool((ids >= self._sizes).any())):
+            raise InvalidInputError("embedding id out of range for its table")
+        self._lookups += ids.shape[0]
+        return torch.stack([bag(ids[:, t : t + 1]) for t, bag in enumerate(self.bags)], dim=1)
+
+    @torch.no_grad()
+    def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Current fp32 values of global rows (row = table_offsets[t] + id)."""
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        tables = torch.searchsorted(self.table_offsets, rows, right=True) - 1
+        out = torch.empty(rows.numel(), self.dim)
+        for t in tables.unique().tolist():
+            mask = tables == t
+            out[mask] = self.bags[t].weight[rows[mask] - self.table_offsets[t]]
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Same keys as the cached collection; there is no cache, so its figures are zero."""
+        lookups = int(self._lookups.sum())
+        zero = {"hits": 0, "misses": 0, "evictions": 0, "rows_in": 0, "rows_out": 0}
+        return {
+            "lookups": lookups,
+            **zero,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "hit_rate": None,
+            "per_table": [{"lookups": int(n), **zero, "hit_rate": None} for n in self._lookups],
+        }
+
+    def memory_report(self) -> dict[str, Any]:
+        weight_bytes = sum(bag.weight.numel() * bag.weight.element_size() for bag in self.bags)
+        return {
+            "components": {"fp32 weights": weight_bytes},
+            "total_bytes": weight_bytes,
+            "fp32_bytes": weight_bytes,
+            "memory_ratio": 1.0,
+        }
+
+    def flush(self) -> None:
+        """Nothing is cached: the weights are always current."""
+
+
+def build_embeddings(
+    table_sizes: list[int],
+    dim: int,
+    *,
+    embeddings: str = "cached",
+    precision: str = "int8",
+    cache_size: float = 0.05,
+    policy: str = "lru",
+    rounding: str = "stochastic",
+    optimizer: str = "sgd",
+    lr: float = 0.1,
+    seed: int = 0,
+) -> nn.Module:
+    """The one place that picks an embedding implementation.
+
+    embeddings="torch": the fp32 `nn.EmbeddingBag` baseline (precision/cache/policy/rounding ignored).
+    embeddings="cached": mixed-precision storage with an fp32 cache (`slipcache.embedding`).
+    """
+    if embeddings == "torch":
+        return TorchEmbeddingBagCollection(table_sizes, dim, lr=lr, seed=seed)
+    if embeddings != "cached":
+        raise SlipcacheError(f"unknown embeddings {embeddings!r}; choose one of {', '.join(EMBEDDING_KINDS)}")
+    from slipcache.embedding import CachedEmbeddingBagCollection, EmbeddingConfig
+
+    config = EmbeddingConfig(
+        table_sizes=list(table_sizes),
+        dim=dim,
+        precision=precision,
+        cache_size=cache_size,
+        policy=policy,
+        rounding=rounding,
+        optimizer=optimizer,
+        lr=lr,
+        seed=seed,
+    )
+    return CachedEmbeddingBagCollection(config)
+
+
+def _mlp(sizes: list[int], *, final_relu: bool) -> nn.Sequential:
+    """Linear+ReLU stack with DLRM init: W ~ N(0, sqrt(2/(fan_in+fan_out))), b ~ N(0, sqrt(1/fan_out))."""
+    layers: list[nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        linear = nn.Linear(fan_in, fan_out)
+        with torch.no_grad():
+            linear.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)))
+            linear.bias.normal_(0.0, math.sqrt(1.0 / fan_out))
+        layers.append(linear)
+        if final_relu or i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    """Bottom MLP, embeddings, dot-product interaction, top MLP -> one logit per sample."""
+
+    def __init__(self, config: ModelConfig, embeddings: nn.Module) -> None:
+        super().__init__()
+        if list(embeddings.table_sizes) != list(config.table_sizes) or embeddings.dim != config.embedding_dim:
+            raise SlipcacheError("the embedding collection does not match the model's table sizes or dim")
+        self.config = config
+        self.bottom = _mlp([config.num_dense, *config.bottom_mlp], final_relu=True)
+        self.embeddings = embeddings
+        self.top = _mlp([config.interaction_dim, *config.top_mlp], final_relu=False)
+        n = config.num_tables + 1
+        rows, cols = torch.triu_indices(n, n, offset=1)
+        self.register_buffer("_pair_rows", rows, persistent=False)
+        self.register_buffer("_pair_cols", cols, persistent=False)
+
+    def interact(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """x [B, D], emb [B, T, D] -> [B, D + (T+1)T/2]: x and every distinct pairwise dot product."""
+        z = torch.cat([x.unsqueeze(1), emb], dim=1)  # [B, T+1, D]
+        dots = torch.bmm(z, z.transpose(1, 2))  # [B, T+1, T+1]
+        return torch.cat([x, dots[:, self._pair_rows, self._pair_cols]], dim=1)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        emb = self.embeddings(sparse)
+        return self.top(self.interact(x, emb)).squeeze(1)
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """MLP parameters: the ones the dense optimizer owns (embeddings are updated separately)."""
+        return [*self.bottom.parameters(), *self.top.parameters()]
