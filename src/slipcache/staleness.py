@@ -1,0 +1,670 @@
+"""Slipstream-style stale-input skipping (Maboud et al., arXiv 2404.04270), plus rolling re-checks and a guard.
+
+Hot embedding rows converge early; an input whose lookups all hit rows that no longer move adds little to
+training, so the trainer may skip it. Per epoch:
+
+1. ``profile``: count row accesses on a sample of inputs; the hot set is the most-accessed rows fitting a
+   byte budget. An input is *hot* when every lookup is a hot row.
+2. ``begin_window`` / ``end_window``: snapshot the hot rows (only those) around a window of normal training.
+3. ``row_change``: per hot row, the largest per-dimension change (L-infinity) between the two snapshots;
+   a row is stale under threshold ``T`` when that change is below ``T``.
+4. ``fit_threshold``: bisection on ``T`` so that the stale fraction of a sample of hot inputs lands in
+   ``target_drop +- tolerance``; when unreachable, report it and skip nothing.
+5. ``stale_mask`` / ``sample_filter``: an input is skipped when at least alpha of its lookups are stale.
+
+Beyond the paper: ``after_batch`` re-snapshots every K batches so a row that moves again stops being stale;
+``SkipGuard`` lowers the target (or stops skipping) when skipped inputs' loss drifts above trained loss;
+``stale_rows`` lists rows a cache may demote.
+
+Memory is proportional to the hot set only: membership uses ``searchsorted`` over the sorted hot rows,
+never an array over every row of every table.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from slipcache.errors import InvalidInputError
+
+__all__ = [
+    "EmbeddingRowSource",
+    "GuardDecision",
+    "HotSet",
+    "SkipGuard",
+    "StaleInputDetector",
+    "StalenessConfig",
+    "ThresholdResult",
+]
+
+_STATE_VERSION = 1
+
+
+class EmbeddingRowSource(Protocol):
+    """The part of the embedding collection interface the detector needs (see docs/design.md)."""
+
+    table_offsets: torch.Tensor
+    dim: int
+
+    def read_rows(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class StalenessConfig:
+    """Every Slipstream constant as a parameter; defaults follow the paper (Criteo, 26 tables).
+
+    ``alpha`` is a fraction of an input's lookups (1.0 = all of them). ``alpha_count``, when set, replaces it
+    with an absolute number of lookups; the two are separate fields so a YAML ``1`` can never silently mean
+    "one lookup" instead of "all lookups".
+    """
+
+    profile_fraction: float = 0.05  # share of training inputs sampled to count row accesses
+    memory_budget_bytes: int = 256 * 2**20  # hot set size: rows * dim * 4 <= budget
+    window_fraction: float = 0.02  # share of hot batches in the snapshot window (paper: 1.5-3 %)
+    threshold_sample_fraction: float = 0.01  # share of inputs sampled for the threshold search
+    threshold_sample_max: int = 200_000  # cap on hot inputs kept for (re)fitting the threshold
+    target_drop: float = 0.3  # D: fraction of hot inputs to skip
+    tolerance: float = 0.08  # delta: accepted |achieved - D|
+    threshold_low: float = 0.0
+    threshold_high: float = 0.1
+    max_bisection_steps: int = 25
+    alpha: float = 1.0  # skip when >= ceil(alpha * T) lookups are stale
+    alpha_count: int | None = None  # absolute count; overrides alpha when set
+    recheck_interval: int | None = 0  # batches between rolling snapshots; 0 = window length, None = off
+    guard_margin: float = 0.05  # relative excess of skipped over trained loss that counts as drift
+    guard_release: float = 0.5  # drift must fall below margin * release to relax (hysteresis)
+    guard_patience: int = 2  # consecutive checks needed before acting, either way
+    guard_backoff: float = 0.5  # target multiplier on drift (halve D)
+    guard_min_target: float = 0.05  # below this the guard stops skipping instead
+    guard_sample_size: int = 2048  # inputs the trainer evaluates (forward only) per guard check
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Reject values that would make the method silently meaningless."""
+        fractions = {
+            "profile_fraction": self.profile_fraction,
+            "window_fraction": self.window_fraction,
+            "threshold_sample_fraction": self.threshold_sample_fraction,
+        }
+        for name, value in fractions.items():
+            if not 0.0 < value <= 1.0:
+                raise InvalidInputError(f"{name} must be in (0, 1], got {value}")
+        if not 0.0 < self.alpha <= 1.0:
+            raise InvalidInputError(f"alpha is a fraction in (0, 1], got {self.alpha}; use alpha_count for a count")
+        if self.alpha_count is not None and (isinstance(self.alpha_count, bool) or self.alpha_count < 1):
+            raise InvalidInputError(f"alpha_count must be a positive int, got {self.alpha_count}")
+        if not 0.0 <= self.target_drop <= 1.0 or self.tolerance < 0.0:
+            raise InvalidInputError("target_drop must be in [0, 1] and tolerance >= 0")
+        if not 0.0 <= self.threshold_low < self.threshold_high:
+            raise InvalidInputError("need 0 <= threshold_low < threshold_high")
+        if self.max_bisection_steps < 1 or self.threshold_sample_max < 1:
+            raise InvalidInputError("max_bisection_steps and threshold_sample_max must be >= 1")
+        if self.memory_budget_bytes < 0:
+            raise InvalidInputError("memory_budget_bytes must be >= 0")
+        if self.recheck_interval is not None and self.recheck_interval < 0:
+            raise InvalidInputError("recheck_interval must be None (off), 0 (window length) or positive")
+        if self.guard_margin < 0.0 or not 0.0 <= self.guard_release <= 1.0:
+            raise InvalidInputError("guard_margin must be >= 0 and guard_release in [0, 1]")
+        if self.guard_patience < 1 or not 0.0 < self.guard_backoff < 1.0 or self.guard_sample_size < 1:
+            raise InvalidInputError("guard_patience >= 1, guard_backoff in (0, 1), guard_sample_size >= 1")
+
+    def required_stale(self, num_tables: int) -> int:
+        """Number of stale lookups (out of ``num_tables``) that makes an input skippable."""
+        if self.alpha_count is not None:
+            if self.alpha_count > num_tables:
+                raise InvalidInputError(f"alpha_count {self.alpha_count} exceeds the {num_tables} lookups per input")
+            return self.alpha_count
+        # The epsilon keeps 0.5 * 26 at 13 despite float rounding.
+        return max(1, math.ceil(self.alpha * num_tables - 1e-9))
+
+
+@dataclass
+class ThresholdResult:
+    """Outcome of the bisection. ``threshold`` is None when the target band is unreachable (no skipping)."""
+
+    threshold: float | None
+    achieved_ratio: float  # stale fraction of the sampled hot inputs at the last threshold tried
+    steps: int  # bisection midpoints evaluated
+    converged: bool
+    target: float
+    sample_size: int
+    reason: str = ""
+
+
+@dataclass
+class GuardDecision:
+    """What one guard check concluded; ``action`` is one of none, lower, stop, raise, resume."""
+
+    action: str
+    target: float
+    active: bool
+    drift: float  # (skipped_loss - trained_loss) / trained_loss
+
+
+class HotSet:
+    """Sorted global hot rows with vectorized membership; memory proportional to the hot set only."""
+
+    def __init__(self, rows: np.ndarray, counts: np.ndarray, table_offsets: np.ndarray) -> None:
+        order = np.argsort(rows, kind="stable")
+        self.rows = np.ascontiguousarray(rows[order], dtype=np.int64)
+        self.counts = np.ascontiguousarray(counts[order], dtype=np.int64)
+        self.table_offsets = table_offsets
+
+    def __len__(self) -> int:
+        return int(self.rows.size)
+
+    def positions(self, global_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Index of each row in ``self.rows`` (clipped) and whether it is hot; any shape."""
+        if self.rows.size == 0:
+            return np.zeros(global_rows.shape, np.int64), np.zeros(global_rows.shape, bool)
+        pos = np.searchsorted(self.rows, global_rows)
+        np.minimum(pos, self.rows.size - 1, out=pos)
+        return pos, self.rows[pos] == global_rows
+
+    def contains(self, global_rows: np.ndarray) -> np.ndarray:
+        """Boolean mask: which global rows are hot."""
+        return self.positions(np.asarray(global_rows, dtype=np.int64))[1]
+
+    def input_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
+        """bool[n]: inputs whose every lookup is a hot row."""
+        global_rows = _global_rows(sparse, self.table_offsets)
+        return self.contains(global_rows).all(axis=1)
+
+
+class SkipGuard:
+    """Lowers the skip target, or stops skipping, when skipped inputs' loss drifts above trained loss.
+
+    Rule: ``drift = (skipped - trained) / trained``. ``patience`` consecutive checks with
+    ``drift > margin`` halve the target (``backoff``); if that would fall below ``min_target`` skipping
+    stops. ``patience`` consecutive checks with ``drift < margin * release`` undo one step (resume,
+    then double the target up to its base). Drift in between resets both streaks: that dead band is the
+    hysteresis that keeps the guard from flapping around the margin.
+    """
+
+    def __init__(self, base_target: float, margin: float, release: float, patience: int, backoff: float,
+                 min_target: float) -> None:
+        self.base_target = base_target
+        self.margin = margin
+        self.release = release
+        self.patience = patience
+        self.backoff = backoff
+        self.min_target = min_target
+        self.target = base_target
+        self.active = True
+        self._bad = 0
+        self._good = 0
+
+    @classmethod
+    def from_config(cls, config: StalenessConfig) -> SkipGuard:
+        return cls(config.target_drop, config.guard_margin, config.guard_release, config.guard_patience,
+                   config.guard_backoff, config.guard_min_target)
+
+    def update(self, skipped_loss: float, trained_loss: float) -> GuardDecision:
+        """Feed one comparison (mean losses, same loss function) and apply the rule."""
+        if not (math.isfinite(skipped_loss) and math.isfinite(trained_loss)):
+            raise InvalidInputError(f"guard losses must be finite, got {skipped_loss}, {trained_loss}")
+        drift = (skipped_loss - trained_loss) / max(abs(trained_loss), 1e-12)
+        if drift > self.margin:
+            self._bad, self._good = self._bad + 1, 0
+        elif drift < self.margin * self.release:
+            self._bad, self._good = 0, self._good + 1
+        else:
+            self._bad = self._good = 0
+
+        action = "none"
+        if self._bad >= self.patience:
+            self._bad = 0
+            if self.active:
+                lowered = self.target * self.backoff
+                if lowered < self.min_target:
+                    self.active, action = False, "stop"
+                else:
+                    self.target, action = lowered, "lower"
+        elif self._good >= self.patience:
+            self._good = 0
+            if not self.active:
+                self.active, action = True, "resume"
+            elif self.target < self.base_target:
+                self.target, action = min(self.base_target, self.target / self.backoff), "raise"
+        return GuardDecision(action, self.target, self.active, drift)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "active": self.active, "bad": self._bad, "good": self._good}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.target = float(state["target"])
+        self.active = bool(state["active"])
+        self._bad = int(state["bad"])
+        self._good = int(state["good"])
+
+
+@dataclass
+class _Counters:
+    """Per-epoch input counts seen through ``sample_filter`` (or ``count``)."""
+
+    inputs: int = 0
+    hot_inputs: int = 0
+    skipped: int = 0
+    skipped_hot: int = 0
+
+
+class StaleInputDetector:
+    """Drives one Slipstream cycle per epoch; the trainer calls it between batches (see module docstring)."""
+
+    def __init__(self, config: StalenessConfig, table_offsets: np.ndarray | torch.Tensor, dim: int) -> None:
+        offsets = np.asarray(_to_numpy(table_offsets), dtype=np.int64).reshape(-1)
+        if offsets.size < 2 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
+            raise InvalidInputError("table_offsets must be non-decreasing, start at 0 and have T + 1 entries")
+        if dim < 1:
+            raise InvalidInputError(f"dim must be positive, got {dim}")
+        self.config = config
+        self.table_offsets = offsets  # int64 [T + 1]
+        self.dim = int(dim)
+        self.epoch = 0
+        self.guard = SkipGuard.from_config(config)
+        self._reset_epoch_state()
+        self.total = _Counters()
+
+    @classmethod
+    def from_collection(cls, coll: EmbeddingRowSource, config: StalenessConfig | None = None) -> StaleInputDetector:
+        return cls(config or StalenessConfig(), coll.table_offsets, int(coll.dim))
+
+    # ---- epoch lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def num_tables(self) -> int:
+        return int(self.table_offsets.size - 1)
+
+    def _reset_epoch_state(self) -> None:
+        self.hot: HotSet | None = None
+        self.threshold_result: ThresholdResult | None = None
+        self._threshold: float | None = None
+        self._snap_prev: torch.Tensor | None = None
+        self._snap_cur: torch.Tensor | None = None
+        self._stale_flags = np.zeros(0, dtype=bool)  # aligned with hot.rows
+        self._fit_sample: np.ndarray | None = None  # hot inputs kept for refits after guard actions
+        self._window_open = False
+        self._window_batches = 0
+        self._since_snapshot = 0
+        self._rechecks = 0
+        self.epoch_counts = _Counters()
+
+    def start_epoch(self, epoch: int) -> None:
+        """Forget last epoch's hot set, snapshots and threshold; the guard and totals carry over."""
+        self.epoch = int(epoch)
+        self._reset_epoch_state()
+
+    def sample_indices(self, num_inputs: int, fraction: float, purpose: str) -> np.ndarray:
+        """Sorted random input indices, deterministic in (seed, epoch, purpose); sorted for mmap reads."""
+        if num_inputs < 0 or not 0.0 < fraction <= 1.0:
+            raise InvalidInputError("need num_inputs >= 0 and fraction in (0, 1]")
+        size = min(num_inputs, max(1, round(num_inputs * fraction))) if num_inputs else 0
+        rng = self._rng(purpose)
+        return np.sort(rng.choice(num_inputs, size=size, replace=False)).astype(np.int64)
+
+    def window_batches(self, num_hot_batches: int) -> int:
+        """Length of the snapshot window: ``window_fraction`` of the epoch's hot batches, at least 1."""
+        return max(1, round(num_hot_batches * self.config.window_fraction))
+
+    def _rng(self, purpose: str) -> np.random.Generator:
+        return np.random.default_rng([self.config.seed, self.epoch, zlib.crc32(purpose.encode())])
+
+    # ---- 1. hot rows -----------------------------------------------------------------------------------
+
+    def profile(self, sparse_sample: np.ndarray | torch.Tensor) -> HotSet:
+        """Count accesses on a sample of inputs and keep the most-accessed rows that fit the budget."""
+        global_rows = _global_rows(sparse_sample, self.table_offsets).reshape(-1)
+        rows, counts = np.unique(global_rows, return_counts=True)
+        max_rows = self.config.memory_budget_bytes // (self.dim * 4)
+        if rows.size > max_rows:
+            # Most accessed first; ties go to the lower row so the choice is deterministic.
+            keep = np.lexsort((rows, -counts))[:max_rows]
+            rows, counts = rows[keep], counts[keep]
+        self.hot = HotSet(rows, counts, self.table_offsets)
+        self._stale_flags = np.zeros(len(self.hot), dtype=bool)
+        self._snap_prev = self._snap_cur = None
+        return self.hot
+
+    def hot_input_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
+        """bool[n]: inputs whose every lookup is hot (all False before ``profile``)."""
+        if self.hot is None:
+            return np.zeros(_check_ids(sparse, self.table_offsets).shape[0], dtype=bool)
+        return self.hot.input_mask(sparse)
+
+    # ---- 2. snapshots ----------------------------------------------------------------------------------
+
+    def _read_hot(self, coll: EmbeddingRowSource) -> torch.Tensor:
+        hot = self._require_hot()
+        values = coll.read_rows(torch.from_numpy(hot.rows))
+        if tuple(values.shape) != (len(hot), self.dim):
+            raise InvalidInputError(f"read_rows returned {tuple(values.shape)}, expected {(len(hot), self.dim)}")
+        # Clone: a collection may hand back a view of rows that training keeps mutating.
+        return values.detach().to(device="cpu", dtype=torch.float32).clone()
+
+    def begin_window(self, coll: EmbeddingRowSource) -> None:
+        """Snapshot the hot rows before the window of normal training."""
+        self._snap_prev = self._read_hot(coll)
+        self._snap_cur = None
+        self._window_open = True
+        self._since_snapshot = 0
+
+    def end_window(self, coll: EmbeddingRowSource) -> torch.Tensor:
+        """Snapshot the hot rows after the window; returns the per-row L-infinity change."""
+        if not self._window_open:
+            raise InvalidInputError("end_window called without begin_window")
+        self._snap_cur = self._read_hot(coll)
+        self._window_open = False
+        self._window_batches = self._since_snapshot
+        self._since_snapshot = 0
+        self._refresh_flags()
+        return self.row_change()
+
+    def after_batch(self, coll: EmbeddingRowSource) -> bool:
+        """Call after every trained batch; re-snapshots every K batches once a threshold exists.
+
+        Returns True when a rolling re-check happened. Stale flags then come from the latest snapshot pair.
+        """
+        self._since_snapshot += 1
+        interval = self._recheck_interval()
+        if self._snap_cur is None or interval is None or self._since_snapshot < interval:
+            return False
+        self.recheck(coll)
+        return True
+
+    def recheck(self, coll: EmbeddingRowSource) -> None:
+        """Take a new snapshot; staleness is recomputed from (previous snapshot, this one)."""
+        if self._snap_cur is None:
+            raise InvalidInputError("recheck needs a finished window (end_window) first")
+        self._snap_prev, self._snap_cur = self._snap_cur, self._read_hot(coll)
+        self._since_snapshot = 0
+        self._rechecks += 1
+        self._refresh_flags()
+
+    def _recheck_interval(self) -> int | None:
+        interval = self.config.recheck_interval
+        if interval == 0:  # match the window so changes are comparable with the fitted threshold
+            interval = self._window_batches or None
+        return interval
+
+    # ---- 3. staleness ----------------------------------------------------------------------------------
+
+    def row_change(self) -> torch.Tensor:
+        """float32 [hot rows]: largest per-dimension change between the latest two snapshots."""
+        if self._snap_prev is None or self._snap_cur is None:
+            raise InvalidInputError("row_change needs two snapshots (begin_window, end_window)")
+        if self._snap_prev.shape[0] == 0:
+            return torch.zeros(0)
+        return (self._snap_cur - self._snap_prev).abs().amax(dim=1)
+
+    def _refresh_flags(self) -> None:
+        if self._threshold is None or self._snap_prev is None or self._snap_cur is None:
+            self._stale_flags = np.zeros(len(self._require_hot()), dtype=bool)
+        else:
+            self._stale_flags = self.row_change().numpy() < self._threshold
+
+    def stale_rows(self) -> np.ndarray:
+        """Sorted global rows currently stale: a cache can give their slots to rows that still move."""
+        if self.hot is None:
+            return np.zeros(0, dtype=np.int64)
+        return self.hot.rows[self._stale_flags]
+
+    def is_stale_row(self, global_rows: np.ndarray | torch.Tensor) -> np.ndarray:
+        """Boolean mask over arbitrary global rows (non-hot rows are never stale)."""
+        rows = np.asarray(_to_numpy(global_rows), dtype=np.int64)
+        if self.hot is None:
+            return np.zeros(rows.shape, dtype=bool)
+        pos, hit = self.hot.positions(rows)
+        return hit & self._stale_flags[pos]
+
+    # ---- 4. threshold ----------------------------------------------------------------------------------
+
+    @property
+    def threshold(self) -> float | None:
+        return self._threshold
+
+    def fit_threshold(self, sample_inputs: np.ndarray | torch.Tensor) -> ThresholdResult:
+        """Bisect T in [low, high] so the stale fraction of the sample's hot inputs lands in D +- delta.
+
+        Non-hot inputs in ``sample_inputs`` are dropped first. When the band is unreachable the result has
+        ``threshold=None`` and nothing is skipped this epoch.
+        """
+        sparse = _check_ids(sample_inputs, self.table_offsets)
+        hot_inputs = sparse[self.hot_input_mask(sparse)]
+        if hot_inputs.shape[0] > self.config.threshold_sample_max:
+            pick = self._rng("threshold-cap").choice(hot_inputs.shape[0], self.config.threshold_sample_max,
+                                                      replace=False)
+            hot_inputs = hot_inputs[np.sort(pick)]
+        self.row_change()  # fail early without snapshots
+        self._fit_sample = np.ascontiguousarray(hot_inputs, dtype=np.int32)
+        return self._fit(self.guard.target)
+
+    def _input_keys(self, sparse: np.ndarray) -> np.ndarray:
+        """Per input, the smallest T that makes it stale is just above its k-th smallest lookup change."""
+        hot = self._require_hot()
+        pos, hit = hot.positions(_global_rows(sparse, self.table_offsets))
+        change = np.where(hit, self.row_change().numpy()[pos], np.inf)
+        k = self.config.required_stale(self.num_tables) - 1
+        return np.partition(change, k, axis=1)[:, k] if change.size else np.zeros(0)
+
+    def _fit(self, target: float) -> ThresholdResult:
+        cfg = self.config
+        sample = self._fit_sample if self._fit_sample is not None else np.zeros((0, self.num_tables), np.int32)
+        keys = self._input_keys(sample)
+        n = int(keys.size)
+
+        def ratio(t: float) -> float:
+            return float(np.count_nonzero(keys < t)) / n
+
+        def result(t: float | None, achieved: float, steps: int, ok: bool, reason: str = "") -> ThresholdResult:
+            self._threshold = t
+            self.threshold_result = ThresholdResult(t, achieved, steps, ok, target, n, reason)
+            self._refresh_flags()
+            return self.threshold_result
+
+        if n == 0:
+            return result(None, 0.0, 0, False, "no hot inputs in the threshold sample")
+        lo, hi = cfg.threshold_low, cfg.threshold_high
+        top = ratio(hi)
+        if top < target - cfg.tolerance:
+            return result(None, top, 0, False, f"stale fraction at T={hi} is {top:.3f} < {target - cfg.tolerance:.3f}")
+        achieved = top
+        for step in range(1, cfg.max_bisection_steps + 1):
+            mid = 0.5 * (lo + hi)
+            achieved = ratio(mid)
+            if abs(achieved - target) <= cfg.tolerance:
+                return result(mid, achieved, step, True)
+            if achieved < target:
+                lo = mid
+            else:
+                hi = mid
+        return result(None, achieved, cfg.max_bisection_steps, False,
+                      f"no T in [{cfg.threshold_low}, {cfg.threshold_high}] gives {target:.3f} +- {cfg.tolerance}")
+
+    # ---- 5. classify -----------------------------------------------------------------------------------
+
+    @property
+    def skipping(self) -> bool:
+        """True when a threshold was found and the guard allows skipping."""
+        return self._threshold is not None and self.guard.active
+
+    def stale_counts(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
+        """int[n]: stale lookups per input."""
+        return self._classify(sparse)[0]
+
+    def stale_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
+        """bool[n]: inputs with at least alpha stale lookups (pure classification, ignores the guard)."""
+        return self._classify(sparse)[0] >= self.config.required_stale(self.num_tables)
+
+    def skip_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
+        """bool[n]: inputs to skip now; all False unless ``skipping``."""
+        mask = self.stale_mask(sparse)
+        return mask if self.skipping else np.zeros_like(mask)
+
+    def _classify(self, sparse: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(stale lookups per input, input-is-hot) from a single searchsorted pass."""
+        global_rows = _global_rows(sparse, self.table_offsets)
+        if self.hot is None:
+            n = global_rows.shape[0]
+            return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+        pos, hit = self.hot.positions(global_rows)
+        stale = hit & self._stale_flags[pos]
+        return stale.sum(axis=1), hit.all(axis=1)
+
+    def count(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
+        """Classify for skipping and record the counts for ``stats``; returns the keep mask."""
+        stale_counts, hot = self._classify(sparse)
+        skip = stale_counts >= self.config.required_stale(self.num_tables)
+        if not self.skipping:
+            skip[:] = False
+        for counters in (self.epoch_counts, self.total):
+            counters.inputs += int(skip.size)
+            counters.hot_inputs += int(np.count_nonzero(hot))
+            counters.skipped += int(np.count_nonzero(skip))
+            counters.skipped_hot += int(np.count_nonzero(skip & hot))
+        return ~skip
+
+    def sample_filter(self) -> Callable[[np.ndarray], np.ndarray]:
+        """A ``BatchIterator`` ``sample_filter``: keep = not stale; it counts what it skips.
+
+        Reads the detector's state at each call, so rolling re-checks and guard actions apply immediately.
+        """
+        return self.count
+
+    # ---- guard -----------------------------------------------------------------------------------------
+
+    def guard_indices(self, num_inputs: int, batch_index: int) -> np.ndarray:
+        """Inputs to evaluate for a guard check (deterministic per seed, epoch and batch)."""
+        size = min(num_inputs, self.config.guard_sample_size)
+        rng = self._rng(f"guard-{batch_index}")
+        return np.sort(rng.choice(num_inputs, size=size, replace=False)).astype(np.int64)
+
+    def update_guard(self, skipped_loss: float, trained_loss: float) -> GuardDecision:
+        """Feed the forward-only loss of sampled skipped inputs vs trained inputs; refits T if D changed."""
+        before = self.guard.target
+        decision = self.guard.update(skipped_loss, trained_loss)
+        if decision.target != before and self._fit_sample is not None:
+            self._fit(decision.target)
+        return decision
+
+    # ---- metrics and checkpoints -----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Flat JSON-ready metrics for metrics.jsonl."""
+        res = self.threshold_result
+        ep = self.epoch_counts
+        return {
+            "epoch": self.epoch,
+            "hot_rows": len(self.hot) if self.hot is not None else 0,
+            "hot_bytes": (len(self.hot) if self.hot is not None else 0) * self.dim * 4,
+            "stale_rows": int(np.count_nonzero(self._stale_flags)),
+            "threshold": self._threshold,
+            "threshold_converged": res.converged if res else False,
+            "threshold_steps": res.steps if res else 0,
+            "threshold_ratio": res.achieved_ratio if res else None,
+            "threshold_reason": res.reason if res else "",
+            "target_drop": self.guard.target,
+            "skipping": self.skipping,
+            "guard_active": self.guard.active,
+            "window_batches": self._window_batches,
+            "rechecks": self._rechecks,
+            "inputs_seen": ep.inputs,
+            "hot_inputs_seen": ep.hot_inputs,
+            "inputs_skipped": ep.skipped,
+            "skipped_fraction": ep.skipped / ep.inputs if ep.inputs else 0.0,
+            "hot_skipped_fraction": ep.skipped_hot / ep.hot_inputs if ep.hot_inputs else 0.0,
+            "total_inputs_skipped": self.total.skipped,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only, so ``torch.load(weights_only=True)`` can read it back."""
+        def tensor(a: np.ndarray | None) -> torch.Tensor | None:
+            return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+
+        return {
+            "version": _STATE_VERSION,
+            "config": asdict(self.config),
+            "table_offsets": tensor(self.table_offsets),
+            "dim": self.dim,
+            "epoch": self.epoch,
+            "hot_rows": tensor(self.hot.rows) if self.hot is not None else None,
+            "hot_counts": tensor(self.hot.counts) if self.hot is not None else None,
+            "snap_prev": self._snap_prev,
+            "snap_cur": self._snap_cur,
+            "threshold": self._threshold,
+            "threshold_result": asdict(self.threshold_result) if self.threshold_result else None,
+            "stale_flags": tensor(self._stale_flags),
+            "fit_sample": tensor(self._fit_sample),
+            "window_open": self._window_open,
+            "window_batches": self._window_batches,
+            "since_snapshot": self._since_snapshot,
+            "rechecks": self._rechecks,
+            "guard": self.guard.state_dict(),
+            "epoch_counts": asdict(self.epoch_counts),
+            "total": asdict(self.total),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore exactly; the collection geometry must match. The detector's own config is kept."""
+        if state.get("version") != _STATE_VERSION:
+            raise InvalidInputError(f"unsupported staleness state version {state.get('version')}")
+        offsets = state["table_offsets"].numpy()
+        if int(state["dim"]) != self.dim or not np.array_equal(offsets, self.table_offsets):
+            raise InvalidInputError("staleness state was saved for a different embedding geometry")
+
+        def array(t: torch.Tensor | None) -> np.ndarray | None:
+            return None if t is None else t.numpy().copy()
+
+        self._reset_epoch_state()
+        self.epoch = int(state["epoch"])
+        if state["hot_rows"] is not None:
+            self.hot = HotSet(array(state["hot_rows"]), array(state["hot_counts"]), self.table_offsets)
+        self._snap_prev = None if state["snap_prev"] is None else state["snap_prev"].clone()
+        self._snap_cur = None if state["snap_cur"] is None else state["snap_cur"].clone()
+        self._threshold = state["threshold"]
+        res = state["threshold_result"]
+        self.threshold_result = ThresholdResult(**res) if res else None
+        self._stale_flags = array(state["stale_flags"]).astype(bool)
+        self._fit_sample = array(state["fit_sample"])
+        self._window_open = bool(state["window_open"])
+        self._window_batches = int(state["window_batches"])
+        self._since_snapshot = int(state["since_snapshot"])
+        self._rechecks = int(state["rechecks"])
+        self.guard.load_state_dict(state["guard"])
+        self.epoch_counts = _Counters(**state["epoch_counts"])
+        self.total = _Counters(**state["total"])
+
+    def _require_hot(self) -> HotSet:
+        if self.hot is None:
+            raise InvalidInputError("call profile() before using the hot set")
+        return self.hot
+
+
+def _to_numpy(x: np.ndarray | torch.Tensor) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def _check_ids(sparse: np.ndarray | torch.Tensor, offsets: np.ndarray) -> np.ndarray:
+    """Validate [n, T] integer ids within each table's size."""
+    ids = _to_numpy(sparse)
+    num_tables = offsets.size - 1
+    if ids.ndim != 2 or ids.shape[1] != num_tables:
+        raise InvalidInputError(f"sparse ids must be [n, {num_tables}], got {tuple(ids.shape)}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidInputError(f"sparse ids must be integers, got {ids.dtype}")
+    if ids.size and (ids.min() < 0 or np.any(ids >= np.diff(offsets))):
+        raise InvalidInputError("sparse ids out of range for their tables")
+    return ids
+
+
+def _global_rows(sparse: np.ndarray | torch.Tensor, offsets: np.ndarray) -> np.ndarray:
+    """int64 [n, T]: global row = offset[t] + id."""
+    return _check_ids(sparse, offsets).astype(np.int64) + offsets[:-1]
