@@ -369,7 +369,7 @@ class StaleInputDetector:
         return self.row_change()
 
     def after_batch(self, coll: EmbeddingRowSource) -> bool:
-        """Call after every trained batch; re-snapshots every K batches once a threshold exists.
+        """Call after every trained batch; re-snapshots every K batches once the window has ended.
 
         Returns True when a rolling re-check happened. Stale flags then come from the latest snapshot pair.
         """
