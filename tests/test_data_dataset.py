@@ -1,0 +1,168 @@
+"""The binary dataset format and BatchIterator: exact coverage, determinism, peek, filters, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slipcache.data.dataset import BatchIterator, CriteoDataset, DatasetWriter, SplitArrays
+from slipcache.errors import SlipcacheError
+
+
+def make_split(n: int) -> SplitArrays:
+    """Sample i has label i % 2, dense[:, 0] == i and sparse[:, 0] == i, so samples are identifiable."""
+    labels = (np.arange(n) % 2).astype(np.float32)
+    dense = np.zeros((n, 13), dtype=np.float32)
+    dense[:, 0] = np.arange(n)
+    sparse = np.zeros((n, 26), dtype=np.int32)
+    sparse[:, 0] = np.arange(n)
+    sparse[:, 1] = np.arange(n) % 7
+    return SplitArrays(labels, dense, sparse)
+
+
+def sample_ids(batches: list) -> list[int]:
+    return [int(i) for b in batches for i in b.sparse[:, 0]]
+
+
+def write_dataset(path: Path, n: int = 50) -> None:
+    split = make_split(n)
+    with DatasetWriter(path, {"train": n, "val": 3}) as writer:
+        writer.write("train", 0, split.labels, split.dense, split.sparse)
+        writer.write("val", 0, split.labels[:3], split.dense[:3], split.sparse[:3])
+        writer.commit({"table_sizes": [n] * 26, "positive_rate": 0.5, "vocabulary": "hash"})
+
+
+def test_writer_and_dataset_roundtrip(tmp_path: Path) -> None:
+    write_dataset(tmp_path / "ds")
+    ds = CriteoDataset(tmp_path / "ds")
+    assert ds.splits == {"train": 50, "val": 3}
+    assert ds.table_sizes == [50] * 26 and ds.num_dense == 13 and ds.num_tables == 26
+    train = ds.split("train")
+    assert isinstance(train.labels, np.memmap)
+    assert len(train) == 50 and train.sparse.dtype == np.int32
+    np.testing.assert_array_equal(train.dense[:, 0], np.arange(50))
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "ds").iterdir())
+
+
+def test_writer_failure_leaves_no_dataset(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), DatasetWriter(tmp_path / "ds", {"train": 5}):
+        raise RuntimeError("crash")
+    assert list((tmp_path / "ds").iterdir()) == []
+    with pytest.raises(SlipcacheError, match="no meta.json"):
+        CriteoDataset(tmp_path / "ds")
+
+
+def test_dataset_open_errors(tmp_path: Path) -> None:
+    with pytest.raises(SlipcacheError, match="no such dataset"):
+        CriteoDataset(tmp_path / "missing")
+    write_dataset(tmp_path / "ds")
+    with pytest.raises(SlipcacheError, match="no split 'test'"):
+        CriteoDataset(tmp_path / "ds").split("test")
+    meta_path = tmp_path / "ds" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "version": 99}))
+    with pytest.raises(SlipcacheError, match="version 99"):
+        CriteoDataset(tmp_path / "ds")
+    meta_path.write_text(json.dumps({**meta, "format": "other"}))
+    with pytest.raises(SlipcacheError, match="not a slipcache dataset"):
+        CriteoDataset(tmp_path / "ds")
+    meta_path.write_text("{not json")
+    with pytest.raises(SlipcacheError, match="unreadable meta.json"):
+        CriteoDataset(tmp_path / "ds")
+    meta_path.write_text(json.dumps(meta))
+    (tmp_path / "ds" / "val.dense.npy").unlink()
+    with pytest.raises(SlipcacheError, match="missing file"):
+        CriteoDataset(tmp_path / "ds").split("val")
+    np.save(tmp_path / "ds" / "val.dense.npy", np.zeros((4, 13), dtype=np.float32))
+    with pytest.raises(SlipcacheError, match="expected float32"):
+        CriteoDataset(tmp_path / "ds").split("val")
+
+
+def test_batches_types_and_len() -> None:
+    it = BatchIterator(make_split(10), 4)
+    assert len(it) == 3
+    batches = list(it)
+    assert [len(b) for b in batches] == [4, 4, 2]
+    b = batches[0]
+    assert b.dense.dtype == torch.float32 and b.dense.shape == (4, 13)
+    assert b.sparse.dtype == torch.int64 and b.sparse.shape == (4, 26)
+    assert b.labels.dtype == torch.float32 and b.labels.shape == (4,)
+    assert sample_ids(batches) == list(range(10))
+    assert len(BatchIterator(make_split(10), 4, drop_last=True)) == 2
+    assert [len(b) for b in BatchIterator(make_split(10), 4, drop_last=True)] == [4, 4]
+    assert list(BatchIterator(make_split(0), 4)) == []
+
+
+def test_shuffle_covers_every_sample_once_and_is_deterministic() -> None:
+    split = make_split(1003)
+    runs = [
+        sample_ids(list(BatchIterator(split, 10, shuffle=True, seed=s, chunk_batches=4))) for s in (1, 1, 2)
+    ]
+    assert sorted(runs[0]) == list(range(1003))
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    assert runs[0] != list(range(1003))
+    other_epoch = sample_ids(list(BatchIterator(split, 10, shuffle=True, seed=1, epoch=1, chunk_batches=4)))
+    assert other_epoch != runs[0] and sorted(other_epoch) == list(range(1003))
+    # Batches keep features of one sample together.
+    for b in BatchIterator(split, 10, shuffle=True, seed=3, chunk_batches=4):
+        np.testing.assert_array_equal(b.dense[:, 0].numpy(), b.sparse[:, 0].numpy())
+        np.testing.assert_array_equal(b.labels.numpy(), (b.sparse[:, 0] % 2).numpy())
+
+
+def test_peek_does_not_consume() -> None:
+    split = make_split(95)
+    it = BatchIterator(split, 10, shuffle=True, seed=5, chunk_batches=2, lookahead=1)
+    reference = sample_ids(list(BatchIterator(split, 10, shuffle=True, seed=5, chunk_batches=2)))
+    got: list = []
+    while True:
+        ahead = it.peek(4)
+        assert len(ahead) == min(4, 10 - len(got))
+        try:
+            batch = next(it)
+        except StopIteration:
+            assert ahead == []
+            break
+        assert torch.equal(batch.sparse, ahead[0].sparse)
+        if len(ahead) > 1:
+            assert torch.equal(it.peek(1)[0].sparse, ahead[1].sparse)
+        got.append(batch)
+    assert sample_ids(got) == reference
+    assert it.samples_seen == 95 and it.batch_index == 10
+
+
+def test_sample_filter_keeps_batches_full() -> None:
+    split = make_split(1000)
+
+    def keep(sparse: np.ndarray) -> np.ndarray:
+        return sparse[:, 1] != 3
+
+    it = BatchIterator(split, 16, shuffle=True, seed=2, chunk_batches=3, sample_filter=keep)
+    batches = list(it)
+    assert all(len(b) == 16 for b in batches[:-1])
+    ids = sample_ids(batches)
+    expected = [i for i in range(1000) if i % 7 != 3]
+    assert sorted(ids) == expected
+    assert it.samples_seen == len(expected)
+    assert it.samples_dropped == 1000 - len(expected)
+    with pytest.raises(TypeError):
+        len(it)
+
+
+@pytest.mark.parametrize("use_filter", [False, True])
+@pytest.mark.parametrize("start", [0, 1, 7, 12, 13, 20])
+def test_start_batch_resumes_exactly(use_filter: bool, start: int) -> None:
+    split = make_split(131)
+    kwargs = {"shuffle": True, "seed": 9, "chunk_batches": 3}
+    if use_filter:
+        kwargs["sample_filter"] = lambda sparse: sparse[:, 1] != 0
+    full = [b.sparse[:, 0].tolist() for b in BatchIterator(split, 10, **kwargs)]
+    resumed_it = BatchIterator(split, 10, start_batch=start, **kwargs)
+    resumed = [b.sparse[:, 0].tolist() for b in resumed_it]
+    assert resumed == full[start:]
+    if start <= len(full):
+        assert resumed_it.batch_index == len(full)
