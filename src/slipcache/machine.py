@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["describe_machine", "physical_memory_bytes", "probe_memory", "probe_random_gather", "probe_sequential_copy"]
+__all__ = [
+    "describe_machine",
+    "physical_memory_bytes",
+    "probe_memory",
+    "probe_random_gather",
+    "probe_sequential_copy",
+]
 
 
 def _cpu_model() -> str:
