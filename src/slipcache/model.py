@@ -80,7 +80,7 @@ class TorchEmbeddingBagCollection(nn.Module):
             for bag, n in zip(self.bags, self.table_sizes, strict=True):
                 bound = math.sqrt(1.0 / n)  # DLRM reference init
                 bag.weight.uniform_(-bound, bound, generator=gen)
-        self._lookups = torch.zeros(len(self.table_sizes), dtype=torch.long)
+        self.register_buffer("_lookups", torch.zeros(len(self.table_sizes), dtype=torch.long))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids LongTensor [B, T], one id per table -> [B, T, D]."""

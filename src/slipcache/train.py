@@ -1,0 +1,845 @@
+"""Training and evaluation of DLRM: `slipcache train` and `slipcache eval`.
+
+Read top to bottom: the config (`TrainConfig`, how a file and command-line flags combine into it), where
+the data comes from (`prepare_data`), evaluation, then the training loop (`train`), which writes a run
+directory:
+
+    <out>/config.json      the resolved config
+    <out>/metrics.jsonl    one JSON object per logging or evaluation event
+    <out>/summary.json     final test metrics, throughput, memory
+    <out>/report.md        plots of the above (see slipcache.report)
+    <out>/checkpoints/     latest.pt plus the newest periodic checkpoints (atomic writes)
+
+Determinism: everything random is seeded from `config.seed` (model init, shuffling, stochastic rounding
+inside the embedding collection), and a checkpoint holds every piece of state the loop reads, so an
+interrupted run resumed with `--resume` ends exactly where the uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+import types
+import typing
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from slipcache import checkpoint as ckpt
+from slipcache.errors import SlipcacheError
+from slipcache.metrics import evaluate_predictions
+from slipcache.model import DLRM, EMBEDDING_KINDS, ModelConfig, build_embeddings
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+POLICIES = ("lru", "lfu", "none")
+ROUNDINGS = ("stochastic", "nearest")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+VOCABS = ("hash", "frequency")
+
+CHECKPOINT_FORMAT = "slipcache-checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on. `None` fields are derived from the data in `resolve_schedule`."""
+
+    # data and run directory
+    data: str | None = None  # raw Criteo file/dir, or a preprocessed dataset dir; None = synthetic data
+    out: str | None = None  # run directory; default runs/<timestamp>
+    resume: str | None = None  # run directory or checkpoint file to continue from
+    vocab: str = "hash"  # raw data only: "hash" (fixed table size) or "frequency" (ids by count)
+    vocab_size: int = 1_000_000  # raw data, hash vocabulary: rows per table
+    min_count: int = 4  # raw data, frequency vocabulary: rarer values map to row 0
+    max_rows: int | None = None  # raw data: read at most this many lines
+    synthetic_samples: int = 1_500_000  # synthetic data: rows generated (all splits)
+    synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
+    strict: bool = False  # raw data: a malformed line is an error instead of being skipped
+    # embeddings (see slipcache.embedding / docs/design.md)
+    embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
+    precision: str = "int8"
+    cache_size: float = 0.05  # fraction of rows (< 1) or a row count (>= 1)
+    policy: str = "lru"
+    rounding: str = "stochastic"
+    optimizer: str = "sgd"  # embedding optimizer
+    lr: float = 0.1  # embedding learning rate
+    dense_lr: float | None = None  # MLP learning rate (plain SGD); None = lr
+    # model
+    embedding_dim: int = 16
+    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
+    top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
+    # schedule (all counts are samples)
+    batch_size: int = 512
+    epochs: int = 1
+    samples: int | None = None  # training budget; overrides epochs when set
+    log_every: int | None = None
+    eval_every: int | None = None
+    eval_samples: int | None = 100_000  # validation samples per periodic evaluation; None = all
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
+    seed: int = 0
+    quick: bool = False  # small synthetic run for tests and first contact (see QUICK)
+    progress: bool = True  # tqdm progress bar
+    # Slipstream stale-input skipping: fields are added here by slipcache.staleness integration.
+    skip_stale: bool = False
+
+    def validate(self) -> None:
+        choices = {
+            "embeddings": EMBEDDING_KINDS,
+            "precision": PRECISIONS,
+            "policy": POLICIES,
+            "rounding": ROUNDINGS,
+            "optimizer": OPTIMIZERS,
+            "vocab": VOCABS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise SlipcacheError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        positive = ["batch_size", "epochs", "embedding_dim", "samples", "log_every", "eval_every"]
+        positive += ["checkpoint_every", "eval_samples", "synthetic_samples", "vocab_size"]
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise SlipcacheError(f"{name} must be positive, got {value}")
+        for name in ("lr", "dense_lr", "synthetic_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # also rejects nan
+                raise SlipcacheError(f"{name} must be positive, got {value}")
+        if not self.cache_size >= 0:
+            raise SlipcacheError(f"cache_size must be >= 0, got {self.cache_size}")
+        if self.bottom_mlp[-1:] != [self.embedding_dim]:
+            raise SlipcacheError(
+                f"bottom_mlp must end in the embedding dim {self.embedding_dim}, got {self.bottom_mlp}"
+            )
+        if self.top_mlp[-1:] != [1]:
+            raise SlipcacheError(f"top_mlp must end in 1 (the logit), got {self.top_mlp}")
+        if self.skip_stale:
+            raise SlipcacheError("skip_stale is not wired into the trainer yet")
+
+
+# `--quick`: a scaled-down synthetic dataset and a ~300k-sample budget; applied only to fields the user
+# did not set. Tuned to finish well under a minute on 2 CPU cores with validation AUC > 0.70.
+QUICK: dict[str, Any] = {
+    "synthetic_samples": 400_000,
+    "synthetic_scale": 0.02,
+    "samples": 300_000,
+    "batch_size": 512,
+    "eval_samples": 20_000,
+    "bottom_mlp": [128, 64, 16],
+    "top_mlp": [128, 64, 1],
+}
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_TYPES = typing.get_type_hints(TrainConfig)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Check a config-file value against the field's type (ints are accepted where floats are)."""
+    kind = _TYPES[name]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(kind):
+            return None
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typing.get_origin(kind) is list:
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return list(value)
+    elif kind is bool and isinstance(value, bool):
+        return value
+    elif kind is int and is_number and float(value).is_integer():
+        return int(value)  # also 1e6 written as a float
+    elif kind is float and is_number:
+        return float(value)
+    elif kind is str and isinstance(value, str):
+        return value
+    raise SlipcacheError(f"config key {name!r}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML (.toml) or YAML (.yaml/.yml/.json) config file into {field: value}."""
+    path = Path(path)
+    if not path.is_file():
+        raise SlipcacheError(f"config file not found: {path}")
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            raw = tomllib.loads(path.read_text())
+        else:
+            import yaml
+
+            raw = yaml.safe_load(path.read_text()) or {}
+    except Exception as exc:  # parse errors of either format
+        raise SlipcacheError(f"cannot parse config file {path}: {exc}".splitlines()[0]) from exc
+    if not isinstance(raw, dict):
+        raise SlipcacheError(f"config file {path} must hold a mapping of keys to values")
+    raw = raw.get("train", raw) if isinstance(raw.get("train"), dict) else raw
+    values = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in _FIELDS:
+            raise SlipcacheError(
+                f"unknown key {key!r} in config file {path}; valid keys: {', '.join(sorted(_FIELDS))}"
+            )
+        values[name] = _coerce(name, value)
+    return values
+
+
+def make_config(file_values: dict[str, Any] | None = None, flag_values: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the config file, then command-line flags; `--quick` fills only what neither set."""
+    given = {**(file_values or {}), **(flag_values or {})}
+    if given.get("quick"):
+        given = {**QUICK, **given}
+    config = TrainConfig(**given)
+    config.validate()
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data
+
+
+def _synthetic_dataset(config: TrainConfig) -> Path:
+    from slipcache.data.synthetic import default_synthetic_path
+
+    return Path(
+        default_synthetic_path(num_samples=config.synthetic_samples, scale=config.synthetic_scale, seed=0)
+    )
+
+
+def _raw_inputs(path: Path) -> list[Path]:
+    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")) if path.is_dir() else [path]
+    if not files:
+        raise SlipcacheError(f"no data files in {path}")
+    return files
+
+
+def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
+    """The preprocessed dataset dir for `config.data`, preprocessing raw files into `cache_root` once.
+
+    The cache key covers the input files (path, size, mtime) and every preprocessing option, so a
+    changed file or option produces a new dataset instead of silently reusing a stale one.
+    """
+    if config.data is None:
+        return _synthetic_dataset(config)
+    path = Path(config.data).expanduser()
+    if not path.exists():
+        raise SlipcacheError(f"data not found: {path}")
+    if (path / "meta.json").is_file():
+        return path
+    inputs = _raw_inputs(path)
+    key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
+    key_parts += [config.vocab, str(config.vocab_size), str(config.min_count), str(config.max_rows)]
+    key_parts += [str(config.strict), str(config.seed)]
+    key = hashlib.sha256("\n".join(key_parts).encode()).hexdigest()[:12]
+    out_dir = cache_root / f"{path.stem}-{config.vocab}-{key}"
+    if (out_dir / "meta.json").is_file():
+        return out_dir
+    from slipcache.data.preprocess import preprocess
+
+    vocab: Any = config.vocab_size if config.vocab == "hash" else "frequency"
+    preprocess(
+        inputs,
+        out_dir,
+        vocab=vocab,
+        min_count=config.min_count,
+        max_rows=config.max_rows,
+        strict=config.strict,
+        progress=config.progress,
+        seed=config.seed,
+    )
+    return out_dir
+
+
+def open_dataset(path: Path) -> Any:
+    from slipcache.data.dataset import CriteoDataset
+
+    try:
+        return CriteoDataset(path)
+    except SlipcacheError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        raise SlipcacheError(f"cannot open dataset {path}: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model, evaluation
+
+
+def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> DLRM:
+    embeddings = build_embeddings(
+        list(table_sizes),
+        config.embedding_dim,
+        embeddings=config.embeddings,
+        precision=config.precision,
+        cache_size=config.cache_size,
+        policy=config.policy,
+        rounding=config.rounding,
+        optimizer=config.optimizer,
+        lr=config.lr,
+        seed=config.seed,
+    )
+    model_config = ModelConfig(
+        table_sizes=list(table_sizes),
+        num_dense=num_dense,
+        embedding_dim=config.embedding_dim,
+        bottom_mlp=list(config.bottom_mlp),
+        top_mlp=list(config.top_mlp),
+    )
+    return DLRM(model_config, embeddings)
+
+
+def embedding_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer | None:
+    """A torch optimizer for embeddings without a fused update (the baseline); sparse gradients."""
+    if model.embeddings.fused_update:
+        return None
+    params = list(model.embeddings.parameters())
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr)
+    if config.optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=config.lr)
+    raise SlipcacheError(f"optimizer {config.optimizer!r} needs the cached embeddings (--embeddings cached)")
+
+
+@torch.no_grad()
+def evaluate(model: DLRM, split: Any, *, max_samples: int | None = None, batch_size: int = 8192) -> dict[str, float]:
+    """AUC, log loss, accuracy and normalized entropy on the first `max_samples` of a split (in order)."""
+    from slipcache.data.dataset import BatchIterator
+
+    was_training = model.training
+    model.eval()
+    labels: list[np.ndarray] = []
+    probs: list[np.ndarray] = []
+    seen = 0
+    for batch in BatchIterator(split, batch_size, shuffle=False, seed=0, drop_last=False):
+        take = batch.labels.shape[0] if max_samples is None else min(batch.labels.shape[0], max_samples - seen)
+        logits = model(batch.dense[:take], batch.sparse[:take])
+        labels.append(batch.labels[:take].numpy())
+        probs.append(torch.sigmoid(logits).numpy())
+        seen += take
+        if max_samples is not None and seen >= max_samples:
+            break
+    model.train(was_training)
+    if not labels:
+        raise SlipcacheError("cannot evaluate on an empty split")
+    result = evaluate_predictions(np.concatenate(labels), np.concatenate(probs))
+    result["samples"] = seen
+    return result
+
+
+def check_table_sizes(expected: list[int], actual: list[int], what: str) -> None:
+    """Embedding tables are sized by the vocabulary, so a mismatch means a different preprocessing."""
+    if list(expected) != list(actual):
+        if len(expected) != len(actual):
+            detail = f"{len(actual)} tables vs {len(expected)}"
+        else:
+            t = next(i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b)
+            detail = f"table {t} has {actual[t]} rows vs {expected[t]}"
+        raise SlipcacheError(f"{what} does not match the checkpoint's vocabulary ({detail})")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Run state: what a checkpoint must hold besides the model
+
+
+@dataclass
+class Progress:
+    """Position in the schedule and the running sums of the current logging window."""
+
+    step: int = 0
+    samples: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    train_wall_s: float = 0.0  # time spent in training steps only (no evaluation, no checkpoints)
+    window_loss: float = 0.0  # sum of per-batch mean loss * batch size since the last log event
+    window_samples: int = 0
+    window_wall_s: float = 0.0
+    window_lookups: int = 0
+    window_hits: int = 0
+    train_lookups: int = 0
+    train_hits: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
+    """Fill derived counts: the sample budget, and log/eval/checkpoint intervals in whole batches."""
+    batch = config.batch_size
+    batches_per_epoch = train_rows // batch
+    if batches_per_epoch == 0:
+        raise SlipcacheError(f"the training split has {train_rows} rows, fewer than one batch of {batch}")
+    samples = config.samples if config.samples is not None else config.epochs * batches_per_epoch * batch
+
+    def every(value: int | None, parts: int) -> int:
+        steps = max(1, round((value if value is not None else samples / parts) / batch))
+        return steps * batch
+
+    return dataclasses.replace(
+        config,
+        samples=samples,
+        log_every=every(config.log_every, 100),
+        eval_every=every(config.eval_every, 10),
+        checkpoint_every=every(config.checkpoint_every, 4),
+    )
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+
+
+def _stats_totals(model: DLRM) -> tuple[int, int]:
+    """Cumulative (lookups, hits); lookups count as 0 for a collection without a cache (hit_rate None)."""
+    stats = model.embeddings.stats()
+    if stats.get("hit_rate") is None and not stats.get("hits"):
+        return 0, 0
+    return int(stats.get("lookups") or 0), int(stats.get("hits") or 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+def _new_run_dir() -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = Path("runs") / stamp
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path("runs") / f"{stamp}-{n}"
+    return path
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def _write_events(path: Path, events: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def train(config: TrainConfig) -> dict[str, Any]:
+    """Train DLRM as configured, writing the run directory; returns the summary dict."""
+    config.validate()
+    state: dict[str, Any] | None = None
+    if config.resume is not None:
+        state, config = _load_resume(config)
+    run_dir = Path(config.out) if config.out else _new_run_dir()
+    if state is None and run_dir.exists() and (run_dir / "checkpoints").exists():
+        raise SlipcacheError(f"run directory {run_dir} already holds a run; use --resume {run_dir} or another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    dataset_dir = prepare_data(config, run_dir.parent / "data-cache")
+    dataset = open_dataset(dataset_dir)
+    train_split, val_split = dataset.split("train"), dataset.split("val")
+    config = resolve_schedule(config, dataset.splits["train"])
+    config.out = str(run_dir)
+    config_dict = {**asdict(config), "dataset": str(dataset_dir)}
+
+    # Model and optimizers. Seeding first makes the MLP init (torch's global RNG) reproducible.
+    random.seed(config.seed)
+    np.random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
+    emb_opt = embedding_optimizer(config, model)
+    progress = Progress()
+    if state is not None:
+        check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
+        _restore(state, model, dense_opt, emb_opt, progress)
+    _write_json(run_dir / "config.json", config_dict)
+    _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops events after its checkpoint
+    # The collection's counters may or may not come back with its state; count relative to what it says now.
+    base_lookups, base_hits = _stats_totals(model)
+    base_lookups -= progress.window_lookups
+    base_hits -= progress.window_hits
+
+    from slipcache.data.dataset import BatchIterator
+
+    batch_size = config.batch_size
+    total_steps = math.ceil(config.samples / batch_size)
+    batches_per_epoch = dataset.splits["train"] // batch_size
+    bar = tqdm(
+        total=total_steps * batch_size,
+        initial=progress.samples,
+        unit=" samples",
+        unit_scale=True,
+        disable=not config.progress,
+        dynamic_ncols=True,
+    )
+
+    def save(tag_samples: int) -> None:
+        lookups, hits = _stats_totals(model)  # the open window's cache counts travel with the checkpoint
+        progress.window_lookups, progress.window_hits = lookups - base_lookups, hits - base_hits
+        checkpoint_state = _checkpoint_state(config_dict, dataset.table_sizes, model, dense_opt, emb_opt, progress)
+        ckpt.save_run_checkpoint(run_dir / "checkpoints", checkpoint_state, tag_samples, keep=config.keep_checkpoints)
+
+    try:
+        while progress.step < total_steps:
+            batches = BatchIterator(
+                train_split,
+                batch_size,
+                shuffle=True,
+                seed=config.seed * 1_000_003 + progress.epoch,
+                drop_last=True,
+                start_batch=progress.batch_in_epoch,
+            )
+            for batch in batches:
+                t0 = time.perf_counter()
+                logits = model(batch.dense, batch.sparse)
+                loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+                loss_value = loss.item()
+                if not math.isfinite(loss_value):
+                    # Stop before backward: a fused embedding update would write the bad gradient into storage.
+                    latest = run_dir / "checkpoints" / ckpt.LATEST
+                    where = f"last good checkpoint: {latest}" if latest.exists() else "no checkpoint was written yet"
+                    raise SlipcacheError(
+                        f"training loss is {loss_value} at sample {progress.samples} (epoch {progress.epoch}, "
+                        f"batch {progress.batch_in_epoch}); stopped. Check the input data or lower --lr; {where}"
+                    )
+                dense_opt.zero_grad(set_to_none=True)
+                if emb_opt is not None:
+                    emb_opt.zero_grad(set_to_none=True)
+                loss.backward()  # with fused_update, this also updates the embedding rows
+                dense_opt.step()
+                if emb_opt is not None:
+                    emb_opt.step()
+                elapsed = time.perf_counter() - t0
+
+                n = batch.labels.shape[0]
+                progress.step += 1
+                progress.samples += n
+                progress.batch_in_epoch += 1
+                progress.train_wall_s += elapsed
+                progress.window_loss += loss_value * n
+                progress.window_samples += n
+                progress.window_wall_s += elapsed
+                bar.update(n)
+
+                last = progress.step >= total_steps
+                if progress.samples % config.log_every == 0 or last:
+                    lookups, hits = _stats_totals(model)
+                    progress.window_lookups, progress.window_hits = lookups - base_lookups, hits - base_hits
+                    event = _close_window(progress)
+                    bar.set_postfix(_postfix(event), refresh=False)
+                    if progress.samples % config.eval_every == 0 or last:
+                        scores = evaluate(model, val_split, max_samples=config.eval_samples)
+                        event.update({f"val_{k}": v for k, v in scores.items()})
+                    progress.events.append(event)
+                    with open(run_dir / "metrics.jsonl", "a") as f:
+                        f.write(json.dumps(event) + "\n")
+                    base_lookups, base_hits = _stats_totals(model)  # evaluation lookups do not count
+                if progress.samples % config.checkpoint_every == 0 and not last:
+                    save(progress.samples)
+                if last:
+                    break
+            if progress.batch_in_epoch >= batches_per_epoch:
+                progress.epoch += 1
+                progress.batch_in_epoch = 0
+    finally:
+        bar.close()
+    save(progress.samples)
+    return _finish(config, config_dict, run_dir, dataset, model, progress)
+
+
+def _close_window(progress: Progress) -> dict[str, Any]:
+    """One `metrics.jsonl` event for the batches since the previous one; resets the window."""
+    lookups, hits = progress.window_lookups, progress.window_hits
+    progress.train_lookups += lookups
+    progress.train_hits += hits
+    event: dict[str, Any] = {
+        "event": "train",
+        "samples": progress.samples,
+        "epoch": progress.epoch,
+        "train_loss": progress.window_loss / max(progress.window_samples, 1),
+        "hit_rate": hits / lookups if lookups else None,
+        "samples_per_s": progress.window_samples / progress.window_wall_s if progress.window_wall_s else None,
+        "train_wall_s": progress.train_wall_s,
+    }
+    progress.window_loss = 0.0
+    progress.window_samples = 0
+    progress.window_wall_s = 0.0
+    progress.window_lookups = progress.window_hits = 0
+    return event
+
+
+def _postfix(event: dict[str, Any]) -> dict[str, str]:
+    postfix = {"loss": f"{event['train_loss']:.4f}"}
+    if event["hit_rate"] is not None:
+        postfix["hit"] = f"{100 * event['hit_rate']:.1f}%"
+    return postfix
+
+
+def _checkpoint_state(
+    config_dict: dict[str, Any],
+    table_sizes: list[int],
+    model: DLRM,
+    dense_opt: torch.optim.Optimizer,
+    emb_opt: torch.optim.Optimizer | None,
+    progress: Progress,
+) -> dict[str, Any]:
+    # The collection's own state_dict (cache contents, quantized storage, optimizer state, rounding RNG)
+    # is saved through its method, not through the parent's, which would bypass an override.
+    dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "config": config_dict,
+        "table_sizes": list(table_sizes),
+        "dense": dense,
+        "embeddings": model.embeddings.state_dict(),
+        "dense_optimizer": dense_opt.state_dict(),
+        "embedding_optimizer": emb_opt.state_dict() if emb_opt is not None else None,
+        "progress": asdict(progress),
+        "rng": _rng_state(),
+    }
+
+
+def _check_checkpoint(state: dict[str, Any], path: Path) -> None:
+    if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != CHECKPOINT_VERSION:
+        raise SlipcacheError(f"{path} is not a slipcache v{CHECKPOINT_VERSION} training checkpoint")
+
+
+def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
+    try:
+        missing, unexpected = model.load_state_dict(state["dense"], strict=False)
+        missing = [k for k in missing if not k.startswith("embeddings.")]
+        if missing or unexpected:
+            raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        model.embeddings.load_state_dict(state["embeddings"])
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise SlipcacheError(f"checkpoint does not fit the model: {str(exc).splitlines()[0]}") from exc
+
+
+def _restore(
+    state: dict[str, Any],
+    model: DLRM,
+    dense_opt: torch.optim.Optimizer,
+    emb_opt: torch.optim.Optimizer | None,
+    progress: Progress,
+) -> None:
+    _load_model_state(state, model)
+    dense_opt.load_state_dict(state["dense_optimizer"])
+    if emb_opt is not None and state["embedding_optimizer"] is not None:
+        emb_opt.load_state_dict(state["embedding_optimizer"])
+    for name, value in state["progress"].items():
+        setattr(progress, name, value)
+    _set_rng_state(state["rng"])
+
+
+# Flags that may change when resuming: they extend or report on the run without changing its past.
+_RESUME_OVERRIDABLE = {"samples", "epochs", "progress", "resume", "out"}
+
+
+def _load_resume(config: TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
+    """The checkpoint to continue from, and the run's own config (with allowed overrides from `config`)."""
+    path = Path(config.resume or "")
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    state = ckpt.load_checkpoint(path)
+    _check_checkpoint(state, path)
+    saved = {k: v for k, v in state["config"].items() if k in _FIELDS}
+    defaults = TrainConfig()
+    for name in _FIELDS:
+        value = getattr(config, name)
+        if name in _RESUME_OVERRIDABLE or value == getattr(defaults, name):
+            continue  # not given (or given as the default): the checkpoint's value stands
+        if value != saved.get(name):
+            raise SlipcacheError(f"cannot change {name} when resuming (checkpoint has {saved.get(name)!r})")
+    resumed = TrainConfig(**saved)
+    resumed.resume = str(config.resume)
+    resumed.progress = config.progress
+    if config.samples is not None and config.samples != saved.get("samples"):
+        resumed.samples = config.samples
+    elif config.epochs != defaults.epochs and config.epochs != saved.get("epochs"):
+        resumed.epochs, resumed.samples = config.epochs, None
+    resumed.out = config.out or str(Path(state["config"]["out"]))
+    return state, resumed
+
+
+def _finish(
+    config: TrainConfig,
+    config_dict: dict[str, Any],
+    run_dir: Path,
+    dataset: Any,
+    model: DLRM,
+    progress: Progress,
+) -> dict[str, Any]:
+    """Test-set evaluation, summary.json and report.md."""
+    test = evaluate(model, dataset.split("test"))
+    memory = model.embeddings.memory_report()
+    summary: dict[str, Any] = {
+        "auc": test["auc"],
+        "logloss": test["logloss"],
+        "accuracy": test["accuracy"],
+        "normalized_entropy": test["normalized_entropy"],
+        "test_samples": test["samples"],
+        "train_samples": progress.samples,
+        "samples_per_s": progress.samples / progress.train_wall_s if progress.train_wall_s else None,
+        "train_wall_s": progress.train_wall_s,
+        "embedding_bytes": int(memory["total_bytes"]),
+        "fp32_embedding_bytes": int(memory["fp32_bytes"]),
+        "memory_ratio": float(memory["memory_ratio"]),
+        "memory_components": memory["components"],
+        "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
+        "skipped_fraction": 0.0,
+        "run_dir": str(run_dir),
+        "config": config_dict,
+    }
+    _write_json(run_dir / "summary.json", summary)
+    from slipcache.report import write_report
+
+    write_report(run_dir, progress.events, summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """The short table `slipcache train` ends with."""
+    rate = summary["samples_per_s"]
+    rows = [
+        ("AUC (test)", f"{summary['auc']:.4f}"),
+        ("log loss (test)", f"{summary['logloss']:.4f}"),
+        ("normalized entropy", f"{summary['normalized_entropy']:.4f}"),
+        (
+            "embedding memory",
+            f"{_fmt_bytes(summary['embedding_bytes'])} vs {_fmt_bytes(summary['fp32_embedding_bytes'])} fp32 "
+            f"({summary['memory_ratio']:.2f}x)",
+        ),
+        ("throughput", f"{rate:,.0f} samples/s" if rate else "n/a"),
+        ("train time", f"{summary['train_wall_s']:.1f} s for {summary['train_samples']:,} samples"),
+    ]
+    if summary.get("cache_hit_rate") is not None:
+        rows.insert(4, ("cache hit rate", f"{100 * summary['cache_hit_rate']:.1f}%"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag defaults to 'not given' so that a config file value is only overridden on purpose."""
+    s = argparse.SUPPRESS
+    add = parser.add_argument
+    add("--config", metavar="FILE", default=s, help="TOML or YAML file of config keys; flags override it")
+    add("--data", default=s, help="raw Criteo file/dir (any of the 3 formats) or a preprocessed dataset dir; "
+        "default: synthetic data")
+    add("--out", default=s, help="run directory (default runs/<timestamp>)")
+    add("--resume", metavar="RUN_OR_CHECKPOINT", default=s, help="continue an interrupted run")
+    add("--quick", action="store_true", default=s, help="small synthetic run, well under a minute")
+    add("--embeddings", choices=EMBEDDING_KINDS, default=s,
+        help="cached = mixed-precision + fp32 cache (default); torch = fp32 nn.EmbeddingBag baseline")
+    add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
+    add("--cache-size", type=float, default=s, help="cache rows: fraction (<1) or count (default 0.05)")
+    add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
+    add("--rounding", choices=ROUNDINGS, default=s, help="rounding into storage (default stochastic)")
+    add("--optimizer", choices=OPTIMIZERS, default=s, help="embedding optimizer (default sgd)")
+    add("--lr", type=float, default=s, help="embedding learning rate (default 0.1)")
+    add("--dense-lr", type=float, default=s, help="MLP learning rate (default: --lr)")
+    add("--batch-size", type=int, default=s, help="samples per batch (default 512)")
+    add("--epochs", type=int, default=s, help="passes over the training split (default 1)")
+    add("--samples", type=int, default=s, help="training budget in samples (overrides --epochs)")
+    add("--eval-every", type=int, default=s, help="samples between validation runs (default: 10 per run)")
+    add("--eval-samples", type=int, default=s, help="validation samples per evaluation (default 100000)")
+    add("--checkpoint-every", type=int, default=s, help="samples between checkpoints (default: 4 per run)")
+    add("--dim", dest="embedding_dim", type=int, default=s, help="embedding dimension (default 16)")
+    add("--seed", type=int, default=s, help="random seed (default 0)")
+    add("--vocab", choices=VOCABS, default=s, help="raw data vocabulary: hash (default) or frequency")
+    add("--max-rows", type=int, default=s, help="raw data: read at most this many lines")
+    add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
+    add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    flags = {k: v for k, v in vars(args).items() if k in _FIELDS}
+    file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
+    config = make_config(file_values, flags)
+    summary = train(config)
+    print(f"run: {summary['run_dir']}")
+    print(summary_table(summary))
+    return 0
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
+    parser.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
+    parser.add_argument("--split", default="test", choices=("train", "val", "test"))
+    parser.add_argument("--samples", type=int, default=None, help="evaluate only the first N samples")
+
+
+def evaluate_checkpoint(
+    checkpoint_path: str | Path, *, data: str | None = None, split: str = "test", samples: int | None = None
+) -> dict[str, float]:
+    """Metrics of a saved model on a dataset split."""
+    path = Path(checkpoint_path)
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    state = ckpt.load_checkpoint(path)
+    _check_checkpoint(state, path)
+    saved = state["config"]
+    config = TrainConfig(**{k: v for k, v in saved.items() if k in _FIELDS})
+    config.progress = False
+    if data is not None:
+        config.data = data
+        dataset_dir = prepare_data(config, Path(saved["out"]).parent / "data-cache")
+    else:
+        dataset_dir = Path(saved["dataset"])
+    dataset = open_dataset(dataset_dir)
+    check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
+    if split not in dataset.splits or not dataset.splits[split]:
+        raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
+    model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    _load_model_state(state, model)
+    return evaluate(model, dataset.split(split), max_samples=samples)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    scores = evaluate_checkpoint(args.checkpoint, data=args.data, split=args.split, samples=args.samples)
+    print(f"{args.split}: {scores['samples']:,} samples")
+    for name in ("auc", "logloss", "accuracy", "normalized_entropy"):
+        print(f"  {name:<20} {scores[name]:.4f}")
+    return 0
+
+
+if __name__ == "__main__":  # python -m slipcache.train
+    parser = argparse.ArgumentParser(prog="slipcache train")
+    add_train_arguments(parser)
+    sys.exit(run_train(parser.parse_args()))

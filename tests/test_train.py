@@ -1,0 +1,208 @@
+"""End-to-end tests of the training loop on a tiny dataset written here (format: docs/design.md)."""
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("slipcache.data.dataset")
+
+from slipcache import checkpoint, train  # noqa: E402
+from slipcache.errors import SlipcacheError  # noqa: E402
+
+SIZES = [20, 7, 50] + [5] * 23
+SUMMARY_KEYS = {
+    "auc", "logloss", "accuracy", "normalized_entropy", "samples_per_s", "train_wall_s", "embedding_bytes",
+    "fp32_embedding_bytes", "memory_ratio", "cache_hit_rate", "skipped_fraction", "config",
+}
+TIMING = {"samples_per_s", "train_wall_s"}
+
+
+def make_dataset(root: Path, n: int = 2000, sizes: list[int] = SIZES, nan_row: int | None = None) -> Path:
+    """Labels depend on three tables and one dense feature, so a few hundred steps learn something."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    weights = [rng.normal(0, 1.5, s) for s in sizes]
+    splits = {"train": n, "val": n // 4, "test": n // 4}
+    for name, m in splits.items():
+        sparse = np.stack([rng.integers(0, s, m) for s in sizes], 1).astype(np.int32)
+        dense = np.log1p(rng.exponential(2.0, (m, 13))).astype(np.float32)
+        logit = sum(weights[t][sparse[:, t]] for t in range(3)) + 3.0 * (dense[:, 0] - 1.0)
+        labels = (rng.random(m) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+        if nan_row is not None and name == "train":
+            dense[nan_row:] = np.nan
+        np.save(root / f"{name}.labels.npy", labels)
+        np.save(root / f"{name}.dense.npy", dense)
+        np.save(root / f"{name}.sparse.npy", sparse)
+    meta = {
+        "format": "slipcache-dataset", "version": 1, "num_dense": 13, "num_tables": len(sizes),
+        "table_sizes": sizes, "splits": splits, "positive_rate": 0.5, "source": {}, "vocabulary": "synthetic",
+    }
+    (root / "meta.json").write_text(json.dumps(meta))
+    return root
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("data"))
+
+
+def tiny(data: Path, out: Path, **overrides: object) -> train.TrainConfig:
+    values = dict(
+        data=str(data), out=str(out), embeddings="torch", embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1],
+        lr=0.3, batch_size=64, epochs=2, log_every=320, eval_every=640, checkpoint_every=640, progress=False,
+    )
+    values.update(overrides)
+    return train.make_config({}, values)
+
+
+def events_without_timing(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING | {"train_wall_s"}} for line in lines]
+
+
+def test_end_to_end_writes_run_dir(data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    summary = train.train(tiny(data_dir, run))
+    for name in ("config.json", "metrics.jsonl", "summary.json", "report.md", "training.png", "memory.png"):
+        assert (run / name).is_file(), name
+    assert (run / "checkpoints" / "latest.pt").is_file()
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert set(on_disk) >= SUMMARY_KEYS
+    assert on_disk["auc"] == pytest.approx(summary["auc"])
+    assert summary["auc"] > 0.55  # learned something
+    assert summary["memory_ratio"] == 1.0 and summary["skipped_fraction"] == 0.0
+    assert summary["cache_hit_rate"] is None  # the baseline has no cache
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all("samples" in e and "train_loss" in e and "samples_per_s" in e for e in events)
+    assert any("val_auc" in e for e in events)
+    config = json.loads((run / "config.json").read_text())
+    assert config["samples"] == 2 * (2000 // 64) * 64 and config["dataset"] == str(data_dir)
+    assert "![Training](training.png)" in (run / "report.md").read_text()
+
+
+def test_resume_matches_uninterrupted(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full = train.train(tiny(data_dir, tmp_path / "full"))
+
+    real_loss = torch.nn.functional.binary_cross_entropy_with_logits
+    calls = {"n": 0}
+
+    def crash_midway(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 45:  # epoch 1, after the checkpoint at 640 samples (10 steps) and 1920 (30 steps)
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(train.F, "binary_cross_entropy_with_logits", crash_midway)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny(data_dir, tmp_path / "part"))
+    monkeypatch.undo()
+    state = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints")
+    assert state["progress"]["samples"] == 2560  # last periodic checkpoint before the crash
+
+    resumed = train.train(train.make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
+    for key in ("auc", "logloss", "accuracy", "normalized_entropy", "train_samples"):
+        assert resumed[key] == full[key], key
+    assert events_without_timing(tmp_path / "part") == events_without_timing(tmp_path / "full")
+    a = checkpoint.load_checkpoint(tmp_path / "full" / "checkpoints")
+    b = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints")
+    for name, tensor in a["dense"].items():
+        assert torch.equal(tensor, b["dense"][name]), name
+    for name, tensor in a["embeddings"].items():
+        assert torch.equal(tensor, b["embeddings"][name]), name
+
+
+def test_resume_rejects_changed_settings(data_dir: Path, tmp_path: Path) -> None:
+    train.train(tiny(data_dir, tmp_path / "r", epochs=1))
+    with pytest.raises(SlipcacheError, match="cannot change lr"):
+        train.train(train.make_config({}, {"resume": str(tmp_path / "r"), "lr": 0.5}))
+
+
+def test_nan_loss_stops_with_checkpoint_intact(tmp_path: Path) -> None:
+    bad = make_dataset(tmp_path / "bad", nan_row=0)
+    run = tmp_path / "run"
+    # Unshuffled order is unknown, so make every train row NaN after the first and check the message.
+    with pytest.raises(SlipcacheError, match="loss is nan"):
+        train.train(tiny(bad, run))
+    assert not (run / "summary.json").exists()
+
+
+def test_nan_loss_after_checkpoint(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_loss = torch.nn.functional.binary_cross_entropy_with_logits
+    calls = {"n": 0}
+
+    def nan_after_20(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        loss = real_loss(*args, **kwargs)
+        return loss * float("nan") if calls["n"] > 20 else loss
+
+    monkeypatch.setattr(train.F, "binary_cross_entropy_with_logits", nan_after_20)
+    run = tmp_path / "run"
+    with pytest.raises(SlipcacheError, match="last good checkpoint") as info:
+        train.train(tiny(data_dir, run))
+    assert "\n" not in str(info.value)
+    state = checkpoint.load_checkpoint(run / "checkpoints")
+    assert state["progress"]["samples"] == 1280
+    assert all(torch.isfinite(t).all() for t in state["dense"].values())
+
+
+def parse_flags(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train.add_train_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_config_file_and_flag_precedence(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('lr = 0.05\nbatch-size = 256\npolicy = "lfu"\nbottom_mlp = [32, 16]\n')
+    file_values = train.load_config_file(toml)
+    args = parse_flags(["--config", str(toml), "--lr", "0.2"])
+    flags = {k: v for k, v in vars(args).items() if k != "config"}
+    config = train.make_config(file_values, flags)
+    assert config.lr == 0.2  # flag beats file
+    assert config.batch_size == 256 and config.policy == "lfu"  # file beats default
+    assert config.precision == "int8"  # default
+
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("quick: true\nbatch_size: 128\n")
+    quick = train.make_config(train.load_config_file(yaml_file), {})
+    assert quick.batch_size == 128  # an explicit value beats the --quick preset
+    assert quick.samples == train.QUICK["samples"]
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    bad_key = tmp_path / "k.yaml"
+    bad_key.write_text("learning_rate: 0.1\n")
+    with pytest.raises(SlipcacheError, match="unknown key 'learning_rate'"):
+        train.load_config_file(bad_key)
+    bad_type = tmp_path / "t.toml"
+    bad_type.write_text('batch_size = "big"\n')
+    with pytest.raises(SlipcacheError, match="batch_size"):
+        train.load_config_file(bad_type)
+    with pytest.raises(SlipcacheError, match="not found"):
+        train.load_config_file(tmp_path / "missing.toml")
+    with pytest.raises(SlipcacheError, match="precision"):
+        train.make_config({}, {"precision": "int3"})
+
+
+def test_eval_checkpoint_and_vocab_mismatch(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = tmp_path / "run"
+    summary = train.train(tiny(data_dir, run, epochs=1))
+    scores = train.evaluate_checkpoint(run, split="test")
+    assert scores["auc"] == pytest.approx(summary["auc"])
+    parser = argparse.ArgumentParser()
+    train.add_eval_arguments(parser)
+    assert train.run_eval(parser.parse_args(["--checkpoint", str(run / "checkpoints" / "latest.pt")])) == 0
+    assert "auc" in capsys.readouterr().out
+    other = make_dataset(tmp_path / "other", sizes=[21, 7, 50] + [5] * 23)
+    with pytest.raises(SlipcacheError, match="table 0 has 21 rows vs 20"):
+        train.evaluate_checkpoint(run, data=str(other))
+
+
+def test_bad_checkpoint_is_one_line_error(tmp_path: Path) -> None:
+    (tmp_path / "x.pt").write_bytes(b"junk")
+    with pytest.raises(SlipcacheError, match="corrupt"):
+        train.evaluate_checkpoint(tmp_path / "x.pt")
