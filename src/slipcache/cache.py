@@ -1,0 +1,145 @@
+"""The full-precision row cache: set-associative, with LRU or LFU replacement.
+
+A row may live only in the `ways` slots of its set (a hash of the global row id). Set-associativity keeps
+the bookkeeping per slot (the resident row, a last-use step, a use count), never per row: a row->slot map
+over all rows would cost 4 bytes for every row, as much as the quantized row itself at int4, dim 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+POLICIES = ("lru", "lfu", "none")
+EMPTY = -1
+_HASH_MULTIPLIER = 0x2C1B3C6D  # odd: consecutive rows land in distinct sets
+
+
+@dataclass
+class Assignment:
+    """Where the missing rows of one batch go."""
+
+    slots: Tensor  # slot of each missing row, -1 where it did not fit (updated in storage precision)
+    victim_slots: Tensor  # slots whose resident row must be written back first
+    victim_rows: Tensor
+
+
+class RowCache(nn.Module):
+    """fp32 rows in `num_sets * ways` slots, with per-slot bookkeeping.
+
+    Rows used by a batch in flight are pinned: their last-use step is at least `pin_since`, and they
+    are never chosen as victims.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        dim: int,
+        policy: str,
+        num_rows: int,
+        ways: int = 16,
+        lfu_halving_interval: int = 1000,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if policy == "none":
+            capacity = 0
+        self.policy = policy
+        self.ways = max(1, min(ways, capacity)) if capacity else 1
+        self.num_sets = -(-capacity // self.ways) if capacity else 0
+        self.lfu_halving_interval = lfu_halving_interval
+        slots = self.num_sets * self.ways
+        row_dtype = torch.int32 if num_rows < 2**31 - 1 else torch.int64
+        device = torch.device(device)
+        self.register_buffer("weights", torch.zeros(slots, dim, device=device))
+        self.register_buffer("slot_rows", torch.full((slots,), EMPTY, dtype=row_dtype, device=device))
+        self.register_buffer("last_used", torch.zeros(slots, dtype=torch.int32, device=device))
+        if policy == "lfu":
+            self.register_buffer("use_count", torch.zeros(slots, dtype=torch.int32, device=device))
+        self.register_buffer("_way_index", torch.arange(self.ways, device=device), persistent=False)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_sets * self.ways
+
+    def set_of(self, rows: Tensor) -> Tensor:
+        mixed = (rows ^ (rows >> 17)) * _HASH_MULTIPLIER
+        return (mixed >> 5).remainder(self.num_sets)
+
+    def lookup(self, rows: Tensor) -> Tensor:
+        """Slot of each row, -1 where the row is not cached."""
+        if not self.capacity:
+            return torch.full_like(rows, EMPTY)
+        rows = rows.to(self.slot_rows.device)
+        first_slot = self.set_of(rows) * self.ways
+        candidates = first_slot[:, None] + self._way_index
+        match = self.slot_rows[candidates] == rows[:, None].to(self.slot_rows.dtype)
+        found = match.any(dim=1)
+        slots = first_slot + match.to(torch.uint8).argmax(dim=1)
+        return torch.where(found, slots, torch.full_like(slots, EMPTY))
+
+    def touch(self, slots: Tensor, step: int) -> None:
+        """Record a use of each (possibly repeated) slot at `step`."""
+        self.last_used[slots] = step
+        if self.policy == "lfu":
+            self.use_count.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+            if self.lfu_halving_interval and step % self.lfu_halving_interval == 0:
+                self.use_count >>= 1  # aging: old popularity fades
+
+    def assign(self, rows: Tensor, pin_since: int) -> Assignment:
+        """Choose slots for unique missing `rows`: empty slots first, then the policy's victims.
+
+        Missing rows of one set are ranked and take that set's evictable ways in victim order; those
+        beyond the evictable count get -1.
+        """
+        empty = rows.new_empty(0)
+        if not self.capacity or not rows.numel():
+            return Assignment(torch.full_like(rows, EMPTY), empty, empty)
+        sets = self.set_of(rows)
+        touched, set_of_row = torch.unique(sets, return_inverse=True)
+        way_slots = touched[:, None] * self.ways + self._way_index  # [k, ways]
+        occupant = self.slot_rows[way_slots]
+        pinned = (self.last_used[way_slots] >= pin_since) & (occupant != EMPTY)
+        key = self.last_used[way_slots].long() if self.policy == "lru" else self.use_count[way_slots].long()
+        key = torch.where(occupant == EMPTY, torch.full_like(key, -1), key)
+        key = torch.where(pinned, torch.full_like(key, torch.iinfo(torch.int64).max), key)
+        victim_order = torch.argsort(key, dim=1, stable=True)
+        evictable = (~pinned).sum(dim=1)
+
+        # Rank of each missing row among the missing rows of its set.
+        order = torch.argsort(set_of_row, stable=True)
+        per_set = torch.bincount(set_of_row, minlength=touched.numel())
+        group_start = torch.cumsum(per_set, 0) - per_set
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device) - group_start[set_of_row[order]]
+
+        fits = rank < evictable[set_of_row]
+        slots = torch.full_like(rows, EMPTY)
+        set_idx, rank_fit = set_of_row[fits], rank[fits]
+        chosen = way_slots[set_idx, victim_order[set_idx, rank_fit]]
+        slots[fits] = chosen
+        resident = self.slot_rows[chosen].long()
+        evicting = resident != EMPTY
+        return Assignment(slots, chosen[evicting], resident[evicting])
+
+    def install(self, slots: Tensor, rows: Tensor, values: Tensor, step: int, uses: Tensor) -> None:
+        self.weights[slots] = values
+        self.slot_rows[slots] = rows.to(self.slot_rows.dtype)
+        self.last_used[slots] = step
+        if self.policy == "lfu":
+            self.use_count[slots] = uses.to(torch.int32)
+
+    def cached(self) -> tuple[Tensor, Tensor]:
+        """(slots, rows) of every resident row."""
+        slots = torch.nonzero(self.slot_rows != EMPTY).squeeze(1)
+        return slots, self.slot_rows[slots].long()
+
+    def evict(self, slots: Tensor) -> None:
+        self.slot_rows[slots] = EMPTY
+        self.last_used[slots] = 0
+        if self.policy == "lfu":
+            self.use_count[slots] = 0

@@ -1,0 +1,172 @@
+"""Row-wise quantized storage for embedding rows: fp32, fp16, bf16, int8 and int4.
+
+Integer rows keep per-row quantization parameters: a bias (the row minimum, fp16, rounded down) and a
+scale stored as one byte on a log grid (eighth-octave steps, rounded up). Three bytes per row instead of the
+usual eight (two fp32) or four (two fp16): at dim 16 the parameters would otherwise cost a third of an int8
+row. Rounding the bias down and the scale up keeps every value of the row inside the representable range,
+so stochastic rounding stays unbiased.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+ROUNDINGS = ("stochastic", "nearest")
+
+FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+INT_BITS = {"int8": 8, "int4": 4}
+
+# scale = 2 ** ((code - SCALE_CODE_ZERO) / SCALE_STEPS_PER_OCTAVE), code in [0, 255]:
+# scales from 2^-24 to about 2^7.9, a step of 9 % between neighbouring codes.
+SCALE_STEPS_PER_OCTAVE = 8
+SCALE_CODE_ZERO = 192
+FP16_MAX = 65504.0
+
+
+def decode_scale(code: Tensor) -> Tensor:
+    return torch.exp2((code.float() - SCALE_CODE_ZERO) / SCALE_STEPS_PER_OCTAVE)
+
+
+def encode_scale(needed: Tensor) -> Tensor:
+    """Smallest code whose scale is at least `needed` (clamped to the grid)."""
+    tiny = torch.finfo(torch.float32).tiny
+    code = torch.ceil(torch.log2(needed.clamp_min(tiny)) * SCALE_STEPS_PER_OCTAVE) + SCALE_CODE_ZERO
+    code = code.clamp_(0, 255)
+    # log2 is not exact: step up where the decoded scale fell short.
+    code = torch.where(decode_scale(code) < needed, (code + 1).clamp_(max=255), code)
+    return code.to(torch.uint8)
+
+
+def round_down_fp16(x: Tensor) -> Tensor:
+    """fp16 values <= x (clamped to the fp16 range)."""
+    h = x.clamp(-FP16_MAX, FP16_MAX).half()
+    too_big = h.float() > x
+    return torch.where(too_big, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
+
+
+def random_uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def quantize_int(
+    x: Tensor, bits: int, rounding: str, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 rows [n, D] -> (codes uint8 [n, D] in [0, 2^bits - 1], bias fp16 [n], scale code uint8 [n])."""
+    levels = (1 << bits) - 1
+    lo = x.amin(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
+    hi = x.amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
+    bias = round_down_fp16(lo)
+    scale_code = encode_scale((hi - bias.float()) / levels)
+    scaled = (x - bias.float()[:, None]) / decode_scale(scale_code)[:, None]
+    if rounding == "stochastic":
+        scaled = torch.floor(scaled + random_uniform(tuple(scaled.shape), generator, scaled.device))
+    else:
+        scaled = torch.round(scaled)
+    codes = scaled.clamp_(0, levels).to(torch.uint8)
+    return codes, bias, scale_code
+
+
+def dequantize_int(codes: Tensor, bias: Tensor, scale_code: Tensor) -> Tensor:
+    return bias.float()[:, None] + decode_scale(scale_code)[:, None] * codes.float()
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """[n, D] values in [0, 15] -> [n, ceil(D / 2)] bytes, low nibble first."""
+    if codes.shape[1] % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor, dim: int) -> Tensor:
+    out = torch.stack((packed & 0xF, packed >> 4), dim=2).reshape(packed.shape[0], -1)
+    return out[:, :dim]
+
+
+def round_float(x: Tensor, dtype: torch.dtype, rounding: str, generator: torch.Generator | None) -> Tensor:
+    """fp32 -> fp16/bf16, nearest or stochastic between the two neighbouring representable values."""
+    if dtype == torch.float32:
+        return x.clone()
+    if dtype == torch.float16:
+        x = x.clamp(-FP16_MAX, FP16_MAX)
+    nearest = x.to(dtype)
+    if rounding == "nearest":
+        return nearest
+    above = nearest.float() > x
+    other = torch.nextafter(nearest, torch.where(above, -torch.inf, torch.inf).to(dtype))
+    lo = torch.where(above, other, nearest).float()
+    hi = torch.where(above, nearest, other).float()
+    gap = hi - lo
+    p_hi = torch.where(gap > 0, (x - lo) / gap, torch.zeros_like(x))
+    take_hi = random_uniform(tuple(x.shape), generator, x.device) < p_hi
+    return torch.where(take_hi, hi, lo).to(dtype)
+
+
+class RowStorage(nn.Module):
+    """Every embedding row in its storage precision; reads return fp32, writes round.
+
+    Reads gather the compact bytes on the storage device and dequantize on the compute device, so only
+    stored bytes cross between host and accelerator.
+    """
+
+    def __init__(self, num_rows: int, dim: int, precision: str, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.num_rows, self.dim, self.precision = num_rows, dim, precision
+        device = torch.device(device)
+        if precision in FLOAT_DTYPES:
+            self.register_buffer(
+                "payload", torch.zeros(num_rows, dim, dtype=FLOAT_DTYPES[precision], device=device)
+            )
+        else:
+            width = dim if precision == "int8" else (dim + 1) // 2
+            self.register_buffer("payload", torch.zeros(num_rows, width, dtype=torch.uint8, device=device))
+            self.register_buffer("bias", torch.zeros(num_rows, dtype=torch.float16, device=device))
+            self.register_buffer("scale_code", torch.zeros(num_rows, dtype=torch.uint8, device=device))
+
+    @property
+    def bytes_per_row(self) -> int:
+        """Stored bytes of one row, parameters included: what a row costs to move."""
+        return sum(t.element_size() * (t[0].numel() if t.dim() > 1 else 1) for t in self.buffers())
+
+    def pin_memory_(self) -> RowStorage:
+        for name, buf in list(self._buffers.items()):
+            if buf is not None and buf.device.type == "cpu":
+                self._buffers[name] = buf.pin_memory()
+        return self
+
+    def read(self, rows: Tensor, device: torch.device) -> Tensor:
+        """fp32 values [n, D] of `rows`, on `device`."""
+        rows = rows.to(self.payload.device)
+        payload = self.payload.index_select(0, rows).to(device, non_blocking=True)
+        if self.precision in FLOAT_DTYPES:
+            return payload.float()
+        bias = self.bias.index_select(0, rows).to(device, non_blocking=True)
+        scale_code = self.scale_code.index_select(0, rows).to(device, non_blocking=True)
+        codes = payload if self.precision == "int8" else unpack_int4(payload, self.dim)
+        return dequantize_int(codes, bias, scale_code)
+
+    def encode(self, values: Tensor, rounding: str, generator: torch.Generator | None) -> list[Tensor]:
+        """fp32 rows -> the stored tensors, in buffer order, on the values' device."""
+        if self.precision in FLOAT_DTYPES:
+            return [round_float(values, FLOAT_DTYPES[self.precision], rounding, generator)]
+        codes, bias, scale_code = quantize_int(values, INT_BITS[self.precision], rounding, generator)
+        if self.precision == "int4":
+            codes = pack_int4(codes)
+        return [codes, bias, scale_code]
+
+    def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> None:
+        """Round fp32 `values` [n, D] into storage at unique `rows`."""
+        rows = rows.to(self.payload.device)
+        for buf, encoded in zip(self.buffers(), self.encode(values, rounding, generator), strict=True):
+            buf.index_copy_(0, rows, encoded.to(buf.device, non_blocking=True))
+
+    def write_range(
+        self, start: int, values: Tensor, rounding: str, generator: torch.Generator | None
+    ) -> None:
+        """Contiguous write, for initialization and loading whole tables."""
+        end = start + values.shape[0]
+        for buf, encoded in zip(self.buffers(), self.encode(values, rounding, generator), strict=True):
+            buf[start:end].copy_(encoded)
