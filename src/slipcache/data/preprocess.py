@@ -1,0 +1,332 @@
+"""Raw Criteo files -> the binary dataset format; `slipcache preprocess`.
+
+Choices (documented here because the dataset depends on them):
+- The text is parsed once. Rows go to temporary binary files in the output directory; splitting, the
+  frequency vocabulary and the final arrays are then computed from those, so `--vocab frequency`'s
+  two passes are over binary data, not text.
+- Splits are contiguous ranges in input order (Criteo is time-ordered): train first, then val, then
+  test. `split="days"`: each input file is a day; the last file is split into val (first half) and
+  test (second half), the others are train.
+- Frequency vocabulary: counted on the train split only (no leakage from val/test). Per table, values
+  seen at least `min_count` times get rows 1.. by descending count (ties: smaller value first); row 0
+  is "unknown": rarer values, values never seen in train, and missing values.
+- Hash vocabulary: row = 1 + hash(raw value, seed) mod (max_rows - 1); row 0 is the missing value.
+  Every table has `max_rows` rows, like DLRM's max-ind-range.
+- Dense: log(1 + max(x, 0)), missing -> 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from slipcache.data.criteo import MISSING, NUM_CATEGORICAL, NUM_DENSE, ReadStats, read_chunks
+from slipcache.data.dataset import DatasetWriter
+from slipcache.errors import SlipcacheError
+
+DEFAULT_SPLIT = "0.8,0.1,0.1"
+DEFAULT_MIN_COUNT = 1
+DEFAULT_MAX_ROWS = 1_000_000
+COPY_ROWS = 262_144  # rows per step when copying from the temporary files
+MERGE_MIN = 1 << 20  # value-count pairs collected before merging them into the running counts
+
+
+def parse_split(split: str | Sequence[float]) -> str | tuple[float, float, float]:
+    """'days' or three fractions (train, val, test) summing to 1."""
+    if isinstance(split, str):
+        if split.strip() == "days":
+            return "days"
+        try:
+            parts = [float(x) for x in split.split(",")]
+        except ValueError:
+            parts = []
+    else:
+        parts = [float(x) for x in split]
+    if len(parts) != 3 or any(not 0 <= p <= 1 for p in parts) or abs(sum(parts) - 1) > 1e-6:
+        raise SlipcacheError(
+            f"--split must be 'days' or three fractions summing to 1 (like 0.8,0.1,0.1), got {split!r}"
+        )
+    return parts[0], parts[1], parts[2]
+
+
+def dense_transform(dense: np.ndarray) -> np.ndarray:
+    """log(1 + max(x, 0)) with missing (NaN) -> 0, as float32."""
+    return np.log1p(np.maximum(np.nan_to_num(dense, nan=0.0), 0.0)).astype(np.float32)
+
+
+def hash_ids(raw: np.ndarray, max_rows: int, seed: int = 0) -> np.ndarray:
+    """Rows 1..max_rows-1 from a 64-bit mix of the raw values; missing (MISSING) -> row 0."""
+    with np.errstate(over="ignore"):
+        x = raw.astype(np.uint64) + np.uint64((0x9E3779B97F4A7C15 * (seed + 1)) % (1 << 64))
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    ids = (x % np.uint64(max_rows - 1)).astype(np.int64) + 1
+    return np.where(raw == MISSING, 0, ids).astype(np.int32)
+
+
+class _ValueCounter:
+    """Counts of raw values of one table, merged in batches so each chunk costs little."""
+
+    def __init__(self) -> None:
+        self.values = np.empty(0, dtype=np.int64)
+        self.counts = np.empty(0, dtype=np.int64)
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._pending_size = 0
+
+    def add(self, column: np.ndarray) -> None:
+        values, counts = np.unique(column[column != MISSING], return_counts=True)
+        self._pending.append((values, counts))
+        self._pending_size += len(values)
+        if self._pending_size > max(MERGE_MIN, len(self.values)):
+            self.merge()
+
+    def merge(self) -> None:
+        if not self._pending:
+            return
+        values = np.concatenate([self.values] + [v for v, _ in self._pending])
+        counts = np.concatenate([self.counts] + [c for _, c in self._pending])
+        self.values, inverse = np.unique(values, return_inverse=True)
+        self.counts = np.bincount(inverse, weights=counts, minlength=len(self.values)).astype(np.int64)
+        self._pending, self._pending_size = [], 0
+
+
+def _frequency_vocab(counter: _ValueCounter, min_count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(raw values ascending, their rows) for values with count >= min_count; rows 1.. by frequency."""
+    counter.merge()
+    keep = counter.counts >= min_count
+    values, counts = counter.values[keep], counter.counts[keep]
+    order = np.lexsort((values, -counts))
+    rows = np.empty(len(values), dtype=np.int32)
+    rows[order] = np.arange(1, len(values) + 1, dtype=np.int32)
+    return values, rows
+
+
+def _lookup(values: np.ndarray, rows: np.ndarray, column: np.ndarray) -> np.ndarray:
+    if len(values) == 0:
+        return np.zeros(len(column), dtype=np.int32)
+    pos = np.minimum(np.searchsorted(values, column), len(values) - 1)
+    return np.where(values[pos] == column, rows[pos], 0).astype(np.int32)
+
+
+def preprocess(
+    inputs: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    *,
+    vocab: str = "frequency",
+    min_count: int = DEFAULT_MIN_COUNT,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    split: str | Sequence[float] = DEFAULT_SPLIT,
+    strict: bool = False,
+    progress: bool = True,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Convert raw Criteo files to a dataset in `out_dir` (see the module docstring); returns meta.json.
+
+    `seed` salts the hash of `vocab="hash"` (splits are contiguous, so nothing else is random).
+    Output appears atomically: nothing looks like a dataset until it is complete.
+    """
+    if not inputs:
+        raise SlipcacheError("no input files")
+    if vocab not in ("frequency", "hash"):
+        raise SlipcacheError(f"--vocab must be 'frequency' or 'hash', got {vocab!r}")
+    if min_count < 1:
+        raise SlipcacheError(f"--min-count must be at least 1, got {min_count}")
+    if max_rows < 2:
+        raise SlipcacheError(f"--max-rows must be at least 2, got {max_rows}")
+    spec = parse_split(split)
+    if spec == "days" and len(inputs) < 2:
+        raise SlipcacheError(
+            "--split days needs at least two input files (one day each; the last is val+test)"
+        )
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".tmp-raw-", dir=out))
+    except OSError as exc:
+        raise SlipcacheError(f"{out}: cannot create output directory: {exc}") from exc
+    try:
+        return _preprocess(inputs, out, scratch, vocab, min_count, max_rows, spec, strict, progress, seed)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _preprocess(
+    inputs: Sequence[str | os.PathLike[str]],
+    out: Path,
+    scratch: Path,
+    vocab: str,
+    min_count: int,
+    max_rows: int,
+    spec: str | tuple[float, float, float],
+    strict: bool,
+    progress: bool,
+    seed: int,
+) -> dict[str, Any]:
+    # Pass 1: parse the text once into temporary binary files (raw values, or ids when hashing).
+    stats = ReadStats()
+    rows_per_file: list[int] = []
+    cat_dtype = np.int64 if vocab == "frequency" else np.int32
+    files = {part: open(scratch / part, "wb") for part in ("labels", "dense", "cats")}  # noqa: SIM115
+    try:
+        with tqdm(unit="rows", unit_scale=True, desc="parse", disable=not progress) as bar:
+            for path in inputs:
+                rows = 0
+                for chunk in read_chunks(path, strict=strict, stats=stats):
+                    cats = (
+                        chunk.categorical
+                        if vocab == "frequency"
+                        else hash_ids(chunk.categorical, max_rows, seed)
+                    )
+                    files["labels"].write(chunk.labels.tobytes())
+                    files["dense"].write(dense_transform(chunk.dense).tobytes())
+                    files["cats"].write(cats.astype(cat_dtype).tobytes())
+                    rows += len(chunk)
+                    bar.update(len(chunk))
+                rows_per_file.append(rows)
+    finally:
+        for fh in files.values():
+            fh.close()
+    n = sum(rows_per_file)
+    if n == 0:
+        first = f"; first: {stats.examples[0]}" if stats.examples else ""
+        raise SlipcacheError(f"no valid rows in the input ({stats.bad} malformed lines{first})")
+
+    if spec == "days":
+        n_train = n - rows_per_file[-1]
+        n_val = rows_per_file[-1] // 2
+    else:
+        n_train = int(n * spec[0])
+        n_val = int(n * spec[1])
+    bounds = {"train": (0, n_train), "val": (n_train, n_train + n_val), "test": (n_train + n_val, n)}
+
+    labels = np.memmap(scratch / "labels", dtype=np.float32, mode="r", shape=(n,))
+    dense = np.memmap(scratch / "dense", dtype=np.float32, mode="r", shape=(n, NUM_DENSE))
+    cats = np.memmap(scratch / "cats", dtype=cat_dtype, mode="r", shape=(n, NUM_CATEGORICAL))
+
+    # Pass 2 (frequency only): count raw values over the train rows.
+    vocabulary: list[tuple[np.ndarray, np.ndarray]] = []
+    if vocab == "frequency":
+        counters = [_ValueCounter() for _ in range(NUM_CATEGORICAL)]
+        for start in range(0, n_train, COPY_ROWS):
+            block = np.asarray(cats[start : min(start + COPY_ROWS, n_train)])
+            for t, counter in enumerate(counters):
+                counter.add(block[:, t])
+        vocabulary = [_frequency_vocab(c, min_count) for c in counters]
+        table_sizes = [len(values) + 1 for values, _ in vocabulary]
+    else:
+        table_sizes = [max_rows] * NUM_CATEGORICAL
+
+    # Final pass: write the splits.
+    positives = {}
+    with (
+        DatasetWriter(out, {k: b - a for k, (a, b) in bounds.items()}) as writer,
+        tqdm(total=n, unit="rows", unit_scale=True, desc="write", disable=not progress) as bar,
+    ):
+        for name, (a, b) in bounds.items():
+            positives[name] = 0.0
+            for start in range(a, b, COPY_ROWS):
+                end = min(start + COPY_ROWS, b)
+                block = np.asarray(cats[start:end])
+                if vocabulary:
+                    ids = np.stack(
+                        [_lookup(v, r, block[:, t]) for t, (v, r) in enumerate(vocabulary)], axis=1
+                    )
+                else:
+                    ids = block
+                writer.write(name, start - a, labels[start:end], dense[start:end], ids)
+                positives[name] += float(labels[start:end].sum())
+                bar.update(end - start)
+        if vocabulary:
+            arrays = {}
+            for t, (values, rows) in enumerate(vocabulary):
+                arrays[f"t{t}"] = values.astype(np.uint32)
+                arrays[f"ids{t}"] = rows
+            np.savez(writer.staging / "vocab.npz", **arrays)
+        del labels, dense, cats
+        meta = writer.commit(
+            {
+                "table_sizes": table_sizes,
+                "positive_rate": sum(positives.values()) / n,
+                "split_positive_rate": {
+                    k: (positives[k] / (b - a) if b > a else None) for k, (a, b) in bounds.items()
+                },
+                "vocabulary": vocab,
+                "min_count": min_count if vocab == "frequency" else None,
+                "max_rows": max_rows if vocab == "hash" else None,
+                "hash_seed": seed if vocab == "hash" else None,
+                "unknown_row": 0,
+                "dense_transform": "log(1 + max(x, 0)); missing -> 0",
+                "split": "days" if spec == "days" else list(spec),
+                "source": {
+                    "inputs": [str(p) for p in inputs],
+                    "formats": stats.formats,
+                    "rows_per_file": rows_per_file,
+                    "good_lines": stats.good,
+                    "bad_lines": stats.bad,
+                    "bad_examples": stats.examples,
+                },
+            }
+        )
+    return meta
+
+
+def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="raw Criteo files (tsv, csv; .gz too)")
+    parser.add_argument("--out", required=True, help="output dataset directory")
+    parser.add_argument("--vocab", choices=("frequency", "hash"), default="frequency")
+    parser.add_argument(
+        "--min-count",
+        type=int,
+        default=DEFAULT_MIN_COUNT,
+        help="frequency vocab: values seen fewer times in train share row 0 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-rows",
+        type=int,
+        default=DEFAULT_MAX_ROWS,
+        help="hash vocab: rows per table (default %(default)s)",
+    )
+    parser.add_argument(
+        "--split",
+        default=DEFAULT_SPLIT,
+        help="train,val,test fractions as contiguous ranges in input order, or 'days' "
+        "(one file per day; the last one is halved into val and test) (default %(default)s)",
+    )
+    parser.add_argument("--strict", action="store_true", help="stop at the first malformed line")
+    parser.add_argument("--seed", type=int, default=0, help="salt of the hash vocabulary")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_preprocess(args: argparse.Namespace) -> int:
+    meta = preprocess(
+        args.inputs,
+        args.out,
+        vocab=args.vocab,
+        min_count=args.min_count,
+        max_rows=args.max_rows,
+        split=args.split,
+        strict=args.strict,
+        progress=not args.quiet,
+        seed=args.seed,
+    )
+    source = meta["source"]
+    print(f"good lines: {source['good_lines']}, bad lines: {source['bad_lines']}")
+    for example in source["bad_examples"]:
+        print(f"  {example}")
+    splits = ", ".join(f"{k} {v}" for k, v in meta["splits"].items())
+    print(
+        f"wrote {args.out}: {splits}; {sum(meta['table_sizes'])} embedding rows; "
+        f"positive rate {meta['positive_rate']:.4f}"
+    )
+    return 0
