@@ -17,6 +17,7 @@ import os
 import shlex
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,10 +251,12 @@ def _build_torch(sizes: list[int], dim: int, lr: float, seed: int, batch_size: i
 def fbgemm_available() -> str | None:
     """None when FBGEMM's table-batched embedding imports; else the reason it does not."""
     try:
-        import fbgemm_gpu  # noqa: F401
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
+        with warnings.catch_warnings():  # it warns about optional SSD/GPU kernels the CPU build lacks
+            warnings.simplefilter("ignore")
+            import fbgemm_gpu  # noqa: F401
+            from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+                SplitTableBatchedEmbeddingBagsCodegen,
+            )
     except Exception as exc:  # ImportError, or OSError/RuntimeError from mismatched native libraries
         return f"{type(exc).__name__}: {exc}"
     return None

@@ -1,0 +1,210 @@
+"""`slipcache bench embedding` at a tiny scale: the JSON it writes, not how fast anything is."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from slipcache import bench
+from slipcache.errors import SlipcacheError
+
+ROW_KEYS = {
+    "name",
+    "impl",
+    "precision",
+    "cache_fraction",
+    "policy",
+    "dim",
+    "samples_per_s",
+    "ratio_vs_fbgemm_fp32",
+    "bytes",
+    "memory_ratio",
+    "hit_rate",
+    "bytes_moved_per_sample",
+    "status",
+}
+TINY = ["--scale", "0.0001", "--min-rows", "50", "--batch-size", "64", "--warmup-steps", "2", "--steps", "3"]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    return parser.parse_args(["embedding", *argv])
+
+
+def _run(tmp_path: Path, *argv: str) -> dict[str, Any]:
+    out = tmp_path / "out"
+    assert bench.run_bench(_args(*TINY, "--skip-probes", "--out", str(out), *argv)) == 0
+    assert (out / "bench.md").read_text().startswith("# slipcache bench embedding")
+    return json.loads((out / "bench.json").read_text())
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _has_slipcache() -> bool:
+    try:
+        from slipcache.embedding import CachedEmbeddingBagCollection  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run(tmp_path_factory.mktemp("bench"), "--dims", "8,16")
+
+
+def test_schema(result: dict[str, Any]) -> None:
+    assert {"machine", "command", "date", "rows"} <= set(result)
+    assert result["command"].startswith("slipcache bench embedding")
+    machine = result["machine"]
+    assert machine["torch"] == torch.__version__ and machine["logical_cores"] >= 1
+    rows = result["rows"]
+    assert len(rows) == 2 * len(bench.CONFIGS)
+    assert {(r["name"], r["dim"]) for r in rows} == {(c.name, d) for c in bench.CONFIGS for d in (8, 16)}
+    for r in rows:
+        assert set(r) >= ROW_KEYS, r
+        assert r["impl"] in ("slipcache", "torch", "fbgemm")
+        assert r["status"] in ("ok", "not installed") or r["status"].startswith("skipped: "), r
+
+
+def test_numbers_are_positive_and_finite(result: dict[str, Any]) -> None:
+    for r in result["rows"]:
+        if r["impl"] != "fbgemm":
+            if r["impl"] == "slipcache" and not _has_slipcache():
+                continue
+            assert r["status"] == "ok", r  # torch and ours fit easily at this scale
+        if r["status"] != "ok":
+            continue
+        assert _positive(r["samples_per_s"]) and _positive(r["bytes"]) and _positive(r["memory_ratio"]), r
+        if r["impl"] == "slipcache":
+            assert 0.0 <= r["hit_rate"] <= 1.0
+            assert r["bytes_moved_per_sample"] >= 0 and math.isfinite(r["bytes_moved_per_sample"])
+            if r["cache_fraction"] == 0:
+                assert r["hit_rate"] == 0.0
+            else:
+                assert r["hit_rate"] > 0.0  # power-law ids: the hot rows are hit after warm-up
+        else:
+            assert r["hit_rate"] is None and r["bytes_moved_per_sample"] is None
+
+
+def test_peer_memory_ratios_and_fbgemm_ratio(result: dict[str, Any]) -> None:
+    by = {(r["name"], r["dim"]): r for r in result["rows"]}
+    for dim in (8, 16):
+        assert by[("torch-fp32", dim)]["memory_ratio"] == 1.0
+        fb32, fb16 = by[("fbgemm-fp32", dim)], by[("fbgemm-fp16", dim)]
+        if fb32["status"] != "ok":
+            assert all(r["ratio_vs_fbgemm_fp32"] is None for r in result["rows"] if r["dim"] == dim)
+            continue
+        assert fb32["ratio_vs_fbgemm_fp32"] == 1.0
+        assert fb16["memory_ratio"] == pytest.approx(2.0)
+        for r in result["rows"]:
+            if r["dim"] == dim and r["status"] == "ok":
+                assert r["ratio_vs_fbgemm_fp32"] == pytest.approx(r["samples_per_s"] / fb32["samples_per_s"])
+
+
+@pytest.mark.skipif(not _has_slipcache(), reason="slipcache.embedding not available")
+def test_memory_ratios_match_memory_report(result: dict[str, Any]) -> None:
+    from slipcache.embedding import CachedEmbeddingBagCollection
+
+    sizes = bench.scaled_table_sizes(0.0001, 50)
+    for r in result["rows"]:
+        if r["impl"] != "slipcache":
+            continue
+        cfg = next(c for c in bench.CONFIGS if c.name == r["name"])
+        config = bench._slipcache_config(cfg, sizes, r["dim"], 0.1, 0)
+        report = CachedEmbeddingBagCollection(config).memory_report()
+        assert r["bytes"] == report["total_bytes"]
+        assert r["memory_ratio"] == pytest.approx(report["memory_ratio"])
+        estimate = bench.slipcache_static_estimate(cfg, sizes, r["dim"])
+        if estimate is not None:
+            assert estimate["memory_ratio"] == pytest.approx(report["memory_ratio"])
+
+
+def test_targets_reported(result: dict[str, Any]) -> None:
+    # dims 8/16 measure no target dim for memory (64, 128): those are N/A, never a silent PASS.
+    targets = {t["target"]: t for t in result["targets"]}
+    assert targets["slipcache-int8-lru5 memory ratio at dim 64 >= 3.0x"]["result"] == "N/A"
+    for t in result["targets"]:
+        assert t["result"] in ("PASS", "MISS", "N/A")
+        assert (t["result"] == "N/A") == (t["value"] is None)
+
+
+def test_over_budget_configurations_are_skipped_not_allocated(tmp_path: Path) -> None:
+    result = _run(tmp_path, "--dims", "64", "--memory-budget-gb", "0.000001")
+    for r in result["rows"]:
+        if r["impl"] == "fbgemm" and r["status"] == "not installed":
+            continue
+        if r["impl"] == "slipcache" and not _has_slipcache():
+            continue
+        assert r["status"].startswith("skipped: needs "), r
+        assert r["samples_per_s"] is None
+        if r["impl"] != "slipcache":
+            assert _positive(r["bytes"])
+    if _has_slipcache():
+        by = {r["name"]: r for r in result["rows"]}
+        # The module's static estimate still gives the memory figures of ours.
+        assert by["slipcache-int8-lru5"]["memory_ratio"] > 1.0
+        targets = {t["target"]: t for t in result["targets"]}
+        assert targets["slipcache-int8-lru5 memory ratio at dim 64 >= 3.0x"]["result"] in ("PASS", "MISS")
+
+
+def test_missing_fbgemm_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "fbgemm_available", lambda: "ImportError: no module named fbgemm_gpu")
+    result = _run(tmp_path, "--dims", "16", "--configs", "torch-fp32,fbgemm-fp32,fbgemm-fp16")
+    by = {r["name"]: r for r in result["rows"]}
+    assert by["fbgemm-fp32"]["status"] == "not installed" == by["fbgemm-fp16"]["status"]
+    assert by["torch-fp32"]["status"] == "ok" and by["torch-fp32"]["ratio_vs_fbgemm_fp32"] is None
+
+
+def test_user_errors() -> None:
+    with pytest.raises(SlipcacheError):
+        bench.run_bench(_args("--dims", "0", "--out", "unused"))
+    with pytest.raises(SlipcacheError):
+        bench.run_bench(_args("--configs", "nope", "--out", "unused"))
+    with pytest.raises(SlipcacheError):
+        bench.run_bench(_args("--memory-budget-gb", "-1", "--out", "unused"))
+
+
+def test_workload_shape_and_skew() -> None:
+    sizes = [3, 1000, 20_000]
+    work = bench.make_workload(sizes, batch_size=512, warmup_steps=1, timed_steps=3, seed=1)
+    assert work.batches.shape == (4, 512, 3) and work.batches.dtype == torch.int64
+    ids = work.batches.reshape(-1, 3)
+    for t, n in enumerate(sizes):
+        assert int(ids[:, t].min()) >= 0 and int(ids[:, t].max()) < n
+    counts = torch.bincount(ids[:, 2], minlength=20_000).sort(descending=True).values
+    assert counts[:1000].sum() / counts.sum() > 0.5  # top 5 % of rows take most lookups
+    assert 0.5 < work.lookup_share_top_5pct < 1.0
+    again = bench.make_workload(sizes, batch_size=512, warmup_steps=1, timed_steps=3, seed=1)
+    assert torch.equal(work.batches, again.batches)
+
+
+def test_scaled_table_sizes() -> None:
+    full = bench.scaled_table_sizes(1.0)
+    assert full == bench.KAGGLE_TABLE_SIZES and sum(full) == 33_762_577
+    quick = bench.scaled_table_sizes(0.01)
+    assert max(quick) == math.ceil(10_131_227 * 0.01)
+    assert all(q == n for q, n in zip(quick, full, strict=True) if n <= 10_000)
+
+
+@pytest.mark.skipif(not _has_slipcache(), reason="slipcache.embedding not available")
+def test_fast_init_rows_are_valid() -> None:
+    from slipcache.embedding import CachedEmbeddingBagCollection
+
+    cfg = bench.BenchConfig("x", "slipcache", "int4", 0.01, "lru")
+    config = bench._slipcache_config(cfg, [70_000, 30], 16, 0.1, 0)
+    fast = bench._fast_init_class(CachedEmbeddingBagCollection)(config)
+    rows = torch.tensor([0, 65_535, 65_536, 69_999, 70_029])
+    values = fast.read_rows(rows)
+    assert torch.isfinite(values).all() and values.abs().max() <= 0.02
+    assert torch.equal(values[1], fast.read_rows(torch.tensor([65_535]))[0])
+    assert fast.memory_report() == CachedEmbeddingBagCollection(config).memory_report()
