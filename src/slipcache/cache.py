@@ -75,12 +75,11 @@ class RowCache(nn.Module):
         if not self.capacity:
             return torch.full_like(rows, EMPTY)
         rows = rows.to(self.slot_rows.device)
-        first_slot = self.set_of(rows) * self.ways
-        candidates = first_slot[:, None] + self._way_index
-        match = self.slot_rows[candidates] == rows[:, None].to(self.slot_rows.dtype)
-        found = match.any(dim=1)
-        slots = first_slot + match.to(torch.uint8).argmax(dim=1)
-        return torch.where(found, slots, torch.full_like(slots, EMPTY))
+        sets = self.set_of(rows)
+        residents = self.slot_rows.view(self.num_sets, self.ways).index_select(0, sets)
+        found, way = (residents == rows[:, None].to(self.slot_rows.dtype)).to(torch.uint8).max(dim=1)
+        slots = sets * self.ways + way
+        return slots.masked_fill_(found == 0, EMPTY)
 
     def touch(self, slots: Tensor, step: int) -> None:
         """Record a use of each (possibly repeated) slot at `step`."""

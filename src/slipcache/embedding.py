@@ -380,13 +380,14 @@ class CachedEmbeddingBagCollection(nn.Module):
         hit = slots >= 0
         self._count("lookups", None, lookup)
         self._count("hits", hit, lookup)
-        if cache.capacity:
-            cache.touch(slots[hit], step)
         miss = ~hit
+        any_miss = bool(miss.any())
+        if cache.capacity:
+            cache.touch(slots[hit] if any_miss else slots, step)
         storage_rows = rows.new_empty(0)
         storage_index = rows.new_empty(0)
         on_storage = None
-        if bool(miss.any()):
+        if any_miss:
             missing, miss_inverse, uses = torch.unique(rows[miss], return_inverse=True, return_counts=True)
             assignment = cache.assign(missing, self._pin_since)
             if assignment.victim_slots.numel():
@@ -441,7 +442,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         cached_grad = grad if cached is None else grad[cached]
         if slots.numel():
             if self.config.optimizer == "sgd":
-                self.cache.weights.index_add_(0, slots, cached_grad, alpha=-self.lr)
+                # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
+                self.cache.weights.index_put_((slots,), cached_grad * -self.lr, accumulate=True)
             else:
                 unique_slots, inverse = torch.unique(slots, return_inverse=True)
                 summed = cached_grad.new_zeros(unique_slots.numel(), self.dim).index_add_(
