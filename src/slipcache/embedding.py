@@ -220,15 +220,13 @@ class CachedEmbeddingBagCollection(nn.Module):
         return self.table_offsets.tolist()
 
     def _initialize_rows(self) -> None:
-        """DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table, generated and rounded in chunks."""
+        """DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table, in chunks."""
         generator = torch.Generator().manual_seed(self.config.seed)
         start = 0
         for size in self.table_sizes:
-            bound = 1.0 / math.sqrt(size)
             for chunk_start in range(0, size, _INIT_CHUNK_ROWS):
-                n = min(_INIT_CHUNK_ROWS, size - chunk_start)
-                values = (torch.rand(n, self.dim, generator=generator) * 2 - 1) * bound
-                self.storage.write_range(start + chunk_start, values.to(self.storage_device), "nearest", None)
+                count = min(_INIT_CHUNK_ROWS, size - chunk_start)
+                self.storage.fill_uniform_(start + chunk_start, count, 1.0 / math.sqrt(size), generator)
             start += size
 
     def load_tables(self, tables: list[Tensor]) -> None:

@@ -170,3 +170,26 @@ class RowStorage(nn.Module):
         end = start + values.shape[0]
         for buf, encoded in zip(self.buffers(), self.encode(values, rounding, generator), strict=True):
             buf[start:end].copy_(encoded)
+
+    def fill_uniform_(self, start: int, count: int, bound: float, generator: torch.Generator) -> None:
+        """Rows start..start+count drawn uniformly from [-bound, bound] (DLRM's initialization).
+
+        Integer rows draw their codes directly, uniform over the grid spanning the interval: the same
+        distribution as rounding uniform fp32 values, without materializing them.
+        """
+        end = start + count
+        if self.precision in FLOAT_DTYPES:
+            values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
+            self.payload[start:end].copy_(values)
+            return
+        levels = (1 << INT_BITS[self.precision]) - 1
+        width = self.payload.shape[1]
+        codes = torch.randint(0, 256, (count, width), generator=generator, dtype=torch.uint8)
+        if self.precision == "int4" and self.dim % 2:
+            codes[:, -1] &= 0xF  # the padding nibble stays zero
+        scale_code = encode_scale(torch.full((1,), 2 * bound / levels))
+        bias = round_down_fp16(-decode_scale(scale_code) * levels / 2)  # the grid centred on zero
+        self.payload[start:end].copy_(codes)
+        self.bias[start:end] = bias
+        self.scale_code[start:end] = scale_code
+
