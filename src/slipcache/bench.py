@@ -731,6 +731,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip configurations estimated above this (default 60%% of physical memory)",
     )
     parser.add_argument("--zipf", type=float, default=1.05, help="power-law exponent of the ids")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice, one per core); 1 is steadier on a busy machine",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--native-init",
@@ -792,6 +798,7 @@ def _command(args: argparse.Namespace, dims: list[int], configs: list[BenchConfi
         ("--scale", args.scale),
         ("--seed", args.seed),
         ("--zipf", args.zipf),
+        ("--threads", args.threads),
     ):
         if value is not None:
             parts += [flag, str(value)]
@@ -811,6 +818,20 @@ def _progress(message: str) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run every configuration at every dim, print the table and targets, write bench.json and bench.md."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return _run_bench(args)
+    if threads < 1:
+        raise SlipcacheError(f"--threads must be positive, got {threads}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run_bench(args)
+    finally:  # a library caller keeps its own setting
+        torch.set_num_threads(previous)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
     dims = _parse_dims(args.dims)
     configs = _parse_configs(args.configs)
     shape = QUICK if args.quick else FULL
@@ -837,6 +858,13 @@ def run_bench(args: argparse.Namespace) -> int:
     os.makedirs(out_dir, exist_ok=True)
 
     machine = describe_machine()
+    load = _load_average()
+    cores = machine.get("usable_cores") or machine.get("logical_cores") or 1
+    if load is not None and load > cores and torch.get_num_threads() > 1:
+        _progress(
+            f"note: load average {load:.1f} on {cores} cores; with {torch.get_num_threads()} threads per op, "
+            "timings on a shared CPU collapse (threads wait for descheduled peers): consider --threads 1"
+        )
     probes = None
     if not args.skip_probes:
         _progress("probing memory (sequential copy, random 64-byte row gathers from 1 GB) ...")
@@ -871,7 +899,6 @@ def run_bench(args: argparse.Namespace) -> int:
     _attach_ratios(rows)
     targets = evaluate_targets(rows)
     warnings = []
-    cores = machine.get("usable_cores") or machine.get("logical_cores") or 1
     loads = [r["load_avg_1m"] for r in rows if r.get("load_avg_1m") is not None]
     if loads and max(loads) > cores + 1:
         warnings.append(
