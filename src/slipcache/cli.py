@@ -20,7 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the chosen command's module is imported (torch and friends load slowly)."""
     parser = argparse.ArgumentParser(
         prog="slipcache",
         description="Train recommendation models with mixed-precision cached embeddings "
@@ -30,14 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        getattr(module, f"add_{name}_arguments")(sub_parser)
-        sub_parser.set_defaults(_module=module_name)
+        if name == command:
+            module = importlib.import_module(module_name)
+            getattr(module, f"add_{name}_arguments")(sub_parser)
+            sub_parser.set_defaults(_module=module_name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
