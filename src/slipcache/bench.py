@@ -549,8 +549,8 @@ def measure(
             row["hit_rate"] = _finite(stats.get("hit_rate"))
             moved = (stats.get("bytes_in") or 0) + (stats.get("bytes_out") or 0)
             row["bytes_moved_per_sample"] = moved / samples if samples else None
-            row["lookups"] = stats.get("lookups")
-            row["evictions"] = stats.get("evictions")
+            for key in ("lookups", "misses", "rows_in", "evictions"):
+                row[key] = stats.get(key)
     except MemoryError:
         row["status"] = "skipped: out of memory"
     except (KeyboardInterrupt, SlipcacheError):
@@ -900,6 +900,22 @@ def _run_bench(args: argparse.Namespace) -> int:
     targets = evaluate_targets(rows)
     warnings = []
     loads = [r["load_avg_1m"] for r in rows if r.get("load_avg_1m") is not None]
+    # In steady state nearly every row brought in evicts one; far fewer evictions means the cache is still
+    # filling and the hit rate is a cold-start figure.
+    cold = [
+        f"{r['name']}@{r['dim']}"
+        for r in rows
+        if r["status"] == "ok"
+        and r["cache_fraction"]
+        and (r.get("evictions") or 0) < 0.5 * (r.get("rows_in") or 0)
+    ]
+    if cold:
+        warnings.append(
+            "fewer evictions than half the rows brought in during the timed steps of "
+            + ", ".join(cold)
+            + ": the cache was still filling, so their hit rate is a cold-start figure, not the steady state "
+            "(more --warmup-steps or a smaller --scale show capacity misses)"
+        )
     if loads and max(loads) > cores + 1:
         warnings.append(
             f"load average reached {max(loads):.1f} on {cores} cores during timed runs: other processes shared "
