@@ -30,6 +30,7 @@ ROW_KEYS = {
     "status",
 }
 TINY = ["--scale", "0.0001", "--min-rows", "50", "--batch-size", "64", "--warmup-steps", "2", "--steps", "3"]
+TINY += ["--cache-warmup-steps", "4"]
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -172,6 +173,13 @@ def test_user_errors() -> None:
         bench.run_bench(_args("--configs", "nope", "--out", "unused"))
     with pytest.raises(SlipcacheError):
         bench.run_bench(_args("--memory-budget-gb", "-1", "--out", "unused"))
+
+
+def test_cached_configurations_warm_up_longer() -> None:
+    work = bench.make_workload([100, 200], batch_size=8, warmup_steps=2, timed_steps=3, cache_warmup_steps=5)
+    assert work.batches.shape[0] == 8 and work.first_timed == 5
+    row = bench.measure(bench.CONFIGS[0], 8, work, budget_bytes=1 << 30)
+    assert row["status"] == "ok" and row["samples_per_s"] > 0
 
 
 def test_workload_shape_and_skew() -> None:
