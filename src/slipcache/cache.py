@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from slipcache import _native
+
 POLICIES = ("lru", "lfu", "none")
 EMPTY = -1
 _HASH_MULTIPLIER = 0x2C1B3C6D  # odd: consecutive rows land in distinct sets
@@ -81,13 +83,31 @@ class RowCache(nn.Module):
         slots = sets * self.ways + way
         return slots.masked_fill_(found == 0, EMPTY)
 
-    def touch(self, slots: Tensor, step: int) -> None:
-        """Record a use of each (possibly repeated) slot at `step`."""
-        self.last_used[slots] = step
-        if self.policy == "lfu":
-            self.use_count.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
-            if self.lfu_halving_interval and step % self.lfu_halving_interval == 0:
-                self.use_count >>= 1  # aging: old popularity fades
+    def lookup_and_touch(self, rows: Tensor, step: int) -> Tensor:
+        """`lookup`, recording a use at `step` of every hit (repeats count once more each for LFU)."""
+        if not self.capacity:
+            return torch.full_like(rows, EMPTY)
+        use_count = self.use_count if self.policy == "lfu" else None
+        if _native.usable(self.slot_rows, rows):
+            slots = _native.lookup(
+                self.slot_rows,
+                self.num_sets,
+                self.ways,
+                _HASH_MULTIPLIER,
+                rows,
+                self.last_used,
+                use_count,
+                step,
+            )
+        else:
+            slots = self.lookup(rows)
+            hits = slots[slots >= 0]
+            self.last_used[hits] = step
+            if use_count is not None:
+                use_count.index_add_(0, hits, torch.ones_like(hits, dtype=torch.int32))
+        if use_count is not None and self.lfu_halving_interval and step % self.lfu_halving_interval == 0:
+            use_count >>= 1  # aging: old popularity fades
+        return slots
 
     def assign(self, rows: Tensor, pin_since: int) -> Assignment:
         """Choose slots for unique missing `rows`: empty slots first, then the policy's victims.

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from slipcache import _native
 from slipcache.cache import POLICIES, RowCache
 from slipcache.errors import InvalidInputError
 from slipcache.quant import PRECISIONS, ROUNDINGS, RowStorage
@@ -374,14 +375,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Bring the batch's rows into the cache where they fit; read the rest from storage."""
         self.step += 1
         step, rows, cache = self.step, lookup.rows, self.cache
-        slots = cache.lookup(rows)
+        slots = cache.lookup_and_touch(rows, step)
         hit = slots >= 0
         self._count("lookups", None, lookup)
         self._count("hits", hit, lookup)
         miss = ~hit
         any_miss = bool(miss.any())
-        if cache.capacity:
-            cache.touch(slots[hit] if any_miss else slots, step)
         storage_rows = rows.new_empty(0)
         storage_index = rows.new_empty(0)
         on_storage = None
@@ -439,7 +438,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         slots = plan.slots if cached is None else plan.slots[cached]
         cached_grad = grad if cached is None else grad[cached]
         if slots.numel():
-            if self.config.optimizer == "sgd":
+            if self.config.optimizer == "sgd" and _native.usable(self.cache.weights, slots):
+                _native.sgd_update(self.cache.weights, slots, cached_grad, self.lr)
+            elif self.config.optimizer == "sgd":
                 # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
                 self.cache.weights.index_put_((slots,), cached_grad * -self.lr, accumulate=True)
             else:

@@ -1,0 +1,158 @@
+"""Optional compiled loops for the CPU hot path: cache lookup and the fused SGD update.
+
+Both are a plain loop over the lookups of a batch. In torch they take several passes over
+[lookups, ways] temporaries; in C they are one pass. The C source is compiled with the system's C
+compiler on first use (about a second) into a per-user cache and loaded with ctypes; without a
+compiler, or with SLIPCACHE_NATIVE=0, the pure-torch path runs. Tests check the two agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+_SOURCE = r"""
+#include <stdint.h>
+
+/* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64. */
+static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets) {
+    int64_t mixed = (int64_t)((uint64_t)(r ^ (r >> 17)) * (uint64_t)multiplier);
+    int64_t s = (mixed >> 5) % num_sets;
+    return s < 0 ? s + num_sets : s;
+}
+
+#define LOOKUP(NAME, ROW_T)                                                                        \
+int64_t NAME(const ROW_T *slot_rows, int64_t num_sets, int64_t ways, int64_t multiplier,          \
+             const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used,              \
+             int32_t *use_count, int32_t step) {                                                  \
+    int64_t hits = 0;                                                                             \
+    for (int64_t i = 0; i < n; i++) {                                                             \
+        int64_t r = rows[i];                                                                      \
+        int64_t first = set_of(r, multiplier, num_sets) * ways;                                   \
+        int64_t slot = -1;                                                                        \
+        for (int64_t w = 0; w < ways; w++) {                                                      \
+            if ((int64_t)slot_rows[first + w] == r) { slot = first + w; break; }                  \
+        }                                                                                         \
+        out_slots[i] = slot;                                                                      \
+        if (slot >= 0) {                                                                          \
+            hits++;                                                                               \
+            if (last_used) last_used[slot] = step;                                                \
+            if (use_count) use_count[slot] += 1;                                                  \
+        }                                                                                         \
+    }                                                                                             \
+    return hits;                                                                                  \
+}
+
+LOOKUP(lookup_i32, int32_t)
+LOOKUP(lookup_i64, int64_t)
+
+void sgd_update(float *weights, int64_t dim, const int64_t *slots, const float *grad, int64_t n,
+                float lr) {
+    for (int64_t i = 0; i < n; i++) {
+        float *w = weights + slots[i] * dim;
+        const float *g = grad + i * dim;
+        for (int64_t d = 0; d < dim; d++) w[d] -= lr * g[d];
+    }
+}
+"""
+
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def _compile() -> ctypes.CDLL | None:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("SLIPCACHE_CACHE_DIR", Path.home() / ".cache" / "slipcache"))
+    target = root / "native" / f"slipcache_native_{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            source = Path(tmp) / "native.c"
+            source.write_text(_SOURCE)
+            built = Path(tmp) / target.name
+            result = subprocess.run(
+                [compiler, "-O3", "-shared", "-fPIC", "-o", str(built), str(source)],
+                capture_output=True,
+                text=True,
+            )
+            if result.returncode != 0:
+                return None
+            os.replace(built, target)  # atomic: concurrent first uses never load a half-written file
+    library = ctypes.CDLL(str(target))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in ("lookup_i32", "lookup_i64"):
+        fn = getattr(library, name)
+        fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32]
+        fn.restype = i64
+    library.sgd_update.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_float]
+    library.sgd_update.restype = None
+    return library
+
+
+def native() -> ctypes.CDLL | None:
+    """The compiled library, or None when disabled or unavailable."""
+    global _library, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("SLIPCACHE_NATIVE", "1") != "0":
+            try:
+                _library = _compile()
+            except OSError:
+                _library = None
+    return _library
+
+
+def usable(*tensors: Tensor) -> bool:
+    return native() is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def lookup(
+    slot_rows: Tensor,
+    num_sets: int,
+    ways: int,
+    multiplier: int,
+    rows: Tensor,
+    last_used: Tensor | None,
+    use_count: Tensor | None,
+    step: int,
+) -> Tensor:
+    """Slot per row (-1 on a miss); hits get last_used = step and use_count += 1 when given."""
+    library = native()
+    assert library is not None
+    rows = rows.contiguous()
+    slots = torch.empty_like(rows)
+    fn = library.lookup_i32 if slot_rows.dtype == torch.int32 else library.lookup_i64
+    fn(
+        slot_rows.data_ptr(),
+        num_sets,
+        ways,
+        multiplier,
+        rows.data_ptr(),
+        rows.numel(),
+        slots.data_ptr(),
+        last_used.data_ptr() if last_used is not None else None,
+        use_count.data_ptr() if use_count is not None else None,
+        step,
+    )
+    return slots
+
+
+def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> None:
+    """weights[slots[i]] -= lr * grad[i], for repeated slots too."""
+    library = native()
+    assert library is not None
+    slots, grad = slots.contiguous(), grad.contiguous().float()
+    library.sgd_update(
+        weights.data_ptr(), weights.shape[1], slots.data_ptr(), grad.data_ptr(), slots.numel(), lr
+    )
