@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +169,14 @@ def test_start_batch_resumes_exactly(use_filter: bool, start: int) -> None:
     assert resumed == full[start:]
     if start <= len(full):
         assert resumed_it.batch_index == len(full)
+
+
+def test_writer_removes_staging_of_dead_writers_only(tmp_path: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    out = tmp_path / "ds"
+    (out / f".tmp-{dead.stdout.strip()}-raw-x").mkdir(parents=True)
+    (out / f".tmp-{os.getppid()}").mkdir()  # a live process: left alone
+    write_dataset(out)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".tmp")) == [f".tmp-{os.getppid()}"]

@@ -203,10 +203,10 @@ class DatasetWriter:
 
 
 def _remove_dead_staging(out_dir: Path) -> None:
-    """Remove staging directories of crashed writers (their pid is gone), keeping live ones."""
+    """Remove `.tmp-<pid>[-...]` directories of crashed writers (their pid is gone), keeping live ones."""
     for path in out_dir.glob(".tmp-*"):
         try:
-            pid = int(path.name[5:])
+            pid = int(path.name.split("-")[1])
         except ValueError:
             continue
         try:

@@ -152,7 +152,7 @@ def preprocess(
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".tmp-raw-", dir=out))
+        scratch = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-raw-", dir=out))
     except OSError as exc:
         raise SlipcacheError(f"{out}: cannot create output directory: {exc}") from exc
     try:
