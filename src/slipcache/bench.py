@@ -565,7 +565,7 @@ def measure(
             row["hit_rate"] = _finite(stats.get("hit_rate"))
             moved = (stats.get("bytes_in") or 0) + (stats.get("bytes_out") or 0)
             row["bytes_moved_per_sample"] = moved / samples if samples else None
-            for key in ("lookups", "misses", "rows_in", "evictions"):
+            for key in ("lookups", "misses", "rows_in", "overflow_rows", "evictions"):
                 row[key] = stats.get(key)
     except MemoryError:
         row["status"] = "skipped: out of memory"
@@ -929,18 +929,18 @@ def _run_bench(args: argparse.Namespace) -> int:
     targets = evaluate_targets(rows)
     warnings = []
     loads = [r["load_avg_1m"] for r in rows if r.get("load_avg_1m") is not None]
-    # In steady state nearly every row brought in evicts one; far fewer evictions means the cache is still
-    # filling and the hit rate is a cold-start figure.
+    # In steady state nearly every row admitted to the cache evicts one (rows that overflow a full set are
+    # read and written in place, not admitted); far fewer evictions means the cache is still filling.
     cold = [
         f"{r['name']}@{r['dim']}"
         for r in rows
         if r["status"] == "ok"
         and r["cache_fraction"]
-        and (r.get("evictions") or 0) < 0.5 * (r.get("rows_in") or 0)
+        and (r.get("evictions") or 0) < 0.5 * ((r.get("rows_in") or 0) - (r.get("overflow_rows") or 0))
     ]
     if cold:
         warnings.append(
-            "fewer evictions than half the rows brought in during the timed steps of "
+            "fewer evictions than half the rows admitted to the cache during the timed steps of "
             + ", ".join(cold)
             + ": the cache was still filling, so their hit rate is a cold-start figure, not the steady state "
             "(more --cache-warmup-steps or a smaller --scale show capacity misses)"
