@@ -180,3 +180,19 @@ def test_writer_removes_staging_of_dead_writers_only(tmp_path: Path) -> None:
     (out / f".tmp-{os.getppid()}").mkdir()  # a live process: left alone
     write_dataset(out)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".tmp")) == [f".tmp-{os.getppid()}"]
+
+
+def test_sample_filter_runs_only_as_batches_are_assembled() -> None:
+    seen: list[int] = []
+
+    def keep_all(sparse: np.ndarray) -> np.ndarray:
+        seen.append(len(sparse))
+        return np.ones(len(sparse), dtype=bool)
+
+    it = BatchIterator(make_split(1000), 10, chunk_batches=64, sample_filter=keep_all)
+    assert seen == []
+    next(it)
+    assert seen == [10]
+    it.peek(3)
+    assert seen == [10, 10, 10]
+    assert sample_ids(list(it)) == list(range(10, 1000))

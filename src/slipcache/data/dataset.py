@@ -242,9 +242,12 @@ class BatchIterator:
     Order: with `shuffle`, chunks (contiguous sample ranges) are visited in a permuted order and samples
     are permuted within each chunk, both derived from (seed, epoch), so an epoch is reproducible.
     `sample_filter(sparse int32 [n, 26]) -> bool [n]` drops samples before batches are cut, so every
-    batch but the last is full. `start_batch` resumes mid-epoch: the batches that follow are exactly
-    those an uninterrupted iterator would yield. `peek(k)` returns the next k batches without consuming
-    them; `lookahead` keeps that many assembled ahead after each step.
+    batch but the last is full; it is called on batch-sized pieces only when a batch is assembled (on
+    `next`, `peek` or `lookahead`), so a stateful filter sees the state of the batches consumed so far.
+    `start_batch` resumes mid-epoch: the batches that follow are exactly those an uninterrupted iterator
+    would yield (without a filter it jumps there directly; with one it re-runs the filter over the skipped
+    batches, so the filter must decide the same way again). `peek(k)` returns the next k batches without
+    consuming them; `lookahead` keeps that many assembled ahead after each step.
 
     Counters: `samples_seen` counts samples in yielded batches, `samples_dropped` those the filter
     removed before them (the filter's drops after the last batch are added when the epoch ends);
@@ -364,31 +367,39 @@ class BatchIterator:
             if offset:
                 labels, dense, sparse = labels[offset:], dense[offset:], sparse[offset:]
                 offset = 0
+            pieces = [(labels, dense, sparse)]
             if self.sample_filter is not None:
-                mask = np.asarray(self.sample_filter(sparse), dtype=bool)
-                if mask.shape != labels.shape:
-                    raise SlipcacheError(
-                        f"sample_filter returned shape {mask.shape}, expected {labels.shape}"
+                # Filter a batch-sized piece at a time, as late as possible: a stateful filter (stale-input
+                # skipping) then decides with its state as of the batches consumed so far.
+                pieces = [
+                    (labels[i : i + B], dense[i : i + B], sparse[i : i + B]) for i in range(0, len(labels), B)
+                ]
+            for labels, dense, sparse in pieces:
+                if self.sample_filter is not None:
+                    mask = np.asarray(self.sample_filter(sparse), dtype=bool)
+                    if mask.shape != labels.shape:
+                        raise SlipcacheError(
+                            f"sample_filter returned shape {mask.shape}, expected {labels.shape}"
+                        )
+                    dropped += int(len(mask) - mask.sum())
+                    labels, dense, sparse = labels[mask], dense[mask], sparse[mask]
+                if carry is not None:
+                    labels, dense, sparse = (
+                        np.concatenate([c, a]) for c, a in zip(carry, (labels, dense, sparse), strict=True)
                     )
-                dropped += int(len(mask) - mask.sum())
-                labels, dense, sparse = labels[mask], dense[mask], sparse[mask]
-            if carry is not None:
-                labels, dense, sparse = (
-                    np.concatenate([c, a]) for c, a in zip(carry, (labels, dense, sparse), strict=True)
-                )
-            full = len(labels) // B
-            for i in range(full):
-                part = slice(i * B, (i + 1) * B)
-                item = (_to_batch(labels[part], dense[part], sparse[part]), dropped)
-                dropped = 0
-                if skip:
-                    skip -= 1
-                    self.samples_seen += B
-                    self.samples_dropped += item[1]
-                    self.batch_index += 1
-                    continue
-                yield item
-            carry = (labels[full * B :], dense[full * B :], sparse[full * B :])
+                full = len(labels) // B
+                for i in range(full):
+                    part = slice(i * B, (i + 1) * B)
+                    item = (_to_batch(labels[part], dense[part], sparse[part]), dropped)
+                    dropped = 0
+                    if skip:
+                        skip -= 1
+                        self.samples_seen += B
+                        self.samples_dropped += item[1]
+                        self.batch_index += 1
+                        continue
+                    yield item
+                carry = (labels[full * B :], dense[full * B :], sparse[full * B :])
         if carry is not None and len(carry[0]) and not self.drop_last:
             if skip:
                 self.samples_seen += len(carry[0])
