@@ -1,0 +1,206 @@
+"""`slipcache experiment` at a tiny size: the files it writes, resumability, and the grids it builds."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slipcache import experiments
+from slipcache.errors import SlipcacheError
+
+# Far below --quick: ~35k embedding rows, 8 steps per run; still every setup of the quick grid.
+TINY = [
+    "--quick", "--scale", "0.001", "--dataset-samples", "12000", "--train-samples", "4096",
+    "--stale-dataset-samples", "6000", "--eval-samples", "1000", "--probe-seconds", "0.05",
+    "--probe-table-bytes", "8000000",
+]  # fmt: skip
+MP_PLOTS = ("accuracy_vs_memory.png", "cache_sweep.png", "rounding.png", "bytes_moved.png")
+STALE_PLOTS = ("skip_speedup.png", "stale_rows.png")
+RAN = re.compile(r"^\[\d+/\d+\] ")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    experiments.add_experiment_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _run(*argv: str) -> list[str]:
+    lines: list[str] = []
+    assert experiments.run_experiment(_args(*argv), log=lines.append) == 0
+    return lines
+
+
+def _ran(lines: list[str]) -> int:
+    return sum(bool(RAN.match(line)) for line in lines)
+
+
+@pytest.fixture(scope="module")
+def mp_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[str]]]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        out = tmp_path_factory.mktemp("exp") / "out"
+        lines = _run("mixed-precision", "--out", str(out), *TINY)
+        yield out, lines
+
+
+def test_results_schema(mp_run: tuple[Path, list[str]]) -> None:
+    out, lines = mp_run
+    results = json.loads((out / "results.json").read_text())
+    assert results["format"] == "slipcache-experiments" and results["version"] == 1
+    assert results["machine"]["cpu_model"] and results["probes"]["random_gather"]["rows_per_s"] > 0
+    grid = experiments.mixed_precision_grid(experiments.PRESETS["quick"], 1)
+    assert _ran(lines) == len(results["cells"]) == sum(s.seeds for s in grid)
+    for cell in results["cells"]:
+        assert {"id", "experiment", "setup", "seed", "config", "summary", "embedding_traffic", "derived"} <= set(cell)
+        assert cell["config"]["seed"] == cell["seed"]
+        traffic = cell["embedding_traffic"]
+        assert traffic["lookups"] == 26 * cell["summary"]["train_samples"]  # training lookups only
+        assert cell["derived"]["bytes_moved_per_sample"] > 0 and cell["derived"]["step_ms"] > 0
+    setups = {s["name"]: s for s in results["setups"]}
+    assert {q for s in setups.values() for q in s["questions"]} == {"RQ1", "RQ2", "RQ3", "RQ4"}
+    base = setups[experiments.BASELINE]["metrics"]
+    assert base["auc_delta"]["mean"] == 0.0 and base["auc"]["n"] == 1
+    for s in setups.values():
+        for key in ("auc", "logloss", "samples_per_s", "memory_ratio", "auc_delta", "bytes_moved_per_sample"):
+            assert set(s["metrics"][key]) == {"mean", "std", "n"}, (s["name"], key)
+    # fp32 rows behind an exact fp32 cache compute what the baseline computes
+    assert setups["fp32 5% lru"]["metrics"]["auc"]["mean"] == pytest.approx(base["auc"]["mean"], abs=1e-6)
+    assert setups["int4 no cache"]["metrics"]["memory_ratio"]["mean"] > 3
+
+
+def test_cell_result_equals_its_summary(mp_run: tuple[Path, list[str]]) -> None:
+    out, _ = mp_run
+    results = json.loads((out / "results.json").read_text())
+    for cell in results["cells"]:
+        cell_dir = out / "cells" / cell["id"]
+        assert cell["summary"] == json.loads((cell_dir / "summary.json").read_text())
+        assert not (cell_dir / "checkpoints").exists()
+
+
+def test_report_has_every_plot_and_answer(mp_run: tuple[Path, list[str]]) -> None:
+    out, _ = mp_run
+    report = (out / "report.md").read_text()
+    for name in MP_PLOTS:
+        assert (out / name).stat().st_size > 10_000, name
+        assert f"]({name})" in report
+    for question in ("**RQ1.**", "**RQ2.**", "**RQ3.**", "**RQ4.**", "**RQ5.**", "Against the paper"):
+        assert question in report
+    assert "n/a" not in report.split("### RQ5")[1].split("###")[0]  # traffic was found for every run
+
+
+def test_second_invocation_runs_nothing_and_a_crashed_cell_reruns(mp_run: tuple[Path, list[str]]) -> None:
+    out, _ = mp_run
+    first = json.loads((out / "results.json").read_text())
+    lines = _run("mixed-precision", "--out", str(out), *TINY)
+    assert _ran(lines) == 0 and any("already done" in line for line in lines)
+    again = json.loads((out / "results.json").read_text())
+    assert [c["summary"] for c in again["cells"]] == [c["summary"] for c in first["cells"]]
+
+    crashed = out / "cells" / first["cells"][3]["id"]
+    (crashed / "cell.json").unlink()  # as if the run died before its record was written
+    (crashed / "checkpoints").mkdir()
+    lines = _run("mixed-precision", "--out", str(out), *TINY)
+    assert _ran(lines) == 1 and (crashed / "cell.json").is_file()
+
+
+def test_slipstream_without_trainer_support_is_a_clear_error(tmp_path: Path) -> None:
+    if experiments.stale_skipping_available():
+        pytest.skip("the trainer has stale skipping")
+    with pytest.raises(SlipcacheError, match="no stale skipping"):
+        experiments.run_experiment(_args("slipstream", "--out", str(tmp_path), *TINY), log=lambda _: None)
+
+
+@dataclasses.dataclass
+class FakeConfig:
+    """The TrainConfig fields the experiment sets, including the stale-skipping ones."""
+
+    data: str | None = None
+    out: str | None = None
+    precision: str = "int8"
+    cache_size: float = 0.05
+    policy: str = "lru"
+    rounding: str = "stochastic"
+    batch_size: int = 512
+    bottom_mlp: list[int] = dataclasses.field(default_factory=list)
+    top_mlp: list[int] = dataclasses.field(default_factory=list)
+    eval_samples: int = 0
+    seed: int = 0
+    progress: bool = False
+    epochs: int = 1
+    checkpoint_every: int = 0
+    skip_stale: bool = False
+    stale_target: float = 0.3
+    stale_guard: bool = True
+
+
+def _fake_train(config: FakeConfig) -> dict[str, Any]:
+    """A run whose time falls with the skip target, with staleness events in metrics.jsonl."""
+    skipped = 0.8 * config.stale_target if config.skip_stale else 0.0
+    run = Path(config.out)
+    run.mkdir(parents=True)
+    events = [{"event": "train", "samples": s, "skipped_fraction": skipped, "stale_rows": s // 10 if skipped else 0,
+               "hot_rows": 1000, "threshold": 0.01} for s in range(512, 8192, 512)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary = {
+        "auc": 0.75 - 0.01 * skipped + 0.001 * config.seed, "logloss": 0.5, "accuracy": 0.7,
+        "train_samples": int(8192 * (1 - skipped)), "samples_per_s": 1000.0, "train_wall_s": 10.0 * (1 - skipped),
+        "embedding_bytes": 100, "memory_ratio": 2.0, "cache_hit_rate": 0.9, "skipped_fraction": skipped,
+        "embedding_stats": {"lookups": 26, "hits": 20, "misses": 6, "evictions": 1, "rows_in": 6, "rows_out": 1,
+                            "bytes_in": 114, "bytes_out": 19},
+        "config": {**dataclasses.asdict(config), "embedding_dim": 16},
+    }  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+    return summary
+
+
+def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.SimpleNamespace(
+        TrainConfig=FakeConfig,
+        train=_fake_train,
+        prepare_data=lambda config, root: Path(config.data),
+        open_dataset=lambda path: types.SimpleNamespace(table_sizes=[100] * 26),
+    )
+    monkeypatch.setattr(experiments, "trainer", fake)
+    out = tmp_path / "out"
+    lines = _run("slipstream", "--out", str(out), "--data", str(tmp_path), "--seeds", "2", *TINY)
+    results = json.loads((out / "results.json").read_text())
+    setups = {s["name"]: s for s in results["setups"]}
+    assert _ran(lines) == 2 * len(setups) == 2 * 10
+    speedup = setups["fp32, D=0.5, guard on"]["metrics"]["speedup"]
+    assert speedup["mean"] == pytest.approx(1 / 0.6) and speedup["n"] == 2
+    assert setups["fp32, no skipping"]["metrics"]["speedup"]["mean"] == 1.0
+    report = (out / "report.md").read_text()
+    for name in STALE_PLOTS:
+        assert (out / name).is_file() and f"]({name})" in report
+    assert "**Skipping.**" in report and "Mixed-precision" not in report
+
+
+def test_grids_cover_the_questions() -> None:
+    full = experiments.mixed_precision_grid(experiments.PRESETS["full"], 3)
+    names = {s.name for s in full}
+    assert len(names) == len(full)
+    rq1 = [s for s in full if "RQ1" in s.questions]
+    assert len(rq1) == 16 and experiments.BASELINE in names
+    assert {s.overrides["cache_size"] for s in full if "RQ3" in s.questions} == {0.005, 0.01, 0.02, 0.05, 0.1, 0.2}
+    assert {s.overrides["policy"] for s in full if "RQ2" in s.questions} == {"lru", "lfu"}
+    assert {s.overrides["rounding"] for s in full if "RQ4" in s.questions} == {"stochastic", "nearest"}
+    assert next(s for s in full if s.name == "int8 5% lru").seeds == 3
+    stale = experiments.slipstream_grid(experiments.PRESETS["full"], 2)
+    assert len(stale) == 14 and {s.group for s in stale} == set(experiments.STALE_STORAGES)
+    plan = experiments.Plan(experiments.PRESETS["full"], Path("x"), None, 3)
+    ids = [c.id for c in plan.cells(full + stale)]
+    assert len(ids) == len(set(ids)) and ids == [c.id for c in plan.cells(full + stale)]
+
+
+def test_pareto_front() -> None:
+    points = [(10.0, 0.0), (5.0, -0.001), (5.0, -0.003), (2.0, -0.002), (3.0, -0.004), (1.0, -0.01)]
+    assert experiments.pareto_front(points) == [5, 3, 1, 0]
