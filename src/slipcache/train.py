@@ -218,8 +218,9 @@ def make_config(file_values: dict[str, Any] | None = None, flag_values: dict[str
 def _synthetic_dataset(config: TrainConfig) -> Path:
     from slipcache.data.synthetic import default_synthetic_path
 
-    return Path(
-        default_synthetic_path(num_samples=config.synthetic_samples, scale=config.synthetic_scale, seed=0)
+    # Dataset seed 0 whatever the run seed: runs with different seeds then compare on the same data.
+    return default_synthetic_path(
+        None, config.synthetic_samples, config.synthetic_scale, 0, progress=config.progress
     )
 
 
@@ -509,7 +510,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 train_split,
                 batch_size,
                 shuffle=True,
-                seed=config.seed * 1_000_003 + progress.epoch,
+                seed=config.seed,
+                epoch=progress.epoch,
                 drop_last=True,
                 start_batch=progress.batch_in_epoch,
             )
@@ -546,12 +548,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 bar.update(n)
 
                 last = progress.step >= total_steps
-                if progress.samples % config.log_every == 0 or last:
+                eval_due = progress.samples % config.eval_every == 0 or last
+                if progress.samples % config.log_every == 0 or eval_due:
                     lookups, hits = _stats_totals(model)
                     progress.window_lookups, progress.window_hits = lookups - base_lookups, hits - base_hits
                     event = _close_window(progress)
                     bar.set_postfix(_postfix(event), refresh=False)
-                    if progress.samples % config.eval_every == 0 or last:
+                    if eval_due:
                         scores = evaluate(model, val_split, max_samples=config.eval_samples)
                         event.update({f"val_{k}": v for k, v in scores.items()})
                     progress.events.append(event)
@@ -744,7 +747,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         (
             "embedding memory",
             f"{_fmt_bytes(summary['embedding_bytes'])} vs {_fmt_bytes(summary['fp32_embedding_bytes'])} fp32 "
-            f"({summary['memory_ratio']:.2f}x)",
+            f"({summary['memory_ratio']:.2f}x smaller)",
         ),
         ("throughput", f"{rate:,.0f} samples/s" if rate else "n/a"),
         ("train time", f"{summary['train_wall_s']:.1f} s for {summary['train_samples']:,} samples"),
