@@ -84,8 +84,24 @@ def test_end_to_end_writes_run_dir(data_dir: Path, tmp_path: Path) -> None:
     assert "![Training](training.png)" in (run / "report.md").read_text()
 
 
-def test_resume_matches_uninterrupted(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    full = train.train(tiny(data_dir, tmp_path / "full"))
+def test_cached_embeddings_end_to_end(data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    summary = train.train(tiny(data_dir, run, embeddings="cached", precision="int8", cache_size=0.25, epochs=1))
+    # Tiny tables: cache sets and quantization parameters outweigh the int8 savings, so only check the ratio.
+    ratio = summary["fp32_embedding_bytes"] / summary["embedding_bytes"]
+    assert summary["memory_ratio"] == pytest.approx(ratio)
+    assert 0.0 < summary["cache_hit_rate"] <= 1.0
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= e["hit_rate"] <= 1.0 for e in events)
+    assert (run / "hit_rate.png").is_file()
+
+
+@pytest.mark.parametrize("embeddings", ["torch", "cached"])
+def test_resume_matches_uninterrupted(
+    embeddings: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = {"embeddings": embeddings, "cache_size": 0.25}
+    full = train.train(tiny(data_dir, tmp_path / "full", **settings))
 
     real_loss = torch.nn.functional.binary_cross_entropy_with_logits
     calls = {"n": 0}
@@ -98,7 +114,7 @@ def test_resume_matches_uninterrupted(data_dir: Path, tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(train.F, "binary_cross_entropy_with_logits", crash_midway)
     with pytest.raises(KeyboardInterrupt):
-        train.train(tiny(data_dir, tmp_path / "part"))
+        train.train(tiny(data_dir, tmp_path / "part", **settings))
     monkeypatch.undo()
     state = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints")
     assert state["progress"]["samples"] == 2560  # last periodic checkpoint before the crash
@@ -112,7 +128,8 @@ def test_resume_matches_uninterrupted(data_dir: Path, tmp_path: Path, monkeypatc
     for name, tensor in a["dense"].items():
         assert torch.equal(tensor, b["dense"][name]), name
     for name, tensor in a["embeddings"].items():
-        assert torch.equal(tensor, b["embeddings"][name]), name
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(tensor, b["embeddings"][name]), name
 
 
 def test_resume_rejects_changed_settings(data_dir: Path, tmp_path: Path) -> None:
@@ -206,3 +223,17 @@ def test_bad_checkpoint_is_one_line_error(tmp_path: Path) -> None:
     (tmp_path / "x.pt").write_bytes(b"junk")
     with pytest.raises(SlipcacheError, match="corrupt"):
         train.evaluate_checkpoint(tmp_path / "x.pt")
+
+
+def test_quick_run_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`slipcache train --quick`: synthetic data, recommended settings, AUC > 0.70."""
+    pytest.importorskip("slipcache.data.synthetic")
+    from slipcache.cli import main
+
+    run = tmp_path / "quick"
+    assert main(["train", "--quick", "--no-progress", "--out", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "AUC (test)" in out and "samples/s" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["auc"] > 0.70
+    assert summary["config"]["precision"] == "int8" and summary["config"]["embeddings"] == "cached"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -63,7 +64,12 @@ def plot_training(events: list[dict[str, Any]], path: Path) -> str | None:
     if not loss_x and not auc_x:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(loss_x, loss_y, color="tab:blue", linewidth=1.5)
+    left.plot(loss_x, loss_y, color="tab:blue", alpha=0.3, linewidth=1.0, label="per logging window")
+    if len(loss_y) >= 10:  # a moving average shows the trend through the per-window noise
+        k = max(3, len(loss_y) // 15)
+        smooth = np.convolve(loss_y, np.ones(k) / k, mode="valid")
+        left.plot(loss_x[k - 1 :], smooth, color="tab:blue", linewidth=2.0, label=f"mean of {k} windows")
+        left.legend()
     left.set_title("Training loss")
     left.set_ylabel("binary cross-entropy (nats)")
     _samples_axis(left)
@@ -80,10 +86,11 @@ def plot_hit_rate(events: list[dict[str, Any]], path: Path) -> str | None:
     if not x:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(x, [100 * v for v in y], color="tab:purple", linewidth=1.5)
+    percent = [100 * v for v in y]
+    ax.plot(x, percent, color="tab:purple", linewidth=1.5)
     ax.set_title("Embedding cache hit rate during training")
     ax.set_ylabel("hit rate (% of lookups)")
-    ax.set_ylim(0, 100)
+    ax.set_ylim(max(0.0, 10 * math.floor(min(percent) / 10) - 5), 100)
     _samples_axis(ax)
     return _save(fig, path)
 
@@ -98,11 +105,14 @@ def plot_memory(summary: dict[str, Any], path: Path) -> str | None:
     fp32 = summary.get("fp32_embedding_bytes")
     if not components or not fp32:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     bottom = 0.0
     colors = plt.get_cmap("tab10").colors
     for i, (name, size) in enumerate(components.items()):
-        ax.bar(0, _mib(size), bottom=bottom, color=colors[i % 10], width=0.55, label=f"{name}: {_mib(size):.2f} MiB")
+        if size <= 0:
+            continue
+        label = f"{name.replace('_', ' ')}: {_mib(size):.2f} MiB"
+        ax.bar(0, _mib(size), bottom=bottom, color=colors[i % 10], width=0.55, label=label)
         bottom += _mib(size)
     ax.bar(1, _mib(fp32), color="0.6", width=0.55, label=f"fp32 tables: {_mib(fp32):.2f} MiB")
     # memory_ratio is fp32 bytes / our bytes (docs/design.md): how many times smaller.
@@ -110,13 +120,13 @@ def plot_memory(summary: dict[str, Any], path: Path) -> str | None:
     ax.text(0, bottom, f"{bottom:.2f} MiB\n({ratio:.2f}x smaller)", ha="center", va="bottom")
     ax.text(1, _mib(fp32), f"{_mib(fp32):.2f} MiB", ha="center", va="bottom")
     config = summary.get("config", {})
-    label = "this run" if config.get("embeddings") == "torch" else f"{config.get('precision', '')} + cache"
-    ax.set_xticks([0, 1], [label, "fp32 baseline"])
-    ax.set_xlim(-0.6, 2.6)  # room for the legend on the right
-    ax.set_ylim(0, max(bottom, _mib(fp32)) * 1.25)
+    label = "this run (fp32)" if config.get("embeddings") == "torch" else f"{config.get('precision', '')} + cache"
+    ax.set_xticks([0, 1], [label, "fp32 tables"])
+    ax.set_xlim(-0.6, 1.6)
+    ax.set_ylim(0, max(bottom, _mib(fp32)) * 1.2)
     ax.set_ylabel("embedding memory (MiB)")
     ax.set_title("Embedding memory by component")
-    ax.legend(loc="upper right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     ax.grid(axis="x", visible=False)
     return _save(fig, path)
 
@@ -138,6 +148,7 @@ def plot_staleness(events: list[dict[str, Any]], path: Path) -> str | None:
         right.plot(hot_x, hot_y, color="0.5", linestyle="--", linewidth=1.2, label="hot rows")
     right.set_title("Stale embedding rows")
     right.set_ylabel("rows")
+    right.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
     right.legend()
     _samples_axis(right)
     return _save(fig, path)
