@@ -205,14 +205,3 @@ def test_scaled_table_sizes() -> None:
 
 
 @pytest.mark.skipif(not _has_slipcache(), reason="slipcache.embedding not available")
-def test_fast_init_rows_are_valid() -> None:
-    from slipcache.embedding import CachedEmbeddingBagCollection
-
-    cfg = bench.BenchConfig("x", "slipcache", "int4", 0.01, "lru")
-    config = bench._slipcache_config(cfg, [70_000, 30], 16, 0.1, 0)
-    fast = bench._fast_init_class(CachedEmbeddingBagCollection)(config)
-    rows = torch.tensor([0, 65_535, 65_536, 69_999, 70_029])
-    values = fast.read_rows(rows)
-    assert torch.isfinite(values).all() and values.abs().max() <= 0.02
-    assert torch.equal(values[1], fast.read_rows(torch.tensor([65_535]))[0])
-    assert fast.memory_report() == CachedEmbeddingBagCollection(config).memory_report()

@@ -333,84 +333,19 @@ def _slipcache_config(cfg: BenchConfig, sizes: list[int], dim: int, lr: float, s
     )
 
 
-def slipcache_static_estimate(cfg: BenchConfig, sizes: list[int], dim: int) -> dict[str, Any] | None:
-    """The module's own memory estimate without allocating, if it offers one (else None)."""
-    try:
-        embedding = _slipcache_module()
-        ecfg = _slipcache_config(cfg, sizes, dim, 0.1, 0)
-    except Exception:
-        return None
-    for owner, name in (
-        (embedding.CachedEmbeddingBagCollection, "estimate_memory"),
-        (embedding.CachedEmbeddingBagCollection, "static_memory_report"),
-        (embedding, "estimate_memory"),
-        (embedding, "memory_estimate"),
-        (ecfg, "memory_report"),
-        (ecfg, "estimate_memory"),
-    ):
-        fn = getattr(owner, name, None)
-        if callable(fn):
-            try:
-                report = fn() if owner is ecfg else fn(ecfg)
-            except Exception:
-                continue
-            if isinstance(report, dict) and "total_bytes" in report:
-                return report
-    return None
+def slipcache_static_estimate(cfg: BenchConfig, sizes: list[int], dim: int) -> dict[str, Any]:
+    """The module's memory report for this configuration, without allocating it."""
+    embedding = _slipcache_module()
+    return embedding.CachedEmbeddingBagCollection.estimate_memory(_slipcache_config(cfg, sizes, dim, 0.1, 0))
 
 
-def _own_estimate_bytes(cfg: BenchConfig, sizes: list[int], dim: int) -> int:
-    """A deliberately generous footprint for ours when the module gives no estimate: payload, quantization
-    parameters, 8 B/row bookkeeping, the fp32 cache with per-slot state, and initialization temporaries."""
-    rows = sum(sizes)
-    payload = {"fp32": 4 * dim, "fp16": 2 * dim, "bf16": 2 * dim, "int8": dim + 8, "int4": (dim + 1) // 2 + 8}
-    per_row = payload.get(cfg.precision, 4 * dim) + 8
-    cache_rows = cfg.cache_fraction * rows if cfg.cache_fraction < 1 else cfg.cache_fraction
-    return int(rows * per_row + cache_rows * (4 * dim + 24) + 4 * min(rows, 1 << 20) * dim * 4)
-
-
-def _fast_init_class(base: type) -> type:
-    """A subclass of our collection whose rows are initialized by tiling one rounded block.
-
-    Why: the module's own initialization draws and rounds every row (about 40 s for the Kaggle tables at
-    dim 16 on two cores, minutes at dim 128), which would dominate a full run. The timed steps do not depend
-    on row values, so one block of properly rounded rows, copied across every storage buffer, measures the
-    same thing. `--native-init` uses the module's initialization instead.
-    """
-    if not callable(getattr(base, "_initialize_rows", None)):
-        return base
-
-    class _FastInit(base):  # type: ignore[misc, valid-type]
-        def _initialize_rows(self) -> None:
-            storage = self.storage
-            num_rows = storage.num_rows
-            block = min(num_rows, _FAST_INIT_BLOCK_ROWS)
-            gen = torch.Generator().manual_seed(self.config.seed)
-            values = (torch.rand(block, self.dim, generator=gen) * 2 - 1) * 0.01
-            storage.write_range(0, values.to(self.storage_device), "nearest", None)
-            with torch.no_grad():
-                for buf in storage.buffers():
-                    if buf.dim() == 0 or buf.shape[0] != num_rows:
-                        continue
-                    for start in range(block, num_rows, block):
-                        end = min(start + block, num_rows)
-                        buf[start:end].copy_(buf[: end - start])
-
-    _FastInit.__name__ = _FastInit.__qualname__ = f"{base.__name__}FastInit"
-    return _FastInit
-
-
-_FAST_INIT_BLOCK_ROWS = 1 << 16
 
 
 def _build_slipcache(
-    cfg: BenchConfig, sizes: list[int], dim: int, lr: float, seed: int, native_init: bool = False
+    cfg: BenchConfig, sizes: list[int], dim: int, lr: float, seed: int
 ) -> Built:
     embedding = _slipcache_module()
-    cls = embedding.CachedEmbeddingBagCollection
-    if not native_init:
-        cls = _fast_init_class(cls)
-    coll = cls(_slipcache_config(cfg, sizes, dim, lr, seed))
+    coll = embedding.CachedEmbeddingBagCollection(_slipcache_config(cfg, sizes, dim, lr, seed))
     coll.train()
     report = coll.memory_report()
 
@@ -436,9 +371,6 @@ def estimate_bytes(cfg: BenchConfig, sizes: list[int], dim: int) -> tuple[int, d
     if cfg.impl == "fbgemm":
         return rows * dim * (4 if cfg.precision == "fp32" else 2), None
     static = slipcache_static_estimate(cfg, sizes, dim)
-    own = _own_estimate_bytes(cfg, sizes, dim)
-    if static is None:
-        return own, None
     # The static report is the steady state; add initialization temporaries (one chunk of fp32 rows and
     # what rounding it allocates, the module's chunk is 2^20 rows).
     return int(static["total_bytes"]) + 4 * min(rows, 1 << 20) * dim * 4, static
@@ -492,7 +424,6 @@ def measure(
     work: Workload,
     budget_bytes: int,
     lr: float = 0.1,
-    native_init: bool = False,
 ) -> dict[str, Any]:
     """Build, warm up, time and free one configuration; never raises for a failing implementation."""
     row = _row(cfg, dim)
@@ -516,7 +447,7 @@ def measure(
     if cfg.impl != "slipcache":
         row["bytes"] = need
         row["memory_ratio"] = sum(sizes) * dim * 4 / need
-    elif static is not None:
+    else:
         row["bytes"] = int(static["total_bytes"])
         row["memory_ratio"] = _finite(static.get("memory_ratio"))
     if need > budget_bytes:
@@ -531,7 +462,7 @@ def measure(
         elif cfg.impl == "fbgemm":
             built = _build_fbgemm(sizes, dim, cfg.precision, lr, work.seed)
         else:
-            built = _build_slipcache(cfg, sizes, dim, lr, work.seed, native_init)
+            built = _build_slipcache(cfg, sizes, dim, lr, work.seed)
         row["init_s"] = time.perf_counter() - start
         row["bytes"] = built.bytes
         row["memory_ratio"] = built.fp32_bytes / built.bytes if built.bytes else None
@@ -764,11 +695,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads (default: torch's choice, one per core); 1 is steadier on a busy machine",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--native-init",
-        action="store_true",
-        help="initialize our tables with the module's own (slow) row initialization instead of a tiled block",
-    )
     # Hidden knobs for tests and experiments.
     parser.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--min-rows", type=int, default=10_000, help=argparse.SUPPRESS)
@@ -831,8 +757,6 @@ def _command(args: argparse.Namespace, dims: list[int], configs: list[BenchConfi
             parts += [flag, str(value)]
     if args.min_rows != 10_000:
         parts += ["--min-rows", str(args.min_rows)]
-    if args.native_init:
-        parts.append("--native-init")
     if args.skip_probes:
         parts.append("--skip-probes")
     parts += ["--out", str(args.out)]
@@ -915,7 +839,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     for dim in dims:
         for cfg in configs:
             _progress(f"[{len(rows) + 1}/{total}] dim {dim} {cfg.name} ...")
-            row = measure(cfg, dim, work, budget, native_init=args.native_init)
+            row = measure(cfg, dim, work, budget)
             rows.append(row)
             if row["status"] == "ok":
                 extra = "" if row["hit_rate"] is None else f", hit rate {row['hit_rate']:.3f}"
