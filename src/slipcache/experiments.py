@@ -660,27 +660,36 @@ def plot_cache_sweep(entries: list[dict[str, Any]], path: Path) -> str | None:
 
 
 def plot_rounding(entries: list[dict[str, Any]], path: Path) -> str | None:
-    """AUC change of stochastic vs nearest rounding, per precision with and without a cache."""
+    """Left: AUC change vs fp32 per rounding; right: the seed-paired gain of stochastic over nearest."""
     plt = _plt()
     by_key = {(e["overrides"]["precision"], e["overrides"]["cache_size"], e["overrides"]["policy"],
                e["overrides"]["rounding"]): e for e in entries}
     cases = sorted({k[:3] for k in by_key if k[3] == "nearest" and (*k[:3], "stochastic") in by_key})
     if not cases:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    labels = [f"{p}\n{'no cache' if c == 0 else f'{_pct(c)} {pol}'}" for p, c, pol in cases]
     width = 0.38
     for j, (rounding, color) in enumerate((("stochastic", "tab:green"), ("nearest", "tab:purple"))):
-        ys = [1e3 * (_m(by_key[(*c, rounding)], "auc_delta") or 0.0) for c in cases]
-        errs = [1e3 * (_m(by_key[(*c, rounding)], "auc_delta", "std") or 0.0) for c in cases]
-        ax.bar([i + (j - 0.5) * width for i in range(len(cases))], ys, width, yerr=errs if any(errs) else None,
-               capsize=3,
-               color=color, label=f"{rounding} rounding")
-    labels = [f"{p}\n{'no cache' if c == 0 else f'{_pct(c)} {pol}'}" for p, c, pol in cases]
-    ax.set_xticks(range(len(cases)), labels)
-    ax.axhline(0, color="0.3", linewidth=0.8)
-    ax.set_ylabel("test AUC change vs fp32 no cache (x 1e-3)")
-    ax.set_title("Stochastic vs nearest rounding into low-precision rows")
-    ax.legend()
+        group = [by_key[(*c, rounding)] for c in cases]
+        ys = [1e3 * (_m(e, "auc_delta") or 0.0) for e in group]
+        sems = [1e3 * (_m(e, "auc_delta", "std") or 0.0) / math.sqrt(max(e["seeds"], 1)) for e in group]
+        left.bar([i + (j - 0.5) * width for i in range(len(cases))], ys, width, yerr=sems if any(sems) else None,
+                 capsize=3, color=color, label=f"{rounding} rounding")
+    left.set_xticks(range(len(cases)), labels)
+    left.axhline(0, color="0.3", linewidth=0.8)
+    left.set_ylabel("test AUC change vs fp32 no cache (x 1e-3)")
+    left.set_title("Accuracy per rounding mode (bars: standard error)")
+    left.legend()
+    diffs = [paired_difference(by_key[(*c, "stochastic")], by_key[(*c, "nearest")]) for c in cases]
+    ys = [1e3 * (d["mean"] if d else 0.0) for d in diffs]
+    sems = [1e3 * d["std"] / math.sqrt(d["n"]) if d else 0.0 for d in diffs]
+    colors = ["tab:green" if d and d["measurable"] else "0.6" for d in diffs]
+    right.bar(range(len(cases)), ys, 0.6, yerr=sems if any(sems) else None, capsize=3, color=colors)
+    right.set_xticks(range(len(cases)), labels)
+    right.axhline(0, color="0.3", linewidth=0.8)
+    right.set_ylabel("AUC, stochastic minus nearest (x 1e-3)")
+    right.set_title("Gain of stochastic rounding, paired by seed\n(green: measurable, grey: within noise)")
     return _save(fig, path)
 
 
