@@ -910,11 +910,6 @@ def mixed_precision_section(entries: list[dict[str, Any]], plots: dict[str, str 
     return lines
 
 
-def _worst(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
-    scored = [e for e in entries if _m(e, "auc_delta") is not None and e["name"] != BASELINE]
-    return min(scored, key=lambda e: _m(e, "auc_delta")) if scored else None
-
-
 def answer_rq1(rq1: list[dict[str, Any]]) -> str:
     lowp = [e for e in rq1 if e["overrides"]["precision"] != "fp32" and _m(e, "auc_delta") is not None]
     if not lowp:
