@@ -68,7 +68,7 @@ class TrainConfig:
     vocab_size: int = 1_000_000  # raw data, hash vocabulary: rows per table
     min_count: int = 4  # raw data, frequency vocabulary: rarer values map to row 0
     max_rows: int | None = None  # raw data: read at most this many lines
-    synthetic_samples: int = 1_500_000  # synthetic data: rows generated (all splits)
+    synthetic_samples: int = 1_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
     # embeddings (see slipcache.embedding / docs/design.md)
@@ -78,14 +78,14 @@ class TrainConfig:
     policy: str = "lru"
     rounding: str = "stochastic"
     optimizer: str = "sgd"  # embedding optimizer
-    lr: float = 0.1  # embedding learning rate
+    lr: float = 0.3  # embedding learning rate (SGD; tuned on synthetic data at batch 256)
     dense_lr: float | None = None  # MLP learning rate (plain SGD); None = lr
     # model
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
     # schedule (all counts are samples)
-    batch_size: int = 512
+    batch_size: int = 256
     epochs: int = 1
     samples: int | None = None  # training budget; overrides epochs when set
     log_every: int | None = None
@@ -133,13 +133,14 @@ class TrainConfig:
             raise SlipcacheError("skip_stale is not wired into the trainer yet")
 
 
-# `--quick`: a scaled-down synthetic dataset and a ~300k-sample budget; applied only to fields the user
-# did not set. Tuned to finish well under a minute on 2 CPU cores with validation AUC > 0.70.
+# `--quick`: a scaled-down synthetic dataset, smaller MLPs and a 600k-sample budget; applied only to
+# fields the user did not set. Tuned for test AUC > 0.70 (measured 0.714) in ~20 s on 2 idle CPU cores.
 QUICK: dict[str, Any] = {
-    "synthetic_samples": 400_000,
+    "synthetic_samples": 800_000,
     "synthetic_scale": 0.02,
-    "samples": 300_000,
-    "batch_size": 512,
+    "samples": 600_000,
+    "lr": 0.5,
+    "batch_size": 256,
     "eval_samples": 20_000,
     "bottom_mlp": [128, 64, 16],
     "top_mlp": [128, 64, 1],
@@ -775,9 +776,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
     add("--rounding", choices=ROUNDINGS, default=s, help="rounding into storage (default stochastic)")
     add("--optimizer", choices=OPTIMIZERS, default=s, help="embedding optimizer (default sgd)")
-    add("--lr", type=float, default=s, help="embedding learning rate (default 0.1)")
+    add("--lr", type=float, default=s, help="embedding learning rate (default 0.3)")
     add("--dense-lr", type=float, default=s, help="MLP learning rate (default: --lr)")
-    add("--batch-size", type=int, default=s, help="samples per batch (default 512)")
+    add("--batch-size", type=int, default=s, help="samples per batch (default 256)")
     add("--epochs", type=int, default=s, help="passes over the training split (default 1)")
     add("--samples", type=int, default=s, help="training budget in samples (overrides --epochs)")
     add("--eval-every", type=int, default=s, help="samples between validation runs (default: 10 per run)")
