@@ -516,8 +516,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 drop_last=True,
                 start_batch=progress.batch_in_epoch,
             )
+            tick = time.perf_counter()  # step time includes reading the batch, but not evaluation or checkpoints
             for batch in batches:
-                t0 = time.perf_counter()
                 logits = model(batch.dense, batch.sparse)
                 loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
                 loss_value = loss.item()
@@ -536,7 +536,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 dense_opt.step()
                 if emb_opt is not None:
                     emb_opt.step()
-                elapsed = time.perf_counter() - t0
+                elapsed = time.perf_counter() - tick
 
                 n = batch.labels.shape[0]
                 progress.step += 1
@@ -566,6 +566,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                     save(progress.samples)
                 if last:
                     break
+                tick = time.perf_counter()
             if progress.batch_in_epoch >= batches_per_epoch:
                 progress.epoch += 1
                 progress.batch_in_epoch = 0
