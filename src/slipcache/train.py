@@ -489,7 +489,6 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
     batch_size = config.batch_size
     total_steps = math.ceil(config.samples / batch_size)
-    batches_per_epoch = dataset.splits["train"] // batch_size
     bar = tqdm(
         total=total_steps * batch_size,
         initial=progress.samples,
@@ -567,7 +566,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 if last:
                     break
                 tick = time.perf_counter()
-            if progress.batch_in_epoch >= batches_per_epoch:
+            else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
+                if progress.batch_in_epoch == 0:
+                    raise SlipcacheError(f"epoch {progress.epoch} produced no training batches")
                 progress.epoch += 1
                 progress.batch_in_epoch = 0
     finally:
