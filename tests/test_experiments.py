@@ -130,6 +130,7 @@ class FakeConfig:
     policy: str = "lru"
     rounding: str = "stochastic"
     batch_size: int = 512
+    lr: float = 0.1
     bottom_mlp: list[int] = dataclasses.field(default_factory=list)
     top_mlp: list[int] = dataclasses.field(default_factory=list)
     eval_samples: int = 0

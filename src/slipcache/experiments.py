@@ -74,7 +74,8 @@ class Preset:
     full_grid: bool
     bottom_mlp: tuple[int, ...] = (128, 64, 16)
     top_mlp: tuple[int, ...] = (128, 64, 1)
-    batch_size: int = 512
+    batch_size: int = 512  # not the trainer's 256: per-step overhead dominates on 2 cores
+    lr: float = 0.3  # pinned, so a change of the trainer's default cannot silently change a grid
     # for the up-front estimate only: one thread on this machine, measured at scale 0.05
     rate_guess: float = 30_000.0
     overhead_guess_s: float = 6.0
@@ -116,7 +117,9 @@ class Cell:
 
     @property
     def id(self) -> str:
-        digest = hashlib.sha256(json.dumps(self.values, sort_keys=True, default=str).encode()).hexdigest()[:8]
+        """Readable name + seed + a hash of the complete config, trainer defaults included."""
+        full = {**asdict(trainer.TrainConfig()), **self.values}
+        digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:8]
         slug = re.sub(r"[^a-z0-9.]+", "-", self.setup.name.lower()).strip("-")
         return f"{self.setup.experiment}-{slug}-s{self.seed}-{digest}"
 
@@ -227,6 +230,7 @@ class Plan:
         values: dict[str, Any] = {
             "data": self.data,
             "batch_size": p.batch_size,
+            "lr": p.lr,
             "bottom_mlp": list(p.bottom_mlp),
             "top_mlp": list(p.top_mlp),
             "eval_samples": p.eval_samples,
