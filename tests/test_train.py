@@ -237,3 +237,18 @@ def test_quick_run_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureF
     summary = json.loads((run / "summary.json").read_text())
     assert summary["auc"] > 0.70
     assert summary["config"]["precision"] == "int8" and summary["config"]["embeddings"] == "cached"
+
+
+RAW_TSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo" / "kaggle_train_head.tsv"
+
+
+@pytest.mark.skipif(not RAW_TSV.is_file(), reason="shared Criteo sample not found")
+@pytest.mark.parametrize("vocab", ["hash", "frequency"])
+def test_raw_criteo_file_is_preprocessed_beside_the_run(vocab: str, tmp_path: Path) -> None:
+    config = tiny(RAW_TSV, tmp_path / "runs" / "a", vocab=vocab, max_rows=1000, epochs=1)
+    summary = train.train(config)
+    dataset = Path(summary["config"]["dataset"])
+    assert dataset.parent == tmp_path / "runs" / "data-cache" and (dataset / "meta.json").is_file()
+    sizes = json.loads((dataset / "meta.json").read_text())["table_sizes"]
+    assert (sizes == [1000] * 26) == (vocab == "hash")
+    assert train.prepare_data(config, tmp_path / "runs" / "data-cache") == dataset  # cached, not redone

@@ -65,9 +65,8 @@ class TrainConfig:
     out: str | None = None  # run directory; default runs/<timestamp>
     resume: str | None = None  # run directory or checkpoint file to continue from
     vocab: str = "hash"  # raw data only: "hash" (fixed table size) or "frequency" (ids by count)
-    vocab_size: int = 1_000_000  # raw data, hash vocabulary: rows per table
-    min_count: int = 4  # raw data, frequency vocabulary: rarer values map to row 0
-    max_rows: int | None = None  # raw data: read at most this many lines
+    max_rows: int = 1_000_000  # raw data, hash vocabulary: rows per table (DLRM's max-ind-range)
+    min_count: int = 1  # raw data, frequency vocabulary: rarer values map to row 0 ("unknown")
     synthetic_samples: int = 1_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
@@ -112,7 +111,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise SlipcacheError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         positive = ["batch_size", "epochs", "embedding_dim", "samples", "log_every", "eval_every"]
-        positive += ["checkpoint_every", "eval_samples", "synthetic_samples", "vocab_size"]
+        positive += ["checkpoint_every", "eval_samples", "synthetic_samples", "max_rows", "min_count"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -247,24 +246,24 @@ def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
         return path
     inputs = _raw_inputs(path)
     key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
-    key_parts += [config.vocab, str(config.vocab_size), str(config.min_count), str(config.max_rows)]
-    key_parts += [str(config.strict), str(config.seed)]
+    key_parts += [config.vocab, str(config.max_rows), str(config.min_count), str(config.strict)]
     key = hashlib.sha256("\n".join(key_parts).encode()).hexdigest()[:12]
     out_dir = cache_root / f"{path.stem}-{config.vocab}-{key}"
     if (out_dir / "meta.json").is_file():
         return out_dir
     from slipcache.data.preprocess import preprocess
 
-    vocab: Any = config.vocab_size if config.vocab == "hash" else "frequency"
+    # Held-back splits: contiguous 80/10/10 in file order (Criteo is time-ordered), the preprocess default.
+    # Hash seed 0 whatever the run seed, so runs with different seeds share one preprocessed dataset.
     preprocess(
         inputs,
         out_dir,
-        vocab=vocab,
+        vocab=config.vocab,
         min_count=config.min_count,
         max_rows=config.max_rows,
         strict=config.strict,
         progress=config.progress,
-        seed=config.seed,
+        seed=0,
     )
     return out_dir
 
@@ -789,7 +788,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dim", dest="embedding_dim", type=int, default=s, help="embedding dimension (default 16)")
     add("--seed", type=int, default=s, help="random seed (default 0)")
     add("--vocab", choices=VOCABS, default=s, help="raw data vocabulary: hash (default) or frequency")
-    add("--max-rows", type=int, default=s, help="raw data: read at most this many lines")
+    add("--max-rows", type=int, default=s, help="raw data, hash vocabulary: rows per table (default 1000000)")
+    add("--min-count", type=int, default=s, help="raw data, frequency vocabulary: minimum count (default 1)")
     add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
     add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
 
