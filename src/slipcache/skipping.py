@@ -1,0 +1,250 @@
+"""Stale-input skipping inside the training loop: the per-epoch Slipstream protocol around `StaleInputDetector`.
+
+The trainer calls `StaleSkipper` through four hooks (see `slipcache.train.train`):
+
+    skipper.start_epoch(epoch, batch_in_epoch)   before the epoch's BatchIterator is built
+    BatchIterator(..., sample_filter=skipper.sample_filter)
+    skipper.after_batch()                        after every optimizer step
+    skipper.event_fields(...) / skipper.summary(...) / state_dict() / load_state_dict()
+
+One epoch, in a single pass over the data (so a one-epoch run can skip too):
+
+1. profile: count row accesses on `profile_fraction` of the split; hot rows are the most accessed that fit
+   `stale_budget_mb`, minus rows too rare to be touched during a window (see `_keep_frequent`);
+2. window: the epoch's first `stale_window` share of batches trains normally between two snapshots of the
+   hot rows; these batches are at the start of the epoch, so the rest of the epoch can skip;
+3. threshold: bisection on a sample of hot inputs so that `stale_target` (D) of them are stale;
+4. filtered training: the BatchIterator's sample filter drops stale inputs as batches are assembled, so
+   batches stay full and a skipped input never reaches forward or backward. Every K batches a rolling
+   snapshot recomputes which rows are stale with the epoch's threshold; every G batches the guard evaluates
+   (forward only, eval mode, no_grad: the cache and the weights are untouched) a sample of inputs that would
+   be skipped against inputs that are trained, and lowers D (or stops skipping) when the skipped ones' loss
+   drifts above the trained ones' by the margin.
+
+Exact resume: the filter records every keep decision of the epoch (one bit per input) and a checkpoint
+holds them. BatchIterator re-runs the filter over the batches before `start_batch`; the resumed filter
+replays the recorded bits there instead of deciding again with today's state, then decides live.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from slipcache.data.dataset import SplitArrays
+from slipcache.model import DLRM
+from slipcache.staleness import GuardDecision, HotSet, StaleInputDetector, StalenessConfig
+
+_STATE_VERSION = 1
+THRESHOLD_SAMPLE_MIN = 4096
+
+
+class StaleSkipper:
+    """Runs the Slipstream cycle of each epoch for the trainer; all state needed to resume is in state_dict."""
+
+    def __init__(self, config: Any, model: DLRM, split: SplitArrays, batches_per_epoch: int) -> None:
+        self.model = model
+        self.coll = model.embeddings
+        self.split = split
+        self.batch_size = int(config.batch_size)
+        self.detector = StaleInputDetector.from_collection(
+            self.coll,
+            StalenessConfig(
+                target_drop=config.stale_target,
+                alpha=config.stale_alpha,
+                window_fraction=config.stale_window,
+                recheck_interval=config.stale_recheck,
+                memory_budget_bytes=int(config.stale_budget_mb * 2**20),
+                seed=config.seed,
+            ),
+        )
+        self.window = self.detector.window_batches(batches_per_epoch)
+        self.guard_every = int(config.stale_guard_every) if config.stale_guard else 0
+        self.release_cache = bool(config.stale_release_cache) and hasattr(self.coll, "release_rows")
+        self.min_accesses = float(config.stale_min_accesses)
+        self.batch = 0  # batches trained in the current epoch
+        self.decisions: list[np.ndarray] = []  # keep masks of this epoch, in filter-call order
+        self._replay = np.zeros(0, dtype=bool)  # decisions to repeat after a resume
+        self._replay_pos = 0
+        self.released_rows = 0
+        self.guard_checks = 0
+        self.guard_actions: list[dict[str, Any]] = []
+        self.last_guard: GuardDecision | None = None
+        self.overhead_s = 0.0  # profiling, snapshots, threshold fits, guard checks, filtering
+        self.fits: list[dict[str, Any]] = []
+
+    # ---- hooks -----------------------------------------------------------------------------------------
+
+    def start_epoch(self, epoch: int, batch_in_epoch: int) -> None:
+        """Profile and open the snapshot window, unless this is a resumed epoch already under way."""
+        if batch_in_epoch > 0 and self.detector.epoch == epoch and self.detector.hot is not None:
+            return
+        t0 = time.perf_counter()
+        det = self.detector
+        det.start_epoch(epoch)
+        self.batch = 0
+        self.decisions, self._replay, self._replay_pos = [], np.zeros(0, dtype=bool), 0
+        n = len(self.split)
+        sample = self.split.sparse[det.sample_indices(n, det.config.profile_fraction, "profile")]
+        det.profile(sample)
+        self._keep_frequent(sample_share=len(sample) / max(n, 1))
+        det.begin_window(self.coll)
+        self.overhead_s += time.perf_counter() - t0
+
+    def sample_filter(self, sparse: np.ndarray) -> np.ndarray:
+        """BatchIterator filter: keep mask; replays recorded decisions first after a resume."""
+        t0 = time.perf_counter()
+        n = sparse.shape[0]
+        if self._replay_pos < self._replay.size:
+            keep = self._replay[self._replay_pos : self._replay_pos + n]
+            self._replay_pos += n
+        else:
+            keep = self.detector.count(sparse)
+        self.decisions.append(keep)
+        self.overhead_s += time.perf_counter() - t0
+        return keep
+
+    def after_batch(self) -> None:
+        """Close the window and fit the threshold, rolling re-checks, cache release and guard checks."""
+        t0 = time.perf_counter()
+        det = self.detector
+        self.batch += 1
+        rechecked = det.after_batch(self.coll)
+        if self.batch == self.window:
+            det.end_window(self.coll)
+            # At least THRESHOLD_SAMPLE_MIN inputs: the achieved ratio moves in steps of 1 / (hot inputs sampled).
+            n = len(self.split)
+            share = min(1.0, max(det.config.threshold_sample_fraction, THRESHOLD_SAMPLE_MIN / max(n, 1)))
+            sample = self.split.sparse[det.sample_indices(n, share, "threshold")]
+            result = det.fit_threshold(sample)
+            self.fits.append({"epoch": det.epoch, "threshold": result.threshold, "ratio": result.achieved_ratio,
+                              "converged": result.converged, "reason": result.reason})
+            rechecked = True
+        if rechecked and self.release_cache and det.skipping:
+            self.released_rows += int(self.coll.release_rows(torch.from_numpy(det.stale_rows())))
+        if self.guard_every and det.threshold is not None and self.batch % self.guard_every == 0:
+            self._guard_check()
+        self.overhead_s += time.perf_counter() - t0
+
+    # ---- pieces ----------------------------------------------------------------------------------------
+
+    def _keep_frequent(self, sample_share: float) -> None:
+        """Drop hot rows expected to be accessed fewer than `stale_min_accesses` times in a window.
+
+        A row untouched between two snapshots has change 0 and would look converged when it was merely not
+        sampled; rare rows are the ones that still need training, so by default they are never hot.
+        """
+        det = self.detector
+        hot = det.hot
+        if hot is None or not len(hot):
+            return
+        window_inputs = self.window * self.batch_size
+        expected = hot.counts / max(sample_share, 1e-12) * window_inputs / max(len(self.split), 1)
+        keep = expected >= self.min_accesses
+        if not keep.all():
+            det.hot = HotSet(hot.rows[keep], hot.counts[keep], det.table_offsets)
+            det._stale_flags = np.zeros(len(det.hot), dtype=bool)
+
+    @torch.no_grad()
+    def _loss(self, idx: np.ndarray) -> float:
+        """Mean BCE of training inputs `idx`, forward only in eval mode (no cache or weight change)."""
+        dense = torch.from_numpy(np.ascontiguousarray(self.split.dense[idx]))
+        sparse = torch.from_numpy(self.split.sparse[idx].astype(np.int64))
+        labels = torch.from_numpy(np.ascontiguousarray(self.split.labels[idx]))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return float(F.binary_cross_entropy_with_logits(self.model(dense, sparse), labels))
+        finally:
+            self.model.train(was_training)
+
+    def _guard_check(self) -> None:
+        det = self.detector
+        idx = det.guard_indices(len(self.split), self.batch)
+        stale = det.stale_mask(self.split.sparse[idx])
+        if not stale.any() or stale.all():
+            return
+        decision = det.update_guard(self._loss(idx[stale]), self._loss(idx[~stale]))
+        self.guard_checks += 1
+        self.last_guard = decision
+        if decision.action != "none":
+            self.guard_actions.append({"epoch": det.epoch, "batch": self.batch, "action": decision.action,
+                                       "target": decision.target, "drift": decision.drift})
+
+    # ---- reporting -------------------------------------------------------------------------------------
+
+    def event_fields(self, seconds_per_trained_sample: float) -> dict[str, Any]:
+        """Staleness keys merged into each metrics.jsonl train event."""
+        det = self.detector
+        stats = det.stats()
+        total = det.total
+        saved = total.skipped * seconds_per_trained_sample - self.overhead_s
+        return {
+            "skipped_fraction": total.skipped / total.inputs if total.inputs else 0.0,
+            "epoch_skipped_fraction": stats["skipped_fraction"],
+            "hot_skipped_fraction": total.skipped_hot / total.hot_inputs if total.hot_inputs else 0.0,
+            "inputs_skipped": total.skipped,
+            "hot_rows": stats["hot_rows"],
+            "stale_rows": stats["stale_rows"],
+            "threshold": stats["threshold"],
+            "stale_target": stats["target_drop"],
+            "skipping": stats["skipping"],
+            "guard_drift": self.last_guard.drift if self.last_guard else None,
+            "released_rows": self.released_rows,
+            "skip_overhead_s": self.overhead_s,
+            "time_saved_s": saved,
+        }
+
+    def summary(self, seconds_per_trained_sample: float) -> dict[str, Any]:
+        """The summary.json `staleness` block."""
+        total = self.detector.total
+        return {
+            **self.event_fields(seconds_per_trained_sample),
+            "inputs_seen": total.inputs,
+            "hot_inputs_seen": total.hot_inputs,
+            "window_batches": self.window,
+            "rechecks": self.detector.stats()["rechecks"],
+            "guard_checks": self.guard_checks,
+            "guard_actions": self.guard_actions,
+            "guard_active": self.detector.guard.active,
+            "threshold_fits": self.fits,
+            "speedup_bound": 1.0 / max(1.0 - (total.skipped / total.inputs if total.inputs else 0.0), 1e-9),
+        }
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        decisions = np.concatenate(self.decisions) if self.decisions else np.zeros(0, dtype=bool)
+        return {
+            "version": _STATE_VERSION,
+            "detector": self.detector.state_dict(),
+            "batch": self.batch,
+            "decisions": torch.from_numpy(np.packbits(decisions)),
+            "num_decisions": int(decisions.size),
+            "released_rows": self.released_rows,
+            "guard_checks": self.guard_checks,
+            "guard_actions": list(self.guard_actions),
+            "last_guard": None if self.last_guard is None else vars(self.last_guard).copy(),
+            "overhead_s": self.overhead_s,
+            "fits": list(self.fits),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported skipping state version {state.get('version')}")
+        self.detector.load_state_dict(state["detector"])
+        self.batch = int(state["batch"])
+        bits = np.unpackbits(state["decisions"].numpy(), count=int(state["num_decisions"]))
+        self._replay, self._replay_pos = bits.astype(bool), 0
+        self.decisions = []
+        self.released_rows = int(state["released_rows"])
+        self.guard_checks = int(state["guard_checks"])
+        self.guard_actions = list(state["guard_actions"])
+        self.last_guard = GuardDecision(**state["last_guard"]) if state["last_guard"] else None
+        self.overhead_s = float(state["overhead_s"])
+        self.fits = list(state["fits"])
+
