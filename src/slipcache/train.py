@@ -9,6 +9,7 @@ directory:
     <out>/summary.json     final test metrics, throughput, memory
     <out>/report.md        plots of the above (see slipcache.report)
     <out>/checkpoints/     latest.pt plus the newest periodic checkpoints (atomic writes)
+    <out>/../data-cache/   raw Criteo input preprocessed once, shared by runs beside each other
 
 Determinism: everything random is seeded from `config.seed` (model init, shuffling, stochastic rounding
 inside the embedding collection), and a checkpoint holds every piece of state the loop reads, so an
@@ -459,7 +460,12 @@ def train(config: TrainConfig) -> dict[str, Any]:
         raise SlipcacheError(f"run directory {run_dir} already holds a run; use --resume {run_dir} or another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    dataset_dir = prepare_data(config, run_dir.parent / "data-cache")
+    # A resumed run keeps reading the dataset it started on, when that is still there.
+    saved_dataset = Path(state["config"]["dataset"]) if state is not None else None
+    if saved_dataset is not None and (saved_dataset / "meta.json").is_file():
+        dataset_dir = saved_dataset
+    else:
+        dataset_dir = prepare_data(config, run_dir.parent / "data-cache")
     dataset = open_dataset(dataset_dir)
     train_split, val_split = dataset.split("train"), dataset.split("val")
     config = resolve_schedule(config, dataset.splits["train"])
