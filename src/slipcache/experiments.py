@@ -923,7 +923,8 @@ def answer_rq1(rq1: list[dict[str, Any]]) -> str:
     kept = [e for e in lowp if e not in hurt]
     text = f"**RQ1.** Of {len(lowp)} low-precision setups, {len(kept)} show no measurable AUC loss against fp32"
     if hurt:
-        text += "; " + ", ".join(f"{e['name']} ({_pm(e, 'auc_delta', sign=True)})" for e in hurt) + " lose accuracy"
+        text += "; " + ", ".join(f"{e['name']} ({_pm(e, 'auc_delta', sign=True)})" for e in hurt)
+        text += " loses accuracy" if len(hurt) == 1 else " lose accuracy"
     text += ". "
     best = max(kept, key=lambda e: _m(e, "memory_ratio") or 0, default=None)
     if best:
@@ -976,6 +977,8 @@ def answer_rq2(sweep: list[dict[str, Any]]) -> str:
     else:
         auc_word = "an accuracy difference at " + ", ".join(f"{_pct(c)} ({d['mean']:+.4f} AUC, LFU minus LRU)"
                                                             for c, d in measurable)
+    if auc and auc[0][1]["n"] == 1:
+        auc_word += " (one seed: indicative only)"
     return (f"Hit rates ({detail}): {winner} is ahead by {abs(mean):.1f} points on average, with {auc_word}. "
             "With power-law ids both policies keep the head of the distribution; they differ on rows near "
             "the capacity boundary, which matters most for small caches.")
@@ -992,6 +995,8 @@ def answer_rq3(sweep: list[dict[str, Any]]) -> str:
     spread = max(abs(d["mean"]) for d in diffs if d) if any(diffs) else 0.0
     accuracy = (f"no cache size changes AUC measurably against the smallest (largest difference {spread:.4f})"
                 if not moved else f"AUC moves by up to {spread:.4f} against the smallest cache")
+    if any(d and d["n"] == 1 for d in diffs):
+        accuracy += " (one seed: indicative only)"
     return (f"From {_pct(lo['overrides']['cache_size'])} to {_pct(hi['overrides']['cache_size'])} of rows (LRU), the "
             f"hit rate rises from {100 * _m(lo, 'cache_hit_rate'):.1f}% to {100 * _m(hi, 'cache_hit_rate'):.1f}% while "
             f"the memory saving falls from {_m(lo, 'memory_ratio'):.2f}x to {_m(hi, 'memory_ratio'):.2f}x (every "
