@@ -225,6 +225,7 @@ def test_bad_checkpoint_is_one_line_error(tmp_path: Path) -> None:
         train.evaluate_checkpoint(tmp_path / "x.pt")
 
 
+@pytest.mark.slow  # ~30 s on 2 idle cores (first run also generates the 800k-row synthetic dataset)
 def test_quick_run_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`slipcache train --quick`: synthetic data, recommended settings, AUC > 0.70."""
     pytest.importorskip("slipcache.data.synthetic")
