@@ -43,6 +43,9 @@ from slipcache.errors import SlipcacheError
 from slipcache.metrics import evaluate_predictions
 from slipcache.model import DLRM, EMBEDDING_KINDS, ModelConfig, build_embeddings
 
+if typing.TYPE_CHECKING:
+    from slipcache.skipping import StaleSkipper
+
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 POLICIES = ("lru", "lfu", "none")
 ROUNDINGS = ("stochastic", "nearest")
@@ -96,8 +99,18 @@ class TrainConfig:
     seed: int = 0
     quick: bool = False  # small synthetic run for tests and first contact (see QUICK)
     progress: bool = True  # tqdm progress bar
-    # Slipstream stale-input skipping: fields are added here by slipcache.staleness integration.
-    skip_stale: bool = False
+    # Slipstream stale-input skipping (slipcache.skipping, docs/skipping.md)
+    skip_stale: bool = False  # drop stale inputs while batches are assembled: no forward, no backward
+    stale_target: float = 0.3  # D: share of hot inputs to skip, fitted anew each epoch
+    stale_guard: bool = True  # back off D (or stop) when skipped inputs' loss drifts above trained ones'
+    stale_guard_every: int = 100  # batches between guard checks (each evaluates 2048 inputs, forward only)
+    stale_alpha: float = 1.0  # an input is stale when this share of its lookups hit stale rows
+    stale_window: float = 0.02  # share of an epoch's batches between the two snapshots of the window
+    stale_recheck: int | None = 0  # batches between rolling snapshots; 0 = window length, None = off
+    stale_budget_mb: float = 256.0  # hot-row snapshot budget (one snapshot)
+    stale_min_accesses: float = 0.0  # hot rows must expect this many accesses per window (0 = paper)
+    stale_release_cache: bool = False  # stale rows give their cache slots to rows that still move
+    stale_refit: bool = True  # refit T at every rolling re-check so D holds all epoch (paper: once per epoch)
 
     def validate(self) -> None:
         choices = {
@@ -129,8 +142,12 @@ class TrainConfig:
             )
         if self.top_mlp[-1:] != [1]:
             raise SlipcacheError(f"top_mlp must end in 1 (the logit), got {self.top_mlp}")
-        if self.skip_stale:
-            raise SlipcacheError("skip_stale is not wired into the trainer yet")
+        if not 0.0 <= self.stale_target <= 1.0 or not 0.0 < self.stale_alpha <= 1.0:
+            raise SlipcacheError("stale_target must be in [0, 1] and stale_alpha in (0, 1]")
+        if not 0.0 < self.stale_window <= 1.0 or self.stale_guard_every < 1 or not self.stale_budget_mb > 0:
+            raise SlipcacheError("stale_window must be in (0, 1], stale_guard_every >= 1, stale_budget_mb > 0")
+        if (self.stale_recheck is not None and self.stale_recheck < 0) or not self.stale_min_accesses >= 0:
+            raise SlipcacheError("stale_recheck must be >= 0 (0 = window length) or None, stale_min_accesses >= 0")
 
 
 # `--quick`: a scaled-down synthetic dataset, smaller MLPs and a 600k-sample budget; applied only to
@@ -368,7 +385,9 @@ class Progress:
     samples: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
-    train_wall_s: float = 0.0  # time spent in training steps only (no evaluation, no checkpoints)
+    train_wall_s: float = 0.0  # wall time of the loop: data, skip filter and guard, steps (no eval, no checkpoints)
+    compute_s: float = 0.0  # forward, backward and optimizer steps only
+    skipped: int = 0  # inputs dropped as stale; they count against the sample budget like trained ones
     window_loss: float = 0.0  # sum of per-batch mean loss * batch size since the last log event
     window_samples: int = 0
     window_wall_s: float = 0.0
@@ -480,9 +499,16 @@ def train(config: TrainConfig) -> dict[str, Any]:
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
     emb_opt = embedding_optimizer(config, model)
     progress = Progress()
+    skipper = None
+    if config.skip_stale:
+        from slipcache.skipping import StaleSkipper
+
+        skipper = StaleSkipper(config, model, train_split, dataset.splits["train"] // config.batch_size)
     if state is not None:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         _restore(state, model, dense_opt, emb_opt, progress)
+        if skipper is not None:
+            skipper.load_state_dict(state["skipping"])
     _write_json(run_dir / "config.json", config_dict)
     _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops events after its checkpoint
     # The collection's counters may or may not come back with its state; count relative to what it says now.
@@ -494,6 +520,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
     batch_size = config.batch_size
     total_steps = math.ceil(config.samples / batch_size)
+    # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
+    # as many epochs as the run without skipping, even though its epochs have fewer batches.
+    budget = total_steps * batch_size
+    max_epochs = math.ceil(total_steps / (dataset.splits["train"] // batch_size))
     bar = tqdm(
         total=total_steps * batch_size,
         initial=progress.samples,
@@ -507,10 +537,14 @@ def train(config: TrainConfig) -> dict[str, Any]:
         lookups, hits = _stats_totals(model)  # the open window's cache counts travel with the checkpoint
         progress.window_lookups, progress.window_hits = lookups - base_lookups, hits - base_hits
         checkpoint_state = _checkpoint_state(config_dict, dataset.table_sizes, model, dense_opt, emb_opt, progress)
+        checkpoint_state["skipping"] = skipper.state_dict() if skipper is not None else None
         ckpt.save_run_checkpoint(run_dir / "checkpoints", checkpoint_state, tag_samples, keep=config.keep_checkpoints)
 
     try:
-        while progress.step < total_steps:
+        while progress.samples + progress.skipped < budget and progress.epoch < max_epochs:
+            tick = time.perf_counter()  # wall time includes reading and filtering batches, not eval or checkpoints
+            if skipper is not None:
+                skipper.start_epoch(progress.epoch, progress.batch_in_epoch)  # profile, open the window
             batches = BatchIterator(
                 train_split,
                 batch_size,
@@ -518,10 +552,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 seed=config.seed,
                 epoch=progress.epoch,
                 drop_last=True,
+                sample_filter=skipper.sample_filter if skipper is not None else None,
                 start_batch=progress.batch_in_epoch,
             )
-            tick = time.perf_counter()  # step time includes reading the batch, but not evaluation or checkpoints
             for batch in batches:
+                t0 = time.perf_counter()
                 logits = model(batch.dense, batch.sparse)
                 loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
                 loss_value = loss.item()
@@ -540,6 +575,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 dense_opt.step()
                 if emb_opt is not None:
                     emb_opt.step()
+                progress.compute_s += time.perf_counter() - t0
+                last = False
+                if skipper is not None:
+                    skipper.after_batch()  # snapshots, threshold fit, guard
+                    progress.skipped = skipper.detector.total.skipped
+                    # A skipping epoch has fewer batches: the run's last one is known when none follows.
+                    last = progress.epoch == max_epochs - 1 and not batches.peek(1)
                 elapsed = time.perf_counter() - tick
 
                 n = batch.labels.shape[0]
@@ -552,12 +594,14 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 progress.window_wall_s += elapsed
                 bar.update(n)
 
-                last = progress.step >= total_steps
+                last = last or progress.samples + progress.skipped >= budget
                 eval_due = progress.samples % config.eval_every == 0 or last
                 if progress.samples % config.log_every == 0 or eval_due:
                     lookups, hits = _stats_totals(model)
                     progress.window_lookups, progress.window_hits = lookups - base_lookups, hits - base_hits
                     event = _close_window(progress)
+                    if skipper is not None:
+                        event.update(skipper.event_fields(progress.compute_s / progress.samples))
                     bar.set_postfix(_postfix(event), refresh=False)
                     if eval_due:
                         scores = evaluate(model, val_split, max_samples=config.eval_samples)
@@ -574,12 +618,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
             else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
                 if progress.batch_in_epoch == 0:
                     raise SlipcacheError(f"epoch {progress.epoch} produced no training batches")
+                progress.train_wall_s += time.perf_counter() - tick  # filtering the epoch's tail
                 progress.epoch += 1
                 progress.batch_in_epoch = 0
     finally:
         bar.close()
     save(progress.samples)
-    return _finish(config, config_dict, run_dir, dataset, model, progress)
+    return _finish(config, config_dict, run_dir, dataset, model, progress, skipper)
 
 
 def _close_window(progress: Progress) -> dict[str, Any]:
@@ -704,6 +749,7 @@ def _finish(
     dataset: Any,
     model: DLRM,
     progress: Progress,
+    skipper: StaleSkipper | None = None,
 ) -> dict[str, Any]:
     """Test-set evaluation, summary.json and report.md."""
     test = evaluate(model, dataset.split("test"))
@@ -716,13 +762,15 @@ def _finish(
         "test_samples": test["samples"],
         "train_samples": progress.samples,
         "samples_per_s": progress.samples / progress.train_wall_s if progress.train_wall_s else None,
-        "train_wall_s": progress.train_wall_s,
+        "train_wall_s": progress.train_wall_s,  # wall clock of the loop: the figure speedups use
+        "compute_s": progress.compute_s,
         "embedding_bytes": int(memory["total_bytes"]),
         "fp32_embedding_bytes": int(memory["fp32_bytes"]),
         "memory_ratio": float(memory["memory_ratio"]),
         "memory_components": memory["components"],
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
-        "skipped_fraction": 0.0,
+        "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
+        "staleness": skipper.summary(progress.compute_s / progress.samples) if skipper is not None else None,
         "run_dir": str(run_dir),
         "config": config_dict,
     }
@@ -798,6 +846,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--min-count", type=int, default=s, help="raw data, frequency vocabulary: minimum count (default 1)")
     add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
     add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
+    add("--skip-stale", action="store_true", default=s, help="skip stale inputs (Slipstream; docs/skipping.md)")
+    add("--stale-target", type=float, default=s, help="D: share of hot inputs to skip (default 0.3)")
+    add("--no-stale-guard", dest="stale_guard", action="store_false", default=s, help="no accuracy guard")
+    add("--stale-guard-every", type=int, default=s, help="batches between guard checks (default 100)")
+    add("--stale-alpha", type=float, default=s, help="share of an input's lookups that must be stale (default 1)")
+    add("--stale-window", type=float, default=s, help="share of an epoch's batches in the snapshot window (0.02)")
+    add("--stale-recheck", type=int, default=s, help="batches between rolling snapshots (default 0 = window)")
+    add("--stale-budget-mb", type=float, default=s, help="hot-row snapshot budget in MiB (default 256)")
+    add("--stale-min-accesses", type=float, default=s,
+        help="hot rows must expect this many accesses per window (default 0 = budget only, as the paper)")
+    add("--stale-release-cache", action="store_true", default=s, help="stale rows give up their cache slots")
+    add("--no-stale-refit", dest="stale_refit", action="store_false", default=s,
+        help="fit the threshold once per epoch (the paper) instead of at every re-check")
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -1,0 +1,174 @@
+"""Stale-input skipping in the training loop (slipcache.skipping) on a tiny dataset written here."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slipcache import checkpoint, train
+from slipcache.staleness import StaleInputDetector
+
+SIZES = [20, 7, 50] + [5] * 23
+TIMING = {"samples_per_s", "train_wall_s", "compute_s", "skip_overhead_s", "time_saved_s"}
+METRICS = ("auc", "logloss", "accuracy", "normalized_entropy", "train_samples", "skipped_fraction")
+
+
+def make_dataset(root: Path, n: int = 2000) -> Path:
+    """Skewed ids (so some rows are hot) and labels that depend on three tables and one dense feature."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    weights = [rng.normal(0, 1.5, s) for s in SIZES]
+    splits = {"train": n, "val": n // 4, "test": n // 4}
+    for name, m in splits.items():
+        sparse = np.stack([np.minimum(rng.zipf(1.5, m) - 1, s - 1) for s in SIZES], 1).astype(np.int32)
+        dense = np.log1p(rng.exponential(2.0, (m, 13))).astype(np.float32)
+        logit = sum(weights[t][sparse[:, t]] for t in range(3)) + 3.0 * (dense[:, 0] - 1.0)
+        labels = (rng.random(m) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+        np.save(root / f"{name}.labels.npy", labels)
+        np.save(root / f"{name}.dense.npy", dense)
+        np.save(root / f"{name}.sparse.npy", sparse)
+    meta = {
+        "format": "slipcache-dataset", "version": 1, "num_dense": 13, "num_tables": len(SIZES),
+        "table_sizes": SIZES, "splits": splits, "positive_rate": 0.5, "source": {}, "vocabulary": "synthetic",
+    }
+    (root / "meta.json").write_text(json.dumps(meta))
+    return root
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("data"))
+
+
+def tiny(data: Path, out: Path, **overrides: object) -> train.TrainConfig:
+    values = dict(
+        data=str(data), out=str(out), embeddings="torch", embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1],
+        lr=0.3, batch_size=64, epochs=2, log_every=320, eval_every=640, checkpoint_every=640, progress=False,
+        skip_stale=True, stale_window=0.1, stale_guard_every=4, stale_target=0.5,
+    )
+    values.update(overrides)
+    return train.make_config({}, values)
+
+
+def events(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+
+
+def test_skipped_inputs_never_reach_forward_or_change_parameters(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every input with id 0 in table 0 is declared stale: no training forward sees one, and its row never moves."""
+
+    def count(self: StaleInputDetector, sparse: np.ndarray) -> np.ndarray:
+        keep = np.asarray(sparse)[:, 0] != 0
+        for counters in (self.epoch_counts, self.total):
+            counters.inputs += keep.size
+            counters.skipped += int((~keep).sum())
+        return keep
+
+    monkeypatch.setattr(StaleInputDetector, "count", count)
+    seen: list[torch.Tensor] = []
+
+    def record(module: torch.nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():  # training forward passes, not the guard's or evaluation's
+            seen.append(args[1][:, 0].clone())
+
+    config = tiny(data_dir, tmp_path / "run", epochs=1)
+    torch.manual_seed(config.seed)
+    before = train.build_model(config, SIZES, 13).embeddings.bags[0].weight[0].clone()
+    monkeypatch.setattr(train.DLRM, "forward", _with_hook(train.DLRM.forward, record))
+    summary = train.train(config)
+    ids = torch.cat(seen)
+    assert ids.numel() == summary["train_samples"] and not (ids == 0).any()
+    share = float((np.load(data_dir / "train.sparse.npy")[:, 0] == 0).mean())
+    assert summary["skipped_fraction"] == pytest.approx(share, abs=0.05)  # up to the dropped last batch
+    state = checkpoint.load_checkpoint(tmp_path / "run" / "checkpoints")
+    assert torch.equal(state["embeddings"]["bags.0.weight"][0], before)
+    assert not torch.equal(state["embeddings"]["bags.0.weight"][1], train.build_model(config, SIZES, 13)
+                           .embeddings.bags[0].weight[1])
+
+
+def _with_hook(forward, hook):  # type: ignore[no-untyped-def]
+    def wrapped(self, *args):  # type: ignore[no-untyped-def]
+        hook(self, args)
+        return forward(self, *args)
+
+    return wrapped
+
+
+def test_off_is_the_plain_loop(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With skip_stale off, the stale knobs change nothing and no skipper is ever built."""
+    import slipcache.skipping
+
+    plain = train.train(tiny(data_dir, tmp_path / "a", skip_stale=False))
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("StaleSkipper built with skip_stale off")
+
+    monkeypatch.setattr(slipcache.skipping.StaleSkipper, "__init__", refuse)
+    knobs = train.train(tiny(data_dir, tmp_path / "b", skip_stale=False, stale_target=0.9, stale_alpha=0.5,
+                             stale_release_cache=True, stale_guard=False))
+    for key in METRICS:
+        assert plain[key] == knobs[key], key
+    assert plain["skipped_fraction"] == 0.0 and plain["staleness"] is None
+    assert events(tmp_path / "a") == events(tmp_path / "b")
+
+
+def test_skipping_is_deterministic_and_reported(data_dir: Path, tmp_path: Path) -> None:
+    a = train.train(tiny(data_dir, tmp_path / "a"))
+    b = train.train(tiny(data_dir, tmp_path / "b"))
+    for key in METRICS:
+        assert a[key] == b[key], key
+    assert events(tmp_path / "a") == events(tmp_path / "b")
+    assert a["skipped_fraction"] > 0.05
+    assert a["train_samples"] < 2 * 1984 * (1 - 0.5 * a["skipped_fraction"])
+    block = a["staleness"]
+    assert block["inputs_skipped"] > 0 and block["hot_rows"] > 0 and block["guard_checks"] > 0
+    last = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("skipped_fraction", "hot_rows", "stale_rows", "threshold", "hot_skipped_fraction", "time_saved_s"):
+        assert key in last, key
+    assert (tmp_path / "a" / "staleness.png").is_file()
+    c = train.train(tiny(data_dir, tmp_path / "c", seed=1))
+    assert c["auc"] != a["auc"]
+
+
+def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    full = train.train(tiny(data_dir, tmp_path / "full"))
+    real_step = torch.optim.SGD.step
+    calls = {"n": 0}
+
+    def crash_midway(self: torch.optim.SGD, *args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 2 * 35:  # dense and embedding optimizers: step 35 of 38, in epoch 1, after a checkpoint
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", crash_midway)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny(data_dir, tmp_path / "part"))
+    monkeypatch.undo()
+    state = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints")
+    assert state["progress"]["epoch"] == 1 and state["progress"]["batch_in_epoch"] > 0
+    resumed = train.train(train.make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
+    for key in METRICS:
+        assert resumed[key] == full[key], key
+    assert events(tmp_path / "part") == events(tmp_path / "full")
+
+
+@pytest.mark.slow
+def test_quick_cli_skips_a_visible_share_at_the_same_auc(tmp_path: Path) -> None:
+    """`slipcache train --quick --skip-stale` against `slipcache train --quick` (about 3 minutes)."""
+    pytest.importorskip("slipcache.data.synthetic")
+    from slipcache.cli import main
+
+    assert main(["train", "--quick", "--no-progress", "--out", str(tmp_path / "plain")]) == 0
+    assert main(["train", "--quick", "--no-progress", "--skip-stale", "--out", str(tmp_path / "skip")]) == 0
+    plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
+    skip = json.loads((tmp_path / "skip" / "summary.json").read_text())
+    assert skip["skipped_fraction"] >= 0.05
+    assert abs(skip["auc"] - plain["auc"]) <= 0.01
