@@ -1129,7 +1129,7 @@ def answer_skip(entries: list[dict[str, Any]]) -> str:
              "Their baselines are distributed trainers whose steps are dominated by embedding communication; "
              "here the reference is the same single-node trainer without skipping, so the gain is bounded by "
              "1/(1 - skipped share) minus the profiling, snapshot and threshold-search overhead, and timings on "
-             "shared cores are noisy (train time counts training steps only).")
+             "shared cores are noisy (train time is the training loop's wall clock, filter, snapshots and guard included).")
     return text
 
 
