@@ -141,6 +141,8 @@ class _StepPlan:
     storage_rows: Tensor  # [m] unique rows served from storage
     storage_index: Tensor  # index into storage_rows for each lookup with slot -1
     storage_values: Tensor  # [m, D] fp32 working copy of those rows
+    storage_tables: Tensor  # [m] table of each of those rows, for the statistics
+    all_on_storage: bool  # no lookup is cached (no cache, or nothing fit)
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -381,8 +383,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._count("hits", hit, lookup)
         miss = ~hit
         any_miss = bool(miss.any())
-        storage_rows = rows.new_empty(0)
-        storage_index = rows.new_empty(0)
+        storage_rows = storage_index = storage_tables = rows.new_empty(0)
         on_storage = None
         if any_miss:
             missing, miss_inverse, uses = torch.unique(rows[miss], return_inverse=True, return_counts=True)
@@ -408,24 +409,33 @@ class CachedEmbeddingBagCollection(nn.Module):
                 )
             slots[miss] = assignment.slots[miss_inverse]
             self._count("misses", miss, lookup)
-            self._count_rows("rows_in", missing)
+            missing_tables = self._tables_of(missing)
+            self._count_tables("rows_in", missing_tables)
             if not bool(admitted.all()):
                 left_out = ~admitted
-                storage_rows = missing[left_out]
-                position = torch.cumsum(left_out, 0) - 1
+                storage_rows, storage_tables = missing[left_out], missing_tables[left_out]
                 on_storage = slots < 0
-                storage_index = position[miss_inverse][assignment.slots[miss_inverse] < 0]
-                self._count_rows("overflow_rows", storage_rows)
+                if storage_rows.numel() == missing.numel():
+                    storage_index = miss_inverse  # nothing was admitted
+                else:
+                    position = torch.cumsum(left_out, 0) - 1
+                    storage_index = position[miss_inverse][assignment.slots[miss_inverse] < 0]
+                self._count_tables("overflow_rows", storage_tables)
         storage_values = (
             self.storage.read(storage_rows, self.device)
             if storage_rows.numel()
             else rows.new_empty(0, self.dim, dtype=torch.float32)
         )
-        return _StepPlan(slots, on_storage, storage_rows, storage_index, storage_values)
+        all_on_storage = storage_index.numel() == rows.numel() and rows.numel() > 0
+        return _StepPlan(
+            slots, on_storage, storage_rows, storage_index, storage_values, storage_tables, all_on_storage
+        )
 
     def _gather(self, plan: _StepPlan) -> Tensor:
         if plan.on_storage is None:
             return self.cache.weights.index_select(0, plan.slots)
+        if plan.all_on_storage:
+            return plan.storage_values.index_select(0, plan.storage_index)
         values = torch.empty(plan.slots.numel(), self.dim, device=self.device)
         cached = ~plan.on_storage
         values[cached] = self.cache.weights[plan.slots[cached]]
@@ -437,7 +447,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         cached = None if plan.on_storage is None else ~plan.on_storage
         slots = plan.slots if cached is None else plan.slots[cached]
         cached_grad = grad if cached is None else grad[cached]
-        if slots.numel():
+        if slots.numel() and not plan.all_on_storage:
             if self.config.optimizer == "sgd" and _native.usable(self.cache.weights, slots):
                 _native.sgd_update(self.cache.weights, slots, cached_grad, self.lr)
             elif self.config.optimizer == "sgd":
@@ -445,22 +455,28 @@ class CachedEmbeddingBagCollection(nn.Module):
                 self.cache.weights.index_put_((slots,), cached_grad * -self.lr, accumulate=True)
             else:
                 unique_slots, inverse = torch.unique(slots, return_inverse=True)
-                summed = cached_grad.new_zeros(unique_slots.numel(), self.dim).index_add_(
-                    0, inverse, cached_grad
-                )
+                summed = self._sum_rows(inverse, cached_grad, unique_slots.numel())
                 rows = self.cache.slot_rows[unique_slots].long()
                 self.cache.weights.index_add_(0, unique_slots, self._adagrad_step(rows, summed))
         if plan.storage_rows.numel():
-            summed = grad.new_zeros(plan.storage_rows.numel(), self.dim).index_add_(
-                0, plan.storage_index, grad[plan.on_storage]
-            )
+            storage_grad = grad if plan.all_on_storage else grad[plan.on_storage]
+            summed = self._sum_rows(plan.storage_index, storage_grad, plan.storage_rows.numel())
             if self.config.optimizer == "sgd":
                 updated = plan.storage_values.add_(summed, alpha=-self.lr)
             else:
                 updated = plan.storage_values.add_(self._adagrad_step(plan.storage_rows, summed))
             self.storage.write(plan.storage_rows, updated, self.config.rounding, self._generator)
-            self._count_rows("rows_out", plan.storage_rows)
+            self._count_tables("rows_out", plan.storage_tables)
         self._pin_since = self.step + 1
+
+    def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
+        """Rows of `values` summed by `index` into [count, D]."""
+        summed = values.new_zeros(count, self.dim)
+        if _native.usable(summed, index):
+            _native.sgd_update(summed, index, values, -1.0)  # summed[index[i]] += values[i]
+        else:
+            summed.index_put_((index,), values, accumulate=True)
+        return summed
 
     def _adagrad_step(self, rows: Tensor, grad: Tensor) -> Tensor:
         """Accumulate squared gradients of unique `rows` and return the update to add."""
@@ -515,9 +531,14 @@ class CachedEmbeddingBagCollection(nn.Module):
                 tables = tables[mask]
             self.counters[:, column] += torch.bincount(tables, minlength=num_tables)
 
-    def _count_rows(self, name: str, rows: Tensor) -> None:
-        tables = torch.searchsorted(self.table_offsets, rows.to(self.device), right=True) - 1
+    def _tables_of(self, rows: Tensor) -> Tensor:
+        return torch.searchsorted(self.table_offsets, rows.to(self.device), right=True) - 1
+
+    def _count_tables(self, name: str, tables: Tensor) -> None:
         self.counters[:, COUNTERS.index(name)] += torch.bincount(tables, minlength=len(self.table_sizes))
+
+    def _count_rows(self, name: str, rows: Tensor) -> None:
+        self._count_tables(name, self._tables_of(rows))
 
     def reset_stats(self) -> None:
         self.counters.zero_()
