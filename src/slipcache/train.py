@@ -71,7 +71,7 @@ class TrainConfig:
     vocab: str = "hash"  # raw data only: "hash" (fixed table size) or "frequency" (ids by count)
     max_rows: int = 1_000_000  # raw data, hash vocabulary: rows per table (DLRM's max-ind-range)
     min_count: int = 1  # raw data, frequency vocabulary: rarer values map to row 0 ("unknown")
-    synthetic_samples: int = 1_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
+    synthetic_samples: int = 4_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
     # embeddings (see slipcache.embedding / docs/design.md)
