@@ -9,44 +9,36 @@ import torch
 
 from slipcache import checkpoint, train
 from slipcache.staleness import StaleInputDetector
+from tests.helpers import SIZES, make_dataset
 
-SIZES = [20, 7, 50] + [5] * 23
 TIMING = {"samples_per_s", "train_wall_s", "compute_s", "skip_overhead_s", "time_saved_s"}
 METRICS = ("auc", "logloss", "accuracy", "normalized_entropy", "train_samples", "skipped_fraction")
 
 
-def make_dataset(root: Path, n: int = 2000) -> Path:
-    """Skewed ids (so some rows are hot) and labels that depend on three tables and one dense feature."""
-    root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    weights = [rng.normal(0, 1.5, s) for s in SIZES]
-    splits = {"train": n, "val": n // 4, "test": n // 4}
-    for name, m in splits.items():
-        sparse = np.stack([np.minimum(rng.zipf(1.5, m) - 1, s - 1) for s in SIZES], 1).astype(np.int32)
-        dense = np.log1p(rng.exponential(2.0, (m, 13))).astype(np.float32)
-        logit = sum(weights[t][sparse[:, t]] for t in range(3)) + 3.0 * (dense[:, 0] - 1.0)
-        labels = (rng.random(m) < 1 / (1 + np.exp(-logit))).astype(np.float32)
-        np.save(root / f"{name}.labels.npy", labels)
-        np.save(root / f"{name}.dense.npy", dense)
-        np.save(root / f"{name}.sparse.npy", sparse)
-    meta = {
-        "format": "slipcache-dataset", "version": 1, "num_dense": 13, "num_tables": len(SIZES),
-        "table_sizes": SIZES, "splits": splits, "positive_rate": 0.5, "source": {}, "vocabulary": "synthetic",
-    }
-    (root / "meta.json").write_text(json.dumps(meta))
-    return root
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_dataset(tmp_path_factory.mktemp("data"))
+    return make_dataset(tmp_path_factory.mktemp("data"), skewed=True)
 
 
 def tiny(data: Path, out: Path, **overrides: object) -> train.TrainConfig:
     values = dict(
-        data=str(data), out=str(out), embeddings="torch", embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1],
-        lr=0.3, batch_size=64, epochs=2, log_every=320, eval_every=640, checkpoint_every=640, progress=False,
-        skip_stale=True, stale_window=0.1, stale_guard_every=4, stale_target=0.5,
+        data=str(data),
+        out=str(out),
+        embeddings="torch",
+        embedding_dim=8,
+        bottom_mlp=[16, 8],
+        top_mlp=[16, 1],
+        lr=0.3,
+        batch_size=64,
+        epochs=2,
+        log_every=320,
+        eval_every=640,
+        checkpoint_every=640,
+        progress=False,
+        skip_stale=True,
+        stale_window=0.1,
+        stale_guard_every=4,
+        stale_target=0.5,
     )
     values.update(overrides)
     return train.make_config({}, values)
@@ -87,8 +79,10 @@ def test_skipped_inputs_never_reach_forward_or_change_parameters(
     assert summary["skipped_fraction"] == pytest.approx(share, abs=0.05)  # up to the dropped last batch
     state = checkpoint.load_checkpoint(tmp_path / "run" / "checkpoints")
     assert torch.equal(state["embeddings"]["bags.0.weight"][0], before)
-    assert not torch.equal(state["embeddings"]["bags.0.weight"][1], train.build_model(config, SIZES, 13)
-                           .embeddings.bags[0].weight[1])
+    assert not torch.equal(
+        state["embeddings"]["bags.0.weight"][1],
+        train.build_model(config, SIZES, 13).embeddings.bags[0].weight[1],
+    )
 
 
 def _with_hook(forward, hook):  # type: ignore[no-untyped-def]
@@ -109,8 +103,17 @@ def test_off_is_the_plain_loop(data_dir: Path, tmp_path: Path, monkeypatch: pyte
         raise AssertionError("StaleSkipper built with skip_stale off")
 
     monkeypatch.setattr(slipcache.skipping.StaleSkipper, "__init__", refuse)
-    knobs = train.train(tiny(data_dir, tmp_path / "b", skip_stale=False, stale_target=0.9, stale_alpha=0.5,
-                             stale_release_cache=True, stale_guard=False))
+    knobs = train.train(
+        tiny(
+            data_dir,
+            tmp_path / "b",
+            skip_stale=False,
+            stale_target=0.9,
+            stale_alpha=0.5,
+            stale_release_cache=True,
+            stale_guard=False,
+        )
+    )
     for key in METRICS:
         assert plain[key] == knobs[key], key
     assert plain["skipped_fraction"] == 0.0 and plain["staleness"] is None
@@ -128,7 +131,14 @@ def test_skipping_is_deterministic_and_reported(data_dir: Path, tmp_path: Path) 
     block = a["staleness"]
     assert block["inputs_skipped"] > 0 and block["hot_rows"] > 0 and block["guard_checks"] > 0
     last = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])
-    for key in ("skipped_fraction", "hot_rows", "stale_rows", "threshold", "hot_skipped_fraction", "time_saved_s"):
+    for key in (
+        "skipped_fraction",
+        "hot_rows",
+        "stale_rows",
+        "threshold",
+        "hot_skipped_fraction",
+        "time_saved_s",
+    ):
         assert key in last, key
     assert (tmp_path / "a" / "staleness.png").is_file()
     c = train.train(tiny(data_dir, tmp_path / "c", seed=1))
@@ -144,7 +154,9 @@ def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
 
     def crash_midway(self: torch.optim.SGD, *args: object, **kwargs: object) -> object:
         calls["n"] += 1
-        if calls["n"] == 2 * 35:  # dense and embedding optimizers: step 35 of 38, in epoch 1, after a checkpoint
+        if (
+            calls["n"] == 2 * 35
+        ):  # dense and embedding optimizers: step 35 of 38, in epoch 1, after a checkpoint
             raise KeyboardInterrupt
         return real_step(self, *args, **kwargs)
 

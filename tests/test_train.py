@@ -4,7 +4,6 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,37 +11,23 @@ pytest.importorskip("slipcache.data.dataset")
 
 from slipcache import checkpoint, train  # noqa: E402
 from slipcache.errors import SlipcacheError  # noqa: E402
+from tests.helpers import make_dataset  # noqa: E402
 
-SIZES = [20, 7, 50] + [5] * 23
 SUMMARY_KEYS = {
-    "auc", "logloss", "accuracy", "normalized_entropy", "samples_per_s", "train_wall_s", "embedding_bytes",
-    "fp32_embedding_bytes", "memory_ratio", "cache_hit_rate", "skipped_fraction", "config",
+    "auc",
+    "logloss",
+    "accuracy",
+    "normalized_entropy",
+    "samples_per_s",
+    "train_wall_s",
+    "embedding_bytes",
+    "fp32_embedding_bytes",
+    "memory_ratio",
+    "cache_hit_rate",
+    "skipped_fraction",
+    "config",
 }
 TIMING = {"samples_per_s", "train_wall_s"}
-
-
-def make_dataset(root: Path, n: int = 2000, sizes: list[int] = SIZES, nan_row: int | None = None) -> Path:
-    """Labels depend on three tables and one dense feature, so a few hundred steps learn something."""
-    root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    weights = [rng.normal(0, 1.5, s) for s in sizes]
-    splits = {"train": n, "val": n // 4, "test": n // 4}
-    for name, m in splits.items():
-        sparse = np.stack([rng.integers(0, s, m) for s in sizes], 1).astype(np.int32)
-        dense = np.log1p(rng.exponential(2.0, (m, 13))).astype(np.float32)
-        logit = sum(weights[t][sparse[:, t]] for t in range(3)) + 3.0 * (dense[:, 0] - 1.0)
-        labels = (rng.random(m) < 1 / (1 + np.exp(-logit))).astype(np.float32)
-        if nan_row is not None and name == "train":
-            dense[nan_row:] = np.nan
-        np.save(root / f"{name}.labels.npy", labels)
-        np.save(root / f"{name}.dense.npy", dense)
-        np.save(root / f"{name}.sparse.npy", sparse)
-    meta = {
-        "format": "slipcache-dataset", "version": 1, "num_dense": 13, "num_tables": len(sizes),
-        "table_sizes": sizes, "splits": splits, "positive_rate": 0.5, "source": {}, "vocabulary": "synthetic",
-    }
-    (root / "meta.json").write_text(json.dumps(meta))
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +37,19 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tiny(data: Path, out: Path, **overrides: object) -> train.TrainConfig:
     values = dict(
-        data=str(data), out=str(out), embeddings="torch", embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1],
-        lr=0.3, batch_size=64, epochs=2, log_every=320, eval_every=640, checkpoint_every=640, progress=False,
+        data=str(data),
+        out=str(out),
+        embeddings="torch",
+        embedding_dim=8,
+        bottom_mlp=[16, 8],
+        top_mlp=[16, 1],
+        lr=0.3,
+        batch_size=64,
+        epochs=2,
+        log_every=320,
+        eval_every=640,
+        checkpoint_every=640,
+        progress=False,
     )
     values.update(overrides)
     return train.make_config({}, values)
@@ -61,7 +57,9 @@ def tiny(data: Path, out: Path, **overrides: object) -> train.TrainConfig:
 
 def events_without_timing(run: Path) -> list[dict]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING | {"train_wall_s"}} for line in lines]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in TIMING | {"train_wall_s"}} for line in lines
+    ]
 
 
 def test_end_to_end_writes_run_dir(data_dir: Path, tmp_path: Path) -> None:
@@ -86,7 +84,9 @@ def test_end_to_end_writes_run_dir(data_dir: Path, tmp_path: Path) -> None:
 
 def test_cached_embeddings_end_to_end(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    summary = train.train(tiny(data_dir, run, embeddings="cached", precision="int8", cache_size=0.25, epochs=1))
+    summary = train.train(
+        tiny(data_dir, run, embeddings="cached", precision="int8", cache_size=0.25, epochs=1)
+    )
     # Tiny tables: cache sets and quantization parameters outweigh the int8 savings, so only check the ratio.
     ratio = summary["fp32_embedding_bytes"] / summary["embedding_bytes"]
     assert summary["memory_ratio"] == pytest.approx(ratio)
@@ -205,7 +205,9 @@ def test_config_file_errors(tmp_path: Path) -> None:
         train.make_config({}, {"precision": "int3"})
 
 
-def test_eval_checkpoint_and_vocab_mismatch(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_eval_checkpoint_and_vocab_mismatch(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     run = tmp_path / "run"
     summary = train.train(tiny(data_dir, run, epochs=1))
     scores = train.evaluate_checkpoint(run, split="test")
