@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from slipcache import experiments
-from slipcache.errors import SlipcacheError
 
 # Far below --quick: ~35k embedding rows, 8 steps per run; still every setup of the quick grid.
 TINY = [
@@ -112,11 +111,19 @@ def test_second_invocation_runs_nothing_and_a_crashed_cell_reruns(mp_run: tuple[
     assert _ran(lines) == 1 and (crashed / "cell.json").is_file()
 
 
-def test_slipstream_without_trainer_support_is_a_clear_error(tmp_path: Path) -> None:
-    if experiments.stale_skipping_available():
-        pytest.skip("the trainer has stale skipping")
-    with pytest.raises(SlipcacheError, match="no stale skipping"):
-        experiments.run_experiment(_args("slipstream", "--out", str(tmp_path), *TINY), log=lambda _: None)
+def test_slipstream_runs_with_the_real_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole slipstream grid end to end at a tiny scale: every setup, the report and its plots."""
+    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    lines = _run("slipstream", "--out", str(out), *TINY)
+    grid = experiments.slipstream_grid(experiments.PRESETS["quick"], 1)
+    assert _ran(lines) == sum(s.seeds for s in grid)
+    results = json.loads((out / "results.json").read_text())
+    skipped = [c["summary"]["skipped_fraction"] for c in results["cells"] if c["setup"].endswith("guard off")]
+    assert skipped and all(0.0 <= f < 1.0 for f in skipped)
+    report = (out / "report.md").read_text()
+    for plot in STALE_PLOTS:
+        assert (out / plot).is_file() and plot in report
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,6 @@ EXPERIMENTS = ("mixed-precision", "slipstream")
 NAMES = (*EXPERIMENTS, "all")
 RESULTS_FORMAT = "slipcache-experiments"
 RESULTS_VERSION = 1
-STALE_FIELDS = ("skip_stale", "stale_target", "stale_guard")
 BASELINE = "fp32 no cache"  # the mixed-precision reference setup
 CACHE_LINE = 64  # bytes; a random row access costs at least one line
 # Headline numbers of the papers, compared against in the report.
@@ -196,12 +195,6 @@ def slipstream_grid(preset: Preset, seeds: int) -> list[Setup]:
             overrides = {**storage, "skip_stale": True, "stale_target": target, "stale_guard": guard}
             setups.append(Setup("slipstream", stale_name(group, target, guard), overrides, seeds, ["skip"], group))
     return setups
-
-
-def stale_skipping_available() -> bool:
-    """True once the trainer's TrainConfig has the stale-skipping fields this experiment sets."""
-    names = {f.name for f in fields(trainer.TrainConfig)}
-    return all(name in names for name in STALE_FIELDS)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1196,8 +1189,6 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
         lines += mixed_precision_section(mp, plots, results.get("table_sizes"))
     if stale:
         lines += slipstream_section(stale, plots)
-    for note in results.get("notes", []):
-        lines += [f"> {note}", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -1253,37 +1244,29 @@ def run_experiment(args: argparse.Namespace, log: Callable[[str], None] | None =
     if seeds < 1:
         raise SlipcacheError(f"--seeds must be at least 1, got {seeds}")
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
-    stale_ok = stale_skipping_available()
-    if names == ["slipstream"] and not stale_ok:
-        raise SlipcacheError("this build's trainer has no stale skipping (TrainConfig lacks "
-                             f"{', '.join(STALE_FIELDS)}); `slipcache experiment mixed-precision` works")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run(args, preset, seeds, names, stale_ok, out, log)
+        return _run(args, preset, seeds, names, out, log)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str], stale_ok: bool, out: Path,
+def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str], out: Path,
          log: Callable[[str], None]) -> int:
     from slipcache.machine import describe_machine, probe_memory
 
     start = time.perf_counter()
     data, table_sizes = _prepare_data(args.data, out)
     plan = Plan(preset, out, data, seeds)
-    notes = []
     setups: list[Setup] = []
     records: list[dict[str, Any]] = []
     log(f"probing memory ({2 * preset.probe_seconds:g} s) ...")
     probes = probe_memory(table_bytes=preset.probe_table_bytes, copy_bytes=min(preset.probe_table_bytes, 256 << 20),
                           seconds=preset.probe_seconds)
     for name in names:
-        if name == "slipstream" and not stale_ok:
-            notes.append("Slipstream was not run: this build's trainer has no stale skipping.")
-            continue
         grid = mixed_precision_grid(preset, seeds) if name == "mixed-precision" else slipstream_grid(preset, seeds)
         if data is None:  # generate the synthetic data up front, so the first cell's time is its own
             from slipcache.data.synthetic import default_synthetic_path, synthetic_table_sizes
@@ -1309,14 +1292,10 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
         "machine": describe_machine(),
         "probes": probes,
         "paper": PAPER,
-        "notes": notes,
         "cells": records,
         "setups": aggregate(setups, records),
     }
     _write_json(out / "results.json", results)
     report = write_report(out, results)
     log(f"wrote {out / 'results.json'} and {report} in {_duration(time.perf_counter() - start)}")
-    if "slipstream" in names and not stale_ok:
-        raise SlipcacheError("mixed-precision done; slipstream needs stale skipping, which this build's trainer "
-                             "does not have")
     return 0
