@@ -284,7 +284,28 @@ class StaleInputDetector:
     def num_tables(self) -> int:
         return int(self.table_offsets.size - 1)
 
+    @property
+    def _stale_flags(self) -> np.ndarray:
+        """bool, aligned with hot.rows."""
+        return self._stale_aligned
+
+    @_stale_flags.setter
+    def _stale_flags(self, flags: np.ndarray) -> None:
+        """Also refresh the per-row flag bytes (bit 0: hot, bit 1: stale) that the input filter reads.
+
+        Why a byte for every row of every table: the filter classifies each training input, 26 lookups,
+        and a direct index is about 50x faster than a binary search of the sorted hot rows. It costs one
+        byte per row (34 MB for the Criteo Kaggle tables), reported as `flag_bytes` in the stats.
+        """
+        self._stale_aligned = flags
+        if self.hot is None:
+            self._row_flags[:] = 0
+            return
+        self._row_flags[:] = 0
+        self._row_flags[self.hot.rows] = 1 | (flags.astype(np.uint8) << 1)
+
     def _reset_epoch_state(self) -> None:
+        self._row_flags = np.zeros(int(self.table_offsets[-1]), dtype=np.uint8)
         self.hot: HotSet | None = None
         self.threshold_result: ThresholdResult | None = None
         self._threshold: float | None = None
@@ -515,9 +536,8 @@ class StaleInputDetector:
         if self.hot is None:
             n = global_rows.shape[0]
             return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
-        pos, hit = self.hot.positions(global_rows)
-        stale = hit & self._stale_flags[pos]
-        return stale.sum(axis=1), hit.all(axis=1)
+        flags = self._row_flags[global_rows]
+        return (flags == 3).sum(axis=1), (flags & 1).all(axis=1)
 
     def count(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
         """Classify for skipping and record the counts for ``stats``; returns the keep mask."""
@@ -565,6 +585,7 @@ class StaleInputDetector:
             "epoch": self.epoch,
             "hot_rows": len(self.hot) if self.hot is not None else 0,
             "hot_bytes": (len(self.hot) if self.hot is not None else 0) * self.dim * 4,
+            "flag_bytes": int(self._row_flags.nbytes),
             "stale_rows": int(np.count_nonzero(self._stale_flags)),
             "threshold": self._threshold,
             "threshold_converged": res.converged if res else False,
