@@ -357,9 +357,7 @@ class StaleInputDetector:
 
     def hot_input_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
         """bool[n]: inputs whose every lookup is hot (all False before ``profile``)."""
-        if self.hot is None:
-            return np.zeros(_check_ids(sparse, self.table_offsets).shape[0], dtype=bool)
-        return self.hot.input_mask(sparse)
+        return (self._row_flags[_global_rows(sparse, self.table_offsets)] & 1).all(axis=1)
 
     # ---- 2. snapshots ----------------------------------------------------------------------------------
 
