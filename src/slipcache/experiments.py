@@ -238,7 +238,7 @@ class Plan:
         else:
             samples = p.train_samples
             values.update(samples=samples, log_every=max(samples // 50, 1), eval_every=max(samples // 5, 1))
-        values["checkpoint_every"] = 1 << 40  # only the final checkpoint (read for traffic counters)
+        values["checkpoint_every"] = 1 << 40  # only the final checkpoint
         values.update(setup.overrides)
         return values
 
@@ -274,32 +274,14 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-def embedding_traffic(summary: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
+def embedding_traffic(summary: dict[str, Any]) -> dict[str, Any]:
     """Cumulative training counters of the embedding collection (rows/bytes in and out of the cache).
 
-    The trainer's summary does not carry `coll.stats()` (yet: an `embedding_stats` key is used when
-    present). Otherwise they come from the final checkpoint, whose collection state holds its counters;
-    evaluation lookups are read-only and never counted, so these are the training run's alone.
+    Evaluation lookups are read-only and never counted, so these are the training run's alone.
     """
-    if isinstance(summary.get("embedding_stats"), dict):
-        stats = summary["embedding_stats"]
-        keys = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "bytes_in", "bytes_out")
-        return {k: stats.get(k) for k in keys}
-    from slipcache.checkpoint import load_checkpoint
-    from slipcache.embedding import COUNTERS
-    from slipcache.quant import RowStorage
-
-    try:
-        state = load_checkpoint(run_dir / "checkpoints")
-        counters = state["embeddings"]["counters"].sum(dim=0).tolist()
-    except (OSError, KeyError, AttributeError, SlipcacheError):
-        return None
-    totals = dict(zip(COUNTERS, (int(c) for c in counters), strict=True))
-    config = summary["config"]
-    row_bytes = RowStorage(1, config["embedding_dim"], config["precision"]).bytes_per_row
-    totals["bytes_in"] = totals["rows_in"] * row_bytes
-    totals["bytes_out"] = totals["rows_out"] * row_bytes
-    return totals
+    stats = summary["embedding_stats"]
+    keys = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "bytes_in", "bytes_out")
+    return {k: stats.get(k) for k in keys}
 
 
 def run_cell(cell: Cell, cells_dir: Path) -> tuple[dict[str, Any], bool]:
@@ -315,7 +297,7 @@ def run_cell(cell: Cell, cells_dir: Path) -> tuple[dict[str, Any], bool]:
     start = time.perf_counter()
     summary = trainer.train(config)
     wall_s = time.perf_counter() - start
-    traffic = embedding_traffic(summary, cell_dir)
+    traffic = embedding_traffic(summary)
     shutil.rmtree(cell_dir / "checkpoints", ignore_errors=True)  # large, and never resumed
     on_disk = _read_json(cell_dir / "summary.json")
     record = {

@@ -768,6 +768,7 @@ def _finish(
         "fp32_embedding_bytes": int(memory["fp32_bytes"]),
         "memory_ratio": float(memory["memory_ratio"]),
         "memory_components": memory["components"],
+        "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
         "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
         "staleness": skipper.summary(progress.compute_s / progress.samples) if skipper is not None else None,
