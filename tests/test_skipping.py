@@ -9,7 +9,7 @@ import torch
 
 from slipcache import checkpoint, train
 from slipcache.staleness import StaleInputDetector
-from tests.helpers import SIZES, make_dataset
+from tests.helpers import SIZES, make_dataset, tiny_config
 
 TIMING = {"samples_per_s", "train_wall_s", "compute_s", "skip_overhead_s", "time_saved_s"}
 METRICS = ("auc", "logloss", "accuracy", "normalized_entropy", "train_samples", "skipped_fraction")
@@ -21,27 +21,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tiny(data: Path, out: Path, **overrides: object) -> train.TrainConfig:
-    values = dict(
-        data=str(data),
-        out=str(out),
-        embeddings="torch",
-        embedding_dim=8,
-        bottom_mlp=[16, 8],
-        top_mlp=[16, 1],
-        lr=0.3,
-        batch_size=64,
-        epochs=2,
-        log_every=320,
-        eval_every=640,
-        checkpoint_every=640,
-        progress=False,
-        skip_stale=True,
-        stale_window=0.1,
-        stale_guard_every=4,
-        stale_target=0.5,
-    )
-    values.update(overrides)
-    return train.make_config({}, values)
+    stale = dict(skip_stale=True, stale_window=0.1, stale_guard_every=4, stale_target=0.5)
+    return tiny_config(data, out, **{**stale, **overrides})
 
 
 def events(run: Path) -> list[dict]:
@@ -175,7 +156,6 @@ def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
 @pytest.mark.slow
 def test_quick_cli_skips_a_visible_share_at_the_same_auc(tmp_path: Path) -> None:
     """`slipcache train --quick --skip-stale` against `slipcache train --quick` (about 3 minutes)."""
-    pytest.importorskip("slipcache.data.synthetic")
     from slipcache.cli import main
 
     assert main(["train", "--quick", "--no-progress", "--out", str(tmp_path / "plain")]) == 0

@@ -1,4 +1,4 @@
-"""End-to-end tests of the training loop on a tiny dataset written here (format: docs/design.md)."""
+"""End-to-end tests of the training loop on a tiny dataset (tests/helpers.py, format: docs/design.md)."""
 
 import argparse
 import json
@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("slipcache.data.dataset")
-
-from slipcache import checkpoint, train  # noqa: E402
-from slipcache.errors import SlipcacheError  # noqa: E402
-from tests.helpers import make_dataset  # noqa: E402
+from slipcache import checkpoint, train
+from slipcache.errors import SlipcacheError
+from tests.helpers import make_dataset
+from tests.helpers import tiny_config as tiny
 
 SUMMARY_KEYS = {
     "auc",
@@ -33,26 +32,6 @@ TIMING = {"samples_per_s", "train_wall_s"}
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("data"))
-
-
-def tiny(data: Path, out: Path, **overrides: object) -> train.TrainConfig:
-    values = dict(
-        data=str(data),
-        out=str(out),
-        embeddings="torch",
-        embedding_dim=8,
-        bottom_mlp=[16, 8],
-        top_mlp=[16, 1],
-        lr=0.3,
-        batch_size=64,
-        epochs=2,
-        log_every=320,
-        eval_every=640,
-        checkpoint_every=640,
-        progress=False,
-    )
-    values.update(overrides)
-    return train.make_config({}, values)
 
 
 def events_without_timing(run: Path) -> list[dict]:
@@ -230,7 +209,6 @@ def test_bad_checkpoint_is_one_line_error(tmp_path: Path) -> None:
 @pytest.mark.slow  # ~30 s on 2 idle cores (first run also generates the 800k-row synthetic dataset)
 def test_quick_run_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`slipcache train --quick`: synthetic data, recommended settings, AUC > 0.70."""
-    pytest.importorskip("slipcache.data.synthetic")
     from slipcache.cli import main
 
     run = tmp_path / "quick"
