@@ -265,3 +265,15 @@ def test_flush_and_release_write_rows_back() -> None:
     assert coll.release_rows(rows[:5]) == 5
     assert coll.cache.lookup(rows[:5]).lt(0).all()
     assert torch.equal(torch.cat(coll.export_tables()), before)
+
+
+def test_load_tables_round_trip_and_errors() -> None:
+    coll = CachedEmbeddingBagCollection(EmbeddingConfig(SIZES, dim=4, precision="fp32", cache_size=0.2))
+    train_steps(coll, range(2))  # something is cached
+    tables = [torch.randn(n, 4) for n in SIZES]
+    coll.load_tables(tables)
+    assert coll.cache.cached()[0].numel() == 0
+    for loaded, expected in zip(coll.export_tables(), tables, strict=True):
+        assert torch.equal(loaded, expected)
+    with pytest.raises(ValueError, match=r"table 1: expected shape \(7, 4\)"):
+        coll.load_tables([tables[0], torch.zeros(8, 4), tables[2], tables[3]])

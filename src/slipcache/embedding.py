@@ -218,10 +218,6 @@ class CachedEmbeddingBagCollection(nn.Module):
                 self.storage.pin_memory_()
 
     # ----------------------------------------------------------------------------------------- set-up
-    @property
-    def table_offsets_list(self) -> list[int]:
-        return self.table_offsets.tolist()
-
     def _initialize_rows(self) -> None:
         """DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table, in chunks."""
         generator = torch.Generator().manual_seed(self.config.seed)
