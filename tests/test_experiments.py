@@ -59,7 +59,16 @@ def test_results_schema(mp_run: tuple[Path, list[str]]) -> None:
     grid = experiments.mixed_precision_grid(experiments.PRESETS["quick"], 1)
     assert _ran(lines) == len(results["cells"]) == sum(s.seeds for s in grid)
     for cell in results["cells"]:
-        assert {"id", "experiment", "setup", "seed", "config", "summary", "embedding_traffic", "derived"} <= set(cell)
+        assert {
+            "id",
+            "experiment",
+            "setup",
+            "seed",
+            "config",
+            "summary",
+            "embedding_traffic",
+            "derived",
+        } <= set(cell)
         assert cell["config"]["seed"] == cell["seed"]
         traffic = cell["embedding_traffic"]
         assert traffic["lookups"] == 26 * cell["summary"]["train_samples"]  # training lookups only
@@ -155,8 +164,17 @@ def _fake_train(config: FakeConfig) -> dict[str, Any]:
     skipped = 0.8 * config.stale_target if config.skip_stale else 0.0
     run = Path(config.out)
     run.mkdir(parents=True)
-    events = [{"event": "train", "samples": s, "skipped_fraction": skipped, "stale_rows": s // 10 if skipped else 0,
-               "hot_rows": 1000, "threshold": 0.01} for s in range(512, 8192, 512)]
+    events = [
+        {
+            "event": "train",
+            "samples": s,
+            "skipped_fraction": skipped,
+            "stale_rows": s // 10 if skipped else 0,
+            "hot_rows": 1000,
+            "threshold": 0.01,
+        }
+        for s in range(512, 8192, 512)
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     summary = {
         "auc": 0.75 - 0.01 * skipped + 0.001 * config.seed, "logloss": 0.5, "accuracy": 0.7,
@@ -198,7 +216,14 @@ def test_grids_cover_the_questions() -> None:
     assert len(names) == len(full)
     rq1 = [s for s in full if "RQ1" in s.questions]
     assert len(rq1) == 16 and experiments.BASELINE in names
-    assert {s.overrides["cache_size"] for s in full if "RQ3" in s.questions} == {0.005, 0.01, 0.02, 0.05, 0.1, 0.2}
+    assert {s.overrides["cache_size"] for s in full if "RQ3" in s.questions} == {
+        0.005,
+        0.01,
+        0.02,
+        0.05,
+        0.1,
+        0.2,
+    }
     assert {s.overrides["policy"] for s in full if "RQ2" in s.questions} == {"lru", "lfu"}
     assert {s.overrides["rounding"] for s in full if "RQ4" in s.questions} == {"stochastic", "nearest"}
     assert next(s for s in full if s.name == "int8 5% lru").seeds == 3
@@ -212,3 +237,16 @@ def test_grids_cover_the_questions() -> None:
 def test_pareto_front() -> None:
     points = [(10.0, 0.0), (5.0, -0.001), (5.0, -0.003), (2.0, -0.002), (3.0, -0.004), (1.0, -0.01)]
     assert experiments.pareto_front(points) == [5, 3, 1, 0]
+
+
+@pytest.mark.slow
+def test_all_quick_preset_as_ci_runs_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`slipcache experiment all --quick`, the preset itself (about 1.5 minutes on two idle cores)."""
+    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    _run("all", "--quick", "--out", str(out))
+    results = json.loads((out / "results.json").read_text())
+    assert {c["experiment"] for c in results["cells"]} == {"mixed-precision", "slipstream"}
+    report = (out / "report.md").read_text()
+    for plot in MP_PLOTS + STALE_PLOTS:
+        assert (out / plot).is_file() and plot in report
