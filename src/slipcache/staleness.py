@@ -311,6 +311,7 @@ class StaleInputDetector:
         self._threshold: float | None = None
         self._snap_prev: torch.Tensor | None = None
         self._snap_cur: torch.Tensor | None = None
+        self._change_memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._stale_flags = np.zeros(0, dtype=bool)  # aligned with hot.rows
         self._fit_sample: np.ndarray | None = None  # hot inputs kept for refits after guard actions
         self._window_open = False
@@ -420,9 +421,12 @@ class StaleInputDetector:
         """float32 [hot rows]: largest per-dimension change between the latest two snapshots."""
         if self._snap_prev is None or self._snap_cur is None:
             raise InvalidInputError("row_change needs two snapshots (begin_window, end_window)")
-        if self._snap_prev.shape[0] == 0:
-            return torch.zeros(0)
-        return (self._snap_cur - self._snap_prev).abs().amax(dim=1)
+        prev, cur = self._snap_prev, self._snap_cur
+        memo = self._change_memo  # the filter, refits and stats all ask between two snapshots
+        if memo is None or memo[0] is not prev or memo[1] is not cur:
+            change = torch.zeros(0) if prev.shape[0] == 0 else (cur - prev).abs().amax(dim=1)
+            self._change_memo = memo = (prev, cur, change)
+        return memo[2]
 
     def _refresh_flags(self) -> None:
         if self._threshold is None or self._snap_prev is None or self._snap_cur is None:
