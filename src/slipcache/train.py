@@ -39,17 +39,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slipcache import checkpoint as ckpt
+from slipcache.cache import POLICIES
+from slipcache.embedding import OPTIMIZERS
 from slipcache.errors import SlipcacheError
 from slipcache.metrics import evaluate_predictions
 from slipcache.model import DLRM, EMBEDDING_KINDS, ModelConfig, build_embeddings
+from slipcache.quant import PRECISIONS, ROUNDINGS
 
 if typing.TYPE_CHECKING:
     from slipcache.skipping import StaleSkipper
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
-POLICIES = ("lru", "lfu", "none")
-ROUNDINGS = ("stochastic", "nearest")
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 VOCABS = ("hash", "frequency")
 
 CHECKPOINT_FORMAT = "slipcache-checkpoint"
@@ -123,7 +122,9 @@ class TrainConfig:
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise SlipcacheError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+                raise SlipcacheError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
         positive = ["batch_size", "epochs", "embedding_dim", "samples", "log_every", "eval_every"]
         positive += ["checkpoint_every", "eval_samples", "synthetic_samples", "max_rows", "min_count"]
         for name in positive:
@@ -145,9 +146,13 @@ class TrainConfig:
         if not 0.0 <= self.stale_target <= 1.0 or not 0.0 < self.stale_alpha <= 1.0:
             raise SlipcacheError("stale_target must be in [0, 1] and stale_alpha in (0, 1]")
         if not 0.0 < self.stale_window <= 1.0 or self.stale_guard_every < 1 or not self.stale_budget_mb > 0:
-            raise SlipcacheError("stale_window must be in (0, 1], stale_guard_every >= 1, stale_budget_mb > 0")
+            raise SlipcacheError(
+                "stale_window must be in (0, 1], stale_guard_every >= 1, stale_budget_mb > 0"
+            )
         if (self.stale_recheck is not None and self.stale_recheck < 0) or not self.stale_min_accesses >= 0:
-            raise SlipcacheError("stale_recheck must be >= 0 (0 = window length) or None, stale_min_accesses >= 0")
+            raise SlipcacheError(
+                "stale_recheck must be >= 0 (0 = window length) or None, stale_min_accesses >= 0"
+            )
 
 
 # `--quick`: a scaled-down synthetic dataset, smaller MLPs and a 600k-sample budget; applied only to
@@ -219,7 +224,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
-def make_config(file_values: dict[str, Any] | None = None, flag_values: dict[str, Any] | None = None) -> TrainConfig:
+def make_config(
+    file_values: dict[str, Any] | None = None, flag_values: dict[str, Any] | None = None
+) -> TrainConfig:
     """Defaults, then the config file, then command-line flags; `--quick` fills only what neither set."""
     given = {**(file_values or {}), **(flag_values or {})}
     if given.get("quick"):
@@ -243,7 +250,11 @@ def _synthetic_dataset(config: TrainConfig) -> Path:
 
 
 def _raw_inputs(path: Path) -> list[Path]:
-    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")) if path.is_dir() else [path]
+    files = (
+        sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        if path.is_dir()
+        else [path]
+    )
     if not files:
         raise SlipcacheError(f"no data files in {path}")
     return files
@@ -337,7 +348,9 @@ def embedding_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimiz
 
 
 @torch.no_grad()
-def evaluate(model: DLRM, split: Any, *, max_samples: int | None = None, batch_size: int = 8192) -> dict[str, float]:
+def evaluate(
+    model: DLRM, split: Any, *, max_samples: int | None = None, batch_size: int = 8192
+) -> dict[str, float]:
     """AUC, log loss, accuracy and normalized entropy on the first `max_samples` of a split (in order)."""
     from slipcache.data.dataset import BatchIterator
 
@@ -347,7 +360,9 @@ def evaluate(model: DLRM, split: Any, *, max_samples: int | None = None, batch_s
     probs: list[np.ndarray] = []
     seen = 0
     for batch in BatchIterator(split, batch_size, shuffle=False, seed=0, drop_last=False):
-        take = batch.labels.shape[0] if max_samples is None else min(batch.labels.shape[0], max_samples - seen)
+        take = (
+            batch.labels.shape[0] if max_samples is None else min(batch.labels.shape[0], max_samples - seen)
+        )
         logits = model(batch.dense[:take], batch.sparse[:take])
         labels.append(batch.labels[:take].numpy())
         probs.append(torch.sigmoid(logits).numpy())
@@ -385,7 +400,9 @@ class Progress:
     samples: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
-    train_wall_s: float = 0.0  # wall time of the loop: data, skip filter and guard, steps (no eval, no checkpoints)
+    train_wall_s: float = (
+        0.0  # wall time of the loop: data, skip filter and guard, steps (no eval, no checkpoints)
+    )
     compute_s: float = 0.0  # forward, backward and optimizer steps only
     skipped: int = 0  # inputs dropped as stale; they count against the sample budget like trained ones
     window_loss: float = 0.0  # sum of per-batch mean loss * batch size since the last log event
@@ -476,7 +493,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
         state, config = _load_resume(config)
     run_dir = Path(config.out) if config.out else _new_run_dir()
     if state is None and run_dir.exists() and (run_dir / "checkpoints").exists():
-        raise SlipcacheError(f"run directory {run_dir} already holds a run; use --resume {run_dir} or another --out")
+        raise SlipcacheError(
+            f"run directory {run_dir} already holds a run; use --resume {run_dir} or another --out"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # A resumed run keeps reading the dataset it started on, when that is still there.
@@ -510,7 +529,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
         if skipper is not None:
             skipper.load_state_dict(state["skipping"])
     _write_json(run_dir / "config.json", config_dict)
-    _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops events after its checkpoint
+    _write_events(
+        run_dir / "metrics.jsonl", progress.events
+    )  # a resumed run drops events after its checkpoint
     # The collection's counters may or may not come back with its state; count relative to what it says now.
     base_lookups, base_hits = _stats_totals(model)
     base_lookups -= progress.window_lookups
@@ -536,13 +557,19 @@ def train(config: TrainConfig) -> dict[str, Any]:
     def save(tag_samples: int) -> None:
         lookups, hits = _stats_totals(model)  # the open window's cache counts travel with the checkpoint
         progress.window_lookups, progress.window_hits = lookups - base_lookups, hits - base_hits
-        checkpoint_state = _checkpoint_state(config_dict, dataset.table_sizes, model, dense_opt, emb_opt, progress)
+        checkpoint_state = _checkpoint_state(
+            config_dict, dataset.table_sizes, model, dense_opt, emb_opt, progress
+        )
         checkpoint_state["skipping"] = skipper.state_dict() if skipper is not None else None
-        ckpt.save_run_checkpoint(run_dir / "checkpoints", checkpoint_state, tag_samples, keep=config.keep_checkpoints)
+        ckpt.save_run_checkpoint(
+            run_dir / "checkpoints", checkpoint_state, tag_samples, keep=config.keep_checkpoints
+        )
 
     try:
         while progress.samples + progress.skipped < budget and progress.epoch < max_epochs:
-            tick = time.perf_counter()  # wall time includes reading and filtering batches, not eval or checkpoints
+            tick = (
+                time.perf_counter()
+            )  # wall time includes reading and filtering batches, not eval or checkpoints
             if skipper is not None:
                 skipper.start_epoch(progress.epoch, progress.batch_in_epoch)  # profile, open the window
             batches = BatchIterator(
@@ -563,7 +590,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 if not math.isfinite(loss_value):
                     # Stop before backward: a fused embedding update would write the bad gradient into storage.
                     latest = run_dir / "checkpoints" / ckpt.LATEST
-                    where = f"last good checkpoint: {latest}" if latest.exists() else "no checkpoint was written yet"
+                    where = (
+                        f"last good checkpoint: {latest}"
+                        if latest.exists()
+                        else "no checkpoint was written yet"
+                    )
                     raise SlipcacheError(
                         f"training loss is {loss_value} at sample {progress.samples} (epoch {progress.epoch}, "
                         f"batch {progress.batch_in_epoch}); stopped. Check the input data or lower --lr; {where}"
@@ -820,13 +851,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     s = argparse.SUPPRESS
     add = parser.add_argument
     add("--config", metavar="FILE", default=s, help="TOML or YAML file of config keys; flags override it")
-    add("--data", default=s, help="raw Criteo file/dir (any of the 3 formats) or a preprocessed dataset dir; "
-        "default: synthetic data")
+    add(
+        "--data",
+        default=s,
+        help="raw Criteo file/dir (any of the 3 formats) or a preprocessed dataset dir; "
+        "default: synthetic data",
+    )
     add("--out", default=s, help="run directory (default runs/<timestamp>)")
     add("--resume", metavar="RUN_OR_CHECKPOINT", default=s, help="continue an interrupted run")
     add("--quick", action="store_true", default=s, help="small synthetic run, well under a minute")
-    add("--embeddings", choices=EMBEDDING_KINDS, default=s,
-        help="cached = mixed-precision + fp32 cache (default); torch = fp32 nn.EmbeddingBag baseline")
+    add(
+        "--embeddings",
+        choices=EMBEDDING_KINDS,
+        default=s,
+        help="cached = mixed-precision + fp32 cache (default); torch = fp32 nn.EmbeddingBag baseline",
+    )
     add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
     add("--cache-size", type=float, default=s, help="cache rows: fraction (<1) or count (default 0.05)")
     add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
@@ -847,19 +886,43 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--min-count", type=int, default=s, help="raw data, frequency vocabulary: minimum count (default 1)")
     add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
     add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
-    add("--skip-stale", action="store_true", default=s, help="skip stale inputs (Slipstream; docs/skipping.md)")
+    add(
+        "--skip-stale",
+        action="store_true",
+        default=s,
+        help="skip stale inputs (Slipstream; docs/skipping.md)",
+    )
     add("--stale-target", type=float, default=s, help="D: share of hot inputs to skip (default 0.3)")
     add("--no-stale-guard", dest="stale_guard", action="store_false", default=s, help="no accuracy guard")
     add("--stale-guard-every", type=int, default=s, help="batches between guard checks (default 100)")
-    add("--stale-alpha", type=float, default=s, help="share of an input's lookups that must be stale (default 1)")
-    add("--stale-window", type=float, default=s, help="share of an epoch's batches in the snapshot window (0.02)")
+    add(
+        "--stale-alpha",
+        type=float,
+        default=s,
+        help="share of an input's lookups that must be stale (default 1)",
+    )
+    add(
+        "--stale-window",
+        type=float,
+        default=s,
+        help="share of an epoch's batches in the snapshot window (0.02)",
+    )
     add("--stale-recheck", type=int, default=s, help="batches between rolling snapshots (default 0 = window)")
     add("--stale-budget-mb", type=float, default=s, help="hot-row snapshot budget in MiB (default 256)")
-    add("--stale-min-accesses", type=float, default=s,
-        help="hot rows must expect this many accesses per window (default 0 = budget only, as the paper)")
+    add(
+        "--stale-min-accesses",
+        type=float,
+        default=s,
+        help="hot rows must expect this many accesses per window (default 0 = budget only, as the paper)",
+    )
     add("--stale-release-cache", action="store_true", default=s, help="stale rows give up their cache slots")
-    add("--no-stale-refit", dest="stale_refit", action="store_false", default=s,
-        help="fit the threshold once per epoch (the paper) instead of at every re-check")
+    add(
+        "--no-stale-refit",
+        dest="stale_refit",
+        action="store_false",
+        default=s,
+        help="fit the threshold once per epoch (the paper) instead of at every re-check",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
