@@ -110,6 +110,7 @@ def test_skipping_is_deterministic_and_reported(data_dir: Path, tmp_path: Path) 
     assert a["skipped_fraction"] > 0.05
     assert a["train_samples"] < 2 * 1984 * (1 - 0.5 * a["skipped_fraction"])
     block = a["staleness"]
+    assert block["inputs_seen"] == 2 * 2000  # 2 epochs of 2000: each classifies every training input exactly once
     assert block["inputs_skipped"] > 0 and block["hot_rows"] > 0 and block["guard_checks"] > 0
     last = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])
     for key in (

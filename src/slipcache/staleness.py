@@ -16,8 +16,8 @@ Beyond the paper: ``after_batch`` re-snapshots every K batches so a row that mov
 ``SkipGuard`` lowers the target (or stops skipping) when skipped inputs' loss drifts above trained loss;
 ``stale_rows`` lists rows a cache may demote.
 
-Memory is proportional to the hot set only: membership uses ``searchsorted`` over the sorted hot rows,
-never an array over every row of every table.
+Memory: snapshots and counts are proportional to the hot set; the input filter also reads one flag byte per
+row of every table (hot, stale), because a direct index is much faster than a search of the hot rows.
 """
 
 from __future__ import annotations
@@ -306,6 +306,7 @@ class StaleInputDetector:
 
     def _reset_epoch_state(self) -> None:
         self._row_flags = np.zeros(int(self.table_offsets[-1]), dtype=np.uint8)
+        self._fit_positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (sample, pos, hit) memo
         self.hot: HotSet | None = None
         self.threshold_result: ThresholdResult | None = None
         self._threshold: float | None = None
@@ -470,13 +471,31 @@ class StaleInputDetector:
         self._fit_sample = np.ascontiguousarray(hot_inputs, dtype=np.int32)
         return self._fit(self.guard.target)
 
+    def refit(self) -> ThresholdResult:
+        """Refit T on the latest snapshot pair, with the inputs sampled by the last ``fit_threshold``.
+
+        Cheap enough to run at every rolling re-check: the sample's rows are located in the hot set once.
+        """
+        if self._fit_sample is None:
+            raise InvalidInputError("refit needs a sample: call fit_threshold first")
+        return self._fit(self.guard.target)
+
     def _input_keys(self, sparse: np.ndarray) -> np.ndarray:
         """Per input, the smallest T that makes it stale is just above its k-th smallest lookup change."""
-        hot = self._require_hot()
-        pos, hit = hot.positions(_global_rows(sparse, self.table_offsets))
-        change = np.where(hit, self.row_change().numpy()[pos], np.inf)
+        memo = self._fit_positions
+        if memo is None or memo[0] is not sparse:
+            pos, hit = self._require_hot().positions(_global_rows(sparse, self.table_offsets))
+            self._fit_positions = memo = (sparse, pos, hit)
+        _, pos, hit = memo
+        change = self.row_change().numpy()[pos]
+        if not hit.all():
+            change[~hit] = np.inf
         k = self.config.required_stale(self.num_tables) - 1
-        return np.partition(change, k, axis=1)[:, k] if change.size else np.zeros(0)
+        if not change.size:
+            return np.zeros(0)
+        if k == self.num_tables - 1:  # alpha = all lookups: the largest change
+            return change.max(axis=1)
+        return np.partition(change, k, axis=1)[:, k]
 
     def _fit(self, target: float) -> ThresholdResult:
         cfg = self.config
@@ -533,18 +552,23 @@ class StaleInputDetector:
         return mask if self.skipping else np.zeros_like(mask)
 
     def _classify(self, sparse: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """(stale lookups per input, input-is-hot) from a single searchsorted pass."""
-        global_rows = _global_rows(sparse, self.table_offsets)
-        if self.hot is None:
-            n = global_rows.shape[0]
-            return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
-        flags = self._row_flags[global_rows]
-        return (flags == 3).sum(axis=1), (flags & 1).all(axis=1)
+        """(stale lookups per input, input-is-hot), from the per-row flag bytes."""
+        flags = np.take(self._row_flags, _global_rows(sparse, self.table_offsets))
+        return (flags == 3).sum(axis=1), flags.min(axis=1, initial=1) >= 1
 
     def count(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
-        """Classify for skipping and record the counts for ``stats``; returns the keep mask."""
-        stale_counts, hot = self._classify(sparse)
-        skip = stale_counts >= self.config.required_stale(self.num_tables)
+        """Classify for skipping and record the counts for ``stats``; returns the keep mask.
+
+        This is the trainer's per-batch filter, so the common case (alpha = every lookup) takes one
+        reduction: flags are 0 (cold), 1 (hot) or 3 (hot and stale), and the smallest decides both.
+        """
+        flags = np.take(self._row_flags, _global_rows(sparse, self.table_offsets))
+        required = self.config.required_stale(self.num_tables)
+        if required == self.num_tables:
+            lowest = flags.min(axis=1, initial=3)
+            skip, hot = lowest == 3, lowest >= 1
+        else:
+            skip, hot = (flags == 3).sum(axis=1) >= required, flags.min(axis=1, initial=1) >= 1
         if not self.skipping:
             skip[:] = False
         for counters in (self.epoch_counts, self.total):
@@ -681,13 +705,15 @@ def _check_ids(sparse: np.ndarray | torch.Tensor, offsets: np.ndarray) -> np.nda
     num_tables = offsets.size - 1
     if ids.ndim != 2 or ids.shape[1] != num_tables:
         raise InvalidInputError(f"sparse ids must be [n, {num_tables}], got {tuple(ids.shape)}")
-    if not np.issubdtype(ids.dtype, np.integer):
+    if ids.dtype.kind not in "iu":
         raise InvalidInputError(f"sparse ids must be integers, got {ids.dtype}")
-    if ids.size and (ids.min() < 0 or np.any(ids >= np.diff(offsets))):
+    if ids.size and (ids.min() < 0 or np.any(ids.max(axis=0) >= np.diff(offsets))):
         raise InvalidInputError("sparse ids out of range for their tables")
     return ids
 
 
 def _global_rows(sparse: np.ndarray | torch.Tensor, offsets: np.ndarray) -> np.ndarray:
-    """int64 [n, T]: global row = offset[t] + id."""
-    return _check_ids(sparse, offsets).astype(np.int64) + offsets[:-1]
+    """[n, T] global row = offset[t] + id; int32 when every row number fits, which halves the traffic."""
+    ids = _check_ids(sparse, offsets)
+    dtype = np.int32 if offsets[-1] <= np.iinfo(np.int32).max else np.int64
+    return ids.astype(dtype, copy=False) + offsets[:-1].astype(dtype)

@@ -566,10 +566,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
         )
 
     try:
-        while progress.samples + progress.skipped < budget and progress.epoch < max_epochs:
-            tick = (
-                time.perf_counter()
-            )  # wall time includes reading and filtering batches, not eval or checkpoints
+        finished = False  # set by the run's last batch: budget spent, or the last epoch's batches ran out
+        while not finished and progress.samples + progress.skipped < budget and progress.epoch < max_epochs:
+            tick = time.perf_counter()  # wall time includes reading and filtering batches, not eval or checkpoints
             if skipper is not None:
                 skipper.start_epoch(progress.epoch, progress.batch_in_epoch)  # profile, open the window
             batches = BatchIterator(
@@ -644,6 +643,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 if progress.samples % config.checkpoint_every == 0 and not last:
                     save(progress.samples)
                 if last:
+                    # A skipping run's last epoch can end with trained + skipped just under the budget (the
+                    # tail that fills no batch is dropped); it must not restart the epoch to look for more.
+                    finished = True
                     break
                 tick = time.perf_counter()
             else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
