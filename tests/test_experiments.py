@@ -157,6 +157,7 @@ class FakeConfig:
     skip_stale: bool = False
     stale_target: float = 0.3
     stale_guard: bool = True
+    stale_alpha: float = 1.0
 
 
 def _fake_train(config: FakeConfig) -> dict[str, Any]:
@@ -200,7 +201,7 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
     lines = _run("slipstream", "--out", str(out), "--data", str(tmp_path), "--seeds", "2", *TINY)
     results = json.loads((out / "results.json").read_text())
     setups = {s["name"]: s for s in results["setups"]}
-    assert _ran(lines) == 2 * len(setups) == 2 * 10
+    assert _ran(lines) == 2 * len(setups) == 2 * 12
     speedup = setups["fp32, D=0.5, guard on"]["metrics"]["speedup"]
     assert speedup["mean"] == pytest.approx(1 / 0.6) and speedup["n"] == 2
     assert setups["fp32, no skipping"]["metrics"]["speedup"]["mean"] == 1.0
@@ -208,6 +209,7 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
     for name in STALE_PLOTS:
         assert (out / name).is_file() and f"]({name})" in report
     assert "**Skipping.**" in report and "Mixed-precision" not in report
+    assert "D=0.3 alpha=0.9 skipped" in report
 
 
 def test_grids_cover_the_questions() -> None:
@@ -228,7 +230,7 @@ def test_grids_cover_the_questions() -> None:
     assert {s.overrides["rounding"] for s in full if "RQ4" in s.questions} == {"stochastic", "nearest"}
     assert next(s for s in full if s.name == "int8 5% lru").seeds == 3
     stale = experiments.slipstream_grid(experiments.PRESETS["full"], 2)
-    assert len(stale) == 14 and {s.group for s in stale} == set(experiments.STALE_STORAGES)
+    assert len(stale) == 16 and {s.group for s in stale} == set(experiments.STALE_STORAGES)
     plan = experiments.Plan(experiments.PRESETS["full"], Path("x"), None, 3)
     ids = [c.id for c in plan.cells(full + stale)]
     assert len(ids) == len(set(ids)) and ids == [c.id for c in plan.cells(full + stale)]

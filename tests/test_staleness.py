@@ -97,6 +97,24 @@ def test_hot_input_mask_requires_every_lookup_hot():
     assert mask.tolist() == [True, True, False, False]
 
 
+def test_alpha_below_one_makes_inputs_with_enough_hot_lookups_hot_and_skippable():
+    """alpha = 0.5 of 4 lookups: inputs with 2 hot (and, once fitted, 2 stale) lookups qualify."""
+    coll = FakeCollection([3, 3, 3, 3], dim=1)
+    det = make(StalenessConfig(alpha=0.5, tolerance=1.0), coll)
+    det.profile(np.array([[0, 0, 0, 0], [1, 1, 1, 1]], dtype=np.int32))  # ids 0 and 1 of every table are hot
+    inputs = np.array([[0, 1, 2, 2], [0, 2, 2, 2], [2, 2, 2, 2], [1, 1, 1, 2]], dtype=np.int32)
+    assert det.hot_input_mask(inputs).tolist() == [True, False, False, True]
+    det.begin_window(coll)
+    coll.move(np.array([1, 4, 7, 10]), 0.5)  # id 1 moves in every table, id 0 stays
+    det.end_window(coll)
+    det.fit_threshold(inputs)
+    assert det.stale_rows().tolist() == [0, 3, 6, 9]
+    assert det.stale_counts(inputs).tolist() == [1, 1, 0, 0]
+    keep = det.count(np.array([[0, 0, 2, 2], [0, 1, 2, 2]], dtype=np.int32))
+    assert keep.tolist() == [False, True]
+    assert det.stats()["hot_inputs_seen"] == 2
+
+
 # ---- snapshots and staleness -----------------------------------------------------------------------------
 
 

@@ -4,7 +4,7 @@ Hot embedding rows converge early; an input whose lookups all hit rows that no l
 training, so the trainer may skip it. Per epoch:
 
 1. ``profile``: count row accesses on a sample of inputs; the hot set is the most-accessed rows fitting a
-   byte budget. An input is *hot* when every lookup is a hot row.
+   byte budget. An input is *hot* when every lookup is a hot row (at least alpha of them, when alpha < 1).
 2. ``begin_window`` / ``end_window``: snapshot the hot rows (only those) around a window of normal training.
 3. ``row_change``: per hot row, the largest per-dimension change (L-infinity) between the two snapshots;
    a row is stale under threshold ``T`` when that change is below ``T``.
@@ -358,8 +358,13 @@ class StaleInputDetector:
         return self.hot
 
     def hot_input_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
-        """bool[n]: inputs whose every lookup is hot (all False before ``profile``)."""
-        return (self._row_flags[_global_rows(sparse, self.table_offsets)] & 1).all(axis=1)
+        """bool[n]: hot inputs, those with at least alpha of their lookups hot (all False before ``profile``).
+
+        With alpha = 1 (the paper) every lookup must be hot. Only hot inputs can ever be skipped, so they are
+        what the target D is a share of.
+        """
+        flags = np.take(self._row_flags, _global_rows(sparse, self.table_offsets))
+        return np.count_nonzero(flags, axis=1) >= self.config.required_stale(self.num_tables)
 
     # ---- 2. snapshots ----------------------------------------------------------------------------------
 
@@ -554,7 +559,8 @@ class StaleInputDetector:
     def _classify(self, sparse: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(stale lookups per input, input-is-hot), from the per-row flag bytes."""
         flags = np.take(self._row_flags, _global_rows(sparse, self.table_offsets))
-        return (flags == 3).sum(axis=1), flags.min(axis=1, initial=1) >= 1
+        required = self.config.required_stale(self.num_tables)
+        return (flags == 3).sum(axis=1), np.count_nonzero(flags, axis=1) >= required
 
     def count(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
         """Classify for skipping and record the counts for ``stats``; returns the keep mask.
@@ -568,7 +574,7 @@ class StaleInputDetector:
             lowest = flags.min(axis=1, initial=3)
             skip, hot = lowest == 3, lowest >= 1
         else:
-            skip, hot = (flags == 3).sum(axis=1) >= required, flags.min(axis=1, initial=1) >= 1
+            skip, hot = (flags == 3).sum(axis=1) >= required, np.count_nonzero(flags, axis=1) >= required
         if not self.skipping:
             skip[:] = False
         for counters in (self.epoch_counts, self.total):
