@@ -362,7 +362,7 @@ def test_guard_lowers_then_stops_with_patience_and_recovers_with_hysteresis():
 def test_guard_refits_the_threshold_and_stops_skipping():
     det, sample = uniform_change_detector(guard_patience=1)
     first = det.fit_threshold(sample)
-    decision = det.update_guard(skipped_loss=0.6, trained_loss=0.4)
+    decision = det.update_guard(loss=0.6, reference=0.4)
     assert decision.action == "lower"
     refit = det.threshold_result
     assert refit.target == pytest.approx(0.15) and abs(refit.achieved_ratio - 0.15) <= 0.01
@@ -430,7 +430,7 @@ def test_deterministic_per_seed():
     c, _, _ = run_epoch(seed=8)
     assert np.array_equal(a.hot.rows, b.hot.rows) and res_a == res_b
     assert np.array_equal(a.stale_mask(data), b.stale_mask(data))
-    assert np.array_equal(a.guard_indices(4000, 10), b.guard_indices(4000, 10))
+    assert np.array_equal(a.guard_indices(40_000), b.guard_indices(40_000)) and a.guard_indices(40_000).size == 4096
     assert not np.array_equal(a.sample_indices(4000, 0.2, "profile"), c.sample_indices(4000, 0.2, "profile"))
     a.start_epoch(4)
     assert not np.array_equal(a.sample_indices(4000, 0.2, "profile"), b.sample_indices(4000, 0.2, "profile"))

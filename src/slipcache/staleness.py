@@ -13,7 +13,7 @@ training, so the trainer may skip it. Per epoch:
 5. ``stale_mask`` / ``sample_filter``: an input is skipped when at least alpha of its lookups are stale.
 
 Beyond the paper: ``after_batch`` re-snapshots every K batches so a row that moves again stops being stale;
-``SkipGuard`` lowers the target (or stops skipping) when skipped inputs' loss drifts above trained loss;
+``SkipGuard`` lowers the target (or stops skipping) when skipped inputs' loss rises above a reference;
 ``stale_rows`` lists rows a cache may demote.
 
 Memory: snapshots and counts are proportional to the hot set; the input filter also reads one flag byte per
@@ -77,12 +77,12 @@ class StalenessConfig:
     alpha: float = 1.0  # skip when >= ceil(alpha * T) lookups are stale
     alpha_count: int | None = None  # absolute count; overrides alpha when set
     recheck_interval: int | None = 0  # batches between rolling snapshots; 0 = window length, None = off
-    guard_margin: float = 0.05  # relative excess of skipped over trained loss that counts as drift
+    guard_margin: float = 0.01  # relative rise of the skipped inputs' loss that counts as drift
     guard_release: float = 0.5  # drift must fall below margin * release to relax (hysteresis)
     guard_patience: int = 2  # consecutive checks needed before acting, either way
     guard_backoff: float = 0.5  # target multiplier on drift (halve D)
     guard_min_target: float = 0.05  # below this the guard stops skipping instead
-    guard_sample_size: int = 2048  # inputs the trainer evaluates (forward only) per guard check
+    guard_sample_size: int = 4096  # inputs per epoch whose loss the trainer follows (forward only)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -147,7 +147,7 @@ class GuardDecision:
     action: str
     target: float
     active: bool
-    drift: float  # (skipped_loss - trained_loss) / trained_loss
+    drift: float  # (loss - reference) / reference
 
 
 class HotSet:
@@ -181,9 +181,11 @@ class HotSet:
 
 
 class SkipGuard:
-    """Lowers the skip target, or stops skipping, when skipped inputs' loss drifts above trained loss.
+    """Lowers the skip target, or stops skipping, when the loss of skipped inputs drifts above a reference.
 
-    Rule: ``drift = (skipped - trained) / trained``. ``patience`` consecutive checks with
+    The trainer's reference is the same inputs' loss when the epoch's skipping began (see
+    ``slipcache.skipping``): Slipstream assumes stale inputs stay learned, and this checks it.
+    Rule: ``drift = (loss - reference) / reference``. ``patience`` consecutive checks with
     ``drift > margin`` halve the target (``backoff``); if that would fall below ``min_target`` skipping
     stops. ``patience`` consecutive checks with ``drift < margin * release`` undo one step (resume,
     then double the target up to its base). Drift in between resets both streaks: that dead band is the
@@ -208,11 +210,11 @@ class SkipGuard:
         return cls(config.target_drop, config.guard_margin, config.guard_release, config.guard_patience,
                    config.guard_backoff, config.guard_min_target)
 
-    def update(self, skipped_loss: float, trained_loss: float) -> GuardDecision:
+    def update(self, loss: float, reference: float) -> GuardDecision:
         """Feed one comparison (mean losses, same loss function) and apply the rule."""
-        if not (math.isfinite(skipped_loss) and math.isfinite(trained_loss)):
-            raise InvalidInputError(f"guard losses must be finite, got {skipped_loss}, {trained_loss}")
-        drift = (skipped_loss - trained_loss) / max(abs(trained_loss), 1e-12)
+        if not (math.isfinite(loss) and math.isfinite(reference)):
+            raise InvalidInputError(f"guard losses must be finite, got {loss}, {reference}")
+        drift = (loss - reference) / max(abs(reference), 1e-12)
         if drift > self.margin:
             self._bad, self._good = self._bad + 1, 0
         elif drift < self.margin * self.release:
@@ -593,16 +595,14 @@ class StaleInputDetector:
 
     # ---- guard -----------------------------------------------------------------------------------------
 
-    def guard_indices(self, num_inputs: int, batch_index: int) -> np.ndarray:
-        """Inputs to evaluate for a guard check (deterministic per seed, epoch and batch)."""
-        size = min(num_inputs, self.config.guard_sample_size)
-        rng = self._rng(f"guard-{batch_index}")
-        return np.sort(rng.choice(num_inputs, size=size, replace=False)).astype(np.int64)
+    def guard_indices(self, num_inputs: int) -> np.ndarray:
+        """The epoch's guard sample: inputs whose loss the guard follows (deterministic per seed and epoch)."""
+        return self.sample_indices(num_inputs, min(1.0, self.config.guard_sample_size / max(num_inputs, 1)), "guard")
 
-    def update_guard(self, skipped_loss: float, trained_loss: float) -> GuardDecision:
-        """Feed the forward-only loss of sampled skipped inputs vs trained inputs; refits T if D changed."""
+    def update_guard(self, loss: float, reference: float) -> GuardDecision:
+        """Feed the forward-only loss of sampled skipped inputs and its reference; refits T if D changed."""
         before = self.guard.target
-        decision = self.guard.update(skipped_loss, trained_loss)
+        decision = self.guard.update(loss, reference)
         if decision.target != before and self._fit_sample is not None:
             self._fit(decision.target)
         return decision
