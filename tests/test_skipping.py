@@ -127,6 +127,28 @@ def test_skipping_is_deterministic_and_reported(data_dir: Path, tmp_path: Path) 
     assert c["auc"] != a["auc"]
 
 
+def test_guard_lowers_the_target_when_skipped_inputs_loss_rises(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard compares the skipped guard inputs with their own loss when the window closed."""
+    import slipcache.skipping
+
+    calls: list[int] = []
+
+    def losses(self: slipcache.skipping.StaleSkipper, idx: np.ndarray) -> np.ndarray:
+        calls.append(idx.size)
+        return np.full(idx.size, 1.0 if len(calls) == 1 else 1.5, dtype=np.float32)  # reference, then +50 %
+
+    monkeypatch.setattr(slipcache.skipping.StaleSkipper, "_losses", losses)
+    summary = train.train(tiny(data_dir, tmp_path / "run", epochs=1))
+    block = summary["staleness"]
+    assert calls[0] == 2000  # the guard sample (the whole 2000-input split here), once, when the window closed
+    assert block["guard_checks"] >= 2 and all(size < calls[0] for size in calls[1:])  # skipped ones only
+    first = block["guard_actions"][0]
+    assert first["action"] == "lower" and first["target"] == pytest.approx(0.25)
+    assert first["drift"] == pytest.approx(0.5)
+
+
 def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

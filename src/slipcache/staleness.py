@@ -365,8 +365,7 @@ class StaleInputDetector:
         With alpha = 1 (the paper) every lookup must be hot. Only hot inputs can ever be skipped, so they are
         what the target D is a share of.
         """
-        flags = np.take(self._row_flags, _global_rows(sparse, self.table_offsets))
-        return np.count_nonzero(flags, axis=1) >= self.config.required_stale(self.num_tables)
+        return self._classify(sparse)[1]
 
     # ---- 2. snapshots ----------------------------------------------------------------------------------
 
@@ -547,36 +546,37 @@ class StaleInputDetector:
 
     def stale_counts(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
         """int[n]: stale lookups per input."""
-        return self._classify(sparse)[0]
+        return np.count_nonzero(self._flags(sparse) == 3, axis=1)
 
     def stale_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
         """bool[n]: inputs with at least alpha stale lookups (pure classification, ignores the guard)."""
-        return self._classify(sparse)[0] >= self.config.required_stale(self.num_tables)
+        return self._classify(sparse)[0]
 
     def skip_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
         """bool[n]: inputs to skip now; all False unless ``skipping``."""
         mask = self.stale_mask(sparse)
         return mask if self.skipping else np.zeros_like(mask)
 
+    def _flags(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
+        """uint8 [n, T]: per lookup 0 (cold), 1 (hot) or 3 (hot and stale)."""
+        return np.take(self._row_flags, _global_rows(sparse, self.table_offsets))
+
     def _classify(self, sparse: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """(stale lookups per input, input-is-hot), from the per-row flag bytes."""
-        flags = np.take(self._row_flags, _global_rows(sparse, self.table_offsets))
-        required = self.config.required_stale(self.num_tables)
-        return (flags == 3).sum(axis=1), np.count_nonzero(flags, axis=1) >= required
+        """(stale: at least alpha lookups stale, hot: at least alpha lookups hot), bool[n] each.
 
-    def count(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
-        """Classify for skipping and record the counts for ``stats``; returns the keep mask.
-
-        This is the trainer's per-batch filter, so the common case (alpha = every lookup) takes one
-        reduction: flags are 0 (cold), 1 (hot) or 3 (hot and stale), and the smallest decides both.
+        This runs on every training input, so the common case (alpha = every lookup) takes one reduction:
+        the smallest flag decides both.
         """
-        flags = np.take(self._row_flags, _global_rows(sparse, self.table_offsets))
+        flags = self._flags(sparse)
         required = self.config.required_stale(self.num_tables)
         if required == self.num_tables:
             lowest = flags.min(axis=1, initial=3)
-            skip, hot = lowest == 3, lowest >= 1
-        else:
-            skip, hot = (flags == 3).sum(axis=1) >= required, np.count_nonzero(flags, axis=1) >= required
+            return lowest == 3, lowest >= 1
+        return np.count_nonzero(flags == 3, axis=1) >= required, np.count_nonzero(flags, axis=1) >= required
+
+    def count(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
+        """Classify for skipping and record the counts for ``stats``; returns the keep mask."""
+        skip, hot = self._classify(sparse)
         if not self.skipping:
             skip[:] = False
         for counters in (self.epoch_counts, self.total):
