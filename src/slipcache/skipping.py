@@ -45,6 +45,9 @@ from slipcache.staleness import GuardDecision, HotSet, StaleInputDetector, Stale
 
 _STATE_VERSION = 2
 THRESHOLD_SAMPLE_MIN = 4096
+# profile: hot rows and the window's first snapshot; filter: classifying inputs; snapshots: re-checks,
+# threshold fits and cache release; guard: its forward passes.
+OVERHEAD_PARTS = ("profile", "filter", "snapshots", "guard")
 
 
 class StaleSkipper:
@@ -81,7 +84,7 @@ class StaleSkipper:
         self.last_guard: GuardDecision | None = None
         self.guard_sample = np.zeros(0, dtype=np.int64)  # the epoch's guard inputs (split indices)
         self.guard_reference = np.zeros(0, dtype=np.float32)  # their loss when the window closed
-        self.overhead_s = 0.0  # profiling, snapshots, threshold fits, guard checks, filtering
+        self.overhead = dict.fromkeys(OVERHEAD_PARTS, 0.0)  # seconds spent on skipping, by part
         self.fits: list[dict[str, Any]] = []
         self.refits = 0
 
@@ -101,7 +104,7 @@ class StaleSkipper:
         det.profile(sample)
         self._keep_frequent(sample_share=len(sample) / max(n, 1))
         det.begin_window(self.coll)
-        self.overhead_s += time.perf_counter() - t0
+        self.overhead["profile"] += time.perf_counter() - t0
 
     def sample_filter(self, sparse: np.ndarray) -> np.ndarray:
         """BatchIterator filter: keep mask; replays recorded decisions first after a resume."""
@@ -113,7 +116,7 @@ class StaleSkipper:
         else:
             keep = self.detector.count(sparse)
         self.decisions.append(keep)
-        self.overhead_s += time.perf_counter() - t0
+        self.overhead["filter"] += time.perf_counter() - t0
         return keep
 
     def after_batch(self) -> None:
@@ -125,18 +128,24 @@ class StaleSkipper:
         if self.batch == self.window:
             det.end_window(self.coll)
             self._fit()
-            if self.guard_every:
-                self.guard_sample = det.guard_indices(len(self.split))
-                self.guard_reference = self._losses(self.guard_sample)
             rechecked = True
         elif rechecked and self.refit:
             self.detector.refit()
             self.refits += 1
         if rechecked and self.release_cache and det.skipping:
             self.released_rows += int(self.coll.release_rows(torch.from_numpy(det.stale_rows())))
+        t1 = time.perf_counter()
+        self.overhead["snapshots"] += t1 - t0
+        if self.guard_every and self.batch == self.window:
+            self.guard_sample = det.guard_indices(len(self.split))
+            self.guard_reference = self._losses(self.guard_sample)
         if self.guard_every and det.threshold is not None and self.batch % self.guard_every == 0:
             self._guard_check()
-        self.overhead_s += time.perf_counter() - t0
+        self.overhead["guard"] += time.perf_counter() - t1
+
+    @property
+    def overhead_s(self) -> float:
+        return sum(self.overhead.values())
 
     # ---- pieces ----------------------------------------------------------------------------------------
 
@@ -227,6 +236,7 @@ class StaleSkipper:
         total = self.detector.total
         return {
             **self.event_fields(seconds_per_trained_sample),
+            "skip_overhead_parts_s": dict(self.overhead),
             "inputs_seen": total.inputs,
             "hot_inputs_seen": total.hot_inputs,
             "window_batches": self.window,
@@ -255,7 +265,7 @@ class StaleSkipper:
             "last_guard": None if self.last_guard is None else vars(self.last_guard).copy(),
             "guard_sample": torch.from_numpy(self.guard_sample),
             "guard_reference": torch.from_numpy(self.guard_reference),
-            "overhead_s": self.overhead_s,
+            "overhead": dict(self.overhead),
             "fits": list(self.fits),
             "refits": self.refits,
         }
@@ -274,7 +284,7 @@ class StaleSkipper:
         self.last_guard = GuardDecision(**state["last_guard"]) if state["last_guard"] else None
         self.guard_sample = state["guard_sample"].numpy().copy()
         self.guard_reference = state["guard_reference"].numpy().copy()
-        self.overhead_s = float(state["overhead_s"])
+        self.overhead = {part: float(state["overhead"][part]) for part in OVERHEAD_PARTS}
         self.fits = list(state["fits"])
         self.refits = int(state["refits"])
 
