@@ -83,6 +83,7 @@ class StalenessConfig:
     guard_backoff: float = 0.5  # target multiplier on drift (halve D)
     guard_min_target: float = 0.05  # below this the guard stops skipping instead
     guard_sample_size: int = 4096  # inputs per epoch whose loss the trainer follows (forward only)
+    guard_min_skipped: int = 100  # fewer skipped inputs in that sample: too noisy to judge, no check
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -114,8 +115,10 @@ class StalenessConfig:
             raise InvalidInputError("recheck_interval must be None (off), 0 (window length) or positive")
         if self.guard_margin < 0.0 or not 0.0 <= self.guard_release <= 1.0:
             raise InvalidInputError("guard_margin must be >= 0 and guard_release in [0, 1]")
-        if self.guard_patience < 1 or not 0.0 < self.guard_backoff < 1.0 or self.guard_sample_size < 1:
-            raise InvalidInputError("guard_patience >= 1, guard_backoff in (0, 1), guard_sample_size >= 1")
+        if self.guard_patience < 1 or not 0.0 < self.guard_backoff < 1.0 or min(self.guard_sample_size,
+                                                                                 self.guard_min_skipped) < 1:
+            raise InvalidInputError("need guard_patience >= 1, guard_backoff in (0, 1), guard_sample_size >= 1 "
+                                    "and guard_min_skipped >= 1")
 
     def required_stale(self, num_tables: int) -> int:
         """Number of stale lookups (out of ``num_tables``) that makes an input skippable."""
