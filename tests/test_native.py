@@ -1,10 +1,13 @@
 """The compiled CPU loops agree with the pure-torch path they replace."""
 
+import numpy as np
 import pytest
 import torch
 
 from slipcache import _native
 from slipcache.cache import RowCache
+from slipcache.errors import InvalidInputError
+from slipcache.staleness import StaleInputDetector, StalenessConfig
 
 pytestmark = pytest.mark.skipif(_native.native() is None, reason="no C compiler: only the torch path exists")
 
@@ -47,3 +50,37 @@ def test_sgd_update_matches_index_put() -> None:
     expected = weights.clone().index_put_((slots,), grad * -0.1, accumulate=True)
     _native.sgd_update(weights, slots, grad, 0.1)
     assert torch.allclose(weights, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_stale_input_filter_matches_numpy(alpha: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The detector's classification (hot, stale, counters) is the same with and without the compiled loop."""
+    sizes = [400, 500, 30, 1000]
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.integers(0, size, 3000) for size in sizes], axis=1).astype(np.int32)
+
+    def detector() -> StaleInputDetector:
+        det = StaleInputDetector(StalenessConfig(alpha=alpha), offsets, dim=4)
+        det.profile(ids[:300])
+        det._threshold = 0.5  # mark a random half of the hot rows stale, without snapshots
+        det._stale_flags = np.random.default_rng(1).random(len(det.hot)) < 0.5
+        return det
+
+    compiled = detector()
+    stale, hot = compiled._classify(ids)
+    keep = compiled.count(ids)
+    monkeypatch.setattr(_native, "native", lambda: None)
+    reference = detector()
+    assert np.array_equal(stale, reference._classify(ids)[0]) and np.array_equal(hot, reference._classify(ids)[1])
+    assert np.array_equal(keep, reference.count(ids)) and compiled.stats() == reference.stats()
+    assert 0 < stale.sum() < hot.sum() < len(ids)  # every outcome occurs
+
+
+def test_stale_input_filter_rejects_an_id_outside_its_table() -> None:
+    det = StaleInputDetector(StalenessConfig(), np.array([0, 5, 10]), dim=4)
+    det.profile(np.array([[0, 0]], dtype=np.int32))
+    with pytest.raises(InvalidInputError, match="out of range"):
+        det.count(np.array([[1, 1], [5, 0]], dtype=np.int32))  # id 5 of a 5-row table
+    with pytest.raises(InvalidInputError, match="out of range"):
+        det.count(np.array([[1, -1]], dtype=np.int32))

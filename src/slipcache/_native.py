@@ -1,6 +1,6 @@
-"""Optional compiled loops for the CPU hot path: cache lookup and the fused SGD update.
+"""Optional compiled loops for the CPU hot path: cache lookup, the fused SGD update, the stale-input filter.
 
-Both are a plain loop over the lookups of a batch. In torch they take several passes over
+Each is a plain loop over the lookups of a batch. In torch they take several passes over
 [lookups, ways] temporaries; in C they are one pass. The C source is compiled with the system's C
 compiler on first use (about a second) into a per-user cache and loaded with ctypes; without a
 compiler, or with SLIPCACHE_NATIVE=0, the pure-torch path runs. Tests check the two agree.
@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,6 +54,26 @@ int64_t NAME(const ROW_T *slot_rows, int64_t num_sets, int64_t ways, int64_t mul
 
 LOOKUP(lookup_i32, int32_t)
 LOOKUP(lookup_i64, int64_t)
+
+/* Stale-input filter: per input, whether at least `required` of its lookups are stale (flag 3) and hot
+   (flag != 0). Returns -1, or the index of the first id outside its table (nothing after it is written). */
+int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
+                        const uint8_t *flags, int64_t required, uint8_t *stale, uint8_t *hot) {
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t *row = ids + i * tables;
+        int64_t num_hot = 0, num_stale = 0;
+        for (int64_t t = 0; t < tables; t++) {
+            int64_t id = row[t];
+            if (id < 0 || id >= offsets[t + 1] - offsets[t]) return i * tables + t;
+            uint8_t flag = flags[offsets[t] + id];
+            num_hot += flag != 0;
+            num_stale += flag == 3;
+        }
+        stale[i] = num_stale >= required;
+        hot[i] = num_hot >= required;
+    }
+    return -1;
+}
 
 void sgd_update(float *weights, int64_t dim, const int64_t *slots, const float *grad, int64_t n,
                 float lr) {
@@ -97,6 +118,8 @@ def _compile() -> ctypes.CDLL | None:
         fn.restype = i64
     library.sgd_update.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_float]
     library.sgd_update.restype = None
+    library.classify_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
+    library.classify_inputs.restype = i64
     return library
 
 
@@ -156,3 +179,20 @@ def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> None:
     library.sgd_update(
         weights.data_ptr(), weights.shape[1], slots.data_ptr(), grad.data_ptr(), slots.numel(), lr
     )
+
+
+def classify_inputs(
+    ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, required: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(stale, hot) bool[n] for int32 ids [n, T] over per-row flag bytes; None if an id is out of its table.
+
+    The caller checks that the library is there and that ids is a C-contiguous int32 [n, T] array.
+    """
+    library = native()
+    assert library is not None
+    n, tables = ids.shape
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    stale, hot = np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.bool_)
+    bad = library.classify_inputs(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data, required,
+                                  stale.ctypes.data, hot.ctypes.data)
+    return None if bad >= 0 else (stale, hot)

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from slipcache import _native
 from slipcache.errors import InvalidInputError
 
 __all__ = [
@@ -567,11 +568,19 @@ class StaleInputDetector:
     def _classify(self, sparse: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(stale: at least alpha lookups stale, hot: at least alpha lookups hot), bool[n] each.
 
-        This runs on every training input, so the common case (alpha = every lookup) takes one reduction:
-        the smallest flag decides both.
+        This runs on every training input: the compiled loop (`slipcache._native`) does it in one pass over
+        the int32 ids, validating them on the way; otherwise NumPy, where the common case (alpha = every
+        lookup) takes one reduction: the smallest flag decides both.
         """
-        flags = self._flags(sparse)
         required = self.config.required_stale(self.num_tables)
+        ids = _to_numpy(sparse)
+        if (ids.dtype == np.int32 and ids.ndim == 2 and ids.shape[1] == self.num_tables and ids.flags.c_contiguous
+                and _native.native() is not None):
+            result = _native.classify_inputs(ids, self.table_offsets, self._row_flags, required)
+            if result is None:
+                raise InvalidInputError("sparse ids out of range for their tables")
+            return result
+        flags = self._flags(sparse)
         if required == self.num_tables:
             lowest = flags.min(axis=1, initial=3)
             return lowest == 3, lowest >= 1
