@@ -901,7 +901,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--stale-alpha",
         type=float,
         default=s,
-        help="share of an input's lookups that must be stale (default 1)",
+        help="share of an input's lookups that must be hot, and stale to skip it (default 1: all; 0.9 = 24 of 26)",
     )
     add(
         "--stale-window",
