@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slipcache import train
+from slipcache.training import trainer as train
 
 SIZES = [20, 7, 50] + [5] * 23
 

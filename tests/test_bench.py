@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from slipcache import bench
 from slipcache.errors import SlipcacheError
+from slipcache.experiments import bench
 
 ROW_KEYS = {
     "name",
@@ -103,7 +103,7 @@ def test_peer_memory_ratios_and_fbgemm_ratio(result: dict[str, Any]) -> None:
 
 
 def test_memory_ratios_match_memory_report(result: dict[str, Any]) -> None:
-    from slipcache.embedding import CachedEmbeddingBagCollection
+    from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
     sizes = bench.scaled_table_sizes(0.0001, 50)
     for r in result["rows"]:

@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipcache.cache import EMPTY
-from slipcache.embedding import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.embedding.cache import EMPTY
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 
 SIZES = [30, 5, 60]
 NUM_ROWS = sum(SIZES)

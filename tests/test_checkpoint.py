@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipcache import checkpoint
 from slipcache.errors import SlipcacheError
+from slipcache.training import checkpoint
 
 
 def test_roundtrip(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from slipcache.embedding import CachedEmbeddingBagCollection, EmbeddingConfig, SparseFeatures
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig, SparseFeatures
 
 SIZES = [40, 7, 300, 3]
 

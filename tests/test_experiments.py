@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from slipcache import experiments
+from slipcache.experiments import studies as experiments
 
 # Far below --quick: ~35k embedding rows, 8 steps per run; still every setup of the quick grid.
 TINY = [

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from slipcache import _native
-from slipcache.cache import RowCache
+from slipcache.embedding.cache import RowCache
 from slipcache.errors import InvalidInputError
-from slipcache.staleness import StaleInputDetector, StalenessConfig
+from slipcache.staleness.detector import StaleInputDetector, StalenessConfig
 
 pytestmark = pytest.mark.skipif(_native.native() is None, reason="no C compiler: only the torch path exists")
 

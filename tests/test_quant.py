@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from slipcache.quant import (
+from slipcache.embedding.quant import (
     SCALE_STEPS_PER_OCTAVE,
     RowStorage,
     decode_scale,

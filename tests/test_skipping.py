@@ -1,4 +1,4 @@
-"""Stale-input skipping in the training loop (slipcache.skipping) on a tiny dataset written here."""
+"""Stale-input skipping in the training loop (slipcache.staleness.skipping) on a tiny dataset written here."""
 
 import json
 from pathlib import Path
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from slipcache import checkpoint, train
-from slipcache.staleness import StaleInputDetector
+from slipcache.staleness.detector import StaleInputDetector
+from slipcache.training import checkpoint
+from slipcache.training import trainer as train
 from tests.helpers import SIZES, make_dataset, tiny_config
 
 TIMING = {"samples_per_s", "train_wall_s", "compute_s", "skip_overhead_s", "time_saved_s"}
@@ -76,14 +77,14 @@ def _with_hook(forward, hook):  # type: ignore[no-untyped-def]
 
 def test_off_is_the_plain_loop(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With skip_stale off, the stale knobs change nothing and no skipper is ever built."""
-    import slipcache.skipping
+    import slipcache.staleness.skipping
 
     plain = train.train(tiny(data_dir, tmp_path / "a", skip_stale=False))
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("StaleSkipper built with skip_stale off")
 
-    monkeypatch.setattr(slipcache.skipping.StaleSkipper, "__init__", refuse)
+    monkeypatch.setattr(slipcache.staleness.skipping.StaleSkipper, "__init__", refuse)
     knobs = train.train(
         tiny(
             data_dir,
@@ -131,15 +132,15 @@ def test_guard_lowers_the_target_when_skipped_inputs_loss_rises(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The guard compares the skipped guard inputs with their own loss when the window closed."""
-    import slipcache.skipping
+    import slipcache.staleness.skipping
 
     calls: list[int] = []
 
-    def losses(self: slipcache.skipping.StaleSkipper, idx: np.ndarray) -> np.ndarray:
+    def losses(self: slipcache.staleness.skipping.StaleSkipper, idx: np.ndarray) -> np.ndarray:
         calls.append(idx.size)
         return np.full(idx.size, 1.0 if len(calls) == 1 else 1.5, dtype=np.float32)  # reference, then +50 %
 
-    monkeypatch.setattr(slipcache.skipping.StaleSkipper, "_losses", losses)
+    monkeypatch.setattr(slipcache.staleness.skipping.StaleSkipper, "_losses", losses)
     summary = train.train(tiny(data_dir, tmp_path / "run", epochs=1))
     block = summary["staleness"]
     assert calls[0] == 2000  # the guard sample (the whole 2000-input split here), once, when the window closed

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slipcache.errors import InvalidInputError
-from slipcache.staleness import SkipGuard, StaleInputDetector, StalenessConfig
+from slipcache.staleness.detector import SkipGuard, StaleInputDetector, StalenessConfig
 
 
 class FakeCollection:

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipcache import checkpoint, train
 from slipcache.errors import SlipcacheError
+from slipcache.training import checkpoint
+from slipcache.training import trainer as train
 from tests.helpers import make_dataset
 from tests.helpers import tiny_config as tiny
 

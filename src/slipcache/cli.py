@@ -11,12 +11,12 @@ from slipcache.errors import SlipcacheError
 
 # name -> (module, help). The module defines add_<name>_arguments(parser) and run_<name>(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("slipcache.train", "train a DLRM model (synthetic data by default)"),
-    "eval": ("slipcache.train", "evaluate a checkpoint on a dataset split"),
+    "train": ("slipcache.training.trainer", "train a DLRM model (synthetic data by default)"),
+    "eval": ("slipcache.training.trainer", "evaluate a checkpoint on a dataset split"),
     "synth": ("slipcache.data.synthetic", "generate a synthetic Criteo-shaped dataset"),
     "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
-    "bench": ("slipcache.bench", "benchmark embedding implementations"),
-    "experiment": ("slipcache.experiments", "run the papers' experiments and write a report"),
+    "bench": ("slipcache.experiments.bench", "benchmark embedding implementations"),
+    "experiment": ("slipcache.experiments.studies", "run the papers' experiments and write a report"),
 }
 
 

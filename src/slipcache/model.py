@@ -9,7 +9,7 @@ Data flow, top to bottom:
     top MLP -> logit [B]
 
 The embedding collection is pluggable: `build_embeddings` returns either the baseline below or the
-mixed-precision cached collection from `slipcache.embedding`; both share the interface in
+mixed-precision cached collection from `slipcache.embedding.collection`; both share the interface in
 docs/design.md, so the model and the training loop do not care which one they get.
 """
 
@@ -147,13 +147,13 @@ def build_embeddings(
     """The one place that picks an embedding implementation.
 
     embeddings="torch": the fp32 `nn.EmbeddingBag` baseline (precision/cache/policy/rounding ignored).
-    embeddings="cached": mixed-precision storage with an fp32 cache (`slipcache.embedding`).
+    embeddings="cached": mixed-precision storage with an fp32 cache (`slipcache.embedding.collection`).
     """
     if embeddings == "torch":
         return TorchEmbeddingBagCollection(table_sizes, dim, lr=lr, seed=seed)
     if embeddings != "cached":
         raise SlipcacheError(f"unknown embeddings {embeddings!r}; choose one of {', '.join(EMBEDDING_KINDS)}")
-    from slipcache.embedding import CachedEmbeddingBagCollection, EmbeddingConfig
+    from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 
     config = EmbeddingConfig(
         table_sizes=list(table_sizes),

@@ -1,6 +1,6 @@
 """Stale-input skipping inside the training loop: the per-epoch Slipstream protocol around `StaleInputDetector`.
 
-The trainer calls `StaleSkipper` through four hooks (see `slipcache.train.train`):
+The trainer calls `StaleSkipper` through four hooks (see `slipcache.training.trainer.train`):
 
     skipper.start_epoch(epoch, batch_in_epoch)   before the epoch's BatchIterator is built
     BatchIterator(..., sample_filter=skipper.sample_filter)
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from slipcache.data.dataset import SplitArrays
 from slipcache.model import DLRM
-from slipcache.staleness import GuardDecision, HotSet, StaleInputDetector, StalenessConfig
+from slipcache.staleness.detector import GuardDecision, HotSet, StaleInputDetector, StalenessConfig
 
 _STATE_VERSION = 2
 THRESHOLD_SAMPLE_MIN = 4096

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from slipcache.errors import SlipcacheError
-from slipcache.machine import describe_machine, physical_memory_bytes, probe_memory
+from slipcache.experiments.machine import describe_machine, physical_memory_bytes, probe_memory
 
 __all__ = [
     "CONFIGS",
@@ -313,7 +313,7 @@ def _build_fbgemm(sizes: list[int], dim: int, precision: str, lr: float, seed: i
 
 def _slipcache_module() -> Any:
     """Import our embedding module lazily: the benchmark must still run the peers if it is broken."""
-    from slipcache import embedding
+    from slipcache.embedding import collection as embedding
 
     return embedding
 
@@ -441,7 +441,7 @@ def measure(
         try:
             _slipcache_module()
         except Exception as exc:
-            row["status"] = f"skipped: slipcache.embedding unavailable ({type(exc).__name__}: {exc})"
+            row["status"] = f"skipped: slipcache.embedding.collection unavailable ({type(exc).__name__}: {exc})"
             return row
     need, static = estimate_bytes(cfg, sizes, dim)
     if cfg.impl != "slipcache":
@@ -903,7 +903,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m slipcache.bench embedding ...`: the subcommand without the rest of the CLI."""
+    """`python -m slipcache.experiments.bench embedding ...`: the subcommand without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="slipcache bench")
     add_bench_arguments(parser)
     args = parser.parse_args(argv)

@@ -7,7 +7,7 @@ directory:
     <out>/config.json      the resolved config
     <out>/metrics.jsonl    one JSON object per logging or evaluation event
     <out>/summary.json     final test metrics, throughput, memory
-    <out>/report.md        plots of the above (see slipcache.report)
+    <out>/report.md        plots of the above (see slipcache.training.report)
     <out>/checkpoints/     latest.pt plus the newest periodic checkpoints (atomic writes)
     <out>/../data-cache/   raw Criteo input preprocessed once, shared by runs beside each other
 
@@ -38,16 +38,16 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from slipcache import checkpoint as ckpt
-from slipcache.cache import POLICIES
-from slipcache.embedding import OPTIMIZERS
+from slipcache.embedding.cache import POLICIES
+from slipcache.embedding.collection import OPTIMIZERS
+from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
-from slipcache.metrics import evaluate_predictions
 from slipcache.model import DLRM, EMBEDDING_KINDS, ModelConfig, build_embeddings
-from slipcache.quant import PRECISIONS, ROUNDINGS
+from slipcache.training import checkpoint as ckpt
+from slipcache.training.metrics import evaluate_predictions
 
 if typing.TYPE_CHECKING:
-    from slipcache.skipping import StaleSkipper
+    from slipcache.staleness.skipping import StaleSkipper
 
 VOCABS = ("hash", "frequency")
 
@@ -73,7 +73,7 @@ class TrainConfig:
     synthetic_samples: int = 4_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
-    # embeddings (see slipcache.embedding / docs/design.md)
+    # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
     precision: str = "int8"
     cache_size: float = 0.05  # fraction of rows (< 1) or a row count (>= 1)
@@ -98,7 +98,7 @@ class TrainConfig:
     seed: int = 0
     quick: bool = False  # small synthetic run for tests and first contact (see QUICK)
     progress: bool = True  # tqdm progress bar
-    # Slipstream stale-input skipping (slipcache.skipping, docs/skipping.md)
+    # Slipstream stale-input skipping (slipcache.staleness.skipping, docs/skipping.md)
     skip_stale: bool = False  # drop stale inputs while batches are assembled: no forward, no backward
     stale_target: float = 0.3  # D: share of hot inputs to skip, fitted anew each epoch
     stale_guard: bool = True  # back off D (or stop) when skipped inputs' loss drifts above trained ones'
@@ -520,7 +520,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     progress = Progress()
     skipper = None
     if config.skip_stale:
-        from slipcache.skipping import StaleSkipper
+        from slipcache.staleness.skipping import StaleSkipper
 
         skipper = StaleSkipper(config, model, train_split, dataset.splits["train"] // config.batch_size)
     if state is not None:
@@ -809,7 +809,7 @@ def _finish(
         "config": config_dict,
     }
     _write_json(run_dir / "summary.json", summary)
-    from slipcache.report import write_report
+    from slipcache.training.report import write_report
 
     write_report(run_dir, progress.events, summary)
     return summary
@@ -978,7 +978,7 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m slipcache.train
+if __name__ == "__main__":  # python -m slipcache.training.trainer
     parser = argparse.ArgumentParser(prog="slipcache train")
     add_train_arguments(parser)
     sys.exit(run_train(parser.parse_args()))

@@ -2,7 +2,7 @@
 
 Mixed precision (Yang et al., arXiv 2010.11305) and Slipstream stale-input skipping (Maboud et al.,
 arXiv 2404.04270) each become a grid of *setups* (one `TrainConfig` variant each), run over seeds as
-*cells* (setup x seed) through `slipcache.train.train`. The output directory:
+*cells* (setup x seed) through `slipcache.training.trainer.train`. The output directory:
 
     DIR/cells/<cell-id>/   one training run directory (summary.json, metrics.jsonl, ...) plus cell.json,
                            written last: a cell with cell.json is done and never run again; one
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from slipcache import train as trainer
 from slipcache.errors import SlipcacheError
+from slipcache.training import trainer
 
 EXPERIMENTS = ("mixed-precision", "slipstream")
 NAMES = (*EXPERIMENTS, "all")
@@ -368,7 +368,7 @@ def derived_metrics(record: dict[str, Any], probes: dict[str, Any] | None, num_t
     line) by the cache lines a sample needs: what this memory system allows, ignoring the MLPs.
     """
     summary, config = record["summary"], record["config"]
-    from slipcache.quant import RowStorage
+    from slipcache.embedding.quant import RowStorage
 
     dim = summary["config"]["embedding_dim"]
     row_bytes = RowStorage(1, dim, config["precision"]).bytes_per_row
@@ -751,7 +751,7 @@ def plot_skip_speedup(entries: list[dict[str, Any]], path: Path) -> str | None:
 def plot_stale_rows(entries: list[dict[str, Any]], events: dict[str, list[dict[str, Any]]], path: Path) -> str | None:
     """Stale and hot rows (left) and the skipped fraction (right) over training, one row per storage."""
     plt = _plt()
-    from slipcache.report import _samples_axis
+    from slipcache.training.report import _samples_axis
 
     groups = [g for g in STALE_STORAGES if any(events.get(e["name"]) for e in entries if e["group"] == g)]
     if not groups:
@@ -824,7 +824,7 @@ def _loses(entry: dict[str, Any], pooled_std: float) -> bool:
 
 def _dim_estimate(table_sizes: list[int], precision: str, cache: float, dim: int) -> float | None:
     """Memory ratio of a setup at another embedding dim, computed without allocating the tables."""
-    from slipcache.embedding import CachedEmbeddingBagCollection, EmbeddingConfig
+    from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 
     try:
         cfg = EmbeddingConfig(table_sizes=table_sizes, dim=dim, precision=precision, cache_size=cache)
@@ -1152,7 +1152,7 @@ def machine_section(machine: dict[str, Any], probes: dict[str, Any], threads: in
 
 def write_report(out: Path, results: dict[str, Any]) -> Path:
     """report.md and its PNGs from results.json's content (so a report can be rebuilt from it)."""
-    from slipcache.report import STYLE
+    from slipcache.training.report import STYLE
 
     plt = _plt()
     entries = results["setups"]
@@ -1255,7 +1255,7 @@ def run_experiment(args: argparse.Namespace, log: Callable[[str], None] | None =
 
 def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str], out: Path,
          log: Callable[[str], None]) -> int:
-    from slipcache.machine import describe_machine, probe_memory
+    from slipcache.experiments.machine import describe_machine, probe_memory
 
     start = time.perf_counter()
     data, table_sizes = _prepare_data(args.data, out)

@@ -188,7 +188,7 @@ class SkipGuard:
     """Lowers the skip target, or stops skipping, when the loss of skipped inputs drifts above a reference.
 
     The trainer's reference is the same inputs' loss when the epoch's skipping began (see
-    ``slipcache.skipping``): Slipstream assumes stale inputs stay learned, and this checks it.
+    ``slipcache.staleness.skipping``): Slipstream assumes stale inputs stay learned, and this checks it.
     Rule: ``drift = (loss - reference) / reference``. ``patience`` consecutive checks with
     ``drift > margin`` halve the target (``backoff``); if that would fall below ``min_target`` skipping
     stops. ``patience`` consecutive checks with ``drift < margin * release`` undo one step (resume,

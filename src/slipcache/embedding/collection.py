@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from slipcache import _native
-from slipcache.cache import POLICIES, RowCache
+from slipcache.embedding.cache import POLICIES, RowCache
+from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, RowStorage
 from slipcache.errors import InvalidInputError
-from slipcache.quant import PRECISIONS, ROUNDINGS, RowStorage
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 POOLINGS = ("sum", "mean")

@@ -1,0 +1,1 @@
+"""Benchmarks and the experiments that answer the papers' questions, with the machine probes they report."""

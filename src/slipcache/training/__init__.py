@@ -1,0 +1,1 @@
+"""The DLRM training loop, its checkpoints, metrics and run reports."""
