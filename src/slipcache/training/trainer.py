@@ -416,7 +416,7 @@ class Progress:
 
 
 def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
-    """Fill derived counts: the sample budget, and log/eval/checkpoint intervals in whole batches."""
+    """Fill derived counts: the sample budget, and log/checkpoint intervals in whole batches."""
     batch = config.batch_size
     batches_per_epoch = train_rows // batch
     if batches_per_epoch == 0:
@@ -431,7 +431,9 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
         config,
         samples=samples,
         log_every=every(config.log_every, 100),
-        eval_every=every(config.eval_every, 10),
+        # Evaluation follows the data consumed (trained + skipped), so runs with and without skipping
+        # evaluate at the same positions; a given interval stays exact (see `_crossed`).
+        eval_every=config.eval_every if config.eval_every is not None else every(None, 10),
         checkpoint_every=every(config.checkpoint_every, 4),
     )
 
@@ -534,8 +536,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
             batches = epoch_batches(run)
             for batch in batches:
                 loss = train_step(run, batch)
+                consumed_before = run.consumed
                 last = record_step(run, batch, loss, batches)
-                eval_due = run.progress.samples % run.config.eval_every == 0 or last
+                eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
                 if run.progress.samples % run.config.log_every == 0 or eval_due:
                     log_event(run, evaluate_now=eval_due)
                 if run.progress.samples % run.config.checkpoint_every == 0 and not last:
@@ -552,6 +555,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
         run.bar.close()
     save_checkpoint(run)
     return finish_run(run)
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Whether a multiple of `every` lies in (before, after]: a schedule in samples that batches step over."""
+    return after // every > before // every
 
 
 def start_run(config: TrainConfig) -> Run:
@@ -739,6 +747,8 @@ def _close_window(progress: Progress) -> dict[str, Any]:
         "hit_rate": hits / lookups if lookups else None,
         "samples_per_s": progress.window_samples / progress.window_wall_s if progress.window_wall_s else None,
         "train_wall_s": progress.train_wall_s,
+        # time-to-accuracy axis: cumulative training wall time, evaluation and checkpoints excluded
+        "train_seconds": progress.train_wall_s,
     }
     progress.window_loss = 0.0
     progress.window_samples = 0
@@ -965,8 +975,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", type=int, default=s, help="samples per batch (default 256)")
     add("--epochs", type=int, default=s, help="passes over the training split (default 1)")
     add("--samples", type=int, default=s, help="training budget in samples (overrides --epochs)")
-    add("--eval-every", type=int, default=s, help="samples between validation runs (default: 10 per run)")
-    add("--eval-samples", type=int, default=s, help="validation samples per evaluation (default 100000)")
+    add(
+        "--eval-every",
+        metavar="SAMPLES",
+        type=int,
+        default=s,
+        help="evaluate on the validation split after every SAMPLES samples consumed (trained or skipped; "
+        "default: 10 per run)",
+    )
+    add(
+        "--eval-samples",
+        metavar="N",
+        type=int,
+        default=s,
+        help="validation samples per evaluation, the first N of the split (default 100000)",
+    )
     add("--checkpoint-every", type=int, default=s, help="samples between checkpoints (default: 4 per run)")
     add("--dim", dest="embedding_dim", type=int, default=s, help="embedding dimension (default 16)")
     add("--seed", type=int, default=s, help="random seed (default 0)")
