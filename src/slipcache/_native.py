@@ -23,8 +23,10 @@ from torch import Tensor
 _SOURCE = r"""
 #include <stdint.h>
 
-/* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64. */
-static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets) {
+/* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64;
+   M = 0 marks a cache that holds every row: set r / ways (-1 for a row beyond the last set). */
+static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, int64_t ways) {
+    if (multiplier == 0) return (r >= 0 && r / ways < num_sets) ? r / ways : -1;
     int64_t mixed = (int64_t)((uint64_t)(r ^ (r >> 17)) * (uint64_t)multiplier);
     int64_t s = (mixed >> 5) % num_sets;
     return s < 0 ? s + num_sets : s;
@@ -37,9 +39,10 @@ int64_t NAME(const ROW_T *slot_rows, int64_t num_sets, int64_t ways, int64_t mul
     int64_t hits = 0;                                                                             \
     for (int64_t i = 0; i < n; i++) {                                                             \
         int64_t r = rows[i];                                                                      \
-        int64_t first = set_of(r, multiplier, num_sets) * ways;                                   \
+        int64_t set = set_of(r, multiplier, num_sets, ways);                                      \
+        int64_t first = set * ways;                                                               \
         int64_t slot = -1;                                                                        \
-        for (int64_t w = 0; w < ways; w++) {                                                      \
+        for (int64_t w = 0; set >= 0 && w < ways; w++) {                                        \
             if ((int64_t)slot_rows[first + w] == r) { slot = first + w; break; }                  \
         }                                                                                         \
         out_slots[i] = slot;                                                                      \
