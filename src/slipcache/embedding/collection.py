@@ -249,6 +249,43 @@ class CachedEmbeddingBagCollection(nn.Module):
             if self.storage_device.type == "cpu" and self.device.type == "cuda":
                 self.storage.pin_memory_()
 
+    # ------------------------------------------------------------------------------ device and dtype
+    def _apply(self, fn: Any, recurse: bool = True) -> CachedEmbeddingBagCollection:
+        """`.to(device)`, `.cuda()`, `.cpu()` move every tensor the module holds; dtype changes are refused.
+
+        The storage precision is part of the configuration (`precision`) and the cache, optimizer state and
+        quantization parameters have fixed dtypes the update relies on: `.half()`, `.double()`, `.float()`
+        or `.to(dtype)` that would convert one of them raise instead of silently retyping buffers.
+        """
+        for dtype in {b.dtype for b in self.buffers() if b.is_floating_point()}:
+            converted = fn(torch.zeros(1, dtype=dtype))
+            if converted.dtype != dtype:
+                raise SlipcacheError(
+                    f"CachedEmbeddingBagCollection keeps its dtypes (storage precision {self.config.precision!r}, "
+                    f"fp32 cache): converting {dtype} buffers to {converted.dtype} is refused; choose the storage "
+                    "precision with EmbeddingConfig(precision=...) and convert only the dense layers"
+                )
+        super()._apply(fn, recurse)
+        self._follow_buffers()
+        return self
+
+    def _follow_buffers(self) -> None:
+        """After the buffers moved: devices, the gradient anchor and the rounding generator follow them."""
+        self.device, self.storage_device = self.counters.device, self.storage.payload.device
+        self.config.cache_device, self.config.storage_device = str(self.device), str(self.storage_device)
+        self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
+        generator = self._generator
+        if generator is not None and generator.device != self.device:
+            # Generator states do not carry across device types: continue from a seed drawn from the old one.
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            self._generator = None
+            if self.device.type != "meta":
+                self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._in_flight.clear()  # plans hold tensors on the old device
+        self._pending.clear()
+        self._residency_version += 1
+        self._storage_version += 1
+
     # ----------------------------------------------------------------------------------------- set-up
     def _initialize_rows(self) -> None:
         """DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table, in chunks."""
