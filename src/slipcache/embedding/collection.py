@@ -23,12 +23,22 @@ from torch import Tensor, nn
 
 from slipcache import _native
 from slipcache.embedding.cache import POLICIES, RowCache
-from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, RowStorage
+from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, Fitted, RowStorage
 from slipcache.errors import InvalidInputError, SlipcacheError
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 POOLINGS = ("sum", "mean")
-COUNTERS = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "overflow_rows")
+COUNTERS = (
+    "lookups",
+    "hits",
+    "misses",
+    "evictions",
+    "rows_in",
+    "rows_out",
+    "overflow_rows",
+    "saturated_values",  # values written beyond the storage's range, clamped (see quant.fit_to_range)
+    "nonfinite_values",  # inf or NaN values written, replaced
+)
 _INIT_CHUNK_ROWS = 1 << 20
 # A forward's cache rows stay pinned until its backward, until its graph is freed, or until this many
 # later training forwards have run (then its rows may be evicted; its update still lands correctly).
@@ -314,7 +324,8 @@ class CachedEmbeddingBagCollection(nn.Module):
                     .float()
                     .to(self.storage_device)
                 )
-                self.storage.write_range(start + chunk_start, chunk, "nearest", None)
+                fitted = self.storage.write_range(start + chunk_start, chunk, "nearest", None)
+                self._count_fitted(torch.full((chunk.shape[0],), t, device=self.device), fitted)
         slots, _ = self.cache.cached()
         self.cache.evict(slots)
         self._residency_version += 1
@@ -609,9 +620,17 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _write_storage(self, rows: Tensor, values: Tensor) -> None:
         """Round fp32 `values` of unique `rows` into storage and count the traffic."""
-        self.storage.write(rows, values, self.config.rounding, self._generator)
+        fitted = self.storage.write(rows, values, self.config.rounding, self._generator)
         self._storage_version += 1
-        self._count_rows("rows_out", rows)
+        tables = self._tables_of(rows)
+        self._count_tables("rows_out", tables)
+        self._count_fitted(tables, fitted)
+
+    def _count_fitted(self, tables: Tensor, fitted: Fitted) -> None:
+        for name, per_row in (("saturated_values", fitted.saturated), ("nonfinite_values", fitted.nonfinite)):
+            if per_row is not None:
+                counts = torch.bincount(tables, weights=per_row.to(tables.device), minlength=len(self.table_sizes))
+                self.counters[:, COUNTERS.index(name)] += counts.long()
 
     def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
         """Rows of `values` summed by `index` into [count, D]."""
@@ -715,6 +734,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             for name, c in zip(self.table_names, per_table_counts, strict=True)
         ]
         totals["cache_rows"] = self.cache.capacity
+        totals["skipped_updates"] = self.skipped_updates  # backward passes dropped for inf/NaN gradients
         return totals
 
     def memory_report(self) -> dict[str, Any]:
@@ -744,6 +764,14 @@ class CachedEmbeddingBagCollection(nn.Module):
         }
 
     # ----------------------------------------------------------------------------------- state dict
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Checkpoints written before the saturation counters existed hold fewer counter columns."""
+        counters = state_dict.get(prefix + "counters")
+        if isinstance(counters, Tensor) and counters.dim() == 2 and counters.shape[1] < len(COUNTERS):
+            padding = counters.new_zeros(counters.shape[0], len(COUNTERS) - counters.shape[1])
+            state_dict[prefix + "counters"] = torch.cat([counters, padding], dim=1)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     def get_extra_state(self) -> dict[str, Any]:
         config = asdict(self.config)
         return {
