@@ -204,7 +204,7 @@ def test_eval_checkpoint_and_vocab_mismatch(
 
 def test_bad_checkpoint_is_one_line_error(tmp_path: Path) -> None:
     (tmp_path / "x.pt").write_bytes(b"junk")
-    with pytest.raises(SlipcacheError, match="corrupt"):
+    with pytest.raises(SlipcacheError, match="not a slipcache checkpoint"):
         train.evaluate_checkpoint(tmp_path / "x.pt")
 
 

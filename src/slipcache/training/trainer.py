@@ -51,8 +51,7 @@ if typing.TYPE_CHECKING:
 
 VOCABS = ("hash", "frequency")
 
-CHECKPOINT_FORMAT = "slipcache-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_FORMAT = ckpt.MAGIC
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -67,6 +66,7 @@ class TrainConfig:
     data: str | None = None  # raw Criteo file/dir, or a preprocessed dataset dir; None = synthetic data
     out: str | None = None  # run directory; default runs/<timestamp>
     resume: str | None = None  # run directory or checkpoint file to continue from
+    allow_changes: bool = False  # resume: accept settings that differ from the run's (they are recorded)
     vocab: str = "hash"  # raw data only: "hash" (fixed table size) or "frequency" (ids by count)
     max_rows: int = 1_000_000  # raw data, hash vocabulary: rows per table (DLRM's max-ind-range)
     min_count: int = 1  # raw data, frequency vocabulary: rarer values map to row 0 ("unknown")
@@ -131,12 +131,20 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        for name in _FIELDS:  # types first: a crafted checkpoint or API call may hold anything
+            value = _coerce(name, getattr(self, name))
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SlipcacheError(f"{name} must be a finite number, got {value}")
         for name in ("lr", "dense_lr", "synthetic_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
         if not self.cache_size >= 0:
             raise SlipcacheError(f"cache_size must be >= 0, got {self.cache_size}")
+        if not 0 <= self.seed < 2**32:
+            raise SlipcacheError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.keep_checkpoints < 1:
+            raise SlipcacheError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.bottom_mlp[-1:] != [self.embedding_dim]:
             raise SlipcacheError(
                 f"bottom_mlp must end in the embedding dim {self.embedding_dim}, got {self.bottom_mlp}"
@@ -191,7 +199,7 @@ def _coerce(name: str, value: Any) -> Any:
         return float(value)
     elif kind is str and isinstance(value, str):
         return value
-    raise SlipcacheError(f"config key {name!r}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    raise SlipcacheError(f"{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -228,9 +236,12 @@ def make_config(
     file_values: dict[str, Any] | None = None, flag_values: dict[str, Any] | None = None
 ) -> TrainConfig:
     """Defaults, then the config file, then command-line flags; `--quick` fills only what neither set."""
-    given = {**(file_values or {}), **(flag_values or {})}
-    if given.get("quick"):
-        given = {**QUICK, **given}
+    user = {**(file_values or {}), **(flag_values or {})}
+    given = {**QUICK, **user} if user.get("quick") else dict(user)
+    if "embedding_dim" in user and "bottom_mlp" not in user:
+        # The bottom MLP's output meets the embeddings, so its last layer follows --dim.
+        base = given.get("bottom_mlp", TrainConfig().bottom_mlp)
+        given["bottom_mlp"] = [*base[:-1], user["embedding_dim"]]
     config = TrainConfig(**given)
     config.validate()
     return config
@@ -260,7 +271,15 @@ def _raw_inputs(path: Path) -> list[Path]:
     return files
 
 
-def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
+def preprocessed_root() -> Path:
+    """Where raw input is preprocessed to: `preprocessed/` in the cache ($SLIPCACHE_CACHE_DIR, else
+    ~/.cache/slipcache), shared by every run that reads the same files with the same options."""
+    from slipcache.data.synthetic import default_cache_root
+
+    return default_cache_root() / "preprocessed"
+
+
+def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     """The preprocessed dataset dir for `config.data`, preprocessing raw files into `cache_root` once.
 
     The cache key covers the input files (path, size, mtime) and every preprocessing option, so a
@@ -268,11 +287,12 @@ def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
     """
     if config.data is None:
         return _synthetic_dataset(config)
-    path = Path(config.data).expanduser()
+    path = Path(config.data).expanduser().resolve()
     if not path.exists():
         raise SlipcacheError(f"data not found: {path}")
     if (path / "meta.json").is_file():
         return path
+    cache_root = cache_root if cache_root is not None else preprocessed_root()
     inputs = _raw_inputs(path)
     key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
     key_parts += [config.vocab, str(config.max_rows), str(config.min_count), str(config.strict)]
@@ -280,8 +300,13 @@ def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
     out_dir = cache_root / f"{path.stem}-{config.vocab}-{key}"
     if (out_dir / "meta.json").is_file():
         return out_dir
+    from slipcache.data.dataset import remove_dead_staging
     from slipcache.data.preprocess import preprocess
 
+    if cache_root.is_dir():  # what preprocessing runs killed before finishing left behind
+        for other in cache_root.iterdir():
+            if other.is_dir():
+                remove_dead_staging(other)
     # Held-back splits: contiguous 80/10/10 in file order (Criteo is time-ordered), the preprocess default.
     # Hash seed 0 whatever the run seed, so runs with different seeds share one preprocessed dataset.
     preprocess(
@@ -829,7 +854,7 @@ def checkpoint_state(run: Run) -> dict[str, Any]:
     dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
     return {
         "format": CHECKPOINT_FORMAT,
-        "version": CHECKPOINT_VERSION,
+        "version": ckpt.FORMAT_VERSION,
         "config": run.config_dict,
         "table_sizes": list(run.dataset.table_sizes),
         "dense": dense,
@@ -863,8 +888,12 @@ def restore(
 
 
 def _check_checkpoint(state: dict[str, Any], path: Path) -> None:
-    if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != CHECKPOINT_VERSION:
-        raise SlipcacheError(f"{path} is not a slipcache v{CHECKPOINT_VERSION} training checkpoint")
+    """The file verified (see `checkpoint.load_checkpoint`); is it a training checkpoint of this version?"""
+    if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != ckpt.FORMAT_VERSION:
+        raise SlipcacheError(
+            f"{path} is not a slipcache training checkpoint of format version {ckpt.FORMAT_VERSION} "
+            f"(it holds format {state.get('format')!r}, version {state.get('version')!r})"
+        )
 
 
 def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
