@@ -60,6 +60,9 @@ class EmbeddingConfig:
     optimizer: str = "sgd"
     lr: float = 0.1
     eps: float = 1e-8  # Adagrad denominator term
+    # Clip each step's embedding gradient to this L2 norm, as torch.nn.utils.clip_grad_norm_ would over the
+    # tables alone (that function cannot see these rows: they are updated inside backward). None: no clipping.
+    max_grad_norm: float | None = None
     pooling: str = "sum"
     ways: int = 16  # cache associativity
     lfu_halving_interval: int = 1000  # LFU counts halve every this many steps; 0: never
@@ -96,6 +99,8 @@ class EmbeddingConfig:
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if self.ways <= 0:
             raise ValueError(f"ways must be positive, got {self.ways}")
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")
         if self.table_names is not None and len(self.table_names) != len(self.table_sizes):
             raise ValueError("table_names must name every table")
 
@@ -223,6 +228,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._residency_version = 0  # bumped whenever a row enters or leaves the cache
         self._storage_version = 0  # bumped whenever storage is written
         self.skipped_updates = 0  # backward passes whose gradient held inf or NaN (update dropped)
+        # With mixed precision, set to the torch.amp.GradScaler that scales the loss: the fused update then
+        # divides by its current scale (and, like scaler.step, skips a step whose gradient is not finite).
+        self.grad_scaler: Any = None
         meta = torch.device(config.storage_device).type == "meta"
         self.storage_device = torch.device(config.storage_device)
         self.device = torch.device(config.cache_device)
@@ -554,6 +562,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         if not all(bool(torch.isfinite(grad).all()) for _, grad in entries):
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return
+        factor = self._gradient_factor(entries)
+        if factor != 1.0:
+            entries = [(plan, grad * factor) for plan, grad in entries]
         cache_parts: list[tuple[Tensor, Tensor]] = []  # (slots, gradient of each)
         storage_parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]] = []  # (plan, rows, index, gradient)
         for plan, grad in entries:
@@ -573,6 +584,19 @@ class CachedEmbeddingBagCollection(nn.Module):
                 storage_parts.append((plan, storage_rows, storage_index, grad[on_storage]))
         self._update_cached(cache_parts)
         self._update_storage(storage_parts)
+
+    def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:
+        """1 / the GradScaler's scale, times clip_grad_norm_'s coefficient when clipping is on."""
+        factor = 1.0
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            factor = 1.0 / float(scaler.get_scale())
+        if self.config.max_grad_norm is not None:
+            rows, inverse = torch.unique(torch.cat([plan.rows for plan, _ in entries]), return_inverse=True)
+            summed = self._sum_rows(inverse, torch.cat([grad for _, grad in entries]), rows.numel())
+            norm = float(summed.norm()) * factor  # the norm of the dense gradient of the tables
+            factor *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
+        return factor
 
     def _update_cached(self, parts: list[tuple[Tensor, Tensor]]) -> None:
         weights = self.cache.weights
