@@ -40,6 +40,12 @@ COUNTERS = (
     "nonfinite_values",  # inf or NaN values written, replaced
 )
 _INIT_CHUNK_ROWS = 1 << 20
+
+
+def _init_chunk_rows(dim: int) -> int:
+    """Rows drawn at once at initialization: 2^20 up to dim 16 (as always), 64 MB of fp32 beyond."""
+    return max(1, min(_INIT_CHUNK_ROWS, (1 << 24) // dim))
+
 # A forward's cache rows stay pinned until its backward, until its graph is freed, or until this many
 # later training forwards have run (then its rows may be evicted; its update still lands correctly).
 PIN_STEPS = 8
@@ -306,13 +312,21 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     # ----------------------------------------------------------------------------------------- set-up
     def _initialize_rows(self) -> None:
-        """DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table, in chunks."""
+        """DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table, drawn in fp32 and rounded to nearest into storage.
+
+        The draw depends on the seed and the table shapes only, never on the precision: a seed's INT8, INT4
+        or FP16 run starts from the rounding of the very rows its FP32 run starts from, so paired runs
+        measure precision alone. Chunks of at most 64 MB of fp32 bound the memory it takes.
+        """
         generator = torch.Generator().manual_seed(self.config.seed)
+        chunk_rows = _init_chunk_rows(self.dim)
         start = 0
         for size in self.table_sizes:
-            for chunk_start in range(0, size, _INIT_CHUNK_ROWS):
-                count = min(_INIT_CHUNK_ROWS, size - chunk_start)
-                self.storage.fill_uniform_(start + chunk_start, count, 1.0 / math.sqrt(size), generator)
+            bound = 1.0 / math.sqrt(size)
+            for chunk_start in range(0, size, chunk_rows):
+                count = min(chunk_rows, size - chunk_start)
+                values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
+                self.storage.write_range(start + chunk_start, values.to(self.storage_device), "nearest", None)
             start += size
 
     def load_tables(self, tables: list[Tensor]) -> None:

@@ -81,8 +81,17 @@ def fit_to_range(x: Tensor, limit: float, max_span: float | None = None) -> Fitt
     return Fitted(x, saturated, replaced)
 
 
+_SCALES = torch.exp2((torch.arange(256, dtype=torch.float64) - SCALE_CODE_ZERO) / SCALE_STEPS_PER_OCTAVE).float()
+_scales_on: dict[torch.device, Tensor] = {}
+
+
 def decode_scale(code: Tensor) -> Tensor:
-    return torch.exp2((code.float() - SCALE_CODE_ZERO) / SCALE_STEPS_PER_OCTAVE)
+    """A table lookup: the same code decodes to the same float whatever else is in the batch (a vectorized
+    exp2 differs in the last bit between its SIMD body and its tail)."""
+    table = _scales_on.get(code.device)
+    if table is None:
+        table = _scales_on[code.device] = _SCALES.to(code.device)
+    return table[code.long()]
 
 
 def encode_scale(needed: Tensor) -> Tensor:
@@ -236,26 +245,3 @@ class RowStorage(nn.Module):
         for buf, tensor in zip(self.buffers(), encoded, strict=True):
             buf[start:end].copy_(tensor)
         return fitted
-
-    def fill_uniform_(self, start: int, count: int, bound: float, generator: torch.Generator) -> None:
-        """Rows start..start+count drawn uniformly from [-bound, bound] (DLRM's initialization).
-
-        Integer rows draw their codes directly, uniform over the grid spanning the interval: the same
-        distribution as rounding uniform fp32 values, without materializing them.
-        """
-        end = start + count
-        if self.precision in FLOAT_DTYPES:
-            values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
-            self.payload[start:end].copy_(values)
-            return
-        levels = (1 << INT_BITS[self.precision]) - 1
-        width = self.payload.shape[1]
-        codes = torch.randint(0, 256, (count, width), generator=generator, dtype=torch.uint8)
-        if self.precision == "int4" and self.dim % 2:
-            codes[:, -1] &= 0xF  # the padding nibble stays zero
-        scale_code = encode_scale(torch.full((1,), 2 * bound / levels))
-        bias = round_down_fp16(-decode_scale(scale_code) * levels / 2)  # the grid centred on zero
-        self.payload[start:end].copy_(codes)
-        self.bias[start:end] = bias
-        self.scale_code[start:end] = scale_code
-
