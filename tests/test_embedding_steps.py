@@ -62,6 +62,7 @@ CACHES = [
     {"cache_rows": 6, "ways": 2},  # far smaller than a batch: most rows are updated in storage
     {"cache_size": 0.1},
     {"cache_size": 0.0, "policy": "none"},
+    {"cache_size": [0.5, 0.0, 0.05, 1.0], "ways": 4},  # one part of the cache per table
 ]
 
 
