@@ -57,6 +57,7 @@ CRITEO_BIG_TABLES = (2, 3, 11, 15, 20)  # C3, C4, C12, C16, C21: the tables with
 NUM_BIG_TABLES = 5
 TOP_FRACTIONS = (0.001, 0.01, 0.05)
 DEFAULT_BUDGETS_MB = (64, 256, 1024)
+DEFAULT_HOT_FRACTIONS = (0.01, 0.1)  # budgets as shares of the sample's values, for samples of any size
 DEFAULT_CHUNK_ROWS = 100_000
 DEFAULT_SAMPLE_ROWS = 262_144
 DEFAULT_MAX_VALUES = 20_000_000  # ~16 bytes each, a few hundred MB at most
@@ -388,6 +389,7 @@ def _compute(
     max_rows: int | None,
     chunk_rows: int,
     budgets_mb: Sequence[float],
+    hot_fractions: Sequence[float],
     sample_rows: int,
     max_values: int,
     top_k: int,
@@ -401,6 +403,8 @@ def _compute(
         raise SlipcacheError("chunk_rows, sample_rows, max_values and top_k must be at least 1")
     if not budgets_mb or any(not b > 0 for b in budgets_mb):
         raise SlipcacheError(f"budgets must be positive megabytes, got {list(budgets_mb)}")
+    if any(not 0 < f <= 1 for f in hot_fractions):
+        raise SlipcacheError(f"hot fractions must be in (0, 1], got {list(hot_fractions)}")
     total = source.total_rows if max_rows is None else min(max_rows, source.total_rows or max_rows)
     rng = np.random.default_rng(seed)
     counters: list[_TableCounter] = []
@@ -512,14 +516,16 @@ def _compute(
     big_pairs = [correlation[a, b] for i, a in enumerate(big) for b in big[i + 1 :]]
     big_pairs = [c for c in big_pairs if np.isfinite(c)]
 
-    hot = []
-    for budget in budgets_mb:
-        budget_rows = int(budget * (1 << 20) // (HOT_BYTES_PER_VALUE * HOT_DIM))
+    total_values = sum(table["distinct"] for table in tables)
+    budgets = [("budget_mb", b, int(b * (1 << 20) // (HOT_BYTES_PER_VALUE * HOT_DIM))) for b in budgets_mb]
+    budgets += [("budget_fraction", f, int(round(f * total_values))) for f in hot_fractions]
+    hot: list[dict[str, Any]] = []
+    for kind, budget, budget_rows in budgets:
         t, cutoff, hot_lookups = _hot_threshold(counters, budget_rows)
         is_hot = (sample_counts > t) | ((sample_counts == t) & (sample_hashes <= cutoff))
         hot.append(
             {
-                "budget_mb": budget,
+                kind: budget,
                 "hot_rows": budget_rows,
                 "count_threshold": t,
                 "hot_lookup_share": hot_lookups / (rows * num_tables),
@@ -563,7 +569,8 @@ def _compute(
             "big_tables_mean": float(np.mean(big_pairs)) if big_pairs else None,
             "big_tables_min": float(np.min(big_pairs)) if big_pairs else None,
         },
-        "hot_inputs": hot,
+        "hot_inputs": [h for h in hot if "budget_mb" in h],
+        "hot_inputs_by_fraction": [h for h in hot if "budget_fraction" in h],
         "over_time": over_time,
         "settings": {
             "chunk_rows": chunk_rows,
@@ -653,6 +660,7 @@ def compute_stats(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     budgets_mb: Sequence[float] = DEFAULT_BUDGETS_MB,
     progress: bool = False,
+    hot_fractions: Sequence[float] = DEFAULT_HOT_FRACTIONS,
     sample_rows: int = DEFAULT_SAMPLE_ROWS,
     max_values: int = DEFAULT_MAX_VALUES,
     top_k: int = DEFAULT_TOP_K,
@@ -667,6 +675,7 @@ def compute_stats(
         max_rows=max_rows,
         chunk_rows=chunk_rows,
         budgets_mb=budgets_mb,
+        hot_fractions=hot_fractions,
         sample_rows=sample_rows,
         max_values=max_values,
         top_k=top_k,
@@ -686,6 +695,7 @@ def compute_stats_arrays(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     budgets_mb: Sequence[float] = DEFAULT_BUDGETS_MB,
     progress: bool = False,
+    hot_fractions: Sequence[float] = DEFAULT_HOT_FRACTIONS,
     sample_rows: int = DEFAULT_SAMPLE_ROWS,
     max_values: int = DEFAULT_MAX_VALUES,
     top_k: int = DEFAULT_TOP_K,
@@ -728,6 +738,7 @@ def compute_stats_arrays(
         max_rows=max_rows,
         chunk_rows=chunk_rows,
         budgets_mb=budgets_mb,
+        hot_fractions=hot_fractions,
         sample_rows=sample_rows,
         max_values=max_values,
         top_k=top_k,
@@ -789,9 +800,14 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"min {_num(corr['big_tables_min'])}",
         "hot inputs (all lookups among the top rows by count; dim 16 fp32):",
     ]
-    for entry in stats["hot_inputs"]:
+    for entry in stats["hot_inputs"] + stats["hot_inputs_by_fraction"]:
+        budget = (
+            f"{entry['budget_mb']:>6g} MB"
+            if "budget_mb" in entry
+            else f"{entry['budget_fraction'] * 100:>5g}% of values"
+        )
         lines.append(
-            f"  {entry['budget_mb']:>6g} MB = {entry['hot_rows']:>10,} rows: hot inputs {entry['hot_input_share']:.3f}, "
+            f"  {budget} = {entry['hot_rows']:>10,} rows: hot inputs {entry['hot_input_share']:.3f}, "
             f"hot lookups {entry['hot_lookup_share']:.3f} (count threshold {entry['count_threshold']})"
         )
     time = stats["over_time"]
@@ -876,14 +892,20 @@ def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         ax.set(ylim=(0, 1), title=f"co-recurrence of {', '.join(stats['big_tables'])}")
 
         ax = axes[1, 1]
-        hot = stats["hot_inputs"]
-        ax.semilogx(
-            [h["budget_mb"] for h in hot], [h["hot_input_share"] for h in hot], "o-", label="hot inputs"
+        hot = sorted(stats["hot_inputs"] + stats["hot_inputs_by_fraction"], key=lambda h: h["hot_rows"])
+        hot_rows = [max(h["hot_rows"], 1) for h in hot]
+        ax.semilogx(hot_rows, [h["hot_input_share"] for h in hot], "o-", label="hot inputs")
+        ax.semilogx(hot_rows, [h["hot_lookup_share"] for h in hot], "s--", label="hot lookups")
+        for h, x in zip(hot, hot_rows, strict=True):
+            tag = f"{h['budget_mb']:g} MB" if "budget_mb" in h else f"{h['budget_fraction']:.0%}"
+            ax.annotate(
+                tag, (x, h["hot_input_share"]), textcoords="offset points", xytext=(4, -12), fontsize=8
+            )
+        ax.set(
+            xlabel="hot rows (budget in MB at dim 16 fp32, or % of values)",
+            ylim=(0, 1.05),
+            title="hot inputs",
         )
-        ax.semilogx(
-            [h["budget_mb"] for h in hot], [h["hot_lookup_share"] for h in hot], "s--", label="hot lookups"
-        )
-        ax.set(xlabel="hot-row budget (MB, dim 16 fp32)", ylim=(0, 1.05), title="hot inputs")
         ax.legend()
 
         ax = axes[1, 2]
@@ -911,15 +933,16 @@ def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str]) -> Path:
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-def _budgets(text: str) -> list[float]:
+def _positive_list(text: str) -> list[float]:
+    """'64,256,1024' -> [64.0, 256.0, 1024.0] (for argparse)."""
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated megabytes like 64,256,1024, got {text!r}"
+            f"expected comma-separated numbers like 64,256,1024, got {text!r}"
         ) from exc
     if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"budgets must be positive megabytes, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
     return values
 
 
@@ -931,8 +954,12 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the statistics as JSON ('-': stdout only)")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw them into a PNG")
     parser.add_argument(
-        "--budgets-mb", type=_budgets, default=list(DEFAULT_BUDGETS_MB),
+        "--budgets-mb", type=_positive_list, default=list(DEFAULT_BUDGETS_MB),
         help="hot-row budgets in MB for the hot-input share (default 64,256,1024)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hot-fractions", type=_positive_list, default=list(DEFAULT_HOT_FRACTIONS),
+        help="hot-row budgets as shares of the sample's values (default 0.01,0.1)",
     )  # fmt: skip
     parser.add_argument(
         "--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS,
@@ -957,6 +984,7 @@ def run_stats(args: argparse.Namespace) -> int:
         max_rows=args.max_rows,
         chunk_rows=args.chunk_rows,
         budgets_mb=args.budgets_mb,
+        hot_fractions=args.hot_fractions,
         progress=not args.quiet,
         sample_rows=args.sample_rows,
         max_values=args.max_values,
