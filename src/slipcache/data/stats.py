@@ -25,11 +25,13 @@ Definitions (the sample is the rows read, after `max_rows`; a "value" is one dis
 
 Memory: counts are exact while all tables together hold at most `max_values` distinct values. Beyond
 that, the table with most values keeps only values whose hash falls below a threshold that halves each
-time (distinct-value sampling: a kept value's count stays exact, each stands for 2^level values), so
-per-table and over-time figures become estimates. Per-row figures (co-recurrence, correlation, hot
-inputs) are computed on a uniform reservoir of `sample_rows` rows; they are exact when the sample has
-no more rows, else estimates with a binomial standard error. When counts were sampled, a second pass
-counts the reservoir's values exactly. `exact` in the result says which figures are exact.
+time (distinct-value sampling: a kept value's count stays exact and stands for 2^level values); the
+new-id rate is then estimated from the kept values. Per-row figures (co-recurrence, correlation, hot
+inputs) use a uniform reservoir of `sample_rows` rows: exact when the sample has no more rows, else
+estimates (binomial standard error <= 0.5 / sqrt(sample_rows)). When counts were sampled, a second pass
+counts the reservoir's values exactly, and the per-table figures and hot-row thresholds come from those
+lookups (a value seen c times stands for rows / (sample lookups * c) values; heavy values are thus
+measured well, where value sampling would be noisy). `exact` in the result says which figures are exact.
 """
 
 from __future__ import annotations
@@ -331,11 +333,28 @@ def _rank_frequency(counts: np.ndarray, ranks: np.ndarray) -> list[list[float]]:
     return [[float(ranks[i]), float(counts[i])] for i in idx]
 
 
-def _hot_threshold(counters: list[_TableCounter], rows_budget: int) -> tuple[int, float, float]:
+@dataclass
+class _Histogram:
+    """Values of one table as (count, how many values have it); `hashes` only when counts are exact."""
+
+    counts: np.ndarray
+    weights: np.ndarray
+    hashes: np.ndarray | None
+
+
+def _size_biased_histogram(counts: np.ndarray, rows: int) -> _Histogram:
+    """Estimated values per count from the counts of a uniform sample of lookups: a value seen c times
+    is sampled about c times as often as a value seen once, so each sampled lookup stands for
+    rows / (len(counts) * c) values."""
+    unique, lookups = np.unique(counts, return_counts=True)
+    return _Histogram(unique, lookups * rows / (len(counts) * unique.astype(np.float64)), None)
+
+
+def _hot_threshold(histograms: list[_Histogram], rows_budget: int) -> tuple[int, float, float]:
     """(count threshold t, hash cutoff h, estimated lookups on hot rows) of the top `rows_budget` values:
     a value is hot iff count > t, or count == t and hash <= h."""
-    counts = np.concatenate([c.counts for c in counters])
-    weights = np.concatenate([c.weights(c.hashes) for c in counters])
+    counts = np.concatenate([h.counts for h in histograms])
+    weights = np.concatenate([h.weights for h in histograms])
     if weights.sum() <= rows_budget:
         return 0, float(HASH_SPACE), float((counts * weights).sum())
     uniq, inverse = np.unique(-counts, return_inverse=True)  # descending counts
@@ -345,10 +364,11 @@ def _hot_threshold(counters: list[_TableCounter], rows_budget: int) -> tuple[int
     t = int(-uniq[i])
     needed = rows_budget - (float(cum[i - 1]) if i else 0.0)
     hot_lookups = float((counts * weights)[counts > t].sum()) + needed * t
-    if all(c.level == 0 for c in counters):
-        tied = np.concatenate([c.hashes[c.counts == t] for c in counters])
-        cutoff = float(np.partition(tied, int(needed) - 1)[int(needed) - 1]) if needed >= 1 else -1.0
-    else:
+    if all(h.hashes is not None for h in histograms):  # exact: the `needed` tied values of smallest hash
+        tied = np.concatenate([h.hashes[h.counts == t] for h in histograms])  # type: ignore[index]
+        k = int(round(needed))
+        cutoff = float(np.partition(tied, k - 1)[k - 1]) if k >= 1 else -1.0
+    else:  # estimated: the same share of tied values, by hash
         cutoff = needed / float(per_count[i]) * HASH_SPACE
     return t, cutoff, hot_lookups
 
@@ -481,22 +501,28 @@ def _compute(
     exact_counts = all(c.level == 0 for c in counters)
     exact_rows = len(reservoir) == rows
     names = [f"C{t + 1}" for t in range(num_tables)]
-    tables = []
-    for t, counter in enumerate(counters):
-        figures = _table_figures(
-            counter.counts,
-            counter.weights(counter.hashes),
-            rows,
-            None if missing_counts is None or source.missing_value is None else int(missing_counts[t]),
-        )
-        tables.append({"name": names[t], **figures, "sampling_level": counter.level})
-
-    # Per-row figures on the reservoir, with exact counts of its values.
+    # Counts of the reservoir's values: looked up, or counted in a second pass if counts were sampled.
     if exact_counts:
         sample_counts = np.stack([c.lookup(reservoir[:, t]) for t, c in enumerate(counters)], axis=1)
     else:
         sample_counts = _recount(source, reservoir, chunk_rows, max_rows, progress)
     sample_hashes = np.stack([c.hash(reservoir[:, t]) for t, c in enumerate(counters)], axis=1)
+    histograms = [
+        _Histogram(c.counts, np.ones(len(c.counts)), c.hashes)
+        if exact_counts
+        else _size_biased_histogram(sample_counts[:, t], rows)
+        for t, c in enumerate(counters)
+    ]
+    tables = []
+    for t, (counter, histogram) in enumerate(zip(counters, histograms, strict=True)):
+        figures = _table_figures(
+            histogram.counts,
+            histogram.weights,
+            rows,
+            None if missing_counts is None or source.missing_value is None else int(missing_counts[t]),
+        )
+        tables.append({"name": names[t], **figures, "sampling_level": counter.level})
+
     recurs = sample_counts >= 2
     if big_tables is None:
         if num_tables == 26:
@@ -521,7 +547,7 @@ def _compute(
     budgets += [("budget_fraction", f, int(round(f * total_values))) for f in hot_fractions]
     hot: list[dict[str, Any]] = []
     for kind, budget, budget_rows in budgets:
-        t, cutoff, hot_lookups = _hot_threshold(counters, budget_rows)
+        t, cutoff, hot_lookups = _hot_threshold(histograms, budget_rows)
         is_hot = (sample_counts > t) | ((sample_counts == t) & (sample_hashes <= cutoff))
         hot.append(
             {
