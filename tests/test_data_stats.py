@@ -154,6 +154,7 @@ def test_sampled_counts_estimate_the_exact_figures() -> None:
     assert not approx["exact"]["hot_input_share"] and approx["exact"]["sample_standard_error"] > 0
     assert exact["exact"]["per_table"] and exact["exact"]["sample_standard_error"] == 0
     assert max(t["sampling_level"] for t in approx["tables"]) >= 1
+    assert all(t["exact"] == (t["sampling_level"] == 0) for t in approx["tables"])
     for e, a in zip(exact["tables"], approx["tables"], strict=True):
         assert a["distinct"] == pytest.approx(e["distinct"], rel=0.15)
         assert a["recur_share"] == pytest.approx(e["recur_share"], abs=0.05)

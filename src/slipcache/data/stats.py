@@ -24,13 +24,13 @@ Definitions (the sample is the rows read, after `max_rows`; a "value" is one dis
   values (k = min(top_k, values recurring within each of the two chunks)) of consecutive chunks.
 
 Memory: counts are exact while all tables together hold at most `max_values` distinct values. Beyond
-that, the table with most values keeps only values whose hash falls below a threshold that halves each
+that (the full Kaggle set has 33.8 M), the table with most values keeps only values whose hash falls below a threshold that halves each
 time (distinct-value sampling: a kept value's count stays exact and stands for 2^level values); the
 new-id rate is then estimated from the kept values. Per-row figures (co-recurrence, correlation, hot
 inputs) use a uniform reservoir of `sample_rows` rows: exact when the sample has no more rows, else
 estimates (binomial standard error <= 0.5 / sqrt(sample_rows)). When counts were sampled, a second pass
-counts the reservoir's values exactly, and the per-table figures and hot-row thresholds come from those
-lookups (a value seen c times stands for rows / (sample lookups * c) values; heavy values are thus
+counts the reservoir's values exactly, and the figures of the sampled tables and the hot-row thresholds
+come from those lookups (a value seen c times stands for rows / (sample lookups * c) values; heavy values are thus
 measured well, where value sampling would be noisy). `exact` in the result says which figures are exact.
 """
 
@@ -62,7 +62,7 @@ DEFAULT_BUDGETS_MB = (64, 256, 1024)
 DEFAULT_HOT_FRACTIONS = (0.01, 0.1)  # budgets as shares of the sample's values, for samples of any size
 DEFAULT_CHUNK_ROWS = 100_000
 DEFAULT_SAMPLE_ROWS = 262_144
-DEFAULT_MAX_VALUES = 20_000_000  # ~16 bytes each, a few hundred MB at most
+DEFAULT_MAX_VALUES = 10_000_000  # 24 bytes each, ~50 bytes at the peak of a merge: < 0.5 GB
 DEFAULT_TOP_K = 1000
 HOT_DIM = 16
 HOT_BYTES_PER_VALUE = 4  # fp32
@@ -509,7 +509,7 @@ def _compute(
     sample_hashes = np.stack([c.hash(reservoir[:, t]) for t, c in enumerate(counters)], axis=1)
     histograms = [
         _Histogram(c.counts, np.ones(len(c.counts)), c.hashes)
-        if exact_counts
+        if c.level == 0
         else _size_biased_histogram(sample_counts[:, t], rows)
         for t, c in enumerate(counters)
     ]
@@ -521,7 +521,9 @@ def _compute(
             rows,
             None if missing_counts is None or source.missing_value is None else int(missing_counts[t]),
         )
-        tables.append({"name": names[t], **figures, "sampling_level": counter.level})
+        tables.append(
+            {"name": names[t], **figures, "exact": counter.level == 0, "sampling_level": counter.level}
+        )
 
     recurs = sample_counts >= 2
     if big_tables is None:
