@@ -15,6 +15,7 @@ instead of being the low ids.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -33,7 +34,8 @@ KAGGLE_CARDINALITIES = [
 ]  # fmt: skip
 TARGET_POSITIVE_RATE = 0.256
 TARGET_TEACHER_AUC = 0.80
-GENERATOR_VERSION = 2
+GENERATOR_VERSIONS = {"v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
+DEFAULT_GENERATOR = "v3"
 DEFAULT_SAMPLES = 2_500_000  # 2M train + 250k val + 250k test with the default fractions
 SMALL_TABLE = 100  # tables up to this size keep their size under --scale; bigger ones never shrink below it
 HOT_ROWS = 20_000  # rows (by popularity rank) per table that carry teacher signal
@@ -53,11 +55,87 @@ def synthetic_table_sizes(scale: float) -> list[int]:
     return [max(min(c, SMALL_TABLE), int(round(c * scale))) for c in KAGGLE_CARDINALITIES]
 
 
-class _Generator:
-    """All random parameters of one (scale, seed) dataset, and the sampler of row chunks."""
+class _Teacher:
+    """What v2 and v3 share: dense features, the teacher's logit terms and their calibration.
+
+    Subclasses set `first_order` [P + 1] and `vectors` [P + 1, TEACHER_DIM] (the last row all zero, read
+    by values without signal) and implement `sample(rng, start, n)`.
+    """
+
+    first_order: np.ndarray
+    vectors: np.ndarray
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.component_scale = np.ones(3)  # these three are set by calibrate()
+        self.logit_scale = 1.0
+        self.logit_bias = 0.0
+
+    def sample(
+        self, rng: np.random.Generator, start: int, n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def init_dense(self, rng: np.random.Generator) -> None:
+        self.dense_mu = rng.uniform(0.0, 4.0, NUM_DENSE)
+        self.dense_sigma = rng.uniform(0.8, 2.0, NUM_DENSE)
+        self.dense_missing = np.array(DENSE_MISSING)
+        self.dense_weights = rng.standard_normal(NUM_DENSE)
+
+    def draw_dense(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """float32 [n, 13]: log1p of skewed counts, 0 where missing."""
+        counts = np.floor(
+            np.exp(rng.standard_normal((n, NUM_DENSE)) * self.dense_sigma + self.dense_mu) - 0.5
+        )
+        dense = np.log1p(np.maximum(counts, 0.0))
+        dense[rng.random((n, NUM_DENSE)) < self.dense_missing] = 0.0
+        return dense.astype(np.float32)
+
+    def terms(self, dense: np.ndarray, params: np.ndarray) -> np.ndarray:
+        """Logit terms [n, 3]: dense linear, first-order, pairwise dot products of the parameter rows
+        `params` [n, k] (one per signal source)."""
+        n, k = params.shape
+        rows = params.ravel()
+        terms = np.empty((n, 3))
+        terms[:, 0] = dense.astype(np.float64) @ self.dense_weights
+        terms[:, 1] = self.first_order[rows].reshape(n, k).sum(axis=1)
+        vec = self.vectors[rows]
+        total = vec.reshape(n, k, TEACHER_DIM).sum(axis=1)
+        squares = np.einsum("ij,ij->i", vec, vec).reshape(n, k).sum(axis=1)
+        terms[:, 2] = 0.5 * (np.einsum("ij,ij->i", total, total) - squares)
+        return terms
+
+    def logits(self, terms: np.ndarray) -> np.ndarray:
+        return self.logit_scale * (terms @ self.component_scale) + self.logit_bias
+
+    def calibrate(self) -> None:
+        """Weigh the three logit terms by VARIANCE_SHARES, then pick scale and bias for the targets.
+
+        Calibrated on the first CALIBRATION_ROWS rows of the log (the start of the first day)."""
+        rng = np.random.default_rng([self.seed, 1])
+        terms = np.concatenate(
+            [self.sample(rng, i * CHUNK_ROWS, CHUNK_ROWS)[2] for i in range(CALIBRATION_ROWS // CHUNK_ROWS)]
+        )
+        self.component_scale = np.sqrt(np.array(VARIANCE_SHARES)) / np.maximum(terms.std(axis=0), 1e-12)
+        raw = terms @ self.component_scale
+        z = np.sort(raw - raw.mean())  # sorted once so expected_auc's sort is cheap
+        lo, hi = 0.01, 20.0
+        for _ in range(25):
+            mid = math.sqrt(lo * hi)
+            if expected_auc(mid * z + _bias_for_rate(mid * z, TARGET_POSITIVE_RATE)) < TARGET_TEACHER_AUC:
+                lo = mid
+            else:
+                hi = mid
+        self.logit_scale = math.sqrt(lo * hi)
+        bias = _bias_for_rate(self.logit_scale * z, TARGET_POSITIVE_RATE)
+        self.logit_bias = bias - self.logit_scale * float(raw.mean())
+
+
+class _GeneratorV2(_Teacher):
+    """v2: tables drawn independently of each other and of time (kept so earlier figures reproduce)."""
 
     def __init__(self, scale: float, seed: int) -> None:
-        self.seed = seed
+        super().__init__(seed)
         self.sizes = np.array(synthetic_table_sizes(scale), dtype=np.int64)
         rng = np.random.default_rng([seed, 0])
         self.exponents = rng.uniform(1.05, 1.2, NUM_TABLES)
@@ -74,60 +152,25 @@ class _Generator:
         self.vectors = np.vstack(
             [rng.standard_normal((total_hot, TEACHER_DIM)), np.zeros((1, TEACHER_DIM))]
         ).astype(np.float32)
-        self.dense_mu = rng.uniform(0.0, 4.0, NUM_DENSE)
-        self.dense_sigma = rng.uniform(0.8, 2.0, NUM_DENSE)
-        self.dense_missing = np.array(DENSE_MISSING)
-        self.dense_weights = rng.standard_normal(NUM_DENSE)
-        self.component_scale = np.ones(3)  # these three are set by calibrate()
-        self.logit_scale = 1.0
-        self.logit_bias = 0.0
+        self.init_dense(rng)
 
-    def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(dense float32 [n, 13] after log1p, ids int32 [n, 26], teacher logit terms float64 [n, 3])."""
+    def sample(
+        self, rng: np.random.Generator, start: int, n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(dense float32 [n, 13] after log1p, ids int32 [n, 26], teacher logit terms float64 [n, 3]).
+
+        `start` (the position of the first row in the log) does not matter: v2 has no time."""
         u = rng.random((n, NUM_TABLES))
         x = (1.0 - u * self._cdf_span) ** self._inv  # continuous Zipf on [1, size + 1)
         ranks = np.minimum(x.astype(np.int64) - 1, self.sizes - 1)
         ids = self.rank_to_id[self.table_offsets + ranks]
-        counts = np.floor(
-            np.exp(rng.standard_normal((n, NUM_DENSE)) * self.dense_sigma + self.dense_mu) - 0.5
-        )
-        dense = np.log1p(np.maximum(counts, 0.0))
-        dense[rng.random((n, NUM_DENSE)) < self.dense_missing] = 0.0
-        dense = dense.astype(np.float32)
-
+        dense = self.draw_dense(rng, n)
         # Rows past the hot ones read the all-zero parameter row at index total_hot.
-        rows = np.where(ranks < self.hot, self.hot_offsets + ranks, len(self.first_order) - 1).ravel()
-        terms = np.empty((n, 3))
-        terms[:, 0] = dense.astype(np.float64) @ self.dense_weights
-        terms[:, 1] = self.first_order[rows].reshape(n, NUM_TABLES).sum(axis=1)
-        vec = self.vectors[rows]
-        total = vec.reshape(n, NUM_TABLES, TEACHER_DIM).sum(axis=1)
-        squares = np.einsum("ij,ij->i", vec, vec).reshape(n, NUM_TABLES).sum(axis=1)
-        terms[:, 2] = 0.5 * (np.einsum("ij,ij->i", total, total) - squares)
-        return dense, ids, terms
+        params = np.where(ranks < self.hot, self.hot_offsets + ranks, len(self.first_order) - 1)
+        return dense, ids, self.terms(dense, params)
 
-    def logits(self, terms: np.ndarray) -> np.ndarray:
-        return self.logit_scale * (terms @ self.component_scale) + self.logit_bias
-
-    def calibrate(self) -> None:
-        """Weigh the three logit terms by VARIANCE_SHARES, then pick scale and bias for the targets."""
-        rng = np.random.default_rng([self.seed, 1])
-        terms = np.concatenate(
-            [self.sample(rng, CHUNK_ROWS)[2] for _ in range(CALIBRATION_ROWS // CHUNK_ROWS)]
-        )
-        self.component_scale = np.sqrt(np.array(VARIANCE_SHARES)) / np.maximum(terms.std(axis=0), 1e-12)
-        raw = terms @ self.component_scale
-        z = np.sort(raw - raw.mean())  # sorted once so expected_auc's sort is cheap
-        lo, hi = 0.01, 20.0
-        for _ in range(25):
-            mid = math.sqrt(lo * hi)
-            if expected_auc(mid * z + _bias_for_rate(mid * z, TARGET_POSITIVE_RATE)) < TARGET_TEACHER_AUC:
-                lo = mid
-            else:
-                hi = mid
-        self.logit_scale = math.sqrt(lo * hi)
-        bias = _bias_for_rate(self.logit_scale * z, TARGET_POSITIVE_RATE)
-        self.logit_bias = bias - self.logit_scale * float(raw.mean())
+    def describe(self) -> dict[str, Any]:
+        return {"zipf_exponents": [round(float(e), 4) for e in self.exponents]}
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -172,6 +215,233 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
+# ----------------------------------------------------------------------------------------------------
+# v3: latent entities, time order
+
+
+# Latent entities (table indices are 0-based: C3 is 2). Each is drawn by rank from a bounded Zipf law
+# over as many ranks as its finest table has rows, and seen through one or more tables.
+ENTITY_ROOT = {"user": 2, "ad": 6, "site": 14}
+# Derived tables: table -> (source, merge, noise). The source is an entity (its root tables read the
+# entity itself) or a table whose value this one coarsens. `merge`: share of source values that collapse
+# onto a popular value of this table (a value drawn from its own Zipf law, fixed per source value), the
+# rest are hashed to a value of their own; `noise`: share of rows that draw an unrelated value instead.
+# The structure is read off the real rows: C3 determines C12, C21, C16, C4, C24 exactly and C19 nearly;
+# C7 and C11 determine C13; C15 determines C18, C14 and C2 (docs/data.md).
+DERIVED: dict[int, tuple[str | int, float, float]] = {
+    2: ("user", 0.0, 0.0),  # C3
+    11: (2, 0.05, 0.0),  # C12
+    20: (11, 0.04, 0.0),  # C21
+    15: (20, 0.08, 0.0),  # C16
+    3: (15, 0.28, 0.0),  # C4
+    23: (3, 0.60, 0.0),  # C24
+    18: (2, 0.95, 0.02),  # C19
+    25: (3, 0.20, 0.05),  # C26
+    6: ("ad", 0.0, 0.0),  # C7
+    10: ("ad", 0.30, 0.0),  # C11
+    12: (6, 0.20, 0.02),  # C13
+    14: ("site", 0.0, 0.0),  # C15
+    17: (14, 0.45, 0.0),  # C18
+    1: (17, 0.30, 0.0),  # C2
+    13: (14, 0.30, 0.0),  # C14
+}
+# Zipf exponents of the entities and of the tables drawn on their own (static, as in v2), fitted to the
+# per-table recurrence of the real rows (see docs/data.md).
+ENTITY_EXPONENT = {"user": 1.04, "ad": 0.93, "site": 1.15}
+MERGE_EXPONENT = 1.2
+INDEPENDENT_EXPONENT = {0: 1.8, 4: 2.0, 5: 1.8, 7: 2.0, 8: 3.0, 9: 1.1, 16: 1.8, 19: 2.0, 21: 2.0, 22: 1.8, 24: 2.0}
+# Missing values come in groups that are empty together in the real rows: (tables, share of rows).
+MISSING_GROUPS: tuple[tuple[tuple[int, ...], float], ...] = (
+    ((2, 3, 11, 15, 20, 23), 0.033),
+    ((18, 19, 24, 25), 0.483),
+    ((5,), 0.126),
+    ((21,), 0.816),
+)
+MISSING_ROW = 0  # v3: row 0 of a table with missing values is the empty value (as `preprocess --vocab hash`)
+# Time: the log spans DAYS days (Kaggle's 7); per day a share NEW_ENTITY_RATE of each entity's ranks passes
+# to an entity never seen before and a share DRIFT_RATE to an existing entity from elsewhere in the
+# ranking, continuously over the day. Not measurable on the shared rows: see docs/data.md for the choice.
+DAYS = 7
+NEW_ENTITY_RATE = 0.04
+DRIFT_RATE = 0.04
+TEACHER_BANK = 1 << 17  # teacher parameter rows; an entity's parameters are a hash of its key into them
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray, salt: int) -> np.ndarray:
+    """A 64-bit hash of (x, salt) (splitmix64's finalizer): a fixed random function without tables."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(x).astype(np.uint64) + np.uint64(salt & 0xFFFFFFFFFFFFFFFF) * _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _unit(h: np.ndarray) -> np.ndarray:
+    """Uniform [0, 1) from a 64-bit hash."""
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _zipf_rank(u: np.ndarray, size: int, exponent: float) -> np.ndarray:
+    """Ranks 0..size-1 from uniforms by the inverse CDF of a continuous Zipf law on [1, size + 1)."""
+    span = 1.0 - (size + 1.0) ** (1.0 - exponent)
+    x = (1.0 - u * span) ** (1.0 / (1.0 - exponent))
+    return np.minimum(x.astype(np.int64) - 1, size - 1)
+
+
+class _GeneratorV3(_Teacher):
+    """v3: each table is a view of a latent entity (user, ad, site) or drawn on its own; time-ordered.
+
+    Everything per value is a hash (`_mix`) of the value and a per-(seed, table) salt, so the generator
+    holds no per-row arrays except the rank permutations of the small tables drawn on their own.
+    """
+
+    def __init__(
+        self,
+        scale: float,
+        seed: int,
+        *,
+        num_samples: int,
+        days: int = DAYS,
+        new_entity_rate: float = NEW_ENTITY_RATE,
+        drift_rate: float = DRIFT_RATE,
+    ) -> None:
+        super().__init__(seed)
+        self.sizes = np.array(synthetic_table_sizes(scale), dtype=np.int64)
+        self.days = days
+        self.rows_per_day = num_samples / days
+        self.new_entity_rate = new_entity_rate
+        self.drift_rate = drift_rate
+        self.has_missing = np.zeros(NUM_TABLES, dtype=bool)
+        for tables, _ in MISSING_GROUPS:
+            self.has_missing[list(tables)] = True
+        self.first = self.has_missing.astype(np.int64)  # first row that is a value, not the empty one
+        rng = np.random.default_rng([seed, 3])
+        self._salt = int(rng.integers(1 << 62))
+        self.rank_to_row = {
+            t: (self.first[t] + rng.permutation(int(self.sizes[t] - self.first[t]))).astype(np.int32)
+            for t in INDEPENDENT_EXPONENT
+        }
+        # Teacher parameters: a bank shared by all signal sources (entities, independent tables) plus an
+        # all-zero last row, read by the rows that carry no signal.
+        self.first_order = np.append(rng.standard_normal(TEACHER_BANK), 0.0).astype(np.float32)
+        self.vectors = np.vstack(
+            [rng.standard_normal((TEACHER_BANK, TEACHER_DIM)), np.zeros((1, TEACHER_DIM))]
+        ).astype(np.float32)
+        self.init_dense(rng)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "days": self.days,
+            "rows_per_day": self.rows_per_day,
+            "new_entity_rate": self.new_entity_rate,
+            "drift_rate": self.drift_rate,
+            "entities": {name: f"C{root + 1}" for name, root in ENTITY_ROOT.items()},
+            "entity_exponents": ENTITY_EXPONENT,
+            "derived": {
+                f"C{t + 1}": {"source": s if isinstance(s, str) else f"C{s + 1}", "merge": m, "noise": z}
+                for t, (s, m, z) in DERIVED.items()
+            },
+            "independent_exponents": {f"C{t + 1}": e for t, e in INDEPENDENT_EXPONENT.items()},
+            "missing_row": MISSING_ROW,
+            "tables_with_missing": [int(t) for t in np.flatnonzero(self.has_missing)],
+        }
+
+    def salt(self, source: int | str, purpose: int) -> int:
+        """Salt of a table (int) or entity (name) for one purpose, so every hash is its own function."""
+        index = list(ENTITY_ROOT).index(source) + 100 if isinstance(source, str) else source
+        return self._salt + 1000 * index + purpose
+
+    def entity_keys(self, name: str, u: np.ndarray, days: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(entity keys uint64, teacher parameter row) of draws `u` at times `days` (float, in days)."""
+        pool = int(self.sizes[ENTITY_ROOT[name]])
+        rank = _zipf_rank(u, pool, ENTITY_EXPONENT[name])
+        # Drift: a rank passes to the entity of a random other rank, at a random phase per rank.
+        epoch = np.floor(self.drift_rate * days + _unit(_mix(rank, self.salt(name, 1)))).astype(np.int64)
+        owner = np.where(epoch > 0, _mix(rank + pool * epoch, self.salt(name, 2)) % np.uint64(pool), rank)
+        owner = owner.astype(np.int64)
+        # New entities: the owner's slot passes to a new entity (a new key), at a random phase per slot.
+        generation = np.floor(self.new_entity_rate * days + _unit(_mix(owner, self.salt(name, 3))))
+        keys = owner.astype(np.uint64) + np.uint64(pool) * generation.astype(np.uint64)
+        return keys, self.param_rows(keys, owner < HOT_ROWS, name)
+
+    def param_rows(self, keys: np.ndarray, signal: np.ndarray, source: int | str) -> np.ndarray:
+        """Teacher parameter rows of `keys` of one signal source; the zero row where `signal` is False."""
+        rows = (_mix(keys, self.salt(source, 4)) % np.uint64(TEACHER_BANK)).astype(np.int64)
+        return np.where(signal, rows, TEACHER_BANK)
+
+    def value_rows(self, table: int, values: np.ndarray) -> np.ndarray:
+        """Rows of `table` (past its empty row) for hashed values, spread uniformly."""
+        span = np.uint64(self.sizes[table] - self.first[table])
+        return (_mix(values, self.salt(table, 5)) % span).astype(np.int64) + self.first[table]
+
+    def popular_rows(self, table: int, u: np.ndarray) -> np.ndarray:
+        """Rows of `table` drawn by its own Zipf law (where merged and noisy values land)."""
+        size = int(self.sizes[table] - self.first[table])
+        return self.value_rows(table, _zipf_rank(u, size, MERGE_EXPONENT))
+
+    def sample(
+        self, rng: np.random.Generator, start: int, n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows start..start+n-1 of the log: (dense [n, 13], ids int32 [n, 26], teacher terms [n, 3])."""
+        days = (start + np.arange(n)) / self.rows_per_day
+        ids = np.empty((n, NUM_TABLES), dtype=np.int64)
+        params = []
+        u = rng.random((len(ENTITY_ROOT) + len(INDEPENDENT_EXPONENT), n))
+        keys = {}
+        for i, name in enumerate(ENTITY_ROOT):
+            keys[name], param = self.entity_keys(name, u[i], days)
+            params.append(param)
+        for i, (table, exponent) in enumerate(INDEPENDENT_EXPONENT.items(), len(ENTITY_ROOT)):
+            size = len(self.rank_to_row[table])
+            rank = _zipf_rank(u[i], size, exponent)
+            ids[:, table] = self.rank_to_row[table][rank]
+            params.append(self.param_rows(rank, rank < HOT_ROWS, table))
+        noise_u = rng.random((len(DERIVED), n))
+        for i, (table, (source, merge, noise)) in enumerate(DERIVED.items()):
+            # DERIVED lists every table after its source
+            h = _mix(keys[source] if isinstance(source, str) else ids[:, source], self.salt(table, 6))
+            merged = _unit(h) < merge
+            rows = np.where(merged, self.popular_rows(table, _unit(_mix(h, 7))), self.value_rows(table, h))
+            noisy = noise_u[i] < noise
+            rows[noisy] = self.popular_rows(table, noise_u[i][noisy] / noise)  # uniform given noisy
+            ids[:, table] = rows
+        missing_u = rng.random((len(MISSING_GROUPS), n))
+        for (tables, rate), mu in zip(MISSING_GROUPS, missing_u, strict=True):
+            ids[np.ix_(mu < rate, tables)] = MISSING_ROW
+        dense = self.draw_dense(rng, n)
+        return dense, ids.astype(np.int32), self.terms(dense, np.stack(params, axis=1))
+
+
+def make_generator(
+    generator: str,
+    scale: float,
+    seed: int,
+    *,
+    num_samples: int,
+    days: int = DAYS,
+    new_entity_rate: float = NEW_ENTITY_RATE,
+    drift_rate: float = DRIFT_RATE,
+) -> _Teacher:
+    """The (uncalibrated) generator `generator` ("v3" or "v2") of a dataset of `num_samples` rows."""
+    if generator == "v2":
+        return _GeneratorV2(scale, seed)
+    if generator != "v3":
+        raise SlipcacheError(f"generator must be one of {', '.join(GENERATOR_VERSIONS)}, got {generator!r}")
+    if days < 1:
+        raise SlipcacheError(f"days must be at least 1, got {days}")
+    if not (0 <= new_entity_rate <= 1 and 0 <= drift_rate <= 1):
+        raise SlipcacheError("new-entity and drift rates are shares of ranks per day, in [0, 1]")
+    return _GeneratorV3(
+        scale,
+        seed,
+        num_samples=num_samples,
+        days=days,
+        new_entity_rate=new_entity_rate,
+        drift_rate=drift_rate,
+    )
+
+
 def generate_synthetic(
     out_dir: str | os.PathLike[str],
     *,
@@ -180,14 +450,30 @@ def generate_synthetic(
     seed: int = 0,
     val_fraction: float = 0.1,
     test_fraction: float = 0.1,
+    generator: str = DEFAULT_GENERATOR,
+    days: int = DAYS,
+    new_entity_rate: float = NEW_ENTITY_RATE,
+    drift_rate: float = DRIFT_RATE,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Write a synthetic dataset to `out_dir` (atomically) and return its meta. Deterministic per seed."""
+    """Write a synthetic dataset to `out_dir` (atomically) and return its meta. Deterministic per seed.
+
+    Rows are written in log order and the splits are contiguous: with v3 (time-ordered over `days` days)
+    train holds the earlier days, validation and test the last ones, as in the standard Criteo split.
+    `days` and the two rates apply to v3 only."""
     if num_samples < 1:
         raise SlipcacheError(f"number of samples must be at least 1, got {num_samples}")
     if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
         raise SlipcacheError("val and test fractions must be in [0, 1) and sum to less than 1")
-    gen = _Generator(scale, seed)
+    gen = make_generator(
+        generator,
+        scale,
+        seed,
+        num_samples=num_samples,
+        days=days,
+        new_entity_rate=new_entity_rate,
+        drift_rate=drift_rate,
+    )
     gen.calibrate()
     n_val = int(num_samples * val_fraction)
     n_test = int(num_samples * test_fraction)
@@ -207,7 +493,7 @@ def generate_synthetic(
         for chunk, start in enumerate(range(0, num_samples, CHUNK_ROWS)):
             end = min(start + CHUNK_ROWS, num_samples)
             rng = np.random.default_rng([seed, 2, chunk])
-            dense, ids, terms = gen.sample(rng, end - start)
+            dense, ids, terms = gen.sample(rng, start, end - start)
             logits = gen.logits(terms)
             labels = (rng.random(end - start) < _sigmoid(logits)).astype(np.float32)
             for name, (a, b) in bounds.items():
@@ -231,20 +517,21 @@ def generate_synthetic(
                 "teacher_auc": auc(test_logits, test_labels) if n_test else None,
                 "teacher_expected_auc": expected_auc(test_logits) if n_test else None,
                 "source": {"generator": "slipcache.data.synthetic"},
+                "time_ordered": isinstance(gen, _GeneratorV3),
                 "generator": {
-                    "version": GENERATOR_VERSION,
+                    "version": GENERATOR_VERSIONS[generator],
                     "num_samples": num_samples,
                     "scale": scale,
                     "seed": seed,
                     "val_fraction": val_fraction,
                     "test_fraction": test_fraction,
-                    "zipf_exponents": [round(float(e), 4) for e in gen.exponents],
                     "hot_rows": HOT_ROWS,
                     "teacher_dim": TEACHER_DIM,
                     "variance_shares": list(VARIANCE_SHARES),
                     "logit_scale": gen.logit_scale,
                     "logit_bias": gen.logit_bias,
                     "dense_missing": DENSE_MISSING,
+                    **gen.describe(),
                 },
             }
         )
@@ -262,18 +549,26 @@ def default_synthetic_path(
     scale: float = 1.0,
     seed: int = 0,
     *,
+    generator: str = DEFAULT_GENERATOR,
     progress: bool = True,
 ) -> Path:
     """A cached synthetic dataset for these parameters: reused when present, generated when not.
 
     `cache_root` None means $SLIPCACHE_CACHE_DIR, else ~/.cache/slipcache; data lives under `synthetic/`.
+    The key holds the generator's version and, for v3, a digest of its parameters, so data from another
+    generator or an older calibration is never reused.
     """
     root = Path(cache_root) if cache_root is not None else default_cache_root()
-    path = root / "synthetic" / f"n{num_samples}-scale{scale:g}-seed{seed}-v{GENERATOR_VERSION}"
+    described = make_generator(generator, scale, seed, num_samples=num_samples).describe()
+    version = GENERATOR_VERSIONS[generator]
+    name = f"n{num_samples}-scale{scale:g}-seed{seed}-v{version}"
+    if generator != "v2":  # v2 keeps its earlier directory name, so its cached datasets stay valid
+        name += "-" + hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:8]
+    path = root / "synthetic" / name
     try:
         gen = json.loads((path / "meta.json").read_text()).get("generator", {})
         if (gen.get("version"), gen.get("num_samples"), gen.get("scale"), gen.get("seed")) == (
-            GENERATOR_VERSION,
+            version,
             num_samples,
             scale,
             seed,
@@ -281,7 +576,9 @@ def default_synthetic_path(
             return path
     except (OSError, ValueError, AttributeError):
         pass
-    generate_synthetic(path, num_samples=num_samples, scale=scale, seed=seed, progress=progress)
+    generate_synthetic(
+        path, num_samples=num_samples, scale=scale, seed=seed, generator=generator, progress=progress
+    )
     return path
 
 
