@@ -315,7 +315,9 @@ class _GeneratorV3(_Teacher):
         self.has_missing = np.zeros(NUM_TABLES, dtype=bool)
         for tables, _ in MISSING_GROUPS:
             self.has_missing[list(tables)] = True
-        self.first = self.has_missing.astype(np.int64)  # first row that is a value, not the empty one
+        # Row 0 is the empty value of every table (unused where no value is ever empty), so one missing
+        # row holds for all tables, as in datasets preprocessed with the hash vocabulary.
+        self.first = np.ones(NUM_TABLES, dtype=np.int64)
         rng = np.random.default_rng([seed, 3])
         self._salt = int(rng.integers(1 << 62))
         self.rank_to_row = {
@@ -343,7 +345,6 @@ class _GeneratorV3(_Teacher):
                 for t, (s, m, z) in DERIVED.items()
             },
             "independent_exponents": {f"C{t + 1}": e for t, e in INDEPENDENT_EXPONENT.items()},
-            "missing_row": MISSING_ROW,
             "tables_with_missing": [int(t) for t in np.flatnonzero(self.has_missing)],
         }
 
@@ -518,6 +519,7 @@ def generate_synthetic(
                 "teacher_expected_auc": expected_auc(test_logits) if n_test else None,
                 "source": {"generator": "slipcache.data.synthetic"},
                 "time_ordered": isinstance(gen, _GeneratorV3),
+                **({"missing_row": MISSING_ROW} if isinstance(gen, _GeneratorV3) else {}),
                 "generator": {
                     "version": GENERATOR_VERSIONS[generator],
                     "num_samples": num_samples,
