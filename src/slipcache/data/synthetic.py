@@ -493,7 +493,7 @@ def generate_synthetic(
     ):
         for chunk, start in enumerate(range(0, num_samples, CHUNK_ROWS)):
             end = min(start + CHUNK_ROWS, num_samples)
-            rng = np.random.default_rng([seed, 2, chunk])
+            rng = _chunk_rng(seed, chunk)
             dense, ids, terms = gen.sample(rng, start, end - start)
             logits = gen.logits(terms)
             labels = (rng.random(end - start) < _sigmoid(logits)).astype(np.float32)
@@ -540,6 +540,46 @@ def generate_synthetic(
     return meta
 
 
+def _chunk_rng(seed: int, chunk: int) -> np.random.Generator:
+    """The random stream of rows [chunk * CHUNK_ROWS, (chunk + 1) * CHUNK_ROWS) of a dataset."""
+    return np.random.default_rng([seed, 2, chunk])
+
+
+def synthetic_window(
+    start: int,
+    rows: int,
+    *,
+    num_samples: int = DEFAULT_SAMPLES,
+    scale: float = 1.0,
+    seed: int = 0,
+    generator: str = DEFAULT_GENERATOR,
+    days: int = DAYS,
+    new_entity_rate: float = NEW_ENTITY_RATE,
+    drift_rate: float = DRIFT_RATE,
+) -> np.ndarray:
+    """The categorical ids [rows, 26] of rows start..start+rows-1 of the dataset `generate_synthetic`
+    would write with these parameters (the same rows; no labels, so no calibration is needed)."""
+    gen = make_generator(
+        generator,
+        scale,
+        seed,
+        num_samples=num_samples,
+        days=days,
+        new_entity_rate=new_entity_rate,
+        drift_rate=drift_rate,
+    )
+    end = start + rows
+    if not 0 <= start < end <= num_samples:
+        raise SlipcacheError(f"rows {start}..{end - 1} are not all within the {num_samples} rows of the log")
+    parts = []
+    for chunk in range(start // CHUNK_ROWS, (end - 1) // CHUNK_ROWS + 1):
+        first = chunk * CHUNK_ROWS
+        last = min(first + CHUNK_ROWS, num_samples)
+        ids = gen.sample(_chunk_rng(seed, chunk), first, last - first)[1]
+        parts.append(ids[max(start, first) - first : min(end, last) - first])
+    return np.concatenate(parts)
+
+
 def default_cache_root() -> Path:
     env = os.environ.get("SLIPCACHE_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "slipcache"
@@ -584,8 +624,126 @@ def default_synthetic_path(
     return path
 
 
+# `synth --compare`: how far each statistic of a synthetic window may be from the real one.
+COMPARE_TOLERANCE = {"co_recurrence": 0.10, "correlation": 0.15, "recur_share": 0.10, "missing_rate": 0.03}
+COMPARE_ROWS = 100_000  # real rows read from the start of the file (the window compared)
+
+
+def compare_with_real(
+    real_path: str | os.PathLike[str],
+    *,
+    max_rows: int = COMPARE_ROWS,
+    day: int = 0,
+    generators: tuple[str, ...] = tuple(GENERATOR_VERSIONS),
+    num_samples: int = DEFAULT_SAMPLES,
+    scale: float = 1.0,
+    seed: int = 0,
+    days: int = DAYS,
+    new_entity_rate: float = NEW_ENTITY_RATE,
+    drift_rate: float = DRIFT_RATE,
+) -> dict[str, Any]:
+    """Statistics of the first rows of a real file against the same number of contiguous synthetic rows
+    from the start of day `day`, per generator, each statistic with its tolerance and pass/fail.
+
+    Like with like: the real rows are one contiguous window from the start of a log, an empty field
+    counts as a value (v3's row 0; v2 has no empty values), and both sides go through `slipcache.data.stats`.
+    """
+    from slipcache.data.stats import compute_stats, compute_stats_arrays
+
+    real = compute_stats(real_path, max_rows=max_rows)
+    rows = int(real["rows"])
+    if rows < 2:
+        raise SlipcacheError(f"{real_path}: {rows} good rows; at least 2 are needed to compare")
+    if not 0 <= day < days:
+        raise SlipcacheError(f"day must be in 0..{days - 1}, got {day}")
+    start = int(round(day * num_samples / days))
+    stats = {"real": real}
+    for name in generators:
+        ids = synthetic_window(
+            start,
+            rows,
+            num_samples=num_samples,
+            scale=scale,
+            seed=seed,
+            generator=name,
+            days=days,
+            new_entity_rate=new_entity_rate,
+            drift_rate=drift_rate,
+        )
+        stats[name] = compute_stats_arrays(ids, missing_value=None if name == "v2" else MISSING_ROW)
+
+    def corr(result: dict[str, Any], a: str, b: str) -> float | None:
+        names = result["recurrence_correlation"]["tables"]
+        return result["recurrence_correlation"]["matrix"][names.index(a)][names.index(b)]
+
+    checks: list[tuple[str, str, Any]] = [
+        ("big-table co-recurrence", "co_recurrence", lambda r: r["co_recurrence"]["all_recur"])
+    ]
+    big = real["big_tables"]
+    for i, a in enumerate(big):
+        for b in big[i + 1 :]:
+            checks.append((f"recurrence corr {a}-{b}", "correlation", lambda r, a=a, b=b: corr(r, a, b)))
+    for t, table in enumerate(real["tables"]):
+        for key in ("recur_share", "missing_rate"):
+            label = f"{table['name']} {key.replace('_', ' ')}"
+            # v2 has no empty values: its missing rate is 0, not unknown
+            checks.append((label, key, lambda r, t=t, key=key: r["tables"][t][key] or 0.0))
+    lines = []
+    for label, kind, get in checks:
+        tolerance = COMPARE_TOLERANCE[kind]
+        real_value = get(real)
+        values = {name: get(stats[name]) for name in generators}
+        passed = {
+            name: (v is None and real_value is None)
+            or (v is not None and real_value is not None and abs(v - real_value) <= tolerance + 1e-9)
+            for name, v in values.items()
+        }
+        lines.append(
+            {"statistic": label, "real": real_value, **values, "tolerance": tolerance, "pass": passed}
+        )
+    return {
+        "real_path": str(real_path),
+        "rows": rows,
+        "window_start": start,
+        "settings": {"scale": scale, "seed": seed, "num_samples": num_samples, "days": days},
+        "generators": list(generators),
+        "lines": lines,
+        "passed": {name: sum(line["pass"][name] for line in lines) for name in generators},
+    }
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    gens = result["generators"]
+    settings = result["settings"]
+    head = (
+        f"{result['real_path']}: first {result['rows']} rows against synthetic rows "
+        f"{result['window_start']}..{result['window_start'] + result['rows'] - 1} "
+        f"(scale {settings['scale']:g}, seed {settings['seed']}, {settings['num_samples']} rows over "
+        f"{settings['days']} days); an empty field counts as a value"
+    )
+
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    width = max(len(line["statistic"]) for line in result["lines"])
+    header = f"{'statistic':<{width}}  {'real':>6}  " + "  ".join(f"{g:>6}" for g in gens)
+    header += "    tol  " + "  ".join(f"{g:>4}" for g in gens)
+    rows = [head, "", header]
+    for line in result["lines"]:
+        text = f"{line['statistic']:<{width}}  {num(line['real']):>6}  "
+        text += "  ".join(f"{num(line[g]):>6}" for g in gens)
+        text += f"  ±{line['tolerance']:.2f}  " + "  ".join(
+            f"{'ok' if line['pass'][g] else 'FAIL':>4}" for g in gens
+        )
+        rows.append(text)
+    total = len(result["lines"])
+    rows.append("")
+    rows.append("within tolerance: " + ", ".join(f"{g} {result['passed'][g]}/{total}" for g in gens))
+    return "\n".join(rows)
+
+
 def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="output dataset directory")
+    parser.add_argument("--out", help="output dataset directory (required unless --compare)")
     parser.add_argument(
         "--samples", type=int, default=DEFAULT_SAMPLES, help="total rows (default %(default)s)"
     )
@@ -595,10 +753,59 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--val-fraction", type=float, default=0.1)
     parser.add_argument("--test-fraction", type=float, default=0.1)
+    parser.add_argument(
+        "--generator",
+        choices=tuple(GENERATOR_VERSIONS),
+        default=DEFAULT_GENERATOR,
+        help="v3 (default): latent entities, time order; v2: independent tables (earlier figures)",
+    )
+    parser.add_argument("--days", type=int, default=DAYS, help="v3: days the log spans (default %(default)s)")
+    parser.add_argument(
+        "--new-entity-rate",
+        type=float,
+        default=NEW_ENTITY_RATE,
+        help="v3: share of each entity's popularity ranks taken by new entities per day (default %(default)s)",
+    )
+    parser.add_argument(
+        "--drift-rate",
+        type=float,
+        default=DRIFT_RATE,
+        help="v3: share of ranks passed to another existing entity per day (default %(default)s)",
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="REAL_FILE",
+        help="instead of writing data: real vs synthetic statistics (v3 and v2) side by side, with tolerances",
+    )
+    parser.add_argument(
+        "--compare-rows",
+        type=int,
+        default=COMPARE_ROWS,
+        help="--compare: real rows read from the start of the file (default %(default)s)",
+    )
+    parser.add_argument(
+        "--compare-day", type=int, default=0, help="--compare: the synthetic window starts this day (default 0)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run_synth(args: argparse.Namespace) -> int:
+    if args.compare:
+        result = compare_with_real(
+            args.compare,
+            max_rows=args.compare_rows,
+            day=args.compare_day,
+            num_samples=args.samples,
+            scale=args.scale,
+            seed=args.seed,
+            days=args.days,
+            new_entity_rate=args.new_entity_rate,
+            drift_rate=args.drift_rate,
+        )
+        print(format_comparison(result))
+        return 0
+    if not args.out:
+        raise SlipcacheError("synth needs --out DIR (or --compare REAL_FILE)")
     meta = generate_synthetic(
         args.out,
         num_samples=args.samples,
@@ -606,11 +813,15 @@ def run_synth(args: argparse.Namespace) -> int:
         seed=args.seed,
         val_fraction=args.val_fraction,
         test_fraction=args.test_fraction,
+        generator=args.generator,
+        days=args.days,
+        new_entity_rate=args.new_entity_rate,
+        drift_rate=args.drift_rate,
         progress=not args.quiet,
     )
     splits = ", ".join(f"{k} {v}" for k, v in meta["splits"].items())
     print(
-        f"wrote {args.out}: {splits}; {sum(meta['table_sizes'])} embedding rows; "
+        f"wrote {args.out} ({args.generator}): {splits}; {sum(meta['table_sizes'])} embedding rows; "
         f"positive rate {meta['positive_rate']:.4f}; teacher AUC {meta['teacher_auc']}"
     )
     return 0
