@@ -249,7 +249,19 @@ DERIVED: dict[int, tuple[str | int, float, float]] = {
 # per-table recurrence of the real rows (see docs/data.md).
 ENTITY_EXPONENT = {"user": 1.04, "ad": 0.93, "site": 1.15}
 MERGE_EXPONENT = 1.2
-INDEPENDENT_EXPONENT = {0: 1.8, 4: 2.0, 5: 1.8, 7: 2.0, 8: 3.0, 9: 1.1, 16: 1.8, 19: 2.0, 21: 2.0, 22: 1.8, 24: 2.0}
+INDEPENDENT_EXPONENT = {
+    0: 1.8,
+    4: 2.0,
+    5: 1.8,
+    7: 2.0,
+    8: 3.0,
+    9: 1.1,
+    16: 1.8,
+    19: 2.0,
+    21: 2.0,
+    22: 1.8,
+    24: 2.0,
+}
 # Missing values come in groups that are empty together in the real rows: (tables, share of rows).
 MISSING_GROUPS: tuple[tuple[tuple[int, ...], float], ...] = (
     ((2, 3, 11, 15, 20, 23), 0.033),
@@ -784,7 +796,10 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         help="--compare: real rows read from the start of the file (default %(default)s)",
     )
     parser.add_argument(
-        "--compare-day", type=int, default=0, help="--compare: the synthetic window starts this day (default 0)"
+        "--compare-day",
+        type=int,
+        default=0,
+        help="--compare: the synthetic window starts this day (default 0)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
