@@ -276,6 +276,10 @@ MISSING_ROW = 0  # v3: row 0 of a table with missing values is the empty value (
 DAYS = 7
 NEW_ENTITY_RATE = 0.04
 DRIFT_RATE = 0.04
+# New entities need values never seen before: each entity table of at least RESERVE_MIN_ROWS rows keeps the
+# share new_entity_rate * days (at most MAX_RESERVED) of its rows for the values of entities born later.
+RESERVE_MIN_ROWS = 1000
+MAX_RESERVED = 0.5
 TEACHER_BANK = 1 << 17  # teacher parameter rows; an entity's parameters are a hash of its key into them
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -330,6 +334,14 @@ class _GeneratorV3(_Teacher):
         # Row 0 is the empty value of every table (unused where no value is ever empty), so one missing
         # row holds for all tables, as in datasets preprocessed with the hash vocabulary.
         self.first = np.ones(NUM_TABLES, dtype=np.int64)
+        reserved = np.zeros(NUM_TABLES)
+        derived = list(DERIVED)
+        reserved[derived] = np.where(
+            self.sizes[derived] >= RESERVE_MIN_ROWS, min(MAX_RESERVED, new_entity_rate * days), 0.0
+        )
+        self.reserve_start = self.first + np.floor((self.sizes - self.first) * (1.0 - reserved)).astype(
+            np.int64
+        )
         rng = np.random.default_rng([seed, 3])
         self._salt = int(rng.integers(1 << 62))
         self.rank_to_row = {
@@ -365,8 +377,11 @@ class _GeneratorV3(_Teacher):
         index = list(ENTITY_ROOT).index(source) + 100 if isinstance(source, str) else source
         return self._salt + 1000 * index + purpose
 
-    def entity_keys(self, name: str, u: np.ndarray, days: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(entity keys uint64, teacher parameter row) of draws `u` at times `days` (float, in days)."""
+    def entity_keys(
+        self, name: str, u: np.ndarray, days: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(entity keys uint64, born after day 0 (bool), teacher parameter row) of draws `u` at times
+        `days` (float, in days)."""
         pool = int(self.sizes[ENTITY_ROOT[name]])
         rank = _zipf_rank(u, pool, ENTITY_EXPONENT[name])
         # Drift: a rank passes to the entity of a random other rank, at a random phase per rank.
@@ -376,21 +391,26 @@ class _GeneratorV3(_Teacher):
         # New entities: the owner's slot passes to a new entity (a new key), at a random phase per slot.
         generation = np.floor(self.new_entity_rate * days + _unit(_mix(owner, self.salt(name, 3))))
         keys = owner.astype(np.uint64) + np.uint64(pool) * generation.astype(np.uint64)
-        return keys, self.param_rows(keys, owner < HOT_ROWS, name)
+        return keys, generation > 0, self.param_rows(keys, owner < HOT_ROWS, name)
 
     def param_rows(self, keys: np.ndarray, signal: np.ndarray, source: int | str) -> np.ndarray:
         """Teacher parameter rows of `keys` of one signal source; the zero row where `signal` is False."""
         rows = (_mix(keys, self.salt(source, 4)) % np.uint64(TEACHER_BANK)).astype(np.int64)
         return np.where(signal, rows, TEACHER_BANK)
 
-    def value_rows(self, table: int, values: np.ndarray) -> np.ndarray:
-        """Rows of `table` (past its empty row) for hashed values, spread uniformly."""
-        span = np.uint64(self.sizes[table] - self.first[table])
-        return (_mix(values, self.salt(table, 5)) % span).astype(np.int64) + self.first[table]
+    def value_rows(self, table: int, values: np.ndarray, new: np.ndarray | None = None) -> np.ndarray:
+        """Rows of `table` for hashed values, spread uniformly over its rows for day-0 entities (past the
+        empty row) or, where `new`, over the rows it keeps for entities born later."""
+        first, reserve, size = self.first[table], self.reserve_start[table], self.sizes[table]
+        h = _mix(values, self.salt(table, 5))
+        rows = (h % np.uint64(reserve - first)).astype(np.int64) + first
+        if new is not None and reserve < size:
+            rows = np.where(new, (h % np.uint64(size - reserve)).astype(np.int64) + reserve, rows)
+        return rows
 
     def popular_rows(self, table: int, u: np.ndarray) -> np.ndarray:
         """Rows of `table` drawn by its own Zipf law (where merged and noisy values land)."""
-        size = int(self.sizes[table] - self.first[table])
+        size = int(self.reserve_start[table] - self.first[table])
         return self.value_rows(table, _zipf_rank(u, size, MERGE_EXPONENT))
 
     def sample(
@@ -401,9 +421,9 @@ class _GeneratorV3(_Teacher):
         ids = np.empty((n, NUM_TABLES), dtype=np.int64)
         params = []
         u = rng.random((len(ENTITY_ROOT) + len(INDEPENDENT_EXPONENT), n))
-        keys = {}
+        keys, new = {}, {}
         for i, name in enumerate(ENTITY_ROOT):
-            keys[name], param = self.entity_keys(name, u[i], days)
+            keys[name], new[name], param = self.entity_keys(name, u[i], days)
             params.append(param)
         for i, (table, exponent) in enumerate(INDEPENDENT_EXPONENT.items(), len(ENTITY_ROOT)):
             size = len(self.rank_to_row[table])
@@ -413,9 +433,17 @@ class _GeneratorV3(_Teacher):
         noise_u = rng.random((len(DERIVED), n))
         for i, (table, (source, merge, noise)) in enumerate(DERIVED.items()):
             # DERIVED lists every table after its source
-            h = _mix(keys[source] if isinstance(source, str) else ids[:, source], self.salt(table, 6))
+            if isinstance(source, str):
+                h, born_later = _mix(keys[source], self.salt(table, 6)), new[source]
+            else:
+                h, born_later = (
+                    _mix(ids[:, source], self.salt(table, 6)),
+                    ids[:, source] >= self.reserve_start[source],
+                )
             merged = _unit(h) < merge
-            rows = np.where(merged, self.popular_rows(table, _unit(_mix(h, 7))), self.value_rows(table, h))
+            rows = np.where(
+                merged, self.popular_rows(table, _unit(_mix(h, 7))), self.value_rows(table, h, born_later)
+            )
             noisy = noise_u[i] < noise
             rows[noisy] = self.popular_rows(table, noise_u[i][noisy] / noise)  # uniform given noisy
             ids[:, table] = rows
