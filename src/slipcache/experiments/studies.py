@@ -37,7 +37,8 @@ from slipcache.errors import SlipcacheError
 from slipcache.training import trainer
 
 EXPERIMENTS = ("mixed-precision", "slipstream")
-NAMES = (*EXPERIMENTS, "all")
+ACCURACY = "accuracy"  # the settled accuracy claim (issue 9): a few setups, many paired seeds, whole epochs
+NAMES = (*EXPERIMENTS, ACCURACY, "all")  # "all" runs EXPERIMENTS; the accuracy study is run on its own
 RESULTS_FORMAT = "slipcache-experiments"
 RESULTS_VERSION = 1
 BASELINE = "fp32 no cache"  # the mixed-precision reference setup
@@ -78,6 +79,8 @@ class Preset:
     # for the up-front estimate only: one thread on this machine, measured at scale 0.05
     rate_guess: float = 30_000.0
     overhead_guess_s: float = 6.0
+    # accuracy study: passes over the mixed-precision dataset's training split (validation AUC flattened)
+    accuracy_epochs: int = 3
 
 
 PRESETS = {
@@ -89,7 +92,7 @@ PRESETS = {
     "quick": Preset(
         "quick", scale=0.01, dataset_samples=150_000, train_samples=80_000, stale_dataset_samples=100_000,
         stale_epochs=2, key_seeds=1, eval_samples=10_000, probe_seconds=0.25, probe_table_bytes=128 << 20,
-        full_grid=False, overhead_guess_s=3.0,
+        full_grid=False, overhead_guess_s=3.0, accuracy_epochs=8,
     ),
 }
 
@@ -241,6 +244,8 @@ class Plan:
             values["synthetic_scale"] = p.scale
         if stale:
             values["epochs"] = p.stale_epochs  # same epochs with and without skipping
+        elif setup.experiment == ACCURACY:
+            values["epochs"] = p.accuracy_epochs  # whole passes, evaluated 10 times (trainer default)
         else:
             samples = p.train_samples
             values.update(samples=samples, log_every=max(samples // 50, 1), eval_every=max(samples // 5, 1))
@@ -427,7 +432,7 @@ def aggregate(setups: list[Setup], records: list[dict[str, Any]]) -> list[dict[s
     out = []
     for setup in setups:
         rows = by_setup.get(setup.name, [])
-        ref_name = BASELINE if setup.experiment == "mixed-precision" else stale_name(setup.group, None)
+        ref_name = BASELINE if setup.experiment in ("mixed-precision", ACCURACY) else stale_name(setup.group, None)
         ref = {r["seed"]: r for r in by_setup.get(ref_name, [])}
         paired = _paired_with(ref)
         entry: dict[str, Any] = {
@@ -1126,6 +1131,233 @@ def answer_skip(entries: list[dict[str, Any]]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
+# The accuracy study: paired seeds and 95 % confidence intervals (issue 9)
+
+ACCURACY_SEEDS = 5
+ACCURACY_TOLERANCE = 0.001  # the claim: INT8 + 5 % cache within this AUC of fp32, its interval inside ± this
+ACCURACY_CONFIDENCE = 0.95
+ACCURACY_SETUPS = (("fp32", 0.0, "lru"), ("fp16", 0.0, "lru"), ("int8", 0.05, "lru"), ("int8", 0.05, "lfu"),
+                   ("int4", 0.01, "lru"), ("int8", 0.0, "lru"))  # fmt: skip
+
+
+def accuracy_grid(preset: Preset, seeds: int) -> list[Setup]:
+    """fp32 and the paper's configurations, all on the same seeds: a seed fixes the data order and the
+    initial fp32 rows (low precision stores their rounding), so per-seed differences measure storage alone."""
+    del preset  # the same grid at every scale; the preset sets only sizes and run length
+    return [Setup(ACCURACY, mp_name(p, c, pol), {"precision": p, "cache_size": c, "policy": pol,
+                                                 "rounding": "stochastic"}, seeds, [ACCURACY])
+            for p, c, pol in ACCURACY_SETUPS]
+
+
+def t_two_sided_mass(t: float, df: int) -> float:
+    """P(|T| < t) for Student's t with integer `df`: the finite series of Abramowitz & Stegun 26.7.3-4.
+
+    Why not scipy: the package does not depend on it, and seeds (hence df) are whole numbers.
+    """
+    if df < 1:
+        raise SlipcacheError(f"degrees of freedom must be at least 1, got {df}")
+    theta = math.atan(abs(t) / math.sqrt(df))
+    sin, cos2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2 == 0:  # sin(theta) * (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ... up to cos^(df-2))
+        term = total = 1.0
+        for k in range(2, df - 1, 2):
+            term *= cos2 * (k - 1) / k
+            total += term
+        return sin * total
+    total = 0.0  # 2/pi * (theta + sin * (cos + 2/3 cos^3 + 2*4/(3*5) cos^5 + ... up to cos^(df-2)))
+    if df > 1:
+        term = total = math.cos(theta)
+        for k in range(3, df - 1, 2):
+            term *= cos2 * (k - 1) / k
+            total += term
+    return 2 / math.pi * (theta + sin * total)
+
+
+def t_critical(df: int, confidence: float = ACCURACY_CONFIDENCE) -> float:
+    """The t with P(|T| < t) = confidence (2.776 for df 4 at 95 %), by bisection on the series."""
+    low, high = 0.0, 1.0
+    while t_two_sided_mass(high, df) < confidence:
+        high *= 2
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if t_two_sided_mass(mid, df) < confidence else (low, mid)
+    return (low + high) / 2
+
+
+def paired_interval(diffs: list[float], confidence: float = ACCURACY_CONFIDENCE) -> dict[str, Any] | None:
+    """Mean of per-seed differences and its paired t-interval (None bounds with a single seed)."""
+    if not diffs:
+        return None
+    n, mean = len(diffs), statistics.fmean(diffs)
+    if n == 1:
+        return {"mean": mean, "n": 1, "std": None, "half_width": None, "low": None, "high": None}
+    std = statistics.stdev(diffs)
+    half = t_critical(n - 1, confidence) * std / math.sqrt(n)
+    return {"mean": mean, "n": n, "std": std, "half_width": half, "low": mean - half, "high": mean + half}
+
+
+def accuracy_intervals(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setup: ΔAUC and Δ log loss against fp32 on the seeds both ran, with their 95 % intervals."""
+    base = next((e for e in entries if e["name"] == BASELINE), None)
+    rows = []
+    for e in entries:
+        if base is None or e is base:
+            continue
+        seeds = sorted(set(e["per_seed"]) & set(base["per_seed"]), key=int)
+        row: dict[str, Any] = {"setup": e["name"], "seeds": [int(s) for s in seeds]}
+        for key in ("auc", "logloss"):
+            pairs = [(e["per_seed"][s].get(key), base["per_seed"][s].get(key)) for s in seeds]
+            row[f"{key}_delta"] = paired_interval([a - b for a, b in pairs if a is not None and b is not None])
+        row["verdict"] = tolerance_verdict(row["auc_delta"])
+        rows.append(row)
+    return rows
+
+
+def tolerance_verdict(interval: dict[str, Any] | None, tolerance: float = ACCURACY_TOLERANCE) -> str:
+    """Whether ΔAUC is within `tolerance` with its whole interval inside ± tolerance (the paper's claim)."""
+    if not interval or interval["low"] is None:
+        return "too few seeds for an interval"
+    low, high = interval["low"], interval["high"]
+    if -tolerance < low and high < tolerance:
+        return f"met: interval inside ±{tolerance:g}"
+    if high < -tolerance or low > tolerance:
+        side = "loss" if high < 0 else "gain"
+        return f"missed: a {side} beyond {tolerance:g} (whole interval)"
+    beyond = max(-tolerance - low, high - tolerance)
+    return f"not shown: interval reaches {beyond:.4f} beyond ±{tolerance:g}"
+
+
+def validation_curves(out: Path, results: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, list]:
+    """Per setup: (samples, validation AUC averaged over the seeds evaluated there), from metrics.jsonl."""
+    curves: dict[str, list] = {}
+    for e in entries:
+        points: dict[int, list[float]] = {}
+        for cell in (c for c in results["cells"] if c["setup"] == e["name"]):
+            path = out / "cells" / cell["id"] / "metrics.jsonl"
+            for line in path.read_text().splitlines() if path.is_file() else []:
+                event = json.loads(line)
+                if event.get("val_auc") is not None:
+                    points.setdefault(event["samples"], []).append(event["val_auc"])
+        curves[e["name"]] = [(s, statistics.fmean(v)) for s, v in sorted(points.items())]
+    return curves
+
+
+def last_epoch_change(curve: list[tuple[int, float]], epochs: int) -> float | None:
+    """Validation AUC gained over the last epoch (the final evaluation minus the last one an epoch before)."""
+    if not curve or epochs < 2:
+        return None
+    end_samples, end_auc = curve[-1]
+    earlier = [auc for samples, auc in curve if samples <= end_samples * (1 - 1 / epochs)]
+    return end_auc - earlier[-1] if earlier else None
+
+
+def plot_accuracy_intervals(rows: list[dict[str, Any]], entries: list[dict[str, Any]],
+                            curves: dict[str, list], path: Path) -> str | None:
+    """ΔAUC and Δ log loss vs fp32 with 95 % intervals and per-seed points, then the validation curves."""
+    plt = _plt()
+    rows = [r for r in rows if r["auc_delta"]]
+    if not rows:
+        return None
+    by = {e["name"]: e for e in entries}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [3, 3, 4]})
+    xs = range(len(rows))
+    for ax, key, label in ((axes[0], "auc", "test AUC"), (axes[1], "logloss", "test log loss")):
+        ax.axhspan(-1, 1, color="tab:green", alpha=0.12, label=f"±{ACCURACY_TOLERANCE:g}")
+        ax.axhline(0, color="0.3", linewidth=0.8)
+        for x, r in zip(xs, rows, strict=True):
+            stat = r[f"{key}_delta"]
+            color = PRECISION_COLORS.get(by[r["setup"]]["overrides"]["precision"], "k")
+            per_seed = [by[r["setup"]]["per_seed"][str(s)] for s in r["seeds"]]
+            base = by[BASELINE]["per_seed"]
+            dots = [1e3 * (p[key] - base[str(s)][key]) for p, s in zip(per_seed, r["seeds"], strict=True)]
+            ax.scatter([x + 0.18] * len(dots), dots, s=12, color=color, alpha=0.5)
+            ax.errorbar(x, 1e3 * stat["mean"], yerr=1e3 * stat["half_width"] if stat["half_width"] else None,
+                        fmt="o", color=color, capsize=5, markersize=7)
+        ax.set_xticks(list(xs), [r["setup"] for r in rows], rotation=30, ha="right")
+        ax.set_ylabel(f"{label} minus fp32, same seed (x 1e-3)")
+        n = min(r[f"{key}_delta"]["n"] for r in rows)
+        ax.set_title(f"Δ {label}: mean, 95% interval, seeds (n={n})")
+        ax.legend(loc="best", fontsize=8)
+    right = axes[2]
+    for e in entries:
+        curve = curves.get(e["name"])
+        if curve:
+            right.plot(*zip(*curve, strict=True), marker=".", color=PRECISION_COLORS.get(e["overrides"]["precision"]),
+                       linestyle="--" if e["overrides"]["policy"] == "lfu" else "-", label=e["name"])
+    right.set_xlabel("training samples")
+    right.set_ylabel("validation AUC (mean over seeds)")
+    right.set_title("Validation AUC during training")
+    if right.lines:
+        right.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _interval_text(stat: dict[str, Any] | None, scale: float = 1.0) -> str:
+    if not stat:
+        return "n/a"
+    if stat["low"] is None:
+        return f"{scale * stat['mean']:+.4f}"
+    return f"{scale * stat['mean']:+.4f} [{scale * stat['low']:+.4f}, {scale * stat['high']:+.4f}]"
+
+
+def accuracy_section(out: Path, results: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
+    from slipcache.training.report import STYLE
+
+    rows = accuracy_intervals(entries)
+    curves = validation_curves(out, results, entries)
+    with _plt().rc_context(STYLE):
+        plot = plot_accuracy_intervals(rows, entries, curves, out / "accuracy_intervals.png")
+    by = {e["name"]: e for e in entries}
+    base = by.get(BASELINE)
+    cells = [c for c in results["cells"] if c["experiment"] == ACCURACY]
+    config = cells[0]["summary"].get("config", {}) if cells else {}
+    epochs = config.get("epochs") or results["preset"].get("accuracy_epochs") or 0
+    data = (f"`{results['data']}`" if results.get("data") else
+            f"synthetic data, generator {config.get('synthetic_generator', 'v2')}, "
+            f"{config.get('synthetic_samples', 0):,} rows at scale {config.get('synthetic_scale', 0):g}")
+    lines = ["## Accuracy against fp32, paired over seeds", "",
+             f"Data: {data}; {epochs} epoch(s) of the training split, batch {config.get('batch_size')}, "
+             f"lr {config.get('lr')}; test AUC and log loss on the test split. A seed gives every setup the same "
+             "data order and the same initial fp32 rows (low precision stores their rounding), so the per-seed "
+             "difference to fp32 measures storage and cache alone. Intervals: 95% paired t-interval over seeds, "
+             "mean ± t(0.975, n-1) · sd / √n of the per-seed differences.", ""]
+    if base:
+        change = last_epoch_change(curves.get(BASELINE, []), epochs)
+        lines += [f"Reference `{BASELINE}`: test AUC {_pm(base, 'auc')}, log loss {_pm(base, 'logloss')} "
+                  f"(mean ± sd over {base['seeds']} seed(s))."
+                  + (f" Its validation AUC changed by {change:+.4f} over the last epoch." if change is not None
+                     else ""), ""]
+    lines += _table(
+        ["setup", "n", "test AUC", "ΔAUC [95% CI]", "Δ log loss [95% CI]", "memory saving", "hit rate",
+         f"within ±{ACCURACY_TOLERANCE:g}?"],
+        [[r["setup"], str(r["auc_delta"]["n"] if r["auc_delta"] else 0), _pm(by[r["setup"]], "auc"),
+          _interval_text(r["auc_delta"]), _interval_text(r["logloss_delta"]),
+          _f(_m(by[r["setup"]], "memory_ratio"), ".2f") + "x",
+          _f(100 * _m(by[r["setup"]], "cache_hit_rate"), ".1f") + "%" if _m(by[r["setup"]], "cache_hit_rate") else "-",
+          r["verdict"]] for r in rows],
+    )
+    if plot:
+        lines += ["", f"![accuracy with intervals]({plot})"]
+    lines += ["", answer_accuracy(rows), ""]
+    return lines
+
+
+def answer_accuracy(rows: list[dict[str, Any]]) -> str:
+    """The claim (INT8 + 5 % cache) against the target, then INT4 + 1 % as measured."""
+    by = {r["setup"]: r for r in rows}
+    parts = []
+    for name in (mp_name("int8", 0.05, "lru"), mp_name("int8", 0.05, "lfu"), mp_name("int4", 0.01, "lru")):
+        r = by.get(name)
+        if r and r["auc_delta"]:
+            parts.append(f"{name}: ΔAUC {_interval_text(r['auc_delta'])} over {r['auc_delta']['n']} seed(s), "
+                         f"{r['verdict']}")
+    if not parts:
+        return "**Accuracy.** No low-precision setup finished."
+    return (f"**Accuracy.** Target: INT8 + 5% cache within {ACCURACY_TOLERANCE:g} AUC of fp32 with its 95% "
+            "interval inside that band. " + "; ".join(parts) + ".")
+
+
+# ----------------------------------------------------------------------------------------------------
 # The command
 
 
@@ -1157,6 +1389,7 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     plt = _plt()
     entries = results["setups"]
     mp = [e for e in entries if e["experiment"] == "mixed-precision"]
+    accuracy = [e for e in entries if e["experiment"] == ACCURACY]
     stale = [e for e in entries if e["experiment"] == "slipstream"]
     events = {}
     for e in stale:  # seed-0 event series of each setup
@@ -1188,6 +1421,8 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
         lines += mixed_precision_section(mp, plots, results.get("table_sizes"))
     if stale:
         lines += slipstream_section(stale, plots)
+    if accuracy:
+        lines += accuracy_section(out, results, accuracy)
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -1203,9 +1438,12 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
                         "preprocessed once into OUT/data); default: synthetic data. Slipstream runs whole "
                         "epochs of its training split")
     parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds of the key setups (default 3, quick 1); sweep setups run one seed")
+                        help="seeds of the key setups (default 3, quick 1; accuracy: 5); sweep setups run one seed")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per run (default 1: on a shared machine more threads oversubscribe)")
+    parser.add_argument("--accuracy-epochs", type=int, default=None,
+                        help="accuracy: passes over the training split (default 3, quick 8)")
+    parser.add_argument("--batch-size", type=int, default=None, help="samples per batch (default 512)")
     # Hidden size overrides, for tests and for fitting a time budget.
     for flag, kind in (("--scale", float), ("--dataset-samples", int), ("--train-samples", int),
                        ("--stale-dataset-samples", int), ("--stale-epochs", int), ("--eval-samples", int),
@@ -1217,7 +1455,8 @@ def _resolve_preset(args: argparse.Namespace) -> Preset:
     preset = PRESETS["quick" if args.quick else "full"]
     changes = {name: getattr(args, name) for name in ("scale", "dataset_samples", "train_samples",
                                                        "stale_dataset_samples", "stale_epochs", "eval_samples",
-                                                       "probe_seconds", "probe_table_bytes")
+                                                       "probe_seconds", "probe_table_bytes", "accuracy_epochs",
+                                                       "batch_size")
                if getattr(args, name, None) is not None}
     for name, value in changes.items():
         if not value > 0:
@@ -1239,7 +1478,7 @@ def run_experiment(args: argparse.Namespace, log: Callable[[str], None] | None =
     if args.threads < 1:
         raise SlipcacheError(f"--threads must be at least 1, got {args.threads}")
     preset = _resolve_preset(args)
-    seeds = args.seeds if args.seeds is not None else preset.key_seeds
+    seeds = args.seeds if args.seeds is not None else ACCURACY_SEEDS if args.name == ACCURACY else preset.key_seeds
     if seeds < 1:
         raise SlipcacheError(f"--seeds must be at least 1, got {seeds}")
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
@@ -1266,11 +1505,12 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
     probes = probe_memory(table_bytes=preset.probe_table_bytes, copy_bytes=min(preset.probe_table_bytes, 256 << 20),
                           seconds=preset.probe_seconds)
     for name in names:
-        grid = mixed_precision_grid(preset, seeds) if name == "mixed-precision" else slipstream_grid(preset, seeds)
+        grids = {"mixed-precision": mixed_precision_grid, "slipstream": slipstream_grid, ACCURACY: accuracy_grid}
+        grid = grids[name](preset, seeds)
         if data is None:  # generate the synthetic data up front, so the first cell's time is its own
             from slipcache.data.synthetic import default_synthetic_path, synthetic_table_sizes
 
-            n = preset.dataset_samples if name == "mixed-precision" else preset.stale_dataset_samples
+            n = preset.stale_dataset_samples if name == "slipstream" else preset.dataset_samples
             default_synthetic_path(None, n, preset.scale, 0, progress=True)
             table_sizes = synthetic_table_sizes(preset.scale)
         setups += grid
