@@ -1534,6 +1534,8 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
         "cells": records,
         "setups": aggregate(setups, records),
     }
+    if ACCURACY in names:
+        results["accuracy"] = accuracy_intervals([e for e in results["setups"] if e["experiment"] == ACCURACY])
     _write_json(out / "results.json", results)
     report = write_report(out, results)
     log(f"wrote {out / 'results.json'} and {report} in {_duration(time.perf_counter() - start)}")
