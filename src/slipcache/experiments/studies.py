@@ -1262,7 +1262,9 @@ def plot_accuracy_intervals(rows: list[dict[str, Any]], entries: list[dict[str, 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [3, 3, 4]})
     xs = range(len(rows))
     for ax, key, label in ((axes[0], "auc", "test AUC"), (axes[1], "logloss", "test log loss")):
-        ax.axhspan(-1, 1, color="tab:green", alpha=0.12, label=f"±{ACCURACY_TOLERANCE:g}")
+        if key == "auc":
+            ax.axhspan(-1e3 * ACCURACY_TOLERANCE, 1e3 * ACCURACY_TOLERANCE, color="tab:green", alpha=0.12,
+                       label=f"target: interval inside ±{ACCURACY_TOLERANCE:g}")
         ax.axhline(0, color="0.3", linewidth=0.8)
         for x, r in zip(xs, rows, strict=True):
             stat = r[f"{key}_delta"]
@@ -1277,13 +1279,17 @@ def plot_accuracy_intervals(rows: list[dict[str, Any]], entries: list[dict[str, 
         ax.set_ylabel(f"{label} minus fp32, same seed (x 1e-3)")
         n = min(r[f"{key}_delta"]["n"] for r in rows)
         ax.set_title(f"Δ {label}: mean, 95% interval, seeds (n={n})")
-        ax.legend(loc="best", fontsize=8)
+        if key == "auc":
+            ax.legend(loc="best", fontsize=8)
     right = axes[2]
     for e in entries:
         curve = curves.get(e["name"])
         if curve:
-            right.plot(*zip(*curve, strict=True), marker=".", color=PRECISION_COLORS.get(e["overrides"]["precision"]),
-                       linestyle="--" if e["overrides"]["policy"] == "lfu" else "-", label=e["name"])
+            o = e["overrides"]
+            right.plot(*zip(*curve, strict=True), marker=CACHE_MARKERS.get(o["cache_size"], "*"), markersize=4,
+                       color=PRECISION_COLORS.get(o["precision"]), linewidth=2.5 if e["name"] == BASELINE else 1.2,
+                       linestyle="--" if o["policy"] == "lfu" and o["cache_size"] else "-", label=e["name"],
+                       zorder=3 if e["name"] == BASELINE else 2)
     right.set_xlabel("training samples")
     right.set_ylabel("validation AUC (mean over seeds)")
     right.set_title("Validation AUC during training")
