@@ -279,6 +279,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         # Forwards whose gradient has not arrived yet (weak: a graph that is freed unpins its rows).
         self._in_flight: dict[int, weakref.ref[_StepPlan]] = {}
         self._pending: list[tuple[_StepPlan, Tensor]] = []  # gradients of the running backward pass
+        self._pending_task = -1  # the autograd graph task they belong to
         self._residency_version = 0  # bumped whenever a row enters or leaves the cache
         self._storage_version = 0  # bumped whenever storage is written
         self.skipped_updates = 0  # backward passes whose gradient held inf or NaN (update dropped)
@@ -541,8 +542,6 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _plan_step(self, lookup: _Lookup) -> _StepPlan:
         """Bring the batch's rows into the cache where they fit; read the rest from storage."""
-        if self._pending:  # a backward pass failed before its end: its update was never applied
-            self._pending.clear()
         self.step += 1
         step, rows, cache = self.step, lookup.rows, self.cache
         slots = cache.lookup_and_touch(rows, step)
@@ -614,9 +613,15 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _receive_gradient(self, plan: _StepPlan, grad: Tensor) -> None:
         """Collect one forward's gradient; the first one of a backward pass schedules the update."""
         self._in_flight.pop(plan.step, None)
+        task = torch._C._current_graph_task_id()
+        if self._pending and task != self._pending_task:
+            # A backward pass that failed before its end: like a torch optimizer never stepped, its
+            # gradients are dropped.
+            self._pending.clear()
         first = not self._pending
         self._pending.append((plan, grad))
         if first:
+            self._pending_task = task
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self._apply_pending)
             except RuntimeError:  # not inside the autograd engine: apply now
