@@ -228,7 +228,6 @@ class _StepPlan:
     storage_values: Tensor  # [m, D] fp32 copy of those rows as read in the forward
     residency_version: int  # the collection's versions when the plan was made
     storage_version: int
-    applied: bool = False
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -641,7 +640,6 @@ class CachedEmbeddingBagCollection(nn.Module):
         cache_parts: list[tuple[Tensor, Tensor]] = []  # (slots, gradient of each)
         storage_parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]] = []  # (plan, rows, index, gradient)
         for plan, grad in entries:
-            plan.applied = True
             slots, storage_rows, storage_index = plan.slots, plan.storage_rows, plan.storage_index
             if plan.residency_version != self._residency_version:  # rows moved since the forward
                 slots = self.cache.lookup(plan.rows)
@@ -778,8 +776,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             dtype = rows.dtype if isinstance(rows, Tensor) else ""
             raise InvalidInputError(f"{caller}: rows must be a 1-D integer tensor, got {dtype} {shape}")
         rows = rows.to(self.device, torch.int64)
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.config.num_rows):
-            bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
+        lo, hi = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
+        if lo < 0 or hi >= self.config.num_rows:
+            bad = lo if lo < 0 else hi
             raise InvalidInputError(
                 f"{caller}: row {bad} is outside [0, {self.config.num_rows}) (global rows of all tables)"
             )
