@@ -79,7 +79,8 @@ class TrainConfig:
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
     precision: str = "int8"
-    cache_size: float = 0.05  # fraction of rows (< 1) or a row count (>= 1)
+    cache_size: float = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
+    cache_rows: int | None = None  # cache capacity as a row count instead (overrides cache_size)
     policy: str = "lru"
     rounding: str = "stochastic"
     optimizer: str = "sgd"  # embedding optimizer
@@ -142,8 +143,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
-        if not self.cache_size >= 0:
-            raise SlipcacheError(f"cache_size must be >= 0, got {self.cache_size}")
+        if not 0.0 <= self.cache_size <= 1.0:  # also rejects nan and inf
+            hint = f" (for a number of rows use --cache-rows {self.cache_size:g})" if self.cache_size > 1 else ""
+            raise SlipcacheError(f"cache_size is the share of rows cached, in [0, 1]; got {self.cache_size}{hint}")
+        if self.cache_rows is not None and self.cache_rows < 0:
+            raise SlipcacheError(f"cache_rows must be >= 0, got {self.cache_rows}")
         if not 0 <= self.seed < 2**32:
             raise SlipcacheError(f"seed must be in [0, 2**32), got {self.seed}")
         if self.keep_checkpoints < 1:
@@ -349,6 +353,7 @@ def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> 
         embeddings=config.embeddings,
         precision=config.precision,
         cache_size=config.cache_size,
+        cache_rows=config.cache_rows,
         policy=config.policy,
         rounding=config.rounding,
         optimizer=config.optimizer,
@@ -942,7 +947,7 @@ _RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes"}
 # Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
 _STATE_DEFINING = {
     "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "strict",
-    "embeddings", "precision", "cache_size", "policy", "rounding", "optimizer", "embedding_dim",
+    "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
     "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale",
 }  # fmt: skip
 
@@ -1189,7 +1194,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="cached = mixed-precision + fp32 cache (default); torch = fp32 nn.EmbeddingBag baseline",
     )
     add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
-    add("--cache-size", type=float, default=s, help="cache rows: fraction (<1) or count (default 0.05)")
+    add("--cache-size", type=float, default=s, help="share of rows cached, 0..1; 1 = every row (default 0.05)")
+    add("--cache-rows", type=int, default=s, help="cache capacity as a number of rows (overrides --cache-size)")
     add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
     add("--rounding", choices=ROUNDINGS, default=s, help="rounding into storage (default stochastic)")
     add("--optimizer", choices=OPTIMIZERS, default=s, help="embedding optimizer (default sgd)")
