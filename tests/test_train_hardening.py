@@ -65,8 +65,10 @@ def test_resume_writes_only_into_the_directory_it_names(
     before = files(original)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    (copy / "checkpoints" / ".latest.pt.x1y2.tmp").write_bytes(b"PK half")  # a write killed midway
     monkeypatch.chdir(elsewhere)  # a relative --resume from another working directory
     summary = resume(os.path.relpath(copy))
+    assert not [p for p in (copy / "checkpoints").iterdir() if p.name.startswith(".")]
     assert Path(summary["run_dir"]) == copy and (copy / "summary.json").is_file()
     assert files(original) == before  # the run the checkpoint came from is untouched
     assert list(elsewhere.iterdir()) == []  # and nothing appeared in the working directory

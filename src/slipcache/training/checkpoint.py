@@ -100,6 +100,18 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
     return path
 
 
+def remove_partial_writes(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files of writes that a killed process never finished (`.<name>.*.tmp` and
+    the link staging file); call only while no other process writes into `directory`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    stale = [p for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith((".tmp", ".link"))]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def save_run_checkpoint(
     directory: str | os.PathLike[str], state: dict[str, Any], samples: int, keep: int = 2
 ) -> Path:

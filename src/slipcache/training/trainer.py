@@ -609,6 +609,8 @@ def start_run(config: TrainConfig) -> Run:
         run_dir = Path(config.out or "")
     else:
         run_dir = _prepare_out(Path(config.out) if config.out else _new_run_dir(), restart_ok=True)
+    for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
+        ckpt.remove_partial_writes(directory)
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
         config.data = str(Path(config.data).expanduser().resolve())
 
