@@ -978,7 +978,9 @@ def _prepare_out(path: Path, *, restart_ok: bool) -> Path:
     path = path.expanduser().resolve()
     if path.exists() and not path.is_dir():
         raise SlipcacheError(f"--out {path} is a file, not a directory")
-    if path.is_dir() and any(path.iterdir()):
+    # Temp files of a write killed midway (before config.json existed) do not make a directory anyone's.
+    entries = [p for p in path.iterdir() if not p.name.endswith(".tmp")] if path.is_dir() else []
+    if entries:
         if not _is_run_dir(path):
             raise SlipcacheError(
                 f"--out {path} is not empty and is not a slipcache run directory; choose a new or empty one"
