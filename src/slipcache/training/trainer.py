@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from slipcache.data.synthetic import GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
@@ -75,6 +76,7 @@ class TrainConfig:
     min_count: int = 1  # raw data, frequency vocabulary: rarer values map to row 0 ("unknown")
     synthetic_samples: int = 4_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
+    synthetic_generator: str = "v3"  # synthetic data: "v3" (entities, time order) or "v2" (earlier figures)
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
@@ -126,6 +128,7 @@ class TrainConfig:
             "rounding": ROUNDINGS,
             "optimizer": OPTIMIZERS,
             "vocab": VOCABS,
+            "synthetic_generator": tuple(GENERATOR_VERSIONS),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -286,7 +289,12 @@ def _synthetic_dataset(config: TrainConfig) -> Path:
 
     # Dataset seed 0 whatever the run seed: runs with different seeds then compare on the same data.
     return default_synthetic_path(
-        None, config.synthetic_samples, config.synthetic_scale, 0, progress=config.progress
+        None,
+        config.synthetic_samples,
+        config.synthetic_scale,
+        0,
+        generator=config.synthetic_generator,
+        progress=config.progress,
     )
 
 
@@ -714,6 +722,7 @@ def epoch_batches(run: Run) -> Any:
         run.dataset.split("train"),
         run.config.batch_size,
         shuffle=True,
+        in_order=bool(run.dataset.meta.get("time_ordered")),  # time-ordered data: shuffle within windows
         seed=run.config.seed,
         epoch=run.progress.epoch,
         drop_last=True,
@@ -1199,6 +1208,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "default: synthetic data",
     )
     add("--out", default=s, help="run directory (default runs/<timestamp>)")
+    add(
+        "--generator",
+        dest="synthetic_generator",
+        choices=tuple(GENERATOR_VERSIONS),
+        default=s,
+        help="synthetic data generator: v3 (default; entities, time order) or v2 (earlier figures)",
+    )
     add(
         "--resume",
         metavar="RUN_OR_CHECKPOINT",
