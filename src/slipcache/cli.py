@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except SlipcacheError as exc:
         print(f"slipcache {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
-        print(f"slipcache {args.command}: error: {exc.strerror or exc}: {exc.filename}", file=sys.stderr)
+    except OSError as exc:  # a full disk, a missing or unwritable path: the OS says which
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"slipcache {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"slipcache {args.command}: interrupted", file=sys.stderr)

@@ -17,21 +17,23 @@ Definitions (the sample is the rows read, after `max_rows`; a "value" is one dis
   recur shares (what independent tables would give). Big tables: C3, C4, C12, C16, C21 for 26 tables,
   else the five with most distinct values.
 - Hot inputs (Slipstream's rule): a budget of B bytes holds K = B / (4 * 16) fp32 rows of dim 16; the
-  hot rows are the K values with the highest counts over all tables (ties broken by a hash of the value);
-  an input is hot iff all its lookups are hot.
+  hot rows are the K values with the highest counts over all tables (ties broken by a hash of the value,
+  so exactly K are hot); an input is hot iff all its lookups are hot. `hot_fractions` also sets K as a
+  share of all distinct values, which stays informative on samples smaller than any byte budget.
 - Over time (the rows in their order, cut into chunks of `chunk_rows`): `new_id_rate` is the share of a
   chunk's lookups whose value was not seen in earlier chunks; `top_overlap` is |A & B| / k for the top-k
   values (k = min(top_k, values recurring within each of the two chunks)) of consecutive chunks.
 
 Memory: counts are exact while all tables together hold at most `max_values` distinct values. Beyond
-that (the full Kaggle set has 33.8 M), the table with most values keeps only values whose hash falls below a threshold that halves each
-time (distinct-value sampling: a kept value's count stays exact and stands for 2^level values); the
-new-id rate is then estimated from the kept values. Per-row figures (co-recurrence, correlation, hot
-inputs) use a uniform reservoir of `sample_rows` rows: exact when the sample has no more rows, else
-estimates (binomial standard error <= 0.5 / sqrt(sample_rows)). When counts were sampled, a second pass
-counts the reservoir's values exactly, and the figures of the sampled tables and the hot-row thresholds
-come from those lookups (a value seen c times stands for rows / (sample lookups * c) values; heavy values are thus
-measured well, where value sampling would be noisy). `exact` in the result says which figures are exact.
+that (the full Kaggle set has 33.8 M), the table with most values keeps only values whose hash falls
+below a threshold that halves each time (distinct-value sampling: a kept value's count stays exact and
+stands for 2^level values); the new-id rate is then estimated from the kept values. Per-row figures
+(co-recurrence, correlation, hot inputs) use a uniform reservoir of `sample_rows` rows: exact when the
+sample has no more rows, else estimates (binomial standard error <= 0.5 / sqrt(sample_rows)). When
+counts were sampled, a second pass counts the reservoir's values exactly; the sampled tables' figures and
+the hot-row thresholds then come from those lookups (a value seen c times stands for
+rows / (sample lookups * c) values, so heavy values, which value sampling would catch or miss by luck,
+are measured well). `exact` in the result says which figures are exact.
 """
 
 from __future__ import annotations
