@@ -638,6 +638,8 @@ def start_run(config: TrainConfig) -> Run:
         run_dir = Path(config.out or "")
     else:
         run_dir = _prepare_out(Path(config.out) if config.out else _new_run_dir(), restart_ok=True)
+    for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
+        ckpt.remove_partial_writes(directory)
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
         config.data = str(Path(config.data).expanduser().resolve())
 
@@ -977,7 +979,7 @@ _RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes"}
 # Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
 _STATE_DEFINING = {
     "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "strict",
-    "embeddings", "precision", "cache_size", "policy", "rounding", "optimizer", "embedding_dim",
+    "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
     "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale",
 }  # fmt: skip
 
@@ -1006,7 +1008,9 @@ def _prepare_out(path: Path, *, restart_ok: bool) -> Path:
     path = path.expanduser().resolve()
     if path.exists() and not path.is_dir():
         raise SlipcacheError(f"--out {path} is a file, not a directory")
-    if path.is_dir() and any(path.iterdir()):
+    # Temp files of a write killed midway (before config.json existed) do not make a directory anyone's.
+    entries = [p for p in path.iterdir() if not p.name.endswith(".tmp")] if path.is_dir() else []
+    if entries:
         if not _is_run_dir(path):
             raise SlipcacheError(
                 f"--out {path} is not empty and is not a slipcache run directory; choose a new or empty one"
