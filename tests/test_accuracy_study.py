@@ -171,3 +171,11 @@ def test_accuracy_study_with_the_real_trainer(tmp_path: Path, monkeypatch: pytes
         diffs = [by[(row["setup"], s)]["auc"] - by[("fp32 no cache", s)]["auc"] for s in (0, 1)]
         assert row["auc_delta"]["mean"] == pytest.approx(statistics.fmean(diffs))
     assert "| int4 1% lru | 2 |" in (out / "report.md").read_text()
+
+
+def test_a_recalibrated_synthetic_dataset_makes_new_cells(tmp_path: Path) -> None:
+    plan = studies.Plan(studies.PRESETS["quick"], tmp_path, None, 2)
+    grid = studies.accuracy_grid(plan.preset, 2)
+    old, new = plan.cells(grid, "n150000-scale0.01-seed0-v3-aaaa"), plan.cells(grid, "n150000-scale0.01-seed0-v3-bbbb")
+    assert [c.id for c in old] == [c.id for c in plan.cells(grid, "n150000-scale0.01-seed0-v3-aaaa")]
+    assert not {c.id for c in old} & {c.id for c in new}

@@ -116,11 +116,15 @@ class Cell:
     setup: Setup
     seed: int
     values: dict[str, Any]
+    dataset: str = ""  # synthetic data: its cache directory's name (generator version + parameter digest)
 
     @property
     def id(self) -> str:
-        """Readable name + seed + a hash of the complete config, trainer defaults included."""
+        """Readable name + seed + a hash of the complete config, trainer defaults included, and of the
+        synthetic dataset's identity: a recalibrated generator makes new cells, never reuses old ones."""
         full = {**asdict(trainer.TrainConfig()), **self.values}
+        if self.dataset:
+            full["dataset"] = self.dataset
         digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:8]
         slug = re.sub(r"[^a-z0-9.]+", "-", self.setup.name.lower()).strip("-")
         return f"{self.setup.experiment}-{slug}-s{self.seed}-{digest}"
@@ -219,11 +223,11 @@ class Plan:
     data: str | None  # preprocessed dataset dir; None = synthetic data
     seeds: int
 
-    def cells(self, setups: list[Setup]) -> list[Cell]:
+    def cells(self, setups: list[Setup], dataset: str = "") -> list[Cell]:
         """Seed-major order, so an interrupted full run already has one seed of every setup."""
         cells = []
         for seed in range(max(s.seeds for s in setups)):
-            cells += [Cell(s, seed, self.run_values(s, seed)) for s in setups if seed < s.seeds]
+            cells += [Cell(s, seed, self.run_values(s, seed), dataset) for s in setups if seed < s.seeds]
         return cells
 
     def run_values(self, setup: Setup, seed: int) -> dict[str, Any]:
@@ -317,6 +321,7 @@ def run_cell(cell: Cell, cells_dir: Path) -> tuple[dict[str, Any], bool]:
         "setup": cell.setup.name,
         "seed": cell.seed,
         "config": cell.values,
+        "dataset": cell.dataset or None,
         "summary": on_disk if isinstance(on_disk, dict) else summary,
         "embedding_traffic": traffic,
         "cell_wall_s": wall_s,
@@ -1320,7 +1325,8 @@ def accuracy_section(out: Path, results: dict[str, Any], entries: list[dict[str,
     epochs = config.get("epochs") or results["preset"].get("accuracy_epochs") or 0
     data = (f"`{results['data']}`" if results.get("data") else
             f"synthetic data, generator {config.get('synthetic_generator', 'v2')}, "
-            f"{config.get('synthetic_samples', 0):,} rows at scale {config.get('synthetic_scale', 0):g}")
+            f"{config.get('synthetic_samples', 0):,} rows at scale {config.get('synthetic_scale', 0):g}"
+            + (f" (`{cells[0]['dataset']}` in the cache)" if cells[0].get("dataset") else ""))
     lines = ["## Accuracy against fp32, paired over seeds", "",
              f"Data: {data}; {epochs} epoch(s) of the training split, batch {config.get('batch_size')}, "
              f"lr {config.get('lr')}; test AUC and log loss on the test split. A seed gives every setup the same "
@@ -1517,10 +1523,10 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
             from slipcache.data.synthetic import default_synthetic_path, synthetic_table_sizes
 
             n = preset.stale_dataset_samples if name == "slipstream" else preset.dataset_samples
-            default_synthetic_path(None, n, preset.scale, 0, progress=True)
+            dataset = default_synthetic_path(None, n, preset.scale, 0, progress=True).name
             table_sizes = synthetic_table_sizes(preset.scale)
         setups += grid
-        records += run_cells(plan, plan.cells(grid), name, log)
+        records += run_cells(plan, plan.cells(grid, dataset if data is None else ""), name, log)
     num_tables = len(table_sizes) if table_sizes else 26
     for record in records:
         record["derived"] = derived_metrics(record, probes, num_tables)
