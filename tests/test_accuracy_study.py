@@ -65,7 +65,7 @@ def test_tolerance_verdict() -> None:
     assert verdict(-0.003, -0.0031, -0.0029).startswith("missed: a loss")
     assert verdict(0.003, 0.0031, 0.0029).startswith("missed: a gain")
     wide = verdict(0.002, -0.002, 0.0)  # mean 0, half width 4.3 * 0.002 / sqrt(3) = 0.00497
-    assert wide.startswith("not shown") and "0.0040 beyond" in wide
+    assert wide.startswith("not shown") and "0.004 beyond" in wide
     assert studies.tolerance_verdict(studies.paired_interval([0.0])) == "too few seeds for an interval"
 
 
@@ -148,9 +148,10 @@ def test_accuracy_study_with_a_fake_trainer(tmp_path: Path, monkeypatch: pytest.
 
     report = (out / "report.md").read_text()
     assert (out / "accuracy_intervals.png").is_file() and "](accuracy_intervals.png)" in report
-    lo, hi = got["low"], got["high"]
-    assert "| int8 5% lru | 5 | " in report and f"{got['mean']:+.4f} [{lo:+.4f}, {hi:+.4f}]" in report
-    assert "validation AUC changed by +0.0008 over the last epoch" in report  # 0.01 * (1/3 - 1/4)
+    # -0.0002 ± 0.000196: the upper bound -0.0000037 is printed without a minus sign
+    assert "| int8 5% lru | 5 | " in report and "| -0.0002 [-0.0004, +0.0000] |" in report
+    # 100 samples an epoch; val AUC - 0.01 / epoch: +0.01 * (1/3 - 1/4) per epoch at the end, +0.005 at the start
+    assert "moved by +0.0008 per epoch at the end of training, against +0.0050 per epoch at the start" in report
     assert "**Accuracy.**" in report and "Mixed-precision embeddings" not in report
 
     again = _run("accuracy", "--out", str(out), "--data", str(tmp_path), "--accuracy-epochs", "4", *PROBE)

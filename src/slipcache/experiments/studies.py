@@ -1229,7 +1229,7 @@ def tolerance_verdict(interval: dict[str, Any] | None, tolerance: float = ACCURA
         side = "loss" if high < 0 else "gain"
         return f"missed: a {side} beyond {tolerance:g} (whole interval)"
     beyond = max(-tolerance - low, high - tolerance)
-    return f"not shown: interval reaches {beyond:.4f} beyond ±{tolerance:g}"
+    return f"not shown: interval reaches {beyond:.2g} beyond ±{tolerance:g}"
 
 
 def validation_curves(out: Path, results: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, list]:
@@ -1247,13 +1247,18 @@ def validation_curves(out: Path, results: dict[str, Any], entries: list[dict[str
     return curves
 
 
-def last_epoch_change(curve: list[tuple[int, float]], epochs: int) -> float | None:
-    """Validation AUC gained over the last epoch (the final evaluation minus the last one an epoch before)."""
-    if not curve or epochs < 2:
+def validation_slopes(curve: list[tuple[int, float]], epochs: int) -> tuple[float, float] | None:
+    """Validation AUC gained per epoch at the end (from the last evaluation at least an epoch before the
+    final one) and at the start (first two evaluations): how flat the curve has become."""
+    if len(curve) < 3 or epochs < 2:
         return None
-    end_samples, end_auc = curve[-1]
-    earlier = [auc for samples, auc in curve if samples <= end_samples * (1 - 1 / epochs)]
-    return end_auc - earlier[-1] if earlier else None
+    per_epoch = curve[-1][0] / epochs
+    earlier = [(s, auc) for s, auc in curve if s <= curve[-1][0] - per_epoch]
+    if not earlier:
+        return None
+    (s0, a0), (s1, a1) = earlier[-1], curve[-1]
+    (f0, b0), (f1, b1) = curve[0], curve[1]
+    return (a1 - a0) * per_epoch / (s1 - s0), (b1 - b0) * per_epoch / (f1 - f0)
 
 
 def plot_accuracy_intervals(rows: list[dict[str, Any]], entries: list[dict[str, Any]],
@@ -1303,12 +1308,16 @@ def plot_accuracy_intervals(rows: list[dict[str, Any]], entries: list[dict[str, 
     return _save(fig, path)
 
 
-def _interval_text(stat: dict[str, Any] | None, scale: float = 1.0) -> str:
+def _interval_text(stat: dict[str, Any] | None) -> str:
     if not stat:
         return "n/a"
+
+    def signed(x: float) -> str:
+        return f"{round(x, 4) + 0.0:+.4f}"  # + 0.0: no "-0.0000"
+
     if stat["low"] is None:
-        return f"{scale * stat['mean']:+.4f}"
-    return f"{scale * stat['mean']:+.4f} [{scale * stat['low']:+.4f}, {scale * stat['high']:+.4f}]"
+        return signed(stat["mean"])
+    return f"{signed(stat['mean'])} [{signed(stat['low'])}, {signed(stat['high'])}]"
 
 
 def accuracy_section(out: Path, results: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
@@ -1334,11 +1343,11 @@ def accuracy_section(out: Path, results: dict[str, Any], entries: list[dict[str,
              "difference to fp32 measures storage and cache alone. Intervals: 95% paired t-interval over seeds, "
              "mean ± t(0.975, n-1) · sd / √n of the per-seed differences.", ""]
     if base:
-        change = last_epoch_change(curves.get(BASELINE, []), epochs)
+        slopes = validation_slopes(curves.get(BASELINE, []), epochs)
         lines += [f"Reference `{BASELINE}`: test AUC {_pm(base, 'auc')}, log loss {_pm(base, 'logloss')} "
                   f"(mean ± sd over {base['seeds']} seed(s))."
-                  + (f" Its validation AUC changed by {change:+.4f} over the last epoch." if change is not None
-                     else ""), ""]
+                  + (f" Its validation AUC (mean over seeds) moved by {slopes[0]:+.4f} per epoch at the end of "
+                     f"training, against {slopes[1]:+.4f} per epoch at the start." if slopes else ""), ""]
     lines += _table(
         ["setup", "n", "test AUC", "ΔAUC [95% CI]", "Δ log loss [95% CI]", "memory saving", "hit rate",
          f"within ±{ACCURACY_TOLERANCE:g}?"],
