@@ -158,6 +158,7 @@ def test_accuracy_study_with_a_fake_trainer(tmp_path: Path, monkeypatch: pytest.
     assert not any(RAN.match(line) for line in again)  # every cell kept: the study resumes cell by cell
 
 
+@pytest.mark.slow  # 12 tiny training runs: ~20 s on 2 idle cores
 def test_accuracy_study_with_the_real_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two seeds of the whole grid at a tiny size: real runs, paired by seed, a report with intervals."""
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
