@@ -181,3 +181,16 @@ def test_a_recalibrated_synthetic_dataset_makes_new_cells(tmp_path: Path) -> Non
     old, new = plan.cells(grid, "n150000-scale0.01-seed0-v3-aaaa"), plan.cells(grid, "n150000-scale0.01-seed0-v3-bbbb")
     assert [c.id for c in old] == [c.id for c in plan.cells(grid, "n150000-scale0.01-seed0-v3-aaaa")]
     assert not {c.id for c in old} & {c.id for c in new}
+
+
+def test_a_new_optional_trainer_field_keeps_finished_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = studies.Plan(studies.PRESETS["quick"], tmp_path, None, 2)
+    grid = studies.accuracy_grid(plan.preset, 2)
+    before = [c.id for c in plan.cells(grid, "v3-aaaa")]
+    base = studies.trainer.TrainConfig
+    off = dataclasses.make_dataclass("Off", [("new_option", str | None, None)], bases=(base,))
+    monkeypatch.setattr(studies.trainer, "TrainConfig", off)
+    assert [c.id for c in plan.cells(grid, "v3-aaaa")] == before  # an option added, off by default
+    changed = dataclasses.make_dataclass("Changed", [("new_option", str, "on")], bases=(base,))
+    monkeypatch.setattr(studies.trainer, "TrainConfig", changed)
+    assert not set(before) & {c.id for c in plan.cells(grid, "v3-aaaa")}  # a default that is on: new cells

@@ -121,8 +121,12 @@ class Cell:
     @property
     def id(self) -> str:
         """Readable name + seed + a hash of the complete config, trainer defaults included, and of the
-        synthetic dataset's identity: a recalibrated generator makes new cells, never reuses old ones."""
-        full = {**asdict(trainer.TrainConfig()), **self.values}
+        synthetic dataset's identity: a recalibrated generator makes new cells, never reuses old ones.
+
+        Fields at None (an option off, or a value derived from the data) are left out, so a new optional
+        TrainConfig field does not orphan every finished cell of a grid that resumes across sessions.
+        """
+        full = {k: v for k, v in {**asdict(trainer.TrainConfig()), **self.values}.items() if v is not None}
         if self.dataset:
             full["dataset"] = self.dataset
         digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:8]
