@@ -73,6 +73,8 @@ class TrainConfig:
     synthetic_samples: int = 4_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
+    table_sizes: list[int] | None = None  # external formats: rows per table (one for all, or 26); ids modulo
+    split_order: str | None = None  # external formats: "val-test" or "test-val" halves of the last day
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
     precision: str = "int8"
@@ -135,6 +137,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        if self.split_order not in (None, "val-test", "test-val"):
+            raise SlipcacheError(f"split_order must be val-test or test-val, got {self.split_order!r}")
+        if self.table_sizes is not None and (not self.table_sizes or min(self.table_sizes) < 1):
+            raise SlipcacheError(f"table_sizes must be positive row counts, got {self.table_sizes}")
         if not self.cache_size >= 0:
             raise SlipcacheError(f"cache_size must be >= 0, got {self.cache_size}")
         if self.bottom_mlp[-1:] != [self.embedding_dim]:
@@ -271,8 +277,10 @@ def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
     path = Path(config.data).expanduser()
     if not path.exists():
         raise SlipcacheError(f"data not found: {path}")
-    if (path / "meta.json").is_file():
-        return path
+    from slipcache.data.formats import detect_format
+
+    if (path / "meta.json").is_file() or detect_format(path) is not None:
+        return path  # read in place (slipcache.data.formats)
     inputs = _raw_inputs(path)
     key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
     key_parts += [config.vocab, str(config.max_rows), str(config.min_count), str(config.strict)]
@@ -297,11 +305,13 @@ def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
     return out_dir
 
 
-def open_dataset(path: Path) -> Any:
-    from slipcache.data.dataset import CriteoDataset
+def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
+    from slipcache.data.formats import open_any
 
     try:
-        return CriteoDataset(path)
+        if config is None:
+            return open_any(path)
+        return open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
     except SlipcacheError:
         raise
     except (OSError, ValueError, KeyError) as exc:
@@ -504,7 +514,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
         dataset_dir = saved_dataset
     else:
         dataset_dir = prepare_data(config, run_dir.parent / "data-cache")
-    dataset = open_dataset(dataset_dir)
+    dataset = open_dataset(dataset_dir, config)
+    config.split_order = config.split_order or dataset.meta.get("split_order")
     train_split, val_split = dataset.split("train"), dataset.split("val")
     config = resolve_schedule(config, dataset.splits["train"])
     config.out = str(run_dir)
@@ -887,6 +898,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-rows", type=int, default=s, help="raw data, hash vocabulary: rows per table (default 1000000)")
     add("--min-count", type=int, default=s, help="raw data, frequency vocabulary: minimum count (default 1)")
     add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
+    add(
+        "--table-sizes",
+        type=_int_list,
+        default=s,
+        help="TorchRec/DLRM/MLPerf files: rows per table, one for all or 26 comma-separated; ids are "
+        "taken modulo them (TorchRec's hashes). Default: the files' counts, else max id + 1",
+    )
+    add(
+        "--split-order",
+        choices=("val-test", "test-val"),
+        default=s,
+        help="which half of the last day is validation (default: the format's convention)",
+    )
     add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
     add(
         "--skip-stale",
@@ -927,6 +951,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
 def run_train(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k in _FIELDS}
     file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
@@ -961,7 +992,7 @@ def evaluate_checkpoint(
         dataset_dir = prepare_data(config, Path(saved["out"]).parent / "data-cache")
     else:
         dataset_dir = Path(saved["dataset"])
-    dataset = open_dataset(dataset_dir)
+    dataset = open_dataset(dataset_dir, config)
     check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
     if split not in dataset.splits or not dataset.splits[split]:
         raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
