@@ -23,7 +23,9 @@ def _bound(plan: ShardingPlan, rank: int) -> float:
 def test_random_tables_are_covered_once_and_balanced_within_tolerance(seed: int) -> None:
     rng = random.Random(seed)
     tables = [
-        TableSpec(f"t{i}", rng.choice([1, 3, 50, 10**rng.randint(2, 7)]), 16, rng.choice([19.0, 25.5, 80.0]))
+        TableSpec(
+            f"t{i}", rng.choice([1, 3, 50, 10 ** rng.randint(2, 7)]), 16, rng.choice([19.0, 25.5, 80.0])
+        )
         for i in range(rng.randint(1, 30))
     ]
     world_size = rng.randint(1, 9)
