@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slipcache.distributed.planner import Shard, ShardingPlan, TableSpec, plan_sharding
+from slipcache.distributed.planner import Shard, ShardingPlan, TableSpec
 from slipcache.distributed.sharded import ShardedEmbeddingCollection
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.errors import InvalidInputError
