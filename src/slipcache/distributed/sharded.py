@@ -40,6 +40,8 @@ from slipcache.errors import InvalidInputError
 
 ID_BYTES = 8  # one int64 per routed lookup
 TRAFFIC_KEYS = ("steps", "samples", "id_bytes", "embedding_bytes", "gradient_bytes")
+_SUMMED_STATS = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "overflow_rows")
+_SUMMED_STATS += ("bytes_in", "bytes_out", "cache_rows")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -282,6 +284,47 @@ class ShardedEmbeddingCollection(nn.Module):
         if self.local is None:
             return {"components": {}, "total_bytes": 0, "fp32_bytes": 0, "memory_ratio": 1.0}
         return self.local.memory_report()
+
+    def combined_stats(self) -> dict[str, Any]:
+        """Cache statistics summed over ranks, with each rank's own (a collective: every rank calls it)."""
+        per_rank = self._gather(self.stats())
+        totals: dict[str, Any] = {k: sum(int(s.get(k) or 0) for s in per_rank) for k in _SUMMED_STATS}
+        totals["hit_rate"] = totals["hits"] / totals["lookups"] if totals["lookups"] else None
+        keep = ("lookups", "hits", "misses", "evictions", "hit_rate", "cache_rows")
+        totals["per_rank"] = [{k: s.get(k) for k in keep} for s in per_rank]
+        return totals
+
+    def combined_memory(self) -> dict[str, Any]:
+        """The memory report summed over ranks, with each rank's own (a collective)."""
+        per_rank = self._gather(self.memory_report())
+        components: dict[str, int] = {}
+        for report in per_rank:
+            for name, size in report["components"].items():
+                components[name] = components.get(name, 0) + size
+        total = sum(r["total_bytes"] for r in per_rank)
+        fp32 = sum(r["fp32_bytes"] for r in per_rank)
+        return {
+            "components": components,
+            "total_bytes": total,
+            "fp32_bytes": fp32,
+            "memory_ratio": fp32 / total if total else 1.0,
+            "per_rank": [{"total_bytes": r["total_bytes"], "components": r["components"]} for r in per_rank],
+        }
+
+    def combined_traffic(self) -> dict[str, Any]:
+        """Bytes sent between ranks, summed over ranks, and per sample of the global batch."""
+        per_rank = self._gather(dict(self.traffic))
+        totals = {k: sum(t[k] for t in per_rank) for k in TRAFFIC_KEYS if k != "steps"}
+        totals["steps"] = per_rank[0]["steps"]
+        samples = totals["samples"] or 1
+        for key in ("id_bytes", "embedding_bytes", "gradient_bytes"):
+            totals[f"{key}_per_sample"] = totals[key] / samples
+        return totals
+
+    def _gather(self, value: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
 
     def export_tables(self) -> list[Tensor]:
         """Global fp32 tables gathered on every rank (for tests and small tables only)."""
