@@ -45,6 +45,7 @@ from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM, EMBEDDING_KINDS, ModelConfig, build_embeddings
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.metrics import evaluate_predictions
+from slipcache.training.tensorboard import embedding_event_fields, open_writer
 
 if typing.TYPE_CHECKING:
     from slipcache.staleness.skipping import StaleSkipper
@@ -101,6 +102,7 @@ class TrainConfig:
     seed: int = 0
     quick: bool = False  # small synthetic run for tests and first contact (see QUICK)
     progress: bool = True  # tqdm progress bar
+    tensorboard: str | None = None  # also write metrics as TensorBoard events here; "" = <out>/tensorboard
     # Slipstream stale-input skipping (slipcache.staleness.skipping, docs/skipping.md)
     skip_stale: bool = False  # drop stale inputs while batches are assembled: no forward, no backward
     stale_target: float = 0.3  # D: share of hot inputs to skip, fitted anew each epoch
@@ -524,6 +526,7 @@ class Run:
     bar: Any  # tqdm progress bar
     base_lookups: int = 0  # the collection's cumulative counters when the open logging window began
     base_hits: int = 0
+    tensorboard: Any = None  # TensorBoardWriter when config.tensorboard is set
     tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
     finished: bool = False  # set by the run's last batch
 
@@ -647,6 +650,7 @@ def start_run(config: TrainConfig) -> Run:
         budget=budget,
         max_epochs=math.ceil(total_steps / batches_per_epoch),
         bar=bar,
+        tensorboard=open_writer(config.tensorboard, run_dir),
     )
     # The collection's counters may or may not come back with its state; count relative to what it says now.
     run.base_lookups, run.base_hits = _stats_totals(model)
@@ -731,6 +735,7 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
     progress = run.progress
     _sync_window_counts(run)
     event = _close_window(progress)
+    event.update(embedding_event_fields(run.model.embeddings, progress.samples, progress.skipped))
     if run.skipper is not None:
         event.update(run.skipper.event_fields(progress.compute_s / progress.samples))
     run.bar.set_postfix(_postfix(event), refresh=False)
@@ -740,6 +745,8 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
     progress.events.append(event)
     with open(run.run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(event) + "\n")
+    if run.tensorboard is not None:
+        run.tensorboard.write_event(event)
     run.base_lookups, run.base_hits = _stats_totals(run.model)  # evaluation lookups do not count
 
 
@@ -830,6 +837,9 @@ def finish_run(run: Run) -> dict[str, Any]:
     from slipcache.training.report import write_report
 
     write_report(run.run_dir, progress.events, summary)
+    if run.tensorboard is not None:
+        run.tensorboard.write_summary(summary)
+        run.tensorboard.close()
     return summary
 
 
@@ -897,7 +907,7 @@ def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
 
 
 # Flags that may change when resuming: they extend or report on the run without changing its past.
-_RESUME_OVERRIDABLE = {"samples", "epochs", "progress", "resume", "out"}
+_RESUME_OVERRIDABLE = {"samples", "epochs", "progress", "resume", "out", "tensorboard"}
 
 
 def _load_resume(config: TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
@@ -1028,6 +1038,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="which half of the last day is validation (default: the format's convention)",
     )
     add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
+    add(
+        "--tensorboard",
+        nargs="?",
+        const="",
+        default=s,
+        metavar="DIR",
+        help="also write the metrics as TensorBoard events (default DIR: <out>/tensorboard)",
+    )
     add(
         "--skip-stale",
         action="store_true",
