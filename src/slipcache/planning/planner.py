@@ -306,8 +306,10 @@ def plot_curves(plan: Plan, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for t, ((sizes, hits), choice) in enumerate(zip(plan.curves, plan.choices, strict=True)):
-        (line,) = ax.plot(np.maximum(sizes, 1), hits, lw=1, label=plan.names[t])
-        ax.plot(max(choice.cache_rows, 1), choice.hit_rate, "o", color=line.get_color(), ms=4)
+        cached = sizes > 0
+        (line,) = ax.plot(sizes[cached], hits[cached], lw=1, label=plan.names[t])
+        if choice.cache_rows:
+            ax.plot(choice.cache_rows, choice.hit_rate, "o", color=line.get_color(), ms=4)
     ax.set_xscale("log")
     ax.set_xlabel("cache rows (log)")
     ax.set_ylabel("expected hit rate")
@@ -375,7 +377,20 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--data", default=None, help="dataset as `slipcache train --data` takes it (default: synthetic)"
     )
     parser.add_argument(
-        "--budget-gb", type=float, required=True, help="memory for all embedding tables, in GB (1e9 bytes)"
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="memory for all embedding tables, in GB (1e9 bytes); default: what the --compare config takes",
+    )
+    parser.add_argument(
+        "--compare",
+        default="int8:0.05",
+        metavar="PRECISION:SHARE",
+        help="the uniform config to compare with: one precision, one shared cache of SHARE of all rows "
+        "(default int8:0.05)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the --quick synthetic dataset of slipcache train"
     )
     parser.add_argument("--dim", type=int, default=16, help="embedding dimension (default 16)")
     parser.add_argument(
@@ -413,9 +428,20 @@ def run_plan(args: argparse.Namespace) -> int:
         raise SlipcacheError(
             f"--precisions: unknown {unknown[0] if unknown else 'empty list'} (fp32, fp16, bf16, int8, int4)"
         )
-    if not args.budget_gb > 0 or args.dim < 1 or args.sample_rows < 1:
+    if (args.budget_gb is not None and not args.budget_gb > 0) or args.dim < 1 or args.sample_rows < 1:
         raise SlipcacheError("--budget-gb, --dim and --sample-rows must be positive")
+    try:
+        compare_precision, compare_share = args.compare.split(":")
+        compare = (compare_precision, float(compare_share))
+    except ValueError as exc:
+        raise SlipcacheError(
+            f"--compare must be PRECISION:SHARE, e.g. int8:0.05; got {args.compare!r}"
+        ) from exc
+    if compare[0] not in ROUNDING_STEP or not 0 <= compare[1] <= 1:
+        raise SlipcacheError(f"--compare: unknown precision or share outside [0, 1]: {args.compare!r}")
     flags: dict[str, Any] = {"data": args.data, "embedding_dim": args.dim, "progress": args.progress}
+    if args.quick:
+        flags["quick"] = True
     if args.table_sizes:
         flags["table_sizes"] = trainer._int_list(args.table_sizes)
     if args.split_order:
@@ -426,9 +452,10 @@ def run_plan(args: argparse.Namespace) -> int:
     profile = profile_split(
         dataset.split("train"), dataset.table_sizes, sample_rows=args.sample_rows, seed=args.seed
     )
+    uniform = uniform_choice(profile, args.dim, *compare, policy=args.policy, optimizer=args.optimizer)
     plan = make_plan(
         profile,
-        args.budget_gb * GB,
+        args.budget_gb * GB if args.budget_gb is not None else uniform["bytes"],
         args.dim,
         names=[f"C{t + 1}" for t in range(dataset.num_tables)],
         policy=args.policy,
@@ -437,6 +464,10 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     print(f"profiled {profile.sampled_rows:,} of {profile.split_rows:,} training rows of {dataset_dir}")
     print(format_plan(plan))
+    print(
+        f"uniform {compare[0]} + {100 * compare[1]:g} % shared cache: {uniform['bytes'] / GB:.4f} GB; expected: "
+        f"hit rate {uniform['hit_rate']:.3f}, rounding loss {uniform['loss']:.2e}/sample"
+    )
     sharding = None
     if args.world_size is not None:
         sharding = preview_sharding(plan, profile, args.world_size)
