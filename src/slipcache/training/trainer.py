@@ -78,9 +78,10 @@ class TrainConfig:
     split_order: str | None = None  # external formats: "val-test" or "test-val" halves of the last day
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
-    precision: str = "int8"
-    cache_size: float = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
-    cache_rows: int | None = None  # cache capacity as a row count instead (overrides cache_size)
+    # precision, cache_size, cache_rows: one value, or (config files) a list with one value per table
+    precision: str | list[str] = "int8"
+    cache_size: float | list[float] = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
+    cache_rows: int | list[int] | None = None  # cache capacity as a row count instead (overrides cache_size)
     policy: str = "lru"
     rounding: str = "stochastic"
     optimizer: str = "sgd"  # embedding optimizer
@@ -117,9 +118,11 @@ class TrainConfig:
     stale_refit: bool = True  # refit T at every rolling re-check so D holds all epoch (paper: once per epoch)
 
     def validate(self) -> None:
+        for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
+            if precision not in PRECISIONS:
+                raise SlipcacheError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         choices = {
             "embeddings": EMBEDDING_KINDS,
-            "precision": PRECISIONS,
             "policy": POLICIES,
             "rounding": ROUNDINGS,
             "optimizer": OPTIMIZERS,
@@ -144,11 +147,13 @@ class TrainConfig:
             raise SlipcacheError(f"split_order must be val-test or test-val, got {self.split_order!r}")
         if self.table_sizes is not None and (not self.table_sizes or min(self.table_sizes) < 1):
             raise SlipcacheError(f"table_sizes must be positive row counts, got {self.table_sizes}")
-        if not 0.0 <= self.cache_size <= 1.0:  # also rejects nan and inf
-            hint = f" (for a number of rows use --cache-rows {self.cache_size:g})" if self.cache_size > 1 else ""
-            raise SlipcacheError(f"cache_size is the share of rows cached, in [0, 1]; got {self.cache_size}{hint}")
-        if self.cache_rows is not None and self.cache_rows < 0:
-            raise SlipcacheError(f"cache_rows must be >= 0, got {self.cache_rows}")
+        for share in self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]:
+            if not 0.0 <= share <= 1.0:  # also rejects nan and inf
+                hint = f" (for a number of rows use --cache-rows {share:g})" if share > 1 else ""
+                raise SlipcacheError(f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}")
+        for count in self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows]:
+            if count is not None and count < 0:
+                raise SlipcacheError(f"cache_rows must be >= 0, got {count}")
         if self.bottom_mlp[-1:] != [self.embedding_dim]:
             raise SlipcacheError(
                 f"bottom_mlp must end in the embedding dim {self.embedding_dim}, got {self.bottom_mlp}"
@@ -190,7 +195,13 @@ def _coerce(name: str, value: Any) -> Any:
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(kind):
             return None
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        options = [a for a in typing.get_args(kind) if a is not type(None)]
+        if isinstance(value, list):  # `str | list[str]`: one value or one per table
+            listed = [a for a in options if typing.get_origin(a) is list]
+            element = typing.get_args(listed[0])[0] if listed else None
+            if element is not None and value and all(_matches(element, v) for v in value):
+                return [float(v) if element is float else int(v) if element is int else v for v in value]
+        kind = options[0]
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if typing.get_origin(kind) is list:
         if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -204,6 +215,16 @@ def _coerce(name: str, value: Any) -> Any:
     elif kind is str and isinstance(value, str):
         return value
     raise SlipcacheError(f"config key {name!r}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+def _matches(kind: type, value: Any) -> bool:
+    """Whether a config-file list element fits `kind` (ints are accepted where floats are)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float:
+        return number
+    if kind is int:
+        return number and float(value).is_integer()
+    return isinstance(value, kind)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
