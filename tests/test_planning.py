@@ -13,7 +13,7 @@ from slipcache.embedding.collection import CachedEmbeddingBagCollection, Embeddi
 from slipcache.errors import SlipcacheError
 from slipcache.planning.planner import CostModel, make_plan, uniform_choice
 from slipcache.planning.profile import TableProfile, profile_split
-from tests.helpers import make_dataset
+from tests.helpers import SIZES, make_dataset
 
 
 def _split(columns: list[np.ndarray]) -> SplitArrays:
@@ -62,17 +62,14 @@ def test_profile_counts_every_table_and_samples_without_replacement() -> None:
         profile_split(split, [5, 3])
 
 
-@pytest.mark.parametrize(
-    ("precision", "cache_rows"), [("int8", 0), ("int4", 40), ("fp16", 100), ("fp32", 16)]
-)
-def test_memory_model_is_the_collections_accounting(precision: str, cache_rows: int) -> None:
-    model = CostModel.from_modules(16, total_rows=1000)
+def test_memory_model_is_the_collections_per_table_accounting() -> None:
+    sizes, precisions, cache_rows = [1000, 50, 3000, 7], ["int8", "fp32", "int4", "fp16"], [100, 0, 40, 16]
+    model = CostModel.from_modules(16, total_rows=sum(sizes))
     report = CachedEmbeddingBagCollection.estimate_memory(
-        EmbeddingConfig(table_sizes=[1000], dim=16, precision=precision, cache_rows=cache_rows)
+        EmbeddingConfig(table_sizes=sizes, dim=16, precision=precisions, cache_rows=cache_rows)
     )
-    counted = report["total_bytes"] - report["components"]["other"]
-    # Per row and per slot exact; a cache's way index (8 bytes a way) is a constant the model leaves out.
-    assert counted - 8 * 16 <= model.memory(1000, precision, cache_rows) <= counted
+    for n, p, c, table in zip(sizes, precisions, cache_rows, report["per_table"], strict=True):
+        assert model.memory(n, p, c) == table["total_bytes"]
 
 
 def _skewed_profile():
@@ -114,3 +111,28 @@ def test_plan_command_writes_a_config_the_trainer_reads(
     assert {s["table"] for s in plan["sharding"]["shards"]} == {f"C{t + 1}" for t in range(26)}
     assert {s["rank"] for s in plan["sharding"]["shards"]} == {0, 1}
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_plan_drives_a_training_run(tmp_path: Path) -> None:
+    from slipcache.training import trainer as train
+
+    data = make_dataset(tmp_path / "data", n=1000, skewed=True)
+    out = tmp_path / "plan.toml"
+    assert (
+        cli.main(["plan", "--data", str(data), "--budget-gb", "0.000006", "--dim", "8", "--out", str(out)])
+        == 0
+    )
+    planned = tomllib.loads(out.read_text())
+    assert set(planned["train"]["precision"]) - {"fp32"}  # the budget forces some tables below fp32
+    overrides = {"out": str(tmp_path / "run"), "bottom_mlp": [16, 8], "top_mlp": [16, 1], "epochs": 1}
+    config = train.make_config(
+        train.load_config_file(out), {**overrides, "batch_size": 64, "progress": False}
+    )
+    summary = train.train(config)
+    assert summary["config"]["precision"] == planned["train"]["precision"]
+    assert summary["config"]["cache_rows"] == planned["train"]["cache_rows"]
+    tables = train.build_model(config, SIZES, 13).embeddings
+    assert (
+        sum(t["total_bytes"] for t in tables.memory_report()["per_table"]) == planned["plan"]["planned_bytes"]
+    )
+    assert summary["cache_hit_rate"] > 0

@@ -268,6 +268,12 @@ def uniform_choice(
 
 
 # ------------------------------------------------------------------------------------- presentation
+def _fmt_bytes(n: float) -> str:
+    from slipcache.training.trainer import _fmt_bytes as fmt
+
+    return fmt(n)
+
+
 def format_plan(plan: Plan) -> str:
     header = ("table", "rows", "precision", "cache rows", "MiB", "hit rate", "lookups/sample")
     body = [
@@ -291,7 +297,7 @@ def format_plan(plan: Plan) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(
-        f"total {plan.total_bytes / GB:.4f} GB of {plan.budget_bytes / GB:.4f} GB budget; expected: hit rate "
+        f"total {_fmt_bytes(plan.total_bytes)} of {_fmt_bytes(plan.budget_bytes)} budget; expected: hit rate "
         f"{plan.hit_rate:.3f}, lookups reading fp32 rows {plan.full_precision_share:.3f}, rounding loss "
         f"{plan.loss:.2e}/sample, traffic {sum(c.traffic for c in plan.choices):.0f} B/sample (storage<->cache)"
     )
@@ -439,7 +445,7 @@ def run_plan(args: argparse.Namespace) -> int:
         ) from exc
     if compare[0] not in ROUNDING_STEP or not 0 <= compare[1] <= 1:
         raise SlipcacheError(f"--compare: unknown precision or share outside [0, 1]: {args.compare!r}")
-    flags: dict[str, Any] = {"data": args.data, "embedding_dim": args.dim, "progress": args.progress}
+    flags: dict[str, Any] = {"data": args.data, "progress": args.progress}
     if args.quick:
         flags["quick"] = True
     if args.table_sizes:
@@ -465,14 +471,14 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"profiled {profile.sampled_rows:,} of {profile.split_rows:,} training rows of {dataset_dir}")
     print(format_plan(plan))
     print(
-        f"uniform {compare[0]} + {100 * compare[1]:g} % shared cache: {uniform['bytes'] / GB:.4f} GB; expected: "
+        f"uniform {compare[0]} + {100 * compare[1]:g} % shared cache: {_fmt_bytes(uniform['bytes'])}; expected: "
         f"hit rate {uniform['hit_rate']:.3f}, rounding loss {uniform['loss']:.2e}/sample"
     )
     sharding = None
     if args.world_size is not None:
         sharding = preview_sharding(plan, profile, args.world_size)
         print(sharding["text"])
-    train_values = {k: v for k, v in flags.items() if k not in ("progress", "embedding_dim")}
+    train_values = {k: v for k, v in flags.items() if k != "progress"}
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
