@@ -100,3 +100,40 @@ def test_torchrec_dlrm_trains_with_our_tables() -> None:
     losses = example.train(model, example.synthetic_batches(sizes, 128, 150))
     assert sum(losses[-15:]) / 15 < sum(losses[:15]) / 15 - 0.02
     assert model.sparse_arch.embedding_bag_collection.stats()["hits"] > 0
+
+
+@pytest.mark.parametrize("cache_size", [0.0, 0.5])
+def test_shared_table_trains_as_torchrecs_collection(cache_size: float) -> None:
+    """Table t0 serves features f0 and g0: lookups pool per feature, and one SGD step sums their gradients."""
+    from torchrec import EmbeddingBagCollection
+
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=30, feature_names=["f0", "g0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=7, feature_names=["f1"]),
+    ]
+    ours = KeyedCachedEmbeddingBagCollection(tables, precision="fp32", cache_size=cache_size, lr=0.2, seed=1)
+    theirs = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    with torch.no_grad():
+        for name, weight in zip(("t0", "t1"), ours.export_tables(), strict=True):
+            theirs.embedding_bags[name].weight.copy_(weight)
+    optimizer = torch.optim.SGD(theirs.parameters(), lr=0.2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        lengths = torch.randint(0, 3, (3, 8), generator=gen)
+        sizes = [30, 30, 7]  # f0, g0 (both t0), f1
+        values = torch.cat(
+            [torch.randint(0, sizes[i], (int(lengths[i].sum()),), generator=gen) for i in range(3)]
+        )
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f0", "g0", "f1"], values=values, lengths=lengths.reshape(-1)
+        )
+        weights = torch.randn(8, 12, generator=gen)
+        out, expected = ours(kjt), theirs(kjt)
+        assert out.keys() == expected.keys() == ["f0", "g0", "f1"]
+        torch.testing.assert_close(out.values(), expected.values(), rtol=0, atol=1e-6)
+        (out.values() * weights).sum().backward()
+        optimizer.zero_grad()
+        (expected.values() * weights).sum().backward()
+        optimizer.step()
+    for name, weight in zip(("t0", "t1"), ours.export_tables(), strict=True):
+        torch.testing.assert_close(weight, theirs.embedding_bags[name].weight.detach(), rtol=0, atol=1e-6)

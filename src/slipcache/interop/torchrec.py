@@ -100,15 +100,14 @@ class KeyedCachedEmbeddingBagCollection(CachedEmbeddingBagCollection):
 
     def __init__(self, tables: Sequence[Any], **options: Any) -> None:
         config, feature_names, feature_tables = config_from_torchrec(tables, **options)
-        if feature_tables != list(range(len(tables))):
-            shared = next(t.name for t in tables if len(t.feature_names) > 1)
-            raise SlipcacheError(
-                f"table {shared!r} serves several features; tables shared by features need the collection's "
-                "feature-to-table mapping (not in this version)"
-            )
         super().__init__(config)
         self._torchrec_tables = list(tables)
         self.feature_names = feature_names
+        # Features of each table; a table several features read is looked up once per feature ("round"),
+        # and the collection sums their gradients into one optimizer step per row.
+        self._table_features = [
+            [f for f, t in enumerate(feature_tables) if t == table] for table in range(len(tables))
+        ]
 
     def embedding_bag_configs(self) -> list[Any]:
         """The TorchRec configs it was built from (what `torchrec.models.dlrm.SparseArch` reads)."""
@@ -121,8 +120,24 @@ class KeyedCachedEmbeddingBagCollection(CachedEmbeddingBagCollection):
             raise InvalidInputError(
                 f"expected a KeyedJaggedTensor, SparseFeatures or ids [batch, tables], got {type(features).__name__}"
             )
-        pooled = super().forward(kjt_to_sparse(features, self.feature_names))
-        return keyed_tensor(pooled, self.feature_names)
+        sparse = kjt_to_sparse(features, self.feature_names)  # one group of bags per feature
+        rounds = max(len(f) for f in self._table_features)
+        if rounds == 1:  # one feature per table: features are the tables
+            return keyed_tensor(super().forward(sparse), self.feature_names)
+        lengths = sparse.offsets.diff().view(len(self.feature_names), sparse.batch_size)
+        values = torch.split(sparse.values, lengths.sum(dim=1).tolist())
+        pooled: list[Tensor | None] = [None] * len(self.feature_names)
+        for r in range(rounds):
+            members = [(t, f[r]) for t, f in enumerate(self._table_features) if r < len(f)]
+            round_lengths = torch.zeros(len(self._table_features), sparse.batch_size, dtype=lengths.dtype)
+            for t, f in members:
+                round_lengths[t] = lengths[f]
+            out = super().forward(
+                SparseFeatures.from_lengths(torch.cat([values[f] for _, f in members]), round_lengths)
+            )
+            for t, f in members:
+                pooled[f] = out[:, t]
+        return keyed_tensor(torch.stack(pooled, dim=1), self.feature_names)  # type: ignore[arg-type]
 
 
 def keyed_tensor(pooled: Tensor, feature_names: Sequence[str]) -> Any:
