@@ -425,7 +425,6 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from slipcache.data.synthetic import default_cache_root
     from slipcache.training import trainer
 
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
@@ -453,7 +452,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.split_order:
         flags["split_order"] = args.split_order
     config = trainer.make_config({}, flags)
-    dataset_dir = trainer.prepare_data(config, default_cache_root() / "preprocessed")
+    dataset_dir = trainer.prepare_data(config)
     dataset = trainer.open_dataset(dataset_dir, config)
     profile = profile_split(
         dataset.split("train"), dataset.table_sizes, sample_rows=args.sample_rows, seed=args.seed
