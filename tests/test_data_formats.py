@@ -186,3 +186,12 @@ def test_a_run_trains_on_each_format(tmp_path: Path, kind: str) -> None:
     assert summary["config"]["split_order"] == expected_order
     scores = train.evaluate_checkpoint(tmp_path / "run", split="val")
     assert scores["samples"] > 0
+
+
+def test_stats_reads_an_external_format(tmp_path: Path) -> None:
+    from slipcache.data.stats import compute_stats
+
+    rows = write_mlperf(tmp_path / "mp", with_val=False)
+    stats = compute_stats(tmp_path / "mp")
+    assert stats["rows"] == 1500 and stats["source"]["splits"] == {"train": 1200, "val": 150, "test": 150}
+    assert stats["tables"][0]["distinct"] == len(np.unique(np.concatenate([r[:, 14] for r in rows])))
