@@ -195,3 +195,10 @@ def test_stats_reads_an_external_format(tmp_path: Path) -> None:
     stats = compute_stats(tmp_path / "mp")
     assert stats["rows"] == 1500 and stats["source"]["splits"] == {"train": 1200, "val": 150, "test": 150}
     assert stats["tables"][0]["distinct"] == len(np.unique(np.concatenate([r[:, 14] for r in rows])))
+
+
+def test_wrong_shapes_name_the_day(tmp_path: Path) -> None:
+    write_torchrec(tmp_path, days=2, n=50)
+    np.save(tmp_path / "day_1_sparse.npy", np.zeros((50, 25), dtype=np.int64))
+    with pytest.raises(SlipcacheError, match="day_1"):
+        formats.open_any(tmp_path)

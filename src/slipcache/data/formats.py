@@ -187,7 +187,11 @@ def _npz_arrays(path: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
 
 def _check_day(day: _Day, where: Path) -> None:
     n = len(day)
-    if day.dense.shape != (n, NUM_DENSE) or day.sparse.shape != (n, NUM_TABLES) or day.labels.ndim > 2:
+    if (
+        day.dense.shape != (n, NUM_DENSE)
+        or day.sparse.shape != (n, NUM_TABLES)
+        or day.labels.shape not in ((n,), (n, 1))
+    ):
         raise SlipcacheError(
             f"{where}: expected {n} rows of 13 dense and 26 sparse values, found dense {day.dense.shape}, "
             f"sparse {day.sparse.shape}, labels {day.labels.shape}"
