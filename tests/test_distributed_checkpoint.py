@@ -17,7 +17,7 @@ from tests.ranks import run_ranks
 SIZES = [30, 7, 120, 11]
 # fp32 storage: flushing the cache is exact, so a re-sharded run must continue exactly
 CONFIG = EmbeddingConfig(
-    table_sizes=SIZES, dim=4, precision="fp32", cache_size=8, ways=2, optimizer="adagrad", lr=0.1
+    table_sizes=SIZES, dim=4, precision="fp32", cache_rows=8, ways=2, optimizer="adagrad", lr=0.1
 )
 
 

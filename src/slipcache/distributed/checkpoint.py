@@ -13,7 +13,6 @@ optimizer state, exactly); caches start empty and cache counters from zero.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -24,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from slipcache.distributed.planner import ShardingPlan
-from slipcache.distributed.sharded import ShardedEmbeddingCollection
+from slipcache.distributed.sharded import ShardedEmbeddingCollection, shard_config
 from slipcache.embedding.collection import CachedEmbeddingBagCollection
 from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint as ckpt
@@ -149,9 +148,7 @@ def reshard_into(collection: ShardedEmbeddingCollection, step_dir: Path, manifes
         ]
         if not overlaps:
             continue
-        old = CachedEmbeddingBagCollection(
-            dataclasses.replace(collection.config, table_sizes=[s.rows for s in old_shards], table_names=None)
-        )
+        old = CachedEmbeddingBagCollection(shard_config(collection.config, old_shards, old_rank))
         old.load_state_dict(load_rank_state(step_dir, old_rank)["embeddings"])
         old.flush()
         sources = old.table_offsets.tolist()

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from slipcache.distributed.planner import ShardingPlan
+from slipcache.distributed.planner import Shard, ShardingPlan
 from slipcache.embedding.collection import (
     _INIT_CHUNK_ROWS,
     CachedEmbeddingBagCollection,
@@ -110,12 +110,8 @@ class ShardedEmbeddingCollection(nn.Module):
         names = config.table_names or [t.name for t in plan.tables]
         self.local: CachedEmbeddingBagCollection | None = None
         if self.shards:
-            local_config = dataclasses.replace(
-                config,
-                table_sizes=[s.rows for s in self.shards],
-                table_names=[_shard_name(names[s.table], s, plan) for s in self.shards],
-                seed=config.seed + rank,
-            )
+            local_config = shard_config(config, self.shards, rank)
+            local_config.table_names = [_shard_name(names[s.table], s, plan) for s in self.shards]
             self.local = CachedEmbeddingBagCollection(local_config)
             if torch.device(config.storage_device).type != "meta":
                 self._replay_initialization()
@@ -340,6 +336,20 @@ class ShardedEmbeddingCollection(nn.Module):
         return tables
 
 
-def _shard_name(name: str, shard: Any, plan: ShardingPlan) -> str:
+def shard_config(config: EmbeddingConfig, shards: list[Shard], rank: int) -> EmbeddingConfig:
+    """The local collection's config: the shards as its tables; a cache fraction applies per shard, a
+    cache row count is shared in proportion to rows."""
+    rows = sum(s.rows for s in shards)
+    cache_rows = None if config.cache_rows is None else math.ceil(config.cache_rows * rows / config.num_rows)
+    return dataclasses.replace(
+        config,
+        table_sizes=[s.rows for s in shards],
+        table_names=None,
+        cache_rows=cache_rows,
+        seed=config.seed + rank,
+    )
+
+
+def _shard_name(name: str, shard: Shard, plan: ShardingPlan) -> str:
     rows = plan.tables[shard.table].rows
     return name if shard.rows == rows else f"{name}[{shard.row_start}:{shard.row_end}]"
