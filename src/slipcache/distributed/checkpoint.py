@@ -167,3 +167,14 @@ def _row_buffers(
     if hasattr(new, "optimizer_state"):
         pairs.append((new.optimizer_state, old.optimizer_state))
     return pairs
+
+
+def refuse_sharded(path: Path) -> None:
+    """One process resuming a checkpoint written by N: say how to resume it instead of "not found"."""
+    step_dir = latest_sharded(Path(path))
+    if step_dir is not None:
+        world_size = read_manifest(step_dir)["world_size"]
+        raise SlipcacheError(
+            f"{step_dir} was written by {world_size} processes; resume it with "
+            f"torchrun --nproc-per-node {world_size} --no-python slipcache train --resume ..."
+        )

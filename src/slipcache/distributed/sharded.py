@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from slipcache.embedding.collection import (
 from slipcache.embedding.quant import RowStorage
 from slipcache.errors import InvalidInputError
 
+RESHARD_FROM = "reshard_from"  # a state dict naming a checkpoint to re-shard from (see load_state_dict)
 ID_BYTES = 8  # one int64 per routed lookup
 TRAFFIC_KEYS = ("steps", "samples", "id_bytes", "embedding_bytes", "gradient_bytes")
 _SUMMED_STATS = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "overflow_rows")
@@ -204,13 +206,16 @@ class ShardedEmbeddingCollection(nn.Module):
         send_list, recv_list = send_counts.tolist(), meta[:, 0].tolist()
         slice_sizes = meta[:, 1]
         received = _exchange(codes[order], send_list, recv_list, group)
-        self.traffic["id_bytes"] += (_remote(send_list, rank) + 2 * (world - 1)) * ID_BYTES
-        self.traffic["steps"] += 1
-        self.traffic["samples"] += batch
+        training = self.training and torch.is_grad_enabled()
+        if training:  # traffic counts training steps only (evaluation sends no gradients)
+            self.traffic["id_bytes"] += (_remote(send_list, rank) + 2 * (world - 1)) * ID_BYTES
+            self.traffic["steps"] += 1
+            self.traffic["samples"] += batch
         # 3. serve the received lookups from the local shards
         served = self._serve(received, recv_list, slice_sizes)
         # 4. send the rows back; autograd sends their gradients the reverse route
-        returned = _AllToAll.apply(served, recv_list, send_list, group, self.traffic, rank)
+        traffic = self.traffic if training else dict.fromkeys(TRAFFIC_KEYS, 0)
+        returned = _AllToAll.apply(served, recv_list, send_list, group, traffic, rank)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return returned[inverse].view(batch, num_tables, self.dim)
@@ -269,30 +274,30 @@ class ShardedEmbeddingCollection(nn.Module):
         if self.local is not None:
             self.local.flush()
 
-    def stats(self) -> dict[str, Any]:
-        """This rank's cache statistics (its shards' lookups); `combined_stats` sums over ranks."""
+    def local_stats(self) -> dict[str, Any]:
+        """This rank's cache statistics (the lookups its shards served)."""
         if self.local is None:
             return {"lookups": 0, "hits": 0, "hit_rate": None, "per_table": [], "cache_rows": 0}
         return self.local.stats()
 
-    def memory_report(self) -> dict[str, Any]:
-        """This rank's memory by component; `combined_memory` sums over ranks."""
+    def local_memory_report(self) -> dict[str, Any]:
+        """This rank's memory by component."""
         if self.local is None:
             return {"components": {}, "total_bytes": 0, "fp32_bytes": 0, "memory_ratio": 1.0}
         return self.local.memory_report()
 
-    def combined_stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """Cache statistics summed over ranks, with each rank's own (a collective: every rank calls it)."""
-        per_rank = self._gather(self.stats())
+        per_rank = self._gather(self.local_stats())
         totals: dict[str, Any] = {k: sum(int(s.get(k) or 0) for s in per_rank) for k in _SUMMED_STATS}
         totals["hit_rate"] = totals["hits"] / totals["lookups"] if totals["lookups"] else None
         keep = ("lookups", "hits", "misses", "evictions", "hit_rate", "cache_rows")
         totals["per_rank"] = [{k: s.get(k) for k in keep} for s in per_rank]
         return totals
 
-    def combined_memory(self) -> dict[str, Any]:
+    def memory_report(self) -> dict[str, Any]:
         """The memory report summed over ranks, with each rank's own (a collective)."""
-        per_rank = self._gather(self.memory_report())
+        per_rank = self._gather(self.local_memory_report())
         components: dict[str, int] = {}
         for report in per_rank:
             for name, size in report["components"].items():
@@ -321,6 +326,16 @@ class ShardedEmbeddingCollection(nn.Module):
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Also takes {RESHARD_FROM: checkpoint dir}: the shards of a checkpoint written under another plan."""
+        if RESHARD_FROM in state_dict:
+            from slipcache.distributed import checkpoint as dckpt
+
+            step_dir = Path(state_dict[RESHARD_FROM])
+            dckpt.reshard_into(self, step_dir, dckpt.read_manifest(step_dir))
+            return None
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def export_tables(self) -> list[Tensor]:
         """Global fp32 tables gathered on every rank (for tests and small tables only)."""

@@ -47,6 +47,7 @@ from slipcache.training import checkpoint as ckpt
 from slipcache.training.metrics import evaluate_predictions
 
 if typing.TYPE_CHECKING:
+    from slipcache.distributed.training import DistributedRun
     from slipcache.staleness.skipping import StaleSkipper
 
 VOCABS = ("hash", "frequency")
@@ -516,6 +517,12 @@ class Run:
     base_hits: int = 0
     tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
     finished: bool = False  # set by the run's last batch
+    dist: DistributedRun | None = None  # N processes (slipcache.distributed.training); None: this one alone
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this process writes the run directory's files (rank 0 of N, or the only process)."""
+        return self.dist is None or self.dist.is_main
 
     @property
     def consumed(self) -> int:
@@ -526,16 +533,16 @@ class Run:
         return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
+def train(config: TrainConfig, dist: DistributedRun | None = None) -> dict[str, Any]:
     """Train DLRM as configured, writing the run directory; returns the summary dict.
 
     Hook points for features that join the loop: `epoch_batches` (per-epoch setup, the batch source),
     `train_step` (one optimization step), `record_step` (per-batch bookkeeping after the step), and
     `Run`/`checkpoint_state`/`restore` for state that must survive a resume. Training time
     (`progress.train_wall_s`) runs from `run.tick` to the end of `record_step`; evaluation and checkpoints
-    fall outside it.
+    fall outside it. With `dist`, this process is one rank of N (see slipcache.distributed.training).
     """
-    run = start_run(config)
+    run = start_run(config, dist)
     try:
         while run.more_epochs():
             batches = epoch_batches(run)
@@ -567,12 +574,12 @@ def _crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def start_run(config: TrainConfig) -> Run:
+def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
     state: dict[str, Any] | None = None
     if config.resume is not None:
-        state, config = _load_resume(config)
+        state, config = _load_resume(config, dist)
     run_dir = Path(config.out) if config.out else _new_run_dir()
     if state is None and run_dir.exists() and (run_dir / "checkpoints").exists():
         raise SlipcacheError(
@@ -595,7 +602,10 @@ def start_run(config: TrainConfig) -> Run:
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
-    model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    if dist is None:
+        model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    else:
+        model = dist.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir)
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
     emb_opt = embedding_optimizer(config, model)
     batches_per_epoch = dataset.splits["train"] // config.batch_size
@@ -608,8 +618,9 @@ def start_run(config: TrainConfig) -> Run:
     if state is not None:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(state, model, dense_opt, emb_opt, progress, skipper)
-    _write_json(run_dir / "config.json", config_dict)
-    _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops events after its checkpoint
+    if dist is None or dist.is_main:
+        _write_json(run_dir / "config.json", config_dict)
+        _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops later events
 
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
@@ -636,6 +647,7 @@ def start_run(config: TrainConfig) -> Run:
         budget=budget,
         max_epochs=math.ceil(total_steps / batches_per_epoch),
         bar=bar,
+        dist=dist,
     )
     # The collection's counters may or may not come back with its state; count relative to what it says now.
     run.base_lookups, run.base_hits = _stats_totals(model)
@@ -727,8 +739,9 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
         scores = evaluate(run.model, run.dataset.split("val"), max_samples=run.config.eval_samples)
         event.update({f"val_{k}": v for k, v in scores.items()})
     progress.events.append(event)
-    with open(run.run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(event) + "\n")
+    if run.writes_files:
+        with open(run.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
     run.base_lookups, run.base_hits = _stats_totals(run.model)  # evaluation lookups do not count
 
 
@@ -773,9 +786,8 @@ def save_checkpoint(run: Run) -> None:
     """`checkpoints/ckpt-<samples>.pt` and `latest.pt`; the open window's cache counts travel with it."""
     _sync_window_counts(run)
     state = checkpoint_state(run)
-    ckpt.save_run_checkpoint(
-        run.run_dir / "checkpoints", state, run.progress.samples, keep=run.config.keep_checkpoints
-    )
+    save = ckpt.save_run_checkpoint if run.dist is None else run.dist.save_checkpoint
+    save(run.run_dir / "checkpoints", state, run.progress.samples, keep=run.config.keep_checkpoints)
 
 
 def end_epoch(run: Run) -> None:
@@ -808,13 +820,17 @@ def finish_run(run: Run) -> dict[str, Any]:
         "fp32_embedding_bytes": int(memory["fp32_bytes"]),
         "memory_ratio": float(memory["memory_ratio"]),
         "memory_components": memory["components"],
+        "memory_per_rank": memory.get("per_rank"),  # N processes: each rank's own report
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
         "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
         "staleness": skipper.summary(progress.compute_s / progress.samples) if skipper is not None else None,
         "run_dir": str(run.run_dir),
         "config": run.config_dict,
+        "distributed": run.dist.summary(model) if run.dist is not None else None,
     }
+    if not run.writes_files:
+        return summary
     _write_json(run.run_dir / "summary.json", summary)
     from slipcache.training.report import write_report
 
@@ -889,12 +905,18 @@ def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
 _RESUME_OVERRIDABLE = {"samples", "epochs", "progress", "resume", "out"}
 
 
-def _load_resume(config: TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
+def _load_resume(config: TrainConfig, dist: DistributedRun | None = None) -> tuple[dict[str, Any], TrainConfig]:
     """The checkpoint to continue from, and the run's own config (with allowed overrides from `config`)."""
     path = Path(config.resume or "")
     if path.is_dir() and (path / "checkpoints").is_dir():
         path = path / "checkpoints"
-    state = ckpt.load_checkpoint(path)
+    if dist is not None:
+        state = dist.load_checkpoint(path)
+    else:
+        from slipcache.distributed.checkpoint import refuse_sharded
+
+        refuse_sharded(path)  # written by N processes: a clear error instead of "not found"
+        state = ckpt.load_checkpoint(path)
     _check_checkpoint(state, path)
     saved = {k: v for k, v in state["config"].items() if k in _FIELDS}
     defaults = TrainConfig()
@@ -1047,7 +1069,17 @@ def run_train(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k in _FIELDS}
     file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
     config = make_config(file_values, flags)
-    summary = train(config)
+    from slipcache.distributed.launch import init_from_env
+
+    context = init_from_env()  # None unless started by torchrun with more than one process
+    if context is None:
+        summary = train(config)
+    else:
+        from slipcache.distributed.training import train_on_ranks
+
+        summary = train_on_ranks(config, context)
+        if not context.is_main:
+            return 0
     print(f"run: {summary['run_dir']}")
     print(summary_table(summary))
     return 0
