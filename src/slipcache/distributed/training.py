@@ -104,8 +104,9 @@ class DistributedDLRM(nn.Module):
         world, rank = self.ctx.world_size, self.ctx.rank
         sizes = [end - start for start, end in (slice_bounds(dense.shape[0], world, r) for r in range(world))]
         start, end = slice_bounds(dense.shape[0], world, rank)
-        local = self.ddp(dense[start:end], sparse[start:end])
-        return _GatherLogits.apply(local, sizes, rank)
+        device = self.ctx.device
+        local = self.ddp(dense[start:end].to(device), sparse[start:end].to(device))
+        return _GatherLogits.apply(local, sizes, rank).to(dense.device)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return self.inner.state_dict(*args, **kwargs)
@@ -261,8 +262,8 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
         if not run.is_main:
             config.progress = False
             redirect_output(log_dir, ctx.rank)
-        if config.resume is None and run.is_main:
-            trainer.prepare_data(config, log_dir.parent / "data-cache")  # once, before the others read it
+        if config.resume is None and ctx.local_rank == 0:  # once per node, before the others read it
+            trainer.prepare_data(config, log_dir.parent / "data-cache")
         dist.barrier()
         return trainer.train(config, run)
     except (dist.DistError, RuntimeError) as exc:
