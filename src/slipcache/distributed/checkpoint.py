@@ -149,7 +149,8 @@ def reshard_into(collection: ShardedEmbeddingCollection, step_dir: Path, manifes
         if not overlaps:
             continue
         old = CachedEmbeddingBagCollection(shard_config(collection.config, old_shards, old_rank))
-        old.load_state_dict(load_rank_state(step_dir, old_rank)["embeddings"])
+        saved = load_rank_state(step_dir, old_rank)["embeddings"]  # the sharded collection's state dict
+        old.load_state_dict({k.removeprefix("local."): v for k, v in saved.items()})
         old.flush()
         sources = old.table_offsets.tolist()
         for i, j, lo, hi in overlaps:
