@@ -83,7 +83,10 @@ def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_pat
     settings = {"precision": "int8", "cache_size": 0.25, "policy": "lfu", "samples": 1280}
     run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "full"), settings))
     run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "part"), {**settings, "samples": 640}))
-    run_ranks(_train_rank, {"resume": str(tmp_path / "part"), "samples": 1280, "progress": False})
+    run_ranks(
+        _train_rank,
+        {"resume": str(tmp_path / "part"), "samples": 1280, "allow_changes": True, "progress": False},
+    )
     full = json.loads((tmp_path / "full" / "summary.json").read_text())
     resumed = json.loads((tmp_path / "part" / "summary.json").read_text())
     for key in ("auc", "logloss", "train_samples"):

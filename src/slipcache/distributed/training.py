@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slipcache.distributed import checkpoint as dckpt
-from slipcache.distributed.launch import DistributedContext
+from slipcache.distributed.launch import DistributedContext, redirect_output, shutdown
 from slipcache.distributed.planner import ShardingPlan, plan_sharding, table_specs
 from slipcache.distributed.sharded import RESHARD_FROM, ShardedEmbeddingCollection
 from slipcache.embedding.collection import EmbeddingConfig
@@ -169,9 +169,13 @@ class DistributedRun:
                 optimizer=config.optimizer,
             )
             self.plan = plan_sharding(specs, self.ctx.world_size)
+        # Every rank has checked the run directory by now; from here on the others write their logs in it.
+        dist.barrier()
         if self.is_main:
             print(self.plan.format_table())
             (run_dir / PLAN_FILE).write_text(json.dumps(self.plan.to_dict(), indent=2) + "\n")
+        else:
+            redirect_output(run_dir, self.ctx.rank)
         tables = ShardedEmbeddingCollection(
             embedding_config, self.plan, self.ctx.rank, self.ctx.embedding_group
         )
@@ -213,7 +217,9 @@ class DistributedRun:
                 raise SlipcacheError(
                     f"{path} was written by 1 process; resuming it with {self.ctx.world_size} processes is not supported"
                 )
-            raise SlipcacheError(f"no complete checkpoint (with its {dckpt.MANIFEST}) under {path}")
+            raise SlipcacheError(
+                f"no complete checkpoint (with its {dckpt.MANIFEST}) under {path}; start the run again with its --out"
+            )
         manifest = dckpt.read_manifest(step_dir)
         state = dckpt.load_rank_state(step_dir, 0)
         if manifest["world_size"] == self.ctx.world_size:
@@ -249,7 +255,6 @@ def lost_rank_error(exc: BaseException, rank: int) -> SlipcacheError:
 
 def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
     """`trainer.train` as one rank of N: the run directory agreed, the data prepared once, rank-0 output."""
-    from slipcache.distributed.launch import redirect_output, shutdown
     from slipcache.training import trainer
 
     run = DistributedRun(ctx)
@@ -257,13 +262,10 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
         run.check_config(config)
         if config.out is None and config.resume is None:
             config.out = run.agree(str(trainer._new_run_dir()))
-        log_dir = Path(config.out or config.resume)
-        log_dir = log_dir.parent.parent if log_dir.suffix == ".pt" else log_dir
         if not run.is_main:
             config.progress = False
-            redirect_output(log_dir, ctx.rank)
         if config.resume is None and ctx.local_rank == 0:  # once per node, before the others read it
-            trainer.prepare_data(config, log_dir.parent / "data-cache")
+            trainer.prepare_data(config)
         dist.barrier()
         return trainer.train(config, run)
     except (dist.DistError, RuntimeError) as exc:
