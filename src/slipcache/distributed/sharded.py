@@ -31,12 +31,11 @@ from torch import Tensor, nn
 
 from slipcache.distributed.planner import Shard, ShardingPlan
 from slipcache.embedding.collection import (
-    _INIT_CHUNK_ROWS,
     CachedEmbeddingBagCollection,
     EmbeddingConfig,
     SparseFeatures,
+    _init_chunk_rows,
 )
-from slipcache.embedding.quant import RowStorage
 from slipcache.errors import InvalidInputError
 
 RESHARD_FROM = "reshard_from"  # a state dict naming a checkpoint to re-shard from (see load_state_dict)
@@ -146,28 +145,24 @@ class ShardedEmbeddingCollection(nn.Module):
     def _replay_initialization(self) -> None:
         """Draw the single-process initial rows table by table, chunk by chunk, keeping this rank's.
 
-        Mirrors `CachedEmbeddingBagCollection._initialize_rows` (same generator, seed, chunking and
-        `RowStorage.fill_uniform_` calls); a test checks the two agree.
+        Mirrors `CachedEmbeddingBagCollection._initialize_rows` (same generator, seed, chunking, fp32
+        draw rounded to nearest); a test checks the two agree.
         """
         assert self.local is not None
         generator = torch.Generator().manual_seed(self.config.seed)
-        mine: dict[int, list[tuple[int, Any]]] = {}
-        for local_table, shard in enumerate(self.shards):
-            mine.setdefault(shard.table, []).append((local_table, shard))
+        chunk_rows = _init_chunk_rows(self.dim)
         local_offsets = self.local.table_offsets.tolist()
         for table, size in enumerate(self.table_sizes):
-            for chunk_start in range(0, size, _INIT_CHUNK_ROWS):
-                count = min(_INIT_CHUNK_ROWS, size - chunk_start)
-                chunk = RowStorage(count, self.dim, self.config.precision)
-                chunk.fill_uniform_(0, count, 1.0 / math.sqrt(size), generator)
-                for local_table, shard in mine.get(table, []):
-                    lo = max(shard.row_start, chunk_start)
-                    hi = min(shard.row_end, chunk_start + count)
-                    if lo >= hi:
-                        continue
-                    dest = local_offsets[local_table] + lo - shard.row_start
-                    for target, source in zip(self.local.storage.buffers(), chunk.buffers(), strict=True):
-                        target[dest : dest + hi - lo].copy_(source[lo - chunk_start : hi - chunk_start])
+            bound = 1.0 / math.sqrt(size)
+            for chunk_start in range(0, size, chunk_rows):
+                count = min(chunk_rows, size - chunk_start)
+                values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
+                for local_table, shard in enumerate(self.shards):
+                    lo, hi = max(shard.row_start, chunk_start), min(shard.row_end, chunk_start + count)
+                    if shard.table == table and lo < hi:
+                        piece = values[lo - chunk_start : hi - chunk_start].to(self.local.storage_device)
+                        dest = local_offsets[local_table] + lo - shard.row_start
+                        self.local.storage.write_range(dest, piece, "nearest", None)
 
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given global fp32 tables; each rank keeps its shards' rows."""
