@@ -33,7 +33,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., None], args:
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the code under test may have shut it down itself
+            dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
@@ -50,3 +51,17 @@ def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2) -> None:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+
+
+def exit_codes(fn: Callable[..., None], *args: Any, world_size: int = 2) -> list[int | None]:
+    """Like `run_ranks`, but let every rank finish on its own (one failing does not stop the others)."""
+    context = mp.start_processes(
+        _entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for process in context.processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in context.processes:
+        if process.is_alive():
+            process.kill()
+    return [process.exitcode for process in context.processes]

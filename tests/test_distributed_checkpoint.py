@@ -9,7 +9,7 @@ import torch
 
 from slipcache.distributed import checkpoint as dckpt
 from slipcache.distributed.planner import TableSpec, plan_sharding
-from slipcache.distributed.sharded import ShardedEmbeddingCollection
+from slipcache.distributed.sharded import RESHARD_FROM, ShardedEmbeddingCollection
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.errors import SlipcacheError
 from tests.ranks import run_ranks
@@ -17,7 +17,7 @@ from tests.ranks import run_ranks
 SIZES = [30, 7, 120, 11]
 # fp32 storage: flushing the cache is exact, so a re-sharded run must continue exactly
 CONFIG = EmbeddingConfig(
-    table_sizes=SIZES, dim=4, precision="fp32", cache_size=8, ways=2, optimizer="adagrad", lr=0.1
+    table_sizes=SIZES, dim=4, precision="fp32", cache_rows=8, ways=2, optimizer="adagrad", lr=0.1
 )
 
 
@@ -41,7 +41,7 @@ def _train_and_save(rank: int, world_size: int, directory: str) -> None:
     sharded = ShardedEmbeddingCollection(CONFIG, plan, rank)
     for batch in _batches()[:2]:
         sharded(_my_slice(batch, rank, world_size)).pow(2).sum().backward()
-    state = {"embeddings": sharded.local.state_dict() if sharded.local is not None else None}
+    state = {"embeddings": sharded.state_dict()}
     dckpt.save_sharded(Path(directory), 24, rank, world_size, state, {"plan": plan.to_dict()})
     # a later checkpoint whose writers died before the manifest: it must not count
     dckpt.ckpt.save_checkpoint(dckpt.rank_file(Path(directory) / f"step-{36:012d}", rank), state)
@@ -53,7 +53,7 @@ def _resume_and_continue(rank: int, world_size: int, directory: str) -> None:
     manifest = dckpt.read_manifest(step_dir)
     assert manifest["world_size"] == 2
     sharded = ShardedEmbeddingCollection(CONFIG, _plan(world_size), rank)
-    dckpt.reshard_into(sharded, step_dir, manifest)
+    sharded.load_state_dict({RESHARD_FROM: str(step_dir)})  # how a resumed run loads it: re-shard
     reference = CachedEmbeddingBagCollection(CONFIG)
     for batch in _batches():
         reference(batch).pow(2).sum().backward()

@@ -75,14 +75,21 @@ def _all_on_rank_0(world_size: int) -> ShardingPlan:
 
 @pytest.mark.parametrize(
     ("optimizer", "cache_size", "plan_kind"),
-    [("sgd", 0, "split"), ("rowwise_adagrad", 8, "split"), ("adagrad", 0.5, "all_on_rank_0")],
+    [("sgd", 0, "split"), ("rowwise_adagrad", None, "split"), ("adagrad", 0.5, "all_on_rank_0")],
 )
 def test_sharded_forward_backward_equals_one_process(
-    optimizer: str, cache_size: float, plan_kind: str
+    optimizer: str, cache_size: float | None, plan_kind: str
 ) -> None:
     """fp32 storage, so the cache (small: evictions; none; half) changes no value: results must agree."""
     config = EmbeddingConfig(
-        table_sizes=SIZES, dim=4, precision="fp32", cache_size=cache_size, optimizer=optimizer, lr=0.1, ways=2
+        table_sizes=SIZES,
+        dim=4,
+        precision="fp32",
+        cache_size=cache_size or 0,
+        cache_rows=8 if cache_size is None else None,
+        optimizer=optimizer,
+        lr=0.1,
+        ways=2,
     )
     run_ranks(_check_against_one_process, config, plan_kind)
 

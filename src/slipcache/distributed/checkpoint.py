@@ -13,7 +13,6 @@ optimizer state, exactly); caches start empty and cache counters from zero.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -24,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from slipcache.distributed.planner import ShardingPlan
-from slipcache.distributed.sharded import ShardedEmbeddingCollection
+from slipcache.distributed.sharded import ShardedEmbeddingCollection, shard_config
 from slipcache.embedding.collection import CachedEmbeddingBagCollection
 from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint as ckpt
@@ -149,10 +148,9 @@ def reshard_into(collection: ShardedEmbeddingCollection, step_dir: Path, manifes
         ]
         if not overlaps:
             continue
-        old = CachedEmbeddingBagCollection(
-            dataclasses.replace(collection.config, table_sizes=[s.rows for s in old_shards], table_names=None)
-        )
-        old.load_state_dict(load_rank_state(step_dir, old_rank)["embeddings"])
+        old = CachedEmbeddingBagCollection(shard_config(collection.config, old_shards, old_rank))
+        saved = load_rank_state(step_dir, old_rank)["embeddings"]  # the sharded collection's state dict
+        old.load_state_dict({k.removeprefix("local."): v for k, v in saved.items()})
         old.flush()
         sources = old.table_offsets.tolist()
         for i, j, lo, hi in overlaps:
@@ -170,3 +168,14 @@ def _row_buffers(
     if hasattr(new, "optimizer_state"):
         pairs.append((new.optimizer_state, old.optimizer_state))
     return pairs
+
+
+def refuse_sharded(path: Path) -> None:
+    """One process resuming a checkpoint written by N: say how to resume it instead of "not found"."""
+    step_dir = latest_sharded(Path(path))
+    if step_dir is not None:
+        world_size = read_manifest(step_dir)["world_size"]
+        raise SlipcacheError(
+            f"{step_dir} was written by {world_size} processes; resume it with "
+            f"torchrun --nproc-per-node {world_size} --no-python slipcache train --resume ..."
+        )

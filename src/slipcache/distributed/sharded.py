@@ -22,22 +22,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from slipcache.distributed.planner import ShardingPlan
+from slipcache.distributed.planner import Shard, ShardingPlan
 from slipcache.embedding.collection import (
-    _INIT_CHUNK_ROWS,
     CachedEmbeddingBagCollection,
     EmbeddingConfig,
     SparseFeatures,
+    _init_chunk_rows,
 )
-from slipcache.embedding.quant import RowStorage
 from slipcache.errors import InvalidInputError
 
+RESHARD_FROM = "reshard_from"  # a state dict naming a checkpoint to re-shard from (see load_state_dict)
 ID_BYTES = 8  # one int64 per routed lookup
 TRAFFIC_KEYS = ("steps", "samples", "id_bytes", "embedding_bytes", "gradient_bytes")
 _SUMMED_STATS = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "overflow_rows")
@@ -110,12 +111,8 @@ class ShardedEmbeddingCollection(nn.Module):
         names = config.table_names or [t.name for t in plan.tables]
         self.local: CachedEmbeddingBagCollection | None = None
         if self.shards:
-            local_config = dataclasses.replace(
-                config,
-                table_sizes=[s.rows for s in self.shards],
-                table_names=[_shard_name(names[s.table], s, plan) for s in self.shards],
-                seed=config.seed + rank,
-            )
+            local_config = shard_config(config, self.shards, rank)
+            local_config.table_names = [_shard_name(names[s.table], s, plan) for s in self.shards]
             self.local = CachedEmbeddingBagCollection(local_config)
             if torch.device(config.storage_device).type != "meta":
                 self._replay_initialization()
@@ -148,28 +145,24 @@ class ShardedEmbeddingCollection(nn.Module):
     def _replay_initialization(self) -> None:
         """Draw the single-process initial rows table by table, chunk by chunk, keeping this rank's.
 
-        Mirrors `CachedEmbeddingBagCollection._initialize_rows` (same generator, seed, chunking and
-        `RowStorage.fill_uniform_` calls); a test checks the two agree.
+        Mirrors `CachedEmbeddingBagCollection._initialize_rows` (same generator, seed, chunking, fp32
+        draw rounded to nearest); a test checks the two agree.
         """
         assert self.local is not None
         generator = torch.Generator().manual_seed(self.config.seed)
-        mine: dict[int, list[tuple[int, Any]]] = {}
-        for local_table, shard in enumerate(self.shards):
-            mine.setdefault(shard.table, []).append((local_table, shard))
+        chunk_rows = _init_chunk_rows(self.dim)
         local_offsets = self.local.table_offsets.tolist()
         for table, size in enumerate(self.table_sizes):
-            for chunk_start in range(0, size, _INIT_CHUNK_ROWS):
-                count = min(_INIT_CHUNK_ROWS, size - chunk_start)
-                chunk = RowStorage(count, self.dim, self.config.precision)
-                chunk.fill_uniform_(0, count, 1.0 / math.sqrt(size), generator)
-                for local_table, shard in mine.get(table, []):
-                    lo = max(shard.row_start, chunk_start)
-                    hi = min(shard.row_end, chunk_start + count)
-                    if lo >= hi:
-                        continue
-                    dest = local_offsets[local_table] + lo - shard.row_start
-                    for target, source in zip(self.local.storage.buffers(), chunk.buffers(), strict=True):
-                        target[dest : dest + hi - lo].copy_(source[lo - chunk_start : hi - chunk_start])
+            bound = 1.0 / math.sqrt(size)
+            for chunk_start in range(0, size, chunk_rows):
+                count = min(chunk_rows, size - chunk_start)
+                values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
+                for local_table, shard in enumerate(self.shards):
+                    lo, hi = max(shard.row_start, chunk_start), min(shard.row_end, chunk_start + count)
+                    if shard.table == table and lo < hi:
+                        piece = values[lo - chunk_start : hi - chunk_start].to(self.local.storage_device)
+                        dest = local_offsets[local_table] + lo - shard.row_start
+                        self.local.storage.write_range(dest, piece, "nearest", None)
 
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given global fp32 tables; each rank keeps its shards' rows."""
@@ -208,13 +201,16 @@ class ShardedEmbeddingCollection(nn.Module):
         send_list, recv_list = send_counts.tolist(), meta[:, 0].tolist()
         slice_sizes = meta[:, 1]
         received = _exchange(codes[order], send_list, recv_list, group)
-        self.traffic["id_bytes"] += (_remote(send_list, rank) + 2 * (world - 1)) * ID_BYTES
-        self.traffic["steps"] += 1
-        self.traffic["samples"] += batch
+        training = self.training and torch.is_grad_enabled()
+        if training:  # traffic counts training steps only (evaluation sends no gradients)
+            self.traffic["id_bytes"] += (_remote(send_list, rank) + 2 * (world - 1)) * ID_BYTES
+            self.traffic["steps"] += 1
+            self.traffic["samples"] += batch
         # 3. serve the received lookups from the local shards
         served = self._serve(received, recv_list, slice_sizes)
         # 4. send the rows back; autograd sends their gradients the reverse route
-        returned = _AllToAll.apply(served, recv_list, send_list, group, self.traffic, rank)
+        traffic = self.traffic if training else dict.fromkeys(TRAFFIC_KEYS, 0)
+        returned = _AllToAll.apply(served, recv_list, send_list, group, traffic, rank)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return returned[inverse].view(batch, num_tables, self.dim)
@@ -273,30 +269,30 @@ class ShardedEmbeddingCollection(nn.Module):
         if self.local is not None:
             self.local.flush()
 
-    def stats(self) -> dict[str, Any]:
-        """This rank's cache statistics (its shards' lookups); `combined_stats` sums over ranks."""
+    def local_stats(self) -> dict[str, Any]:
+        """This rank's cache statistics (the lookups its shards served)."""
         if self.local is None:
             return {"lookups": 0, "hits": 0, "hit_rate": None, "per_table": [], "cache_rows": 0}
         return self.local.stats()
 
-    def memory_report(self) -> dict[str, Any]:
-        """This rank's memory by component; `combined_memory` sums over ranks."""
+    def local_memory_report(self) -> dict[str, Any]:
+        """This rank's memory by component."""
         if self.local is None:
             return {"components": {}, "total_bytes": 0, "fp32_bytes": 0, "memory_ratio": 1.0}
         return self.local.memory_report()
 
-    def combined_stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """Cache statistics summed over ranks, with each rank's own (a collective: every rank calls it)."""
-        per_rank = self._gather(self.stats())
+        per_rank = self._gather(self.local_stats())
         totals: dict[str, Any] = {k: sum(int(s.get(k) or 0) for s in per_rank) for k in _SUMMED_STATS}
         totals["hit_rate"] = totals["hits"] / totals["lookups"] if totals["lookups"] else None
         keep = ("lookups", "hits", "misses", "evictions", "hit_rate", "cache_rows")
         totals["per_rank"] = [{k: s.get(k) for k in keep} for s in per_rank]
         return totals
 
-    def combined_memory(self) -> dict[str, Any]:
+    def memory_report(self) -> dict[str, Any]:
         """The memory report summed over ranks, with each rank's own (a collective)."""
-        per_rank = self._gather(self.memory_report())
+        per_rank = self._gather(self.local_memory_report())
         components: dict[str, int] = {}
         for report in per_rank:
             for name, size in report["components"].items():
@@ -326,6 +322,16 @@ class ShardedEmbeddingCollection(nn.Module):
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Also takes {RESHARD_FROM: checkpoint dir}: the shards of a checkpoint written under another plan."""
+        if RESHARD_FROM in state_dict:
+            from slipcache.distributed import checkpoint as dckpt
+
+            step_dir = Path(state_dict[RESHARD_FROM])
+            dckpt.reshard_into(self, step_dir, dckpt.read_manifest(step_dir))
+            return None
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def export_tables(self) -> list[Tensor]:
         """Global fp32 tables gathered on every rank (for tests and small tables only)."""
         pieces = self.local.export_tables() if self.local is not None else []
@@ -340,6 +346,20 @@ class ShardedEmbeddingCollection(nn.Module):
         return tables
 
 
-def _shard_name(name: str, shard: Any, plan: ShardingPlan) -> str:
+def shard_config(config: EmbeddingConfig, shards: list[Shard], rank: int) -> EmbeddingConfig:
+    """The local collection's config: the shards as its tables; a cache fraction applies per shard, a
+    cache row count is shared in proportion to rows."""
+    rows = sum(s.rows for s in shards)
+    cache_rows = None if config.cache_rows is None else math.ceil(config.cache_rows * rows / config.num_rows)
+    return dataclasses.replace(
+        config,
+        table_sizes=[s.rows for s in shards],
+        table_names=None,
+        cache_rows=cache_rows,
+        seed=config.seed + rank,
+    )
+
+
+def _shard_name(name: str, shard: Shard, plan: ShardingPlan) -> str:
     rows = plan.tables[shard.table].rows
     return name if shard.rows == rows else f"{name}[{shard.row_start}:{shard.row_end}]"
