@@ -122,3 +122,43 @@ def _check_int8_initial_rows_and_traffic(rank: int, world_size: int) -> None:
 
 def test_int8_shards_start_from_the_single_process_rows_and_count_their_traffic() -> None:
     run_ranks(_check_int8_initial_rows_and_traffic)
+
+
+def _check_stale_flags_agree(rank: int, world_size: int) -> None:
+    """Snapshots read through the sharded tables are identical on every rank and equal one process's
+    snapshots, so the detector's fitted threshold and stale flags are one global decision."""
+    import numpy as np
+
+    from slipcache.staleness.detector import StaleInputDetector, StalenessConfig
+
+    config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="fp32", cache_size=0.25, lr=0.01)
+    sharded = ShardedEmbeddingCollection(config, _split_plan(world_size), rank)
+    reference = CachedEmbeddingBagCollection(config)
+    generator = torch.Generator().manual_seed(5)
+    inputs = torch.stack([torch.randint(0, n // 2 + 1, (64,), generator=generator) for n in SIZES], 1)
+    detectors = [
+        StaleInputDetector.from_collection(coll, StalenessConfig(target_drop=0.3, seed=0))
+        for coll in (sharded, reference)
+    ]
+    for detector, coll in zip(detectors, (sharded, reference), strict=True):
+        detector.profile(inputs.numpy())
+        detector.begin_window(coll)
+    for step in range(3):
+        batch = inputs[step * 16 : step * 16 + 16]
+        reference(batch).pow(2).sum().backward()
+        sharded(batch[rank * 8 : rank * 8 + 8]).pow(2).sum().backward()
+    for detector, coll in zip(detectors, (sharded, reference), strict=True):
+        detector.end_window(coll)
+        detector.fit_threshold(inputs.numpy())
+    mine, single = detectors
+    torch.testing.assert_close(mine.row_change(), single.row_change(), rtol=0, atol=1e-6)
+    flags = torch.from_numpy(mine.is_stale_row(np.arange(sum(SIZES))).astype(np.uint8))
+    everyone = [torch.empty_like(flags) for _ in range(world_size)]
+    torch.distributed.all_gather(everyone, flags)
+    assert all(torch.equal(f, everyone[0]) for f in everyone)  # one decision on every rank
+    assert 0 < int(flags.sum()) < len(mine.hot)
+    assert mine.threshold is not None and mine.threshold == single.threshold
+
+
+def test_stale_skipping_takes_one_decision_on_every_rank() -> None:
+    run_ranks(_check_stale_flags_agree)

@@ -77,6 +77,9 @@ def test_two_processes_train_like_one_step_by_step(data_dir: Path, tmp_path: Pat
     assert len(two["memory_per_rank"]) == 2 and two["distributed"]["world_size"] == 2
     assert sum(r["total_bytes"] for r in two["memory_per_rank"]) == two["embedding_bytes"]
     assert (tmp_path / "two" / "rank-1.log").is_file() and (tmp_path / "two" / "plan.json").is_file()
+    # `slipcache eval` reads the 2-rank checkpoint in one process (fp32: flushing the caches is exact)
+    again = trainer.evaluate_checkpoint(tmp_path / "two")
+    assert again["auc"] == pytest.approx(two["auc"], abs=1e-9)
 
 
 def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_path: Path) -> None:

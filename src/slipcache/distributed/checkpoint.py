@@ -179,3 +179,29 @@ def refuse_sharded(path: Path) -> None:
             f"{step_dir} was written by {world_size} processes; resume it with "
             f"torchrun --nproc-per-node {world_size} --no-python slipcache train --resume ..."
         )
+
+
+def unshard_into(collection: CachedEmbeddingBagCollection, step_dir: Path) -> None:
+    """Fill one process's collection of all tables from an N-rank checkpoint (for `slipcache eval`).
+
+    Every rank's shards are loaded in turn, their caches flushed, and their rows and optimizer state copied
+    to the tables' places; the cache of `collection` starts empty.
+    """
+    plan = ShardingPlan.from_dict(read_manifest(step_dir)["plan"])
+    if [t.rows for t in plan.tables] != collection.table_sizes:
+        raise SlipcacheError(f"checkpoint {step_dir} holds other tables than this model's")
+    collection.cache.evict(collection.cache.cached()[0])
+    offsets = collection.table_offsets.tolist()
+    for rank in range(plan.world_size):
+        shards = plan.shards_of(rank)
+        if not shards:
+            continue
+        old = CachedEmbeddingBagCollection(shard_config(collection.config, shards, rank))
+        saved = load_rank_state(step_dir, rank)["embeddings"]
+        old.load_state_dict({k.removeprefix("local."): v for k, v in saved.items()})
+        old.flush()
+        sources = old.table_offsets.tolist()
+        for i, shard in enumerate(shards):
+            dst = offsets[shard.table] + shard.row_start
+            for target, source in _row_buffers(collection, old):
+                target[dst : dst + shard.rows].copy_(source[sources[i] : sources[i] + shard.rows])

@@ -264,6 +264,36 @@ class ShardedEmbeddingCollection(nn.Module):
             raise InvalidInputError("batch too large to encode its lookups in int64; use smaller batches")
         return ids
 
+    # ------------------------------------------------------------------------------ rows by id
+    def _owned(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(mask of the global `rows` this rank holds, their rows in the local collection)."""
+        rows = rows.to(self.table_offsets.device).reshape(-1).long()
+        shard = torch.searchsorted(self._shard_starts, rows, right=True) - 1
+        mine = self._shard_rank[shard] == self.rank
+        if self.local is None:
+            return mine, rows.new_empty(0)
+        local_table = self._shard_local_table[shard[mine]]
+        return mine, self.local.table_offsets[local_table] + rows[mine] - self._shard_starts[shard[mine]]
+
+    def read_rows(self, rows: Tensor) -> Tensor:
+        """fp32 values of global `rows` on every rank (a collective): each rank reads those it holds, the
+        others are zero, and the sum over ranks is exact. Stale skipping reads its snapshots this way, so
+        every rank sees the same values and takes the same decisions."""
+        mine, local_rows = self._owned(rows)
+        values = torch.zeros(mine.numel(), self.dim, device=self.table_offsets.device)
+        if self.local is not None and local_rows.numel():
+            values[mine] = self.local.read_rows(local_rows)
+        dist.all_reduce(values, group=self.group)
+        return values
+
+    def release_rows(self, rows: Tensor) -> int:
+        """Write the cached ones of global `rows` back and free their slots; the count over ranks (a collective)."""
+        mine, local_rows = self._owned(rows)
+        released = self.local.release_rows(local_rows) if self.local is not None and local_rows.numel() else 0
+        count = torch.tensor([released], dtype=torch.int64)
+        dist.all_reduce(count, group=self.group)
+        return int(count)
+
     # ------------------------------------------------------------------------------- local state
     def flush(self) -> None:
         if self.local is not None:

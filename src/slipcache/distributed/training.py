@@ -130,8 +130,6 @@ class DistributedRun:
     def check_config(self, config: Any) -> None:
         """Refuse what does not work across processes yet, with the same one-line error on every rank."""
         n = self.ctx.world_size
-        if config.skip_stale:
-            raise SlipcacheError(f"--skip-stale is not supported with {n} > 1 processes yet")
         if config.embeddings != "cached":
             raise SlipcacheError(
                 f"--embeddings {config.embeddings} is not supported with {n} > 1 processes (only cached tables are sharded)"

@@ -1417,9 +1417,12 @@ def evaluate_checkpoint(
     if samples is not None and samples < 1:
         raise SlipcacheError(f"--samples must be at least 1, got {samples}")
     path = Path(checkpoint_path).expanduser().resolve()
+    from slipcache.distributed import checkpoint as sharded_ckpt
+
+    sharded = sharded_ckpt.latest_sharded(path) if path.is_dir() else None  # written by N processes
     if path.is_dir():
         path = path / "checkpoints" / ckpt.LATEST if (path / "checkpoints").is_dir() else path / ckpt.LATEST
-    state = _load_checkpoint_or_name_others(path)
+    state = sharded_ckpt.load_rank_state(sharded, 0) if sharded else _load_checkpoint_or_name_others(path)
     config = _config_from_saved(state["config"], f"checkpoint {path}")
     config.progress = False
     if data is not None:
@@ -1433,6 +1436,9 @@ def evaluate_checkpoint(
     if split not in dataset.splits or not dataset.splits[split]:
         raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
     model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    if sharded is not None:  # gather the ranks' shards into this process's tables
+        sharded_ckpt.unshard_into(model.embeddings, sharded)
+        state["embeddings"] = model.embeddings.state_dict()
     _load_model_state(state, model)
     return evaluate(model, dataset.split(split), max_samples=samples)
 
