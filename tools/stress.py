@@ -162,8 +162,8 @@ def kill_trial(runner: Runner, run: Path, log: Path, timing: dict[str, float], r
             during_startup = rng.random() < 0.2
             if during_startup:
                 delay = rng.uniform(0.1, 1.0) * timing["startup"]
-            else:
-                delay = rng.uniform(0.0, 1.0) * timing["training"]
+            else:  # the reference's time from setup to exit, less its final test evaluation and report
+                delay = rng.uniform(0.0, 0.8) * timing["training"]
                 if wait_until_training(process, run) is None:
                     delay = 0.0
             try:
@@ -174,6 +174,10 @@ def kill_trial(runner: Runner, run: Path, log: Path, timing: dict[str, float], r
                 kills.append(f"{'startup' if during_startup else 'training'} +{delay:.2f}s")
                 continue
         code = process.wait(timeout=900)
+        if not kills:  # it finished before the kill: a trial needs one, so start it over
+            shutil.rmtree(run)
+            stages.clear()
+            continue
         if code != 0:
             return {"kills": kills, "stages": stages, "error": f"exit {code}; see {log}"}
         return {"kills": kills, "stages": stages}
