@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("slipcache.training.trainer", "evaluate a checkpoint on a dataset split"),
     "synth": ("slipcache.data.synthetic", "generate a synthetic Criteo-shaped dataset"),
     "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
+    "stats": ("slipcache.data.stats", "access-pattern statistics of raw Criteo files or a dataset"),
     "bench": ("slipcache.experiments.bench", "benchmark embedding implementations"),
     "experiment": ("slipcache.experiments.studies", "run the papers' experiments and write a report"),
 }

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from slipcache.data.synthetic import GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
@@ -75,12 +76,14 @@ class TrainConfig:
     min_count: int = 1  # raw data, frequency vocabulary: rarer values map to row 0 ("unknown")
     synthetic_samples: int = 4_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
+    synthetic_generator: str = "v3"  # synthetic data: "v3" (entities, time order) or "v2" (earlier figures)
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
-    precision: str = "int8"
-    cache_size: float = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
-    cache_rows: int | None = None  # cache capacity as a row count instead (overrides cache_size)
+    # precision, cache_size, cache_rows: one value, or (config files) a list with one value per table
+    precision: str | list[str] = "int8"
+    cache_size: float | list[float] = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
+    cache_rows: int | list[int] | None = None  # cache capacity as a row count instead (overrides cache_size)
     policy: str = "lru"
     rounding: str = "stochastic"
     optimizer: str = "sgd"  # embedding optimizer
@@ -116,13 +119,16 @@ class TrainConfig:
     stale_refit: bool = True  # refit T at every rolling re-check so D holds all epoch (paper: once per epoch)
 
     def validate(self) -> None:
+        for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
+            if precision not in PRECISIONS:
+                raise SlipcacheError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         choices = {
             "embeddings": EMBEDDING_KINDS,
-            "precision": PRECISIONS,
             "policy": POLICIES,
             "rounding": ROUNDINGS,
             "optimizer": OPTIMIZERS,
             "vocab": VOCABS,
+            "synthetic_generator": tuple(GENERATOR_VERSIONS),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -143,11 +149,13 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
-        if not 0.0 <= self.cache_size <= 1.0:  # also rejects nan and inf
-            hint = f" (for a number of rows use --cache-rows {self.cache_size:g})" if self.cache_size > 1 else ""
-            raise SlipcacheError(f"cache_size is the share of rows cached, in [0, 1]; got {self.cache_size}{hint}")
-        if self.cache_rows is not None and self.cache_rows < 0:
-            raise SlipcacheError(f"cache_rows must be >= 0, got {self.cache_rows}")
+        for share in self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]:
+            if not 0.0 <= share <= 1.0:  # also rejects nan and inf
+                hint = f" (for a number of rows use --cache-rows {share:g})" if share > 1 else ""
+                raise SlipcacheError(f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}")
+        for count in self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows]:
+            if count is not None and count < 0:
+                raise SlipcacheError(f"cache_rows must be >= 0, got {count}")
         if not 0 <= self.seed < 2**32:
             raise SlipcacheError(f"seed must be in [0, 2**32), got {self.seed}")
         if self.keep_checkpoints < 1:
@@ -195,7 +203,13 @@ def _coerce(name: str, value: Any) -> Any:
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(kind):
             return None
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        options = [a for a in typing.get_args(kind) if a is not type(None)]
+        if isinstance(value, list):  # `str | list[str]`: one value or one per table
+            listed = [a for a in options if typing.get_origin(a) is list]
+            element = typing.get_args(listed[0])[0] if listed else None
+            if element is not None and value and all(_matches(element, v) for v in value):
+                return [float(v) if element is float else int(v) if element is int else v for v in value]
+        kind = options[0]
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if typing.get_origin(kind) is list:
         if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -209,6 +223,16 @@ def _coerce(name: str, value: Any) -> Any:
     elif kind is str and isinstance(value, str):
         return value
     raise SlipcacheError(f"{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+def _matches(kind: type, value: Any) -> bool:
+    """Whether a config-file list element fits `kind` (ints are accepted where floats are)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float:
+        return number
+    if kind is int:
+        return number and float(value).is_integer()
+    return isinstance(value, kind)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -265,7 +289,12 @@ def _synthetic_dataset(config: TrainConfig) -> Path:
 
     # Dataset seed 0 whatever the run seed: runs with different seeds then compare on the same data.
     return default_synthetic_path(
-        None, config.synthetic_samples, config.synthetic_scale, 0, progress=config.progress
+        None,
+        config.synthetic_samples,
+        config.synthetic_scale,
+        0,
+        generator=config.synthetic_generator,
+        progress=config.progress,
     )
 
 
@@ -693,6 +722,7 @@ def epoch_batches(run: Run) -> Any:
         run.dataset.split("train"),
         run.config.batch_size,
         shuffle=True,
+        in_order=bool(run.dataset.meta.get("time_ordered")),  # time-ordered data: shuffle within windows
         seed=run.config.seed,
         epoch=run.progress.epoch,
         drop_last=True,
@@ -1178,6 +1208,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "default: synthetic data",
     )
     add("--out", default=s, help="run directory (default runs/<timestamp>)")
+    add(
+        "--generator",
+        dest="synthetic_generator",
+        choices=tuple(GENERATOR_VERSIONS),
+        default=s,
+        help="synthetic data generator: v3 (default; entities, time order) or v2 (earlier figures)",
+    )
     add(
         "--resume",
         metavar="RUN_OR_CHECKPOINT",
