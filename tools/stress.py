@@ -105,7 +105,9 @@ class Runner:
     def __init__(self, workdir: Path, config: Path) -> None:
         self.workdir = workdir
         self.config = config
-        src = Path(__file__).resolve().parents[1] / "src"
+        # A snapshot of the package: edits to the working tree during the (long) run cannot mix versions.
+        src = workdir / "src"
+        shutil.copytree(Path(__file__).resolve().parents[1] / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
         self.env = {
             **os.environ,
             "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
