@@ -51,6 +51,7 @@ from slipcache.training import checkpoint as ckpt
 from slipcache.training.metrics import evaluate_predictions
 
 if typing.TYPE_CHECKING:
+    from slipcache.distributed.training import DistributedRun
     from slipcache.staleness.skipping import StaleSkipper
 
 VOCABS = ("hash", "frequency")
@@ -576,6 +577,12 @@ class Run:
     base_hits: int = 0
     tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
     finished: bool = False  # set by the run's last batch
+    dist: DistributedRun | None = None  # N processes (slipcache.distributed.training); None: this one alone
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this process writes the run directory's files (rank 0 of N, or the only process)."""
+        return self.dist is None or self.dist.is_main
 
     @property
     def consumed(self) -> int:
@@ -586,7 +593,7 @@ class Run:
         return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
+def train(config: TrainConfig, dist: DistributedRun | None = None) -> dict[str, Any]:
     """Train DLRM as configured, writing the run directory; returns the summary dict.
 
     Hook points for features that join the loop: `epoch_batches` (per-epoch setup, the batch source),
@@ -595,7 +602,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     (`progress.train_wall_s`) runs from `run.tick` to the end of `record_step`; evaluation and checkpoints
     fall outside it.
     """
-    run = start_run(config)
+    run = start_run(config, dist)
     try:
         while run.more_epochs():
             batches = epoch_batches(run)
@@ -627,14 +634,14 @@ def _crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def start_run(config: TrainConfig) -> Run:
+def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
     if config.resume is not None:
-        state, saved, config, changes = _load_resume(config)
+        state, saved, config, changes = _load_resume(config, dist)
         run_dir = Path(config.out or "")
     else:
         run_dir = _prepare_out(Path(config.out) if config.out else _new_run_dir(), restart_ok=True)
@@ -661,7 +668,10 @@ def start_run(config: TrainConfig) -> Run:
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
-    model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    if dist is None:
+        model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    else:
+        model = dist.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir)
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
     emb_opt = embedding_optimizer(config, model)
     batches_per_epoch = dataset.splits["train"] // config.batch_size
@@ -674,8 +684,9 @@ def start_run(config: TrainConfig) -> Run:
     if state is not None:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(state, model, dense_opt, emb_opt, progress, skipper)
-    _write_json(run_dir / "config.json", config_dict)
-    _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops events after its checkpoint
+    if dist is None or dist.is_main:
+        _write_json(run_dir / "config.json", config_dict)
+        _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops later events
 
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
@@ -703,6 +714,7 @@ def start_run(config: TrainConfig) -> Run:
         budget=budget,
         max_epochs=math.ceil(total_steps / batches_per_epoch),
         bar=bar,
+        dist=dist,
     )
     # The collection's counters may or may not come back with its state; count relative to what it says now.
     run.base_lookups, run.base_hits = _stats_totals(model)
@@ -795,8 +807,9 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
         scores = evaluate(run.model, run.dataset.split("val"), max_samples=run.config.eval_samples)
         event.update({f"val_{k}": v for k, v in scores.items()})
     progress.events.append(event)
-    with open(run.run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(event) + "\n")
+    if run.writes_files:
+        with open(run.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
     run.base_lookups, run.base_hits = _stats_totals(run.model)  # evaluation lookups do not count
 
 
@@ -842,6 +855,9 @@ def save_checkpoint(run: Run) -> None:
     _sync_window_counts(run)
     state = checkpoint_state(run)
     directory = run.run_dir / "checkpoints"
+    if run.dist is not None:
+        run.dist.save_checkpoint(directory, state, run.progress.samples, keep=run.config.keep_checkpoints)
+        return
     try:
         ckpt.save_run_checkpoint(directory, state, run.progress.samples, keep=run.config.keep_checkpoints)
     except OSError as exc:  # a full disk, a quota: the previous checkpoint is intact (atomic writes)
@@ -884,6 +900,7 @@ def finish_run(run: Run) -> dict[str, Any]:
         "fp32_embedding_bytes": int(memory["fp32_bytes"]),
         "memory_ratio": float(memory["memory_ratio"]),
         "memory_components": memory["components"],
+        "memory_per_rank": memory.get("per_rank"),  # N processes: each rank's own report
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
         "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
@@ -891,7 +908,10 @@ def finish_run(run: Run) -> dict[str, Any]:
         "data_quality": run.data_quality,
         "run_dir": str(run.run_dir),
         "config": run.config_dict,
+        "distributed": run.dist.summary(model) if run.dist is not None else None,
     }
+    if not run.writes_files:
+        return summary
     _write_json(run.run_dir / "summary.json", summary)
     from slipcache.training.report import write_report
 
@@ -1041,7 +1061,7 @@ def _resume_location(resume: str) -> tuple[Path, Path | None]:
 
 
 def _load_resume(
-    config: TrainConfig,
+    config: TrainConfig, dist: DistributedRun | None = None
 ) -> tuple[dict[str, Any] | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
     """(checkpoint state or None, the run's saved config, the config to continue with, changed settings).
 
@@ -1056,7 +1076,14 @@ def _load_resume(
         raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
     else:
         run_dir = home
-    if home is not None and path.name == ckpt.LATEST and not _has_checkpoint(home):
+    if dist is None and home is not None:
+        from slipcache.distributed.checkpoint import refuse_sharded
+
+        refuse_sharded(home)  # written by N processes: say how to resume it
+    if dist is not None:
+        state = dist.load_checkpoint(home or path)  # every rank's file and the manifest
+        saved, where = state["config"], f"checkpoint {path.parent}"
+    elif home is not None and path.name == ckpt.LATEST and not _has_checkpoint(home):
         _warn(f"{home} has no checkpoint (it stopped before the first one); starting it again from the beginning")
         state, saved = None, json.loads((home / "config.json").read_text())
         where = f"{home / 'config.json'}"
@@ -1311,7 +1338,17 @@ def run_train(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k in _FIELDS}
     file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
     config = make_config(file_values, flags)
-    summary = train(config)
+    from slipcache.distributed.launch import init_from_env
+
+    context = init_from_env()  # None unless started by torchrun with more than one process
+    if context is None:
+        summary = train(config)
+    else:
+        from slipcache.distributed.training import train_on_ranks
+
+        summary = train_on_ranks(config, context)
+        if not context.is_main:
+            return 0
     print(f"run: {summary['run_dir']}")
     print(summary_table(summary))
     return 0
@@ -1331,9 +1368,12 @@ def evaluate_checkpoint(
     if samples is not None and samples < 1:
         raise SlipcacheError(f"--samples must be at least 1, got {samples}")
     path = Path(checkpoint_path).expanduser().resolve()
+    from slipcache.distributed import checkpoint as sharded_ckpt
+
+    sharded = sharded_ckpt.latest_sharded(path) if path.is_dir() else None  # written by N processes
     if path.is_dir():
         path = path / "checkpoints" / ckpt.LATEST if (path / "checkpoints").is_dir() else path / ckpt.LATEST
-    state = _load_checkpoint_or_name_others(path)
+    state = sharded_ckpt.load_rank_state(sharded, 0) if sharded else _load_checkpoint_or_name_others(path)
     config = _config_from_saved(state["config"], f"checkpoint {path}")
     config.progress = False
     if data is not None:
@@ -1347,6 +1387,9 @@ def evaluate_checkpoint(
     if split not in dataset.splits or not dataset.splits[split]:
         raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
     model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    if sharded is not None:  # gather the ranks' shards into this process's tables
+        sharded_ckpt.unshard_into(model.embeddings, sharded)
+        state["embeddings"] = model.embeddings.state_dict()
     _load_model_state(state, model)
     return evaluate(model, dataset.split(split), max_samples=samples)
 
