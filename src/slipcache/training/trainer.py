@@ -1019,7 +1019,7 @@ def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
 _RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard"}
 # Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
 _STATE_DEFINING = {
-    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "strict",
+    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
     "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
     "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "table_sizes", "split_order",
 }  # fmt: skip
