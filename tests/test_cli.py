@@ -1,0 +1,24 @@
+"""The `slipcache` command's own behaviour (argument handling shared by every subcommand)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slipcache.cli import main
+
+
+def test_unknown_flag_is_reported_by_its_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    # `--no-progress` belongs to train; given to eval it must point at eval's usage, not the top-level one.
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--checkpoint", "run", "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: slipcache eval" in err
+    assert "slipcache eval: error: unrecognized arguments: --no-progress" in err
+
+
+def test_unknown_flag_without_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--bogus"])
+    assert exc.value.code == 2
+    assert "slipcache: error: unrecognized arguments: --bogus" in capsys.readouterr().err
