@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from slipcache.cli import main
@@ -22,3 +24,10 @@ def test_unknown_flag_without_command(capsys: pytest.CaptureFixture[str]) -> Non
         main(["--bogus"])
     assert exc.value.code == 2
     assert "slipcache: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_synth_out_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes").write_text("mine")
+    assert main(["synth", "--out", str(tmp_path / "notes"), "--samples", "1000", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"slipcache synth: error: {tmp_path / 'notes'}: cannot create output directory: File exists"

@@ -252,3 +252,9 @@ def test_all_quick_preset_as_ci_runs_it(tmp_path: Path, monkeypatch: pytest.Monk
     report = (out / "report.md").read_text()
     for plot in MP_PLOTS + STALE_PLOTS:
         assert (out / plot).is_file() and plot in report
+
+
+def test_out_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "notes").write_text("mine")
+    with pytest.raises(experiments.SlipcacheError, match="exists and is not a directory"):
+        experiments.run_experiment(_args("mixed-precision", "--out", str(tmp_path / "notes")))
