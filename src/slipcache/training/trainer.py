@@ -1189,6 +1189,8 @@ def summary_table(summary: dict[str, Any]) -> str:
     ]
     if summary.get("cache_hit_rate") is not None:
         rows.insert(4, ("cache hit rate", f"{100 * summary['cache_hit_rate']:.1f}%"))
+    if summary.get("staleness"):
+        rows.append(("skipped as stale", f"{100 * summary['skipped_fraction']:.1f}% of inputs"))
     quality = summary.get("data_quality")
     if quality and quality["malformed_lines"]:
         rows.append(("malformed lines", f"{quality['malformed_lines']:,} skipped (see report.md)"))
