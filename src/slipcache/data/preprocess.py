@@ -149,6 +149,9 @@ def preprocess(
         raise SlipcacheError(
             "--split days needs at least two input files (one day each; the last is val+test)"
         )
+    missing = [str(path) for path in inputs if not Path(path).exists()]
+    if missing:  # before the output directory is created, so a typo leaves nothing behind
+        raise SlipcacheError(f"{missing[0]}: no such file")
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
