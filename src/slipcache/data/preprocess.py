@@ -288,7 +288,12 @@ def _preprocess(
 def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="raw Criteo files (tsv, csv; .gz too)")
     parser.add_argument("--out", required=True, help="output dataset directory")
-    parser.add_argument("--vocab", choices=("frequency", "hash"), default="frequency")
+    parser.add_argument(
+        "--vocab",
+        choices=("frequency", "hash"),
+        default="frequency",
+        help="frequency: a row per value seen (default); hash: --max-rows hashed rows per table",
+    )
     parser.add_argument(
         "--min-count",
         type=int,

@@ -1239,7 +1239,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
     add("--cache-size", type=float, default=s, help="share of rows cached, 0..1; 1 = every row (default 0.05)")
     add("--cache-rows", type=int, default=s, help="cache capacity as a number of rows (overrides --cache-size)")
-    add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
+    add("--policy", choices=POLICIES, default=s, help="cache replacement policy; none = no cache (default lru)")
     add("--rounding", choices=ROUNDINGS, default=s, help="rounding into storage (default stochastic)")
     add("--optimizer", choices=OPTIMIZERS, default=s, help="embedding optimizer (default sgd)")
     add("--lr", type=float, default=s, help="embedding learning rate (default 0.3)")
@@ -1322,7 +1322,7 @@ def run_train(args: argparse.Namespace) -> int:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     parser.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
-    parser.add_argument("--split", default="test", choices=("train", "val", "test"))
+    parser.add_argument("--split", default="test", choices=("train", "val", "test"), help="split to evaluate (default test)")
     parser.add_argument("--samples", type=int, default=None, help="evaluate only the first N samples")
 
 
