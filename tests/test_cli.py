@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slipcache.cli import main
+from slipcache.cli import build_parser, main
 
 
 def test_unknown_flag_is_reported_by_its_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -31,3 +31,9 @@ def test_synth_out_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["synth", "--out", str(tmp_path / "notes"), "--samples", "1000", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"slipcache synth: error: {tmp_path / 'notes'}: cannot create output directory: File exists"
+
+
+def test_every_long_job_takes_quiet() -> None:
+    # preprocess, synth and stats say --quiet; train said only --no-progress, which users mixed up.
+    assert build_parser("train").parse_args(["train", "--quiet"]).progress is False
+    assert build_parser("train").parse_args(["train", "--no-progress"]).progress is False

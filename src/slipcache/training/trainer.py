@@ -1269,7 +1269,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-rows", type=int, default=s, help="raw data, hash vocabulary: rows per table (default 1000000)")
     add("--min-count", type=int, default=s, help="raw data, frequency vocabulary: minimum count (default 1)")
     add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
-    add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
+    add("--no-progress", "--quiet", dest="progress", action="store_false", default=s, help="no progress bar")
     add(
         "--skip-stale",
         action="store_true",
