@@ -220,13 +220,9 @@ def test_bad_checkpoint_is_one_line_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # ~30 s on 2 idle cores (first run also generates the 800k-row synthetic dataset)
-def test_quick_run_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_quick_run_from_the_command_line(quick_run: tuple[Path, str]) -> None:
     """`slipcache train --quick`: synthetic data, recommended settings, AUC > 0.70."""
-    from slipcache.cli import main
-
-    run = tmp_path / "quick"
-    assert main(["train", "--quick", "--no-progress", "--out", str(run)]) == 0
-    out = capsys.readouterr().out
+    run, out = quick_run
     assert "AUC (test)" in out and "samples/s" in out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["auc"] > 0.70
