@@ -1237,6 +1237,8 @@ def summary_table(summary: dict[str, Any]) -> str:
     ]
     if summary.get("cache_hit_rate") is not None:
         rows.insert(4, ("cache hit rate", f"{100 * summary['cache_hit_rate']:.1f}%"))
+    if summary.get("staleness"):
+        rows.append(("skipped as stale", f"{100 * summary['skipped_fraction']:.1f}% of inputs"))
     quality = summary.get("data_quality")
     if quality and quality["malformed_lines"]:
         rows.append(("malformed lines", f"{quality['malformed_lines']:,} skipped (see report.md)"))
@@ -1285,7 +1287,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
     add("--cache-size", type=float, default=s, help="share of rows cached, 0..1; 1 = every row (default 0.05)")
     add("--cache-rows", type=int, default=s, help="cache capacity as a number of rows (overrides --cache-size)")
-    add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
+    add("--policy", choices=POLICIES, default=s, help="cache replacement policy; none = no cache (default lru)")
     add("--rounding", choices=ROUNDINGS, default=s, help="rounding into storage (default stochastic)")
     add("--optimizer", choices=OPTIMIZERS, default=s, help="embedding optimizer (default sgd)")
     add("--lr", type=float, default=s, help="embedding learning rate (default 0.3)")
@@ -1328,7 +1330,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=s,
         help="which half of the last day is validation (default: the format's convention)",
     )
-    add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
+    add("--no-progress", "--quiet", dest="progress", action="store_false", default=s, help="no progress bar")
     add(
         "--tensorboard",
         nargs="?",
@@ -1406,7 +1408,7 @@ def run_train(args: argparse.Namespace) -> int:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     parser.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
-    parser.add_argument("--split", default="test", choices=("train", "val", "test"))
+    parser.add_argument("--split", default="test", choices=("train", "val", "test"), help="split to evaluate (default test)")
     parser.add_argument("--samples", type=int, default=None, help="evaluate only the first N samples")
 
 
