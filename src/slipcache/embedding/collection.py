@@ -14,6 +14,7 @@ vectorized operations whatever the number of tables. A training step:
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 from slipcache import _native
 from slipcache.embedding.cache import POLICIES, RowCache
+from slipcache.embedding.lookahead import Window
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, RowStorage
 from slipcache.errors import InvalidInputError
 
@@ -211,6 +213,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         )
         self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
         self._generator: torch.Generator | None = None
+        # Lookahead (set_lookahead): the window for the next step, its rows per batch, the prefetch in flight.
+        self._window: Window | None = None
+        self._upcoming_rows: list[tuple[object, Tensor]] = []
+        self._prefetch_next = False
+        self._pending: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._side_stream: Any = None
+        # The prefetch thread's own rounding generator (made on first use): draws never interleave by timing.
+        self._prefetch_generator: torch.Generator | None = None
+        self.prefetched_rows = 0
         if not meta:
             self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
             self._initialize_rows()
@@ -232,6 +244,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""
         if len(tables) != len(self.table_sizes):
             raise InvalidInputError(f"expected {len(self.table_sizes)} tables, got {len(tables)}")
+        self._join_prefetch()
         for t, (table, size) in enumerate(zip(tables, self.table_sizes, strict=True)):
             if tuple(table.shape) != (size, self.dim):
                 raise InvalidInputError(
@@ -359,6 +372,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     # -------------------------------------------------------------------------------- cache traffic
     def read_rows(self, rows: Tensor) -> Tensor:
         """fp32 values of global `rows` (cache overlaid on storage); changes nothing."""
+        self._join_prefetch()
         rows = rows.to(self.device)
         slots = self.cache.lookup(rows)
         hit = slots >= 0
@@ -371,6 +385,9 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _plan_step(self, lookup: _Lookup) -> _StepPlan:
         """Bring the batch's rows into the cache where they fit; read the rest from storage."""
+        self._join_prefetch()
+        window, self._window = self._window, None  # a window describes the batches after this one only
+        prefetch, self._prefetch_next = self._prefetch_next, False
         self.step += 1
         step, rows, cache = self.step, lookup.rows, self.cache
         slots = cache.lookup_and_touch(rows, step)
@@ -383,7 +400,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         on_storage = None
         if any_miss:
             missing, miss_inverse, uses = torch.unique(rows[miss], return_inverse=True, return_counts=True)
-            assignment = cache.assign(missing, self._pin_since)
+            assignment = cache.assign(missing, self._pin_since, window)
             if assignment.victim_slots.numel():
                 self.storage.write(
                     assignment.victim_rows,
@@ -423,6 +440,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             else rows.new_empty(0, self.dim, dtype=torch.float32)
         )
         all_on_storage = storage_index.numel() == rows.numel() and rows.numel() > 0
+        if prefetch and window is not None and len(window) and cache.capacity:
+            self._start_prefetch(window, storage_rows)
         return _StepPlan(
             slots, on_storage, storage_rows, storage_index, storage_values, storage_tables, all_on_storage
         )
@@ -489,6 +508,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def flush(self) -> None:
         """Round every cached row back into storage; the cache keeps its contents."""
+        self._join_prefetch()
         slots, rows = self.cache.cached()
         for start in range(0, slots.numel(), _INIT_CHUNK_ROWS):
             chunk_slots, chunk_rows = (
@@ -502,6 +522,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def release_rows(self, rows: Tensor) -> int:
         """Write cached `rows` back and free their slots (e.g. rows found stale); returns how many."""
+        self._join_prefetch()
         slots = self.cache.lookup(rows.to(self.device))
         slots = slots[slots >= 0]
         if slots.numel():
@@ -530,17 +551,21 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _tables_of(self, rows: Tensor) -> Tensor:
         return torch.searchsorted(self.table_offsets, rows.to(self.device), right=True) - 1
 
-    def _count_tables(self, name: str, tables: Tensor) -> None:
-        self.counters[:, COUNTERS.index(name)] += torch.bincount(tables, minlength=len(self.table_sizes))
+    def _count_tables(self, name: str, tables: Tensor, counters: Tensor | None = None) -> None:
+        counters = self.counters if counters is None else counters
+        counters[:, COUNTERS.index(name)] += torch.bincount(tables, minlength=len(self.table_sizes))
 
-    def _count_rows(self, name: str, rows: Tensor) -> None:
-        self._count_tables(name, self._tables_of(rows))
+    def _count_rows(self, name: str, rows: Tensor, counters: Tensor | None = None) -> None:
+        self._count_tables(name, self._tables_of(rows), counters)
 
     def reset_stats(self) -> None:
+        self._join_prefetch()
         self.counters.zero_()
+        self.prefetched_rows = 0
 
     def stats(self) -> dict[str, Any]:
         """Cumulative lookups, hits, misses, evictions and traffic, in total and per table."""
+        self._join_prefetch()
         bytes_per_row = self.storage.bytes_per_row
         per_table_counts = self.counters.cpu().tolist()
 
@@ -557,6 +582,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             for name, c in zip(self.table_names, per_table_counts, strict=True)
         ]
         totals["cache_rows"] = self.cache.capacity
+        totals["prefetched_rows"] = self.prefetched_rows
         return totals
 
     def memory_report(self) -> dict[str, Any]:
@@ -576,6 +602,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             components[_component_of(name)] += buffer.numel() * buffer.element_size()
         if self._generator is not None:
             components["other"] += self._generator.get_state().numel()
+        if self._prefetch_generator is not None:
+            components["other"] += self._prefetch_generator.get_state().numel()
         total = sum(components.values())
         fp32 = self.config.num_rows * self.dim * 4 + components["optimizer_state"]
         return {
@@ -585,7 +613,99 @@ class CachedEmbeddingBagCollection(nn.Module):
             "memory_ratio": fp32 / total,
         }
 
+    # ------------------------------------------------------------------------------------ lookahead
+    def set_lookahead(self, upcoming: list[Tensor | SparseFeatures], prefetch: bool = False) -> None:
+        """The ids of the batches after the next training step's (e.g. `BatchIterator.peek(k)`), for that
+        step only: the lookahead policy evicts by their use, and with `prefetch` the first one's missing
+        rows are brought into the cache in the background while that step computes (a thread on CPU, a
+        side stream on GPU), never in place of a row of the batch in flight or of the next one.
+
+        Why per step: a window left over from an earlier step would be off by one batch.
+        """
+        known = {id(features): rows for features, rows in self._upcoming_rows}
+        self._upcoming_rows = [
+            (features, known[id(features)] if id(features) in known else torch.unique(self._prepare(features).rows))
+            for features in upcoming
+        ]
+        self._window = Window([rows for _, rows in self._upcoming_rows])
+        self._prefetch_next = prefetch
+
+    def _start_prefetch(self, window: Window, in_storage: Tensor) -> None:
+        """Run `_prefetch` for the window's first batch in the background; `_join_prefetch` waits for it."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipcache-prefetch")
+        if self._prefetch_generator is None:
+            self._prefetch_generator = self._new_prefetch_generator()
+        args = (window, in_storage, self._pin_since, self.step)
+        if self.device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.device)
+            self._side_stream.wait_stream(torch.cuda.current_stream(self.device))  # this step's work first
+
+            def on_side_stream() -> tuple[Tensor, int]:
+                with torch.cuda.stream(self._side_stream):
+                    return self._prefetch(*args)
+
+            self._pending = self._executor.submit(on_side_stream)
+        else:
+            self._pending = self._executor.submit(self._prefetch, *args)
+
+    def _prefetch(self, window: Window, in_storage: Tensor, pin_since: int, step: int) -> tuple[Tensor, int]:
+        """Install the missing rows of the window's first batch (run while step `step` computes).
+
+        Touches only what that step does not: slots of rows outside its batch (pinned from `pin_since`)
+        and of the next batch's, and rows not served from storage by it (`in_storage`, which its backward
+        writes). Counts go to a tensor of their own, added to the counters on join.
+        """
+        cache, counts = self.cache, torch.zeros_like(self.counters)
+        rows = window.batches[0]
+        slots = cache.lookup(rows)
+        hit = slots >= 0
+        cache.last_used[slots[hit]] = step + 1  # the next step's rows stay; its lookup will say so too
+        missing = rows[~hit]
+        if in_storage.numel():
+            missing = missing[~torch.isin(missing, in_storage)]
+        assignment = cache.assign(missing, pin_since, window)
+        if assignment.victim_slots.numel():
+            victims = assignment.victim_rows
+            self.storage.write(
+                victims, cache.weights[assignment.victim_slots], self.config.rounding, self._prefetch_generator
+            )
+            self._count_rows("evictions", victims, counts)
+            self._count_rows("rows_out", victims, counts)
+        admitted = assignment.slots >= 0
+        rows_in = missing[admitted]
+        if rows_in.numel():
+            cache.install(
+                assignment.slots[admitted],
+                rows_in,
+                self.storage.read(rows_in, self.device),
+                step + 1,
+                torch.zeros_like(rows_in),  # LFU: the next step's lookup counts the uses
+            )
+            self._count_rows("rows_in", rows_in, counts)
+        return counts, int(rows_in.numel())
+
+    def _join_prefetch(self) -> None:
+        """Wait for the prefetch in flight, if any, and take in its counts (its errors surface here)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        counts, admitted = pending.result()
+        if self._side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+        self.counters += counts
+        self.prefetched_rows += admitted
+
     # ----------------------------------------------------------------------------------- state dict
+    def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._join_prefetch()  # the saved cache includes the prefetched rows, so a resumed run matches
+        super()._save_to_state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._join_prefetch()
+        super()._load_from_state_dict(*args, **kwargs)
+
     def get_extra_state(self) -> dict[str, Any]:
         config = asdict(self.config)
         return {
@@ -593,6 +713,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             "pin_since": self._pin_since,
             "lr": self.lr,
             "generator": self._generator.get_state() if self._generator is not None else None,
+            "prefetch_generator": (
+                self._prefetch_generator.get_state() if self._prefetch_generator is not None else None
+            ),
             "config": {k: config[k] for k in _STATE_KEYS},
         }
 
@@ -606,6 +729,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.step, self._pin_since, self.lr = state["step"], state["pin_since"], state["lr"]
         if self._generator is not None and state["generator"] is not None:
             self._generator.set_state(state["generator"])
+        if self._generator is not None and state.get("prefetch_generator") is not None:
+            self._prefetch_generator = self._new_prefetch_generator()
+            self._prefetch_generator.set_state(state["prefetch_generator"])
+
+    def _new_prefetch_generator(self) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.config.seed + 1)
 
     @classmethod
     def estimate_memory(cls, config: EmbeddingConfig) -> dict[str, Any]:
