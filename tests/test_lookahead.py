@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipcache.embedding.cache import EMPTY
+from slipcache.embedding.cache import EMPTY, LOOKAHEAD_POLICIES
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.embedding.lookahead import Window, belady_hits
 
@@ -43,11 +43,11 @@ batch_lists = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(batches=batch_lists, capacity=st.integers(2, 24), ways=st.sampled_from([2, 4, 32]), k=st.integers(1, 4),
-       prefetch=st.booleans())
-def test_never_evicts_a_row_of_the_batch_in_flight_or_the_next(batches, capacity, ways, k, prefetch) -> None:
+       prefetch=st.booleans(), policy=st.sampled_from(LOOKAHEAD_POLICIES))
+def test_never_evicts_a_row_of_the_batch_in_flight_or_the_next(batches, capacity, ways, k, prefetch, policy) -> None:
     tensors = [torch.tensor(b).view(-1, 1) for b in batches]
     coll = CachedEmbeddingBagCollection(
-        EmbeddingConfig([40], dim=2, precision="fp32", cache_size=capacity, ways=ways, policy="lookahead")
+        EmbeddingConfig([40], dim=2, precision="fp32", cache_size=capacity, ways=ways, policy=policy)
     )
 
     def check(i: int, before: set[int]) -> None:
@@ -63,23 +63,28 @@ def test_never_evicts_a_row_of_the_batch_in_flight_or_the_next(batches, capacity
 @given(
     batches=st.lists(st.sets(st.integers(0, 29), min_size=1, max_size=8), min_size=1, max_size=12),
     capacity=st.integers(1, 16),
+    policy=st.sampled_from(LOOKAHEAD_POLICIES),
 )
-def test_equals_belady_on_a_trace_shorter_than_the_window(batches, capacity) -> None:
+def test_equals_belady_on_a_trace_shorter_than_the_window(batches, capacity, policy) -> None:
     """Fully associative, the whole trace in the window: the hits are Belady's (one lookup per row and batch,
     so ties between rows used at the same time cannot change the count)."""
     tensors = [torch.tensor(sorted(b)).view(-1, 1) for b in batches]
     coll = CachedEmbeddingBagCollection(
-        EmbeddingConfig([30], dim=1, precision="fp32", cache_size=capacity, ways=capacity, policy="lookahead")
+        EmbeddingConfig([30], dim=1, precision="fp32", cache_size=capacity, ways=capacity, policy=policy)
     )
     _train(coll, tensors, k=len(batches))
-    assert coll.stats()["hits"] == belady_hits([t.view(-1) for t in tensors], capacity)
+    lookup_hits, row_hits = belady_hits([t.view(-1) for t in tensors], capacity)
+    assert coll.stats()["hits"] == lookup_hits.sum() == row_hits.sum()
 
 
 def test_belady_keeps_the_row_used_again() -> None:
     # One slot: row 1 is used again at batch 2, row 2 never; Belady serves row 2 from storage.
-    assert belady_hits(torch.tensor([[1], [2], [1]]), capacity=1) == 1
+    assert belady_hits(torch.tensor([[1], [2], [1]]), capacity=1)[0].tolist() == [0, 0, 1]
     # Rows of the batch in flight stay: 3 cannot take 1's slot at batch 1 even though 1 is never used again.
-    assert belady_hits([torch.tensor([1]), torch.tensor([1, 3]), torch.tensor([3])], capacity=1) == 1
+    lookup_hits, row_hits = belady_hits([torch.tensor([1]), torch.tensor([1, 3]), torch.tensor([3, 3])], capacity=1)
+    assert lookup_hits.tolist() == [0, 1, 0] and row_hits.tolist() == [0, 1, 0]
+    lookup_hits, row_hits = belady_hits([torch.tensor([5, 5, 5]), torch.tensor([5, 5])], capacity=1)
+    assert lookup_hits.tolist() == [0, 2] and row_hits.tolist() == [0, 1]
 
 
 def _stream(num_batches: int, batch: int, rows: int, seed: int) -> list[torch.Tensor]:
@@ -123,11 +128,11 @@ def test_prefetch_with_stochastic_rounding_is_reproducible() -> None:
 def test_lookahead_beats_lru_under_eviction_pressure() -> None:
     batches = _stream(40, 32, 200, seed=5)
     rates = {}
-    for policy in ("lru", "lookahead"):
+    for policy in ("lru", "lfu", *LOOKAHEAD_POLICIES):
         coll = CachedEmbeddingBagCollection(_config(policy=policy, cache_size=48))
         _train(coll, batches, 8)
         rates[policy] = coll.stats()["hit_rate"]
-    assert rates["lookahead"] > rates["lru"]
+    assert rates["lookahead"] > rates["lru"] and rates["lookahead-lfu"] > rates["lfu"]
 
 
 def test_a_window_serves_one_step_only() -> None:

@@ -6,8 +6,9 @@ over all rows would cost 4 bytes for every row, as much as the quantized row its
 
 `lookahead` evicts by future use: given the rows of the next k batches (`lookahead.Window`), the victim is
 the evictable row whose next use is farthest, rows the window never uses going first (least recently used
-first); rows of the next batch are never evicted, and a missing row whose next use is later than every
-victim's is not admitted (it is served from storage for this step). Without a window it is LRU.
+first, or least frequently used first with `lookahead-lfu`); rows of the next batch are never evicted, and
+a missing row whose next use is later than every victim's is not admitted (it is served from storage for
+this step). Without a window they are LRU and LFU.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from torch import Tensor, nn
 from slipcache import _native
 from slipcache.embedding.lookahead import Window, eviction_key
 
-POLICIES = ("lru", "lfu", "lookahead", "none")
+POLICIES = ("lru", "lfu", "lookahead", "lookahead-lfu", "none")
+LOOKAHEAD_POLICIES = ("lookahead", "lookahead-lfu")
+_COUNTING_POLICIES = ("lfu", "lookahead-lfu")  # keep a use count per slot
 EMPTY = -1
 _HASH_MULTIPLIER = 0x2C1B3C6D  # odd: consecutive rows land in distinct sets
 
@@ -66,7 +69,7 @@ class RowCache(nn.Module):
         self.register_buffer("weights", torch.zeros(slots, dim, device=device))
         self.register_buffer("slot_rows", torch.full((slots,), EMPTY, dtype=row_dtype, device=device))
         self.register_buffer("last_used", torch.zeros(slots, dtype=torch.int32, device=device))
-        if policy == "lfu":
+        if policy in _COUNTING_POLICIES:
             self.register_buffer("use_count", torch.zeros(slots, dtype=torch.int32, device=device))
         self.register_buffer("_way_index", torch.arange(self.ways, device=device), persistent=False)
 
@@ -93,7 +96,7 @@ class RowCache(nn.Module):
         """`lookup`, recording a use at `step` of every hit (repeats count once more each for LFU)."""
         if not self.capacity:
             return torch.full_like(rows, EMPTY)
-        use_count = self.use_count if self.policy == "lfu" else None
+        use_count = self.use_count if self.policy in _COUNTING_POLICIES else None
         if _native.usable(self.slot_rows, rows):
             slots = _native.lookup(
                 self.slot_rows,
@@ -131,17 +134,16 @@ class RowCache(nn.Module):
         occupant = self.slot_rows[way_slots]
         pinned = (self.last_used[way_slots] >= pin_since) & (occupant != EMPTY)
         incoming_key = None
-        if self.policy == "lfu":
-            key = self.use_count[way_slots].long()
-        elif self.policy == "lookahead" and window is not None and len(window):
+        key = self.use_count[way_slots] if self.policy in _COUNTING_POLICIES else self.last_used[way_slots]
+        key = key.long()
+        if self.policy in LOOKAHEAD_POLICIES and window is not None and len(window):
             distance = window.next_use(occupant)
             pinned |= distance == 1  # the next batch's rows stay
-            key = eviction_key(distance, self.last_used[way_slots], len(window))
-            # A missing row outside the window counts as used now: newer than every evictable row.
-            now = torch.full_like(rows, pin_since)
-            incoming_key = eviction_key(window.next_use(rows), now, len(window))
-        else:
-            key = self.last_used[way_slots].long()
+            key = eviction_key(distance, key, len(window))
+            # A missing row outside the window ranks above every evictable row outside it, as a row just
+            # used does in LRU and a new row does in LFU (which always admits).
+            beyond = pin_since if self.policy == "lookahead" else torch.iinfo(torch.int32).max
+            incoming_key = eviction_key(window.next_use(rows), torch.full_like(rows, beyond), len(window))
         key = torch.where(occupant == EMPTY, torch.full_like(key, -1), key)
         key = torch.where(pinned, torch.full_like(key, torch.iinfo(torch.int64).max), key)
         victim_key, victim_order = torch.sort(key, dim=1, stable=True)
@@ -174,7 +176,7 @@ class RowCache(nn.Module):
         self.weights[slots] = values
         self.slot_rows[slots] = rows.to(self.slot_rows.dtype)
         self.last_used[slots] = step
-        if self.policy == "lfu":
+        if self.policy in _COUNTING_POLICIES:
             self.use_count[slots] = uses.to(torch.int32)
 
     def cached(self) -> tuple[Tensor, Tensor]:
@@ -185,5 +187,5 @@ class RowCache(nn.Module):
     def evict(self, slots: Tensor) -> None:
         self.slot_rows[slots] = EMPTY
         self.last_used[slots] = 0
-        if self.policy == "lfu":
+        if self.policy in _COUNTING_POLICIES:
             self.use_count[slots] = 0

@@ -5,7 +5,9 @@ flight. `Window` holds their rows so the cache can evict, among a set's evictabl
 next use is farthest (Belady's rule inside the window; least recently used first among rows the window
 never mentions). `belady_hits` replays a whole trace with the same rule and the same constraints as the
 cache (rows of the batch in flight stay; a missing row takes a slot only from a row used strictly later),
-fully associative and with the whole future known: the optimum the policy is measured against.
+fully associative and with the whole future known: the optimum the policy is measured against. Belady's
+rule minimizes the rows fetched (misses counted once per row and batch); per lookup, a row looked up many
+times in one batch weighs more, which the rule ignores, so a policy can beat it on that count.
 """
 
 from __future__ import annotations
@@ -24,32 +26,46 @@ class Window:
 
     def __init__(self, batches: list[Tensor]) -> None:
         self.batches = batches
+        self._merged: tuple[Tensor, Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.batches)
 
+    def _rows_and_distance(self) -> tuple[Tensor, Tensor]:
+        """Every row of the window once, sorted, with the distance of its first use (built on first query)."""
+        if self._merged is None:
+            rows = torch.cat(self.batches)
+            distance = torch.cat(
+                [torch.full((b.numel(),), j + 1, dtype=torch.int64, device=rows.device) for j, b in enumerate(self.batches)]
+            )
+            rows, order = torch.sort(rows, stable=True)  # within a row, the nearest batch comes first
+            first = torch.ones_like(rows, dtype=torch.bool)
+            first[1:] = rows[1:] != rows[:-1]
+            self._merged = rows[first], distance[order][first]
+        return self._merged
+
     def next_use(self, rows: Tensor) -> Tensor:
         """int64 distance (1 = next batch) of each row's first use in the window, 0 when it has none."""
-        distance = torch.full(rows.shape, NOT_IN_WINDOW, dtype=torch.int64, device=rows.device)
+        known, distance = self._rows_and_distance()
+        if not known.numel():
+            return torch.full(rows.shape, NOT_IN_WINDOW, dtype=torch.int64, device=rows.device)
         rows = rows.long()
-        for j in range(len(self.batches), 0, -1):  # farthest first, so the nearest use is written last
-            upcoming = self.batches[j - 1]
-            if not upcoming.numel():
-                continue
-            position = torch.searchsorted(upcoming, rows).clamp_(max=upcoming.numel() - 1)
-            distance.masked_fill_(upcoming[position] == rows, j)
-        return distance
+        position = torch.searchsorted(known, rows).clamp_(max=known.numel() - 1)
+        return torch.where(known[position] == rows, distance[position], NOT_IN_WINDOW)
 
 
-def eviction_key(distance: Tensor, last_used: Tensor, window: int) -> Tensor:
-    """Victims first by ascending key: rows the window never uses by last use (LRU), then the window's
-    rows from the farthest next use to the nearest. Every in-window key exceeds any step count."""
+def eviction_key(distance: Tensor, beyond: Tensor, window: int) -> Tensor:
+    """Victims first by ascending key: rows the window never uses by `beyond` (last use for LRU, use count
+    for LFU), then the window's rows from the farthest next use to the nearest. Every in-window key
+    exceeds any int32 `beyond`."""
     in_window = (1 << 32) + (window + 1 - distance)
-    return torch.where(distance == NOT_IN_WINDOW, last_used.long(), in_window)
+    return torch.where(distance == NOT_IN_WINDOW, beyond.long(), in_window)
 
 
-def belady_hits(trace: Sequence[Tensor], capacity: int, num_rows: int | None = None) -> int:
-    """Lookups of `trace` (one tensor of global rows per batch, e.g. a [batches, lookups] tensor) that hit a fully associative cache of `capacity`
+def belady_hits(
+    trace: Sequence[Tensor], capacity: int, num_rows: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Hits per batch, int64 [batches] twice: lookups, and distinct rows (each counted once per batch), of `trace` (one tensor of global rows per batch, e.g. a [batches, lookups] tensor) that hit a fully associative cache of `capacity`
     rows run by Belady's rule with the whole future known, under the cache's constraints: the rows of the
     batch in flight are never evicted, and a missing row is admitted only in place of a row whose next use
     is strictly later (else it is served from storage, as an overflow row is).
@@ -73,11 +89,13 @@ def belady_hits(trace: Sequence[Tensor], capacity: int, num_rows: int | None = N
     num_rows = int(rows.max()) + 1 if num_rows is None else num_rows
     next_of = np.full(num_rows, -1, dtype=np.int64)  # next use of each resident row, -1 when absent
     resident = np.empty(0, dtype=np.int64)
-    hits = 0
+    hits = np.zeros(len(sizes), dtype=np.int64)
+    row_hits = np.zeros(len(sizes), dtype=np.int64)
     for b in range(len(sizes)):
         batch, upcoming = rows[starts[b] : starts[b + 1]], following[starts[b] : starts[b + 1]]
         hit = next_of[batch] >= 0
-        hits += int(counts[starts[b] : starts[b + 1]][hit].sum())
+        hits[b] = counts[starts[b] : starts[b + 1]][hit].sum()
+        row_hits[b] = hit.sum()
         next_of[batch[hit]] = upcoming[hit]
         missing = np.argsort(upcoming[~hit], kind="stable")  # nearest next use first
         missing_rows, missing_next = batch[~hit][missing], upcoming[~hit][missing]
@@ -97,4 +115,4 @@ def belady_hits(trace: Sequence[Tensor], capacity: int, num_rows: int | None = N
             admitted = free
         next_of[missing_rows[:admitted]] = missing_next[:admitted]
         resident = np.concatenate([resident, missing_rows[:admitted]])
-    return hits
+    return hits, row_hits

@@ -657,8 +657,20 @@ def _markdown(result: dict[str, Any]) -> str:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `slipcache bench`."""
-    parser.add_argument("target", choices=["embedding"], help="what to benchmark")
+    """Arguments of `slipcache bench`: one sub-command per target."""
+    targets = parser.add_subparsers(dest="target", metavar="TARGET", required=True)
+    add_embedding_arguments(
+        targets.add_parser("embedding", help="embedding step throughput: ours against torch and FBGEMM")
+    )
+    from slipcache.experiments.bench_cache import add_cache_arguments
+
+    add_cache_arguments(
+        targets.add_parser("cache", help="cache hit rate against size: LRU, LFU, lookahead and offline OPT")
+    )
+
+
+def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `slipcache bench embedding`."""
     parser.add_argument("--out", required=True, help="directory for bench.json and bench.md")
     parser.add_argument(
         "--quick", action="store_true", help="big tables x0.01 and fewer steps (about a minute)"
@@ -768,6 +780,15 @@ def _progress(message: str) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """`slipcache bench TARGET`."""
+    if args.target == "cache":
+        from slipcache.experiments.bench_cache import run_cache_bench
+
+        return run_cache_bench(args)
+    return run_embedding_bench(args)
+
+
+def run_embedding_bench(args: argparse.Namespace) -> int:
     """Run every configuration at every dim, print the table and targets, write bench.json and bench.md."""
     threads = getattr(args, "threads", None)
     if threads is None:
