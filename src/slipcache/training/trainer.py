@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from slipcache.embedding.cache import POLICIES
+from slipcache.embedding.cache import LOOKAHEAD_POLICIES, POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
@@ -78,6 +78,8 @@ class TrainConfig:
     precision: str = "int8"
     cache_size: float = 0.05  # fraction of rows (< 1) or a row count (>= 1)
     policy: str = "lru"
+    lookahead: int = 4  # batches ahead the lookahead policies evict by (policy lookahead or lookahead-lfu)
+    prefetch: bool = False  # read the next batch's rows into the cache while the current one computes
     rounding: str = "stochastic"
     optimizer: str = "sgd"  # embedding optimizer
     lr: float = 0.3  # embedding learning rate (SGD; tuned on synthetic data at batch 256)
@@ -125,7 +127,7 @@ class TrainConfig:
                 raise SlipcacheError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
-        positive = ["batch_size", "epochs", "embedding_dim", "samples", "log_every", "eval_every"]
+        positive = ["batch_size", "epochs", "embedding_dim", "samples", "log_every", "eval_every", "lookahead"]
         positive += ["checkpoint_every", "eval_samples", "synthetic_samples", "max_rows", "min_count"]
         for name in positive:
             value = getattr(self, name)
@@ -541,6 +543,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
     batch_size = config.batch_size
     total_steps = math.ceil(config.samples / batch_size)
+    ahead = 0  # batches the embeddings see ahead (lookahead policy, prefetch)
+    if config.embeddings == "cached":
+        ahead = config.lookahead if config.policy in LOOKAHEAD_POLICIES else int(config.prefetch)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
     budget = total_steps * batch_size
@@ -583,6 +588,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
             )
             for batch in batches:
                 t0 = time.perf_counter()
+                if ahead:  # the batches after this one, after the skip filter: those that will be trained
+                    model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], config.prefetch)
                 logits = model(batch.dense, batch.sparse)
                 loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
                 loss_value = loss.item()
@@ -871,6 +878,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
     add("--cache-size", type=float, default=s, help="cache rows: fraction (<1) or count (default 0.05)")
     add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
+    add("--lookahead", type=int, default=s, help="batches ahead the lookahead policies see (default 4)")
+    add(
+        "--prefetch",
+        action="store_true",
+        default=s,
+        help="read the next batch's rows into the cache in the background while the current one computes",
+    )
     add("--rounding", choices=ROUNDINGS, default=s, help="rounding into storage (default stochastic)")
     add("--optimizer", choices=OPTIMIZERS, default=s, help="embedding optimizer (default sgd)")
     add("--lr", type=float, default=s, help="embedding learning rate (default 0.3)")
