@@ -14,6 +14,7 @@ vectorized operations whatever the number of tables. A training step:
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -124,6 +125,37 @@ class SparseFeatures:
         return cls(values, offsets, lengths.shape[0])
 
 
+class PhaseClock:
+    """Wall time per phase of the training step, off unless `enable`d (`slipcache bench embedding` profile).
+
+    `mark()` starts a lap, `lap(name)` adds the time since the last mark to `name` and starts the next; when
+    off both return at once, so the hot path keeps only a few no-op calls. On GPU the laps time the launch,
+    not the kernels.
+    """
+
+    PHASES = ("lookup", "evict", "fill", "forward", "backward", "other")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] | None = None
+        self._last = 0.0
+
+    def enable(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+
+    def disable(self) -> None:
+        self.seconds = None
+
+    def mark(self) -> None:
+        if self.seconds is not None:
+            self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.seconds is not None:
+            now = time.perf_counter()
+            self.seconds[phase] += now - self._last
+            self._last = now
+
+
 @dataclass
 class _Lookup:
     """One batch's lookups: global rows in bag order and how they pool."""
@@ -155,12 +187,17 @@ class _FusedLookup(torch.autograd.Function):
         ctx: Any, anchor: Tensor, coll: CachedEmbeddingBagCollection, lookup: _Lookup, plan: _StepPlan
     ) -> Tensor:
         ctx.coll, ctx.lookup, ctx.plan = coll, lookup, plan
-        return coll._pool(coll._gather(plan), lookup)
+        coll.clock.mark()
+        pooled = coll._pool(coll._gather(plan), lookup)
+        coll.clock.lap("forward")
+        return pooled
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         coll, lookup = ctx.coll, ctx.lookup
+        coll.clock.mark()
         coll._apply_gradients(ctx.plan, coll._unpool(grad_out, lookup), lookup)
+        coll.clock.lap("backward")
         ctx.coll = ctx.lookup = ctx.plan = None
         return grad_out.new_zeros(0), None, None, None
 
@@ -223,6 +260,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         # The prefetch thread's own rounding generator (made on first use): draws never interleave by timing.
         self._prefetch_generator: torch.Generator | None = None
         self.prefetched_rows = 0
+        self.clock = PhaseClock()
         if not meta:
             self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
             self._initialize_rows()
@@ -389,8 +427,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         window, self._window = self._window, None  # a window describes the batches after this one only
         prefetch, self._prefetch_next = self._prefetch_next, False
         self.step += 1
-        step, rows, cache = self.step, lookup.rows, self.cache
+        step, rows, cache, clock = self.step, lookup.rows, self.cache, self.clock
+        clock.mark()
         slots = cache.lookup_and_touch(rows, step)
+        clock.lap("lookup")
         hit = slots >= 0
         self._count("lookups", None, lookup)
         self._count("hits", hit, lookup)
@@ -398,8 +438,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         any_miss = bool(miss.any())
         storage_rows = storage_index = storage_tables = rows.new_empty(0)
         on_storage = None
+        clock.lap("other")
         if any_miss:
             missing, miss_inverse, uses = torch.unique(rows[miss], return_inverse=True, return_counts=True)
+            clock.lap("lookup")
             assignment = cache.assign(missing, self._pin_since, window)
             if assignment.victim_slots.numel():
                 self.storage.write(
@@ -410,6 +452,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 )
                 self._count_rows("evictions", assignment.victim_rows)
                 self._count_rows("rows_out", assignment.victim_rows)
+            clock.lap("evict")
             admitted = assignment.slots >= 0
             if bool(admitted.any()):
                 admitted_rows = missing[admitted]
@@ -420,6 +463,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                     step,
                     uses[admitted],
                 )
+            clock.lap("fill")
             slots[miss] = assignment.slots[miss_inverse]
             self._count("misses", miss, lookup)
             missing_tables = self._tables_of(missing)
@@ -434,14 +478,17 @@ class CachedEmbeddingBagCollection(nn.Module):
                     position = torch.cumsum(left_out, 0) - 1
                     storage_index = position[miss_inverse][assignment.slots[miss_inverse] < 0]
                 self._count_tables("overflow_rows", storage_tables)
+        clock.lap("other")
         storage_values = (
             self.storage.read(storage_rows, self.device)
             if storage_rows.numel()
             else rows.new_empty(0, self.dim, dtype=torch.float32)
         )
+        clock.lap("fill")
         all_on_storage = storage_index.numel() == rows.numel() and rows.numel() > 0
         if prefetch and window is not None and len(window) and cache.capacity:
             self._start_prefetch(window, storage_rows)
+        clock.lap("other")
         return _StepPlan(
             slots, on_storage, storage_rows, storage_index, storage_values, storage_tables, all_on_storage
         )
