@@ -49,7 +49,7 @@ batch_lists = st.lists(
 def test_never_evicts_a_row_of_the_batch_in_flight_or_the_next(batches, capacity, ways, k, prefetch, policy) -> None:
     tensors = [torch.tensor(b).view(-1, 1) for b in batches]
     coll = CachedEmbeddingBagCollection(
-        EmbeddingConfig([40], dim=2, precision="fp32", cache_size=capacity, ways=ways, policy=policy)
+        EmbeddingConfig([40], dim=2, precision="fp32", cache_rows=capacity, ways=ways, policy=policy)
     )
 
     def check(i: int, before: set[int]) -> None:
@@ -72,7 +72,7 @@ def test_equals_belady_on_a_trace_shorter_than_the_window(batches, capacity, pol
     so ties between rows used at the same time cannot change the count)."""
     tensors = [torch.tensor(sorted(b)).view(-1, 1) for b in batches]
     coll = CachedEmbeddingBagCollection(
-        EmbeddingConfig([30], dim=1, precision="fp32", cache_size=capacity, ways=capacity, policy=policy)
+        EmbeddingConfig([30], dim=1, precision="fp32", cache_rows=capacity, ways=capacity, policy=policy)
     )
     _train(coll, tensors, k=len(batches))
     lookup_hits, row_hits = belady_hits([t.view(-1) for t in tensors], capacity)
@@ -97,7 +97,7 @@ def _stream(num_batches: int, batch: int, rows: int, seed: int) -> list[torch.Te
 
 
 def _config(**kw) -> EmbeddingConfig:
-    base = dict(table_sizes=[300, 200], dim=4, precision="fp32", cache_size=96, ways=16, lr=0.05)
+    base = dict(table_sizes=[300, 200], dim=4, precision="fp32", cache_rows=96, ways=16, lr=0.05)
     return EmbeddingConfig(**{**base, **kw})
 
 
@@ -120,7 +120,7 @@ def test_prefetch_with_stochastic_rounding_is_reproducible() -> None:
     batches = _stream(20, 16, 200, seed=4)
     runs = []
     for _ in range(2):
-        coll = CachedEmbeddingBagCollection(_config(precision="int8", policy="lookahead", cache_size=48))
+        coll = CachedEmbeddingBagCollection(_config(precision="int8", policy="lookahead", cache_rows=48))
         _train(coll, batches, 4, prefetch=True)
         runs.append(torch.cat(coll.export_tables()))
         assert coll.stats()["prefetched_rows"] > 0
@@ -131,7 +131,7 @@ def test_lookahead_beats_lru_under_eviction_pressure() -> None:
     batches = _stream(40, 32, 200, seed=5)
     rates = {}
     for policy in ("lru", "lfu", *LOOKAHEAD_POLICIES):
-        coll = CachedEmbeddingBagCollection(_config(policy=policy, cache_size=48))
+        coll = CachedEmbeddingBagCollection(_config(policy=policy, cache_rows=48))
         _train(coll, batches, 8)
         rates[policy] = coll.stats()["hit_rate"]
     assert rates["lookahead"] > rates["lru"] and rates["lookahead-lfu"] > rates["lfu"]

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ SUMMARY_KEYS = {
     "skipped_fraction",
     "config",
 }
-TIMING = {"samples_per_s", "train_wall_s"}
+TIMING = {"samples_per_s", "train_wall_s", "train_seconds"}
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +235,33 @@ def test_raw_criteo_file_is_preprocessed_beside_the_run(vocab: str, tmp_path: Pa
     sizes = json.loads((dataset / "meta.json").read_text())["table_sizes"]
     assert (sizes == [1000] * 26) == (vocab == "hash")
     assert train.prepare_data(config, tmp_path / "runs" / "data-cache") == dataset  # cached, not redone
+
+
+def test_eval_schedule_in_samples_and_train_seconds_exclude_eval(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--eval-every counts samples (not rounded to batches); train_seconds leaves evaluation and checkpoints out."""
+    clock = {"now": 0.0}
+
+    def tick() -> float:
+        clock["now"] += 0.001
+        return clock["now"]
+
+    def slow(function: object) -> object:
+        def wrapped(*args: object, **kwargs: object) -> object:
+            clock["now"] += 1000.0  # each evaluation or checkpoint "takes" 1000 s
+            return function(*args, **kwargs)  # type: ignore[operator]
+
+        return wrapped
+
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=tick))
+    monkeypatch.setattr(train, "evaluate", slow(train.evaluate))
+    monkeypatch.setattr(train.ckpt, "save_run_checkpoint", slow(train.ckpt.save_run_checkpoint))
+    run = tmp_path / "run"
+    train.train(tiny(data_dir, run, epochs=1, eval_every=600, eval_samples=100))
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in events if "val_auc" in e]
+    assert [e["samples"] for e in evals] == [640, 1216, 1856, 1984]  # first batch end past each 600; the end
+    assert all(e["val_samples"] == 100 for e in evals)
+    seconds = [e["train_seconds"] for e in evals]
+    assert seconds == sorted(seconds) and 0 < seconds[-1] < 1000

@@ -23,8 +23,10 @@ from torch import Tensor
 _SOURCE = r"""
 #include <stdint.h>
 
-/* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64. */
-static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets) {
+/* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64;
+   M = 0 marks a cache that holds every row: set r / ways (-1 for a row beyond the last set). */
+static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, int64_t ways) {
+    if (multiplier == 0) return (r >= 0 && r / ways < num_sets) ? r / ways : -1;
     int64_t mixed = (int64_t)((uint64_t)(r ^ (r >> 17)) * (uint64_t)multiplier);
     int64_t s = (mixed >> 5) % num_sets;
     return s < 0 ? s + num_sets : s;
@@ -37,9 +39,10 @@ int64_t NAME(const ROW_T *slot_rows, int64_t num_sets, int64_t ways, int64_t mul
     int64_t hits = 0;                                                                             \
     for (int64_t i = 0; i < n; i++) {                                                             \
         int64_t r = rows[i];                                                                      \
-        int64_t first = set_of(r, multiplier, num_sets) * ways;                                   \
+        int64_t set = set_of(r, multiplier, num_sets, ways);                                      \
+        int64_t first = set * ways;                                                               \
         int64_t slot = -1;                                                                        \
-        for (int64_t w = 0; w < ways; w++) {                                                      \
+        for (int64_t w = 0; set >= 0 && w < ways; w++) {                                        \
             if ((int64_t)slot_rows[first + w] == r) { slot = first + w; break; }                  \
         }                                                                                         \
         out_slots[i] = slot;                                                                      \
@@ -75,13 +78,18 @@ int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int
     return -1;
 }
 
-void sgd_update(float *weights, int64_t dim, const int64_t *slots, const float *grad, int64_t n,
-                float lr) {
+/* Returns -1, or the index of the first slot outside [0, num_slots) (then nothing is written). */
+int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
+                   int64_t n, float lr) {
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= num_slots) return i;
+    }
     for (int64_t i = 0; i < n; i++) {
         float *w = weights + slots[i] * dim;
         const float *g = grad + i * dim;
         for (int64_t d = 0; d < dim; d++) w[d] -= lr * g[d];
     }
+    return -1;
 }
 """
 
@@ -116,8 +124,8 @@ def _compile() -> ctypes.CDLL | None:
         fn = getattr(library, name)
         fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32]
         fn.restype = i64
-    library.sgd_update.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_float]
-    library.sgd_update.restype = None
+    library.sgd_update.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float]
+    library.sgd_update.restype = i64
     library.classify_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
     library.classify_inputs.restype = i64
     return library
@@ -140,6 +148,25 @@ def usable(*tensors: Tensor) -> bool:
     return native() is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
+def _check(name: str, tensor: Tensor | None, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...]) -> None:
+    """The C loops trust their pointers: refuse anything but a contiguous CPU tensor of the expected layout."""
+    if tensor is None:
+        return
+    if (
+        tensor.device.type != "cpu"
+        or tensor.dtype not in dtypes
+        or not tensor.is_contiguous()
+        or tensor.dim() != len(shape)
+        or any(want is not None and have != want for have, want in zip(tensor.shape, shape, strict=True))
+    ):
+        want_shape = tuple("*" if s is None else s for s in shape)
+        raise ValueError(
+            f"compiled loop: {name} must be a contiguous CPU tensor of dtype {'/'.join(map(str, dtypes))} "
+            f"and shape {want_shape}; got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+            f"{'' if tensor.is_contiguous() else ' (not contiguous)'}"
+        )
+
+
 def lookup(
     slot_rows: Tensor,
     num_sets: int,
@@ -154,6 +181,10 @@ def lookup(
     library = native()
     assert library is not None
     rows = rows.contiguous()
+    _check("slot_rows", slot_rows, (torch.int32, torch.int64), (num_sets * ways,))
+    _check("rows", rows, (torch.int64,), (None,))
+    _check("last_used", last_used, (torch.int32,), (num_sets * ways,))
+    _check("use_count", use_count, (torch.int32,), (num_sets * ways,))
     slots = torch.empty_like(rows)
     fn = library.lookup_i32 if slot_rows.dtype == torch.int32 else library.lookup_i64
     fn(
@@ -175,10 +206,15 @@ def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> None:
     """weights[slots[i]] -= lr * grad[i], for repeated slots too."""
     library = native()
     assert library is not None
-    slots, grad = slots.contiguous(), grad.contiguous().float()
-    library.sgd_update(
-        weights.data_ptr(), weights.shape[1], slots.data_ptr(), grad.data_ptr(), slots.numel(), lr
+    slots, grad = slots.contiguous(), grad.contiguous().float()  # a read-only input may be converted
+    _check("weights", weights, (torch.float32,), (None, None))
+    _check("slots", slots, (torch.int64,), (None,))
+    _check("grad", grad, (torch.float32,), (slots.numel(), weights.shape[1]))
+    bad = library.sgd_update(
+        weights.data_ptr(), weights.shape[0], weights.shape[1], slots.data_ptr(), grad.data_ptr(), slots.numel(), lr
     )
+    if bad >= 0:
+        raise ValueError(f"compiled loop: slot {int(slots[bad])} is outside [0, {weights.shape[0]})")
 
 
 def classify_inputs(
@@ -192,6 +228,17 @@ def classify_inputs(
     assert library is not None
     n, tables = ids.shape
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    if (
+        ids.dtype != np.int32
+        or not ids.flags.c_contiguous
+        or flags.dtype != np.uint8
+        or not flags.flags.c_contiguous
+        or offsets.shape != (tables + 1,)
+        or flags.shape[0] < offsets[-1]
+    ):
+        raise ValueError(
+            "compiled loop: ids must be C-contiguous int32 [n, T], offsets [T + 1], flags uint8 covering every row"
+        )
     stale, hot = np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.bool_)
     bad = library.classify_inputs(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data, required,
                                   stale.ctypes.data, hot.ctypes.data)

@@ -63,6 +63,12 @@ class RowCache(nn.Module):
         self.ways = max(1, min(ways, capacity)) if capacity else 1
         self.num_sets = -(-capacity // self.ways) if capacity else 0
         self.lfu_halving_interval = lfu_halving_interval
+        # A cache that can hold every row places row r in set r // ways: no two rows ever compete for a
+        # set, so every row becomes resident (a hash would leave some sets over-full and some rows out).
+        self.holds_every_row = capacity >= num_rows
+        self.multiplier = 0 if self.holds_every_row else _HASH_MULTIPLIER
+        if self.holds_every_row:
+            self.num_sets = -(-num_rows // self.ways)
         slots = self.num_sets * self.ways
         row_dtype = torch.int32 if num_rows < 2**31 - 1 else torch.int64
         device = torch.device(device)
@@ -78,6 +84,8 @@ class RowCache(nn.Module):
         return self.num_sets * self.ways
 
     def set_of(self, rows: Tensor) -> Tensor:
+        if self.holds_every_row:
+            return rows // self.ways
         mixed = (rows ^ (rows >> 17)) * _HASH_MULTIPLIER
         return (mixed >> 5).remainder(self.num_sets)
 
@@ -102,7 +110,7 @@ class RowCache(nn.Module):
                 self.slot_rows,
                 self.num_sets,
                 self.ways,
-                _HASH_MULTIPLIER,
+                self.multiplier,
                 rows,
                 self.last_used,
                 use_count,

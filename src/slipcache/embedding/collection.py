@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,13 +26,26 @@ from torch import Tensor, nn
 from slipcache import _native
 from slipcache.embedding.cache import POLICIES, RowCache
 from slipcache.embedding.lookahead import Window
-from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, RowStorage
-from slipcache.errors import InvalidInputError
+from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, Fitted, RowStorage
+from slipcache.errors import InvalidInputError, SlipcacheError
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 POOLINGS = ("sum", "mean")
-COUNTERS = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "overflow_rows")
+COUNTERS = (
+    "lookups",
+    "hits",
+    "misses",
+    "evictions",
+    "rows_in",
+    "rows_out",
+    "overflow_rows",
+    "saturated_values",  # values written beyond the storage's range, clamped (see quant.fit_to_range)
+    "nonfinite_values",  # inf or NaN values written, replaced
+)
 _INIT_CHUNK_ROWS = 1 << 20
+# A forward's cache rows stay pinned until its backward, until its graph is freed, or until this many
+# later training forwards have run (then its rows may be evicted; its update still lands correctly).
+PIN_STEPS = 8
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -42,7 +56,8 @@ class EmbeddingConfig:
     table_sizes: list[int]
     dim: int = 16
     precision: str = "int8"
-    cache_size: float = 0.05  # a fraction of all rows when < 1, else a number of rows; 0: no cache
+    cache_size: float = 0.05  # share of all rows the cache holds, in [0, 1]: 1.0 holds every row; 0: none
+    cache_rows: int | None = None  # a row count instead of the share (capped at every row); overrides it
     policy: str = "lru"
     rounding: str = "stochastic"
     optimizer: str = "sgd"
@@ -73,10 +88,13 @@ class EmbeddingConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-        if self.cache_size < 0:
-            raise ValueError(
-                f"cache_size must be >= 0 (a fraction below 1 or a row count), got {self.cache_size}"
-            )
+        if not 0.0 <= self.cache_size <= 1.0:  # also refuses nan
+            hint = f"; for a number of rows use cache_rows={self.cache_size:g}" if self.cache_size > 1 else ""
+            raise ValueError(f"cache_size is the share of rows cached, in [0, 1]; got {self.cache_size}{hint}")
+        if self.cache_rows is not None and (
+            isinstance(self.cache_rows, bool) or int(self.cache_rows) != self.cache_rows or self.cache_rows < 0
+        ):
+            raise ValueError(f"cache_rows must be a whole number of rows >= 0, got {self.cache_rows!r}")
         if self.lr <= 0 or not math.isfinite(self.lr):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if self.ways <= 0:
@@ -89,13 +107,15 @@ class EmbeddingConfig:
         return sum(self.table_sizes)
 
     @property
-    def cache_rows(self) -> int:
-        """Requested cache capacity in rows (the cache rounds up to whole sets)."""
-        if self.policy == "none" or self.cache_size == 0:
+    def cache_capacity(self) -> int:
+        """Requested cache capacity in rows (the cache rounds up to whole sets); every row at most."""
+        if self.policy == "none":
             return 0
-        if self.cache_size < 1:
-            return max(1, round(self.cache_size * self.num_rows))
-        return min(int(self.cache_size), self.num_rows)
+        if self.cache_rows is not None:
+            return min(int(self.cache_rows), self.num_rows)
+        if self.cache_size == 0:
+            return 0
+        return min(self.num_rows, max(1, round(self.cache_size * self.num_rows)))
 
 
 @dataclass(frozen=True)
@@ -168,19 +188,31 @@ class _Lookup:
 
 @dataclass
 class _StepPlan:
-    """Where each lookup of a training step lives, kept from forward to backward."""
+    """Where each lookup of a training forward lived, kept until its gradient arrives.
 
+    The slots and the storage copy are only a shortcut: when the cache's residency or the storage changed
+    since the forward (another forward, `release_rows`, `flush`), the backward locates the rows again, so an
+    update always lands on the row's current value wherever the row now lives.
+    """
+
+    step: int
+    rows: Tensor  # [L] global rows
     slots: Tensor  # [L] cache slot per lookup, -1 when served from storage
-    on_storage: Tensor | None  # [L] bool, None when every lookup is cached
     storage_rows: Tensor  # [m] unique rows served from storage
-    storage_index: Tensor  # index into storage_rows for each lookup with slot -1
-    storage_values: Tensor  # [m, D] fp32 working copy of those rows
-    storage_tables: Tensor  # [m] table of each of those rows, for the statistics
-    all_on_storage: bool  # no lookup is cached (no cache, or nothing fit)
+    storage_index: Tensor  # index into storage_rows of each lookup with slot -1, in lookup order
+    storage_values: Tensor  # [m, D] fp32 copy of those rows as read in the forward
+    residency_version: int  # the collection's versions when the plan was made
+    storage_version: int
+    applied: bool = False
 
 
 class _FusedLookup(torch.autograd.Function):
-    """Pooled embeddings forward; the optimizer update in backward (no dense gradient is formed)."""
+    """Pooled embeddings forward; the optimizer update at the end of the backward pass (no dense gradient).
+
+    Every forward's gradient is collected as its backward node runs; the update is applied once, after the
+    whole backward pass, on the gradient summed per row: a table read by several features (or called
+    several times) within one step takes one optimizer step, as `nn.EmbeddingBag` + a torch optimizer does.
+    """
 
     @staticmethod
     def forward(
@@ -194,12 +226,17 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        coll, lookup = ctx.coll, ctx.lookup
-        coll.clock.mark()
-        coll._apply_gradients(ctx.plan, coll._unpool(grad_out, lookup), lookup)
-        coll.clock.lap("backward")
+        coll, lookup, plan = ctx.coll, ctx.lookup, ctx.plan
+        if plan is None:
+            raise SlipcacheError(
+                "a second backward through the same embedding lookup (retain_graph=True): its update was "
+                "applied by the first; run the forward again for another update"
+            )
         ctx.coll = ctx.lookup = ctx.plan = None
-        return grad_out.new_zeros(0), None, None, None
+        coll.clock.mark()
+        coll._receive_gradient(plan, coll._unpool(grad_out, lookup))
+        coll.clock.lap("backward")
+        return None, None, None, None
 
 
 class CachedEmbeddingBagCollection(nn.Module):
@@ -219,7 +256,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.table_names = config.table_names or [f"table {t}" for t in range(len(self.table_sizes))]
         self.lr = config.lr
         self.step = 0
-        self._pin_since = 1
+        # Forwards whose gradient has not arrived yet (weak: a graph that is freed unpins its rows).
+        self._in_flight: dict[int, weakref.ref[_StepPlan]] = {}
+        self._pending: list[tuple[_StepPlan, Tensor]] = []  # gradients of the running backward pass
+        self._residency_version = 0  # bumped whenever a row enters or leaves the cache
+        self._storage_version = 0  # bumped whenever storage is written
+        self.skipped_updates = 0  # backward passes whose gradient held inf or NaN (update dropped)
         meta = torch.device(config.storage_device).type == "meta"
         self.storage_device = torch.device(config.storage_device)
         self.device = torch.device(config.cache_device)
@@ -231,7 +273,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         num_rows = config.num_rows
         self.storage = RowStorage(num_rows, config.dim, config.precision, self.storage_device)
         self.cache = RowCache(
-            config.cache_rows,
+            config.cache_capacity,
             config.dim,
             config.policy,
             num_rows,
@@ -254,7 +296,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._window: Window | None = None
         self._upcoming_rows: list[tuple[object, Tensor]] = []
         self._prefetch_next = False
-        self._pending: Future | None = None
+        self._prefetching: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._side_stream: Any = None
         # The prefetch thread's own rounding generator (made on first use): draws never interleave by timing.
@@ -266,6 +308,47 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._initialize_rows()
             if self.storage_device.type == "cpu" and self.device.type == "cuda":
                 self.storage.pin_memory_()
+
+    # ------------------------------------------------------------------------------ device and dtype
+    def _apply(self, fn: Any, recurse: bool = True) -> CachedEmbeddingBagCollection:
+        """`.to(device)`, `.cuda()`, `.cpu()` move every tensor the module holds; dtype changes are refused.
+
+        The storage precision is part of the configuration (`precision`) and the cache, optimizer state and
+        quantization parameters have fixed dtypes the update relies on: `.half()`, `.double()`, `.float()`
+        or `.to(dtype)` that would convert one of them raise instead of silently retyping buffers.
+        """
+        for dtype in {b.dtype for b in self.buffers() if b.is_floating_point()}:
+            converted = fn(torch.zeros(1, dtype=dtype))
+            if converted.dtype != dtype:
+                raise SlipcacheError(
+                    f"CachedEmbeddingBagCollection keeps its dtypes (storage precision {self.config.precision!r}, "
+                    f"fp32 cache): converting {dtype} buffers to {converted.dtype} is refused; choose the storage "
+                    "precision with EmbeddingConfig(precision=...) and convert only the dense layers"
+                )
+        self._join_prefetch()
+        super()._apply(fn, recurse)
+        self._follow_buffers()
+        return self
+
+    def _follow_buffers(self) -> None:
+        """After the buffers moved: devices, the gradient anchor and the rounding generator follow them."""
+        self.device, self.storage_device = self.counters.device, self.storage.payload.device
+        self.config.cache_device, self.config.storage_device = str(self.device), str(self.storage_device)
+        self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
+        generator = self._generator
+        if generator is not None and generator.device != self.device:
+            # Generator states do not carry across device types: continue from a seed drawn from the old one.
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            self._generator = None
+            if self.device.type != "meta":
+                self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        if self._prefetch_generator is not None and self._prefetch_generator.device != self.device:
+            self._prefetch_generator = None  # made again, from the seed, on the new device
+        self._side_stream = None
+        self._in_flight.clear()  # plans hold tensors on the old device
+        self._pending.clear()
+        self._residency_version += 1
+        self._storage_version += 1
 
     # ----------------------------------------------------------------------------------------- set-up
     def _initialize_rows(self) -> None:
@@ -280,9 +363,9 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""
+        self._join_prefetch()
         if len(tables) != len(self.table_sizes):
             raise InvalidInputError(f"expected {len(self.table_sizes)} tables, got {len(tables)}")
-        self._join_prefetch()
         for t, (table, size) in enumerate(zip(tables, self.table_sizes, strict=True)):
             if tuple(table.shape) != (size, self.dim):
                 raise InvalidInputError(
@@ -296,9 +379,12 @@ class CachedEmbeddingBagCollection(nn.Module):
                     .float()
                     .to(self.storage_device)
                 )
-                self.storage.write_range(start + chunk_start, chunk, "nearest", None)
+                fitted = self.storage.write_range(start + chunk_start, chunk, "nearest", None)
+                self._count_fitted(torch.full((chunk.shape[0],), t, device=self.device), fitted)
         slots, _ = self.cache.cached()
         self.cache.evict(slots)
+        self._residency_version += 1
+        self._storage_version += 1
 
     def export_tables(self) -> list[Tensor]:
         """Current fp32 values of every table (cached rows overlaid on storage)."""
@@ -306,7 +392,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         for t, size in enumerate(self.table_sizes):
             start = int(self.table_offsets[t])
             chunks = [
-                self.read_rows(
+                self._read_rows(
                     torch.arange(start + s, start + min(s + _INIT_CHUNK_ROWS, size), device=self.device)
                 )
                 for s in range(0, size, _INIT_CHUNK_ROWS)
@@ -320,7 +406,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         if self.training and torch.is_grad_enabled():
             plan = self._plan_step(lookup)
             return _FusedLookup.apply(self._anchor, self, lookup, plan)
-        return self._pool(self.read_rows(lookup.rows), lookup)
+        return self._pool(self._read_rows(lookup.rows), lookup)
 
     def _prepare(self, features: Tensor | SparseFeatures) -> _Lookup:
         """Validate input once, at the boundary, and turn it into global rows."""
@@ -410,8 +496,10 @@ class CachedEmbeddingBagCollection(nn.Module):
     # -------------------------------------------------------------------------------- cache traffic
     def read_rows(self, rows: Tensor) -> Tensor:
         """fp32 values of global `rows` (cache overlaid on storage); changes nothing."""
+        return self._read_rows(self._check_rows(rows, "read_rows"))
+
+    def _read_rows(self, rows: Tensor) -> Tensor:
         self._join_prefetch()
-        rows = rows.to(self.device)
         slots = self.cache.lookup(rows)
         hit = slots >= 0
         if self.cache.capacity and bool(hit.all()):
@@ -421,8 +509,20 @@ class CachedEmbeddingBagCollection(nn.Module):
             values[hit] = self.cache.weights[slots[hit]]
         return values
 
+    def _pin_since(self) -> int:
+        """Oldest step whose cache rows are still pinned: in-flight forwards within `PIN_STEPS`."""
+        oldest = self.step
+        for step, ref in list(self._in_flight.items()):
+            if ref() is None or step <= self.step - PIN_STEPS:
+                del self._in_flight[step]
+            else:
+                oldest = min(oldest, step)
+        return oldest
+
     def _plan_step(self, lookup: _Lookup) -> _StepPlan:
         """Bring the batch's rows into the cache where they fit; read the rest from storage."""
+        if self._pending:  # a backward pass failed before its end: its update was never applied
+            self._pending.clear()
         self._join_prefetch()
         window, self._window = self._window, None  # a window describes the batches after this one only
         prefetch, self._prefetch_next = self._prefetch_next, False
@@ -435,23 +535,15 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._count("lookups", None, lookup)
         self._count("hits", hit, lookup)
         miss = ~hit
-        any_miss = bool(miss.any())
-        storage_rows = storage_index = storage_tables = rows.new_empty(0)
-        on_storage = None
+        storage_rows = storage_index = rows.new_empty(0)
         clock.lap("other")
-        if any_miss:
+        if bool(miss.any()):
             missing, miss_inverse, uses = torch.unique(rows[miss], return_inverse=True, return_counts=True)
             clock.lap("lookup")
-            assignment = cache.assign(missing, self._pin_since, window)
+            assignment = cache.assign(missing, self._pin_since(), window)
             if assignment.victim_slots.numel():
-                self.storage.write(
-                    assignment.victim_rows,
-                    cache.weights[assignment.victim_slots],
-                    self.config.rounding,
-                    self._generator,
-                )
+                self._write_storage(assignment.victim_rows, cache.weights[assignment.victim_slots])
                 self._count_rows("evictions", assignment.victim_rows)
-                self._count_rows("rows_out", assignment.victim_rows)
             clock.lap("evict")
             admitted = assignment.slots >= 0
             if bool(admitted.any()):
@@ -463,6 +555,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                     step,
                     uses[admitted],
                 )
+                self._residency_version += 1
             clock.lap("fill")
             slots[miss] = assignment.slots[miss_inverse]
             self._count("misses", miss, lookup)
@@ -470,14 +563,13 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._count_tables("rows_in", missing_tables)
             if not bool(admitted.all()):
                 left_out = ~admitted
-                storage_rows, storage_tables = missing[left_out], missing_tables[left_out]
-                on_storage = slots < 0
+                storage_rows = missing[left_out]
                 if storage_rows.numel() == missing.numel():
                     storage_index = miss_inverse  # nothing was admitted
                 else:
                     position = torch.cumsum(left_out, 0) - 1
                     storage_index = position[miss_inverse][assignment.slots[miss_inverse] < 0]
-                self._count_tables("overflow_rows", storage_tables)
+                self._count_tables("overflow_rows", missing_tables[left_out])
         clock.lap("other")
         storage_values = (
             self.storage.read(storage_rows, self.device)
@@ -485,51 +577,131 @@ class CachedEmbeddingBagCollection(nn.Module):
             else rows.new_empty(0, self.dim, dtype=torch.float32)
         )
         clock.lap("fill")
-        all_on_storage = storage_index.numel() == rows.numel() and rows.numel() > 0
-        if prefetch and window is not None and len(window) and cache.capacity:
-            self._start_prefetch(window, storage_rows)
-        clock.lap("other")
-        return _StepPlan(
-            slots, on_storage, storage_rows, storage_index, storage_values, storage_tables, all_on_storage
+        plan = _StepPlan(
+            step,
+            rows,
+            slots,
+            storage_rows,
+            storage_index,
+            storage_values,
+            self._residency_version,
+            self._storage_version,
         )
+        self._in_flight[step] = weakref.ref(plan)
+        if prefetch and window is not None and len(window) and cache.capacity:
+            self._start_prefetch(window)
+        clock.lap("other")
+        return plan
 
     def _gather(self, plan: _StepPlan) -> Tensor:
-        if plan.on_storage is None:
+        if not plan.storage_rows.numel():
             return self.cache.weights.index_select(0, plan.slots)
-        if plan.all_on_storage:
+        if plan.storage_index.numel() == plan.slots.numel():
             return plan.storage_values.index_select(0, plan.storage_index)
         values = torch.empty(plan.slots.numel(), self.dim, device=self.device)
-        cached = ~plan.on_storage
+        cached = plan.slots >= 0
         values[cached] = self.cache.weights[plan.slots[cached]]
-        values[plan.on_storage] = plan.storage_values[plan.storage_index]
+        values[~cached] = plan.storage_values[plan.storage_index]
         return values
 
-    def _apply_gradients(self, plan: _StepPlan, grad: Tensor, lookup: _Lookup) -> None:
-        """The fused optimizer: update cached rows in place, the others in fp32 and round them back."""
-        cached = None if plan.on_storage is None else ~plan.on_storage
-        slots = plan.slots if cached is None else plan.slots[cached]
-        cached_grad = grad if cached is None else grad[cached]
-        if slots.numel() and not plan.all_on_storage:
-            if self.config.optimizer == "sgd" and _native.usable(self.cache.weights, slots):
-                _native.sgd_update(self.cache.weights, slots, cached_grad, self.lr)
-            elif self.config.optimizer == "sgd":
-                # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
-                self.cache.weights.index_put_((slots,), cached_grad * -self.lr, accumulate=True)
+    # ------------------------------------------------------------------------------ fused optimizer
+    def _receive_gradient(self, plan: _StepPlan, grad: Tensor) -> None:
+        """Collect one forward's gradient; the first one of a backward pass schedules the update."""
+        self._in_flight.pop(plan.step, None)
+        first = not self._pending
+        self._pending.append((plan, grad))
+        if first:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._apply_pending)
+            except RuntimeError:  # not inside the autograd engine: apply now
+                self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """The fused optimizer over every gradient of the backward pass, summed per row: one step per row."""
+        entries, self._pending = self._pending, []
+        if not entries:
+            return
+        if not all(bool(torch.isfinite(grad).all()) for _, grad in entries):
+            self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
+            return
+        cache_parts: list[tuple[Tensor, Tensor]] = []  # (slots, gradient of each)
+        storage_parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]] = []  # (plan, rows, index, gradient)
+        for plan, grad in entries:
+            plan.applied = True
+            slots, storage_rows, storage_index = plan.slots, plan.storage_rows, plan.storage_index
+            if plan.residency_version != self._residency_version:  # rows moved since the forward
+                slots = self.cache.lookup(plan.rows)
+                storage_rows, storage_index = torch.unique(plan.rows[slots < 0], return_inverse=True)
+            on_storage = slots < 0 if storage_rows.numel() else None
+            if on_storage is None:
+                cache_parts.append((slots, grad))
+            elif storage_index.numel() == slots.numel():
+                storage_parts.append((plan, storage_rows, storage_index, grad))
             else:
-                unique_slots, inverse = torch.unique(slots, return_inverse=True)
-                summed = self._sum_rows(inverse, cached_grad, unique_slots.numel())
-                rows = self.cache.slot_rows[unique_slots].long()
-                self.cache.weights.index_add_(0, unique_slots, self._adagrad_step(rows, summed))
-        if plan.storage_rows.numel():
-            storage_grad = grad if plan.all_on_storage else grad[plan.on_storage]
-            summed = self._sum_rows(plan.storage_index, storage_grad, plan.storage_rows.numel())
-            if self.config.optimizer == "sgd":
-                updated = plan.storage_values.add_(summed, alpha=-self.lr)
-            else:
-                updated = plan.storage_values.add_(self._adagrad_step(plan.storage_rows, summed))
-            self.storage.write(plan.storage_rows, updated, self.config.rounding, self._generator)
-            self._count_tables("rows_out", plan.storage_tables)
-        self._pin_since = self.step + 1
+                cached = ~on_storage
+                cache_parts.append((slots[cached], grad[cached]))
+                storage_parts.append((plan, storage_rows, storage_index, grad[on_storage]))
+        self._update_cached(cache_parts)
+        self._update_storage(storage_parts)
+
+    def _update_cached(self, parts: list[tuple[Tensor, Tensor]]) -> None:
+        weights = self.cache.weights
+        if self.config.optimizer == "sgd":
+            for slots, grad in parts:  # SGD is linear: one scatter per part equals the summed step
+                if not slots.numel():
+                    continue
+                if _native.usable(weights, slots):
+                    _native.sgd_update(weights, slots, grad, self.lr)
+                else:
+                    # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
+                    weights.index_put_((slots,), grad * -self.lr, accumulate=True)
+            return
+        parts = [part for part in parts if part[0].numel()]
+        if not parts:
+            return
+        slots = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        grad = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        unique_slots, inverse = torch.unique(slots, return_inverse=True)
+        summed = self._sum_rows(inverse, grad, unique_slots.numel())
+        rows = self.cache.slot_rows[unique_slots].long()
+        weights.index_add_(0, unique_slots, self._adagrad_step(rows, summed))
+
+    def _update_storage(self, parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]]) -> None:
+        """Rows outside the cache: read, update in fp32, round back, once per row."""
+        if not parts:
+            return
+        if len(parts) == 1:
+            plan, rows, index, grad = parts[0]
+            current = (
+                plan.storage_version == self._storage_version
+                and plan.residency_version == self._residency_version
+            )
+            values = plan.storage_values if current else self.storage.read(rows, self.device)
+        else:
+            rows, index = torch.unique(torch.cat([p[1][p[2]] for p in parts]), return_inverse=True)
+            grad = torch.cat([p[3] for p in parts])
+            values = self.storage.read(rows, self.device)
+        summed = self._sum_rows(index, grad, rows.numel())
+        if self.config.optimizer == "sgd":
+            updated = values.add_(summed, alpha=-self.lr)
+        else:
+            updated = values.add_(self._adagrad_step(rows, summed))
+        self._write_storage(rows, updated)
+
+    def _write_storage(self, rows: Tensor, values: Tensor) -> None:
+        """Round fp32 `values` of unique `rows` into storage and count the traffic."""
+        fitted = self.storage.write(rows, values, self.config.rounding, self._generator)
+        self._storage_version += 1
+        tables = self._tables_of(rows)
+        self._count_tables("rows_out", tables)
+        self._count_fitted(tables, fitted)
+
+    def _count_fitted(self, tables: Tensor, fitted: Fitted, counters: Tensor | None = None) -> None:
+        counters = self.counters if counters is None else counters
+        for name, per_row in (("saturated_values", fitted.saturated), ("nonfinite_values", fitted.nonfinite)):
+            if per_row is not None:
+                counts = torch.bincount(tables, weights=per_row.to(tables.device), minlength=len(self.table_sizes))
+                counters[:, COUNTERS.index(name)] += counts.long()
 
     def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
         """Rows of `values` summed by `index` into [count, D]."""
@@ -558,26 +730,36 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._join_prefetch()
         slots, rows = self.cache.cached()
         for start in range(0, slots.numel(), _INIT_CHUNK_ROWS):
-            chunk_slots, chunk_rows = (
-                slots[start : start + _INIT_CHUNK_ROWS],
-                rows[start : start + _INIT_CHUNK_ROWS],
-            )
-            self.storage.write(
-                chunk_rows, self.cache.weights[chunk_slots], self.config.rounding, self._generator
-            )
-        self._count_rows("rows_out", rows)
+            chunk = slice(start, start + _INIT_CHUNK_ROWS)
+            self._write_storage(rows[chunk], self.cache.weights[slots[chunk]])
 
     def release_rows(self, rows: Tensor) -> int:
-        """Write cached `rows` back and free their slots (e.g. rows found stale); returns how many."""
+        """Write cached `rows` back and free their slots (e.g. rows found stale); returns how many.
+
+        Safe between a forward and its backward: the update then lands on the row in storage.
+        """
         self._join_prefetch()
-        slots = self.cache.lookup(rows.to(self.device))
-        slots = slots[slots >= 0]
+        slots = self.cache.lookup(self._check_rows(rows, "release_rows"))
+        slots = torch.unique(slots[slots >= 0])
         if slots.numel():
-            resident = self.cache.slot_rows[slots].long()
-            self.storage.write(resident, self.cache.weights[slots], self.config.rounding, self._generator)
+            self._write_storage(self.cache.slot_rows[slots].long(), self.cache.weights[slots])
             self.cache.evict(slots)
-            self._count_rows("rows_out", resident)
+            self._residency_version += 1
         return int(slots.numel())
+
+    def _check_rows(self, rows: Tensor, caller: str) -> Tensor:
+        """Global rows as int64 on the cache device; anything but a 1-D integer tensor in range is refused."""
+        if not isinstance(rows, Tensor) or rows.dtype not in _INTEGER_DTYPES or rows.dim() != 1:
+            shape = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
+            dtype = rows.dtype if isinstance(rows, Tensor) else ""
+            raise InvalidInputError(f"{caller}: rows must be a 1-D integer tensor, got {dtype} {shape}")
+        rows = rows.to(self.device, torch.int64)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.config.num_rows):
+            bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
+            raise InvalidInputError(
+                f"{caller}: row {bad} is outside [0, {self.config.num_rows}) (global rows of all tables)"
+            )
+        return rows
 
     # ----------------------------------------------------------------------------------- statistics
     def _count(self, name: str, mask: Tensor | None, lookup: _Lookup) -> None:
@@ -629,7 +811,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             for name, c in zip(self.table_names, per_table_counts, strict=True)
         ]
         totals["cache_rows"] = self.cache.capacity
-        totals["prefetched_rows"] = self.prefetched_rows
+        totals["skipped_updates"] = self.skipped_updates  # backward passes dropped for inf/NaN gradients
+        totals["prefetched_rows"] = self.prefetched_rows  # rows the prefetch brought in (also in rows_in)
         return totals
 
     def memory_report(self) -> dict[str, Any]:
@@ -663,9 +846,9 @@ class CachedEmbeddingBagCollection(nn.Module):
     # ------------------------------------------------------------------------------------ lookahead
     def set_lookahead(self, upcoming: list[Tensor | SparseFeatures], prefetch: bool = False) -> None:
         """The ids of the batches after the next training step's (e.g. `BatchIterator.peek(k)`), for that
-        step only: the lookahead policy evicts by their use, and with `prefetch` the first one's missing
+        step only: the lookahead policies evict by their use, and with `prefetch` the first one's missing
         rows are brought into the cache in the background while that step computes (a thread on CPU, a
-        side stream on GPU), never in place of a row of the batch in flight or of the next one.
+        side stream on GPU), never in place of a row of a batch in flight or of the next one.
 
         Why per step: a window left over from an earlier step would be off by one batch.
         """
@@ -677,13 +860,20 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._window = Window([rows for _, rows in self._upcoming_rows])
         self._prefetch_next = prefetch
 
-    def _start_prefetch(self, window: Window, in_storage: Tensor) -> None:
-        """Run `_prefetch` for the window's first batch in the background; `_join_prefetch` waits for it."""
+    def _start_prefetch(self, window: Window) -> None:
+        """Run `_prefetch` for the window's first batch in the background; `_join_prefetch` waits for it.
+
+        Rows every in-flight forward read from storage are left alone: their backward writes them there
+        (with the shortcut of the values it read), so they must not be copied into the cache meanwhile.
+        """
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipcache-prefetch")
         if self._prefetch_generator is None:
             self._prefetch_generator = self._new_prefetch_generator()
-        args = (window, in_storage, self._pin_since, self.step)
+        pin_since = self._pin_since()
+        live = [ref() for ref in self._in_flight.values()]
+        in_storage = [plan.storage_rows for plan in live if plan is not None and plan.storage_rows.numel()]
+        args = (window, torch.cat(in_storage) if in_storage else None, pin_since, self.step)
         if self.device.type == "cuda":
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(self.device)
@@ -693,16 +883,19 @@ class CachedEmbeddingBagCollection(nn.Module):
                 with torch.cuda.stream(self._side_stream):
                     return self._prefetch(*args)
 
-            self._pending = self._executor.submit(on_side_stream)
+            self._prefetching = self._executor.submit(on_side_stream)
         else:
-            self._pending = self._executor.submit(self._prefetch, *args)
+            self._prefetching = self._executor.submit(self._prefetch, *args)
 
-    def _prefetch(self, window: Window, in_storage: Tensor, pin_since: int, step: int) -> tuple[Tensor, int]:
+    def _prefetch(
+        self, window: Window, in_storage: Tensor | None, pin_since: int, step: int
+    ) -> tuple[Tensor, int]:
         """Install the missing rows of the window's first batch (run while step `step` computes).
 
-        Touches only what that step does not: slots of rows outside its batch (pinned from `pin_since`)
-        and of the next batch's, and rows not served from storage by it (`in_storage`, which its backward
-        writes). Counts go to a tensor of their own, added to the counters on join.
+        Touches only what the running steps do not: slots of rows outside every in-flight batch (pinned
+        from `pin_since`) and outside the next one, and rows none of them serves from storage. Counts go to
+        a tensor of their own and the residency and storage versions are bumped on join, so a backward
+        running meanwhile keeps the shortcuts its plan recorded (still valid: none of its rows moved).
         """
         cache, counts = self.cache, torch.zeros_like(self.counters)
         rows = window.batches[0]
@@ -710,16 +903,18 @@ class CachedEmbeddingBagCollection(nn.Module):
         hit = slots >= 0
         cache.last_used[slots[hit]] = step + 1  # the next step's rows stay; its lookup will say so too
         missing = rows[~hit]
-        if in_storage.numel():
+        if in_storage is not None:
             missing = missing[~torch.isin(missing, in_storage)]
         assignment = cache.assign(missing, pin_since, window)
         if assignment.victim_slots.numel():
             victims = assignment.victim_rows
-            self.storage.write(
+            fitted = self.storage.write(
                 victims, cache.weights[assignment.victim_slots], self.config.rounding, self._prefetch_generator
             )
-            self._count_rows("evictions", victims, counts)
-            self._count_rows("rows_out", victims, counts)
+            tables = self._tables_of(victims)
+            self._count_tables("evictions", tables, counts)
+            self._count_tables("rows_out", tables, counts)
+            self._count_fitted(tables, fitted, counts)
         admitted = assignment.slots >= 0
         rows_in = missing[admitted]
         if rows_in.numel():
@@ -735,7 +930,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _join_prefetch(self) -> None:
         """Wait for the prefetch in flight, if any, and take in its counts (its errors surface here)."""
-        pending, self._pending = self._pending, None
+        pending, self._prefetching = self._prefetching, None
         if pending is None:
             return
         counts, admitted = pending.result()
@@ -743,21 +938,31 @@ class CachedEmbeddingBagCollection(nn.Module):
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
         self.counters += counts
         self.prefetched_rows += admitted
+        self._residency_version += 1
+        self._storage_version += 1
+
+    def _new_prefetch_generator(self) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.config.seed + 1)
 
     # ----------------------------------------------------------------------------------- state dict
     def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._join_prefetch()  # the saved cache includes the prefetched rows, so a resumed run matches
         super()._save_to_state_dict(*args, **kwargs)
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Checkpoints written before the saturation counters existed hold fewer counter columns."""
         self._join_prefetch()
-        super()._load_from_state_dict(*args, **kwargs)
+        counters = state_dict.get(prefix + "counters")
+        if isinstance(counters, Tensor) and counters.dim() == 2 and counters.shape[1] < len(COUNTERS):
+            padding = counters.new_zeros(counters.shape[0], len(COUNTERS) - counters.shape[1])
+            state_dict[prefix + "counters"] = torch.cat([counters, padding], dim=1)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def get_extra_state(self) -> dict[str, Any]:
         config = asdict(self.config)
         return {
             "step": self.step,
-            "pin_since": self._pin_since,
+            "skipped_updates": self.skipped_updates,
             "lr": self.lr,
             "generator": self._generator.get_state() if self._generator is not None else None,
             "prefetch_generator": (
@@ -773,15 +978,17 @@ class CachedEmbeddingBagCollection(nn.Module):
         if mismatched:
             details = ", ".join(f"{k}: saved {saved.get(k)!r}, here {config[k]!r}" for k in mismatched)
             raise InvalidInputError(f"embedding state does not match this collection ({details})")
-        self.step, self._pin_since, self.lr = state["step"], state["pin_since"], state["lr"]
+        self.step, self.lr = state["step"], state["lr"]
+        self.skipped_updates = state.get("skipped_updates", 0)
+        self._in_flight.clear()
+        self._pending.clear()
+        self._residency_version += 1  # plans made before the load must locate their rows again
+        self._storage_version += 1
         if self._generator is not None and state["generator"] is not None:
             self._generator.set_state(state["generator"])
         if self._generator is not None and state.get("prefetch_generator") is not None:
             self._prefetch_generator = self._new_prefetch_generator()
             self._prefetch_generator.set_state(state["prefetch_generator"])
-
-    def _new_prefetch_generator(self) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(self.config.seed + 1)
 
     @classmethod
     def estimate_memory(cls, config: EmbeddingConfig) -> dict[str, Any]:
@@ -795,7 +1002,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         return report
 
 
-_STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "policy", "optimizer", "ways")
+_STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "cache_rows", "policy", "optimizer", "ways")
 
 
 def _component_of(buffer_name: str) -> str:

@@ -118,7 +118,7 @@ def hit_rate(trace: Trace, policy: str, window: int, capacity: int, ways: int = 
             "overflow_rows": None,
         }
     coll = CachedEmbeddingBagCollection(
-        EmbeddingConfig(trace.table_sizes, dim=1, precision="fp32", cache_size=capacity, policy=policy, ways=ways)
+        EmbeddingConfig(trace.table_sizes, dim=1, precision="fp32", cache_rows=capacity, policy=policy, ways=ways)
     )
     batches = list(trace.batches)
     grad = torch.ones(trace.batches.shape[1], len(trace.table_sizes), 1)

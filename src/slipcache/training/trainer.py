@@ -76,7 +76,8 @@ class TrainConfig:
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
     precision: str = "int8"
-    cache_size: float = 0.05  # fraction of rows (< 1) or a row count (>= 1)
+    cache_size: float = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
+    cache_rows: int | None = None  # cache capacity as a row count instead (overrides cache_size)
     policy: str = "lru"
     lookahead: int = 4  # batches ahead the lookahead policies evict by (policy lookahead or lookahead-lfu)
     prefetch: bool = False  # read the next batch's rows into the cache while the current one computes
@@ -137,8 +138,11 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
-        if not self.cache_size >= 0:
-            raise SlipcacheError(f"cache_size must be >= 0, got {self.cache_size}")
+        if not 0.0 <= self.cache_size <= 1.0:  # also rejects nan and inf
+            hint = f" (for a number of rows use --cache-rows {self.cache_size:g})" if self.cache_size > 1 else ""
+            raise SlipcacheError(f"cache_size is the share of rows cached, in [0, 1]; got {self.cache_size}{hint}")
+        if self.cache_rows is not None and self.cache_rows < 0:
+            raise SlipcacheError(f"cache_rows must be >= 0, got {self.cache_rows}")
         if self.bottom_mlp[-1:] != [self.embedding_dim]:
             raise SlipcacheError(
                 f"bottom_mlp must end in the embedding dim {self.embedding_dim}, got {self.bottom_mlp}"
@@ -321,6 +325,7 @@ def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> 
         embeddings=config.embeddings,
         precision=config.precision,
         cache_size=config.cache_size,
+        cache_rows=config.cache_rows,
         policy=config.policy,
         rounding=config.rounding,
         optimizer=config.optimizer,
@@ -418,7 +423,7 @@ class Progress:
 
 
 def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
-    """Fill derived counts: the sample budget, and log/eval/checkpoint intervals in whole batches."""
+    """Fill derived counts: the sample budget, and log/checkpoint intervals in whole batches."""
     batch = config.batch_size
     batches_per_epoch = train_rows // batch
     if batches_per_epoch == 0:
@@ -433,7 +438,9 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
         config,
         samples=samples,
         log_every=every(config.log_every, 100),
-        eval_every=every(config.eval_every, 10),
+        # Evaluation follows the data consumed (trained + skipped), so runs with and without skipping
+        # evaluate at the same positions; a given interval stays exact (see `_crossed`).
+        eval_every=config.eval_every if config.eval_every is not None else every(None, 10),
         checkpoint_every=every(config.checkpoint_every, 4),
     )
 
@@ -464,7 +471,7 @@ def _stats_totals(model: DLRM) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Training
+# Run directory files
 
 
 def _new_run_dir() -> Path:
@@ -487,8 +494,83 @@ def _write_events(path: Path, events: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
+# ----------------------------------------------------------------------------------------------------
+# Training: the loop first, then its steps in the order they run.
+
+
+@dataclass
+class Run:
+    """Everything the training loop reads and writes. `start_run` builds it; a checkpoint saves it."""
+
+    config: TrainConfig  # resolved: sample budget and intervals filled in
+    config_dict: dict[str, Any]  # what config.json and every checkpoint record
+    run_dir: Path
+    dataset: Any
+    model: DLRM
+    dense_opt: torch.optim.Optimizer
+    emb_opt: torch.optim.Optimizer | None
+    progress: Progress
+    skipper: StaleSkipper | None
+    budget: int  # samples to consume (trained + skipped), a whole number of batches
+    max_epochs: int
+    bar: Any  # tqdm progress bar
+    base_lookups: int = 0  # the collection's cumulative counters when the open logging window began
+    base_hits: int = 0
+    tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
+    finished: bool = False  # set by the run's last batch
+
+    @property
+    def consumed(self) -> int:
+        """Samples trained or skipped: the position in the data that the budget and eval schedule count."""
+        return self.progress.samples + self.progress.skipped
+
+    def more_epochs(self) -> bool:
+        return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
-    """Train DLRM as configured, writing the run directory; returns the summary dict."""
+    """Train DLRM as configured, writing the run directory; returns the summary dict.
+
+    Hook points for features that join the loop: `epoch_batches` (per-epoch setup, the batch source),
+    `train_step` (one optimization step), `record_step` (per-batch bookkeeping after the step), and
+    `Run`/`checkpoint_state`/`restore` for state that must survive a resume. Training time
+    (`progress.train_wall_s`) runs from `run.tick` to the end of `record_step`; evaluation and checkpoints
+    fall outside it.
+    """
+    run = start_run(config)
+    try:
+        while run.more_epochs():
+            batches = epoch_batches(run)
+            for batch in batches:
+                loss = train_step(run, batch, batches)
+                consumed_before = run.consumed
+                last = record_step(run, batch, loss, batches)
+                eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
+                if run.progress.samples % run.config.log_every == 0 or eval_due:
+                    log_event(run, evaluate_now=eval_due)
+                if run.progress.samples % run.config.checkpoint_every == 0 and not last:
+                    save_checkpoint(run)
+                if last:
+                    # A skipping run's last epoch can end with trained + skipped just under the budget (the
+                    # tail that fills no batch is dropped); it must not restart the epoch to look for more.
+                    run.finished = True
+                    break
+                run.tick = time.perf_counter()  # the training clock restarts: eval and checkpoints excluded
+            else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
+                end_epoch(run)
+    finally:
+        run.bar.close()
+    save_checkpoint(run)
+    return finish_run(run)
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Whether a multiple of `every` lies in (before, after]: a schedule in samples that batches step over."""
+    return after // every > before // every
+
+
+def start_run(config: TrainConfig) -> Run:
+    """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
     state: dict[str, Any] | None = None
     if config.resume is not None:
@@ -507,7 +589,6 @@ def train(config: TrainConfig) -> dict[str, Any]:
     else:
         dataset_dir = prepare_data(config, run_dir.parent / "data-cache")
     dataset = open_dataset(dataset_dir)
-    train_split, val_split = dataset.split("train"), dataset.split("val")
     config = resolve_schedule(config, dataset.splits["train"])
     config.out = str(run_dir)
     config_dict = {**asdict(config), "dataset": str(dataset_dir)}
@@ -519,152 +600,159 @@ def train(config: TrainConfig) -> dict[str, Any]:
     model = build_model(config, dataset.table_sizes, dataset.num_dense)
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
     emb_opt = embedding_optimizer(config, model)
-    progress = Progress()
+    batches_per_epoch = dataset.splits["train"] // config.batch_size
     skipper = None
     if config.skip_stale:
         from slipcache.staleness.skipping import StaleSkipper
 
-        skipper = StaleSkipper(config, model, train_split, dataset.splits["train"] // config.batch_size)
+        skipper = StaleSkipper(config, model, dataset.split("train"), batches_per_epoch)
+    progress = Progress()
     if state is not None:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
-        _restore(state, model, dense_opt, emb_opt, progress)
-        if skipper is not None:
-            skipper.load_state_dict(state["skipping"])
+        restore(state, model, dense_opt, emb_opt, progress, skipper)
     _write_json(run_dir / "config.json", config_dict)
-    _write_events(
-        run_dir / "metrics.jsonl", progress.events
-    )  # a resumed run drops events after its checkpoint
-    # The collection's counters may or may not come back with its state; count relative to what it says now.
-    base_lookups, base_hits = _stats_totals(model)
-    base_lookups -= progress.window_lookups
-    base_hits -= progress.window_hits
+    _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops events after its checkpoint
 
-    from slipcache.data.dataset import BatchIterator
-
-    batch_size = config.batch_size
-    total_steps = math.ceil(config.samples / batch_size)
-    ahead = 0  # batches the embeddings see ahead (lookahead policy, prefetch)
-    if config.embeddings == "cached":
-        ahead = config.lookahead if config.policy in LOOKAHEAD_POLICIES else int(config.prefetch)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
-    budget = total_steps * batch_size
-    max_epochs = math.ceil(total_steps / (dataset.splits["train"] // batch_size))
+    total_steps = math.ceil(config.samples / config.batch_size)
+    budget = total_steps * config.batch_size
     bar = tqdm(
-        total=total_steps * batch_size,
+        total=budget,
         initial=progress.samples,
         unit=" samples",
         unit_scale=True,
         disable=not config.progress,
         dynamic_ncols=True,
     )
+    run = Run(
+        config=config,
+        config_dict=config_dict,
+        run_dir=run_dir,
+        dataset=dataset,
+        model=model,
+        dense_opt=dense_opt,
+        emb_opt=emb_opt,
+        progress=progress,
+        skipper=skipper,
+        budget=budget,
+        max_epochs=math.ceil(total_steps / batches_per_epoch),
+        bar=bar,
+    )
+    # The collection's counters may or may not come back with its state; count relative to what it says now.
+    run.base_lookups, run.base_hits = _stats_totals(model)
+    run.base_lookups -= progress.window_lookups
+    run.base_hits -= progress.window_hits
+    return run
 
-    def save(tag_samples: int) -> None:
-        lookups, hits = _stats_totals(model)  # the open window's cache counts travel with the checkpoint
-        progress.window_lookups, progress.window_hits = lookups - base_lookups, hits - base_hits
-        checkpoint_state = _checkpoint_state(
-            config_dict, dataset.table_sizes, model, dense_opt, emb_opt, progress
-        )
-        checkpoint_state["skipping"] = skipper.state_dict() if skipper is not None else None
-        ckpt.save_run_checkpoint(
-            run_dir / "checkpoints", checkpoint_state, tag_samples, keep=config.keep_checkpoints
-        )
 
-    try:
-        finished = False  # set by the run's last batch: budget spent, or the last epoch's batches ran out
-        while not finished and progress.samples + progress.skipped < budget and progress.epoch < max_epochs:
-            tick = time.perf_counter()  # wall time includes reading and filtering batches, not eval or checkpoints
-            if skipper is not None:
-                skipper.start_epoch(progress.epoch, progress.batch_in_epoch)  # profile, open the window
-            batches = BatchIterator(
-                train_split,
-                batch_size,
-                shuffle=True,
-                seed=config.seed,
-                epoch=progress.epoch,
-                drop_last=True,
-                sample_filter=skipper.sample_filter if skipper is not None else None,
-                start_batch=progress.batch_in_epoch,
-            )
-            for batch in batches:
-                t0 = time.perf_counter()
-                if ahead:  # the batches after this one, after the skip filter: those that will be trained
-                    model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], config.prefetch)
-                logits = model(batch.dense, batch.sparse)
-                loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-                loss_value = loss.item()
-                if not math.isfinite(loss_value):
-                    # Stop before backward: a fused embedding update would write the bad gradient into storage.
-                    latest = run_dir / "checkpoints" / ckpt.LATEST
-                    where = (
-                        f"last good checkpoint: {latest}"
-                        if latest.exists()
-                        else "no checkpoint was written yet"
-                    )
-                    raise SlipcacheError(
-                        f"training loss is {loss_value} at sample {progress.samples} (epoch {progress.epoch}, "
-                        f"batch {progress.batch_in_epoch}); stopped. Check the input data or lower --lr; {where}"
-                    )
-                dense_opt.zero_grad(set_to_none=True)
-                if emb_opt is not None:
-                    emb_opt.zero_grad(set_to_none=True)
-                loss.backward()  # with fused_update, this also updates the embedding rows
-                dense_opt.step()
-                if emb_opt is not None:
-                    emb_opt.step()
-                progress.compute_s += time.perf_counter() - t0
-                last = False
-                if skipper is not None:
-                    skipper.after_batch()  # snapshots, threshold fit, guard
-                    progress.skipped = skipper.detector.total.skipped
-                    # A skipping epoch has fewer batches: the run's last one is known when none follows.
-                    last = progress.epoch == max_epochs - 1 and not batches.peek(1)
-                elapsed = time.perf_counter() - tick
+def epoch_batches(run: Run) -> Any:
+    """The current epoch's training batches from where the run stands; starts the training clock."""
+    from slipcache.data.dataset import BatchIterator
 
-                n = batch.labels.shape[0]
-                progress.step += 1
-                progress.samples += n
-                progress.batch_in_epoch += 1
-                progress.train_wall_s += elapsed
-                progress.window_loss += loss_value * n
-                progress.window_samples += n
-                progress.window_wall_s += elapsed
-                bar.update(n)
+    run.tick = time.perf_counter()  # wall time includes reading and filtering batches, not eval or checkpoints
+    if run.skipper is not None:
+        run.skipper.start_epoch(run.progress.epoch, run.progress.batch_in_epoch)  # profile, open the window
+    return BatchIterator(
+        run.dataset.split("train"),
+        run.config.batch_size,
+        shuffle=True,
+        seed=run.config.seed,
+        epoch=run.progress.epoch,
+        drop_last=True,
+        sample_filter=run.skipper.sample_filter if run.skipper is not None else None,
+        start_batch=run.progress.batch_in_epoch,
+    )
 
-                last = last or progress.samples + progress.skipped >= budget
-                eval_due = progress.samples % config.eval_every == 0 or last
-                if progress.samples % config.log_every == 0 or eval_due:
-                    lookups, hits = _stats_totals(model)
-                    progress.window_lookups, progress.window_hits = lookups - base_lookups, hits - base_hits
-                    event = _close_window(progress)
-                    if skipper is not None:
-                        event.update(skipper.event_fields(progress.compute_s / progress.samples))
-                    bar.set_postfix(_postfix(event), refresh=False)
-                    if eval_due:
-                        scores = evaluate(model, val_split, max_samples=config.eval_samples)
-                        event.update({f"val_{k}": v for k, v in scores.items()})
-                    progress.events.append(event)
-                    with open(run_dir / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(event) + "\n")
-                    base_lookups, base_hits = _stats_totals(model)  # evaluation lookups do not count
-                if progress.samples % config.checkpoint_every == 0 and not last:
-                    save(progress.samples)
-                if last:
-                    # A skipping run's last epoch can end with trained + skipped just under the budget (the
-                    # tail that fills no batch is dropped); it must not restart the epoch to look for more.
-                    finished = True
-                    break
-                tick = time.perf_counter()
-            else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
-                if progress.batch_in_epoch == 0:
-                    raise SlipcacheError(f"epoch {progress.epoch} produced no training batches")
-                progress.train_wall_s += time.perf_counter() - tick  # filtering the epoch's tail
-                progress.epoch += 1
-                progress.batch_in_epoch = 0
-    finally:
-        bar.close()
-    save(progress.samples)
-    return _finish(config, config_dict, run_dir, dataset, model, progress, skipper)
+
+def train_step(run: Run, batch: Any, batches: Any = None) -> float:
+    """Forward, backward and optimizer steps on one batch; returns its mean loss.
+
+    `batches` (the iterator `batch` came from) lets a lookahead policy or the prefetch see the batches
+    that follow, after the skip filter: those that will be trained.
+    """
+    t0 = time.perf_counter()
+    ahead = lookahead_batches(run.config)
+    if ahead and batches is not None:
+        run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], run.config.prefetch)
+    logits = run.model(batch.dense, batch.sparse)
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    loss_value = loss.item()
+    if not math.isfinite(loss_value):
+        # Stop before backward: a fused embedding update would write the bad gradient into storage.
+        raise _non_finite_loss(run, loss_value)
+    run.dense_opt.zero_grad(set_to_none=True)
+    if run.emb_opt is not None:
+        run.emb_opt.zero_grad(set_to_none=True)
+    loss.backward()  # with fused_update, this also updates the embedding rows
+    run.dense_opt.step()
+    if run.emb_opt is not None:
+        run.emb_opt.step()
+    run.progress.compute_s += time.perf_counter() - t0
+    return loss_value
+
+
+def lookahead_batches(config: TrainConfig) -> int:
+    """Batches the embeddings are shown ahead: the lookahead policy's window, or 1 for the prefetch alone."""
+    if config.embeddings != "cached":
+        return 0
+    return config.lookahead if config.policy in LOOKAHEAD_POLICIES else int(config.prefetch)
+
+
+def _non_finite_loss(run: Run, loss_value: float) -> SlipcacheError:
+    p = run.progress
+    latest = run.run_dir / "checkpoints" / ckpt.LATEST
+    where = f"last good checkpoint: {latest}" if latest.exists() else "no checkpoint was written yet"
+    return SlipcacheError(
+        f"training loss is {loss_value} at sample {p.samples} (epoch {p.epoch}, "
+        f"batch {p.batch_in_epoch}); stopped. Check the input data or lower --lr; {where}"
+    )
+
+
+def record_step(run: Run, batch: Any, loss_value: float, batches: Any) -> bool:
+    """Per-batch bookkeeping after a step (skipping, counters, clock); returns whether it was the last."""
+    progress = run.progress
+    last = False
+    if run.skipper is not None:
+        run.skipper.after_batch()  # snapshots, threshold fit, guard
+        progress.skipped = run.skipper.detector.total.skipped
+        # A skipping epoch has fewer batches: the run's last one is known when none follows.
+        last = progress.epoch == run.max_epochs - 1 and not batches.peek(1)
+    elapsed = time.perf_counter() - run.tick
+    n = batch.labels.shape[0]
+    progress.step += 1
+    progress.samples += n
+    progress.batch_in_epoch += 1
+    progress.train_wall_s += elapsed
+    progress.window_loss += loss_value * n
+    progress.window_samples += n
+    progress.window_wall_s += elapsed
+    run.bar.update(n)
+    return last or run.consumed >= run.budget
+
+
+def log_event(run: Run, *, evaluate_now: bool) -> None:
+    """Close the logging window into a `metrics.jsonl` event, with validation metrics when `evaluate_now`."""
+    progress = run.progress
+    _sync_window_counts(run)
+    event = _close_window(progress)
+    if run.skipper is not None:
+        event.update(run.skipper.event_fields(progress.compute_s / progress.samples))
+    run.bar.set_postfix(_postfix(event), refresh=False)
+    if evaluate_now:
+        scores = evaluate(run.model, run.dataset.split("val"), max_samples=run.config.eval_samples)
+        event.update({f"val_{k}": v for k, v in scores.items()})
+    progress.events.append(event)
+    with open(run.run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(event) + "\n")
+    run.base_lookups, run.base_hits = _stats_totals(run.model)  # evaluation lookups do not count
+
+
+def _sync_window_counts(run: Run) -> None:
+    """Cache lookups and hits of the open logging window, from the collection's cumulative counters."""
+    lookups, hits = _stats_totals(run.model)
+    run.progress.window_lookups = lookups - run.base_lookups
+    run.progress.window_hits = hits - run.base_hits
 
 
 def _close_window(progress: Progress) -> dict[str, Any]:
@@ -680,6 +768,8 @@ def _close_window(progress: Progress) -> dict[str, Any]:
         "hit_rate": hits / lookups if lookups else None,
         "samples_per_s": progress.window_samples / progress.window_wall_s if progress.window_wall_s else None,
         "train_wall_s": progress.train_wall_s,
+        # time-to-accuracy axis: cumulative training wall time, evaluation and checkpoints excluded
+        "train_seconds": progress.train_wall_s,
     }
     progress.window_loss = 0.0
     progress.window_samples = 0
@@ -695,29 +785,102 @@ def _postfix(event: dict[str, Any]) -> dict[str, str]:
     return postfix
 
 
-def _checkpoint_state(
-    config_dict: dict[str, Any],
-    table_sizes: list[int],
-    model: DLRM,
-    dense_opt: torch.optim.Optimizer,
-    emb_opt: torch.optim.Optimizer | None,
-    progress: Progress,
-) -> dict[str, Any]:
+def save_checkpoint(run: Run) -> None:
+    """`checkpoints/ckpt-<samples>.pt` and `latest.pt`; the open window's cache counts travel with it."""
+    _sync_window_counts(run)
+    state = checkpoint_state(run)
+    ckpt.save_run_checkpoint(
+        run.run_dir / "checkpoints", state, run.progress.samples, keep=run.config.keep_checkpoints
+    )
+
+
+def end_epoch(run: Run) -> None:
+    """The epoch's batches ran out: count the time spent filtering its tail and move to the next epoch."""
+    progress = run.progress
+    if progress.batch_in_epoch == 0:
+        raise SlipcacheError(f"epoch {progress.epoch} produced no training batches")
+    progress.train_wall_s += time.perf_counter() - run.tick
+    progress.epoch += 1
+    progress.batch_in_epoch = 0
+
+
+def finish_run(run: Run) -> dict[str, Any]:
+    """Test-set evaluation, summary.json and report.md."""
+    progress, model = run.progress, run.model
+    test = evaluate(model, run.dataset.split("test"))
+    memory = model.embeddings.memory_report()
+    skipper = run.skipper
+    summary: dict[str, Any] = {
+        "auc": test["auc"],
+        "logloss": test["logloss"],
+        "accuracy": test["accuracy"],
+        "normalized_entropy": test["normalized_entropy"],
+        "test_samples": test["samples"],
+        "train_samples": progress.samples,
+        "samples_per_s": progress.samples / progress.train_wall_s if progress.train_wall_s else None,
+        "train_wall_s": progress.train_wall_s,  # wall clock of the loop: the figure speedups use
+        "compute_s": progress.compute_s,
+        "embedding_bytes": int(memory["total_bytes"]),
+        "fp32_embedding_bytes": int(memory["fp32_bytes"]),
+        "memory_ratio": float(memory["memory_ratio"]),
+        "memory_components": memory["components"],
+        "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
+        "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
+        "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
+        "staleness": skipper.summary(progress.compute_s / progress.samples) if skipper is not None else None,
+        "run_dir": str(run.run_dir),
+        "config": run.config_dict,
+    }
+    _write_json(run.run_dir / "summary.json", summary)
+    from slipcache.training.report import write_report
+
+    write_report(run.run_dir, progress.events, summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints and resuming
+
+
+def checkpoint_state(run: Run) -> dict[str, Any]:
+    """Every piece of state the loop reads, so a resumed run ends exactly where an uninterrupted one ends."""
     # The collection's own state_dict (cache contents, quantized storage, optimizer state, rounding RNG)
     # is saved through its method, not through the parent's, which would bypass an override.
+    model = run.model
     dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
     return {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
-        "config": config_dict,
-        "table_sizes": list(table_sizes),
+        "config": run.config_dict,
+        "table_sizes": list(run.dataset.table_sizes),
         "dense": dense,
         "embeddings": model.embeddings.state_dict(),
-        "dense_optimizer": dense_opt.state_dict(),
-        "embedding_optimizer": emb_opt.state_dict() if emb_opt is not None else None,
-        "progress": asdict(progress),
+        "dense_optimizer": run.dense_opt.state_dict(),
+        "embedding_optimizer": run.emb_opt.state_dict() if run.emb_opt is not None else None,
+        "progress": asdict(run.progress),
         "rng": _rng_state(),
+        "skipping": run.skipper.state_dict() if run.skipper is not None else None,
     }
+
+
+def restore(
+    state: dict[str, Any],
+    model: DLRM,
+    dense_opt: torch.optim.Optimizer,
+    emb_opt: torch.optim.Optimizer | None,
+    progress: Progress,
+    skipper: StaleSkipper | None,
+) -> None:
+    """Load what `checkpoint_state` saved into freshly built objects."""
+    _load_model_state(state, model)
+    dense_opt.load_state_dict(state["dense_optimizer"])
+    if emb_opt is not None and state["embedding_optimizer"] is not None:
+        emb_opt.load_state_dict(state["embedding_optimizer"])
+    for name, value in state["progress"].items():
+        setattr(progress, name, value)
+    _set_rng_state(state["rng"])
+    if skipper is not None:
+        skipper.load_state_dict(state["skipping"])
 
 
 def _check_checkpoint(state: dict[str, Any], path: Path) -> None:
@@ -736,20 +899,6 @@ def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
         raise SlipcacheError(f"checkpoint does not fit the model: {str(exc).splitlines()[0]}") from exc
 
 
-def _restore(
-    state: dict[str, Any],
-    model: DLRM,
-    dense_opt: torch.optim.Optimizer,
-    emb_opt: torch.optim.Optimizer | None,
-    progress: Progress,
-) -> None:
-    _load_model_state(state, model)
-    dense_opt.load_state_dict(state["dense_optimizer"])
-    if emb_opt is not None and state["embedding_optimizer"] is not None:
-        emb_opt.load_state_dict(state["embedding_optimizer"])
-    for name, value in state["progress"].items():
-        setattr(progress, name, value)
-    _set_rng_state(state["rng"])
 
 
 # Flags that may change when resuming: they extend or report on the run without changing its past.
@@ -782,44 +931,6 @@ def _load_resume(config: TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
     return state, resumed
 
 
-def _finish(
-    config: TrainConfig,
-    config_dict: dict[str, Any],
-    run_dir: Path,
-    dataset: Any,
-    model: DLRM,
-    progress: Progress,
-    skipper: StaleSkipper | None = None,
-) -> dict[str, Any]:
-    """Test-set evaluation, summary.json and report.md."""
-    test = evaluate(model, dataset.split("test"))
-    memory = model.embeddings.memory_report()
-    summary: dict[str, Any] = {
-        "auc": test["auc"],
-        "logloss": test["logloss"],
-        "accuracy": test["accuracy"],
-        "normalized_entropy": test["normalized_entropy"],
-        "test_samples": test["samples"],
-        "train_samples": progress.samples,
-        "samples_per_s": progress.samples / progress.train_wall_s if progress.train_wall_s else None,
-        "train_wall_s": progress.train_wall_s,  # wall clock of the loop: the figure speedups use
-        "compute_s": progress.compute_s,
-        "embedding_bytes": int(memory["total_bytes"]),
-        "fp32_embedding_bytes": int(memory["fp32_bytes"]),
-        "memory_ratio": float(memory["memory_ratio"]),
-        "memory_components": memory["components"],
-        "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
-        "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
-        "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
-        "staleness": skipper.summary(progress.compute_s / progress.samples) if skipper is not None else None,
-        "run_dir": str(run_dir),
-        "config": config_dict,
-    }
-    _write_json(run_dir / "summary.json", summary)
-    from slipcache.training.report import write_report
-
-    write_report(run_dir, progress.events, summary)
-    return summary
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -876,7 +987,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="cached = mixed-precision + fp32 cache (default); torch = fp32 nn.EmbeddingBag baseline",
     )
     add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
-    add("--cache-size", type=float, default=s, help="cache rows: fraction (<1) or count (default 0.05)")
+    add("--cache-size", type=float, default=s, help="share of rows cached, 0..1; 1 = every row (default 0.05)")
+    add("--cache-rows", type=int, default=s, help="cache capacity as a number of rows (overrides --cache-size)")
     add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
     add("--lookahead", type=int, default=s, help="batches ahead the lookahead policies see (default 4)")
     add(
@@ -892,8 +1004,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", type=int, default=s, help="samples per batch (default 256)")
     add("--epochs", type=int, default=s, help="passes over the training split (default 1)")
     add("--samples", type=int, default=s, help="training budget in samples (overrides --epochs)")
-    add("--eval-every", type=int, default=s, help="samples between validation runs (default: 10 per run)")
-    add("--eval-samples", type=int, default=s, help="validation samples per evaluation (default 100000)")
+    add(
+        "--eval-every",
+        metavar="SAMPLES",
+        type=int,
+        default=s,
+        help="evaluate on the validation split after every SAMPLES samples consumed (trained or skipped; "
+        "default: 10 per run)",
+    )
+    add(
+        "--eval-samples",
+        metavar="N",
+        type=int,
+        default=s,
+        help="validation samples per evaluation, the first N of the split (default 100000)",
+    )
     add("--checkpoint-every", type=int, default=s, help="samples between checkpoints (default: 4 per run)")
     add("--dim", dest="embedding_dim", type=int, default=s, help="embedding dimension (default 16)")
     add("--seed", type=int, default=s, help="random seed (default 0)")
