@@ -225,3 +225,35 @@ def test_busy_machine_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(bench, "_load_average", lambda: 40.0)
     result = _run(tmp_path, "--dims", "8", "--configs", "torch-fp32", "--rounds", "1")
     assert any("machine was busy" in w for w in result["warnings"])
+
+
+def test_bench_train_runs_each_implementation_on_the_same_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipcache.experiments import bench_train
+    from tests.helpers import make_dataset
+
+    data = make_dataset(tmp_path / "data", n=800, sizes=[300] * 26)
+    monkeypatch.setattr(bench_train, "torchrec_available", lambda: "ImportError: no module named torchrec")
+    argv = ["train", "--quick", "--data", str(data), "--samples", "320", "--batch-size", "64", "--rounds", "2"]
+    argv += ["--impls", "torch-fp32,torchrec-fbgemm", "--out", str(tmp_path / "out")]
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    assert bench.run_bench(parser.parse_args(argv)) == 0
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "out" / "train_bench.json").read_text())["rows"]}
+    assert rows["torchrec-fbgemm"]["status"].startswith("skipped: ImportError")
+    ours = rows["torch-fp32"]
+    assert ours["status"] == "ok" and len(ours["auc_rounds"]) == 2 and ours["train_samples"] == 320
+    assert ours["auc_rounds"][0] == ours["auc_rounds"][1]  # same data, same seed: timing is all that varies
+    assert ours["samples_per_s_min"] <= ours["samples_per_s"] <= ours["samples_per_s_max"]
+
+
+def test_torchrec_peer_trains(tmp_path: Path) -> None:
+    from slipcache.experiments import bench_train
+    from slipcache.training import trainer
+    from tests.helpers import make_dataset
+
+    if bench_train.torchrec_available() is not None:
+        pytest.skip("torchrec is not installed")
+    data = make_dataset(tmp_path / "data", n=800, sizes=[300] * 26)
+    config = trainer.make_config({}, {"quick": True, "data": str(data), "samples": 640, "batch_size": 64})
+    outcome = bench_train._run_torchrec(config, tmp_path)
+    assert outcome["train_samples"] == 640 and 0.0 < outcome["auc"] < 1.0 and outcome["samples_per_s"] > 0

@@ -771,6 +771,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(
         targets.add_parser("cache", help="cache hit rate against size: LRU, LFU, lookahead and offline OPT")
     )
+    from slipcache.experiments.bench_train import add_train_bench_arguments
+
+    add_train_bench_arguments(
+        targets.add_parser("train", help="the DLRM trainer (fp32, INT8 + 5 %% cache) against TorchRec + FBGEMM")
+    )
 
 
 def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -906,6 +911,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from slipcache.experiments.bench_cache import run_cache_bench
 
         return run_cache_bench(args)
+    if args.target == "train":
+        from slipcache.experiments.bench_train import run_train_bench
+
+        return run_train_bench(args)
     return run_embedding_bench(args)
 
 
