@@ -151,3 +151,41 @@ def test_load_tables_counts_saturated_values_per_table() -> None:
     assert [t["saturated_values"] for t in per_table] == [0, 0, 1, 0]
     assert [t["nonfinite_values"] for t in per_table] == [0, 0, 1, 0]
     assert bool(torch.isfinite(torch.cat(coll.export_tables())).all())
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "fp16", "bf16"])
+def test_one_seed_starts_every_precision_from_the_rounding_of_the_same_rows(precision: str) -> None:
+    from slipcache.embedding.quant import RowStorage
+
+    fp32 = torch.cat(small("fp32", seed=3).export_tables())
+    low = torch.cat(small(precision, seed=3).export_tables())
+    rounded = RowStorage(fp32.shape[0], 4, precision)
+    rounded.write_range(0, fp32, "nearest", None)
+    assert torch.equal(low, rounded.read(torch.arange(fp32.shape[0]), torch.device("cpu")))
+    assert not torch.equal(low, torch.cat(small(precision, seed=4).export_tables()))  # the seed matters
+    # the draw is DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table
+    assert float(fp32[:40].abs().max()) <= 40**-0.5 and float(fp32[47:347].abs().max()) <= 300**-0.5
+
+
+def test_initialization_chunks_are_bounded() -> None:
+    from slipcache.embedding.collection import _init_chunk_rows
+
+    assert _init_chunk_rows(16) == 1 << 20  # the draws of dim <= 16 are those of earlier versions
+    assert _init_chunk_rows(128) * 128 * 4 <= 64 << 20
+
+
+def test_a_state_dict_from_before_the_saturation_counters_loads() -> None:
+    """Older checkpoints: 7 counter columns, `pin_since` in the extra state, no `cache_rows` in its config."""
+    coll = small("int8", cache_size=0.1)
+    coll(ids()).sum().backward()
+    state = coll.state_dict()
+    state["counters"] = state["counters"][:, :7].clone()
+    extra = dict(state["_extra_state"])
+    extra.pop("skipped_updates")
+    extra["pin_since"] = extra["step"] + 1
+    extra["config"] = {k: v for k, v in extra["config"].items() if k != "cache_rows"}
+    state["_extra_state"] = extra
+    fresh = small("int8", cache_size=0.1, seed=4)
+    fresh.load_state_dict(state)
+    assert torch.equal(torch.cat(fresh.export_tables()), torch.cat(coll.export_tables()))
+    assert fresh.stats()["lookups"] == coll.stats()["lookups"] and fresh.stats()["saturated_values"] == 0

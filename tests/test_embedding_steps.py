@@ -62,6 +62,7 @@ CACHES = [
     {"cache_rows": 6, "ways": 2},  # far smaller than a batch: most rows are updated in storage
     {"cache_size": 0.1},
     {"cache_size": 0.0, "policy": "none"},
+    {"cache_size": [0.5, 0.0, 0.05, 1.0], "ways": 4},  # one part of the cache per table
 ]
 
 
@@ -199,7 +200,7 @@ def test_train_config_takes_cache_share_or_rows(tmp_path) -> None:
 
     with pytest.raises(SlipcacheError, match="use --cache-rows 5000"):
         make_config(flag_values={"cache_size": 5000.0})
-    with pytest.raises(SlipcacheError, match=r"in \[0, 1\]"):
+    with pytest.raises(SlipcacheError, match=r"finite|in \[0, 1\]"):
         make_config(flag_values={"cache_size": float("inf")})
     path = tmp_path / "run.toml"
     path.write_text("cache_size = 1.0\ncache_rows = 64\n")
@@ -208,3 +209,62 @@ def test_train_config_takes_cache_share_or_rows(tmp_path) -> None:
     assert model.embeddings.cache.capacity == 64
     model = build_model(make_config(flag_values={"cache_size": 1.0}), [100, 50], num_dense=13)
     assert model.embeddings.cache.holds_every_row
+
+
+def test_max_grad_norm_clips_like_clip_grad_norm_over_the_tables() -> None:
+    coll = collection("sgd", {"cache_rows": 6, "ways": 2})
+    coll.config.max_grad_norm = 0.5
+    ref = Reference(coll, "sgd")
+    for step in range(4):
+        features = [random_ids(24, 10 * step + k) for k in range(2)]
+        sum(loss_of(coll(f), k) for k, f in enumerate(features)).backward()
+        ref.opt.zero_grad()
+        sum(loss_of(ref(f), k) for k, f in enumerate(features)).backward()
+        for bag in ref.bags:  # clip_grad_norm_ takes dense gradients
+            bag.weight.grad = bag.weight.grad.to_dense()
+        norm = nn.utils.clip_grad_norm_([b.weight for b in ref.bags], 0.5)
+        assert float(norm) > 0.5  # clipping is active in this test
+        ref.opt.step()
+        ref.assert_matches(coll)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        EmbeddingConfig(SIZES, max_grad_norm=0.0)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_grad_scaler_is_divided_out_and_its_skipped_steps_skip(optimizer: str) -> None:
+    coll = collection(optimizer, {"cache_size": 0.1})
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    coll.grad_scaler = scaler
+    ref = Reference(coll, optimizer)
+    for step in range(3):
+        ids = random_ids(24, step)
+        scaler.scale(loss_of(coll(ids), step)).backward()
+        ref.step(loss_of(ref(ids), step))
+        ref.assert_matches(coll)
+    before = torch.cat(coll.export_tables())
+    scaler.scale(coll(random_ids(24, 9)).sum() * float("inf")).backward()  # overflow: the step is skipped
+    assert torch.allclose(torch.cat(coll.export_tables()), before) and coll.stats()["skipped_updates"] == 1
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+def test_a_backward_pass_that_fails_midway_drops_its_update_and_training_goes_on() -> None:
+    aborted, plain = collection("sgd", {"cache_rows": 20}), collection("sgd", {"cache_rows": 20})
+    weight = torch.ones(1, requires_grad=True)
+    failing = _FailsInBackward.apply(weight)  # created first: runs after the lookup's node in backward
+    out = aborted(random_ids(24, 0))
+    with pytest.raises(RuntimeError, match="boom"):
+        (out.sum() + failing.sum()).backward()
+    plain(random_ids(24, 0))  # same forward, never backpropagated
+    for coll in (aborted, plain):
+        loss_of(coll(random_ids(24, 1)), 1).backward()
+    for a, b in zip(aborted.export_tables(), plain.export_tables(), strict=True):
+        assert torch.equal(a, b)

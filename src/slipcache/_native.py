@@ -7,16 +7,26 @@ or slot (update) is t modulo the thread count, in batch order, so no two threads
 every slot sees its updates in the same order whatever the thread count: results do not depend on it. The C source is compiled with the system's C
 compiler on first use (about a second) into a per-user cache and loaded with ctypes; without a
 compiler, or with SLIPCACHE_NATIVE=0, the pure-torch path runs. Tests check the two agree.
+
+The cache (`$SLIPCACHE_CACHE_DIR/native`, default `~/.cache/slipcache/native`) is a directory of mode 0700;
+a directory or library that another user owns or could write is refused (the torch path runs, with a
+warning), builds are renamed into place whole, the file name keys the source, compiler, flags and CPU
+architecture, and a cached library that fails to load is rebuilt once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -154,28 +164,115 @@ _library: ctypes.CDLL | None = None
 _tried = False
 
 
-def _compile() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None
-    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("SLIPCACHE_CACHE_DIR", Path.home() / ".cache" / "slipcache"))
-    target = root / "native" / f"slipcache_native_{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            source = Path(tmp) / "native.c"
-            source.write_text(_SOURCE)
-            built = Path(tmp) / target.name
+_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
+BUILD_TIMEOUT_S = 120.0  # a compiler that hangs must not hang training: the torch path runs instead
+
+
+class UnsafeCacheError(OSError):
+    """A cache path that another user could have written: never load from it."""
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def cache_key(compiler: str, flags: tuple[str, ...] = _FLAGS) -> str:
+    """Source, compiler (its resolved path and version), flags and CPU architecture: any change rebuilds."""
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    parts = (_SOURCE, os.path.realpath(compiler), version, " ".join(flags), platform.machine(), sys.platform)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _check_private(path: Path, st: os.stat_result) -> None:
+    if st.st_uid != os.getuid():
+        raise UnsafeCacheError(f"{path} belongs to another user (uid {st.st_uid})")
+    if st.st_mode & 0o022:
+        raise UnsafeCacheError(f"{path} is writable by its group or by everyone (mode {st.st_mode & 0o777:o})")
+
+
+def private_directory(path: Path) -> Path:
+    """`path` created with mode 0700, or checked: a real directory of ours that no one else can write."""
+    root = path.parent
+    root.mkdir(parents=True, exist_ok=True)
+    root_st = os.stat(root)
+    sticky = bool(root_st.st_mode & stat.S_ISVTX)
+    if root_st.st_mode & 0o002 and not sticky:  # anyone could swap our directory for theirs
+        raise UnsafeCacheError(f"{root} is writable by everyone")
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeCacheError(f"{path} is not a directory (a link or a file)")
+    _check_private(path, st)
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # ours and not writable by others: make it private as well
+    return path
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile into a private temporary directory beside `target`, then rename: never half-written."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source = Path(tmp) / "native.c"
+        source.write_text(_SOURCE)
+        built = Path(tmp) / target.name
+        try:
             result = subprocess.run(
-                [compiler, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(built), str(source)],
+                [compiler, *_FLAGS, "-o", str(built), str(source)],
                 capture_output=True,
                 text=True,
+                timeout=BUILD_TIMEOUT_S,
             )
-            if result.returncode != 0:
-                return None
-            os.replace(built, target)  # atomic: concurrent first uses never load a half-written file
-    library = ctypes.CDLL(str(target))
+        except subprocess.TimeoutExpired as exc:
+            raise OSError(f"the C compiler took over {BUILD_TIMEOUT_S:g} s") from exc
+        if result.returncode != 0:
+            raise OSError(f"the C compiler failed: {(result.stderr or '').strip().splitlines()[:1]}")
+        os.chmod(built, 0o700)
+        os.replace(built, target)
+
+
+def _open_checked(target: Path) -> ctypes.CDLL:
+    """Load `target` once checked to be our own regular file that no one else can write.
+
+    It lies in our 0700 directory, so no one else can swap it between the check and the load.
+    """
+    st = os.lstat(target)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeCacheError(f"{target} is not a regular file")
+    _check_private(target, st)
+    return ctypes.CDLL(str(target))
+
+
+def load_library(cache_dir: Path) -> ctypes.CDLL:
+    """The compiled library from `cache_dir`, built there first if needed; OSError says why not.
+
+    A cached file that is not safe to load (not ours, writable by others, a link) or that fails to load
+    is removed and built again, once.
+    """
+    compiler = _compiler()
+    if compiler is None:
+        raise OSError("no C compiler found (set CC)")
+    directory = private_directory(cache_dir)
+    target = directory / f"slipcache_native_{cache_key(compiler)}.so"
+    for attempt in range(2):
+        if not os.path.lexists(target):
+            _build(compiler, target)
+        try:
+            library = _open_checked(target)
+            _declare(library)
+            return library
+        except (OSError, AttributeError) as exc:  # unsafe, corrupt, or missing a symbol
+            if attempt:
+                raise OSError(f"{target} does not load after a rebuild: {exc}") from exc
+            target.unlink(missing_ok=True)  # our private directory: the file can be replaced
+    raise AssertionError("unreachable")
+
+
+def _declare(library: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.lookup.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32, i64]
     library.lookup.restype = i64
@@ -183,19 +280,21 @@ def _compile() -> ctypes.CDLL | None:
     library.sgd_update.restype = i64
     library.classify_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
     library.classify_inputs.restype = i64
-    return library
 
 
 def native() -> ctypes.CDLL | None:
-    """The compiled library, or None when disabled or unavailable."""
+    """The compiled library, or None when disabled or unavailable (then a warning says why, once)."""
     global _library, _tried
     if not _tried:
         _tried = True
         if os.environ.get("SLIPCACHE_NATIVE", "1") != "0":
+            from slipcache.data.synthetic import default_cache_root
+
             try:
-                _library = _compile()
-            except OSError:
+                _library = load_library(default_cache_root() / "native")
+            except OSError as exc:
                 _library = None
+                warnings.warn(f"slipcache: compiled loops unavailable, using torch: {exc}", stacklevel=2)
     return _library
 
 

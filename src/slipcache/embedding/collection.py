@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from slipcache import _native
 from slipcache.embedding.cache import POLICIES, RowCache
 from slipcache.embedding.lookahead import Window
-from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, Fitted, RowStorage
+from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, Fitted, RowStorage, TableRowStorage
 from slipcache.errors import InvalidInputError, SlipcacheError
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
@@ -43,6 +43,12 @@ COUNTERS = (
     "nonfinite_values",  # inf or NaN values written, replaced
 )
 _INIT_CHUNK_ROWS = 1 << 20
+
+
+def _init_chunk_rows(dim: int) -> int:
+    """Rows drawn at once at initialization: 2^20 up to dim 16 (as always), 64 MB of fp32 beyond."""
+    return max(1, min(_INIT_CHUNK_ROWS, (1 << 24) // dim))
+
 # A forward's cache rows stay pinned until its backward, until its graph is freed, or until this many
 # later training forwards have run (then its rows may be evicted; its update still lands correctly).
 PIN_STEPS = 8
@@ -55,14 +61,19 @@ class EmbeddingConfig:
 
     table_sizes: list[int]
     dim: int = 16
-    precision: str = "int8"
-    cache_size: float = 0.05  # share of all rows the cache holds, in [0, 1]: 1.0 holds every row; 0: none
-    cache_rows: int | None = None  # a row count instead of the share (capped at every row); overrides it
+    # One value for all tables, or a list with one per table. One cache_size/cache_rows value: one cache
+    # shared by all tables (rows compete for it); a list: each table gets its own part of the cache.
+    precision: str | list[str] = "int8"
+    cache_size: float | list[float] = 0.05  # share of rows cached, in [0, 1]: 1.0 holds every row; 0: none
+    cache_rows: int | list[int] | None = None  # a row count instead of the share (capped at every row)
     policy: str = "lru"
     rounding: str = "stochastic"
     optimizer: str = "sgd"
     lr: float = 0.1
     eps: float = 1e-8  # Adagrad denominator term
+    # Clip each step's embedding gradient to this L2 norm, as torch.nn.utils.clip_grad_norm_ would over the
+    # tables alone (that function cannot see these rows: they are updated inside backward). None: no clipping.
+    max_grad_norm: float | None = None
     pooling: str = "sum"
     ways: int = 16  # cache associativity
     lfu_halving_interval: int = 1000  # LFU counts halve every this many steps; 0: never
@@ -79,8 +90,17 @@ class EmbeddingConfig:
             )
         if self.dim <= 0:
             raise ValueError(f"dim must be positive, got {self.dim}")
+        num_tables = len(self.table_sizes)
+        for name in ("precision", "cache_size", "cache_rows"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                if len(value) != num_tables:
+                    raise ValueError(f"{name} must be one value or one per table ({num_tables}), got {len(value)}")
+                setattr(self, name, list(value))
+        for precision in self.precisions:
+            if precision not in PRECISIONS:
+                raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
         for name, value, allowed in (
-            ("precision", self.precision, PRECISIONS),
             ("policy", self.policy, POLICIES),
             ("rounding", self.rounding, ROUNDINGS),
             ("optimizer", self.optimizer, OPTIMIZERS),
@@ -88,17 +108,28 @@ class EmbeddingConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-        if not 0.0 <= self.cache_size <= 1.0:  # also refuses nan
-            hint = f"; for a number of rows use cache_rows={self.cache_size:g}" if self.cache_size > 1 else ""
-            raise ValueError(f"cache_size is the share of rows cached, in [0, 1]; got {self.cache_size}{hint}")
-        if self.cache_rows is not None and (
-            isinstance(self.cache_rows, bool) or int(self.cache_rows) != self.cache_rows or self.cache_rows < 0
-        ):
-            raise ValueError(f"cache_rows must be a whole number of rows >= 0, got {self.cache_rows!r}")
+        shares = self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]
+        for share in shares:
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+                hint = ""
+                if isinstance(share, (int, float)) and share > 1:
+                    hint = f"; for a number of rows use cache_rows={share:g}"
+                raise ValueError(f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}")
+        counts = self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows]
+        for count in counts:
+            if count is not None and (
+                isinstance(count, bool)
+                or not isinstance(count, (int, float))
+                or int(count) != count
+                or count < 0
+            ):
+                raise ValueError(f"cache_rows must be a whole number of rows >= 0, got {count!r}")
         if self.lr <= 0 or not math.isfinite(self.lr):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if self.ways <= 0:
             raise ValueError(f"ways must be positive, got {self.ways}")
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")
         if self.table_names is not None and len(self.table_names) != len(self.table_sizes):
             raise ValueError("table_names must name every table")
 
@@ -107,15 +138,43 @@ class EmbeddingConfig:
         return sum(self.table_sizes)
 
     @property
+    def precisions(self) -> list[str]:
+        """The storage precision of each table."""
+        if isinstance(self.precision, list):
+            return list(self.precision)
+        return [self.precision] * len(self.table_sizes)
+
+    @property
+    def cache_per_table(self) -> bool:
+        """Whether each table has its own part of the cache (a list of sizes) or all share one."""
+        return isinstance(self.cache_size, list) or isinstance(self.cache_rows, list)
+
+    @property
+    def cache_capacities(self) -> list[int]:
+        """Requested cache rows of each table (a per-table cache only); every row of the table at most."""
+        shares = self.cache_size if isinstance(self.cache_size, list) else [self.cache_size] * len(self.table_sizes)
+        counts = self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows] * len(self.table_sizes)
+        return [
+            0 if self.policy == "none" else _capacity(size, share, count)
+            for size, share, count in zip(self.table_sizes, shares, counts, strict=True)
+        ]
+
+    @property
     def cache_capacity(self) -> int:
-        """Requested cache capacity in rows (the cache rounds up to whole sets); every row at most."""
+        """Requested cache capacity in rows, all tables together (the cache rounds up to whole sets)."""
+        if self.cache_per_table:
+            return sum(self.cache_capacities)
         if self.policy == "none":
             return 0
-        if self.cache_rows is not None:
-            return min(int(self.cache_rows), self.num_rows)
-        if self.cache_size == 0:
-            return 0
-        return min(self.num_rows, max(1, round(self.cache_size * self.num_rows)))
+        return _capacity(self.num_rows, self.cache_size, self.cache_rows)
+
+
+def _capacity(rows: int, share: float, count: int | None) -> int:
+    if count is not None:
+        return min(int(count), rows)
+    if share == 0:
+        return 0
+    return min(rows, max(1, round(share * rows)))
 
 
 @dataclass(frozen=True)
@@ -203,7 +262,6 @@ class _StepPlan:
     storage_values: Tensor  # [m, D] fp32 copy of those rows as read in the forward
     residency_version: int  # the collection's versions when the plan was made
     storage_version: int
-    applied: bool = False
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -259,9 +317,13 @@ class CachedEmbeddingBagCollection(nn.Module):
         # Forwards whose gradient has not arrived yet (weak: a graph that is freed unpins its rows).
         self._in_flight: dict[int, weakref.ref[_StepPlan]] = {}
         self._pending: list[tuple[_StepPlan, Tensor]] = []  # gradients of the running backward pass
+        self._pending_task = -1  # the autograd graph task they belong to
         self._residency_version = 0  # bumped whenever a row enters or leaves the cache
         self._storage_version = 0  # bumped whenever storage is written
         self.skipped_updates = 0  # backward passes whose gradient held inf or NaN (update dropped)
+        # With mixed precision, set to the torch.amp.GradScaler that scales the loss: the fused update then
+        # divides by its current scale (and, like scaler.step, skips a step whose gradient is not finite).
+        self.grad_scaler: Any = None
         meta = torch.device(config.storage_device).type == "meta"
         self.storage_device = torch.device(config.storage_device)
         self.device = torch.device(config.cache_device)
@@ -271,12 +333,18 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.register_buffer("table_offsets", offsets.to(self.device), persistent=False)
         self.register_buffer("_table_sizes", sizes.to(self.device), persistent=False)
         num_rows = config.num_rows
-        self.storage = RowStorage(num_rows, config.dim, config.precision, self.storage_device)
+        precisions = config.precisions
+        self.storage: RowStorage | TableRowStorage = (
+            RowStorage(num_rows, config.dim, precisions[0], self.storage_device)
+            if len(set(precisions)) == 1
+            else TableRowStorage(self.table_sizes, config.dim, precisions, self.storage_device)
+        )
+        per_table = config.cache_per_table
         self.cache = RowCache(
-            config.cache_capacity,
+            config.cache_capacities if per_table else config.cache_capacity,
             config.dim,
             config.policy,
-            num_rows,
+            self.table_sizes if per_table else num_rows,
             config.ways,
             config.lfu_halving_interval,
             self.device,
@@ -332,7 +400,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _follow_buffers(self) -> None:
         """After the buffers moved: devices, the gradient anchor and the rounding generator follow them."""
-        self.device, self.storage_device = self.counters.device, self.storage.payload.device
+        self.device, self.storage_device = self.counters.device, next(self.storage.buffers()).device
         self.config.cache_device, self.config.storage_device = str(self.device), str(self.storage_device)
         self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
         generator = self._generator
@@ -352,13 +420,21 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     # ----------------------------------------------------------------------------------------- set-up
     def _initialize_rows(self) -> None:
-        """DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table, in chunks."""
+        """DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table, drawn in fp32 and rounded to nearest into storage.
+
+        The draw depends on the seed and the table shapes only, never on the precision: a seed's INT8, INT4
+        or FP16 run starts from the rounding of the very rows its FP32 run starts from, so paired runs
+        measure precision alone. Chunks of at most 64 MB of fp32 bound the memory it takes.
+        """
         generator = torch.Generator().manual_seed(self.config.seed)
+        chunk_rows = _init_chunk_rows(self.dim)
         start = 0
         for size in self.table_sizes:
-            for chunk_start in range(0, size, _INIT_CHUNK_ROWS):
-                count = min(_INIT_CHUNK_ROWS, size - chunk_start)
-                self.storage.fill_uniform_(start + chunk_start, count, 1.0 / math.sqrt(size), generator)
+            bound = 1.0 / math.sqrt(size)
+            for chunk_start in range(0, size, chunk_rows):
+                count = min(chunk_rows, size - chunk_start)
+                values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
+                self.storage.write_range(start + chunk_start, values.to(self.storage_device), "nearest", None)
             start += size
 
     def load_tables(self, tables: list[Tensor]) -> None:
@@ -521,8 +597,6 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _plan_step(self, lookup: _Lookup) -> _StepPlan:
         """Bring the batch's rows into the cache where they fit; read the rest from storage."""
-        if self._pending:  # a backward pass failed before its end: its update was never applied
-            self._pending.clear()
         self._join_prefetch()
         window, self._window = self._window, None  # a window describes the batches after this one only
         prefetch, self._prefetch_next = self._prefetch_next, False
@@ -608,9 +682,15 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _receive_gradient(self, plan: _StepPlan, grad: Tensor) -> None:
         """Collect one forward's gradient; the first one of a backward pass schedules the update."""
         self._in_flight.pop(plan.step, None)
+        task = torch._C._current_graph_task_id()
+        if self._pending and task != self._pending_task:
+            # A backward pass that failed before its end: like a torch optimizer never stepped, its
+            # gradients are dropped.
+            self._pending.clear()
         first = not self._pending
         self._pending.append((plan, grad))
         if first:
+            self._pending_task = task
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self._apply_pending)
             except RuntimeError:  # not inside the autograd engine: apply now
@@ -624,10 +704,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         if not all(bool(torch.isfinite(grad).all()) for _, grad in entries):
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return
+        factor = self._gradient_factor(entries)
+        if factor != 1.0:
+            entries = [(plan, grad * factor) for plan, grad in entries]
         cache_parts: list[tuple[Tensor, Tensor]] = []  # (slots, gradient of each)
         storage_parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]] = []  # (plan, rows, index, gradient)
         for plan, grad in entries:
-            plan.applied = True
             slots, storage_rows, storage_index = plan.slots, plan.storage_rows, plan.storage_index
             if plan.residency_version != self._residency_version:  # rows moved since the forward
                 slots = self.cache.lookup(plan.rows)
@@ -643,6 +725,19 @@ class CachedEmbeddingBagCollection(nn.Module):
                 storage_parts.append((plan, storage_rows, storage_index, grad[on_storage]))
         self._update_cached(cache_parts)
         self._update_storage(storage_parts)
+
+    def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:
+        """1 / the GradScaler's scale, times clip_grad_norm_'s coefficient when clipping is on."""
+        factor = 1.0
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            factor = 1.0 / float(scaler.get_scale())
+        if self.config.max_grad_norm is not None:
+            rows, inverse = torch.unique(torch.cat([plan.rows for plan, _ in entries]), return_inverse=True)
+            summed = self._sum_rows(inverse, torch.cat([grad for _, grad in entries]), rows.numel())
+            norm = float(summed.norm()) * factor  # the norm of the dense gradient of the tables
+            factor *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
+        return factor
 
     def _update_cached(self, parts: list[tuple[Tensor, Tensor]]) -> None:
         weights = self.cache.weights
@@ -754,8 +849,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             dtype = rows.dtype if isinstance(rows, Tensor) else ""
             raise InvalidInputError(f"{caller}: rows must be a 1-D integer tensor, got {dtype} {shape}")
         rows = rows.to(self.device, torch.int64)
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.config.num_rows):
-            bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
+        lo, hi = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
+        if lo < 0 or hi >= self.config.num_rows:
+            bad = lo if lo < 0 else hi
             raise InvalidInputError(
                 f"{caller}: row {bad} is outside [0, {self.config.num_rows}) (global rows of all tables)"
             )
@@ -795,21 +891,23 @@ class CachedEmbeddingBagCollection(nn.Module):
     def stats(self) -> dict[str, Any]:
         """Cumulative lookups, hits, misses, evictions and traffic, in total and per table."""
         self._join_prefetch()
-        bytes_per_row = self.storage.bytes_per_row
         per_table_counts = self.counters.cpu().tolist()
 
         def summarize(counts: list[int]) -> dict[str, Any]:
             entry = dict(zip(COUNTERS, counts, strict=True))
-            entry["bytes_in"] = entry["rows_in"] * bytes_per_row
-            entry["bytes_out"] = entry["rows_out"] * bytes_per_row
             entry["hit_rate"] = entry["hits"] / entry["lookups"] if entry["lookups"] else None
             return entry
 
+        per_table = []
+        for name, counts, row_bytes in zip(self.table_names, per_table_counts, self._row_bytes(), strict=True):
+            entry = {"table": name, **summarize(counts)}
+            entry["bytes_in"] = entry["rows_in"] * sum(row_bytes)
+            entry["bytes_out"] = entry["rows_out"] * sum(row_bytes)
+            per_table.append(entry)
         totals = summarize([sum(column) for column in zip(*per_table_counts, strict=True)])
-        totals["per_table"] = [
-            {"table": name, **summarize(c)}
-            for name, c in zip(self.table_names, per_table_counts, strict=True)
-        ]
+        totals["bytes_in"] = sum(t["bytes_in"] for t in per_table)
+        totals["bytes_out"] = sum(t["bytes_out"] for t in per_table)
+        totals["per_table"] = per_table
         totals["cache_rows"] = self.cache.capacity
         totals["skipped_updates"] = self.skipped_updates  # backward passes dropped for inf/NaN gradients
         totals["prefetched_rows"] = self.prefetched_rows  # rows the prefetch brought in (also in rows_in)
@@ -830,17 +928,20 @@ class CachedEmbeddingBagCollection(nn.Module):
         )
         for name, buffer in self.named_buffers():
             components[_component_of(name)] += buffer.numel() * buffer.element_size()
-        if self._generator is not None:
-            components["other"] += self._generator.get_state().numel()
+        if self._generator is not None or self.device.type == "meta":  # (estimate_memory: as if built)
+            components["other"] += torch.Generator().get_state().numel()
         if self._prefetch_generator is not None:
             components["other"] += self._prefetch_generator.get_state().numel()
         total = sum(components.values())
         fp32 = self.config.num_rows * self.dim * 4 + components["optimizer_state"]
+        per_table = self._memory_per_table()
         return {
             "components": components,
             "total_bytes": total,
             "fp32_bytes": fp32,
             "memory_ratio": fp32 / total,
+            "per_table": per_table,
+            "shared_bytes": total - sum(t["total_bytes"] for t in per_table),
         }
 
     # ------------------------------------------------------------------------------------ lookahead
@@ -944,6 +1045,40 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _new_prefetch_generator(self) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.config.seed + 1)
 
+    def _row_bytes(self) -> list[tuple[int, int]]:
+        """(payload, quantization parameters) bytes of one row of each table."""
+        if isinstance(self.storage, RowStorage):
+            return [self.storage.row_bytes()] * len(self.table_sizes)
+        return [self.storage.row_bytes_of(p) for p in self.config.precisions]
+
+    def _memory_per_table(self) -> list[dict[str, Any]]:
+        """Each table's bytes by component; the cache's only when each table has its own part (None when the
+        tables share it). What no table owns (counters, a shared cache, index tables) is the difference to
+        the totals: `shared_bytes`."""
+        state = getattr(self, "optimizer_state", None)
+        state_row = 0 if state is None else state[0].numel() * state.element_size()
+        cache = self.cache
+        per_slot_cache = self.dim * cache.weights.element_size()
+        per_slot_bookkeeping = sum(
+            getattr(cache, name).element_size() for name in ("slot_rows", "last_used", "use_count") if hasattr(cache, name)
+        )
+        tables = []
+        for t, (size, (payload, params)) in enumerate(zip(self.table_sizes, self._row_bytes(), strict=True)):
+            slots = cache.part_slots[t] if cache.partitioned else None
+            entry = {
+                "table": self.table_names[t],
+                "precision": self.config.precisions[t],
+                "storage_payload": size * payload,
+                "quantization_params": size * params,
+                "cache_rows": None if slots is None else slots * per_slot_cache,
+                "cache_bookkeeping": None if slots is None else slots * per_slot_bookkeeping,
+                "optimizer_state": size * state_row,
+            }
+            entry["total_bytes"] = sum(v for k, v in entry.items() if isinstance(v, int))
+            entry["fp32_bytes"] = size * self.dim * 4 + entry["optimizer_state"]
+            tables.append(entry)
+        return tables
+
     # ----------------------------------------------------------------------------------- state dict
     def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._join_prefetch()  # the saved cache includes the prefetched rows, so a resumed run matches
@@ -994,22 +1129,20 @@ class CachedEmbeddingBagCollection(nn.Module):
     def estimate_memory(cls, config: EmbeddingConfig) -> dict[str, Any]:
         """The memory report of a collection with this config, without allocating it."""
         meta = EmbeddingConfig(**{**asdict(config), "storage_device": "meta", "cache_device": "meta"})
-        report = cls(meta).memory_report()
-        # The stochastic-rounding generator state (not built on the meta device).
-        report["components"]["other"] += torch.Generator().get_state().numel()
-        report["total_bytes"] = sum(report["components"].values())
-        report["memory_ratio"] = report["fp32_bytes"] / report["total_bytes"]
-        return report
+        return cls(meta).memory_report()
 
 
 _STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "cache_rows", "policy", "optimizer", "ways")
 
 
 def _component_of(buffer_name: str) -> str:
-    if buffer_name == "storage.payload":
-        return "storage_payload"
     if buffer_name.startswith("storage."):
-        return "quantization_params"
+        leaf = buffer_name.rsplit(".", 1)[1]
+        if leaf == "payload":
+            return "storage_payload"
+        if leaf in ("bias", "scale_code"):
+            return "quantization_params"
+        return "other"  # the table -> part index of mixed precisions
     if buffer_name == "cache.weights":
         return "cache_rows"
     if buffer_name.startswith("cache."):

@@ -56,6 +56,10 @@ def fit_to_range(x: Tensor, limit: float, max_span: float | None = None) -> Fitt
     width around the row's median (so an outlier is clipped rather than the rest of the row)."""
     if not x.numel():
         return Fitted(x, None, None)
+    if max_span is None:  # one pass over all values is enough to know that nothing needs fitting
+        lowest, highest = torch.aminmax(x)
+        if bool((lowest >= -limit) & (highest <= limit)):  # false for NaN too
+            return Fitted(x, None, None)
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     ok = (lo >= -limit) & (hi <= limit)  # false for NaN rows too
     if max_span is not None:
@@ -81,8 +85,17 @@ def fit_to_range(x: Tensor, limit: float, max_span: float | None = None) -> Fitt
     return Fitted(x, saturated, replaced)
 
 
+_SCALES = torch.exp2((torch.arange(256, dtype=torch.float64) - SCALE_CODE_ZERO) / SCALE_STEPS_PER_OCTAVE).float()
+_scales_on: dict[torch.device, Tensor] = {}
+
+
 def decode_scale(code: Tensor) -> Tensor:
-    return torch.exp2((code.float() - SCALE_CODE_ZERO) / SCALE_STEPS_PER_OCTAVE)
+    """A table lookup: the same code decodes to the same float whatever else is in the batch (a vectorized
+    exp2 differs in the last bit between its SIMD body and its tail)."""
+    table = _scales_on.get(code.device)
+    if table is None:
+        table = _scales_on[code.device] = _SCALES.to(code.device)
+    return table[code.long()]
 
 
 def encode_scale(needed: Tensor) -> Tensor:
@@ -186,7 +199,12 @@ class RowStorage(nn.Module):
     @property
     def bytes_per_row(self) -> int:
         """Stored bytes of one row, parameters included: what a row costs to move."""
-        return sum(t.element_size() * (t[0].numel() if t.dim() > 1 else 1) for t in self.buffers())
+        return sum(self.row_bytes())
+
+    def row_bytes(self) -> tuple[int, int]:
+        """(payload, quantization parameters) bytes of one row."""
+        sizes = [t.element_size() * (t[0].numel() if t.dim() > 1 else 1) for t in self.buffers()]
+        return sizes[0], sum(sizes[1:])
 
     def pin_memory_(self) -> RowStorage:
         for name, buf in list(self._buffers.items()):
@@ -237,25 +255,75 @@ class RowStorage(nn.Module):
             buf[start:end].copy_(tensor)
         return fitted
 
-    def fill_uniform_(self, start: int, count: int, bound: float, generator: torch.Generator) -> None:
-        """Rows start..start+count drawn uniformly from [-bound, bound] (DLRM's initialization).
 
-        Integer rows draw their codes directly, uniform over the grid spanning the interval: the same
-        distribution as rounding uniform fp32 values, without materializing them.
-        """
-        end = start + count
-        if self.precision in FLOAT_DTYPES:
-            values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
-            self.payload[start:end].copy_(values)
-            return
-        levels = (1 << INT_BITS[self.precision]) - 1
-        width = self.payload.shape[1]
-        codes = torch.randint(0, 256, (count, width), generator=generator, dtype=torch.uint8)
-        if self.precision == "int4" and self.dim % 2:
-            codes[:, -1] &= 0xF  # the padding nibble stays zero
-        scale_code = encode_scale(torch.full((1,), 2 * bound / levels))
-        bias = round_down_fp16(-decode_scale(scale_code) * levels / 2)  # the grid centred on zero
-        self.payload[start:end].copy_(codes)
-        self.bias[start:end] = bias
-        self.scale_code[start:end] = scale_code
+class TableRowStorage(nn.Module):
+    """Tables in different precisions behind the `RowStorage` interface (global rows in, fp32 out).
 
+    One `RowStorage` per precision holds the rows of its tables back to back; a global row maps to a part
+    and a local row through its table. Used only when the precisions differ: one precision is one
+    `RowStorage`, as before.
+    """
+
+    def __init__(self, table_sizes: list[int], dim: int, precisions: list[str], device: torch.device | str) -> None:
+        super().__init__()
+        self.dim = dim
+        kinds = [p for p in PRECISIONS if p in precisions]
+        local_start, rows_in = [], dict.fromkeys(kinds, 0)
+        for size, precision in zip(table_sizes, precisions, strict=True):
+            local_start.append(rows_in[precision])
+            rows_in[precision] += size
+        self.parts = nn.ModuleDict({p: RowStorage(rows_in[p], dim, p, device) for p in kinds})
+        self._kinds = kinds
+        offsets = torch.zeros(len(table_sizes) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(table_sizes, dtype=torch.int64), 0, out=offsets[1:])
+        self.register_buffer("_offsets", offsets.to(device), persistent=False)
+        self.register_buffer(
+            "_table_part", torch.tensor([kinds.index(p) for p in precisions], device=device), persistent=False
+        )
+        self.register_buffer("_local_start", torch.tensor(local_start, device=device), persistent=False)
+        self.num_rows = int(offsets[-1])
+
+    def _locate(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(part index, row within the part) of global rows."""
+        rows = rows.to(self._offsets.device)
+        table = torch.searchsorted(self._offsets, rows, right=True) - 1
+        return self._table_part[table], rows - self._offsets[table] + self._local_start[table]
+
+    def row_bytes_of(self, precision: str) -> tuple[int, int]:
+        return self.parts[precision].row_bytes()
+
+    def pin_memory_(self) -> TableRowStorage:
+        for part in self.parts.values():
+            part.pin_memory_()
+        return self
+
+    def read(self, rows: Tensor, device: torch.device) -> Tensor:
+        part_of, local = self._locate(rows)
+        out = torch.empty(rows.numel(), self.dim, device=device)
+        for index, kind in enumerate(self._kinds):
+            mine = part_of == index
+            if bool(mine.any()):
+                out[mine.to(device)] = self.parts[kind].read(local[mine], device)
+        return out
+
+    def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
+        part_of, local = self._locate(rows)
+        part_of = part_of.to(values.device)
+        totals: dict[str, Tensor | None] = {"saturated": None, "nonfinite": None}
+        for index, kind in enumerate(self._kinds):
+            mine = part_of == index
+            if not bool(mine.any()):
+                continue
+            fitted = self.parts[kind].write(local[mine.to(local.device)], values[mine], rounding, generator)
+            for name, total in totals.items():
+                counts = getattr(fitted, name)
+                if counts is not None:
+                    if total is None:
+                        total = totals[name] = torch.zeros(values.shape[0], dtype=torch.int64, device=values.device)
+                    total[mine] = counts
+        return Fitted(values, totals["saturated"], totals["nonfinite"])
+
+    def write_range(self, start: int, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
+        """Contiguous rows of one table."""
+        part_of, local = self._locate(torch.tensor([start]))
+        return self.parts[self._kinds[int(part_of)]].write_range(int(local), values, rounding, generator)

@@ -8,8 +8,11 @@ directory:
     <out>/metrics.jsonl    one JSON object per logging or evaluation event
     <out>/summary.json     final test metrics, throughput, memory
     <out>/report.md        plots of the above (see slipcache.training.report)
-    <out>/checkpoints/     latest.pt plus the newest periodic checkpoints (atomic writes)
-    <out>/../data-cache/   raw Criteo input preprocessed once, shared by runs beside each other
+    <out>/checkpoints/     latest.pt plus the newest periodic checkpoints (atomic, checksummed writes)
+
+Raw Criteo input is preprocessed once into the cache ($SLIPCACHE_CACHE_DIR, else ~/.cache/slipcache),
+under `preprocessed/`; nothing is written outside `<out>` and the cache. `--out` must be new, empty, or
+a run that stopped before its first checkpoint; `--resume` writes only into the run it names.
 
 Determinism: everything random is seeded from `config.seed` (model init, shuffling, stochastic rounding
 inside the embedding collection), and a checkpoint holds every piece of state the loop reads, so an
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from slipcache.data.synthetic import GENERATOR_VERSIONS
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES, POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
@@ -51,8 +55,7 @@ if typing.TYPE_CHECKING:
 
 VOCABS = ("hash", "frequency")
 
-CHECKPOINT_FORMAT = "slipcache-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_FORMAT = ckpt.MAGIC
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -67,17 +70,20 @@ class TrainConfig:
     data: str | None = None  # raw Criteo file/dir, or a preprocessed dataset dir; None = synthetic data
     out: str | None = None  # run directory; default runs/<timestamp>
     resume: str | None = None  # run directory or checkpoint file to continue from
+    allow_changes: bool = False  # resume: accept settings that differ from the run's (they are recorded)
     vocab: str = "hash"  # raw data only: "hash" (fixed table size) or "frequency" (ids by count)
     max_rows: int = 1_000_000  # raw data, hash vocabulary: rows per table (DLRM's max-ind-range)
     min_count: int = 1  # raw data, frequency vocabulary: rarer values map to row 0 ("unknown")
     synthetic_samples: int = 4_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
+    synthetic_generator: str = "v3"  # synthetic data: "v3" (entities, time order) or "v2" (earlier figures)
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
-    precision: str = "int8"
-    cache_size: float = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
-    cache_rows: int | None = None  # cache capacity as a row count instead (overrides cache_size)
+    # precision, cache_size, cache_rows: one value, or (config files) a list with one value per table
+    precision: str | list[str] = "int8"
+    cache_size: float | list[float] = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
+    cache_rows: int | list[int] | None = None  # cache capacity as a row count instead (overrides cache_size)
     policy: str = "lru"
     lookahead: int = 4  # batches ahead the lookahead policies evict by (policy lookahead or lookahead-lfu)
     prefetch: bool = False  # read the next batch's rows into the cache while the current one computes
@@ -115,13 +121,16 @@ class TrainConfig:
     stale_refit: bool = True  # refit T at every rolling re-check so D holds all epoch (paper: once per epoch)
 
     def validate(self) -> None:
+        for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
+            if precision not in PRECISIONS:
+                raise SlipcacheError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         choices = {
             "embeddings": EMBEDDING_KINDS,
-            "precision": PRECISIONS,
             "policy": POLICIES,
             "rounding": ROUNDINGS,
             "optimizer": OPTIMIZERS,
             "vocab": VOCABS,
+            "synthetic_generator": tuple(GENERATOR_VERSIONS),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -134,19 +143,31 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        for name in _FIELDS:  # types first: a crafted checkpoint or API call may hold anything
+            value = _coerce(name, getattr(self, name))
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SlipcacheError(f"{name} must be a finite number, got {value}")
         for name in ("lr", "dense_lr", "synthetic_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
-        if not 0.0 <= self.cache_size <= 1.0:  # also rejects nan and inf
-            hint = f" (for a number of rows use --cache-rows {self.cache_size:g})" if self.cache_size > 1 else ""
-            raise SlipcacheError(f"cache_size is the share of rows cached, in [0, 1]; got {self.cache_size}{hint}")
-        if self.cache_rows is not None and self.cache_rows < 0:
-            raise SlipcacheError(f"cache_rows must be >= 0, got {self.cache_rows}")
+        for share in self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]:
+            if not 0.0 <= share <= 1.0:  # also rejects nan and inf
+                hint = f" (for a number of rows use --cache-rows {share:g})" if share > 1 else ""
+                raise SlipcacheError(f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}")
+        for count in self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows]:
+            if count is not None and count < 0:
+                raise SlipcacheError(f"cache_rows must be >= 0, got {count}")
+        if not 0 <= self.seed < 2**32:
+            raise SlipcacheError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.keep_checkpoints < 1:
+            raise SlipcacheError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.bottom_mlp[-1:] != [self.embedding_dim]:
             raise SlipcacheError(
                 f"bottom_mlp must end in the embedding dim {self.embedding_dim}, got {self.bottom_mlp}"
             )
+        if any(n < 1 for n in [*self.bottom_mlp, *self.top_mlp]):
+            raise SlipcacheError(f"MLP layer sizes must be positive, got {self.bottom_mlp} and {self.top_mlp}")
         if self.top_mlp[-1:] != [1]:
             raise SlipcacheError(f"top_mlp must end in 1 (the logit), got {self.top_mlp}")
         if not 0.0 <= self.stale_target <= 1.0 or not 0.0 < self.stale_alpha <= 1.0:
@@ -184,7 +205,13 @@ def _coerce(name: str, value: Any) -> Any:
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(kind):
             return None
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        options = [a for a in typing.get_args(kind) if a is not type(None)]
+        if isinstance(value, list):  # `str | list[str]`: one value or one per table
+            listed = [a for a in options if typing.get_origin(a) is list]
+            element = typing.get_args(listed[0])[0] if listed else None
+            if element is not None and value and all(_matches(element, v) for v in value):
+                return [float(v) if element is float else int(v) if element is int else v for v in value]
+        kind = options[0]
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if typing.get_origin(kind) is list:
         if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -197,7 +224,17 @@ def _coerce(name: str, value: Any) -> Any:
         return float(value)
     elif kind is str and isinstance(value, str):
         return value
-    raise SlipcacheError(f"config key {name!r}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    raise SlipcacheError(f"{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+def _matches(kind: type, value: Any) -> bool:
+    """Whether a config-file list element fits `kind` (ints are accepted where floats are)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float:
+        return number
+    if kind is int:
+        return number and float(value).is_integer()
+    return isinstance(value, kind)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -234,9 +271,12 @@ def make_config(
     file_values: dict[str, Any] | None = None, flag_values: dict[str, Any] | None = None
 ) -> TrainConfig:
     """Defaults, then the config file, then command-line flags; `--quick` fills only what neither set."""
-    given = {**(file_values or {}), **(flag_values or {})}
-    if given.get("quick"):
-        given = {**QUICK, **given}
+    user = {**(file_values or {}), **(flag_values or {})}
+    given = {**QUICK, **user} if user.get("quick") else dict(user)
+    if "embedding_dim" in user and "bottom_mlp" not in user:
+        # The bottom MLP's output meets the embeddings, so its last layer follows --dim.
+        base = given.get("bottom_mlp", TrainConfig().bottom_mlp)
+        given["bottom_mlp"] = [*base[:-1], user["embedding_dim"]]
     config = TrainConfig(**given)
     config.validate()
     return config
@@ -251,7 +291,12 @@ def _synthetic_dataset(config: TrainConfig) -> Path:
 
     # Dataset seed 0 whatever the run seed: runs with different seeds then compare on the same data.
     return default_synthetic_path(
-        None, config.synthetic_samples, config.synthetic_scale, 0, progress=config.progress
+        None,
+        config.synthetic_samples,
+        config.synthetic_scale,
+        0,
+        generator=config.synthetic_generator,
+        progress=config.progress,
     )
 
 
@@ -266,7 +311,15 @@ def _raw_inputs(path: Path) -> list[Path]:
     return files
 
 
-def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
+def preprocessed_root() -> Path:
+    """Where raw input is preprocessed to: `preprocessed/` in the cache ($SLIPCACHE_CACHE_DIR, else
+    ~/.cache/slipcache), shared by every run that reads the same files with the same options."""
+    from slipcache.data.synthetic import default_cache_root
+
+    return default_cache_root() / "preprocessed"
+
+
+def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     """The preprocessed dataset dir for `config.data`, preprocessing raw files into `cache_root` once.
 
     The cache key covers the input files (path, size, mtime) and every preprocessing option, so a
@@ -274,11 +327,12 @@ def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
     """
     if config.data is None:
         return _synthetic_dataset(config)
-    path = Path(config.data).expanduser()
+    path = Path(config.data).expanduser().resolve()
     if not path.exists():
         raise SlipcacheError(f"data not found: {path}")
     if (path / "meta.json").is_file():
         return path
+    cache_root = cache_root if cache_root is not None else preprocessed_root()
     inputs = _raw_inputs(path)
     key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
     key_parts += [config.vocab, str(config.max_rows), str(config.min_count), str(config.strict)]
@@ -286,8 +340,13 @@ def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
     out_dir = cache_root / f"{path.stem}-{config.vocab}-{key}"
     if (out_dir / "meta.json").is_file():
         return out_dir
+    from slipcache.data.dataset import remove_dead_staging
     from slipcache.data.preprocess import preprocess
 
+    if cache_root.is_dir():  # what preprocessing runs killed before finishing left behind
+        for other in cache_root.iterdir():
+            if other.is_dir():
+                remove_dead_staging(other)
     # Held-back splits: contiguous 80/10/10 in file order (Criteo is time-ordered), the preprocess default.
     # Hash seed 0 whatever the run seed, so runs with different seeds share one preprocessed dataset.
     preprocess(
@@ -514,6 +573,7 @@ class Run:
     budget: int  # samples to consume (trained + skipped), a whole number of batches
     max_epochs: int
     bar: Any  # tqdm progress bar
+    data_quality: dict[str, Any] | None  # malformed lines skipped while preprocessing raw input
     base_lookups: int = 0  # the collection's cumulative counters when the open logging window began
     base_hits: int = 0
     tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
@@ -573,25 +633,31 @@ def start_run(config: TrainConfig) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
     state: dict[str, Any] | None = None
+    saved: dict[str, Any] = {}
+    changes: dict[str, list[Any]] = {}
     if config.resume is not None:
-        state, config = _load_resume(config)
-    run_dir = Path(config.out) if config.out else _new_run_dir()
-    if state is None and run_dir.exists() and (run_dir / "checkpoints").exists():
-        raise SlipcacheError(
-            f"run directory {run_dir} already holds a run; use --resume {run_dir} or another --out"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-    # A resumed run keeps reading the dataset it started on, when that is still there.
-    saved_dataset = Path(state["config"]["dataset"]) if state is not None else None
-    if saved_dataset is not None and (saved_dataset / "meta.json").is_file():
-        dataset_dir = saved_dataset
+        state, saved, config, changes = _load_resume(config)
+        run_dir = Path(config.out or "")
     else:
-        dataset_dir = prepare_data(config, run_dir.parent / "data-cache")
+        run_dir = _prepare_out(Path(config.out) if config.out else _new_run_dir(), restart_ok=True)
+    for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
+        ckpt.remove_partial_writes(directory)
+    if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
+        config.data = str(Path(config.data).expanduser().resolve())
+
+    dataset_dir = _dataset_dir(config, saved.get("dataset"))
     dataset = open_dataset(dataset_dir)
     config = resolve_schedule(config, dataset.splits["train"])
     config.out = str(run_dir)
     config_dict = {**asdict(config), "dataset": str(dataset_dir)}
+    history = list(saved.get("changed_on_resume", []))
+    if changes:
+        history.append({"samples": state["progress"]["samples"] if state else 0, "changes": changes})
+    if history:
+        config_dict["changed_on_resume"] = history
+    quality = data_quality(dataset)
+    if quality is not None and quality["malformed_lines"]:
+        _warn(_malformed_message(quality, config.data))
 
     # Model and optimizers. Seeding first makes the MLP init (torch's global RNG) reproducible.
     random.seed(config.seed)
@@ -626,6 +692,7 @@ def start_run(config: TrainConfig) -> Run:
         dynamic_ncols=True,
     )
     run = Run(
+        data_quality=quality,
         config=config,
         config_dict=config_dict,
         run_dir=run_dir,
@@ -657,6 +724,7 @@ def epoch_batches(run: Run) -> Any:
         run.dataset.split("train"),
         run.config.batch_size,
         shuffle=True,
+        in_order=bool(run.dataset.meta.get("time_ordered")),  # time-ordered data: shuffle within windows
         seed=run.config.seed,
         epoch=run.progress.epoch,
         drop_last=True,
@@ -789,9 +857,17 @@ def save_checkpoint(run: Run) -> None:
     """`checkpoints/ckpt-<samples>.pt` and `latest.pt`; the open window's cache counts travel with it."""
     _sync_window_counts(run)
     state = checkpoint_state(run)
-    ckpt.save_run_checkpoint(
-        run.run_dir / "checkpoints", state, run.progress.samples, keep=run.config.keep_checkpoints
-    )
+    directory = run.run_dir / "checkpoints"
+    try:
+        ckpt.save_run_checkpoint(directory, state, run.progress.samples, keep=run.config.keep_checkpoints)
+    except OSError as exc:  # a full disk, a quota: the previous checkpoint is intact (atomic writes)
+        complete = ckpt.complete_checkpoints(directory)
+        then = (
+            f"the last complete checkpoint is {complete[0]}; free space, then --resume {run.run_dir}"
+            if complete
+            else f"no checkpoint was written yet; free space, then --resume {run.run_dir} starts it again"
+        )
+        raise SlipcacheError(f"cannot write a checkpoint into {directory}: {exc.strerror or exc}; {then}") from exc
 
 
 def end_epoch(run: Run) -> None:
@@ -828,6 +904,7 @@ def finish_run(run: Run) -> dict[str, Any]:
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
         "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
         "staleness": skipper.summary(progress.compute_s / progress.samples) if skipper is not None else None,
+        "data_quality": run.data_quality,
         "run_dir": str(run.run_dir),
         "config": run.config_dict,
     }
@@ -850,7 +927,7 @@ def checkpoint_state(run: Run) -> dict[str, Any]:
     dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
     return {
         "format": CHECKPOINT_FORMAT,
-        "version": CHECKPOINT_VERSION,
+        "version": ckpt.FORMAT_VERSION,
         "config": run.config_dict,
         "table_sizes": list(run.dataset.table_sizes),
         "dense": dense,
@@ -884,8 +961,20 @@ def restore(
 
 
 def _check_checkpoint(state: dict[str, Any], path: Path) -> None:
-    if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != CHECKPOINT_VERSION:
-        raise SlipcacheError(f"{path} is not a slipcache v{CHECKPOINT_VERSION} training checkpoint")
+    """The file verified (see `checkpoint.load_checkpoint`); is it a training checkpoint of this version?"""
+    if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != ckpt.FORMAT_VERSION:
+        raise SlipcacheError(
+            f"{path} is not a slipcache training checkpoint of format version {ckpt.FORMAT_VERSION} "
+            f"(it holds format {state.get('format')!r}, version {state.get('version')!r})"
+        )
+    sizes = state.get("table_sizes")
+    parts = ("dense", "embeddings", "dense_optimizer", "progress", "rng")
+    if (
+        not isinstance(sizes, list)
+        or not all(isinstance(n, int) and n >= 1 for n in sizes)
+        or not all(isinstance(state.get(k), dict) for k in parts)
+    ):
+        raise SlipcacheError(f"checkpoint {path} is incomplete or malformed (table sizes or state missing)")
 
 
 def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
@@ -901,36 +990,190 @@ def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
 
 
 
-# Flags that may change when resuming: they extend or report on the run without changing its past.
-_RESUME_OVERRIDABLE = {"samples", "epochs", "progress", "resume", "out"}
+# Fields that say where and how a run reports, not what it computes: free to differ on resume.
+_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes"}
+# Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
+_STATE_DEFINING = {
+    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "strict",
+    "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
+    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "lookahead", "prefetch",
+}  # fmt: skip
 
 
-def _load_resume(config: TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
-    """The checkpoint to continue from, and the run's own config (with allowed overrides from `config`)."""
-    path = Path(config.resume or "")
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    state = ckpt.load_checkpoint(path)
-    _check_checkpoint(state, path)
-    saved = {k: v for k, v in state["config"].items() if k in _FIELDS}
+def _warn(message: str) -> None:
+    print(f"slipcache train: warning: {message}", file=sys.stderr)
+
+
+def _is_run_dir(path: Path) -> bool:
+    """Whether `path` is a directory `slipcache train` made (its config.json names a run's dataset)."""
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"dataset", "embeddings", "seed"} <= saved.keys()
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    directory = run_dir / "checkpoints"
+    return directory.is_dir() and any(p.suffix == ".pt" for p in directory.iterdir())
+
+
+def _prepare_out(path: Path, *, restart_ok: bool) -> Path:
+    """Create the run directory `path` (absolute): new, empty, or, with `restart_ok`, a run that stopped
+    before its first checkpoint. Anything else holds someone's files or another run: refused."""
+    path = path.expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise SlipcacheError(f"--out {path} is a file, not a directory")
+    # Temp files of a write killed midway (before config.json existed) do not make a directory anyone's.
+    entries = [p for p in path.iterdir() if not p.name.endswith(".tmp")] if path.is_dir() else []
+    if entries:
+        if not _is_run_dir(path):
+            raise SlipcacheError(
+                f"--out {path} is not empty and is not a slipcache run directory; choose a new or empty one"
+            )
+        if _has_checkpoint(path) or not restart_ok:
+            raise SlipcacheError(f"run directory {path} already holds a run; use --resume {path} or another --out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SlipcacheError(f"cannot create run directory {path}: {exc.strerror or exc}") from exc
+    return path
+
+
+def _resume_location(resume: str) -> tuple[Path, Path | None]:
+    """(checkpoint file, the run directory holding it or None for a loose file) named by `--resume`."""
+    path = Path(resume).expanduser().resolve()
+    if path.is_dir():
+        if path.name == "checkpoints" and _is_run_dir(path.parent):
+            return path / ckpt.LATEST, path.parent
+        if _is_run_dir(path) or (path / "checkpoints").is_dir():
+            return path / "checkpoints" / ckpt.LATEST, path
+        raise SlipcacheError(f"--resume {path}: not a slipcache run directory or checkpoint file")
+    if path.is_file():
+        if path.parent.name == "checkpoints" and _is_run_dir(path.parent.parent):
+            return path, path.parent.parent
+        return path, None
+    raise SlipcacheError(f"--resume {path}: no such run directory or checkpoint file")
+
+
+def _load_resume(
+    config: TrainConfig,
+) -> tuple[dict[str, Any] | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
+    """(checkpoint state or None, the run's saved config, the config to continue with, changed settings).
+
+    The resumed run writes into the directory `--resume` names, whatever the checkpoint says (a copied
+    run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
+    stopped before its first checkpoint (a full disk) starts again from its config.json.
+    """
+    path, home = _resume_location(config.resume or "")
+    if config.out is not None and (home is None or Path(config.out).expanduser().resolve() != home):
+        run_dir = _prepare_out(Path(config.out), restart_ok=False)
+    elif home is None:
+        raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
+    else:
+        run_dir = home
+    if home is not None and path.name == ckpt.LATEST and not _has_checkpoint(home):
+        _warn(f"{home} has no checkpoint (it stopped before the first one); starting it again from the beginning")
+        state, saved = None, json.loads((home / "config.json").read_text())
+        where = f"{home / 'config.json'}"
+    else:
+        state = _load_checkpoint_or_name_others(path)
+        saved, where = state["config"], f"checkpoint {path}"
+    resumed = _config_from_saved(saved, where)
+    changes = _resume_changes(config, resumed)
+    if changes:
+        listing = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changes.items())
+        if not config.allow_changes:
+            raise SlipcacheError(
+                f"resuming would change the run's definition ({listing}); leave these flags out, "
+                "or pass --allow-changes to continue with them"
+            )
+        fixed = sorted(changes.keys() & _STATE_DEFINING)
+        if fixed:
+            raise SlipcacheError(
+                f"cannot change {', '.join(fixed)} when resuming, even with --allow-changes: "
+                "the checkpoint's state depends on it"
+            )
+        for name, (_, new) in changes.items():
+            setattr(resumed, name, new)
+        if "epochs" in changes and "samples" not in changes:
+            resumed.samples = None  # derive the budget from the new epoch count
+    resumed.resume, resumed.progress, resumed.allow_changes = config.resume, config.progress, config.allow_changes
+    resumed.out = str(run_dir)
+    return state, saved, resumed, {k: list(v) for k, v in changes.items()}
+
+
+def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Settings given for the resume that differ from the run's (a value equal to the default counts as
+    not given: the run's own value stands)."""
     defaults = TrainConfig()
+    changes = {}
     for name in _FIELDS:
-        value = getattr(config, name)
-        if name in _RESUME_OVERRIDABLE or value == getattr(defaults, name):
-            continue  # not given (or given as the default): the checkpoint's value stands
-        if value != saved.get(name):
-            raise SlipcacheError(f"cannot change {name} when resuming (checkpoint has {saved.get(name)!r})")
-    resumed = TrainConfig(**saved)
-    resumed.resume = str(config.resume)
-    resumed.progress = config.progress
-    if config.samples is not None and config.samples != saved.get("samples"):
-        resumed.samples = config.samples
-    elif config.epochs != defaults.epochs and config.epochs != saved.get("epochs"):
-        resumed.epochs, resumed.samples = config.epochs, None
-    resumed.out = config.out or str(Path(state["config"]["out"]))
-    return state, resumed
+        value, old = getattr(config, name), getattr(saved, name)
+        if name in _RUN_INDEPENDENT or value == getattr(defaults, name):
+            continue
+        if name == "data" and value is not None and old is not None:
+            value = str(Path(value).expanduser().resolve())
+        if value != old:
+            changes[name] = (old, value)
+    return changes
 
 
+def _config_from_saved(saved: Any, where: str) -> TrainConfig:
+    """A run's config from its checkpoint or config.json, checked like any other input."""
+    if not isinstance(saved, dict):
+        raise SlipcacheError(f"{where} holds no run config")
+    try:
+        config = TrainConfig(**{k: v for k, v in saved.items() if k in _FIELDS})
+        config.validate()
+    except (TypeError, SlipcacheError) as exc:
+        raise SlipcacheError(f"{where} holds an invalid run config: {exc}") from exc
+    return config
+
+
+def _load_checkpoint_or_name_others(path: Path) -> dict[str, Any]:
+    """A verified training checkpoint; when it is damaged or missing, the error names the complete older
+    checkpoints beside it and how to resume from one."""
+    try:
+        state = ckpt.load_checkpoint(path)
+    except ckpt.CorruptCheckpointError as exc:
+        older = [p for p in ckpt.complete_checkpoints(path.parent) if p.name != path.name]
+        if not older:
+            raise
+        names = ", ".join(p.name for p in older)
+        raise SlipcacheError(
+            f"{exc}; complete older checkpoints: {names}; to continue from the newest: --resume {older[0]}"
+        ) from exc
+    _check_checkpoint(state, path)
+    return state
+
+
+def _dataset_dir(config: TrainConfig, saved_dataset: str | None) -> Path:
+    """The dataset a run reads: the one it started on while that is still there, else prepared anew."""
+    if saved_dataset is not None and (Path(saved_dataset) / "meta.json").is_file():
+        return Path(saved_dataset)
+    return prepare_data(config)
+
+
+def data_quality(dataset: Any) -> dict[str, Any] | None:
+    """Lines read and skipped as malformed when the dataset was preprocessed from raw files (else None)."""
+    source = dataset.meta.get("source") or {}
+    if "bad_lines" not in source:
+        return None
+    return {
+        "good_lines": int(source.get("good_lines", 0)),
+        "malformed_lines": int(source["bad_lines"]),
+        "examples": list(source.get("bad_examples", [])),
+    }
+
+
+def _malformed_message(quality: dict[str, Any], data: str | None) -> str:
+    total = quality["good_lines"] + quality["malformed_lines"]
+    lines = [
+        f"{quality['malformed_lines']:,} of {total:,} lines of {data} are malformed and were skipped "
+        "(--strict stops at the first); the first:"
+    ]
+    return "\n  ".join(lines + quality["examples"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -962,6 +1205,9 @@ def summary_table(summary: dict[str, Any]) -> str:
     ]
     if summary.get("cache_hit_rate") is not None:
         rows.insert(4, ("cache hit rate", f"{100 * summary['cache_hit_rate']:.1f}%"))
+    quality = summary.get("data_quality")
+    if quality and quality["malformed_lines"]:
+        rows.append(("malformed lines", f"{quality['malformed_lines']:,} skipped (see report.md)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -978,7 +1224,25 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "default: synthetic data",
     )
     add("--out", default=s, help="run directory (default runs/<timestamp>)")
-    add("--resume", metavar="RUN_OR_CHECKPOINT", default=s, help="continue an interrupted run")
+    add(
+        "--generator",
+        dest="synthetic_generator",
+        choices=tuple(GENERATOR_VERSIONS),
+        default=s,
+        help="synthetic data generator: v3 (default; entities, time order) or v2 (earlier figures)",
+    )
+    add(
+        "--resume",
+        metavar="RUN_OR_CHECKPOINT",
+        default=s,
+        help="continue an interrupted run, in its own directory (or a new empty --out)",
+    )
+    add(
+        "--allow-changes",
+        action="store_true",
+        default=s,
+        help="with --resume: continue with settings that differ from the run's (e.g. a larger --samples)",
+    )
     add("--quick", action="store_true", default=s, help="small synthetic run, well under a minute")
     add(
         "--embeddings",
@@ -1087,19 +1351,20 @@ def evaluate_checkpoint(
     checkpoint_path: str | Path, *, data: str | None = None, split: str = "test", samples: int | None = None
 ) -> dict[str, float]:
     """Metrics of a saved model on a dataset split."""
-    path = Path(checkpoint_path)
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    state = ckpt.load_checkpoint(path)
-    _check_checkpoint(state, path)
-    saved = state["config"]
-    config = TrainConfig(**{k: v for k, v in saved.items() if k in _FIELDS})
+    if samples is not None and samples < 1:
+        raise SlipcacheError(f"--samples must be at least 1, got {samples}")
+    path = Path(checkpoint_path).expanduser().resolve()
+    if path.is_dir():
+        path = path / "checkpoints" / ckpt.LATEST if (path / "checkpoints").is_dir() else path / ckpt.LATEST
+    state = _load_checkpoint_or_name_others(path)
+    config = _config_from_saved(state["config"], f"checkpoint {path}")
     config.progress = False
     if data is not None:
-        config.data = data
-        dataset_dir = prepare_data(config, Path(saved["out"]).parent / "data-cache")
+        config.data = str(Path(data).expanduser().resolve())
+        dataset_dir = prepare_data(config)
     else:
-        dataset_dir = Path(saved["dataset"])
+        saved_dataset = state["config"].get("dataset")
+        dataset_dir = _dataset_dir(config, saved_dataset if isinstance(saved_dataset, str) else None)
     dataset = open_dataset(dataset_dir)
     check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
     if split not in dataset.splits or not dataset.splits[split]:
