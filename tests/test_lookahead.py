@@ -180,3 +180,37 @@ def _restore_embeddings(train, checkpoint, run):
     model = train.build_model(config, state["table_sizes"], 13)
     model.embeddings.load_state_dict(state["embeddings"])
     return model.embeddings
+
+
+def test_resume_with_lookahead_and_prefetch_matches_uninterrupted(tmp_path, monkeypatch) -> None:
+    """INT8 with stochastic rounding: the checkpoint holds the prefetched rows and both rounding generators."""
+    import pytest
+
+    from slipcache.training import checkpoint
+    from slipcache.training import trainer as train
+    from tests.helpers import make_dataset, tiny_config
+
+    data = make_dataset(tmp_path / "data", n=640, sizes=[2000] * 26, skewed=True)
+    settings = dict(embeddings="cached", precision="int8", cache_size=0.03, batch_size=32, epochs=1,
+                    policy="lookahead", prefetch=True, checkpoint_every=320, eval_every=320)  # fmt: skip
+    full = train.train(tiny_config(data, tmp_path / "full", **settings))
+    real_loss = train.F.binary_cross_entropy_with_logits
+    calls = {"n": 0}
+
+    def crash_at_step_15(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 15:  # after the checkpoint at 320 samples (10 steps)
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(train.F, "binary_cross_entropy_with_logits", crash_at_step_15)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny_config(data, tmp_path / "part", **settings))
+    monkeypatch.undo()
+    resumed = train.train(train.make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
+    assert resumed["auc"] == full["auc"] and resumed["embedding_stats"]["prefetched_rows"] > 0
+    a = checkpoint.load_checkpoint(tmp_path / "full" / "checkpoints")["embeddings"]
+    b = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints")["embeddings"]
+    for name, tensor in a.items():
+        if isinstance(tensor, torch.Tensor) and name != "counters":  # counters restart with the resumed run
+            assert torch.equal(tensor, b[name]), name
