@@ -292,8 +292,9 @@ class _FusedLookup(torch.autograd.Function):
             )
         ctx.coll = ctx.lookup = ctx.plan = None
         coll.clock.mark()
-        coll._receive_gradient(plan, coll._unpool(grad_out, lookup))
+        grad = coll._unpool(grad_out, lookup)
         coll.clock.lap("backward")
+        coll._receive_gradient(plan, grad)
         return None, None, None, None
 
 
@@ -701,6 +702,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         entries, self._pending = self._pending, []
         if not entries:
             return
+        self.clock.mark()
         if not all(bool(torch.isfinite(grad).all()) for _, grad in entries):
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return
@@ -725,6 +727,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 storage_parts.append((plan, storage_rows, storage_index, grad[on_storage]))
         self._update_cached(cache_parts)
         self._update_storage(storage_parts)
+        self.clock.lap("backward")
 
     def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:
         """1 / the GradScaler's scale, times clip_grad_norm_'s coefficient when clipping is on."""
