@@ -247,3 +247,18 @@ def test_cli_compare(capsys: pytest.CaptureFixture[str]) -> None:
     passed = dict(part.split() for part in out[-1].removeprefix("within tolerance: ").split(", "))
     v3_passed, total = passed["v3"].split("/")
     assert v3_passed == total and int(passed["v2"].split("/")[0]) < int(total)
+
+
+def test_train_picks_the_generator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`slipcache train --generator v2` asks for v2 data (v3 by default); an unknown name is refused."""
+    from slipcache.training import trainer
+
+    asked = []
+    monkeypatch.setattr(
+        synthetic, "default_synthetic_path", lambda *a, generator, **k: asked.append(generator) or tmp_path
+    )
+    for flags in ({}, {"synthetic_generator": "v2"}):
+        trainer.prepare_data(trainer.make_config({}, flags), tmp_path)
+    assert asked == ["v3", "v2"]
+    with pytest.raises(SlipcacheError, match="synthetic_generator must be one of"):
+        trainer.make_config({}, {"synthetic_generator": "v9"})

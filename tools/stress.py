@@ -129,24 +129,49 @@ class Runner:
         return process.wait(timeout=timeout)
 
 
-def kill_trial(runner: Runner, run: Path, log: Path, duration: float, rng: random.Random) -> dict[str, Any]:
+def _stamp(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def wait_until_training(process: subprocess.Popen, run: Path) -> float | None:
+    """Seconds until the process has (re)written the run's metrics.jsonl, i.e. set the run up and is
+    about to train (None if it exited first). Startup before that is mostly importing torch."""
+    before = _stamp(run / "metrics.jsonl")
+    started = time.perf_counter()
+    while process.poll() is None:
+        if _stamp(run / "metrics.jsonl") != before:
+            return time.perf_counter() - started
+        time.sleep(0.02)
+    return None
+
+
+def kill_trial(runner: Runner, run: Path, log: Path, timing: dict[str, float], rng: random.Random) -> dict[str, Any]:
     """Kill the run at a random moment (again with probability 0.3 per continuation, at most 3 kills),
-    then let it finish. Returns what happened."""
-    kills: list[float] = []
+    then let it finish. One kill in five lands during startup, the others uniformly over the time the
+    reference spent setting up and training. Returns what happened."""
+    kills: list[str] = []
     stages: list[str] = []
     while True:
         args = runner.command(run)
         stages.append("resume" if "--resume" in args else "start")
         process = runner.start(args, log)
         if len(kills) == 0 or (len(kills) < 3 and rng.random() < 0.3):
-            # Uniform over the run's life after the first fifth (which is mostly Python importing torch).
-            delay = rng.uniform(0.2, 1.0) * duration
+            during_startup = rng.random() < 0.2
+            if during_startup:
+                delay = rng.uniform(0.1, 1.0) * timing["startup"]
+            else:
+                delay = rng.uniform(0.0, 1.0) * timing["training"]
+                if wait_until_training(process, run) is None:
+                    delay = 0.0
             try:
                 process.wait(timeout=delay)
             except subprocess.TimeoutExpired:
                 process.send_signal(signal.SIGKILL)
                 process.wait()
-                kills.append(round(delay, 2))
+                kills.append(f"{'startup' if during_startup else 'training'} +{delay:.2f}s")
                 continue
         code = process.wait(timeout=900)
         if code != 0:
@@ -322,17 +347,20 @@ def main() -> int:
     runner.run(runner.command(reference), workdir / "reference.log")  # generates the data set first
     shutil.rmtree(reference)
     started = time.perf_counter()
-    if runner.run(runner.command(reference), workdir / "reference.log"):
+    process = runner.start(runner.command(reference), workdir / "reference.log")
+    startup = wait_until_training(process, reference) or 0.0
+    if process.wait():
         print(f"reference run failed; see {workdir / 'reference.log'}")
         return 1
     duration = time.perf_counter() - started
+    timing = {"startup": startup, "training": duration - startup}
     expected = outcome(reference)
-    print(f"reference: {duration:.1f} s, {len(expected['events'])} events", flush=True)
+    print(f"reference: {duration:.1f} s ({startup:.1f} s startup), {len(expected['events'])} events", flush=True)
 
     kills = []
     for i in range(args.kills):
         run = workdir / f"kill-{i}"
-        trial = kill_trial(runner, run, workdir / f"kill-{i}.log", duration, rng)
+        trial = kill_trial(runner, run, workdir / f"kill-{i}.log", timing, rng)
         if "error" not in trial:
             diff = differences(outcome(run), expected)
             leftovers = [p.name for p in run.rglob(".*") if p.is_file()]
@@ -352,7 +380,7 @@ def main() -> int:
     bad = bad_input_trials(workdir, reference)
     report = {
         "run_config": RUN_CONFIG,
-        "reference_seconds": round(duration, 1),
+        "reference_seconds": {k: round(v, 1) for k, v in timing.items()},
         "kill_trials": len(kills),
         "kills": sum(len(t["kills"]) for t in kills),
         "kill_failures": sum(t["verdict"] == "FAILURE" for t in kills),
