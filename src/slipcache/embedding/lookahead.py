@@ -2,8 +2,8 @@
 
 Training data is known ahead of time: the batch iterator can `peek(k)` the batches after the one in
 flight. `Window` holds their rows so the cache can evict, among a set's evictable rows, the one whose
-next use is farthest (Belady's rule inside the window; least recently used first among rows the window
-never mentions). `belady_hits` replays a whole trace with the same rule and the same constraints as the
+next use is farthest (Belady's rule inside the window; LRU or LFU order among rows the window never
+mentions). `belady_hits` replays a whole trace with the same rule and the same constraints as the
 cache (rows of the batch in flight stay; a missing row takes a slot only from a row used strictly later),
 fully associative and with the whole future known: the optimum the policy is measured against. Belady's
 rule minimizes the rows fetched (misses counted once per row and batch); per lookup, a row looked up many
@@ -65,10 +65,11 @@ def eviction_key(distance: Tensor, beyond: Tensor, window: int) -> Tensor:
 def belady_hits(
     trace: Sequence[Tensor], capacity: int, num_rows: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Hits per batch, int64 [batches] twice: lookups, and distinct rows (each counted once per batch), of `trace` (one tensor of global rows per batch, e.g. a [batches, lookups] tensor) that hit a fully associative cache of `capacity`
-    rows run by Belady's rule with the whole future known, under the cache's constraints: the rows of the
-    batch in flight are never evicted, and a missing row is admitted only in place of a row whose next use
-    is strictly later (else it is served from storage, as an overflow row is).
+    """Hits per batch of `trace` (global rows, one tensor per batch) on a fully associative cache of
+    `capacity` rows run by Belady's rule with the whole future known: int64 [batches] twice, lookups and
+    distinct rows (each once per batch). The cache's constraints hold: the rows of the batch in flight are
+    never evicted, and a missing row is admitted only in place of a row whose next use is strictly later
+    (else it is served from storage, as an overflow row is).
 
     Why not simply keep the `capacity` rows with the nearest next use after each batch: a row of the batch
     in flight cannot give its slot to a missing row of the same batch, so that bound is not reachable.
