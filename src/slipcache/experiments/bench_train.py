@@ -72,15 +72,9 @@ class _TorchRecDLRM(nn.Module):
         )
 
     def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
-        from torchrec import KeyedJaggedTensor
+        from slipcache.interop.torchrec import sparse_to_kjt
 
-        batch, tables = sparse.shape
-        features = KeyedJaggedTensor.from_lengths_sync(
-            keys=self.keys,
-            values=sparse.t().reshape(-1),
-            lengths=torch.ones(batch * tables, dtype=torch.int32),
-        )
-        return self.dlrm(dense, features).squeeze(-1)
+        return self.dlrm(dense, sparse_to_kjt(sparse, self.keys)).squeeze(-1)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         fused = {id(p) for p in self.embeddings.parameters()}

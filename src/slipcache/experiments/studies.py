@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer
 
@@ -215,6 +216,7 @@ class Plan:
     out: Path
     data: str | None  # preprocessed dataset dir; None = synthetic data
     seeds: int
+    generator: str = DEFAULT_GENERATOR  # synthetic data: its generator (slipcache.data.synthetic)
 
     def cells(self, setups: list[Setup]) -> list[Cell]:
         """Seed-major order, so an interrupted full run already has one seed of every setup."""
@@ -239,6 +241,7 @@ class Plan:
         if self.data is None:
             values["synthetic_samples"] = p.stale_dataset_samples if stale else p.dataset_samples
             values["synthetic_scale"] = p.scale
+            values["synthetic_generator"] = self.generator
         if stale:
             values["epochs"] = p.stale_epochs  # same epochs with and without skipping
         else:
@@ -1202,6 +1205,8 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="a preprocessed dataset dir (or raw Criteo files, "
                         "preprocessed once into OUT/data); default: synthetic data. Slipstream runs whole "
                         "epochs of its training split")
+    parser.add_argument("--generator", choices=tuple(GENERATOR_VERSIONS), default=DEFAULT_GENERATOR,
+                        help="synthetic data generator (default v3; v2 reproduces figures measured before v3)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds of the key setups (default 3, quick 1); sweep setups run one seed")
     parser.add_argument("--threads", type=int, default=1,
@@ -1259,7 +1264,8 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
 
     start = time.perf_counter()
     data, table_sizes = _prepare_data(args.data, out)
-    plan = Plan(preset, out, data, seeds)
+    generator = getattr(args, "generator", DEFAULT_GENERATOR)
+    plan = Plan(preset, out, data, seeds, generator)
     setups: list[Setup] = []
     records: list[dict[str, Any]] = []
     log(f"probing memory ({2 * preset.probe_seconds:g} s) ...")
@@ -1271,7 +1277,7 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
             from slipcache.data.synthetic import default_synthetic_path, synthetic_table_sizes
 
             n = preset.dataset_samples if name == "mixed-precision" else preset.stale_dataset_samples
-            default_synthetic_path(None, n, preset.scale, 0, progress=True)
+            default_synthetic_path(None, n, preset.scale, 0, generator=generator, progress=True)
             table_sizes = synthetic_table_sizes(preset.scale)
         setups += grid
         records += run_cells(plan, plan.cells(grid), name, log)
@@ -1287,6 +1293,7 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
         "seeds": seeds,
         "threads": args.threads,
         "data": data,
+        "generator": None if data is not None else generator,
         "table_sizes": table_sizes,
         "machine": describe_machine(),
         "probes": probes,
