@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("slipcache.data.stats", "access-pattern statistics of raw Criteo files or a dataset"),
     "bench": ("slipcache.experiments.bench", "benchmark embedding implementations"),
     "experiment": ("slipcache.experiments.studies", "run the papers' experiments and write a report"),
+    "plan": ("slipcache.planning.planner", "choose per-table precision and cache rows for a memory budget"),
+    "export": ("slipcache.export", "write a checkpoint's tables for serving (nn.EmbeddingBag, TorchRec, FBGEMM INT8)"),
 }
 
 
@@ -35,7 +37,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:
             module = importlib.import_module(module_name)
             getattr(module, f"add_{name}_arguments")(sub_parser)
-            sub_parser.set_defaults(_module=module_name)
+            sub_parser.set_defaults(_module=module_name, _parser=sub_parser)
     return parser
 
 
@@ -43,10 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         parser.print_help()
         return 0
+    if unknown:  # the command's own usage and name, not the top-level ones
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     module = importlib.import_module(args._module)
     try:
         return int(getattr(module, f"run_{args.command}")(args) or 0)

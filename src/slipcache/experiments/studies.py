@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer
 
@@ -226,6 +227,7 @@ class Plan:
     out: Path
     data: str | None  # preprocessed dataset dir; None = synthetic data
     seeds: int
+    generator: str = DEFAULT_GENERATOR  # synthetic data: its generator (slipcache.data.synthetic)
 
     def cells(self, setups: list[Setup], dataset: str = "") -> list[Cell]:
         """Seed-major order, so an interrupted full run already has one seed of every setup."""
@@ -250,6 +252,7 @@ class Plan:
         if self.data is None:
             values["synthetic_samples"] = p.stale_dataset_samples if stale else p.dataset_samples
             values["synthetic_scale"] = p.scale
+            values["synthetic_generator"] = self.generator
         if stale:
             values["epochs"] = p.stale_epochs  # same epochs with and without skipping
         elif setup.experiment == ACCURACY:
@@ -1462,6 +1465,8 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="a preprocessed dataset dir (or raw Criteo files, "
                         "preprocessed once into OUT/data); default: synthetic data. Slipstream runs whole "
                         "epochs of its training split")
+    parser.add_argument("--generator", choices=tuple(GENERATOR_VERSIONS), default=DEFAULT_GENERATOR,
+                        help="synthetic data generator (default v3; v2 reproduces figures measured before v3)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds of the key setups (default 3, quick 1; accuracy: 5); sweep setups run one seed")
     parser.add_argument("--threads", type=int, default=1,
@@ -1508,6 +1513,8 @@ def run_experiment(args: argparse.Namespace, log: Callable[[str], None] | None =
         raise SlipcacheError(f"--seeds must be at least 1, got {seeds}")
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SlipcacheError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -1523,7 +1530,8 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
 
     start = time.perf_counter()
     data, table_sizes = _prepare_data(args.data, out)
-    plan = Plan(preset, out, data, seeds)
+    generator = getattr(args, "generator", DEFAULT_GENERATOR)
+    plan = Plan(preset, out, data, seeds, generator)
     setups: list[Setup] = []
     records: list[dict[str, Any]] = []
     log(f"probing memory ({2 * preset.probe_seconds:g} s) ...")
@@ -1536,7 +1544,7 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
             from slipcache.data.synthetic import default_synthetic_path, synthetic_table_sizes
 
             n = preset.stale_dataset_samples if name == "slipstream" else preset.dataset_samples
-            dataset = default_synthetic_path(None, n, preset.scale, 0, progress=True).name
+            dataset = default_synthetic_path(None, n, preset.scale, 0, generator=generator, progress=True).name
             table_sizes = synthetic_table_sizes(preset.scale)
         setups += grid
         records += run_cells(plan, plan.cells(grid, dataset if data is None else ""), name, log)
@@ -1552,6 +1560,7 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
         "seeds": seeds,
         "threads": args.threads,
         "data": data,
+        "generator": None if data is not None else generator,
         "table_sizes": table_sizes,
         "machine": describe_machine(),
         "probes": probes,

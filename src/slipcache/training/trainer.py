@@ -42,15 +42,17 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slipcache.data.synthetic import GENERATOR_VERSIONS
-from slipcache.embedding.cache import POLICIES
+from slipcache.embedding.cache import LOOKAHEAD_POLICIES, POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM, EMBEDDING_KINDS, ModelConfig, build_embeddings
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.metrics import evaluate_predictions
+from slipcache.training.tensorboard import embedding_event_fields, open_writer
 
 if typing.TYPE_CHECKING:
+    from slipcache.distributed.training import DistributedRun
     from slipcache.staleness.skipping import StaleSkipper
 
 VOCABS = ("hash", "frequency")
@@ -78,6 +80,8 @@ class TrainConfig:
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
     synthetic_generator: str = "v3"  # synthetic data: "v3" (entities, time order) or "v2" (earlier figures)
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
+    table_sizes: list[int] | None = None  # external formats: rows per table (one for all, or 26); ids modulo
+    split_order: str | None = None  # external formats: "val-test" or "test-val" halves of the last day
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
     # precision, cache_size, cache_rows: one value, or (config files) a list with one value per table
@@ -85,6 +89,8 @@ class TrainConfig:
     cache_size: float | list[float] = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
     cache_rows: int | list[int] | None = None  # cache capacity as a row count instead (overrides cache_size)
     policy: str = "lru"
+    lookahead: int = 4  # batches ahead the lookahead policies evict by (policy lookahead or lookahead-lfu)
+    prefetch: bool = False  # read the next batch's rows into the cache while the current one computes
     rounding: str = "stochastic"
     optimizer: str = "sgd"  # embedding optimizer
     lr: float = 0.3  # embedding learning rate (SGD; tuned on synthetic data at batch 256)
@@ -105,6 +111,7 @@ class TrainConfig:
     seed: int = 0
     quick: bool = False  # small synthetic run for tests and first contact (see QUICK)
     progress: bool = True  # tqdm progress bar
+    tensorboard: str | None = None  # also write metrics as TensorBoard events here; "" = <out>/tensorboard
     # Slipstream stale-input skipping (slipcache.staleness.skipping, docs/skipping.md)
     skip_stale: bool = False  # drop stale inputs while batches are assembled: no forward, no backward
     stale_target: float = 0.3  # D: share of hot inputs to skip, fitted anew each epoch
@@ -135,7 +142,7 @@ class TrainConfig:
                 raise SlipcacheError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
-        positive = ["batch_size", "epochs", "embedding_dim", "samples", "log_every", "eval_every"]
+        positive = ["batch_size", "epochs", "embedding_dim", "samples", "log_every", "eval_every", "lookahead"]
         positive += ["checkpoint_every", "eval_samples", "synthetic_samples", "max_rows", "min_count"]
         for name in positive:
             value = getattr(self, name)
@@ -149,6 +156,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        if self.split_order not in (None, "val-test", "test-val"):
+            raise SlipcacheError(f"split_order must be val-test or test-val, got {self.split_order!r}")
+        if self.table_sizes is not None and (not self.table_sizes or min(self.table_sizes) < 1):
+            raise SlipcacheError(f"table_sizes must be positive row counts, got {self.table_sizes}")
         for share in self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]:
             if not 0.0 <= share <= 1.0:  # also rejects nan and inf
                 hint = f" (for a number of rows use --cache-rows {share:g})" if share > 1 else ""
@@ -328,8 +339,10 @@ def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     path = Path(config.data).expanduser().resolve()
     if not path.exists():
         raise SlipcacheError(f"data not found: {path}")
-    if (path / "meta.json").is_file():
-        return path
+    from slipcache.data.formats import detect_format
+
+    if (path / "meta.json").is_file() or detect_format(path) is not None:
+        return path  # read in place (slipcache.data.formats)
     cache_root = cache_root if cache_root is not None else preprocessed_root()
     inputs = _raw_inputs(path)
     key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
@@ -360,11 +373,13 @@ def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     return out_dir
 
 
-def open_dataset(path: Path) -> Any:
-    from slipcache.data.dataset import CriteoDataset
+def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
+    from slipcache.data.formats import open_any
 
     try:
-        return CriteoDataset(path)
+        if config is None:
+            return open_any(path)
+        return open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
     except SlipcacheError:
         raise
     except (OSError, ValueError, KeyError) as exc:
@@ -574,8 +589,15 @@ class Run:
     data_quality: dict[str, Any] | None  # malformed lines skipped while preprocessing raw input
     base_lookups: int = 0  # the collection's cumulative counters when the open logging window began
     base_hits: int = 0
+    tensorboard: Any = None  # TensorBoardWriter when config.tensorboard is set
     tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
     finished: bool = False  # set by the run's last batch
+    dist: DistributedRun | None = None  # N processes (slipcache.distributed.training); None: this one alone
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this process writes the run directory's files (rank 0 of N, or the only process)."""
+        return self.dist is None or self.dist.is_main
 
     @property
     def consumed(self) -> int:
@@ -586,7 +608,7 @@ class Run:
         return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
+def train(config: TrainConfig, dist: DistributedRun | None = None) -> dict[str, Any]:
     """Train DLRM as configured, writing the run directory; returns the summary dict.
 
     Hook points for features that join the loop: `epoch_batches` (per-epoch setup, the batch source),
@@ -595,12 +617,12 @@ def train(config: TrainConfig) -> dict[str, Any]:
     (`progress.train_wall_s`) runs from `run.tick` to the end of `record_step`; evaluation and checkpoints
     fall outside it.
     """
-    run = start_run(config)
+    run = start_run(config, dist)
     try:
         while run.more_epochs():
             batches = epoch_batches(run)
             for batch in batches:
-                loss = train_step(run, batch)
+                loss = train_step(run, batch, batches)
                 consumed_before = run.consumed
                 last = record_step(run, batch, loss, batches)
                 eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
@@ -627,14 +649,14 @@ def _crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def start_run(config: TrainConfig) -> Run:
+def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
     if config.resume is not None:
-        state, saved, config, changes = _load_resume(config)
+        state, saved, config, changes = _load_resume(config, dist)
         run_dir = Path(config.out or "")
     else:
         run_dir = _prepare_out(Path(config.out) if config.out else _new_run_dir(), restart_ok=True)
@@ -644,7 +666,8 @@ def start_run(config: TrainConfig) -> Run:
         config.data = str(Path(config.data).expanduser().resolve())
 
     dataset_dir = _dataset_dir(config, saved.get("dataset"))
-    dataset = open_dataset(dataset_dir)
+    dataset = open_dataset(dataset_dir, config)
+    config.split_order = config.split_order or dataset.meta.get("split_order")
     config = resolve_schedule(config, dataset.splits["train"])
     config.out = str(run_dir)
     config_dict = {**asdict(config), "dataset": str(dataset_dir)}
@@ -661,7 +684,10 @@ def start_run(config: TrainConfig) -> Run:
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
-    model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    if dist is None:
+        model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    else:
+        model = dist.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir)
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
     emb_opt = embedding_optimizer(config, model)
     batches_per_epoch = dataset.splits["train"] // config.batch_size
@@ -674,8 +700,9 @@ def start_run(config: TrainConfig) -> Run:
     if state is not None:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(state, model, dense_opt, emb_opt, progress, skipper)
-    _write_json(run_dir / "config.json", config_dict)
-    _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops events after its checkpoint
+    if dist is None or dist.is_main:
+        _write_json(run_dir / "config.json", config_dict)
+        _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops later events
 
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
@@ -703,6 +730,8 @@ def start_run(config: TrainConfig) -> Run:
         budget=budget,
         max_epochs=math.ceil(total_steps / batches_per_epoch),
         bar=bar,
+        tensorboard=open_writer(config.tensorboard, run_dir) if dist is None or dist.is_main else None,
+        dist=dist,
     )
     # The collection's counters may or may not come back with its state; count relative to what it says now.
     run.base_lookups, run.base_hits = _stats_totals(model)
@@ -731,9 +760,16 @@ def epoch_batches(run: Run) -> Any:
     )
 
 
-def train_step(run: Run, batch: Any) -> float:
-    """Forward, backward and optimizer steps on one batch; returns its mean loss."""
+def train_step(run: Run, batch: Any, batches: Any = None) -> float:
+    """Forward, backward and optimizer steps on one batch; returns its mean loss.
+
+    `batches` (the iterator `batch` came from) lets a lookahead policy or the prefetch see the batches
+    that follow, after the skip filter: those that will be trained.
+    """
     t0 = time.perf_counter()
+    ahead = lookahead_batches(run.config)
+    if ahead and batches is not None:
+        run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], run.config.prefetch)
     logits = run.model(batch.dense, batch.sparse)
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
     loss_value = loss.item()
@@ -749,6 +785,13 @@ def train_step(run: Run, batch: Any) -> float:
         run.emb_opt.step()
     run.progress.compute_s += time.perf_counter() - t0
     return loss_value
+
+
+def lookahead_batches(config: TrainConfig) -> int:
+    """Batches the embeddings are shown ahead: the lookahead policy's window, or 1 for the prefetch alone."""
+    if config.embeddings != "cached":
+        return 0
+    return config.lookahead if config.policy in LOOKAHEAD_POLICIES else int(config.prefetch)
 
 
 def _non_finite_loss(run: Run, loss_value: float) -> SlipcacheError:
@@ -788,6 +831,7 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
     progress = run.progress
     _sync_window_counts(run)
     event = _close_window(progress)
+    event.update(embedding_event_fields(run.model.embeddings, progress.samples, progress.skipped))
     if run.skipper is not None:
         event.update(run.skipper.event_fields(progress.compute_s / progress.samples))
     run.bar.set_postfix(_postfix(event), refresh=False)
@@ -795,8 +839,11 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
         scores = evaluate(run.model, run.dataset.split("val"), max_samples=run.config.eval_samples)
         event.update({f"val_{k}": v for k, v in scores.items()})
     progress.events.append(event)
-    with open(run.run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(event) + "\n")
+    if run.writes_files:
+        with open(run.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+    if run.tensorboard is not None:
+        run.tensorboard.write_event(event)
     run.base_lookups, run.base_hits = _stats_totals(run.model)  # evaluation lookups do not count
 
 
@@ -842,6 +889,9 @@ def save_checkpoint(run: Run) -> None:
     _sync_window_counts(run)
     state = checkpoint_state(run)
     directory = run.run_dir / "checkpoints"
+    if run.dist is not None:
+        run.dist.save_checkpoint(directory, state, run.progress.samples, keep=run.config.keep_checkpoints)
+        return
     try:
         ckpt.save_run_checkpoint(directory, state, run.progress.samples, keep=run.config.keep_checkpoints)
     except OSError as exc:  # a full disk, a quota: the previous checkpoint is intact (atomic writes)
@@ -884,6 +934,7 @@ def finish_run(run: Run) -> dict[str, Any]:
         "fp32_embedding_bytes": int(memory["fp32_bytes"]),
         "memory_ratio": float(memory["memory_ratio"]),
         "memory_components": memory["components"],
+        "memory_per_rank": memory.get("per_rank"),  # N processes: each rank's own report
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
         "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
@@ -891,11 +942,17 @@ def finish_run(run: Run) -> dict[str, Any]:
         "data_quality": run.data_quality,
         "run_dir": str(run.run_dir),
         "config": run.config_dict,
+        "distributed": run.dist.summary(model) if run.dist is not None else None,
     }
+    if not run.writes_files:
+        return summary
     _write_json(run.run_dir / "summary.json", summary)
     from slipcache.training.report import write_report
 
     write_report(run.run_dir, progress.events, summary)
+    if run.tensorboard is not None:
+        run.tensorboard.write_summary(summary)
+        run.tensorboard.close()
     return summary
 
 
@@ -975,12 +1032,13 @@ def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
 
 
 # Fields that say where and how a run reports, not what it computes: free to differ on resume.
-_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes"}
+_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard"}
 # Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
 _STATE_DEFINING = {
-    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "strict",
+    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
     "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
-    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale",
+    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "table_sizes", "split_order",
+    "lookahead", "prefetch",
 }  # fmt: skip
 
 
@@ -1041,7 +1099,7 @@ def _resume_location(resume: str) -> tuple[Path, Path | None]:
 
 
 def _load_resume(
-    config: TrainConfig,
+    config: TrainConfig, dist: DistributedRun | None = None
 ) -> tuple[dict[str, Any] | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
     """(checkpoint state or None, the run's saved config, the config to continue with, changed settings).
 
@@ -1056,7 +1114,14 @@ def _load_resume(
         raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
     else:
         run_dir = home
-    if home is not None and path.name == ckpt.LATEST and not _has_checkpoint(home):
+    if dist is None and home is not None:
+        from slipcache.distributed.checkpoint import refuse_sharded
+
+        refuse_sharded(home)  # written by N processes: say how to resume it
+    if dist is not None:
+        state = dist.load_checkpoint(home or path)  # every rank's file and the manifest
+        saved, where = state["config"], f"checkpoint {path.parent}"
+    elif home is not None and path.name == ckpt.LATEST and not _has_checkpoint(home):
         _warn(f"{home} has no checkpoint (it stopped before the first one); starting it again from the beginning")
         state, saved = None, json.loads((home / "config.json").read_text())
         where = f"{home / 'config.json'}"
@@ -1189,6 +1254,8 @@ def summary_table(summary: dict[str, Any]) -> str:
     ]
     if summary.get("cache_hit_rate") is not None:
         rows.insert(4, ("cache hit rate", f"{100 * summary['cache_hit_rate']:.1f}%"))
+    if summary.get("staleness"):
+        rows.append(("skipped as stale", f"{100 * summary['skipped_fraction']:.1f}% of inputs"))
     quality = summary.get("data_quality")
     if quality and quality["malformed_lines"]:
         rows.append(("malformed lines", f"{quality['malformed_lines']:,} skipped (see report.md)"))
@@ -1237,7 +1304,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
     add("--cache-size", type=float, default=s, help="share of rows cached, 0..1; 1 = every row (default 0.05)")
     add("--cache-rows", type=int, default=s, help="cache capacity as a number of rows (overrides --cache-size)")
-    add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
+    add("--policy", choices=POLICIES, default=s, help="cache replacement policy; none = no cache (default lru)")
+    add("--lookahead", type=int, default=s, help="batches ahead the lookahead policies see (default 4)")
+    add(
+        "--prefetch",
+        action="store_true",
+        default=s,
+        help="read the next batch's rows into the cache in the background while the current one computes",
+    )
     add("--rounding", choices=ROUNDINGS, default=s, help="rounding into storage (default stochastic)")
     add("--optimizer", choices=OPTIMIZERS, default=s, help="embedding optimizer (default sgd)")
     add("--lr", type=float, default=s, help="embedding learning rate (default 0.3)")
@@ -1267,7 +1341,28 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-rows", type=int, default=s, help="raw data, hash vocabulary: rows per table (default 1000000)")
     add("--min-count", type=int, default=s, help="raw data, frequency vocabulary: minimum count (default 1)")
     add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
-    add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
+    add(
+        "--table-sizes",
+        type=_int_list,
+        default=s,
+        help="TorchRec/DLRM/MLPerf files: rows per table, one for all or 26 comma-separated; ids are "
+        "taken modulo them (TorchRec's hashes). Default: the files' counts, else max id + 1",
+    )
+    add(
+        "--split-order",
+        choices=("val-test", "test-val"),
+        default=s,
+        help="which half of the last day is validation (default: the format's convention)",
+    )
+    add("--no-progress", "--quiet", dest="progress", action="store_false", default=s, help="no progress bar")
+    add(
+        "--tensorboard",
+        nargs="?",
+        const="",
+        default=s,
+        metavar="DIR",
+        help="also write the metrics as TensorBoard events (default DIR: <out>/tensorboard)",
+    )
     add(
         "--skip-stale",
         action="store_true",
@@ -1307,11 +1402,28 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
 def run_train(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k in _FIELDS}
     file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
     config = make_config(file_values, flags)
-    summary = train(config)
+    from slipcache.distributed.launch import init_from_env
+
+    context = init_from_env()  # None unless started by torchrun with more than one process
+    if context is None:
+        summary = train(config)
+    else:
+        from slipcache.distributed.training import train_on_ranks
+
+        summary = train_on_ranks(config, context)
+        if not context.is_main:
+            return 0
     print(f"run: {summary['run_dir']}")
     print(summary_table(summary))
     return 0
@@ -1320,7 +1432,7 @@ def run_train(args: argparse.Namespace) -> int:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     parser.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
-    parser.add_argument("--split", default="test", choices=("train", "val", "test"))
+    parser.add_argument("--split", default="test", choices=("train", "val", "test"), help="split to evaluate (default test)")
     parser.add_argument("--samples", type=int, default=None, help="evaluate only the first N samples")
 
 
@@ -1331,9 +1443,12 @@ def evaluate_checkpoint(
     if samples is not None and samples < 1:
         raise SlipcacheError(f"--samples must be at least 1, got {samples}")
     path = Path(checkpoint_path).expanduser().resolve()
+    from slipcache.distributed import checkpoint as sharded_ckpt
+
+    sharded = sharded_ckpt.latest_sharded(path) if path.is_dir() else None  # written by N processes
     if path.is_dir():
         path = path / "checkpoints" / ckpt.LATEST if (path / "checkpoints").is_dir() else path / ckpt.LATEST
-    state = _load_checkpoint_or_name_others(path)
+    state = sharded_ckpt.load_rank_state(sharded, 0) if sharded else _load_checkpoint_or_name_others(path)
     config = _config_from_saved(state["config"], f"checkpoint {path}")
     config.progress = False
     if data is not None:
@@ -1342,11 +1457,14 @@ def evaluate_checkpoint(
     else:
         saved_dataset = state["config"].get("dataset")
         dataset_dir = _dataset_dir(config, saved_dataset if isinstance(saved_dataset, str) else None)
-    dataset = open_dataset(dataset_dir)
+    dataset = open_dataset(dataset_dir, config)
     check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
     if split not in dataset.splits or not dataset.splits[split]:
         raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
     model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    if sharded is not None:  # gather the ranks' shards into this process's tables
+        sharded_ckpt.unshard_into(model.embeddings, sharded)
+        state["embeddings"] = model.embeddings.state_dict()
     _load_model_state(state, model)
     return evaluate(model, dataset.split(split), max_samples=samples)
 
