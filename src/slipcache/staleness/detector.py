@@ -102,6 +102,7 @@ class StalenessConfig:
     guard_min_skipped: int = 100  # fewer skipped inputs in that sample: too noisy to judge, no check
     rule: str = "paper"  # "paper" (L-inf change between snapshots) or "convergence" (see module docstring)
     min_updates: int = 4  # convergence rule: updates a row needs before its change is judged
+    count_share: float = 1.0  # convergence rule: share of each trained batch whose lookups are counted
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -137,6 +138,8 @@ class StalenessConfig:
             raise InvalidInputError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
         if isinstance(self.min_updates, bool) or self.min_updates < 1:
             raise InvalidInputError(f"min_updates must be a positive int, got {self.min_updates}")
+        if not 0.0 < self.count_share <= 1.0:
+            raise InvalidInputError(f"count_share must be in (0, 1], got {self.count_share}")
         if self.guard_patience < 1 or not 0.0 < self.guard_backoff < 1.0 or min(self.guard_sample_size,
                                                                                  self.guard_min_skipped) < 1:
             raise InvalidInputError("need guard_patience >= 1, guard_backoff in (0, 1), guard_sample_size >= 1 "
@@ -531,12 +534,17 @@ class StaleInputDetector:
         """Convergence rule: count one update of each hot row per trained input that looks it up.
 
         Each input adds one gradient term to each of its rows, so this counts gradient contributions. Call it
-        with every trained batch while a window or span is open; a no-op under the paper's rule.
+        with every trained batch while a window or span is open; a no-op under the paper's rule. With
+        ``count_share`` < 1 only the batch's first inputs are counted (a random sample: batches are shuffled)
+        and counts are scaled up when judged: the hash lookups are most of the bookkeeping's cost. A row
+        counted at all was updated at least once, so a row never updated still stays unknown.
         """
         if self._index is None or self._base is None:
             return
         # Trained ids were validated by the filter already: no range check here (it cost a third of this).
         ids = _to_numpy(sparse)
+        if self.config.count_share < 1.0:
+            ids = ids[: max(1, math.ceil(ids.shape[0] * self.config.count_share))]
         rows = (ids + self.table_offsets[:-1].astype(ids.dtype)).reshape(-1)
         rows = rows[np.take(self._row_flags, rows) != 0]  # hot lookups only: the flag byte says so
         pos = self._index.find(rows)
@@ -555,13 +563,14 @@ class StaleInputDetector:
         """
         self._fold_updates()
         hot = self._require_hot()
-        ready = np.flatnonzero(self._updates >= self.config.min_updates)
+        estimated = self._updates / self.config.count_share
+        ready = np.flatnonzero(estimated >= self.config.min_updates)
         if ready.size:
             idx = torch.from_numpy(ready)
             now = self._read(coll, hot.rows[ready])
             change = (now - self._base[idx]).abs().amax(dim=1)
             scale = now.abs().amax(dim=1).clamp_min(1e-12)
-            self._score[ready] = (change / (scale * torch.from_numpy(self._updates[ready]).float())).numpy()
+            self._score[ready] = (change / (scale * torch.from_numpy(estimated[ready]).float())).numpy()
             self._base[idx] = now
             self._updates[ready] = 0
 
@@ -773,7 +782,12 @@ class StaleInputDetector:
         return np.count_nonzero(flags == 3, axis=1) >= required, np.count_nonzero(flags, axis=1) >= required
 
     def count(self, sparse: np.ndarray | torch.Tensor, control_share: float = 0.0) -> np.ndarray:
-        """Classify for skipping and record the counts for ``stats``; returns the keep mask.
+        """Classify for skipping and record the counts for ``stats``; returns the keep mask."""
+        return self.count_with_controls(sparse, control_share)[0]
+
+    def count_with_controls(self, sparse: np.ndarray | torch.Tensor,
+                            control_share: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """(keep, control): ``count``, and which kept inputs are controls.
 
         ``control_share``: that share of the would-be-skipped inputs is kept anyway (the guard's control
         group), chosen by a hash of the input's position in the run, so the choice needs no RNG state.
@@ -791,7 +805,7 @@ class StaleInputDetector:
             counters.skipped += int(np.count_nonzero(skip))
             counters.skipped_hot += int(np.count_nonzero(skip & hot))
             counters.controls += int(np.count_nonzero(control))
-        return ~skip
+        return ~skip, control
 
     def pass_through(self, n: int) -> np.ndarray:
         """Keep all of ``n`` inputs without classifying them (before warm-up ends); counts them."""

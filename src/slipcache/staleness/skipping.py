@@ -9,8 +9,8 @@ The trainer calls `StaleSkipper` through these hooks (see `slipcache.training.tr
     skipper.event_fields(...) / skipper.summary(...) / state_dict() / load_state_dict()
 
 1. **Warm-up** (`stale_warmup`): nothing is profiled, measured or skipped until the model has learned.
-   "val" (default): once the validation loss stopped improving by `stale_warmup_tol` (relative) against its
-   best, or from epoch `stale_warmup_epoch` (0-based; default 1 = the second epoch) at the latest; "epoch":
+   "val" (default): once the validation loss failed twice in a row to improve its best by `stale_warmup_tol`
+   (relative), or from epoch `stale_warmup_epoch` (0-based; default 1 = the second epoch) at the latest; "epoch":
    from that epoch only; "none": from the start. In every mode never within the first `stale_warmup_min`
    (10 %) of the run's inputs. Why: the first window used to open at 2 % of epoch 1, judging rows of an
    untrained model; the authors open it after a full pass over the cold inputs.
@@ -80,6 +80,7 @@ class StaleSkipper:
                 guard_margin=CONTROL_MARGIN,
                 rule=config.stale_rule,
                 min_updates=config.stale_min_updates,
+                count_share=config.stale_count_share,
                 seed=config.seed,
             ),
         )
@@ -99,6 +100,7 @@ class StaleSkipper:
         self.warm = False
         self.warm_at: dict[str, Any] | None = None  # where and why warm-up ended
         self.val_flat = False
+        self.flat_evals = 0  # consecutive evaluations without a gain of warmup_tol on the best loss
         self.best_val_loss: float | None = None
         self.best_val_auc: float | None = None  # since skipping began
         self.window_start: int | None = None  # batch of this epoch where its window opened
@@ -111,6 +113,9 @@ class StaleSkipper:
         self._reported_actions = 0
         self.last_guard: GuardDecision | None = None
         self.control_sums = [0.0, 0, 0.0, 0]  # control loss, controls, all trained loss, trained (since check)
+        # Control flags of the inputs the filter kept and no batch has trained yet, in order: batches are cut
+        # from the kept inputs in order, so each trained batch takes the next batch_size of them.
+        self.pending_controls = np.zeros(0, dtype=bool)
         self.control_reference: float | None = None  # controls' loss ratio when skipping (re)started
         self.overhead = dict.fromkeys(OVERHEAD_PARTS, 0.0)  # seconds spent on skipping, by part
         self.fits: list[dict[str, Any]] = []
@@ -130,6 +135,7 @@ class StaleSkipper:
         self.decisions, self._replay, self._replay_pos = [], np.zeros(0, dtype=bool), 0
         self.control_sums = [0.0, 0, 0.0, 0]
         self.control_reference = None
+        self.pending_controls = np.zeros(0, dtype=bool)
         if self.warm or self._end_warmup("epoch start"):
             self._open_window()
         self.overhead["profile"] += time.perf_counter() - t0
@@ -138,13 +144,15 @@ class StaleSkipper:
         """BatchIterator filter: keep mask; replays recorded decisions first after a resume."""
         t0 = time.perf_counter()
         n = sparse.shape[0]
-        if self._replay_pos < self._replay.size:
+        if self._replay_pos < self._replay.size:  # these inputs' controls are in the restored pending_controls
             keep = self._replay[self._replay_pos : self._replay_pos + n]
             self._replay_pos += n
-        elif self.window_start is None:  # warm-up: nothing to classify yet
-            keep = self.detector.pass_through(n)
         else:
-            keep = self.detector.count(sparse, self.control_share)
+            if self.window_start is None:  # warm-up: nothing to classify yet
+                keep, control = self.detector.pass_through(n), np.zeros(n, dtype=bool)
+            else:
+                keep, control = self.detector.count_with_controls(sparse, self.control_share)
+            self.pending_controls = np.concatenate([self.pending_controls, control[keep]])
         self.decisions.append(keep)
         self.overhead["filter"] += time.perf_counter() - t0
         return keep
@@ -152,7 +160,9 @@ class StaleSkipper:
     def after_batch(self, batch: Batch, logits: torch.Tensor) -> None:
         """Warm-up check, update counting, window close and threshold fit, re-checks, guard bookkeeping."""
         self.batch += 1
-        self.trained += int(batch.labels.shape[0])
+        n = int(batch.labels.shape[0])
+        self.trained += n
+        control, self.pending_controls = self.pending_controls[:n], self.pending_controls[n:]
         if self.window_start is None:
             if self._end_warmup("run position"):
                 t0 = time.perf_counter()
@@ -162,7 +172,7 @@ class StaleSkipper:
         det = self.detector
         t0 = time.perf_counter()
         if self.guard_every and det.skipping:
-            self._account_controls(batch, logits)
+            self._account_controls(batch, logits, control)
         t1 = time.perf_counter()
         det.record_updates(batch.sparse.numpy())
         t2 = time.perf_counter()
@@ -188,7 +198,10 @@ class StaleSkipper:
         """Validation results: warm-up ends when the loss flattened; the guard watches AUC once skipping."""
         loss, auc = float(scores["logloss"]), float(scores["auc"])
         if self.best_val_loss is not None and loss > self.best_val_loss * (1.0 - self.warmup_tol):
-            self.val_flat = True
+            self.flat_evals += 1
+            self.val_flat = self.val_flat or self.flat_evals >= 2  # 2 in a row: one can be noise
+        else:
+            self.flat_evals = 0
         self.best_val_loss = loss if self.best_val_loss is None else min(loss, self.best_val_loss)
         det = self.detector
         if not (self.guard_every and det.skipping):
@@ -265,14 +278,11 @@ class StaleSkipper:
         if not keep.all():
             det.set_hot(HotSet(hot.rows[keep], hot.counts[keep], det.table_offsets))
 
-    def _account_controls(self, batch: Batch, logits: torch.Tensor) -> None:
-        """Add the batch's per-input losses: its controls (inputs the detector calls stale) and all of them.
-
-        Controls are recognised by classifying the batch again: its inputs were filtered with the state of
-        the previous step, so an input stale now was kept only as a control (except across a re-check).
-        """
+    def _account_controls(self, batch: Batch, logits: torch.Tensor, control: np.ndarray) -> None:
+        """Add the batch's per-input losses: of its controls (as the filter marked them) and of all inputs."""
         losses = F.binary_cross_entropy_with_logits(logits.detach(), batch.labels, reduction="none").numpy()
-        control = self.detector.stale_mask(batch.sparse.numpy().astype(np.int32))  # int32: the compiled path
+        if control.size != losses.size:  # cannot happen while batches are cut from the kept inputs in order
+            raise RuntimeError(f"{control.size} control flags for a batch of {losses.size}")
         sums = self.control_sums
         sums[0] += float(losses[control].sum())
         sums[1] += int(np.count_nonzero(control))
@@ -371,6 +381,9 @@ class StaleSkipper:
             "warm": self.warm,
             "warm_at": self.warm_at,
             "val_flat": self.val_flat,
+            "flat_evals": self.flat_evals,
+            "pending_controls": torch.from_numpy(np.packbits(self.pending_controls)),
+            "num_pending_controls": int(self.pending_controls.size),
             "best_val_loss": self.best_val_loss,
             "best_val_auc": self.best_val_auc,
             "window_start": self.window_start,
@@ -396,6 +409,9 @@ class StaleSkipper:
             setattr(self, name, int(state[name]))
         self.warm, self.val_flat = bool(state["warm"]), bool(state["val_flat"])
         self.warm_at = state["warm_at"]
+        self.flat_evals = int(state["flat_evals"])
+        bits = np.unpackbits(state["pending_controls"].numpy(), count=int(state["num_pending_controls"]))
+        self.pending_controls = bits.astype(bool)
         self.best_val_loss, self.best_val_auc = state["best_val_loss"], state["best_val_auc"]
         self.window_start = state["window_start"]
         bits = np.unpackbits(state["decisions"].numpy(), count=int(state["num_decisions"]))

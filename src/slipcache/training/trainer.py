@@ -112,6 +112,7 @@ class TrainConfig:
     stale_refit: bool = True  # refit T at every rolling re-check so D holds all epoch (paper: once per epoch)
     stale_rule: str = "convergence"  # "convergence" (change per update, measured rows only) or "paper"
     stale_min_updates: int = 4  # convergence rule: updates a row needs before it is judged
+    stale_count_share: float = 0.25  # convergence rule: share of each trained batch counted (scaled up)
     stale_warmup: str = "val"  # "val" (validation loss flattened), "epoch" or "none"
     stale_warmup_epoch: int = 1  # 0-based epoch from which skipping may start at the latest (1 = the 2nd)
     stale_warmup_min: float = 0.1  # never skip in this first share of the run
@@ -165,6 +166,8 @@ class TrainConfig:
                 raise SlipcacheError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.stale_min_updates < 1 or self.stale_warmup_epoch < 0 or not 0.0 <= self.stale_warmup_min < 1.0:
             raise SlipcacheError("stale_min_updates must be >= 1, stale_warmup_epoch >= 0, stale_warmup_min in [0, 1)")
+        if not 0.0 < self.stale_count_share <= 1.0:
+            raise SlipcacheError(f"stale_count_share must be in (0, 1], got {self.stale_count_share}")
         if not 0.0 <= self.stale_control < 1.0 or not 0.0 <= self.stale_warmup_tol < 1.0:
             raise SlipcacheError("stale_control and stale_warmup_tol must be in [0, 1)")
         if (self.stale_recheck is not None and self.stale_recheck < 0) or not self.stale_min_accesses >= 0:
@@ -941,6 +944,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stale-rule", choices=("convergence", "paper"), default=s,
         help="convergence (default): change per update of rows updated >= k times; paper: L-inf change")
     add("--stale-min-updates", type=int, default=s, help="k: updates before a row is judged (default 4)")
+    add("--stale-count-share", type=float, default=s,
+        help="share of each trained batch whose row updates are counted, then scaled up (default 0.25)")
     add("--stale-warmup", choices=("val", "epoch", "none"), default=s,
         help="skip after validation loss flattened (val, default), from --stale-warmup-epoch, or at once")
     add("--stale-warmup-epoch", type=int, default=s, help="0-based epoch skipping starts by at the latest (1)")
