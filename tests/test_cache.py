@@ -45,7 +45,7 @@ def test_cache_never_loses_an_update(batches, capacity, ways, policy, optimizer)
         table_sizes=SIZES, dim=3, precision="fp32", optimizer=optimizer, lr=0.05, lfu_halving_interval=3
     )
     cached = CachedEmbeddingBagCollection(
-        EmbeddingConfig(cache_size=capacity, policy=policy, ways=ways, **common)
+        EmbeddingConfig(cache_rows=capacity, policy=policy, ways=ways, **common)
     )
     plain = CachedEmbeddingBagCollection(EmbeddingConfig(cache_size=0, policy="none", **common))
     for batch in batches:
@@ -65,7 +65,7 @@ def test_cache_never_loses_an_update(batches, capacity, ways, policy, optimizer)
 
 def test_batch_larger_than_cache_updates_the_rest_in_storage() -> None:
     coll = CachedEmbeddingBagCollection(
-        EmbeddingConfig([1000], dim=4, precision="int8", cache_size=8, ways=4)
+        EmbeddingConfig([1000], dim=4, precision="int8", cache_rows=8, ways=4)
     )
     ids = torch.arange(100).view(100, 1)
     before = torch.cat(coll.export_tables())[:100]
@@ -78,7 +78,7 @@ def test_batch_larger_than_cache_updates_the_rest_in_storage() -> None:
 
 
 def test_rows_of_the_batch_in_flight_are_never_evicted() -> None:
-    coll = CachedEmbeddingBagCollection(EmbeddingConfig([64], dim=2, precision="fp32", cache_size=4, ways=4))
+    coll = CachedEmbeddingBagCollection(EmbeddingConfig([64], dim=2, precision="fp32", cache_rows=4, ways=4))
     first = torch.tensor([[0], [1], [2], [3]])
     coll(first).sum().backward()
     # a batch re-using 2 cached rows plus 5 new ones: only 2 slots may be given up

@@ -71,3 +71,41 @@ def test_run_checkpoints_latest_and_rotation(tmp_path: Path) -> None:
     assert names == ["ckpt-000000000200.pt", "ckpt-000000000300.pt", "latest.pt"]
     assert checkpoint.load_checkpoint(tmp_path)["samples"] == 300  # a directory means its latest.pt
     assert checkpoint.load_checkpoint(tmp_path / "ckpt-000000000200.pt")["samples"] == 200
+
+
+def test_flipped_payload_byte_is_caught_by_the_checksum(tmp_path: Path) -> None:
+    path = tmp_path / "a.pt"
+    checkpoint.save_checkpoint(path, {"w": torch.zeros(1000)})
+    data = bytearray(path.read_bytes())
+    data[-2000] ^= 0x01  # inside the tensor bytes: the unpickler alone would load it without a word
+    path.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="checksum mismatch"):
+        checkpoint.load_checkpoint(path)
+    assert not checkpoint.is_complete(path)
+
+
+def test_old_newer_and_foreign_files_name_both_versions(tmp_path: Path) -> None:
+    old = tmp_path / "old.pt"
+    torch.save({"format": "slipcache-checkpoint", "version": 1, "w": torch.ones(2)}, old)  # as v1 wrote them
+    with pytest.raises(SlipcacheError, match="format version 1 .*reads format version 2"):
+        checkpoint.load_checkpoint(old)
+    newer = tmp_path / "new.pt"
+    checkpoint.save_checkpoint(newer, {"w": torch.ones(2)})
+    newer.write_bytes(newer.read_bytes().replace(b"slipcache-checkpoint 2 ", b"slipcache-checkpoint 9 ", 1))
+    with pytest.raises(SlipcacheError, match="format version 9 \\(written by a newer slipcache\\).*version 2"):
+        checkpoint.load_checkpoint(newer)
+    foreign = tmp_path / "model.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, foreign)
+    with pytest.raises(SlipcacheError, match="not a slipcache checkpoint"):
+        checkpoint.load_checkpoint(foreign)
+
+
+def test_complete_checkpoints_skips_damaged_ones(tmp_path: Path) -> None:
+    for samples in (100, 200, 300):
+        checkpoint.save_run_checkpoint(tmp_path, {"samples": samples}, samples, keep=3)
+    newest = tmp_path / "ckpt-000000000300.pt"
+    newest.write_bytes(newest.read_bytes()[:-10])  # latest.pt is the same file (a hard link) or a copy
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == [
+        "ckpt-000000000200.pt",
+        "ckpt-000000000100.pt",
+    ]

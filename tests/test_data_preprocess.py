@@ -173,3 +173,26 @@ def test_cli_reports_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "good lines: 10, bad lines: 1" in out
     assert f"{data}:10: expected 15 to 40 fields, found 1" in out
     assert CriteoDataset(tmp_path / "ds").table_sizes == [64] * 26
+
+
+def test_scratch_of_a_killed_preprocess_is_removed_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has exited: what a kill -9 leaves
+    out = tmp_path / "out"
+    (out / f".tmp-{pid}-raw-abc123").mkdir(parents=True)
+    (out / f".tmp-{pid}-raw-abc123" / "cats").write_bytes(b"\0" * 1000)
+    good = tmp_path / "good.tsv"
+    good.write_text(("\t".join(["1"] + ["5"] * 13 + ["0000abcd"] * 26) + "\n") * 20)
+    real_read = pp.read_chunks
+
+    def read_after_cleanup(*args: object, **kwargs: object) -> object:
+        # Gone before parsing starts, not only when the new dataset is written: they hold hundreds of MB.
+        assert not (out / f".tmp-{pid}-raw-abc123").exists()
+        return real_read(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pp, "read_chunks", read_after_cleanup)
+    preprocess([good], out, progress=False)
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp")]

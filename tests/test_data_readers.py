@@ -180,3 +180,50 @@ def test_missing_and_bad_files(tmp_path: Path) -> None:
     broken.write_bytes(gzip.compress(("\n".join(EDGE_LINES[:3]) * 50).encode())[:-30])
     with pytest.raises(SlipcacheError, match="read error"):
         list(read_chunks(broken))
+
+
+def test_dense_values_beyond_float32_are_malformed(tmp_path: Path) -> None:
+    path = tmp_path / "big.tsv"
+    huge = "1" * 44  # parsed by float() as 1e43: stored as float32 it would become inf (then 88.72 after log1p)
+    path.write_text("\n".join([tsv_line(), tsv_line(dense=[huge] + ["1"] * 12), tsv_line(dense=["1e39"] + ["1"] * 12)]) + "\n")
+    labels, dense, _, stats = read_all(path)
+    assert len(labels) == 1 and stats.bad == 2 and np.isfinite(dense).all()
+    assert "I1 beyond the float32 range" in stats.examples[0]
+    with pytest.raises(SlipcacheError, match=r"big.tsv:2: dense feature I1 beyond the float32 range"):
+        read_all(path, strict=True)
+
+
+def test_huge_line_is_read_in_bounded_memory_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import slipcache.data.criteo as criteo
+
+    monkeypatch.setattr(criteo, "MAX_LINE_BYTES", 1000)
+    path = tmp_path / "long.tsv"
+    reads: list[int] = []
+    with open(path, "w") as f:
+        f.write(tsv_line() + "\n" + "\t".join(["1"] * 40) + "\t" + "x" * 50_000 + "\n" + tsv_line() + "\n")
+    real_open = criteo.open_raw
+
+    def spy_open(p: object) -> object:
+        fh = real_open(p)  # type: ignore[arg-type]
+        real_readline = fh.readline
+
+        def readline(limit: int = -1) -> bytes:
+            line = real_readline(limit)
+            reads.append(len(line))
+            return line
+
+        fh.readline = readline  # type: ignore[method-assign]
+        return fh
+
+    monkeypatch.setattr(criteo, "open_raw", spy_open)
+    labels, _, _, stats = read_all(path, chunk_bytes=400)  # the long line straddles a chunk end
+    assert len(labels) == 2 and stats.bad == 1
+    assert "line longer than 1000 bytes" in stats.examples[0]
+    assert max(reads) <= 1001  # never the whole 50 kB line at once (that is what an endless line needs)
+
+
+def test_unrecognized_file_is_named(tmp_path: Path) -> None:
+    stray = tmp_path / "README"
+    stray.write_text("these are my notes\n")
+    with pytest.raises(SlipcacheError, match=rf"^{stray}: unrecognized format"):
+        read_all(stray)

@@ -22,16 +22,19 @@ def torch_bags(coll: CachedEmbeddingBagCollection, mode: str = "sum") -> nn.Modu
     return bags
 
 
-@pytest.mark.parametrize("policy,cache_size", [("lru", 0.05), ("lfu", 0.05), ("none", 0), ("lru", 1000)])
+@pytest.mark.parametrize(
+    "policy,cache", [("lru", {"cache_size": 0.05}), ("lfu", {"cache_size": 0.05}), ("none", {"cache_size": 0}),
+                     ("lru", {"cache_rows": 1000}), ("lru", {"cache_size": 1.0})]
+)
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_fp32_matches_torch_embedding_bag(policy: str, cache_size: float, optimizer: str) -> None:
+def test_fp32_matches_torch_embedding_bag(policy: str, cache: dict, optimizer: str) -> None:
     """fp32 storage trains exactly like nn.EmbeddingBag + the torch optimizer, whatever the cache does."""
     config = EmbeddingConfig(
         SIZES,
         dim=8,
         precision="fp32",
-        cache_size=cache_size,
         policy=policy,
+        **cache,
         optimizer=optimizer,
         lr=0.01,
         eps=1e-10,
@@ -60,7 +63,7 @@ def test_fp32_matches_torch_embedding_bag(policy: str, cache_size: float, optimi
 
 def test_rowwise_adagrad_matches_reference() -> None:
     config = EmbeddingConfig(
-        SIZES, dim=4, precision="fp32", cache_size=20, optimizer="rowwise_adagrad", lr=0.1
+        SIZES, dim=4, precision="fp32", cache_rows=20, optimizer="rowwise_adagrad", lr=0.1
     )
     coll = CachedEmbeddingBagCollection(config)
     weights = torch.cat(coll.export_tables())
@@ -80,7 +83,7 @@ def test_rowwise_adagrad_matches_reference() -> None:
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 def test_multi_hot_matches_torch(pooling: str) -> None:
-    config = EmbeddingConfig(SIZES, dim=6, precision="fp32", cache_size=30, pooling=pooling, lr=0.1)
+    config = EmbeddingConfig(SIZES, dim=6, precision="fp32", cache_rows=30, pooling=pooling, lr=0.1)
     coll = CachedEmbeddingBagCollection(config)
     bags = torch_bags(coll, pooling)
     opt = torch.optim.SGD([b.weight for b in bags], lr=0.1)
@@ -161,7 +164,7 @@ def test_state_dict_resumes_bit_identically(precision: str, policy: str, optimiz
         SIZES,
         dim=8,
         precision=precision,
-        cache_size=0 if policy == "none" else 12,
+        cache_rows=0 if policy == "none" else 12,
         policy=policy,
         optimizer=optimizer,
         ways=4,

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ SUMMARY_KEYS = {
     "skipped_fraction",
     "config",
 }
-TIMING = {"samples_per_s", "train_wall_s"}
+TIMING = {"samples_per_s", "train_wall_s", "train_seconds"}
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +113,21 @@ def test_resume_matches_uninterrupted(
             assert torch.equal(tensor, b["embeddings"][name]), name
 
 
-def test_resume_rejects_changed_settings(data_dir: Path, tmp_path: Path) -> None:
-    train.train(tiny(data_dir, tmp_path / "r", epochs=1))
-    with pytest.raises(SlipcacheError, match="cannot change lr"):
-        train.train(train.make_config({}, {"resume": str(tmp_path / "r"), "lr": 0.5}))
+def test_resume_refuses_changes_to_the_run_unless_allowed(data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    first = train.train(tiny(data_dir, run, epochs=1))
+    resume = {"resume": str(run), "progress": False}
+    with pytest.raises(SlipcacheError, match=r"change the run's definition \(lr 0.3 -> 0.5\).*--allow-changes"):
+        train.train(train.make_config({}, {**resume, "lr": 0.5}))
+    # --quick on a finished run: it would extend the budget and replace the results (issue 12, item 10)
+    with pytest.raises(SlipcacheError, match=r" samples 1984 -> 600000.*quick False -> True"):
+        train.train(train.make_config({}, {**resume, "quick": True}))
+    with pytest.raises(SlipcacheError, match="cannot change bottom_mlp, embedding_dim when resuming"):
+        train.train(train.make_config({}, {**resume, "embedding_dim": 4, "allow_changes": True}))
+    assert json.loads((run / "summary.json").read_text())["train_samples"] == first["train_samples"]
+    longer = train.train(train.make_config({}, {**resume, "samples": 2560, "allow_changes": True}))
+    assert longer["train_samples"] == 2560
+    assert longer["config"]["changed_on_resume"] == [{"samples": 1984, "changes": {"samples": [1984, 2560]}}]
 
 
 def test_nan_loss_stops_with_checkpoint_intact(tmp_path: Path) -> None:
@@ -203,7 +215,7 @@ def test_eval_checkpoint_and_vocab_mismatch(
 
 def test_bad_checkpoint_is_one_line_error(tmp_path: Path) -> None:
     (tmp_path / "x.pt").write_bytes(b"junk")
-    with pytest.raises(SlipcacheError, match="corrupt"):
+    with pytest.raises(SlipcacheError, match="not a slipcache checkpoint"):
         train.evaluate_checkpoint(tmp_path / "x.pt")
 
 
@@ -226,11 +238,45 @@ RAW_TSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo" / "
 
 @pytest.mark.skipif(not RAW_TSV.is_file(), reason="shared Criteo sample not found")
 @pytest.mark.parametrize("vocab", ["hash", "frequency"])
-def test_raw_criteo_file_is_preprocessed_beside_the_run(vocab: str, tmp_path: Path) -> None:
+def test_raw_criteo_file_is_preprocessed_into_the_cache(
+    vocab: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
     config = tiny(RAW_TSV, tmp_path / "runs" / "a", vocab=vocab, max_rows=1000, epochs=1)
     summary = train.train(config)
     dataset = Path(summary["config"]["dataset"])
-    assert dataset.parent == tmp_path / "runs" / "data-cache" and (dataset / "meta.json").is_file()
+    assert dataset.parent == tmp_path / "cache" / "preprocessed" and (dataset / "meta.json").is_file()
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["a"]  # nothing beside the run directory
     sizes = json.loads((dataset / "meta.json").read_text())["table_sizes"]
     assert (sizes == [1000] * 26) == (vocab == "hash")
-    assert train.prepare_data(config, tmp_path / "runs" / "data-cache") == dataset  # cached, not redone
+    assert train.prepare_data(config) == dataset  # cached, not redone
+
+
+def test_eval_schedule_in_samples_and_train_seconds_exclude_eval(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--eval-every counts samples (not rounded to batches); train_seconds leaves evaluation and checkpoints out."""
+    clock = {"now": 0.0}
+
+    def tick() -> float:
+        clock["now"] += 0.001
+        return clock["now"]
+
+    def slow(function: object) -> object:
+        def wrapped(*args: object, **kwargs: object) -> object:
+            clock["now"] += 1000.0  # each evaluation or checkpoint "takes" 1000 s
+            return function(*args, **kwargs)  # type: ignore[operator]
+
+        return wrapped
+
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=tick))
+    monkeypatch.setattr(train, "evaluate", slow(train.evaluate))
+    monkeypatch.setattr(train.ckpt, "save_run_checkpoint", slow(train.ckpt.save_run_checkpoint))
+    run = tmp_path / "run"
+    train.train(tiny(data_dir, run, epochs=1, eval_every=600, eval_samples=100))
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in events if "val_auc" in e]
+    assert [e["samples"] for e in evals] == [640, 1216, 1856, 1984]  # first batch end past each 600; the end
+    assert all(e["val_samples"] == 100 for e in evals)
+    seconds = [e["train_seconds"] for e in evals]
+    assert seconds == sorted(seconds) and 0 < seconds[-1] < 1000

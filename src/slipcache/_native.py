@@ -4,16 +4,26 @@ Each is a plain loop over the lookups of a batch. In torch they take several pas
 [lookups, ways] temporaries; in C they are one pass. The C source is compiled with the system's C
 compiler on first use (about a second) into a per-user cache and loaded with ctypes; without a
 compiler, or with SLIPCACHE_NATIVE=0, the pure-torch path runs. Tests check the two agree.
+
+The cache (`$SLIPCACHE_CACHE_DIR/native`, default `~/.cache/slipcache/native`) is a directory of mode 0700;
+a directory or library that another user owns or could write is refused (the torch path runs, with a
+warning), builds are renamed into place whole, the file name keys the source, compiler, flags and CPU
+architecture, and a cached library that fails to load is rebuilt once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +33,10 @@ from torch import Tensor
 _SOURCE = r"""
 #include <stdint.h>
 
-/* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64. */
-static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets) {
+/* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64;
+   M = 0 marks a cache that holds every row: set r / ways (-1 for a row beyond the last set). */
+static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, int64_t ways) {
+    if (multiplier == 0) return (r >= 0 && r / ways < num_sets) ? r / ways : -1;
     int64_t mixed = (int64_t)((uint64_t)(r ^ (r >> 17)) * (uint64_t)multiplier);
     int64_t s = (mixed >> 5) % num_sets;
     return s < 0 ? s + num_sets : s;
@@ -37,9 +49,10 @@ int64_t NAME(const ROW_T *slot_rows, int64_t num_sets, int64_t ways, int64_t mul
     int64_t hits = 0;                                                                             \
     for (int64_t i = 0; i < n; i++) {                                                             \
         int64_t r = rows[i];                                                                      \
-        int64_t first = set_of(r, multiplier, num_sets) * ways;                                   \
+        int64_t set = set_of(r, multiplier, num_sets, ways);                                      \
+        int64_t first = set * ways;                                                               \
         int64_t slot = -1;                                                                        \
-        for (int64_t w = 0; w < ways; w++) {                                                      \
+        for (int64_t w = 0; set >= 0 && w < ways; w++) {                                        \
             if ((int64_t)slot_rows[first + w] == r) { slot = first + w; break; }                  \
         }                                                                                         \
         out_slots[i] = slot;                                                                      \
@@ -75,13 +88,18 @@ int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int
     return -1;
 }
 
-void sgd_update(float *weights, int64_t dim, const int64_t *slots, const float *grad, int64_t n,
-                float lr) {
+/* Returns -1, or the index of the first slot outside [0, num_slots) (then nothing is written). */
+int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
+                   int64_t n, float lr) {
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= num_slots) return i;
+    }
     for (int64_t i = 0; i < n; i++) {
         float *w = weights + slots[i] * dim;
         const float *g = grad + i * dim;
         for (int64_t d = 0; d < dim; d++) w[d] -= lr * g[d];
     }
+    return -1;
 }
 """
 
@@ -89,55 +107,163 @@ _library: ctypes.CDLL | None = None
 _tried = False
 
 
-def _compile() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None
-    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("SLIPCACHE_CACHE_DIR", Path.home() / ".cache" / "slipcache"))
-    target = root / "native" / f"slipcache_native_{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            source = Path(tmp) / "native.c"
-            source.write_text(_SOURCE)
-            built = Path(tmp) / target.name
+_FLAGS = ("-O3", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120.0  # a compiler that hangs must not hang training: the torch path runs instead
+
+
+class UnsafeCacheError(OSError):
+    """A cache path that another user could have written: never load from it."""
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def cache_key(compiler: str, flags: tuple[str, ...] = _FLAGS) -> str:
+    """Source, compiler (its resolved path and version), flags and CPU architecture: any change rebuilds."""
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    parts = (_SOURCE, os.path.realpath(compiler), version, " ".join(flags), platform.machine(), sys.platform)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _check_private(path: Path, st: os.stat_result) -> None:
+    if st.st_uid != os.getuid():
+        raise UnsafeCacheError(f"{path} belongs to another user (uid {st.st_uid})")
+    if st.st_mode & 0o022:
+        raise UnsafeCacheError(f"{path} is writable by its group or by everyone (mode {st.st_mode & 0o777:o})")
+
+
+def private_directory(path: Path) -> Path:
+    """`path` created with mode 0700, or checked: a real directory of ours that no one else can write."""
+    root = path.parent
+    root.mkdir(parents=True, exist_ok=True)
+    root_st = os.stat(root)
+    sticky = bool(root_st.st_mode & stat.S_ISVTX)
+    if root_st.st_mode & 0o002 and not sticky:  # anyone could swap our directory for theirs
+        raise UnsafeCacheError(f"{root} is writable by everyone")
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeCacheError(f"{path} is not a directory (a link or a file)")
+    _check_private(path, st)
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # ours and not writable by others: make it private as well
+    return path
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile into a private temporary directory beside `target`, then rename: never half-written."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source = Path(tmp) / "native.c"
+        source.write_text(_SOURCE)
+        built = Path(tmp) / target.name
+        try:
             result = subprocess.run(
-                [compiler, "-O3", "-shared", "-fPIC", "-o", str(built), str(source)],
+                [compiler, *_FLAGS, "-o", str(built), str(source)],
                 capture_output=True,
                 text=True,
+                timeout=BUILD_TIMEOUT_S,
             )
-            if result.returncode != 0:
-                return None
-            os.replace(built, target)  # atomic: concurrent first uses never load a half-written file
-    library = ctypes.CDLL(str(target))
+        except subprocess.TimeoutExpired as exc:
+            raise OSError(f"the C compiler took over {BUILD_TIMEOUT_S:g} s") from exc
+        if result.returncode != 0:
+            raise OSError(f"the C compiler failed: {(result.stderr or '').strip().splitlines()[:1]}")
+        os.chmod(built, 0o700)
+        os.replace(built, target)
+
+
+def _open_checked(target: Path) -> ctypes.CDLL:
+    """Load `target` once checked to be our own regular file that no one else can write.
+
+    It lies in our 0700 directory, so no one else can swap it between the check and the load.
+    """
+    st = os.lstat(target)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeCacheError(f"{target} is not a regular file")
+    _check_private(target, st)
+    return ctypes.CDLL(str(target))
+
+
+def load_library(cache_dir: Path) -> ctypes.CDLL:
+    """The compiled library from `cache_dir`, built there first if needed; OSError says why not.
+
+    A cached file that is not safe to load (not ours, writable by others, a link) or that fails to load
+    is removed and built again, once.
+    """
+    compiler = _compiler()
+    if compiler is None:
+        raise OSError("no C compiler found (set CC)")
+    directory = private_directory(cache_dir)
+    target = directory / f"slipcache_native_{cache_key(compiler)}.so"
+    for attempt in range(2):
+        if not os.path.lexists(target):
+            _build(compiler, target)
+        try:
+            library = _open_checked(target)
+            _declare(library)
+            return library
+        except (OSError, AttributeError) as exc:  # unsafe, corrupt, or missing a symbol
+            if attempt:
+                raise OSError(f"{target} does not load after a rebuild: {exc}") from exc
+            target.unlink(missing_ok=True)  # our private directory: the file can be replaced
+    raise AssertionError("unreachable")
+
+
+def _declare(library: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in ("lookup_i32", "lookup_i64"):
         fn = getattr(library, name)
         fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32]
         fn.restype = i64
-    library.sgd_update.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_float]
-    library.sgd_update.restype = None
+    library.sgd_update.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float]
+    library.sgd_update.restype = i64
     library.classify_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
     library.classify_inputs.restype = i64
-    return library
 
 
 def native() -> ctypes.CDLL | None:
-    """The compiled library, or None when disabled or unavailable."""
+    """The compiled library, or None when disabled or unavailable (then a warning says why, once)."""
     global _library, _tried
     if not _tried:
         _tried = True
         if os.environ.get("SLIPCACHE_NATIVE", "1") != "0":
+            from slipcache.data.synthetic import default_cache_root
+
             try:
-                _library = _compile()
-            except OSError:
+                _library = load_library(default_cache_root() / "native")
+            except OSError as exc:
                 _library = None
+                warnings.warn(f"slipcache: compiled loops unavailable, using torch: {exc}", stacklevel=2)
     return _library
 
 
 def usable(*tensors: Tensor) -> bool:
     return native() is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def _check(name: str, tensor: Tensor | None, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...]) -> None:
+    """The C loops trust their pointers: refuse anything but a contiguous CPU tensor of the expected layout."""
+    if tensor is None:
+        return
+    if (
+        tensor.device.type != "cpu"
+        or tensor.dtype not in dtypes
+        or not tensor.is_contiguous()
+        or tensor.dim() != len(shape)
+        or any(want is not None and have != want for have, want in zip(tensor.shape, shape, strict=True))
+    ):
+        want_shape = tuple("*" if s is None else s for s in shape)
+        raise ValueError(
+            f"compiled loop: {name} must be a contiguous CPU tensor of dtype {'/'.join(map(str, dtypes))} "
+            f"and shape {want_shape}; got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+            f"{'' if tensor.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 def lookup(
@@ -154,6 +280,10 @@ def lookup(
     library = native()
     assert library is not None
     rows = rows.contiguous()
+    _check("slot_rows", slot_rows, (torch.int32, torch.int64), (num_sets * ways,))
+    _check("rows", rows, (torch.int64,), (None,))
+    _check("last_used", last_used, (torch.int32,), (num_sets * ways,))
+    _check("use_count", use_count, (torch.int32,), (num_sets * ways,))
     slots = torch.empty_like(rows)
     fn = library.lookup_i32 if slot_rows.dtype == torch.int32 else library.lookup_i64
     fn(
@@ -175,10 +305,15 @@ def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> None:
     """weights[slots[i]] -= lr * grad[i], for repeated slots too."""
     library = native()
     assert library is not None
-    slots, grad = slots.contiguous(), grad.contiguous().float()
-    library.sgd_update(
-        weights.data_ptr(), weights.shape[1], slots.data_ptr(), grad.data_ptr(), slots.numel(), lr
+    slots, grad = slots.contiguous(), grad.contiguous().float()  # a read-only input may be converted
+    _check("weights", weights, (torch.float32,), (None, None))
+    _check("slots", slots, (torch.int64,), (None,))
+    _check("grad", grad, (torch.float32,), (slots.numel(), weights.shape[1]))
+    bad = library.sgd_update(
+        weights.data_ptr(), weights.shape[0], weights.shape[1], slots.data_ptr(), grad.data_ptr(), slots.numel(), lr
     )
+    if bad >= 0:
+        raise ValueError(f"compiled loop: slot {int(slots[bad])} is outside [0, {weights.shape[0]})")
 
 
 def classify_inputs(
@@ -192,6 +327,17 @@ def classify_inputs(
     assert library is not None
     n, tables = ids.shape
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    if (
+        ids.dtype != np.int32
+        or not ids.flags.c_contiguous
+        or flags.dtype != np.uint8
+        or not flags.flags.c_contiguous
+        or offsets.shape != (tables + 1,)
+        or flags.shape[0] < offsets[-1]
+    ):
+        raise ValueError(
+            "compiled loop: ids must be C-contiguous int32 [n, T], offsets [T + 1], flags uint8 covering every row"
+        )
     stale, hot = np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.bool_)
     bad = library.classify_inputs(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data, required,
                                   stale.ctypes.data, hot.ctypes.data)

@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("slipcache.training.trainer", "evaluate a checkpoint on a dataset split"),
     "synth": ("slipcache.data.synthetic", "generate a synthetic Criteo-shaped dataset"),
     "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
+    "stats": ("slipcache.data.stats", "access-pattern statistics of raw Criteo files or a dataset"),
     "bench": ("slipcache.experiments.bench", "benchmark embedding implementations"),
     "experiment": ("slipcache.experiments.studies", "run the papers' experiments and write a report"),
 }
@@ -52,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except SlipcacheError as exc:
         print(f"slipcache {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
-        print(f"slipcache {args.command}: error: {exc.strerror or exc}: {exc.filename}", file=sys.stderr)
+    except OSError as exc:  # a full disk, a missing or unwritable path: the OS says which
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"slipcache {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"slipcache {args.command}: interrupted", file=sys.stderr)

@@ -136,8 +136,9 @@ def build_embeddings(
     dim: int,
     *,
     embeddings: str = "cached",
-    precision: str = "int8",
-    cache_size: float = 0.05,
+    precision: str | list[str] = "int8",
+    cache_size: float | list[float] = 0.05,
+    cache_rows: int | list[int] | None = None,
     policy: str = "lru",
     rounding: str = "stochastic",
     optimizer: str = "sgd",
@@ -155,17 +156,21 @@ def build_embeddings(
         raise SlipcacheError(f"unknown embeddings {embeddings!r}; choose one of {', '.join(EMBEDDING_KINDS)}")
     from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 
-    config = EmbeddingConfig(
-        table_sizes=list(table_sizes),
-        dim=dim,
-        precision=precision,
-        cache_size=cache_size,
-        policy=policy,
-        rounding=rounding,
-        optimizer=optimizer,
-        lr=lr,
-        seed=seed,
-    )
+    try:
+        config = EmbeddingConfig(
+            table_sizes=list(table_sizes),
+            dim=dim,
+            precision=precision,
+            cache_size=cache_size,
+            cache_rows=cache_rows,
+            policy=policy,
+            rounding=rounding,
+            optimizer=optimizer,
+            lr=lr,
+            seed=seed,
+        )
+    except ValueError as exc:  # e.g. a per-table list of the wrong length, from a config file
+        raise SlipcacheError(f"embedding configuration: {exc}") from exc
     return CachedEmbeddingBagCollection(config)
 
 

@@ -34,6 +34,10 @@ MISSING = -1  # categorical marker for an empty field (raw values are 0 .. 2**32
 DEFAULT_CHUNK_BYTES = 8 << 20
 PAD = 24  # zero bytes after each block, so fixed-width reads past a field stay inside the buffer
 TSV_MIN_FIELDS = 2 + NUM_DENSE  # label, I1..I13 and at least C1; the rest may be cut off
+# Criteo lines are a few hundred bytes; a longer line is malformed, and reading one is bounded by this
+# so a file without line ends cannot exhaust memory.
+MAX_LINE_BYTES = 64 << 10
+DENSE_MAX = float(np.finfo(np.float32).max)  # dense values are stored as float32
 
 # Hex digit value of each byte; 16 for the NUL padding of numpy bytes arrays, 255 for anything else.
 _HEX = np.full(256, 255, dtype=np.uint8)
@@ -141,11 +145,14 @@ def read_chunks(
     name = str(path)
     with open_raw(path) as fh:
         try:
-            first = fh.readline()
+            first = _finish_line(fh)
             if not first:
                 stats.formats[name] = "empty"
                 return
-            fmt = detect_format(first)
+            try:
+                fmt = detect_format(first)
+            except SlipcacheError as exc:
+                raise SlipcacheError(f"{name}: {exc}") from exc
             stats.formats[name] = fmt
             layout = LAYOUTS[fmt]
             lineno = 2 if layout.header else 1
@@ -156,7 +163,7 @@ def read_chunks(
                 if not block:
                     return
                 if not block.endswith(b"\n"):
-                    block += fh.readline()  # finish the last line
+                    block += _finish_line(fh)  # finish the last line
                     if not block.endswith(b"\n"):
                         block += b"\n"  # the file's last line has no line end
                 chunk, lines = _parse_block(block, layout, name, lineno, strict, stats)
@@ -165,6 +172,18 @@ def read_chunks(
                     yield chunk
         except (OSError, EOFError, zlib.error) as exc:
             raise SlipcacheError(f"{name}: read error: {exc}") from exc
+
+
+def _finish_line(fh: BinaryIO) -> bytes:
+    """The rest of the current line, cut after MAX_LINE_BYTES + 1 bytes (so it still reads as too long);
+    the remainder of a longer line is read and dropped in bounded pieces."""
+    head = fh.readline(MAX_LINE_BYTES + 1)
+    if len(head) <= MAX_LINE_BYTES or head.endswith(b"\n"):
+        return head
+    while True:
+        piece = fh.readline(MAX_LINE_BYTES + 1)
+        if not piece or piece.endswith(b"\n"):
+            return head + b"\n"
 
 
 def _parse_block(
@@ -184,6 +203,7 @@ def _parse_block(
     num_fields = num_seps + 1
     bad = (num_fields < layout.min_fields) | (num_fields > layout.full)
     bad |= line_end == line_start  # blank line
+    bad |= line_end - line_start > MAX_LINE_BYTES
 
     # Field boundaries [n, full]; fields cut off at the end of a line stay empty (start == end == 0).
     full = layout.full
@@ -275,7 +295,7 @@ def _parse_numbers(
         except ValueError:
             bad[i] = True
             continue
-        bad[i] = not np.isfinite(values[i])
+        bad[i] = not abs(values[i]) <= DENSE_MAX  # also inf and nan
     return values.astype(np.float32), bad
 
 
@@ -295,6 +315,8 @@ def _reason(line: bytes, layout: _Layout) -> str:
     text = line.rstrip(b"\r\n")
     if not text.strip():
         return "blank line"
+    if len(text) > MAX_LINE_BYTES:
+        return f"line longer than {MAX_LINE_BYTES} bytes"
     f = text.split(layout.sep)
     if not layout.min_fields <= len(f) <= layout.full:
         expected = (
@@ -314,6 +336,8 @@ def _reason(line: bytes, layout: _Layout) -> str:
                 return f"non-numeric dense feature I{j + 1}: {_show(value)}"
             if not np.isfinite(number):
                 return f"non-finite dense feature I{j + 1}: {_show(value)}"
+            if abs(number) > DENSE_MAX:
+                return f"dense feature I{j + 1} beyond the float32 range: {_show(value)}"
     for j, value in enumerate(f[d0 + NUM_DENSE :]):
         if value and (len(value) != 8 or (_HEX[np.frombuffer(value, dtype=np.uint8)] >= 16).any()):
             return f"categorical feature C{j + 1} is not 8 hex digits: {_show(value)}"

@@ -135,7 +135,7 @@ class DatasetWriter:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SlipcacheError(f"{self.out_dir}: cannot create output directory: {exc}") from exc
-        _remove_dead_staging(self.out_dir)
+        remove_dead_staging(self.out_dir)
         self.staging = self.out_dir / f".tmp-{os.getpid()}"
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir()
@@ -202,7 +202,7 @@ class DatasetWriter:
             self.abort()
 
 
-def _remove_dead_staging(out_dir: Path) -> None:
+def remove_dead_staging(out_dir: Path) -> None:
     """Remove `.tmp-<pid>[-...]` directories of crashed writers (their pid is gone), keeping live ones."""
     for path in out_dir.glob(".tmp-*"):
         try:

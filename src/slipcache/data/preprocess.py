@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from slipcache.data.criteo import MISSING, NUM_CATEGORICAL, NUM_DENSE, ReadStats, read_chunks
-from slipcache.data.dataset import DatasetWriter
+from slipcache.data.dataset import DatasetWriter, remove_dead_staging
 from slipcache.errors import SlipcacheError
 
 DEFAULT_SPLIT = "0.8,0.1,0.1"
@@ -152,6 +152,7 @@ def preprocess(
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        remove_dead_staging(out)  # scratch space of a preprocess that was killed (its pid is gone)
         scratch = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-raw-", dir=out))
     except OSError as exc:
         raise SlipcacheError(f"{out}: cannot create output directory: {exc}") from exc

@@ -37,25 +37,39 @@ class RowCache(nn.Module):
 
     def __init__(
         self,
-        capacity: int,
+        capacity: int | list[int],
         dim: int,
         policy: str,
-        num_rows: int,
+        num_rows: int | list[int],
         ways: int = 16,
         lfu_halving_interval: int = 1000,
         device: torch.device | str = "cpu",
     ) -> None:
+        """One cache over `num_rows` rows, or, with lists, one part of `capacity[p]` slots per consecutive
+        range of `num_rows[p]` rows (a per-table cache: a table's rows only compete among themselves)."""
         super().__init__()
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.partitioned = isinstance(capacity, list)
+        capacities = list(capacity) if isinstance(capacity, list) else [capacity]
+        part_rows = list(num_rows) if isinstance(num_rows, list) else [num_rows]
         if policy == "none":
-            capacity = 0
+            capacities = [0] * len(capacities)
         self.policy = policy
-        self.ways = max(1, min(ways, capacity)) if capacity else 1
-        self.num_sets = -(-capacity // self.ways) if capacity else 0
+        self.ways = max(1, min(ways, max(capacities))) if any(capacities) else 1
         self.lfu_halving_interval = lfu_halving_interval
+        # A cache (part) that can hold every row places row r in set r // ways: no two rows ever compete for
+        # a set, so every row becomes resident (a hash would leave some sets over-full and some rows out).
+        identity = [cap > 0 and cap >= rows for cap, rows in zip(capacities, part_rows, strict=True)]
+        sets = [
+            -(-(rows if full else cap) // self.ways) if cap else 0
+            for cap, rows, full in zip(capacities, part_rows, identity, strict=True)
+        ]
+        self.num_sets = sum(sets)
+        self.holds_every_row = all(identity)
+        self.multiplier = 0 if self.holds_every_row else _HASH_MULTIPLIER
         slots = self.num_sets * self.ways
-        row_dtype = torch.int32 if num_rows < 2**31 - 1 else torch.int64
+        row_dtype = torch.int32 if sum(part_rows) < 2**31 - 1 else torch.int64
         device = torch.device(device)
         self.register_buffer("weights", torch.zeros(slots, dim, device=device))
         self.register_buffer("slot_rows", torch.full((slots,), EMPTY, dtype=row_dtype, device=device))
@@ -63,14 +77,38 @@ class RowCache(nn.Module):
         if policy == "lfu":
             self.register_buffer("use_count", torch.zeros(slots, dtype=torch.int32, device=device))
         self.register_buffer("_way_index", torch.arange(self.ways, device=device), persistent=False)
+        if self.partitioned:
+            cumulative = [0]
+            for count in part_rows:
+                cumulative.append(cumulative[-1] + count)
+            set_start = [0]
+            for count in sets:
+                set_start.append(set_start[-1] + count)
+            for name, values in (("_part_rows", cumulative), ("_part_sets", set_start), ("_part_identity", identity)):
+                self.register_buffer(name, torch.tensor(values, device=device), persistent=False)
+            self.part_slots = [count * self.ways for count in sets]  # slots of each part, for memory reports
 
     @property
     def capacity(self) -> int:
         return self.num_sets * self.ways
 
     def set_of(self, rows: Tensor) -> Tensor:
+        """The set of each row; -1 for a row whose part of the cache has no slots."""
+        if self.partitioned:
+            return self._partitioned_set_of(rows)
+        if self.holds_every_row:
+            return rows // self.ways
         mixed = (rows ^ (rows >> 17)) * _HASH_MULTIPLIER
         return (mixed >> 5).remainder(self.num_sets)
+
+    def _partitioned_set_of(self, rows: Tensor) -> Tensor:
+        part = torch.searchsorted(self._part_rows, rows, right=True) - 1
+        first, count = self._part_sets[part], self._part_sets[part + 1] - self._part_sets[part]
+        mixed = (rows ^ (rows >> 17)) * _HASH_MULTIPLIER
+        hashed = (mixed >> 5).remainder(count.clamp_min(1))
+        direct = (rows - self._part_rows[part]) // self.ways
+        sets = first + torch.where(self._part_identity[part], direct, hashed)
+        return sets.masked_fill_(count == 0, EMPTY)
 
     def lookup(self, rows: Tensor) -> Tensor:
         """Slot of each row, -1 where the row is not cached."""
@@ -78,22 +116,22 @@ class RowCache(nn.Module):
             return torch.full_like(rows, EMPTY)
         rows = rows.to(self.slot_rows.device)
         sets = self.set_of(rows)
-        residents = self.slot_rows.view(self.num_sets, self.ways).index_select(0, sets)
+        residents = self.slot_rows.view(self.num_sets, self.ways).index_select(0, sets.clamp_min(0))
         found, way = (residents == rows[:, None].to(self.slot_rows.dtype)).to(torch.uint8).max(dim=1)
         slots = sets * self.ways + way
-        return slots.masked_fill_(found == 0, EMPTY)
+        return slots.masked_fill_((found == 0) | (sets < 0), EMPTY)
 
     def lookup_and_touch(self, rows: Tensor, step: int) -> Tensor:
         """`lookup`, recording a use at `step` of every hit (repeats count once more each for LFU)."""
         if not self.capacity:
             return torch.full_like(rows, EMPTY)
         use_count = self.use_count if self.policy == "lfu" else None
-        if _native.usable(self.slot_rows, rows):
+        if not self.partitioned and _native.usable(self.slot_rows, rows):
             slots = _native.lookup(
                 self.slot_rows,
                 self.num_sets,
                 self.ways,
-                _HASH_MULTIPLIER,
+                self.multiplier,
                 rows,
                 self.last_used,
                 use_count,
@@ -119,6 +157,12 @@ class RowCache(nn.Module):
         if not self.capacity or not rows.numel():
             return Assignment(torch.full_like(rows, EMPTY), empty, empty)
         sets = self.set_of(rows)
+        cacheable = sets >= 0
+        if not bool(cacheable.all()):  # rows of a part without slots stay out
+            inner = self.assign(rows[cacheable], pin_since)
+            slots = torch.full_like(rows, EMPTY)
+            slots[cacheable] = inner.slots
+            return Assignment(slots, inner.victim_slots, inner.victim_rows)
         touched, set_of_row = torch.unique(sets, return_inverse=True)
         way_slots = touched[:, None] * self.ways + self._way_index  # [k, ways]
         occupant = self.slot_rows[way_slots]

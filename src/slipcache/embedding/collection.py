@@ -14,6 +14,7 @@ vectorized operations whatever the number of tables. A training step:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,13 +23,32 @@ from torch import Tensor, nn
 
 from slipcache import _native
 from slipcache.embedding.cache import POLICIES, RowCache
-from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, RowStorage
-from slipcache.errors import InvalidInputError
+from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, Fitted, RowStorage, TableRowStorage
+from slipcache.errors import InvalidInputError, SlipcacheError
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 POOLINGS = ("sum", "mean")
-COUNTERS = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "overflow_rows")
+COUNTERS = (
+    "lookups",
+    "hits",
+    "misses",
+    "evictions",
+    "rows_in",
+    "rows_out",
+    "overflow_rows",
+    "saturated_values",  # values written beyond the storage's range, clamped (see quant.fit_to_range)
+    "nonfinite_values",  # inf or NaN values written, replaced
+)
 _INIT_CHUNK_ROWS = 1 << 20
+
+
+def _init_chunk_rows(dim: int) -> int:
+    """Rows drawn at once at initialization: 2^20 up to dim 16 (as always), 64 MB of fp32 beyond."""
+    return max(1, min(_INIT_CHUNK_ROWS, (1 << 24) // dim))
+
+# A forward's cache rows stay pinned until its backward, until its graph is freed, or until this many
+# later training forwards have run (then its rows may be evicted; its update still lands correctly).
+PIN_STEPS = 8
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -38,13 +58,19 @@ class EmbeddingConfig:
 
     table_sizes: list[int]
     dim: int = 16
-    precision: str = "int8"
-    cache_size: float = 0.05  # a fraction of all rows when < 1, else a number of rows; 0: no cache
+    # One value for all tables, or a list with one per table. One cache_size/cache_rows value: one cache
+    # shared by all tables (rows compete for it); a list: each table gets its own part of the cache.
+    precision: str | list[str] = "int8"
+    cache_size: float | list[float] = 0.05  # share of rows cached, in [0, 1]: 1.0 holds every row; 0: none
+    cache_rows: int | list[int] | None = None  # a row count instead of the share (capped at every row)
     policy: str = "lru"
     rounding: str = "stochastic"
     optimizer: str = "sgd"
     lr: float = 0.1
     eps: float = 1e-8  # Adagrad denominator term
+    # Clip each step's embedding gradient to this L2 norm, as torch.nn.utils.clip_grad_norm_ would over the
+    # tables alone (that function cannot see these rows: they are updated inside backward). None: no clipping.
+    max_grad_norm: float | None = None
     pooling: str = "sum"
     ways: int = 16  # cache associativity
     lfu_halving_interval: int = 1000  # LFU counts halve every this many steps; 0: never
@@ -61,8 +87,17 @@ class EmbeddingConfig:
             )
         if self.dim <= 0:
             raise ValueError(f"dim must be positive, got {self.dim}")
+        num_tables = len(self.table_sizes)
+        for name in ("precision", "cache_size", "cache_rows"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                if len(value) != num_tables:
+                    raise ValueError(f"{name} must be one value or one per table ({num_tables}), got {len(value)}")
+                setattr(self, name, list(value))
+        for precision in self.precisions:
+            if precision not in PRECISIONS:
+                raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
         for name, value, allowed in (
-            ("precision", self.precision, PRECISIONS),
             ("policy", self.policy, POLICIES),
             ("rounding", self.rounding, ROUNDINGS),
             ("optimizer", self.optimizer, OPTIMIZERS),
@@ -70,14 +105,28 @@ class EmbeddingConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-        if self.cache_size < 0:
-            raise ValueError(
-                f"cache_size must be >= 0 (a fraction below 1 or a row count), got {self.cache_size}"
-            )
+        shares = self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]
+        for share in shares:
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+                hint = ""
+                if isinstance(share, (int, float)) and share > 1:
+                    hint = f"; for a number of rows use cache_rows={share:g}"
+                raise ValueError(f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}")
+        counts = self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows]
+        for count in counts:
+            if count is not None and (
+                isinstance(count, bool)
+                or not isinstance(count, (int, float))
+                or int(count) != count
+                or count < 0
+            ):
+                raise ValueError(f"cache_rows must be a whole number of rows >= 0, got {count!r}")
         if self.lr <= 0 or not math.isfinite(self.lr):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if self.ways <= 0:
             raise ValueError(f"ways must be positive, got {self.ways}")
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")
         if self.table_names is not None and len(self.table_names) != len(self.table_sizes):
             raise ValueError("table_names must name every table")
 
@@ -86,13 +135,43 @@ class EmbeddingConfig:
         return sum(self.table_sizes)
 
     @property
-    def cache_rows(self) -> int:
-        """Requested cache capacity in rows (the cache rounds up to whole sets)."""
-        if self.policy == "none" or self.cache_size == 0:
+    def precisions(self) -> list[str]:
+        """The storage precision of each table."""
+        if isinstance(self.precision, list):
+            return list(self.precision)
+        return [self.precision] * len(self.table_sizes)
+
+    @property
+    def cache_per_table(self) -> bool:
+        """Whether each table has its own part of the cache (a list of sizes) or all share one."""
+        return isinstance(self.cache_size, list) or isinstance(self.cache_rows, list)
+
+    @property
+    def cache_capacities(self) -> list[int]:
+        """Requested cache rows of each table (a per-table cache only); every row of the table at most."""
+        shares = self.cache_size if isinstance(self.cache_size, list) else [self.cache_size] * len(self.table_sizes)
+        counts = self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows] * len(self.table_sizes)
+        return [
+            0 if self.policy == "none" else _capacity(size, share, count)
+            for size, share, count in zip(self.table_sizes, shares, counts, strict=True)
+        ]
+
+    @property
+    def cache_capacity(self) -> int:
+        """Requested cache capacity in rows, all tables together (the cache rounds up to whole sets)."""
+        if self.cache_per_table:
+            return sum(self.cache_capacities)
+        if self.policy == "none":
             return 0
-        if self.cache_size < 1:
-            return max(1, round(self.cache_size * self.num_rows))
-        return min(int(self.cache_size), self.num_rows)
+        return _capacity(self.num_rows, self.cache_size, self.cache_rows)
+
+
+def _capacity(rows: int, share: float, count: int | None) -> int:
+    if count is not None:
+        return min(int(count), rows)
+    if share == 0:
+        return 0
+    return min(rows, max(1, round(share * rows)))
 
 
 @dataclass(frozen=True)
@@ -134,19 +213,31 @@ class _Lookup:
 
 @dataclass
 class _StepPlan:
-    """Where each lookup of a training step lives, kept from forward to backward."""
+    """Where each lookup of a training forward lived, kept until its gradient arrives.
 
+    The slots and the storage copy are only a shortcut: when the cache's residency or the storage changed
+    since the forward (another forward, `release_rows`, `flush`), the backward locates the rows again, so an
+    update always lands on the row's current value wherever the row now lives.
+    """
+
+    step: int
+    rows: Tensor  # [L] global rows
     slots: Tensor  # [L] cache slot per lookup, -1 when served from storage
-    on_storage: Tensor | None  # [L] bool, None when every lookup is cached
     storage_rows: Tensor  # [m] unique rows served from storage
-    storage_index: Tensor  # index into storage_rows for each lookup with slot -1
-    storage_values: Tensor  # [m, D] fp32 working copy of those rows
-    storage_tables: Tensor  # [m] table of each of those rows, for the statistics
-    all_on_storage: bool  # no lookup is cached (no cache, or nothing fit)
+    storage_index: Tensor  # index into storage_rows of each lookup with slot -1, in lookup order
+    storage_values: Tensor  # [m, D] fp32 copy of those rows as read in the forward
+    residency_version: int  # the collection's versions when the plan was made
+    storage_version: int
+    applied: bool = False
 
 
 class _FusedLookup(torch.autograd.Function):
-    """Pooled embeddings forward; the optimizer update in backward (no dense gradient is formed)."""
+    """Pooled embeddings forward; the optimizer update at the end of the backward pass (no dense gradient).
+
+    Every forward's gradient is collected as its backward node runs; the update is applied once, after the
+    whole backward pass, on the gradient summed per row: a table read by several features (or called
+    several times) within one step takes one optimizer step, as `nn.EmbeddingBag` + a torch optimizer does.
+    """
 
     @staticmethod
     def forward(
@@ -157,10 +248,15 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        coll, lookup = ctx.coll, ctx.lookup
-        coll._apply_gradients(ctx.plan, coll._unpool(grad_out, lookup), lookup)
+        coll, lookup, plan = ctx.coll, ctx.lookup, ctx.plan
+        if plan is None:
+            raise SlipcacheError(
+                "a second backward through the same embedding lookup (retain_graph=True): its update was "
+                "applied by the first; run the forward again for another update"
+            )
         ctx.coll = ctx.lookup = ctx.plan = None
-        return grad_out.new_zeros(0), None, None, None
+        coll._receive_gradient(plan, coll._unpool(grad_out, lookup))
+        return None, None, None, None
 
 
 class CachedEmbeddingBagCollection(nn.Module):
@@ -180,7 +276,15 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.table_names = config.table_names or [f"table {t}" for t in range(len(self.table_sizes))]
         self.lr = config.lr
         self.step = 0
-        self._pin_since = 1
+        # Forwards whose gradient has not arrived yet (weak: a graph that is freed unpins its rows).
+        self._in_flight: dict[int, weakref.ref[_StepPlan]] = {}
+        self._pending: list[tuple[_StepPlan, Tensor]] = []  # gradients of the running backward pass
+        self._residency_version = 0  # bumped whenever a row enters or leaves the cache
+        self._storage_version = 0  # bumped whenever storage is written
+        self.skipped_updates = 0  # backward passes whose gradient held inf or NaN (update dropped)
+        # With mixed precision, set to the torch.amp.GradScaler that scales the loss: the fused update then
+        # divides by its current scale (and, like scaler.step, skips a step whose gradient is not finite).
+        self.grad_scaler: Any = None
         meta = torch.device(config.storage_device).type == "meta"
         self.storage_device = torch.device(config.storage_device)
         self.device = torch.device(config.cache_device)
@@ -190,12 +294,18 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.register_buffer("table_offsets", offsets.to(self.device), persistent=False)
         self.register_buffer("_table_sizes", sizes.to(self.device), persistent=False)
         num_rows = config.num_rows
-        self.storage = RowStorage(num_rows, config.dim, config.precision, self.storage_device)
+        precisions = config.precisions
+        self.storage: RowStorage | TableRowStorage = (
+            RowStorage(num_rows, config.dim, precisions[0], self.storage_device)
+            if len(set(precisions)) == 1
+            else TableRowStorage(self.table_sizes, config.dim, precisions, self.storage_device)
+        )
+        per_table = config.cache_per_table
         self.cache = RowCache(
-            config.cache_rows,
+            config.cache_capacities if per_table else config.cache_capacity,
             config.dim,
             config.policy,
-            num_rows,
+            self.table_sizes if per_table else num_rows,
             config.ways,
             config.lfu_halving_interval,
             self.device,
@@ -217,15 +327,60 @@ class CachedEmbeddingBagCollection(nn.Module):
             if self.storage_device.type == "cpu" and self.device.type == "cuda":
                 self.storage.pin_memory_()
 
+    # ------------------------------------------------------------------------------ device and dtype
+    def _apply(self, fn: Any, recurse: bool = True) -> CachedEmbeddingBagCollection:
+        """`.to(device)`, `.cuda()`, `.cpu()` move every tensor the module holds; dtype changes are refused.
+
+        The storage precision is part of the configuration (`precision`) and the cache, optimizer state and
+        quantization parameters have fixed dtypes the update relies on: `.half()`, `.double()`, `.float()`
+        or `.to(dtype)` that would convert one of them raise instead of silently retyping buffers.
+        """
+        for dtype in {b.dtype for b in self.buffers() if b.is_floating_point()}:
+            converted = fn(torch.zeros(1, dtype=dtype))
+            if converted.dtype != dtype:
+                raise SlipcacheError(
+                    f"CachedEmbeddingBagCollection keeps its dtypes (storage precision {self.config.precision!r}, "
+                    f"fp32 cache): converting {dtype} buffers to {converted.dtype} is refused; choose the storage "
+                    "precision with EmbeddingConfig(precision=...) and convert only the dense layers"
+                )
+        super()._apply(fn, recurse)
+        self._follow_buffers()
+        return self
+
+    def _follow_buffers(self) -> None:
+        """After the buffers moved: devices, the gradient anchor and the rounding generator follow them."""
+        self.device, self.storage_device = self.counters.device, next(self.storage.buffers()).device
+        self.config.cache_device, self.config.storage_device = str(self.device), str(self.storage_device)
+        self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
+        generator = self._generator
+        if generator is not None and generator.device != self.device:
+            # Generator states do not carry across device types: continue from a seed drawn from the old one.
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            self._generator = None
+            if self.device.type != "meta":
+                self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._in_flight.clear()  # plans hold tensors on the old device
+        self._pending.clear()
+        self._residency_version += 1
+        self._storage_version += 1
+
     # ----------------------------------------------------------------------------------------- set-up
     def _initialize_rows(self) -> None:
-        """DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table, in chunks."""
+        """DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table, drawn in fp32 and rounded to nearest into storage.
+
+        The draw depends on the seed and the table shapes only, never on the precision: a seed's INT8, INT4
+        or FP16 run starts from the rounding of the very rows its FP32 run starts from, so paired runs
+        measure precision alone. Chunks of at most 64 MB of fp32 bound the memory it takes.
+        """
         generator = torch.Generator().manual_seed(self.config.seed)
+        chunk_rows = _init_chunk_rows(self.dim)
         start = 0
         for size in self.table_sizes:
-            for chunk_start in range(0, size, _INIT_CHUNK_ROWS):
-                count = min(_INIT_CHUNK_ROWS, size - chunk_start)
-                self.storage.fill_uniform_(start + chunk_start, count, 1.0 / math.sqrt(size), generator)
+            bound = 1.0 / math.sqrt(size)
+            for chunk_start in range(0, size, chunk_rows):
+                count = min(chunk_rows, size - chunk_start)
+                values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
+                self.storage.write_range(start + chunk_start, values.to(self.storage_device), "nearest", None)
             start += size
 
     def load_tables(self, tables: list[Tensor]) -> None:
@@ -245,9 +400,12 @@ class CachedEmbeddingBagCollection(nn.Module):
                     .float()
                     .to(self.storage_device)
                 )
-                self.storage.write_range(start + chunk_start, chunk, "nearest", None)
+                fitted = self.storage.write_range(start + chunk_start, chunk, "nearest", None)
+                self._count_fitted(torch.full((chunk.shape[0],), t, device=self.device), fitted)
         slots, _ = self.cache.cached()
         self.cache.evict(slots)
+        self._residency_version += 1
+        self._storage_version += 1
 
     def export_tables(self) -> list[Tensor]:
         """Current fp32 values of every table (cached rows overlaid on storage)."""
@@ -255,7 +413,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         for t, size in enumerate(self.table_sizes):
             start = int(self.table_offsets[t])
             chunks = [
-                self.read_rows(
+                self._read_rows(
                     torch.arange(start + s, start + min(s + _INIT_CHUNK_ROWS, size), device=self.device)
                 )
                 for s in range(0, size, _INIT_CHUNK_ROWS)
@@ -269,7 +427,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         if self.training and torch.is_grad_enabled():
             plan = self._plan_step(lookup)
             return _FusedLookup.apply(self._anchor, self, lookup, plan)
-        return self._pool(self.read_rows(lookup.rows), lookup)
+        return self._pool(self._read_rows(lookup.rows), lookup)
 
     def _prepare(self, features: Tensor | SparseFeatures) -> _Lookup:
         """Validate input once, at the boundary, and turn it into global rows."""
@@ -359,7 +517,9 @@ class CachedEmbeddingBagCollection(nn.Module):
     # -------------------------------------------------------------------------------- cache traffic
     def read_rows(self, rows: Tensor) -> Tensor:
         """fp32 values of global `rows` (cache overlaid on storage); changes nothing."""
-        rows = rows.to(self.device)
+        return self._read_rows(self._check_rows(rows, "read_rows"))
+
+    def _read_rows(self, rows: Tensor) -> Tensor:
         slots = self.cache.lookup(rows)
         hit = slots >= 0
         if self.cache.capacity and bool(hit.all()):
@@ -369,8 +529,20 @@ class CachedEmbeddingBagCollection(nn.Module):
             values[hit] = self.cache.weights[slots[hit]]
         return values
 
+    def _pin_since(self) -> int:
+        """Oldest step whose cache rows are still pinned: in-flight forwards within `PIN_STEPS`."""
+        oldest = self.step
+        for step, ref in list(self._in_flight.items()):
+            if ref() is None or step <= self.step - PIN_STEPS:
+                del self._in_flight[step]
+            else:
+                oldest = min(oldest, step)
+        return oldest
+
     def _plan_step(self, lookup: _Lookup) -> _StepPlan:
         """Bring the batch's rows into the cache where they fit; read the rest from storage."""
+        if self._pending:  # a backward pass failed before its end: its update was never applied
+            self._pending.clear()
         self.step += 1
         step, rows, cache = self.step, lookup.rows, self.cache
         slots = cache.lookup_and_touch(rows, step)
@@ -378,21 +550,13 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._count("lookups", None, lookup)
         self._count("hits", hit, lookup)
         miss = ~hit
-        any_miss = bool(miss.any())
-        storage_rows = storage_index = storage_tables = rows.new_empty(0)
-        on_storage = None
-        if any_miss:
+        storage_rows = storage_index = rows.new_empty(0)
+        if bool(miss.any()):
             missing, miss_inverse, uses = torch.unique(rows[miss], return_inverse=True, return_counts=True)
-            assignment = cache.assign(missing, self._pin_since)
+            assignment = cache.assign(missing, self._pin_since())
             if assignment.victim_slots.numel():
-                self.storage.write(
-                    assignment.victim_rows,
-                    cache.weights[assignment.victim_slots],
-                    self.config.rounding,
-                    self._generator,
-                )
+                self._write_storage(assignment.victim_rows, cache.weights[assignment.victim_slots])
                 self._count_rows("evictions", assignment.victim_rows)
-                self._count_rows("rows_out", assignment.victim_rows)
             admitted = assignment.slots >= 0
             if bool(admitted.any()):
                 admitted_rows = missing[admitted]
@@ -403,67 +567,162 @@ class CachedEmbeddingBagCollection(nn.Module):
                     step,
                     uses[admitted],
                 )
+                self._residency_version += 1
             slots[miss] = assignment.slots[miss_inverse]
             self._count("misses", miss, lookup)
             missing_tables = self._tables_of(missing)
             self._count_tables("rows_in", missing_tables)
             if not bool(admitted.all()):
                 left_out = ~admitted
-                storage_rows, storage_tables = missing[left_out], missing_tables[left_out]
-                on_storage = slots < 0
+                storage_rows = missing[left_out]
                 if storage_rows.numel() == missing.numel():
                     storage_index = miss_inverse  # nothing was admitted
                 else:
                     position = torch.cumsum(left_out, 0) - 1
                     storage_index = position[miss_inverse][assignment.slots[miss_inverse] < 0]
-                self._count_tables("overflow_rows", storage_tables)
+                self._count_tables("overflow_rows", missing_tables[left_out])
         storage_values = (
             self.storage.read(storage_rows, self.device)
             if storage_rows.numel()
             else rows.new_empty(0, self.dim, dtype=torch.float32)
         )
-        all_on_storage = storage_index.numel() == rows.numel() and rows.numel() > 0
-        return _StepPlan(
-            slots, on_storage, storage_rows, storage_index, storage_values, storage_tables, all_on_storage
+        plan = _StepPlan(
+            step,
+            rows,
+            slots,
+            storage_rows,
+            storage_index,
+            storage_values,
+            self._residency_version,
+            self._storage_version,
         )
+        self._in_flight[step] = weakref.ref(plan)
+        return plan
 
     def _gather(self, plan: _StepPlan) -> Tensor:
-        if plan.on_storage is None:
+        if not plan.storage_rows.numel():
             return self.cache.weights.index_select(0, plan.slots)
-        if plan.all_on_storage:
+        if plan.storage_index.numel() == plan.slots.numel():
             return plan.storage_values.index_select(0, plan.storage_index)
         values = torch.empty(plan.slots.numel(), self.dim, device=self.device)
-        cached = ~plan.on_storage
+        cached = plan.slots >= 0
         values[cached] = self.cache.weights[plan.slots[cached]]
-        values[plan.on_storage] = plan.storage_values[plan.storage_index]
+        values[~cached] = plan.storage_values[plan.storage_index]
         return values
 
-    def _apply_gradients(self, plan: _StepPlan, grad: Tensor, lookup: _Lookup) -> None:
-        """The fused optimizer: update cached rows in place, the others in fp32 and round them back."""
-        cached = None if plan.on_storage is None else ~plan.on_storage
-        slots = plan.slots if cached is None else plan.slots[cached]
-        cached_grad = grad if cached is None else grad[cached]
-        if slots.numel() and not plan.all_on_storage:
-            if self.config.optimizer == "sgd" and _native.usable(self.cache.weights, slots):
-                _native.sgd_update(self.cache.weights, slots, cached_grad, self.lr)
-            elif self.config.optimizer == "sgd":
-                # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
-                self.cache.weights.index_put_((slots,), cached_grad * -self.lr, accumulate=True)
+    # ------------------------------------------------------------------------------ fused optimizer
+    def _receive_gradient(self, plan: _StepPlan, grad: Tensor) -> None:
+        """Collect one forward's gradient; the first one of a backward pass schedules the update."""
+        self._in_flight.pop(plan.step, None)
+        first = not self._pending
+        self._pending.append((plan, grad))
+        if first:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._apply_pending)
+            except RuntimeError:  # not inside the autograd engine: apply now
+                self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """The fused optimizer over every gradient of the backward pass, summed per row: one step per row."""
+        entries, self._pending = self._pending, []
+        if not entries:
+            return
+        if not all(bool(torch.isfinite(grad).all()) for _, grad in entries):
+            self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
+            return
+        factor = self._gradient_factor(entries)
+        if factor != 1.0:
+            entries = [(plan, grad * factor) for plan, grad in entries]
+        cache_parts: list[tuple[Tensor, Tensor]] = []  # (slots, gradient of each)
+        storage_parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]] = []  # (plan, rows, index, gradient)
+        for plan, grad in entries:
+            plan.applied = True
+            slots, storage_rows, storage_index = plan.slots, plan.storage_rows, plan.storage_index
+            if plan.residency_version != self._residency_version:  # rows moved since the forward
+                slots = self.cache.lookup(plan.rows)
+                storage_rows, storage_index = torch.unique(plan.rows[slots < 0], return_inverse=True)
+            on_storage = slots < 0 if storage_rows.numel() else None
+            if on_storage is None:
+                cache_parts.append((slots, grad))
+            elif storage_index.numel() == slots.numel():
+                storage_parts.append((plan, storage_rows, storage_index, grad))
             else:
-                unique_slots, inverse = torch.unique(slots, return_inverse=True)
-                summed = self._sum_rows(inverse, cached_grad, unique_slots.numel())
-                rows = self.cache.slot_rows[unique_slots].long()
-                self.cache.weights.index_add_(0, unique_slots, self._adagrad_step(rows, summed))
-        if plan.storage_rows.numel():
-            storage_grad = grad if plan.all_on_storage else grad[plan.on_storage]
-            summed = self._sum_rows(plan.storage_index, storage_grad, plan.storage_rows.numel())
-            if self.config.optimizer == "sgd":
-                updated = plan.storage_values.add_(summed, alpha=-self.lr)
-            else:
-                updated = plan.storage_values.add_(self._adagrad_step(plan.storage_rows, summed))
-            self.storage.write(plan.storage_rows, updated, self.config.rounding, self._generator)
-            self._count_tables("rows_out", plan.storage_tables)
-        self._pin_since = self.step + 1
+                cached = ~on_storage
+                cache_parts.append((slots[cached], grad[cached]))
+                storage_parts.append((plan, storage_rows, storage_index, grad[on_storage]))
+        self._update_cached(cache_parts)
+        self._update_storage(storage_parts)
+
+    def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:
+        """1 / the GradScaler's scale, times clip_grad_norm_'s coefficient when clipping is on."""
+        factor = 1.0
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            factor = 1.0 / float(scaler.get_scale())
+        if self.config.max_grad_norm is not None:
+            rows, inverse = torch.unique(torch.cat([plan.rows for plan, _ in entries]), return_inverse=True)
+            summed = self._sum_rows(inverse, torch.cat([grad for _, grad in entries]), rows.numel())
+            norm = float(summed.norm()) * factor  # the norm of the dense gradient of the tables
+            factor *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
+        return factor
+
+    def _update_cached(self, parts: list[tuple[Tensor, Tensor]]) -> None:
+        weights = self.cache.weights
+        if self.config.optimizer == "sgd":
+            for slots, grad in parts:  # SGD is linear: one scatter per part equals the summed step
+                if not slots.numel():
+                    continue
+                if _native.usable(weights, slots):
+                    _native.sgd_update(weights, slots, grad, self.lr)
+                else:
+                    # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
+                    weights.index_put_((slots,), grad * -self.lr, accumulate=True)
+            return
+        parts = [part for part in parts if part[0].numel()]
+        if not parts:
+            return
+        slots = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        grad = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        unique_slots, inverse = torch.unique(slots, return_inverse=True)
+        summed = self._sum_rows(inverse, grad, unique_slots.numel())
+        rows = self.cache.slot_rows[unique_slots].long()
+        weights.index_add_(0, unique_slots, self._adagrad_step(rows, summed))
+
+    def _update_storage(self, parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]]) -> None:
+        """Rows outside the cache: read, update in fp32, round back, once per row."""
+        if not parts:
+            return
+        if len(parts) == 1:
+            plan, rows, index, grad = parts[0]
+            current = (
+                plan.storage_version == self._storage_version
+                and plan.residency_version == self._residency_version
+            )
+            values = plan.storage_values if current else self.storage.read(rows, self.device)
+        else:
+            rows, index = torch.unique(torch.cat([p[1][p[2]] for p in parts]), return_inverse=True)
+            grad = torch.cat([p[3] for p in parts])
+            values = self.storage.read(rows, self.device)
+        summed = self._sum_rows(index, grad, rows.numel())
+        if self.config.optimizer == "sgd":
+            updated = values.add_(summed, alpha=-self.lr)
+        else:
+            updated = values.add_(self._adagrad_step(rows, summed))
+        self._write_storage(rows, updated)
+
+    def _write_storage(self, rows: Tensor, values: Tensor) -> None:
+        """Round fp32 `values` of unique `rows` into storage and count the traffic."""
+        fitted = self.storage.write(rows, values, self.config.rounding, self._generator)
+        self._storage_version += 1
+        tables = self._tables_of(rows)
+        self._count_tables("rows_out", tables)
+        self._count_fitted(tables, fitted)
+
+    def _count_fitted(self, tables: Tensor, fitted: Fitted) -> None:
+        for name, per_row in (("saturated_values", fitted.saturated), ("nonfinite_values", fitted.nonfinite)):
+            if per_row is not None:
+                counts = torch.bincount(tables, weights=per_row.to(tables.device), minlength=len(self.table_sizes))
+                self.counters[:, COUNTERS.index(name)] += counts.long()
 
     def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
         """Rows of `values` summed by `index` into [count, D]."""
@@ -491,25 +750,35 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Round every cached row back into storage; the cache keeps its contents."""
         slots, rows = self.cache.cached()
         for start in range(0, slots.numel(), _INIT_CHUNK_ROWS):
-            chunk_slots, chunk_rows = (
-                slots[start : start + _INIT_CHUNK_ROWS],
-                rows[start : start + _INIT_CHUNK_ROWS],
-            )
-            self.storage.write(
-                chunk_rows, self.cache.weights[chunk_slots], self.config.rounding, self._generator
-            )
-        self._count_rows("rows_out", rows)
+            chunk = slice(start, start + _INIT_CHUNK_ROWS)
+            self._write_storage(rows[chunk], self.cache.weights[slots[chunk]])
 
     def release_rows(self, rows: Tensor) -> int:
-        """Write cached `rows` back and free their slots (e.g. rows found stale); returns how many."""
-        slots = self.cache.lookup(rows.to(self.device))
-        slots = slots[slots >= 0]
+        """Write cached `rows` back and free their slots (e.g. rows found stale); returns how many.
+
+        Safe between a forward and its backward: the update then lands on the row in storage.
+        """
+        slots = self.cache.lookup(self._check_rows(rows, "release_rows"))
+        slots = torch.unique(slots[slots >= 0])
         if slots.numel():
-            resident = self.cache.slot_rows[slots].long()
-            self.storage.write(resident, self.cache.weights[slots], self.config.rounding, self._generator)
+            self._write_storage(self.cache.slot_rows[slots].long(), self.cache.weights[slots])
             self.cache.evict(slots)
-            self._count_rows("rows_out", resident)
+            self._residency_version += 1
         return int(slots.numel())
+
+    def _check_rows(self, rows: Tensor, caller: str) -> Tensor:
+        """Global rows as int64 on the cache device; anything but a 1-D integer tensor in range is refused."""
+        if not isinstance(rows, Tensor) or rows.dtype not in _INTEGER_DTYPES or rows.dim() != 1:
+            shape = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
+            dtype = rows.dtype if isinstance(rows, Tensor) else ""
+            raise InvalidInputError(f"{caller}: rows must be a 1-D integer tensor, got {dtype} {shape}")
+        rows = rows.to(self.device, torch.int64)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.config.num_rows):
+            bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
+            raise InvalidInputError(
+                f"{caller}: row {bad} is outside [0, {self.config.num_rows}) (global rows of all tables)"
+            )
+        return rows
 
     # ----------------------------------------------------------------------------------- statistics
     def _count(self, name: str, mask: Tensor | None, lookup: _Lookup) -> None:
@@ -541,22 +810,25 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def stats(self) -> dict[str, Any]:
         """Cumulative lookups, hits, misses, evictions and traffic, in total and per table."""
-        bytes_per_row = self.storage.bytes_per_row
         per_table_counts = self.counters.cpu().tolist()
 
         def summarize(counts: list[int]) -> dict[str, Any]:
             entry = dict(zip(COUNTERS, counts, strict=True))
-            entry["bytes_in"] = entry["rows_in"] * bytes_per_row
-            entry["bytes_out"] = entry["rows_out"] * bytes_per_row
             entry["hit_rate"] = entry["hits"] / entry["lookups"] if entry["lookups"] else None
             return entry
 
+        per_table = []
+        for name, counts, row_bytes in zip(self.table_names, per_table_counts, self._row_bytes(), strict=True):
+            entry = {"table": name, **summarize(counts)}
+            entry["bytes_in"] = entry["rows_in"] * sum(row_bytes)
+            entry["bytes_out"] = entry["rows_out"] * sum(row_bytes)
+            per_table.append(entry)
         totals = summarize([sum(column) for column in zip(*per_table_counts, strict=True)])
-        totals["per_table"] = [
-            {"table": name, **summarize(c)}
-            for name, c in zip(self.table_names, per_table_counts, strict=True)
-        ]
+        totals["bytes_in"] = sum(t["bytes_in"] for t in per_table)
+        totals["bytes_out"] = sum(t["bytes_out"] for t in per_table)
+        totals["per_table"] = per_table
         totals["cache_rows"] = self.cache.capacity
+        totals["skipped_updates"] = self.skipped_updates  # backward passes dropped for inf/NaN gradients
         return totals
 
     def memory_report(self) -> dict[str, Any]:
@@ -574,23 +846,68 @@ class CachedEmbeddingBagCollection(nn.Module):
         )
         for name, buffer in self.named_buffers():
             components[_component_of(name)] += buffer.numel() * buffer.element_size()
-        if self._generator is not None:
-            components["other"] += self._generator.get_state().numel()
+        if self._generator is not None or self.device.type == "meta":  # (estimate_memory: as if built)
+            components["other"] += torch.Generator().get_state().numel()
         total = sum(components.values())
         fp32 = self.config.num_rows * self.dim * 4 + components["optimizer_state"]
+        per_table = self._memory_per_table()
         return {
             "components": components,
             "total_bytes": total,
             "fp32_bytes": fp32,
             "memory_ratio": fp32 / total,
+            "per_table": per_table,
+            "shared_bytes": total - sum(t["total_bytes"] for t in per_table),
         }
 
+    def _row_bytes(self) -> list[tuple[int, int]]:
+        """(payload, quantization parameters) bytes of one row of each table."""
+        if isinstance(self.storage, RowStorage):
+            return [self.storage.row_bytes()] * len(self.table_sizes)
+        return [self.storage.row_bytes_of(p) for p in self.config.precisions]
+
+    def _memory_per_table(self) -> list[dict[str, Any]]:
+        """Each table's bytes by component; the cache's only when each table has its own part (None when the
+        tables share it). What no table owns (counters, a shared cache, index tables) is the difference to
+        the totals: `shared_bytes`."""
+        state = getattr(self, "optimizer_state", None)
+        state_row = 0 if state is None else state[0].numel() * state.element_size()
+        cache = self.cache
+        per_slot_cache = self.dim * cache.weights.element_size()
+        per_slot_bookkeeping = sum(
+            getattr(cache, name).element_size() for name in ("slot_rows", "last_used", "use_count") if hasattr(cache, name)
+        )
+        tables = []
+        for t, (size, (payload, params)) in enumerate(zip(self.table_sizes, self._row_bytes(), strict=True)):
+            slots = cache.part_slots[t] if cache.partitioned else None
+            entry = {
+                "table": self.table_names[t],
+                "precision": self.config.precisions[t],
+                "storage_payload": size * payload,
+                "quantization_params": size * params,
+                "cache_rows": None if slots is None else slots * per_slot_cache,
+                "cache_bookkeeping": None if slots is None else slots * per_slot_bookkeeping,
+                "optimizer_state": size * state_row,
+            }
+            entry["total_bytes"] = sum(v for k, v in entry.items() if isinstance(v, int))
+            entry["fp32_bytes"] = size * self.dim * 4 + entry["optimizer_state"]
+            tables.append(entry)
+        return tables
+
     # ----------------------------------------------------------------------------------- state dict
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Checkpoints written before the saturation counters existed hold fewer counter columns."""
+        counters = state_dict.get(prefix + "counters")
+        if isinstance(counters, Tensor) and counters.dim() == 2 and counters.shape[1] < len(COUNTERS):
+            padding = counters.new_zeros(counters.shape[0], len(COUNTERS) - counters.shape[1])
+            state_dict[prefix + "counters"] = torch.cat([counters, padding], dim=1)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     def get_extra_state(self) -> dict[str, Any]:
         config = asdict(self.config)
         return {
             "step": self.step,
-            "pin_since": self._pin_since,
+            "skipped_updates": self.skipped_updates,
             "lr": self.lr,
             "generator": self._generator.get_state() if self._generator is not None else None,
             "config": {k: config[k] for k in _STATE_KEYS},
@@ -603,7 +920,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         if mismatched:
             details = ", ".join(f"{k}: saved {saved.get(k)!r}, here {config[k]!r}" for k in mismatched)
             raise InvalidInputError(f"embedding state does not match this collection ({details})")
-        self.step, self._pin_since, self.lr = state["step"], state["pin_since"], state["lr"]
+        self.step, self.lr = state["step"], state["lr"]
+        self.skipped_updates = state.get("skipped_updates", 0)
+        self._in_flight.clear()
+        self._pending.clear()
+        self._residency_version += 1  # plans made before the load must locate their rows again
+        self._storage_version += 1
         if self._generator is not None and state["generator"] is not None:
             self._generator.set_state(state["generator"])
 
@@ -611,22 +933,20 @@ class CachedEmbeddingBagCollection(nn.Module):
     def estimate_memory(cls, config: EmbeddingConfig) -> dict[str, Any]:
         """The memory report of a collection with this config, without allocating it."""
         meta = EmbeddingConfig(**{**asdict(config), "storage_device": "meta", "cache_device": "meta"})
-        report = cls(meta).memory_report()
-        # The stochastic-rounding generator state (not built on the meta device).
-        report["components"]["other"] += torch.Generator().get_state().numel()
-        report["total_bytes"] = sum(report["components"].values())
-        report["memory_ratio"] = report["fp32_bytes"] / report["total_bytes"]
-        return report
+        return cls(meta).memory_report()
 
 
-_STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "policy", "optimizer", "ways")
+_STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "cache_rows", "policy", "optimizer", "ways")
 
 
 def _component_of(buffer_name: str) -> str:
-    if buffer_name == "storage.payload":
-        return "storage_payload"
     if buffer_name.startswith("storage."):
-        return "quantization_params"
+        leaf = buffer_name.rsplit(".", 1)[1]
+        if leaf == "payload":
+            return "storage_payload"
+        if leaf in ("bias", "scale_code"):
+            return "quantization_params"
+        return "other"  # the table -> part index of mixed precisions
     if buffer_name == "cache.weights":
         return "cache_rows"
     if buffer_name.startswith("cache."):

@@ -5,9 +5,16 @@ scale stored as one byte on a log grid (eighth-octave steps, rounded up). Three 
 usual eight (two fp32) or four (two fp16): at dim 16 the parameters would otherwise cost a third of an int8
 row. Rounding the bias down and the scale up keeps every value of the row inside the representable range,
 so stochastic rounding stays unbiased.
+
+Range: stored values never overflow and never hold inf or NaN. Values beyond what a precision represents
+(fp16: ±65504; int rows: a bias within ±65504 and a span up to the top of the scale grid, about 59,800 for
+int8 and 3,500 for int4) are saturated, and inf/NaN are replaced (NaN by 0, ±inf by the largest value); both
+are counted per row and reported by the collection's `stats()`. No byte is added to a row for this.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -23,10 +30,68 @@ INT_BITS = {"int8": 8, "int4": 4}
 SCALE_STEPS_PER_OCTAVE = 8
 SCALE_CODE_ZERO = 192
 FP16_MAX = 65504.0
+# The largest finite value each precision stores; int rows are limited by their fp16 bias.
+VALUE_LIMIT = {
+    "fp32": torch.finfo(torch.float32).max,
+    "fp16": FP16_MAX,
+    "bf16": torch.finfo(torch.bfloat16).max,
+    "int8": FP16_MAX,
+    "int4": FP16_MAX,
+}
+# The widest row an int precision stores: the top of the scale grid, less room for the bias rounding down
+# (an fp16 step is at most 32 below 65504).
+INT_MAX_SPAN = {bits: ((1 << bits) - 1) * 2 ** ((255 - 192) / 8) - 64 for bits in (8, 4)}
+
+
+class Fitted(NamedTuple):
+    """Rows made storable, with per-row counts of the values changed (None when no value was)."""
+
+    values: Tensor
+    saturated: Tensor | None  # [n] finite values clamped to the representable range
+    nonfinite: Tensor | None  # [n] inf and NaN values replaced
+
+
+def fit_to_range(x: Tensor, limit: float, max_span: float | None = None) -> Fitted:
+    """Replace inf/NaN, clamp values to ±limit and, when a row is wider than `max_span`, to a window of that
+    width around the row's median (so an outlier is clipped rather than the rest of the row)."""
+    if not x.numel():
+        return Fitted(x, None, None)
+    lo, hi = x.amin(dim=1), x.amax(dim=1)
+    ok = (lo >= -limit) & (hi <= limit)  # false for NaN rows too
+    if max_span is not None:
+        ok &= hi - lo <= max_span
+    if bool(ok.all()):
+        return Fitted(x, None, None)
+    bad = torch.nonzero(~ok).squeeze(1)
+    rows = x[bad]
+    nonfinite = ~torch.isfinite(rows)
+    finite = torch.nan_to_num(rows, nan=0.0, posinf=limit, neginf=-limit)
+    fitted = finite.clamp(-limit, limit)
+    if max_span is not None:
+        wide = (fitted.amax(dim=1) - fitted.amin(dim=1)) > max_span
+        if bool(wide.any()):
+            low = (fitted[wide].median(dim=1).values - max_span / 2).clamp(-limit, limit - max_span)
+            fitted[wide] = torch.minimum(torch.maximum(fitted[wide], low[:, None]), (low + max_span)[:, None])
+    saturated = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+    replaced = torch.zeros_like(saturated)
+    saturated[bad] = ((fitted != finite) & ~nonfinite).sum(dim=1)
+    replaced[bad] = nonfinite.sum(dim=1)
+    x = x.clone()
+    x[bad] = fitted
+    return Fitted(x, saturated, replaced)
+
+
+_SCALES = torch.exp2((torch.arange(256, dtype=torch.float64) - SCALE_CODE_ZERO) / SCALE_STEPS_PER_OCTAVE).float()
+_scales_on: dict[torch.device, Tensor] = {}
 
 
 def decode_scale(code: Tensor) -> Tensor:
-    return torch.exp2((code.float() - SCALE_CODE_ZERO) / SCALE_STEPS_PER_OCTAVE)
+    """A table lookup: the same code decodes to the same float whatever else is in the batch (a vectorized
+    exp2 differs in the last bit between its SIMD body and its tail)."""
+    table = _scales_on.get(code.device)
+    if table is None:
+        table = _scales_on[code.device] = _SCALES.to(code.device)
+    return table[code.long()]
 
 
 def encode_scale(needed: Tensor) -> Tensor:
@@ -41,7 +106,8 @@ def encode_scale(needed: Tensor) -> Tensor:
 
 def round_down_fp16(x: Tensor) -> Tensor:
     """fp16 values <= x (clamped to the fp16 range)."""
-    h = x.clamp(-FP16_MAX, FP16_MAX).half()
+    x = x.clamp(-FP16_MAX, FP16_MAX)  # below -65504, -65504 (never -inf)
+    h = x.half()
     too_big = h.float() > x
     return torch.where(too_big, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
 
@@ -129,7 +195,12 @@ class RowStorage(nn.Module):
     @property
     def bytes_per_row(self) -> int:
         """Stored bytes of one row, parameters included: what a row costs to move."""
-        return sum(t.element_size() * (t[0].numel() if t.dim() > 1 else 1) for t in self.buffers())
+        return sum(self.row_bytes())
+
+    def row_bytes(self) -> tuple[int, int]:
+        """(payload, quantization parameters) bytes of one row."""
+        sizes = [t.element_size() * (t[0].numel() if t.dim() > 1 else 1) for t in self.buffers()]
+        return sizes[0], sum(sizes[1:])
 
     def pin_memory_(self) -> RowStorage:
         for name, buf in list(self._buffers.items()):
@@ -148,48 +219,107 @@ class RowStorage(nn.Module):
         codes = payload if self.precision == "int8" else unpack_int4(payload, self.dim)
         return dequantize_int(codes, bias, scale_code)
 
-    def encode(self, values: Tensor, rounding: str, generator: torch.Generator | None) -> list[Tensor]:
-        """fp32 rows -> the stored tensors, in buffer order, on the values' device."""
-        if self.precision in FLOAT_DTYPES:
-            return [round_float(values, FLOAT_DTYPES[self.precision], rounding, generator)]
-        codes, bias, scale_code = quantize_int(values, INT_BITS[self.precision], rounding, generator)
+    def encode(
+        self, values: Tensor, rounding: str, generator: torch.Generator | None
+    ) -> tuple[list[Tensor], Fitted]:
+        """fp32 rows -> the stored tensors, in buffer order, on the values' device; and what was saturated."""
+        bits = INT_BITS.get(self.precision)
+        fitted = fit_to_range(values, VALUE_LIMIT[self.precision], INT_MAX_SPAN[bits] if bits else None)
+        values = fitted.values
+        if bits is None:
+            return [round_float(values, FLOAT_DTYPES[self.precision], rounding, generator)], fitted
+        codes, bias, scale_code = quantize_int(values, bits, rounding, generator)
         if self.precision == "int4":
             codes = pack_int4(codes)
-        return [codes, bias, scale_code]
+        return [codes, bias, scale_code], fitted
 
-    def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> None:
-        """Round fp32 `values` [n, D] into storage at unique `rows`."""
+    def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
+        """Round fp32 `values` [n, D] into storage at unique `rows`; returns the per-row saturation counts."""
         rows = rows.to(self.payload.device)
-        for buf, encoded in zip(self.buffers(), self.encode(values, rounding, generator), strict=True):
-            buf.index_copy_(0, rows, encoded.to(buf.device, non_blocking=True))
+        encoded, fitted = self.encode(values, rounding, generator)
+        for buf, tensor in zip(self.buffers(), encoded, strict=True):
+            buf.index_copy_(0, rows, tensor.to(buf.device, non_blocking=True))
+        return fitted
 
     def write_range(
         self, start: int, values: Tensor, rounding: str, generator: torch.Generator | None
-    ) -> None:
+    ) -> Fitted:
         """Contiguous write, for initialization and loading whole tables."""
         end = start + values.shape[0]
-        for buf, encoded in zip(self.buffers(), self.encode(values, rounding, generator), strict=True):
-            buf[start:end].copy_(encoded)
+        encoded, fitted = self.encode(values, rounding, generator)
+        for buf, tensor in zip(self.buffers(), encoded, strict=True):
+            buf[start:end].copy_(tensor)
+        return fitted
 
-    def fill_uniform_(self, start: int, count: int, bound: float, generator: torch.Generator) -> None:
-        """Rows start..start+count drawn uniformly from [-bound, bound] (DLRM's initialization).
 
-        Integer rows draw their codes directly, uniform over the grid spanning the interval: the same
-        distribution as rounding uniform fp32 values, without materializing them.
-        """
-        end = start + count
-        if self.precision in FLOAT_DTYPES:
-            values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
-            self.payload[start:end].copy_(values)
-            return
-        levels = (1 << INT_BITS[self.precision]) - 1
-        width = self.payload.shape[1]
-        codes = torch.randint(0, 256, (count, width), generator=generator, dtype=torch.uint8)
-        if self.precision == "int4" and self.dim % 2:
-            codes[:, -1] &= 0xF  # the padding nibble stays zero
-        scale_code = encode_scale(torch.full((1,), 2 * bound / levels))
-        bias = round_down_fp16(-decode_scale(scale_code) * levels / 2)  # the grid centred on zero
-        self.payload[start:end].copy_(codes)
-        self.bias[start:end] = bias
-        self.scale_code[start:end] = scale_code
+class TableRowStorage(nn.Module):
+    """Tables in different precisions behind the `RowStorage` interface (global rows in, fp32 out).
 
+    One `RowStorage` per precision holds the rows of its tables back to back; a global row maps to a part
+    and a local row through its table. Used only when the precisions differ: one precision is one
+    `RowStorage`, as before.
+    """
+
+    def __init__(self, table_sizes: list[int], dim: int, precisions: list[str], device: torch.device | str) -> None:
+        super().__init__()
+        self.dim = dim
+        kinds = [p for p in PRECISIONS if p in precisions]
+        local_start, rows_in = [], dict.fromkeys(kinds, 0)
+        for size, precision in zip(table_sizes, precisions, strict=True):
+            local_start.append(rows_in[precision])
+            rows_in[precision] += size
+        self.parts = nn.ModuleDict({p: RowStorage(rows_in[p], dim, p, device) for p in kinds})
+        self._kinds = kinds
+        offsets = torch.zeros(len(table_sizes) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(table_sizes, dtype=torch.int64), 0, out=offsets[1:])
+        self.register_buffer("_offsets", offsets.to(device), persistent=False)
+        self.register_buffer(
+            "_table_part", torch.tensor([kinds.index(p) for p in precisions], device=device), persistent=False
+        )
+        self.register_buffer("_local_start", torch.tensor(local_start, device=device), persistent=False)
+        self.num_rows = int(offsets[-1])
+
+    def _locate(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(part index, row within the part) of global rows."""
+        rows = rows.to(self._offsets.device)
+        table = torch.searchsorted(self._offsets, rows, right=True) - 1
+        return self._table_part[table], rows - self._offsets[table] + self._local_start[table]
+
+    def row_bytes_of(self, precision: str) -> tuple[int, int]:
+        return self.parts[precision].row_bytes()
+
+    def pin_memory_(self) -> TableRowStorage:
+        for part in self.parts.values():
+            part.pin_memory_()
+        return self
+
+    def read(self, rows: Tensor, device: torch.device) -> Tensor:
+        part_of, local = self._locate(rows)
+        out = torch.empty(rows.numel(), self.dim, device=device)
+        for index, kind in enumerate(self._kinds):
+            mine = part_of == index
+            if bool(mine.any()):
+                out[mine.to(device)] = self.parts[kind].read(local[mine], device)
+        return out
+
+    def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
+        part_of, local = self._locate(rows)
+        part_of = part_of.to(values.device)
+        totals: dict[str, Tensor | None] = {"saturated": None, "nonfinite": None}
+        for index, kind in enumerate(self._kinds):
+            mine = part_of == index
+            if not bool(mine.any()):
+                continue
+            fitted = self.parts[kind].write(local[mine.to(local.device)], values[mine], rounding, generator)
+            for name, total in totals.items():
+                counts = getattr(fitted, name)
+                if counts is not None:
+                    if total is None:
+                        total = totals[name] = torch.zeros(values.shape[0], dtype=torch.int64, device=values.device)
+                    total[mine] = counts
+        return Fitted(values, totals["saturated"], totals["nonfinite"])
+
+    def write_range(self, start: int, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
+        """Contiguous rows of one table."""
+        part_of, local = self._locate(torch.tensor([start]))
+        return self.parts[self._kinds[int(part_of)]].write_range(int(local), values, rounding, generator)

@@ -199,6 +199,12 @@ def write_report(run_dir: str | Path, events: list[dict[str, Any]], summary: dic
     ]
     lines += [f"| {name} | {_fmt(value)} |" for name, value in rows]
     lines.append("")
+    quality = summary.get("data_quality")
+    if quality and quality["malformed_lines"]:
+        total = quality["good_lines"] + quality["malformed_lines"]
+        lines += ["## Malformed input lines", "",
+                  f"{quality['malformed_lines']:,} of {total:,} lines were malformed and skipped. The first:", ""]
+        lines += [f"- `{example}`" for example in quality["examples"]] + [""]
     for title, name in plots.items():
         if name:
             lines += [f"## {title}", "", f"![{title}]({name})", ""]

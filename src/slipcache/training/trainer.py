@@ -8,8 +8,11 @@ directory:
     <out>/metrics.jsonl    one JSON object per logging or evaluation event
     <out>/summary.json     final test metrics, throughput, memory
     <out>/report.md        plots of the above (see slipcache.training.report)
-    <out>/checkpoints/     latest.pt plus the newest periodic checkpoints (atomic writes)
-    <out>/../data-cache/   raw Criteo input preprocessed once, shared by runs beside each other
+    <out>/checkpoints/     latest.pt plus the newest periodic checkpoints (atomic, checksummed writes)
+
+Raw Criteo input is preprocessed once into the cache ($SLIPCACHE_CACHE_DIR, else ~/.cache/slipcache),
+under `preprocessed/`; nothing is written outside `<out>` and the cache. `--out` must be new, empty, or
+a run that stopped before its first checkpoint; `--resume` writes only into the run it names.
 
 Determinism: everything random is seeded from `config.seed` (model init, shuffling, stochastic rounding
 inside the embedding collection), and a checkpoint holds every piece of state the loop reads, so an
@@ -51,8 +54,7 @@ if typing.TYPE_CHECKING:
 
 VOCABS = ("hash", "frequency")
 
-CHECKPOINT_FORMAT = "slipcache-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_FORMAT = ckpt.MAGIC
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -67,6 +69,7 @@ class TrainConfig:
     data: str | None = None  # raw Criteo file/dir, or a preprocessed dataset dir; None = synthetic data
     out: str | None = None  # run directory; default runs/<timestamp>
     resume: str | None = None  # run directory or checkpoint file to continue from
+    allow_changes: bool = False  # resume: accept settings that differ from the run's (they are recorded)
     vocab: str = "hash"  # raw data only: "hash" (fixed table size) or "frequency" (ids by count)
     max_rows: int = 1_000_000  # raw data, hash vocabulary: rows per table (DLRM's max-ind-range)
     min_count: int = 1  # raw data, frequency vocabulary: rarer values map to row 0 ("unknown")
@@ -75,8 +78,10 @@ class TrainConfig:
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
-    precision: str = "int8"
-    cache_size: float = 0.05  # fraction of rows (< 1) or a row count (>= 1)
+    # precision, cache_size, cache_rows: one value, or (config files) a list with one value per table
+    precision: str | list[str] = "int8"
+    cache_size: float | list[float] = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
+    cache_rows: int | list[int] | None = None  # cache capacity as a row count instead (overrides cache_size)
     policy: str = "lru"
     rounding: str = "stochastic"
     optimizer: str = "sgd"  # embedding optimizer
@@ -121,9 +126,11 @@ class TrainConfig:
     stale_control: float = 0.05  # share of would-be-skipped inputs trained anyway as the guard's control
 
     def validate(self) -> None:
+        for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
+            if precision not in PRECISIONS:
+                raise SlipcacheError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         choices = {
             "embeddings": EMBEDDING_KINDS,
-            "precision": PRECISIONS,
             "policy": POLICIES,
             "rounding": ROUNDINGS,
             "optimizer": OPTIMIZERS,
@@ -140,16 +147,31 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        for name in _FIELDS:  # types first: a crafted checkpoint or API call may hold anything
+            value = _coerce(name, getattr(self, name))
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SlipcacheError(f"{name} must be a finite number, got {value}")
         for name in ("lr", "dense_lr", "synthetic_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
-        if not self.cache_size >= 0:
-            raise SlipcacheError(f"cache_size must be >= 0, got {self.cache_size}")
+        for share in self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]:
+            if not 0.0 <= share <= 1.0:  # also rejects nan and inf
+                hint = f" (for a number of rows use --cache-rows {share:g})" if share > 1 else ""
+                raise SlipcacheError(f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}")
+        for count in self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows]:
+            if count is not None and count < 0:
+                raise SlipcacheError(f"cache_rows must be >= 0, got {count}")
+        if not 0 <= self.seed < 2**32:
+            raise SlipcacheError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.keep_checkpoints < 1:
+            raise SlipcacheError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.bottom_mlp[-1:] != [self.embedding_dim]:
             raise SlipcacheError(
                 f"bottom_mlp must end in the embedding dim {self.embedding_dim}, got {self.bottom_mlp}"
             )
+        if any(n < 1 for n in [*self.bottom_mlp, *self.top_mlp]):
+            raise SlipcacheError(f"MLP layer sizes must be positive, got {self.bottom_mlp} and {self.top_mlp}")
         if self.top_mlp[-1:] != [1]:
             raise SlipcacheError(f"top_mlp must end in 1 (the logit), got {self.top_mlp}")
         if not 0.0 <= self.stale_target <= 1.0 or not 0.0 < self.stale_alpha <= 1.0:
@@ -199,7 +221,13 @@ def _coerce(name: str, value: Any) -> Any:
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(kind):
             return None
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        options = [a for a in typing.get_args(kind) if a is not type(None)]
+        if isinstance(value, list):  # `str | list[str]`: one value or one per table
+            listed = [a for a in options if typing.get_origin(a) is list]
+            element = typing.get_args(listed[0])[0] if listed else None
+            if element is not None and value and all(_matches(element, v) for v in value):
+                return [float(v) if element is float else int(v) if element is int else v for v in value]
+        kind = options[0]
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if typing.get_origin(kind) is list:
         if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -212,7 +240,17 @@ def _coerce(name: str, value: Any) -> Any:
         return float(value)
     elif kind is str and isinstance(value, str):
         return value
-    raise SlipcacheError(f"config key {name!r}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    raise SlipcacheError(f"{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+def _matches(kind: type, value: Any) -> bool:
+    """Whether a config-file list element fits `kind` (ints are accepted where floats are)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float:
+        return number
+    if kind is int:
+        return number and float(value).is_integer()
+    return isinstance(value, kind)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -249,9 +287,12 @@ def make_config(
     file_values: dict[str, Any] | None = None, flag_values: dict[str, Any] | None = None
 ) -> TrainConfig:
     """Defaults, then the config file, then command-line flags; `--quick` fills only what neither set."""
-    given = {**(file_values or {}), **(flag_values or {})}
-    if given.get("quick"):
-        given = {**QUICK, **given}
+    user = {**(file_values or {}), **(flag_values or {})}
+    given = {**QUICK, **user} if user.get("quick") else dict(user)
+    if "embedding_dim" in user and "bottom_mlp" not in user:
+        # The bottom MLP's output meets the embeddings, so its last layer follows --dim.
+        base = given.get("bottom_mlp", TrainConfig().bottom_mlp)
+        given["bottom_mlp"] = [*base[:-1], user["embedding_dim"]]
     config = TrainConfig(**given)
     config.validate()
     return config
@@ -281,7 +322,15 @@ def _raw_inputs(path: Path) -> list[Path]:
     return files
 
 
-def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
+def preprocessed_root() -> Path:
+    """Where raw input is preprocessed to: `preprocessed/` in the cache ($SLIPCACHE_CACHE_DIR, else
+    ~/.cache/slipcache), shared by every run that reads the same files with the same options."""
+    from slipcache.data.synthetic import default_cache_root
+
+    return default_cache_root() / "preprocessed"
+
+
+def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     """The preprocessed dataset dir for `config.data`, preprocessing raw files into `cache_root` once.
 
     The cache key covers the input files (path, size, mtime) and every preprocessing option, so a
@@ -289,11 +338,12 @@ def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
     """
     if config.data is None:
         return _synthetic_dataset(config)
-    path = Path(config.data).expanduser()
+    path = Path(config.data).expanduser().resolve()
     if not path.exists():
         raise SlipcacheError(f"data not found: {path}")
     if (path / "meta.json").is_file():
         return path
+    cache_root = cache_root if cache_root is not None else preprocessed_root()
     inputs = _raw_inputs(path)
     key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
     key_parts += [config.vocab, str(config.max_rows), str(config.min_count), str(config.strict)]
@@ -301,8 +351,13 @@ def prepare_data(config: TrainConfig, cache_root: Path) -> Path:
     out_dir = cache_root / f"{path.stem}-{config.vocab}-{key}"
     if (out_dir / "meta.json").is_file():
         return out_dir
+    from slipcache.data.dataset import remove_dead_staging
     from slipcache.data.preprocess import preprocess
 
+    if cache_root.is_dir():  # what preprocessing runs killed before finishing left behind
+        for other in cache_root.iterdir():
+            if other.is_dir():
+                remove_dead_staging(other)
     # Held-back splits: contiguous 80/10/10 in file order (Criteo is time-ordered), the preprocess default.
     # Hash seed 0 whatever the run seed, so runs with different seeds share one preprocessed dataset.
     preprocess(
@@ -340,6 +395,7 @@ def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> 
         embeddings=config.embeddings,
         precision=config.precision,
         cache_size=config.cache_size,
+        cache_rows=config.cache_rows,
         policy=config.policy,
         rounding=config.rounding,
         optimizer=config.optimizer,
@@ -437,7 +493,7 @@ class Progress:
 
 
 def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
-    """Fill derived counts: the sample budget, and log/eval/checkpoint intervals in whole batches."""
+    """Fill derived counts: the sample budget, and log/checkpoint intervals in whole batches."""
     batch = config.batch_size
     batches_per_epoch = train_rows // batch
     if batches_per_epoch == 0:
@@ -452,7 +508,9 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
         config,
         samples=samples,
         log_every=every(config.log_every, 100),
-        eval_every=every(config.eval_every, 10),
+        # Evaluation follows the data consumed (trained + skipped), so runs with and without skipping
+        # evaluate at the same positions; a given interval stays exact (see `_crossed`).
+        eval_every=config.eval_every if config.eval_every is not None else every(None, 10),
         checkpoint_every=every(config.checkpoint_every, 4),
     )
 
@@ -483,7 +541,7 @@ def _stats_totals(model: DLRM) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Training
+# Run directory files
 
 
 def _new_run_dir() -> Path:
@@ -506,30 +564,110 @@ def _write_events(path: Path, events: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
+# ----------------------------------------------------------------------------------------------------
+# Training: the loop first, then its steps in the order they run.
+
+
+@dataclass
+class Run:
+    """Everything the training loop reads and writes. `start_run` builds it; a checkpoint saves it."""
+
+    config: TrainConfig  # resolved: sample budget and intervals filled in
+    config_dict: dict[str, Any]  # what config.json and every checkpoint record
+    run_dir: Path
+    dataset: Any
+    model: DLRM
+    dense_opt: torch.optim.Optimizer
+    emb_opt: torch.optim.Optimizer | None
+    progress: Progress
+    skipper: StaleSkipper | None
+    budget: int  # samples to consume (trained + skipped), a whole number of batches
+    max_epochs: int
+    bar: Any  # tqdm progress bar
+    data_quality: dict[str, Any] | None  # malformed lines skipped while preprocessing raw input
+    base_lookups: int = 0  # the collection's cumulative counters when the open logging window began
+    base_hits: int = 0
+    tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
+    finished: bool = False  # set by the run's last batch
+    logits: torch.Tensor | None = None  # the last step's (detached) logits, kept only for stale skipping
+
+    @property
+    def consumed(self) -> int:
+        """Samples trained or skipped: the position in the data that the budget and eval schedule count."""
+        return self.progress.samples + self.progress.skipped
+
+    def more_epochs(self) -> bool:
+        return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
-    """Train DLRM as configured, writing the run directory; returns the summary dict."""
+    """Train DLRM as configured, writing the run directory; returns the summary dict.
+
+    Hook points for features that join the loop: `epoch_batches` (per-epoch setup, the batch source),
+    `train_step` (one optimization step), `record_step` (per-batch bookkeeping after the step), and
+    `Run`/`checkpoint_state`/`restore` for state that must survive a resume. Training time
+    (`progress.train_wall_s`) runs from `run.tick` to the end of `record_step`; evaluation and checkpoints
+    fall outside it.
+    """
+    run = start_run(config)
+    try:
+        while run.more_epochs():
+            batches = epoch_batches(run)
+            for batch in batches:
+                loss = train_step(run, batch)
+                consumed_before = run.consumed
+                last = record_step(run, batch, loss, batches)
+                eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
+                if run.progress.samples % run.config.log_every == 0 or eval_due:
+                    log_event(run, evaluate_now=eval_due)
+                if run.progress.samples % run.config.checkpoint_every == 0 and not last:
+                    save_checkpoint(run)
+                if last:
+                    # A skipping run's last epoch can end with trained + skipped just under the budget (the
+                    # tail that fills no batch is dropped); it must not restart the epoch to look for more.
+                    run.finished = True
+                    break
+                run.tick = time.perf_counter()  # the training clock restarts: eval and checkpoints excluded
+            else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
+                end_epoch(run)
+    finally:
+        run.bar.close()
+    save_checkpoint(run)
+    return finish_run(run)
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Whether a multiple of `every` lies in (before, after]: a schedule in samples that batches step over."""
+    return after // every > before // every
+
+
+def start_run(config: TrainConfig) -> Run:
+    """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
     state: dict[str, Any] | None = None
+    saved: dict[str, Any] = {}
+    changes: dict[str, list[Any]] = {}
     if config.resume is not None:
-        state, config = _load_resume(config)
-    run_dir = Path(config.out) if config.out else _new_run_dir()
-    if state is None and run_dir.exists() and (run_dir / "checkpoints").exists():
-        raise SlipcacheError(
-            f"run directory {run_dir} already holds a run; use --resume {run_dir} or another --out"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-    # A resumed run keeps reading the dataset it started on, when that is still there.
-    saved_dataset = Path(state["config"]["dataset"]) if state is not None else None
-    if saved_dataset is not None and (saved_dataset / "meta.json").is_file():
-        dataset_dir = saved_dataset
+        state, saved, config, changes = _load_resume(config)
+        run_dir = Path(config.out or "")
     else:
-        dataset_dir = prepare_data(config, run_dir.parent / "data-cache")
+        run_dir = _prepare_out(Path(config.out) if config.out else _new_run_dir(), restart_ok=True)
+    if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
+        config.data = str(Path(config.data).expanduser().resolve())
+
+    dataset_dir = _dataset_dir(config, saved.get("dataset"))
     dataset = open_dataset(dataset_dir)
-    train_split, val_split = dataset.split("train"), dataset.split("val")
     config = resolve_schedule(config, dataset.splits["train"])
     config.out = str(run_dir)
     config_dict = {**asdict(config), "dataset": str(dataset_dir)}
+    history = list(saved.get("changed_on_resume", []))
+    if changes:
+        history.append({"samples": state["progress"]["samples"] if state else 0, "changes": changes})
+    if history:
+        config_dict["changed_on_resume"] = history
+    quality = data_quality(dataset)
+    if quality is not None and quality["malformed_lines"]:
+        _warn(_malformed_message(quality, config.data))
 
     # Model and optimizers. Seeding first makes the MLP init (torch's global RNG) reproducible.
     random.seed(config.seed)
@@ -538,149 +676,150 @@ def train(config: TrainConfig) -> dict[str, Any]:
     model = build_model(config, dataset.table_sizes, dataset.num_dense)
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
     emb_opt = embedding_optimizer(config, model)
-    progress = Progress()
+    batches_per_epoch = dataset.splits["train"] // config.batch_size
     skipper = None
     if config.skip_stale:
         from slipcache.staleness.skipping import StaleSkipper
 
-        skipper = StaleSkipper(config, model, train_split, dataset.splits["train"] // config.batch_size)
+        skipper = StaleSkipper(config, model, dataset.split("train"), batches_per_epoch)
+    progress = Progress()
     if state is not None:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
-        _restore(state, model, dense_opt, emb_opt, progress)
-        if skipper is not None:
-            skipper.load_state_dict(state["skipping"])
+        restore(state, model, dense_opt, emb_opt, progress, skipper)
     _write_json(run_dir / "config.json", config_dict)
-    _write_events(
-        run_dir / "metrics.jsonl", progress.events
-    )  # a resumed run drops events after its checkpoint
-    # The collection's counters may or may not come back with its state; count relative to what it says now.
-    base_lookups, base_hits = _stats_totals(model)
-    base_lookups -= progress.window_lookups
-    base_hits -= progress.window_hits
+    _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops events after its checkpoint
 
-    from slipcache.data.dataset import BatchIterator
-
-    batch_size = config.batch_size
-    total_steps = math.ceil(config.samples / batch_size)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
-    budget = total_steps * batch_size
-    max_epochs = math.ceil(total_steps / (dataset.splits["train"] // batch_size))
+    total_steps = math.ceil(config.samples / config.batch_size)
+    budget = total_steps * config.batch_size
     bar = tqdm(
-        total=total_steps * batch_size,
+        total=budget,
         initial=progress.samples,
         unit=" samples",
         unit_scale=True,
         disable=not config.progress,
         dynamic_ncols=True,
     )
+    run = Run(
+        data_quality=quality,
+        config=config,
+        config_dict=config_dict,
+        run_dir=run_dir,
+        dataset=dataset,
+        model=model,
+        dense_opt=dense_opt,
+        emb_opt=emb_opt,
+        progress=progress,
+        skipper=skipper,
+        budget=budget,
+        max_epochs=math.ceil(total_steps / batches_per_epoch),
+        bar=bar,
+    )
+    # The collection's counters may or may not come back with its state; count relative to what it says now.
+    run.base_lookups, run.base_hits = _stats_totals(model)
+    run.base_lookups -= progress.window_lookups
+    run.base_hits -= progress.window_hits
+    return run
 
-    def save(tag_samples: int) -> None:
-        lookups, hits = _stats_totals(model)  # the open window's cache counts travel with the checkpoint
-        progress.window_lookups, progress.window_hits = lookups - base_lookups, hits - base_hits
-        checkpoint_state = _checkpoint_state(
-            config_dict, dataset.table_sizes, model, dense_opt, emb_opt, progress
-        )
-        checkpoint_state["skipping"] = skipper.state_dict() if skipper is not None else None
-        ckpt.save_run_checkpoint(
-            run_dir / "checkpoints", checkpoint_state, tag_samples, keep=config.keep_checkpoints
-        )
 
-    try:
-        finished = False  # set by the run's last batch: budget spent, or the last epoch's batches ran out
-        while not finished and progress.samples + progress.skipped < budget and progress.epoch < max_epochs:
-            tick = time.perf_counter()  # wall time includes reading and filtering batches, not eval or checkpoints
-            if skipper is not None:
-                skipper.start_epoch(progress.epoch, progress.batch_in_epoch)  # profile, open the window
-            batches = BatchIterator(
-                train_split,
-                batch_size,
-                shuffle=True,
-                seed=config.seed,
-                epoch=progress.epoch,
-                drop_last=True,
-                sample_filter=skipper.sample_filter if skipper is not None else None,
-                start_batch=progress.batch_in_epoch,
-            )
-            for batch in batches:
-                t0 = time.perf_counter()
-                logits = model(batch.dense, batch.sparse)
-                loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-                loss_value = loss.item()
-                if not math.isfinite(loss_value):
-                    # Stop before backward: a fused embedding update would write the bad gradient into storage.
-                    latest = run_dir / "checkpoints" / ckpt.LATEST
-                    where = (
-                        f"last good checkpoint: {latest}"
-                        if latest.exists()
-                        else "no checkpoint was written yet"
-                    )
-                    raise SlipcacheError(
-                        f"training loss is {loss_value} at sample {progress.samples} (epoch {progress.epoch}, "
-                        f"batch {progress.batch_in_epoch}); stopped. Check the input data or lower --lr; {where}"
-                    )
-                dense_opt.zero_grad(set_to_none=True)
-                if emb_opt is not None:
-                    emb_opt.zero_grad(set_to_none=True)
-                loss.backward()  # with fused_update, this also updates the embedding rows
-                dense_opt.step()
-                if emb_opt is not None:
-                    emb_opt.step()
-                progress.compute_s += time.perf_counter() - t0
-                last = False
-                if skipper is not None:
-                    skipper.after_batch(batch, logits)  # warm-up, counters, snapshots, threshold fit, guard
-                    progress.skipped = skipper.detector.total.skipped
-                    # A skipping epoch has fewer batches: the run's last one is known when none follows.
-                    last = progress.epoch == max_epochs - 1 and not batches.peek(1)
-                elapsed = time.perf_counter() - tick
+def epoch_batches(run: Run) -> Any:
+    """The current epoch's training batches from where the run stands; starts the training clock."""
+    from slipcache.data.dataset import BatchIterator
 
-                n = batch.labels.shape[0]
-                progress.step += 1
-                progress.samples += n
-                progress.batch_in_epoch += 1
-                progress.train_wall_s += elapsed
-                progress.window_loss += loss_value * n
-                progress.window_samples += n
-                progress.window_wall_s += elapsed
-                bar.update(n)
+    run.tick = time.perf_counter()  # wall time includes reading and filtering batches, not eval or checkpoints
+    if run.skipper is not None:
+        run.skipper.start_epoch(run.progress.epoch, run.progress.batch_in_epoch)  # profile, open the window
+    return BatchIterator(
+        run.dataset.split("train"),
+        run.config.batch_size,
+        shuffle=True,
+        seed=run.config.seed,
+        epoch=run.progress.epoch,
+        drop_last=True,
+        sample_filter=run.skipper.sample_filter if run.skipper is not None else None,
+        start_batch=run.progress.batch_in_epoch,
+    )
 
-                last = last or progress.samples + progress.skipped >= budget
-                eval_due = progress.samples % config.eval_every == 0 or last
-                if progress.samples % config.log_every == 0 or eval_due:
-                    lookups, hits = _stats_totals(model)
-                    progress.window_lookups, progress.window_hits = lookups - base_lookups, hits - base_hits
-                    event = _close_window(progress)
-                    if skipper is not None:
-                        event.update(skipper.event_fields(progress.compute_s / progress.samples))
-                    bar.set_postfix(_postfix(event), refresh=False)
-                    if eval_due:
-                        scores = evaluate(model, val_split, max_samples=config.eval_samples)
-                        event.update({f"val_{k}": v for k, v in scores.items()})
-                        if skipper is not None:
-                            skipper.after_eval(scores)  # warm-up ends on a flat validation loss; guard
-                    progress.events.append(event)
-                    with open(run_dir / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(event) + "\n")
-                    base_lookups, base_hits = _stats_totals(model)  # evaluation lookups do not count
-                if progress.samples % config.checkpoint_every == 0 and not last:
-                    save(progress.samples)
-                if last:
-                    # A skipping run's last epoch can end with trained + skipped just under the budget (the
-                    # tail that fills no batch is dropped); it must not restart the epoch to look for more.
-                    finished = True
-                    break
-                tick = time.perf_counter()
-            else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
-                if progress.batch_in_epoch == 0:
-                    raise SlipcacheError(f"epoch {progress.epoch} produced no training batches")
-                progress.train_wall_s += time.perf_counter() - tick  # filtering the epoch's tail
-                progress.epoch += 1
-                progress.batch_in_epoch = 0
-    finally:
-        bar.close()
-    save(progress.samples)
-    return _finish(config, config_dict, run_dir, dataset, model, progress, skipper)
+
+def train_step(run: Run, batch: Any) -> float:
+    """Forward, backward and optimizer steps on one batch; returns its mean loss."""
+    t0 = time.perf_counter()
+    logits = run.model(batch.dense, batch.sparse)
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    loss_value = loss.item()
+    if not math.isfinite(loss_value):
+        # Stop before backward: a fused embedding update would write the bad gradient into storage.
+        raise _non_finite_loss(run, loss_value)
+    run.dense_opt.zero_grad(set_to_none=True)
+    if run.emb_opt is not None:
+        run.emb_opt.zero_grad(set_to_none=True)
+    loss.backward()  # with fused_update, this also updates the embedding rows
+    run.dense_opt.step()
+    if run.emb_opt is not None:
+        run.emb_opt.step()
+    run.progress.compute_s += time.perf_counter() - t0
+    if run.skipper is not None:
+        run.logits = logits.detach()  # the skipping guard follows the loss of its control inputs
+    return loss_value
+
+
+def _non_finite_loss(run: Run, loss_value: float) -> SlipcacheError:
+    p = run.progress
+    latest = run.run_dir / "checkpoints" / ckpt.LATEST
+    where = f"last good checkpoint: {latest}" if latest.exists() else "no checkpoint was written yet"
+    return SlipcacheError(
+        f"training loss is {loss_value} at sample {p.samples} (epoch {p.epoch}, "
+        f"batch {p.batch_in_epoch}); stopped. Check the input data or lower --lr; {where}"
+    )
+
+
+def record_step(run: Run, batch: Any, loss_value: float, batches: Any) -> bool:
+    """Per-batch bookkeeping after a step (skipping, counters, clock); returns whether it was the last."""
+    progress = run.progress
+    last = False
+    if run.skipper is not None:
+        run.skipper.after_batch(batch, run.logits)  # warm-up, counters, snapshots, threshold fit, guard
+        progress.skipped = run.skipper.detector.total.skipped
+        # A skipping epoch has fewer batches: the run's last one is known when none follows.
+        last = progress.epoch == run.max_epochs - 1 and not batches.peek(1)
+    elapsed = time.perf_counter() - run.tick
+    n = batch.labels.shape[0]
+    progress.step += 1
+    progress.samples += n
+    progress.batch_in_epoch += 1
+    progress.train_wall_s += elapsed
+    progress.window_loss += loss_value * n
+    progress.window_samples += n
+    progress.window_wall_s += elapsed
+    run.bar.update(n)
+    return last or run.consumed >= run.budget
+
+
+def log_event(run: Run, *, evaluate_now: bool) -> None:
+    """Close the logging window into a `metrics.jsonl` event, with validation metrics when `evaluate_now`."""
+    progress = run.progress
+    _sync_window_counts(run)
+    event = _close_window(progress)
+    if run.skipper is not None:
+        event.update(run.skipper.event_fields(progress.compute_s / progress.samples))
+    run.bar.set_postfix(_postfix(event), refresh=False)
+    if evaluate_now:
+        scores = evaluate(run.model, run.dataset.split("val"), max_samples=run.config.eval_samples)
+        event.update({f"val_{k}": v for k, v in scores.items()})
+        if run.skipper is not None:
+            run.skipper.after_eval(scores)  # warm-up ends on a flat validation loss; the guard watches AUC
+    progress.events.append(event)
+    with open(run.run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(event) + "\n")
+    run.base_lookups, run.base_hits = _stats_totals(run.model)  # evaluation lookups do not count
+
+
+def _sync_window_counts(run: Run) -> None:
+    """Cache lookups and hits of the open logging window, from the collection's cumulative counters."""
+    lookups, hits = _stats_totals(run.model)
+    run.progress.window_lookups = lookups - run.base_lookups
+    run.progress.window_hits = hits - run.base_hits
 
 
 def _close_window(progress: Progress) -> dict[str, Any]:
@@ -696,6 +835,8 @@ def _close_window(progress: Progress) -> dict[str, Any]:
         "hit_rate": hits / lookups if lookups else None,
         "samples_per_s": progress.window_samples / progress.window_wall_s if progress.window_wall_s else None,
         "train_wall_s": progress.train_wall_s,
+        # time-to-accuracy axis: cumulative training wall time, evaluation and checkpoints excluded
+        "train_seconds": progress.train_wall_s,
     }
     progress.window_loss = 0.0
     progress.window_samples = 0
@@ -711,105 +852,39 @@ def _postfix(event: dict[str, Any]) -> dict[str, str]:
     return postfix
 
 
-def _checkpoint_state(
-    config_dict: dict[str, Any],
-    table_sizes: list[int],
-    model: DLRM,
-    dense_opt: torch.optim.Optimizer,
-    emb_opt: torch.optim.Optimizer | None,
-    progress: Progress,
-) -> dict[str, Any]:
-    # The collection's own state_dict (cache contents, quantized storage, optimizer state, rounding RNG)
-    # is saved through its method, not through the parent's, which would bypass an override.
-    dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "version": CHECKPOINT_VERSION,
-        "config": config_dict,
-        "table_sizes": list(table_sizes),
-        "dense": dense,
-        "embeddings": model.embeddings.state_dict(),
-        "dense_optimizer": dense_opt.state_dict(),
-        "embedding_optimizer": emb_opt.state_dict() if emb_opt is not None else None,
-        "progress": asdict(progress),
-        "rng": _rng_state(),
-    }
-
-
-def _check_checkpoint(state: dict[str, Any], path: Path) -> None:
-    if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != CHECKPOINT_VERSION:
-        raise SlipcacheError(f"{path} is not a slipcache v{CHECKPOINT_VERSION} training checkpoint")
-
-
-def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
+def save_checkpoint(run: Run) -> None:
+    """`checkpoints/ckpt-<samples>.pt` and `latest.pt`; the open window's cache counts travel with it."""
+    _sync_window_counts(run)
+    state = checkpoint_state(run)
+    directory = run.run_dir / "checkpoints"
     try:
-        missing, unexpected = model.load_state_dict(state["dense"], strict=False)
-        missing = [k for k in missing if not k.startswith("embeddings.")]
-        if missing or unexpected:
-            raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-        model.embeddings.load_state_dict(state["embeddings"])
-    except (RuntimeError, KeyError, ValueError) as exc:
-        raise SlipcacheError(f"checkpoint does not fit the model: {str(exc).splitlines()[0]}") from exc
+        ckpt.save_run_checkpoint(directory, state, run.progress.samples, keep=run.config.keep_checkpoints)
+    except OSError as exc:  # a full disk, a quota: the previous checkpoint is intact (atomic writes)
+        complete = ckpt.complete_checkpoints(directory)
+        then = (
+            f"the last complete checkpoint is {complete[0]}; free space, then --resume {run.run_dir}"
+            if complete
+            else f"no checkpoint was written yet; free space, then --resume {run.run_dir} starts it again"
+        )
+        raise SlipcacheError(f"cannot write a checkpoint into {directory}: {exc.strerror or exc}; {then}") from exc
 
 
-def _restore(
-    state: dict[str, Any],
-    model: DLRM,
-    dense_opt: torch.optim.Optimizer,
-    emb_opt: torch.optim.Optimizer | None,
-    progress: Progress,
-) -> None:
-    _load_model_state(state, model)
-    dense_opt.load_state_dict(state["dense_optimizer"])
-    if emb_opt is not None and state["embedding_optimizer"] is not None:
-        emb_opt.load_state_dict(state["embedding_optimizer"])
-    for name, value in state["progress"].items():
-        setattr(progress, name, value)
-    _set_rng_state(state["rng"])
+def end_epoch(run: Run) -> None:
+    """The epoch's batches ran out: count the time spent filtering its tail and move to the next epoch."""
+    progress = run.progress
+    if progress.batch_in_epoch == 0:
+        raise SlipcacheError(f"epoch {progress.epoch} produced no training batches")
+    progress.train_wall_s += time.perf_counter() - run.tick
+    progress.epoch += 1
+    progress.batch_in_epoch = 0
 
 
-# Flags that may change when resuming: they extend or report on the run without changing its past.
-_RESUME_OVERRIDABLE = {"samples", "epochs", "progress", "resume", "out"}
-
-
-def _load_resume(config: TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
-    """The checkpoint to continue from, and the run's own config (with allowed overrides from `config`)."""
-    path = Path(config.resume or "")
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    state = ckpt.load_checkpoint(path)
-    _check_checkpoint(state, path)
-    saved = {k: v for k, v in state["config"].items() if k in _FIELDS}
-    defaults = TrainConfig()
-    for name in _FIELDS:
-        value = getattr(config, name)
-        if name in _RESUME_OVERRIDABLE or value == getattr(defaults, name):
-            continue  # not given (or given as the default): the checkpoint's value stands
-        if value != saved.get(name):
-            raise SlipcacheError(f"cannot change {name} when resuming (checkpoint has {saved.get(name)!r})")
-    resumed = TrainConfig(**saved)
-    resumed.resume = str(config.resume)
-    resumed.progress = config.progress
-    if config.samples is not None and config.samples != saved.get("samples"):
-        resumed.samples = config.samples
-    elif config.epochs != defaults.epochs and config.epochs != saved.get("epochs"):
-        resumed.epochs, resumed.samples = config.epochs, None
-    resumed.out = config.out or str(Path(state["config"]["out"]))
-    return state, resumed
-
-
-def _finish(
-    config: TrainConfig,
-    config_dict: dict[str, Any],
-    run_dir: Path,
-    dataset: Any,
-    model: DLRM,
-    progress: Progress,
-    skipper: StaleSkipper | None = None,
-) -> dict[str, Any]:
+def finish_run(run: Run) -> dict[str, Any]:
     """Test-set evaluation, summary.json and report.md."""
-    test = evaluate(model, dataset.split("test"))
+    progress, model = run.progress, run.model
+    test = evaluate(model, run.dataset.split("test"))
     memory = model.embeddings.memory_report()
+    skipper = run.skipper
     summary: dict[str, Any] = {
         "auc": test["auc"],
         "logloss": test["logloss"],
@@ -828,14 +903,274 @@ def _finish(
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
         "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
         "staleness": skipper.summary(progress.compute_s / progress.samples) if skipper is not None else None,
-        "run_dir": str(run_dir),
-        "config": config_dict,
+        "data_quality": run.data_quality,
+        "run_dir": str(run.run_dir),
+        "config": run.config_dict,
     }
-    _write_json(run_dir / "summary.json", summary)
+    _write_json(run.run_dir / "summary.json", summary)
     from slipcache.training.report import write_report
 
-    write_report(run_dir, progress.events, summary)
+    write_report(run.run_dir, progress.events, summary)
     return summary
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints and resuming
+
+
+def checkpoint_state(run: Run) -> dict[str, Any]:
+    """Every piece of state the loop reads, so a resumed run ends exactly where an uninterrupted one ends."""
+    # The collection's own state_dict (cache contents, quantized storage, optimizer state, rounding RNG)
+    # is saved through its method, not through the parent's, which would bypass an override.
+    model = run.model
+    dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "version": ckpt.FORMAT_VERSION,
+        "config": run.config_dict,
+        "table_sizes": list(run.dataset.table_sizes),
+        "dense": dense,
+        "embeddings": model.embeddings.state_dict(),
+        "dense_optimizer": run.dense_opt.state_dict(),
+        "embedding_optimizer": run.emb_opt.state_dict() if run.emb_opt is not None else None,
+        "progress": asdict(run.progress),
+        "rng": _rng_state(),
+        "skipping": run.skipper.state_dict() if run.skipper is not None else None,
+    }
+
+
+def restore(
+    state: dict[str, Any],
+    model: DLRM,
+    dense_opt: torch.optim.Optimizer,
+    emb_opt: torch.optim.Optimizer | None,
+    progress: Progress,
+    skipper: StaleSkipper | None,
+) -> None:
+    """Load what `checkpoint_state` saved into freshly built objects."""
+    _load_model_state(state, model)
+    dense_opt.load_state_dict(state["dense_optimizer"])
+    if emb_opt is not None and state["embedding_optimizer"] is not None:
+        emb_opt.load_state_dict(state["embedding_optimizer"])
+    for name, value in state["progress"].items():
+        setattr(progress, name, value)
+    _set_rng_state(state["rng"])
+    if skipper is not None:
+        skipper.load_state_dict(state["skipping"])
+
+
+def _check_checkpoint(state: dict[str, Any], path: Path) -> None:
+    """The file verified (see `checkpoint.load_checkpoint`); is it a training checkpoint of this version?"""
+    if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != ckpt.FORMAT_VERSION:
+        raise SlipcacheError(
+            f"{path} is not a slipcache training checkpoint of format version {ckpt.FORMAT_VERSION} "
+            f"(it holds format {state.get('format')!r}, version {state.get('version')!r})"
+        )
+    sizes = state.get("table_sizes")
+    parts = ("dense", "embeddings", "dense_optimizer", "progress", "rng")
+    if (
+        not isinstance(sizes, list)
+        or not all(isinstance(n, int) and n >= 1 for n in sizes)
+        or not all(isinstance(state.get(k), dict) for k in parts)
+    ):
+        raise SlipcacheError(f"checkpoint {path} is incomplete or malformed (table sizes or state missing)")
+
+
+def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
+    try:
+        missing, unexpected = model.load_state_dict(state["dense"], strict=False)
+        missing = [k for k in missing if not k.startswith("embeddings.")]
+        if missing or unexpected:
+            raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        model.embeddings.load_state_dict(state["embeddings"])
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise SlipcacheError(f"checkpoint does not fit the model: {str(exc).splitlines()[0]}") from exc
+
+
+
+
+# Fields that say where and how a run reports, not what it computes: free to differ on resume.
+_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes"}
+# Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
+_STATE_DEFINING = {
+    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "strict",
+    "embeddings", "precision", "cache_size", "policy", "rounding", "optimizer", "embedding_dim",
+    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale",
+}  # fmt: skip
+
+
+def _warn(message: str) -> None:
+    print(f"slipcache train: warning: {message}", file=sys.stderr)
+
+
+def _is_run_dir(path: Path) -> bool:
+    """Whether `path` is a directory `slipcache train` made (its config.json names a run's dataset)."""
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"dataset", "embeddings", "seed"} <= saved.keys()
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    directory = run_dir / "checkpoints"
+    return directory.is_dir() and any(p.suffix == ".pt" for p in directory.iterdir())
+
+
+def _prepare_out(path: Path, *, restart_ok: bool) -> Path:
+    """Create the run directory `path` (absolute): new, empty, or, with `restart_ok`, a run that stopped
+    before its first checkpoint. Anything else holds someone's files or another run: refused."""
+    path = path.expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise SlipcacheError(f"--out {path} is a file, not a directory")
+    if path.is_dir() and any(path.iterdir()):
+        if not _is_run_dir(path):
+            raise SlipcacheError(
+                f"--out {path} is not empty and is not a slipcache run directory; choose a new or empty one"
+            )
+        if _has_checkpoint(path) or not restart_ok:
+            raise SlipcacheError(f"run directory {path} already holds a run; use --resume {path} or another --out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SlipcacheError(f"cannot create run directory {path}: {exc.strerror or exc}") from exc
+    return path
+
+
+def _resume_location(resume: str) -> tuple[Path, Path | None]:
+    """(checkpoint file, the run directory holding it or None for a loose file) named by `--resume`."""
+    path = Path(resume).expanduser().resolve()
+    if path.is_dir():
+        if path.name == "checkpoints" and _is_run_dir(path.parent):
+            return path / ckpt.LATEST, path.parent
+        if _is_run_dir(path) or (path / "checkpoints").is_dir():
+            return path / "checkpoints" / ckpt.LATEST, path
+        raise SlipcacheError(f"--resume {path}: not a slipcache run directory or checkpoint file")
+    if path.is_file():
+        if path.parent.name == "checkpoints" and _is_run_dir(path.parent.parent):
+            return path, path.parent.parent
+        return path, None
+    raise SlipcacheError(f"--resume {path}: no such run directory or checkpoint file")
+
+
+def _load_resume(
+    config: TrainConfig,
+) -> tuple[dict[str, Any] | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
+    """(checkpoint state or None, the run's saved config, the config to continue with, changed settings).
+
+    The resumed run writes into the directory `--resume` names, whatever the checkpoint says (a copied
+    run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
+    stopped before its first checkpoint (a full disk) starts again from its config.json.
+    """
+    path, home = _resume_location(config.resume or "")
+    if config.out is not None and (home is None or Path(config.out).expanduser().resolve() != home):
+        run_dir = _prepare_out(Path(config.out), restart_ok=False)
+    elif home is None:
+        raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
+    else:
+        run_dir = home
+    if home is not None and path.name == ckpt.LATEST and not _has_checkpoint(home):
+        _warn(f"{home} has no checkpoint (it stopped before the first one); starting it again from the beginning")
+        state, saved = None, json.loads((home / "config.json").read_text())
+        where = f"{home / 'config.json'}"
+    else:
+        state = _load_checkpoint_or_name_others(path)
+        saved, where = state["config"], f"checkpoint {path}"
+    resumed = _config_from_saved(saved, where)
+    changes = _resume_changes(config, resumed)
+    if changes:
+        listing = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changes.items())
+        if not config.allow_changes:
+            raise SlipcacheError(
+                f"resuming would change the run's definition ({listing}); leave these flags out, "
+                "or pass --allow-changes to continue with them"
+            )
+        fixed = sorted(changes.keys() & _STATE_DEFINING)
+        if fixed:
+            raise SlipcacheError(
+                f"cannot change {', '.join(fixed)} when resuming, even with --allow-changes: "
+                "the checkpoint's state depends on it"
+            )
+        for name, (_, new) in changes.items():
+            setattr(resumed, name, new)
+        if "epochs" in changes and "samples" not in changes:
+            resumed.samples = None  # derive the budget from the new epoch count
+    resumed.resume, resumed.progress, resumed.allow_changes = config.resume, config.progress, config.allow_changes
+    resumed.out = str(run_dir)
+    return state, saved, resumed, {k: list(v) for k, v in changes.items()}
+
+
+def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Settings given for the resume that differ from the run's (a value equal to the default counts as
+    not given: the run's own value stands)."""
+    defaults = TrainConfig()
+    changes = {}
+    for name in _FIELDS:
+        value, old = getattr(config, name), getattr(saved, name)
+        if name in _RUN_INDEPENDENT or value == getattr(defaults, name):
+            continue
+        if name == "data" and value is not None and old is not None:
+            value = str(Path(value).expanduser().resolve())
+        if value != old:
+            changes[name] = (old, value)
+    return changes
+
+
+def _config_from_saved(saved: Any, where: str) -> TrainConfig:
+    """A run's config from its checkpoint or config.json, checked like any other input."""
+    if not isinstance(saved, dict):
+        raise SlipcacheError(f"{where} holds no run config")
+    try:
+        config = TrainConfig(**{k: v for k, v in saved.items() if k in _FIELDS})
+        config.validate()
+    except (TypeError, SlipcacheError) as exc:
+        raise SlipcacheError(f"{where} holds an invalid run config: {exc}") from exc
+    return config
+
+
+def _load_checkpoint_or_name_others(path: Path) -> dict[str, Any]:
+    """A verified training checkpoint; when it is damaged or missing, the error names the complete older
+    checkpoints beside it and how to resume from one."""
+    try:
+        state = ckpt.load_checkpoint(path)
+    except ckpt.CorruptCheckpointError as exc:
+        older = [p for p in ckpt.complete_checkpoints(path.parent) if p.name != path.name]
+        if not older:
+            raise
+        names = ", ".join(p.name for p in older)
+        raise SlipcacheError(
+            f"{exc}; complete older checkpoints: {names}; to continue from the newest: --resume {older[0]}"
+        ) from exc
+    _check_checkpoint(state, path)
+    return state
+
+
+def _dataset_dir(config: TrainConfig, saved_dataset: str | None) -> Path:
+    """The dataset a run reads: the one it started on while that is still there, else prepared anew."""
+    if saved_dataset is not None and (Path(saved_dataset) / "meta.json").is_file():
+        return Path(saved_dataset)
+    return prepare_data(config)
+
+
+def data_quality(dataset: Any) -> dict[str, Any] | None:
+    """Lines read and skipped as malformed when the dataset was preprocessed from raw files (else None)."""
+    source = dataset.meta.get("source") or {}
+    if "bad_lines" not in source:
+        return None
+    return {
+        "good_lines": int(source.get("good_lines", 0)),
+        "malformed_lines": int(source["bad_lines"]),
+        "examples": list(source.get("bad_examples", [])),
+    }
+
+
+def _malformed_message(quality: dict[str, Any], data: str | None) -> str:
+    total = quality["good_lines"] + quality["malformed_lines"]
+    lines = [
+        f"{quality['malformed_lines']:,} of {total:,} lines of {data} are malformed and were skipped "
+        "(--strict stops at the first); the first:"
+    ]
+    return "\n  ".join(lines + quality["examples"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -867,6 +1202,9 @@ def summary_table(summary: dict[str, Any]) -> str:
     ]
     if summary.get("cache_hit_rate") is not None:
         rows.insert(4, ("cache hit rate", f"{100 * summary['cache_hit_rate']:.1f}%"))
+    quality = summary.get("data_quality")
+    if quality and quality["malformed_lines"]:
+        rows.append(("malformed lines", f"{quality['malformed_lines']:,} skipped (see report.md)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -883,7 +1221,18 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "default: synthetic data",
     )
     add("--out", default=s, help="run directory (default runs/<timestamp>)")
-    add("--resume", metavar="RUN_OR_CHECKPOINT", default=s, help="continue an interrupted run")
+    add(
+        "--resume",
+        metavar="RUN_OR_CHECKPOINT",
+        default=s,
+        help="continue an interrupted run, in its own directory (or a new empty --out)",
+    )
+    add(
+        "--allow-changes",
+        action="store_true",
+        default=s,
+        help="with --resume: continue with settings that differ from the run's (e.g. a larger --samples)",
+    )
     add("--quick", action="store_true", default=s, help="small synthetic run, well under a minute")
     add(
         "--embeddings",
@@ -892,7 +1241,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="cached = mixed-precision + fp32 cache (default); torch = fp32 nn.EmbeddingBag baseline",
     )
     add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
-    add("--cache-size", type=float, default=s, help="cache rows: fraction (<1) or count (default 0.05)")
+    add("--cache-size", type=float, default=s, help="share of rows cached, 0..1; 1 = every row (default 0.05)")
+    add("--cache-rows", type=int, default=s, help="cache capacity as a number of rows (overrides --cache-size)")
     add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
     add("--rounding", choices=ROUNDINGS, default=s, help="rounding into storage (default stochastic)")
     add("--optimizer", choices=OPTIMIZERS, default=s, help="embedding optimizer (default sgd)")
@@ -901,8 +1251,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", type=int, default=s, help="samples per batch (default 256)")
     add("--epochs", type=int, default=s, help="passes over the training split (default 1)")
     add("--samples", type=int, default=s, help="training budget in samples (overrides --epochs)")
-    add("--eval-every", type=int, default=s, help="samples between validation runs (default: 10 per run)")
-    add("--eval-samples", type=int, default=s, help="validation samples per evaluation (default 100000)")
+    add(
+        "--eval-every",
+        metavar="SAMPLES",
+        type=int,
+        default=s,
+        help="evaluate on the validation split after every SAMPLES samples consumed (trained or skipped; "
+        "default: 10 per run)",
+    )
+    add(
+        "--eval-samples",
+        metavar="N",
+        type=int,
+        default=s,
+        help="validation samples per evaluation, the first N of the split (default 100000)",
+    )
     add("--checkpoint-every", type=int, default=s, help="samples between checkpoints (default: 4 per run)")
     add("--dim", dest="embedding_dim", type=int, default=s, help="embedding dimension (default 16)")
     add("--seed", type=int, default=s, help="random seed (default 0)")
@@ -984,19 +1347,20 @@ def evaluate_checkpoint(
     checkpoint_path: str | Path, *, data: str | None = None, split: str = "test", samples: int | None = None
 ) -> dict[str, float]:
     """Metrics of a saved model on a dataset split."""
-    path = Path(checkpoint_path)
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    state = ckpt.load_checkpoint(path)
-    _check_checkpoint(state, path)
-    saved = state["config"]
-    config = TrainConfig(**{k: v for k, v in saved.items() if k in _FIELDS})
+    if samples is not None and samples < 1:
+        raise SlipcacheError(f"--samples must be at least 1, got {samples}")
+    path = Path(checkpoint_path).expanduser().resolve()
+    if path.is_dir():
+        path = path / "checkpoints" / ckpt.LATEST if (path / "checkpoints").is_dir() else path / ckpt.LATEST
+    state = _load_checkpoint_or_name_others(path)
+    config = _config_from_saved(state["config"], f"checkpoint {path}")
     config.progress = False
     if data is not None:
-        config.data = data
-        dataset_dir = prepare_data(config, Path(saved["out"]).parent / "data-cache")
+        config.data = str(Path(data).expanduser().resolve())
+        dataset_dir = prepare_data(config)
     else:
-        dataset_dir = Path(saved["dataset"])
+        saved_dataset = state["config"].get("dataset")
+        dataset_dir = _dataset_dir(config, saved_dataset if isinstance(saved_dataset, str) else None)
     dataset = open_dataset(dataset_dir)
     check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
     if split not in dataset.splits or not dataset.splits[split]:

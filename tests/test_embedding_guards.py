@@ -1,0 +1,174 @@
+"""What reaches the compiled loops, what dtype/device conversion of the module means, non-finite values."""
+
+import pytest
+import torch
+
+from slipcache import _native
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.errors import SlipcacheError
+
+SIZES = [40, 7, 300, 3]
+needs_native = pytest.mark.skipif(_native.native() is None, reason="no C compiler: only the torch path exists")
+
+
+def small(precision: str = "int8", **kwargs) -> CachedEmbeddingBagCollection:
+    return CachedEmbeddingBagCollection(EmbeddingConfig(SIZES, dim=4, precision=precision, **kwargs))
+
+
+def ids(seed: int = 0, batch: int = 16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randint(0, n, (batch,), generator=g) for n in SIZES], dim=1)
+
+
+@needs_native
+def test_compiled_sgd_refuses_what_it_would_write_past() -> None:
+    slots = torch.tensor([0, 1])
+    grad = torch.ones(2, 4)
+    with pytest.raises(ValueError, match="weights must be a contiguous CPU tensor of dtype torch.float32"):
+        _native.sgd_update(torch.zeros(5, 4, dtype=torch.float16), slots, grad, 0.1)
+    with pytest.raises(ValueError, match="not contiguous"):
+        _native.sgd_update(torch.zeros(4, 5).t(), slots, torch.ones(2, 5), 0.1)
+    with pytest.raises(ValueError, match=r"grad .* shape \(2, 4\)"):
+        _native.sgd_update(torch.zeros(5, 4), slots, torch.ones(2, 3), 0.1)
+    with pytest.raises(ValueError, match="slots must be .* torch.int64"):
+        _native.sgd_update(torch.zeros(5, 4), slots.int(), grad, 0.1)
+    weights = torch.zeros(5, 4)
+    with pytest.raises(ValueError, match=r"slot 5 is outside \[0, 5\)"):
+        _native.sgd_update(weights, torch.tensor([0, 5]), grad, 0.1)
+    with pytest.raises(ValueError, match=r"slot -1 is outside"):
+        _native.sgd_update(weights, torch.tensor([-1, 0]), grad, 0.1)
+    assert not weights.any()  # a refused call writes nothing
+
+
+@needs_native
+def test_compiled_lookup_refuses_mismatched_bookkeeping() -> None:
+    slot_rows = torch.full((8,), -1, dtype=torch.int32)
+    rows = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"last_used .* shape \(8,\)"):
+        _native.lookup(slot_rows, 2, 4, 3, rows, torch.zeros(4, dtype=torch.int32), None, 1)
+    with pytest.raises(ValueError, match="rows must be .* torch.int64"):
+        _native.lookup(slot_rows, 2, 4, 3, rows.int(), None, None, 1)
+    with pytest.raises(ValueError, match=r"slot_rows .* shape \(12,\)"):
+        _native.lookup(slot_rows, 3, 4, 3, rows, None, None, 1)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("convert", ["half", "double", "float", "bfloat16"])
+def test_dtype_conversion_of_the_module_is_refused(precision: str, convert: str) -> None:
+    coll = small(precision, cache_size=0.1)
+    coll(ids()).sum().backward()
+    before = {name: (b.dtype, b.clone()) for name, b in coll.named_buffers()}
+    if convert == "float" and precision == "fp32":
+        getattr(coll, convert)()  # nothing would change: allowed
+    else:
+        with pytest.raises(SlipcacheError, match="keeps its dtypes"):
+            getattr(coll, convert)()
+    for name, b in coll.named_buffers():  # untouched, and training goes on
+        assert b.dtype == before[name][0] and torch.equal(b, before[name][1]), name
+    coll(ids(1)).sum().backward()
+
+
+def test_to_device_moves_every_piece_of_state() -> None:
+    """Without a second device here, `meta` stands in: every tensor and device attribute must follow."""
+    coll = small("int8", cache_size=0.1, optimizer="adagrad")
+    coll(ids()).sum().backward()
+    coll.to("meta")
+    assert {b.device.type for b in coll.buffers()} == {"meta"}
+    assert coll.device.type == coll.storage_device.type == coll._anchor.device.type == "meta"
+    assert coll.config.cache_device == coll.config.storage_device == "meta"
+    assert coll._generator is None
+    coll = small("int8", cache_size=0.1)
+    state = coll._generator.get_state()
+    coll.to("cpu")  # same device: the generator is kept as it is
+    assert torch.equal(coll._generator.get_state(), state)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "fp16", "bf16", "fp32"])
+def test_storage_never_holds_inf_or_nan_and_counts_what_it_changed(precision: str) -> None:
+    from slipcache.embedding.quant import RowStorage
+
+    storage = RowStorage(4, 8, precision)
+    x = torch.linspace(-0.5, 0.5, 32).view(4, 8).clone()
+    x[0, 3] = -1e5  # below the fp16 bias range: used to make the bias (and the whole row) -inf
+    x[1, 0] = float("inf")
+    x[1, 1] = float("nan")
+    x[2, 5] = 3.3e38  # near the fp32 maximum
+    fitted = storage.write(torch.arange(4), x, "nearest", None)
+    y = storage.read(torch.arange(4), torch.device("cpu"))
+    assert bool(torch.isfinite(y).all())
+    assert fitted.nonfinite is not None and fitted.nonfinite.tolist() == [0, 2, 0, 0]
+    expected_saturated = [0, 0, 0, 0] if precision in ("fp32", "bf16") else [1, 0, 1, 0]
+    assert fitted.saturated.tolist() == expected_saturated
+    # an untouched row keeps its precision; a saturated row keeps its other values within the coarser step
+    assert torch.allclose(y[3], x[3], atol=0.01 if precision != "int4" else 0.05)
+    step = {"int8": 240.0, "int4": 240.0}.get(precision, 1e-2)
+    others = torch.ones(8, dtype=torch.bool)
+    others[3] = False
+    assert float((y[0, others] - x[0, others]).abs().max()) <= step
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "fp16"])
+def test_a_huge_update_saturates_one_value_not_the_row(precision: str) -> None:
+    """One finite update of -1e6 used to turn the whole int8 row into -inf."""
+    coll = small(precision, cache_size=0.0, policy="none", lr=1.0)
+    row_ids = torch.tensor([[1, 1, 1, 1]])
+    before = coll.read_rows(torch.tensor([1]))
+    out = coll(row_ids)
+    grad = torch.zeros_like(out)
+    grad[0, 0, 2] = 1e6
+    out.backward(grad)
+    values = coll.read_rows(torch.tensor([1]))
+    assert bool(torch.isfinite(values).all())
+    assert float(values[0, 2]) < -1000  # pushed as far down as the storage goes
+    kept = [0, 1, 3]
+    tolerance = 240.0 if precision.startswith("int") else 1e-3  # the saturated int row's step
+    assert float((values[0, kept] - before[0, kept]).abs().max()) <= tolerance
+    stats = coll.stats()
+    assert stats["saturated_values"] >= 1 and stats["per_table"][0]["saturated_values"] >= 1
+    assert stats["per_table"][1]["saturated_values"] == 0
+
+
+def test_a_non_finite_gradient_skips_the_update_and_is_counted() -> None:
+    coll = small("int8", cache_size=0.1)
+    before = torch.cat(coll.export_tables())
+    out = coll(ids())
+    grad = torch.ones_like(out)
+    grad[3, 2, 1] = float("nan")
+    out.backward(grad)
+    assert torch.allclose(torch.cat(coll.export_tables()), before, atol=1e-6, rtol=0)
+    assert coll.stats()["skipped_updates"] == 1
+    coll(ids()).sum().backward()  # the next finite step trains again
+    assert not torch.allclose(torch.cat(coll.export_tables()), before, atol=1e-3, rtol=0)
+
+
+def test_load_tables_counts_saturated_values_per_table() -> None:
+    coll = small("fp16", cache_size=0.0, policy="none")
+    tables = [torch.zeros(n, 4) for n in SIZES]
+    tables[2][5, 1] = 1e6
+    tables[2][6, 0] = float("-inf")
+    coll.load_tables(tables)
+    per_table = coll.stats()["per_table"]
+    assert [t["saturated_values"] for t in per_table] == [0, 0, 1, 0]
+    assert [t["nonfinite_values"] for t in per_table] == [0, 0, 1, 0]
+    assert bool(torch.isfinite(torch.cat(coll.export_tables())).all())
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "fp16", "bf16"])
+def test_one_seed_starts_every_precision_from_the_rounding_of_the_same_rows(precision: str) -> None:
+    from slipcache.embedding.quant import RowStorage
+
+    fp32 = torch.cat(small("fp32", seed=3).export_tables())
+    low = torch.cat(small(precision, seed=3).export_tables())
+    rounded = RowStorage(fp32.shape[0], 4, precision)
+    rounded.write_range(0, fp32, "nearest", None)
+    assert torch.equal(low, rounded.read(torch.arange(fp32.shape[0]), torch.device("cpu")))
+    assert not torch.equal(low, torch.cat(small(precision, seed=4).export_tables()))  # the seed matters
+    # the draw is DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table
+    assert float(fp32[:40].abs().max()) <= 40**-0.5 and float(fp32[47:347].abs().max()) <= 300**-0.5
+
+
+def test_initialization_chunks_are_bounded() -> None:
+    from slipcache.embedding.collection import _init_chunk_rows
+
+    assert _init_chunk_rows(16) == 1 << 20  # the draws of dim <= 16 are those of earlier versions
+    assert _init_chunk_rows(128) * 128 * 4 <= 64 << 20

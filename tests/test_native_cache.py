@@ -1,0 +1,105 @@
+"""The compiled-library cache: private, checked before loading, atomic, keyed, self-repairing, bounded."""
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from slipcache import _native
+
+pytestmark = pytest.mark.skipif(_native._compiler() is None, reason="no C compiler")
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def built_library(directory: Path) -> Path:
+    (library,) = directory.glob("slipcache_native_*.so")
+    return library
+
+
+def test_fresh_cache_is_private_and_loads(tmp_path: Path) -> None:
+    directory = tmp_path / "cache" / "native"
+    library = _native.load_library(directory)
+    assert library.sgd_update is not None
+    assert mode(directory) == 0o700
+    assert mode(built_library(directory)) & 0o077 == 0
+    assert [p.name for p in directory.iterdir()] == [built_library(directory).name]  # no temporary left
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "native"
+    directory.mkdir()
+    directory.chmod(0o777)
+    with pytest.raises(_native.UnsafeCacheError, match="writable by its group or by everyone"):
+        _native.load_library(directory)
+    assert not list(directory.iterdir())  # nothing built, nothing loaded
+    world = tmp_path / "world"
+    world.mkdir()
+    world.chmod(0o777)  # without the sticky bit anyone could swap the directory itself
+    with pytest.raises(_native.UnsafeCacheError, match="writable by everyone"):
+        _native.load_library(world / "native")
+
+
+def test_a_link_instead_of_the_directory_is_refused(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / "native").symlink_to(elsewhere)
+    with pytest.raises(_native.UnsafeCacheError, match="not a directory"):
+        _native.load_library(tmp_path / "native")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a file to another user")
+def test_a_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "native"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)
+    with pytest.raises(_native.UnsafeCacheError, match="belongs to another user"):
+        _native.load_library(directory)
+
+
+def test_a_planted_or_corrupt_library_is_replaced_by_a_fresh_build(tmp_path: Path) -> None:
+    """Each case in a fresh directory: a library once loaded stays mapped under its name in this process."""
+    _native.load_library(tmp_path / "reference")
+    good = built_library(tmp_path / "reference").read_bytes()
+    name = built_library(tmp_path / "reference").name
+    for case, content, file_mode in (("corrupt", b"not a shared object", 0o600), ("planted", good, 0o666)):
+        directory = tmp_path / case
+        directory.mkdir(mode=0o700)
+        (directory / name).write_bytes(content)
+        (directory / name).chmod(file_mode)  # 0o666: anyone could have rewritten it; never loaded as it is
+        _native.load_library(directory)
+        assert (directory / name).read_bytes() == good and mode(directory / name) & 0o077 == 0, case
+
+
+def test_cache_key_follows_compiler_flags_and_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiler = _native._compiler()
+    key = _native.cache_key(compiler)
+    assert _native.cache_key(compiler) == key
+    assert _native.cache_key(compiler, ("-O2", "-shared", "-fPIC")) != key
+    monkeypatch.setattr(_native, "_SOURCE", _native._SOURCE + "\n/* changed */\n")
+    assert _native.cache_key(compiler) != key
+
+
+def test_a_hanging_compiler_times_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "slowcc"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\nsleep 5\n")
+    fake.chmod(0o700)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setattr(_native, "BUILD_TIMEOUT_S", 0.3)
+    with pytest.raises(OSError, match="took over 0.3 s"):
+        _native.load_library(tmp_path / "native")
+
+
+def test_unavailable_library_warns_once_and_torch_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    (cache / "native").mkdir(parents=True)
+    (cache / "native").chmod(0o775)
+    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_library", None)
+    with pytest.warns(UserWarning, match="compiled loops unavailable, using torch: .*writable"):
+        assert _native.native() is None
+    assert _native.native() is None  # decided once

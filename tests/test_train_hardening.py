@@ -1,0 +1,239 @@
+"""Issue 12, trainer and CLI: runs never write into another run or the user's files, damaged checkpoints
+and bad input get one-line errors, a full disk does not strand a run."""
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slipcache.cli import main
+from slipcache.errors import SlipcacheError
+from slipcache.training import checkpoint
+from slipcache.training import trainer as train
+from tests.helpers import make_dataset
+from tests.helpers import tiny_config as tiny
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("data"))
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def interrupted_run(data_dir: Path, run: Path, monkeypatch: pytest.MonkeyPatch, **overrides: object) -> None:
+    """A one-epoch run killed after its second checkpoint (at 1280 of 1984 samples)."""
+    real_loss = torch.nn.functional.binary_cross_entropy_with_logits
+    calls = {"n": 0}
+
+    def crash(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 25:
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(train.F, "binary_cross_entropy_with_logits", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny(data_dir, run, epochs=1, **overrides))
+    monkeypatch.undo()
+
+
+def resume(run: Path | str, **flags: object) -> dict:
+    return train.train(train.make_config({}, {"resume": str(run), "progress": False, **flags}))
+
+
+def cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def test_resume_writes_only_into_the_directory_it_names(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = tmp_path / "original"
+    interrupted_run(data_dir, original, monkeypatch)
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    before = files(original)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # a relative --resume from another working directory
+    summary = resume(os.path.relpath(copy))
+    assert Path(summary["run_dir"]) == copy and (copy / "summary.json").is_file()
+    assert files(original) == before  # the run the checkpoint came from is untouched
+    assert list(elsewhere.iterdir()) == []  # and nothing appeared in the working directory
+
+    with pytest.raises(SlipcacheError, match="already holds a run"):
+        resume(original, out=str(copy))  # --resume A --out B never overwrites run B
+    moved = tmp_path / "moved"
+    assert Path(resume(original, out=str(moved))["run_dir"]) == moved  # a new --out is fine
+    assert files(original) == before
+    assert json.loads((moved / "summary.json").read_text())["auc"] == summary["auc"]
+
+
+def test_damaged_latest_names_the_complete_older_checkpoints(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    interrupted_run(data_dir, run, monkeypatch, keep_checkpoints=3)
+    latest = run / "checkpoints" / "latest.pt"
+    data = bytearray(latest.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one flipped bit in the payload: this used to load and train on
+    latest.write_bytes(bytes(data))
+    older = run / "checkpoints" / "ckpt-000000000640.pt"
+    with pytest.raises(SlipcacheError, match="checksum mismatch") as info:
+        resume(run)
+    message = str(info.value)
+    assert "\n" not in message and f"complete older checkpoints: {older.name}" in message
+    assert f"--resume {older}" in message
+    with pytest.raises(SlipcacheError, match="checksum mismatch"):
+        train.evaluate_checkpoint(run)
+    summary = resume(older)  # as the message says
+    assert summary["train_samples"] == 1984 and Path(summary["run_dir"]) == run
+
+
+def test_malformed_lines_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    raw = tmp_path / "day.tsv"
+    lines = []
+    for i in range(1000):
+        cats = [f"{v:08x}" for v in rng.integers(0, 50, 26)]
+        line = "\t".join([str(int(rng.random() < 0.3)), *map(str, rng.integers(0, 9, 13)), *cats])
+        lines.append("not a criteo line" if i % 10 == 3 else line)
+    raw.write_text("\n".join(lines) + "\n")
+    config = tmp_path / "tiny.yaml"
+    config.write_text("bottom_mlp: [16, 8]\ntop_mlp: [16, 1]\nembeddings: torch\nbatch_size: 64\n")
+    run = tmp_path / "run"
+    code = main(["train", "--config", str(config), "--data", str(raw), "--dim", "8", "--vocab", "hash",
+                 "--max-rows", "64", "--out", str(run), "--no-progress"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "100 of 1,000 lines of" in captured.err and f"{raw}:4: expected 15 to 40 fields, found 1" in captured.err
+    assert "malformed lines" in captured.out
+    quality = json.loads((run / "summary.json").read_text())["data_quality"]
+    assert quality["malformed_lines"] == 100 and quality["good_lines"] == 900
+    assert quality["examples"][1] == f"{raw}:14: expected 15 to 40 fields, found 1"
+    report = (run / "report.md").read_text()
+    assert "100 of 1,000 lines were malformed" in report and f"{raw}:24:" in report
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "day.tsv", "run", "tiny.yaml"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--cache-size", "inf"], "cache_size must be a finite number, got inf"),
+        (["--lr", "inf"], "lr must be a finite number, got inf"),
+        (["--lr", "nan"], "lr must be a finite number"),
+        (["--seed", "-1"], "seed must be in"),
+        (["--seed", str(2**40)], "seed must be in"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    code, err = cli(["train", "--out", str(tmp_path / "run"), *flags], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_out_must_be_new_empty_or_a_run(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for out, message in [
+        (a_file, "is a file, not a directory"),
+        (a_file / "run", "cannot create run directory"),
+        (tmp_path, "is not empty and is not a slipcache run directory"),
+    ]:
+        code, err = cli(["train", "--data", str(data_dir), "--out", str(out)], capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+    monkeypatch.chdir(tmp_path)
+    code, err = cli(["train", "--data", str(data_dir), "--out", "."], capsys)
+    assert code == 2 and "not a slipcache run directory" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and a_file.read_text() == "mine"
+
+
+def test_full_disk_at_the_first_checkpoint_does_not_strand_the_run(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_space(obj: object, f: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(checkpoint.torch, "save", no_space)
+    with pytest.raises(SlipcacheError, match="No space left on device; no checkpoint was written yet") as info:
+        train.train(tiny(data_dir, run, epochs=1))
+    assert "\n" not in str(info.value) and not list((run / "checkpoints").iterdir())
+    monkeypatch.undo()
+    assert resume(run)["train_samples"] == 1984  # starts again from its config.json
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").mkdir()
+    assert train.train(tiny(data_dir, run, epochs=1))["train_samples"] == 1984  # --out again works too
+
+
+def test_full_disk_later_names_the_last_checkpoint(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def fill_up(obj: object, f: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_save(obj, f)
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(checkpoint.torch, "save", fill_up)
+    with pytest.raises(SlipcacheError, match=r"last complete checkpoint is .*ckpt-000000000640.pt; free space"):
+        train.train(tiny(data_dir, run, epochs=1))
+    monkeypatch.undo()
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")] == []
+    assert resume(run)["train_samples"] == 1984
+
+
+def test_eval_rejects_bad_samples_and_crafted_checkpoints(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    train.train(tiny(Path(os.path.relpath(data_dir)), Path("run"), epochs=1))  # relative paths
+    for samples in ("0", "-5"):
+        code, err = cli(["eval", "--checkpoint", str(run), "--samples", samples], capsys)
+        assert code == 2 and "--samples must be at least 1" in err
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the stored paths still work from another directory
+    assert main(["eval", "--checkpoint", os.path.relpath(run), "--samples", "100"]) == 0
+    assert "100 samples" in capsys.readouterr().out
+
+    state = checkpoint.load_checkpoint(run / "checkpoints")
+    for bad_config, message in [
+        ({**state["config"], "lr": "fast"}, "holds an invalid run config: lr: expected float"),
+        ({**state["config"], "bottom_mlp": [-3, 8]}, "MLP layer sizes must be positive"),
+        ({**state["config"], "batch_size": 0}, "batch_size must be positive"),
+        ("rm -rf /", "holds no run config"),
+    ]:
+        checkpoint.save_checkpoint(tmp_path / "crafted.pt", {**state, "config": bad_config})
+        code, err = cli(["eval", "--checkpoint", str(tmp_path / "crafted.pt")], capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+    checkpoint.save_checkpoint(tmp_path / "crafted.pt", {**state, "table_sizes": "many"})
+    code, err = cli(["eval", "--checkpoint", str(tmp_path / "crafted.pt")], capsys)
+    assert code == 2 and "incomplete or malformed" in err
+
+
+def test_dim_moves_the_bottom_mlp(data_dir: Path, tmp_path: Path) -> None:
+    assert train.make_config({}, {"embedding_dim": 32}).bottom_mlp == [512, 256, 64, 32]
+    assert train.make_config({}, {"quick": True, "embedding_dim": 32}).bottom_mlp == [128, 64, 32]
+    assert train.make_config({}, {"embedding_dim": 32, "bottom_mlp": [8, 32]}).bottom_mlp == [8, 32]
+    config = train.make_config({}, {"data": str(data_dir), "out": str(tmp_path / "run"), "embedding_dim": 32,
+                                    "embeddings": "torch", "samples": 256, "progress": False})  # fmt: skip
+    assert train.train(config)["train_samples"] == 256
