@@ -201,7 +201,9 @@ def slipstream_grid(preset: Preset, seeds: int) -> list[Setup]:
     if preset.full_grid:
         variants = [(d, "convergence", "val") for d in (0.3, 0.5, 0.7)] + [(0.5, "paper", "val"), (0.3, "paper", "off")]
     else:
-        variants = [(d, rule, w) for d in (0.3, 0.5) for rule in ("paper", "convergence") for w in ("val", "off")]
+        # D sweep of the new default; rule and warm-up each compared at D = 0.5
+        variants = [(0.3, "convergence", "val"), (0.5, "convergence", "val"), (0.5, "convergence", "off"),
+                    (0.5, "paper", "val"), (0.5, "paper", "off")]
     setups = []
     for group, storage in STALE_STORAGES.items():
         base = {**storage, "skip_stale": False}

@@ -10,7 +10,8 @@ The trainer calls `StaleSkipper` through these hooks (see `slipcache.training.tr
 
 1. **Warm-up** (`stale_warmup`): nothing is profiled, measured or skipped until the model has learned.
    "val" (default): once the validation loss failed twice in a row to improve its best by `stale_warmup_tol`
-   (relative), or from epoch `stale_warmup_epoch` (0-based; default 1 = the second epoch) at the latest; "epoch":
+   (relative), or from epoch `stale_warmup_epoch` (0-based; default 1 = the second epoch) or half of the
+   run (`WARMUP_LATEST`), whichever comes first, at the latest; "epoch":
    from that epoch only; "none": from the start. In every mode never within the first `stale_warmup_min`
    (10 %) of the run's inputs. Why: the first window used to open at 2 % of epoch 1, judging rows of an
    untrained model; the authors open it after a full pass over the cold inputs.
@@ -56,6 +57,9 @@ DECISIONS = ("rolling", "epoch")
 CONTROL_MARGIN = 0.10
 CONTROL_MIN = 100  # controls needed before a check: fewer make the mean loss noise
 VAL_DROP = 0.002  # validation AUC below its best since skipping began by this much lowers D
+# "val" warm-up ends by this share of the run at the latest: a one-epoch run has no second epoch to fall back
+# on, and in `--quick` the noisy 20 k-sample validation loss sometimes flattened only at the very end.
+WARMUP_LATEST = 0.5
 # profile: hot rows and the window's first read; filter: classifying inputs; counting: update counters of
 # hot rows (convergence rule); snapshots: re-checks, threshold fits and cache release; guard: its bookkeeping.
 OVERHEAD_PARTS = ("profile", "filter", "counting", "snapshots", "guard")
@@ -93,6 +97,7 @@ class StaleSkipper:
         self.warmup = str(config.stale_warmup)
         self.warmup_epoch = int(config.stale_warmup_epoch)
         self.warmup_floor = float(config.stale_warmup_min) * int(config.samples or 0)
+        self.warmup_latest = WARMUP_LATEST * int(config.samples or 0)
         self.warmup_tol = float(config.stale_warmup_tol)
         self.epoch = 0
         self.batch = 0  # batches trained in the current epoch
@@ -231,6 +236,8 @@ class StaleSkipper:
             reason = f"epoch {self.epoch}"
         elif self.warmup == "val" and self.val_flat:
             reason = "validation loss flattened"
+        elif self.warmup == "val" and position >= self.warmup_latest:
+            reason = f"{WARMUP_LATEST:.0%} of the run"
         else:
             return False
         self.warm = True
