@@ -229,6 +229,7 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
         assert (out / name).is_file() and f"]({name})" in report
     assert "**Skipping.**" in report and "Mixed-precision" not in report
     assert "interleaved" in report and "1.67x (1.67-1.67)" in report
+    assert "fp32, convergence rule, warm-up val, D=0.5, seed 1: epoch None, batch None, guard: lower" in report
 
 
 def test_time_to_target_on_a_constructed_curve() -> None:

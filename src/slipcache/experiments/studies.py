@@ -581,10 +581,11 @@ def add_timing(entries: list[dict[str, Any]], records: list[dict[str, Any]]) -> 
             wall = r["summary"].get("train_wall_s") or 0.0
             for part, seconds in (block.get("skip_overhead_parts_s") or {}).items():
                 parts.setdefault(part, []).append(seconds / wall if wall else 0.0)
-            actions += block.get("guard_actions") or []
+            actions += [{**a, "seed": r["seed"]} for a in block.get("guard_actions") or []]
         m["overhead_parts"] = {part: statistics.fmean(v) for part, v in parts.items()}
         m["overhead_share"] = sum(m["overhead_parts"].values()) if parts else None
         m["guard_actions"] = len(actions)
+        entry["guard_action_list"] = actions
 
 
 PER_SEED = ("auc", "logloss", "cache_hit_rate", "memory_ratio", "embedding_bytes", "train_wall_s", "skipped_fraction")
@@ -1235,6 +1236,12 @@ def slipstream_section(entries: list[dict[str, Any]], plots: dict[str, str | Non
           _spread_text(e["metrics"].get("speedup"), ".2f", "x"), _overhead_text(e),
           str(e["metrics"].get("guard_actions", 0))] for e in entries],
     )
+    acted = [(e["name"], a) for e in entries for a in e.get("guard_action_list", [])]
+    if acted:
+        lines += ["", "Guard actions (every one, from each run's summary.json):", ""]
+        lines += [f"- {name}, seed {a.get('seed')}: epoch {a.get('epoch')}, batch {a.get('batch')}, "
+                  f"{a.get('source', 'guard')}: {a.get('action')} (D now {_f(a.get('target'), '.3g')}, "
+                  f"drift {_f(a.get('drift'), '+.4f')})" for name, a in acted]
     for key, alt in (("skip_speedup", "speedup vs skip ratio"), ("stale_rows", "stale and hot rows")):
         if plots.get(key):
             lines += ["", f"![{alt}]({plots[key]})"]
