@@ -38,14 +38,21 @@ batches = st.lists(
     ways=st.sampled_from([1, 2, 4, 8]),
     policy=st.sampled_from(["lru", "lfu"]),
     optimizer=st.sampled_from(["sgd", "rowwise_adagrad"]),
+    per_table=st.booleans(),
 )
-def test_cache_never_loses_an_update(batches, capacity, ways, policy, optimizer) -> None:
-    """With fp32 storage, any sequence of batches and any (even tiny) cache trains exactly as no cache."""
+def test_cache_never_loses_an_update(batches, capacity, ways, policy, optimizer, per_table) -> None:
+    """With fp32 storage, any sequence of batches and any (even tiny, or per-table) cache trains exactly as
+    no cache."""
     common = dict(
         table_sizes=SIZES, dim=3, precision="fp32", optimizer=optimizer, lr=0.05, lfu_halving_interval=3
     )
     cached = CachedEmbeddingBagCollection(
-        EmbeddingConfig(cache_rows=capacity, policy=policy, ways=ways, **common)
+        EmbeddingConfig(
+            cache_rows=[capacity, capacity // 8, 2 * capacity] if per_table else capacity,
+            policy=policy,
+            ways=ways,
+            **common,
+        )
     )
     plain = CachedEmbeddingBagCollection(EmbeddingConfig(cache_size=0, policy="none", **common))
     for batch in batches:

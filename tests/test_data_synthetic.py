@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from slipcache.data import synthetic
-from slipcache.data.dataset import BatchIterator, CriteoDataset
+from slipcache.data.dataset import BatchIterator, CriteoDataset, SplitArrays
+from slipcache.data.stats import compute_stats_arrays
 from slipcache.data.synthetic import (
     KAGGLE_CARDINALITIES,
     auc,
@@ -17,8 +19,14 @@ from slipcache.data.synthetic import (
     expected_auc,
     generate_synthetic,
     synthetic_table_sizes,
+    synthetic_window,
 )
 from slipcache.errors import SlipcacheError
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+needs_shared = pytest.mark.skipif(
+    not (SHARED / "kaggle_train_tiny.csv").is_file(), reason=f"shared Criteo rows not found at {SHARED}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +137,128 @@ def test_cli_synth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert CriteoDataset(tmp_path / "d").splits == {"train": 1600, "val": 200, "test": 200}
     with pytest.raises(SlipcacheError, match="at least 1"):
         run_cli(["--out", str(tmp_path / "e"), "--samples", "0", "--quiet"])
+
+
+# ---------------------------------------------------------------------------------------------- v3 / v2
+
+
+def test_v2_reproduces_earlier_output(tmp_path: Path) -> None:
+    """`--generator v2` writes exactly what the generator wrote before v3 existed (commit 8872c6f)."""
+    generate_synthetic(tmp_path, num_samples=5000, scale=0.001, seed=7, generator="v2", progress=False)
+    ds = CriteoDataset(tmp_path)
+    digest = hashlib.sha256()
+    for name in ("train", "val", "test"):
+        split = ds.split(name)
+        for array in (split.labels, split.dense, split.sparse):
+            digest.update(np.ascontiguousarray(array).tobytes())
+    assert digest.hexdigest()[:16] == "357ab3b19f55b59d"
+    assert ds.meta["generator"]["version"] == 2 and not ds.meta["time_ordered"]
+
+
+def test_v3_big_tables_co_recur_far_above_independent() -> None:
+    """C3, C4, C12, C16, C21 are views of one entity: they recur together far more often than the product
+    of their recurrence shares (what independent tables, as in v2, give; see test_cli_compare)."""
+    ids = synthetic_window(0, 2000, scale=1.0, seed=1)
+    co = compute_stats_arrays(ids, missing_value=synthetic.MISSING_ROW)["co_recurrence"]
+    assert co["all_recur"] > 0.3 and co["all_recur"] > 5 * co["independent"]
+
+
+def _unseen_share(first: np.ndarray, later: np.ndarray) -> float:
+    """Share of `later`'s lookups whose value never occurs in `first`."""
+    return float(1.0 - np.isin(later, first).mean())
+
+
+def test_v3_new_ids_appear_over_time() -> None:
+    """Later days bring values unseen on the first day, more so with new entities and drift than without."""
+    log = dict(num_samples=700_000, scale=0.01, seed=2)
+    unseen = {}
+    for rates in ((0.0, 0.0), (0.2, 0.2)):
+        kwargs = dict(log, new_entity_rate=rates[0], drift_rate=rates[1])
+        first_day = synthetic_window(0, 20_000, **kwargs)[:, 2]  # C3, the user entity
+        last_day = synthetic_window(680_000, 20_000, **kwargs)[:, 2]
+        next_window = synthetic_window(20_000, 20_000, **kwargs)[:, 2]
+        unseen[rates] = (_unseen_share(first_day, next_window), _unseen_share(first_day, last_day))
+    stationary, drifting = unseen[(0.0, 0.0)], unseen[(0.2, 0.2)]
+    assert abs(stationary[1] - stationary[0]) < 0.03  # without churn a later day looks like the next window
+    assert drifting[1] > stationary[1] + 0.1  # with churn, many more of day 7's values are new
+
+
+def test_v3_splits_follow_time(tmp_path: Path) -> None:
+    """Train holds the earliest rows of the log, test the latest: the split respects time order."""
+    meta = generate_synthetic(tmp_path, num_samples=10_000, scale=0.001, seed=3, progress=False)
+    assert meta["time_ordered"] and meta["generator"]["version"] == 3 and meta["missing_row"] == 0
+    ds = CriteoDataset(tmp_path)
+    n_train, n_val = ds.splits["train"], ds.splits["val"]
+    window = dict(num_samples=10_000, scale=0.001, seed=3)
+    assert np.array_equal(ds.split("train").sparse[:500], synthetic_window(0, 500, **window))
+    assert np.array_equal(
+        ds.split("test").sparse, synthetic_window(n_train + n_val, ds.splits["test"], **window)
+    )
+
+
+def test_in_order_shuffle_keeps_windows_in_time_order() -> None:
+    """Time-ordered data is shuffled within windows only: window k's samples all come before window k+1's."""
+    n = 4096
+    split = SplitArrays(
+        np.arange(n, dtype=np.float32), np.zeros((n, 13), np.float32), np.zeros((n, 26), np.int32)
+    )
+    order = np.concatenate(
+        [b.labels.numpy() for b in BatchIterator(split, 64, shuffle=True, in_order=True, chunk_batches=4)]
+    )
+    windows = order.reshape(-1, 256)  # chunk = 4 batches of 64
+    assert np.array_equal(
+        np.sort(windows, axis=1), np.arange(n).reshape(-1, 256)
+    )  # each window is its own rows
+    assert not np.array_equal(order, np.arange(n))  # shuffled within
+    everywhere = np.concatenate(
+        [b.labels.numpy() for b in BatchIterator(split, 64, shuffle=True, chunk_batches=4)]
+    )
+    assert not np.array_equal(np.sort(everywhere.reshape(-1, 256), axis=1), np.arange(n).reshape(-1, 256))
+
+
+def test_generator_choice_errors() -> None:
+    with pytest.raises(SlipcacheError, match="generator must be one of"):
+        synthetic.make_generator("v9", 0.01, 0, num_samples=100)
+    with pytest.raises(SlipcacheError, match="days"):
+        synthetic.make_generator("v3", 0.01, 0, num_samples=100, days=0)
+    with pytest.raises(SlipcacheError, match="rates"):
+        synthetic.make_generator("v3", 0.01, 0, num_samples=100, new_entity_rate=1.5)
+
+
+def test_default_path_keys_on_generator(tmp_path: Path) -> None:
+    v3 = default_synthetic_path(tmp_path, 2000, 0.001, 0, progress=False)
+    v2 = default_synthetic_path(tmp_path, 2000, 0.001, 0, generator="v2", progress=False)
+    assert (
+        v3 != v2
+        and v2.name == "n2000-scale0.001-seed0-v2"
+        and v3.name.startswith("n2000-scale0.001-seed0-v3-")
+    )
+    assert CriteoDataset(v2).meta["generator"]["version"] == 2
+
+
+@needs_shared
+def test_cli_compare(capsys: pytest.CaptureFixture[str]) -> None:
+    """`synth --compare` on the shared real rows: v3 within every tolerance, v2 misses co-recurrence."""
+    assert run_cli(["--compare", str(SHARED / "kaggle_train_tiny.csv")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    co = next(line.split() for line in out if line.startswith("big-table co-recurrence"))
+    assert co[-2:] == ["ok", "FAIL"]  # columns: ... v3 pass, v2 pass
+    assert abs(float(co[3]) - float(co[2])) <= 0.10 and abs(float(co[4]) - float(co[2])) > 0.3
+    passed = dict(part.split() for part in out[-1].removeprefix("within tolerance: ").split(", "))
+    v3_passed, total = passed["v3"].split("/")
+    assert v3_passed == total and int(passed["v2"].split("/")[0]) < int(total)
+
+
+def test_train_picks_the_generator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`slipcache train --generator v2` asks for v2 data (v3 by default); an unknown name is refused."""
+    from slipcache.training import trainer
+
+    asked = []
+    monkeypatch.setattr(
+        synthetic, "default_synthetic_path", lambda *a, generator, **k: asked.append(generator) or tmp_path
+    )
+    for flags in ({}, {"synthetic_generator": "v2"}):
+        trainer.prepare_data(trainer.make_config({}, flags), tmp_path)
+    assert asked == ["v3", "v2"]
+    with pytest.raises(SlipcacheError, match="synthetic_generator must be one of"):
+        trainer.make_config({}, {"synthetic_generator": "v9"})

@@ -172,3 +172,20 @@ def test_initialization_chunks_are_bounded() -> None:
 
     assert _init_chunk_rows(16) == 1 << 20  # the draws of dim <= 16 are those of earlier versions
     assert _init_chunk_rows(128) * 128 * 4 <= 64 << 20
+
+
+def test_a_state_dict_from_before_the_saturation_counters_loads() -> None:
+    """Older checkpoints: 7 counter columns, `pin_since` in the extra state, no `cache_rows` in its config."""
+    coll = small("int8", cache_size=0.1)
+    coll(ids()).sum().backward()
+    state = coll.state_dict()
+    state["counters"] = state["counters"][:, :7].clone()
+    extra = dict(state["_extra_state"])
+    extra.pop("skipped_updates")
+    extra["pin_since"] = extra["step"] + 1
+    extra["config"] = {k: v for k, v in extra["config"].items() if k != "cache_rows"}
+    state["_extra_state"] = extra
+    fresh = small("int8", cache_size=0.1, seed=4)
+    fresh.load_state_dict(state)
+    assert torch.equal(torch.cat(fresh.export_tables()), torch.cat(coll.export_tables()))
+    assert fresh.stats()["lookups"] == coll.stats()["lookups"] and fresh.stats()["saturated_values"] == 0

@@ -103,3 +103,15 @@ def test_unavailable_library_warns_once_and_torch_runs(tmp_path: Path, monkeypat
     with pytest.warns(UserWarning, match="compiled loops unavailable, using torch: .*writable"):
         assert _native.native() is None
     assert _native.native() is None  # decided once
+
+
+def test_no_compiler_is_quiet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_native, "_compiler", lambda: None)
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_library", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _native.native() is None

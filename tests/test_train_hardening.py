@@ -65,8 +65,10 @@ def test_resume_writes_only_into_the_directory_it_names(
     before = files(original)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    (copy / "checkpoints" / ".latest.pt.x1y2.tmp").write_bytes(b"PK half")  # a write killed midway
     monkeypatch.chdir(elsewhere)  # a relative --resume from another working directory
     summary = resume(os.path.relpath(copy))
+    assert not [p for p in (copy / "checkpoints").iterdir() if p.name.startswith(".")]
     assert Path(summary["run_dir"]) == copy and (copy / "summary.json").is_file()
     assert files(original) == before  # the run the checkpoint came from is untouched
     assert list(elsewhere.iterdir()) == []  # and nothing appeared in the working directory
@@ -161,14 +163,47 @@ def test_out_must_be_new_empty_or_a_run(data_dir: Path, tmp_path: Path, capsys: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and a_file.read_text() == "mine"
 
 
+class FullDisk:
+    """A file whose writes fail with ENOSPC after `room` bytes, as on a full disk (torch.save turns that
+    into a RuntimeError about the zip position)."""
+
+    def __init__(self, f: object, room: int) -> None:
+        self.f, self.room = f, room
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.f, name)
+
+    def __enter__(self) -> "FullDisk":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()  # type: ignore[attr-defined]
+
+
+def disk_fills_after(monkeypatch: pytest.MonkeyPatch, checkpoints: int) -> None:
+    """Checkpoint files after the first `checkpoints` find the disk full."""
+    real_fdopen = os.fdopen
+    calls = {"n": 0}
+
+    def fdopen(fd: int, mode: str = "r", *args: object) -> object:
+        calls["n"] += 1
+        f = real_fdopen(fd, mode, *args)  # type: ignore[call-overload]
+        return FullDisk(f, 10_000) if calls["n"] > checkpoints else f
+
+    monkeypatch.setattr(checkpoint.os, "fdopen", fdopen)
+
+
 def test_full_disk_at_the_first_checkpoint_does_not_strand_the_run(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def no_space(obj: object, f: object) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
     run = tmp_path / "run"
-    monkeypatch.setattr(checkpoint.torch, "save", no_space)
+    disk_fills_after(monkeypatch, 0)
     with pytest.raises(SlipcacheError, match="No space left on device; no checkpoint was written yet") as info:
         train.train(tiny(data_dir, run, epochs=1))
     assert "\n" not in str(info.value) and not list((run / "checkpoints").iterdir())
@@ -182,17 +217,8 @@ def test_full_disk_at_the_first_checkpoint_does_not_strand_the_run(
 def test_full_disk_later_names_the_last_checkpoint(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_save = torch.save
-    calls = {"n": 0}
-
-    def fill_up(obj: object, f: object) -> None:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real_save(obj, f)
-
     run = tmp_path / "run"
-    monkeypatch.setattr(checkpoint.torch, "save", fill_up)
+    disk_fills_after(monkeypatch, 1)
     with pytest.raises(SlipcacheError, match=r"last complete checkpoint is .*ckpt-000000000640.pt; free space"):
         train.train(tiny(data_dir, run, epochs=1))
     monkeypatch.undo()

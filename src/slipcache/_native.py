@@ -115,6 +115,10 @@ class UnsafeCacheError(OSError):
     """A cache path that another user could have written: never load from it."""
 
 
+class NoCompilerError(OSError):
+    """No C compiler: the documented torch-only setup, not worth a warning."""
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
@@ -198,7 +202,7 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
     """
     compiler = _compiler()
     if compiler is None:
-        raise OSError("no C compiler found (set CC)")
+        raise NoCompilerError("no C compiler found (set CC)")
     directory = private_directory(cache_dir)
     target = directory / f"slipcache_native_{cache_key(compiler)}.so"
     for attempt in range(2):
@@ -237,6 +241,8 @@ def native() -> ctypes.CDLL | None:
 
             try:
                 _library = load_library(default_cache_root() / "native")
+            except NoCompilerError:
+                _library = None
             except OSError as exc:
                 _library = None
                 warnings.warn(f"slipcache: compiled loops unavailable, using torch: {exc}", stacklevel=2)

@@ -296,6 +296,7 @@ def _parse_numbers(
             bad[i] = True
             continue
         bad[i] = not abs(values[i]) <= DENSE_MAX  # also inf and nan
+    values[bad] = np.nan  # dropped with their line; no overflow in the cast below
     return values.astype(np.float32), bad
 
 

@@ -240,7 +240,9 @@ class BatchIterator:
     """One epoch of batches over a split, read `chunk_batches` batches at a time so memory stays bounded.
 
     Order: with `shuffle`, chunks (contiguous sample ranges) are visited in a permuted order and samples
-    are permuted within each chunk, both derived from (seed, epoch), so an epoch is reproducible.
+    are permuted within each chunk, both derived from (seed, epoch), so an epoch is reproducible. With
+    `in_order` too, chunks keep their order and only samples within a chunk are permuted: time-ordered
+    data (synthetic v3, Criteo days) is then trained earlier days first, shuffled within windows.
     `sample_filter(sparse int32 [n, 26]) -> bool [n]` drops samples before batches are cut, so every
     batch but the last is full; it is called on batch-sized pieces only when a batch is assembled (on
     `next`, `peek` or `lookahead`), so a stateful filter sees the state of the batches consumed so far.
@@ -267,6 +269,7 @@ class BatchIterator:
         sample_filter: SampleFilter | None = None,
         start_batch: int = 0,
         chunk_batches: int = 64,
+        in_order: bool = False,
     ) -> None:
         if batch_size < 1:
             raise SlipcacheError(f"batch size must be at least 1, got {batch_size}")
@@ -284,7 +287,7 @@ class BatchIterator:
         n = len(split)
         starts = np.arange(0, n, self.chunk_size, dtype=np.int64)
         self._chunks = [(int(s), int(min(s + self.chunk_size, n))) for s in starts]
-        if shuffle:
+        if shuffle and not in_order:
             order = np.random.default_rng([seed, epoch]).permutation(len(self._chunks))
             self._order = [int(i) for i in order]
         else:

@@ -228,7 +228,6 @@ class _StepPlan:
     storage_values: Tensor  # [m, D] fp32 copy of those rows as read in the forward
     residency_version: int  # the collection's versions when the plan was made
     storage_version: int
-    applied: bool = False
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -279,6 +278,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         # Forwards whose gradient has not arrived yet (weak: a graph that is freed unpins its rows).
         self._in_flight: dict[int, weakref.ref[_StepPlan]] = {}
         self._pending: list[tuple[_StepPlan, Tensor]] = []  # gradients of the running backward pass
+        self._pending_task = -1  # the autograd graph task they belong to
         self._residency_version = 0  # bumped whenever a row enters or leaves the cache
         self._storage_version = 0  # bumped whenever storage is written
         self.skipped_updates = 0  # backward passes whose gradient held inf or NaN (update dropped)
@@ -541,8 +541,6 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _plan_step(self, lookup: _Lookup) -> _StepPlan:
         """Bring the batch's rows into the cache where they fit; read the rest from storage."""
-        if self._pending:  # a backward pass failed before its end: its update was never applied
-            self._pending.clear()
         self.step += 1
         step, rows, cache = self.step, lookup.rows, self.cache
         slots = cache.lookup_and_touch(rows, step)
@@ -614,9 +612,15 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _receive_gradient(self, plan: _StepPlan, grad: Tensor) -> None:
         """Collect one forward's gradient; the first one of a backward pass schedules the update."""
         self._in_flight.pop(plan.step, None)
+        task = torch._C._current_graph_task_id()
+        if self._pending and task != self._pending_task:
+            # A backward pass that failed before its end: like a torch optimizer never stepped, its
+            # gradients are dropped.
+            self._pending.clear()
         first = not self._pending
         self._pending.append((plan, grad))
         if first:
+            self._pending_task = task
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self._apply_pending)
             except RuntimeError:  # not inside the autograd engine: apply now
@@ -636,7 +640,6 @@ class CachedEmbeddingBagCollection(nn.Module):
         cache_parts: list[tuple[Tensor, Tensor]] = []  # (slots, gradient of each)
         storage_parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]] = []  # (plan, rows, index, gradient)
         for plan, grad in entries:
-            plan.applied = True
             slots, storage_rows, storage_index = plan.slots, plan.storage_rows, plan.storage_index
             if plan.residency_version != self._residency_version:  # rows moved since the forward
                 slots = self.cache.lookup(plan.rows)
@@ -773,8 +776,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             dtype = rows.dtype if isinstance(rows, Tensor) else ""
             raise InvalidInputError(f"{caller}: rows must be a 1-D integer tensor, got {dtype} {shape}")
         rows = rows.to(self.device, torch.int64)
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.config.num_rows):
-            bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
+        lo, hi = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
+        if lo < 0 or hi >= self.config.num_rows:
+            bad = lo if lo < 0 else hi
             raise InvalidInputError(
                 f"{caller}: row {bad} is outside [0, {self.config.num_rows}) (global rows of all tables)"
             )

@@ -56,6 +56,10 @@ def fit_to_range(x: Tensor, limit: float, max_span: float | None = None) -> Fitt
     width around the row's median (so an outlier is clipped rather than the rest of the row)."""
     if not x.numel():
         return Fitted(x, None, None)
+    if max_span is None:  # one pass over all values is enough to know that nothing needs fitting
+        lowest, highest = torch.aminmax(x)
+        if bool((lowest >= -limit) & (highest <= limit)):  # false for NaN too
+            return Fitted(x, None, None)
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     ok = (lo >= -limit) & (hi <= limit)  # false for NaN rows too
     if max_span is not None:

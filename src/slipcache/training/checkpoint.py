@@ -47,11 +47,16 @@ class _HashingWriter:
         self.f = f
         self.sha = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None  # torch.save reports a failed write as a RuntimeError; keep the cause
 
     def write(self, data: bytes) -> int:
         self.sha.update(data)
         self.size += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -85,7 +90,12 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
         with os.fdopen(fd, "wb") as f:
             f.write(_header("0" * 64, 0))  # placeholder until the payload's digest is known
             payload = _HashingWriter(f)
-            torch.save(state, payload)
+            try:
+                torch.save(state, payload)
+            except RuntimeError:
+                if payload.error is not None:  # e.g. ENOSPC, which torch's zip writer turns into a RuntimeError
+                    raise payload.error from None
+                raise
             f.seek(0)
             f.write(_header(payload.sha.hexdigest(), payload.size))
             f.flush()
@@ -98,6 +108,18 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def remove_partial_writes(directory: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files of writes that a killed process never finished (`.<name>.*.tmp` and
+    the link staging file); call only while no other process writes into `directory`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    stale = [p for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith((".tmp", ".link"))]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def save_run_checkpoint(

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from slipcache.data.synthetic import GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
@@ -75,6 +76,7 @@ class TrainConfig:
     min_count: int = 1  # raw data, frequency vocabulary: rarer values map to row 0 ("unknown")
     synthetic_samples: int = 4_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
+    synthetic_generator: str = "v3"  # synthetic data: "v3" (entities, time order) or "v2" (earlier figures)
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
@@ -135,6 +137,7 @@ class TrainConfig:
             "rounding": ROUNDINGS,
             "optimizer": OPTIMIZERS,
             "vocab": VOCABS,
+            "synthetic_generator": tuple(GENERATOR_VERSIONS),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -307,7 +310,12 @@ def _synthetic_dataset(config: TrainConfig) -> Path:
 
     # Dataset seed 0 whatever the run seed: runs with different seeds then compare on the same data.
     return default_synthetic_path(
-        None, config.synthetic_samples, config.synthetic_scale, 0, progress=config.progress
+        None,
+        config.synthetic_samples,
+        config.synthetic_scale,
+        0,
+        generator=config.synthetic_generator,
+        progress=config.progress,
     )
 
 
@@ -652,6 +660,8 @@ def start_run(config: TrainConfig) -> Run:
         run_dir = Path(config.out or "")
     else:
         run_dir = _prepare_out(Path(config.out) if config.out else _new_run_dir(), restart_ok=True)
+    for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
+        ckpt.remove_partial_writes(directory)
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
         config.data = str(Path(config.data).expanduser().resolve())
 
@@ -734,6 +744,7 @@ def epoch_batches(run: Run) -> Any:
         run.dataset.split("train"),
         run.config.batch_size,
         shuffle=True,
+        in_order=bool(run.dataset.meta.get("time_ordered")),  # time-ordered data: shuffle within windows
         seed=run.config.seed,
         epoch=run.progress.epoch,
         drop_last=True,
@@ -994,7 +1005,7 @@ _RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes"}
 # Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
 _STATE_DEFINING = {
     "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "strict",
-    "embeddings", "precision", "cache_size", "policy", "rounding", "optimizer", "embedding_dim",
+    "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
     "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale",
 }  # fmt: skip
 
@@ -1023,7 +1034,9 @@ def _prepare_out(path: Path, *, restart_ok: bool) -> Path:
     path = path.expanduser().resolve()
     if path.exists() and not path.is_dir():
         raise SlipcacheError(f"--out {path} is a file, not a directory")
-    if path.is_dir() and any(path.iterdir()):
+    # Temp files of a write killed midway (before config.json existed) do not make a directory anyone's.
+    entries = [p for p in path.iterdir() if not p.name.endswith(".tmp")] if path.is_dir() else []
+    if entries:
         if not _is_run_dir(path):
             raise SlipcacheError(
                 f"--out {path} is not empty and is not a slipcache run directory; choose a new or empty one"
@@ -1221,6 +1234,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "default: synthetic data",
     )
     add("--out", default=s, help="run directory (default runs/<timestamp>)")
+    add(
+        "--generator",
+        dest="synthetic_generator",
+        choices=tuple(GENERATOR_VERSIONS),
+        default=s,
+        help="synthetic data generator: v3 (default; entities, time order) or v2 (earlier figures)",
+    )
     add(
         "--resume",
         metavar="RUN_OR_CHECKPOINT",
