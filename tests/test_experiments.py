@@ -286,3 +286,13 @@ def test_all_quick_preset_as_ci_runs_it(tmp_path: Path, monkeypatch: pytest.Monk
     report = (out / "report.md").read_text()
     for plot in MP_PLOTS + STALE_PLOTS:
         assert (out / plot).is_file() and plot in report
+
+
+def test_generator_choice_reaches_every_cell() -> None:
+    """`experiment --generator v2` trains every cell on v2 data; its cells never pass for v3 ones."""
+    grid = experiments.mixed_precision_grid(experiments.PRESETS["quick"], 1)
+    plans = [experiments.Plan(experiments.PRESETS["quick"], Path("x"), None, 1, g) for g in ("v3", "v2")]
+    v3, v2 = (plan.cells(grid) for plan in plans)
+    assert {c.values["synthetic_generator"] for c in v3} == {"v3"}
+    assert {c.values["synthetic_generator"] for c in v2} == {"v2"}
+    assert not {c.id for c in v3} & {c.id for c in v2}

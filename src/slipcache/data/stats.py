@@ -53,7 +53,8 @@ import numpy as np
 from tqdm import tqdm
 
 from slipcache.data.criteo import MISSING, ReadStats, read_chunks
-from slipcache.data.dataset import SPLIT_NAMES, CriteoDataset
+from slipcache.data.dataset import SPLIT_NAMES
+from slipcache.data.formats import detect_format, open_any
 from slipcache.data.preprocess import hash_ids
 from slipcache.errors import InvalidInputError, SlipcacheError
 
@@ -177,7 +178,7 @@ def _raw_source(files: list[Path], info: dict[str, Any]) -> _Source:
 
 
 def _dataset_source(path: Path, splits: Sequence[str] | None) -> _Source:
-    dataset = CriteoDataset(path)
+    dataset = open_any(path)  # a slipcache dataset or TorchRec / DLRM / MLPerf files (data.formats)
     names = list(splits) if splits else [s for s in SPLIT_NAMES if s in dataset.splits]
     names += [s for s in dataset.splits if not splits and s not in names]
     arrays = [(name, dataset.split(name)) for name in names]  # validates names and shapes
@@ -221,7 +222,7 @@ def open_source(path: str | os.PathLike[str], splits: Sequence[str] | None = Non
     """A raw Criteo file, a directory of raw files (in natural name order) or a dataset directory."""
     p = Path(path)
     if p.is_dir():
-        if (p / "meta.json").is_file():
+        if (p / "meta.json").is_file() or detect_format(p) is not None:
             return _dataset_source(p, splits)
         files = sorted(
             (f for f in p.iterdir() if f.is_file() and not f.name.startswith(".") and f.suffix != ".md"),

@@ -1,15 +1,18 @@
-"""Criteo-shaped synthetic data with a hidden teacher; `slipcache synth`.
+"""Criteo-shaped synthetic data with a hidden teacher; `slipcache synth` (and `synth --compare`).
 
 Why synthetic: the full Criteo set is 45M rows and not available offline, but experiments need data
 with its shape (26 tables with the Kaggle cardinalities, power-law id popularity, skewed dense counts,
 positive rate 0.256) and a known achievable AUC. Labels come from a teacher that a DLRM can represent:
-a dense linear term, per-row first-order terms and pairwise dot products of per-row teacher vectors.
+a dense linear term, first-order terms and pairwise dot products of per-value teacher vectors.
 
-Memory: teacher parameters exist only for the `HOT_ROWS` most popular rows of each table (by popularity
-rank); rarer rows carry no signal, as they are too rarely seen to be learned anyway. Ids are drawn by
-rank from a bounded continuous Zipf law (inverse CDF, no per-row arrays) and mapped to row ids by a
-random permutation per table (int32, 135 MB at full scale), so hot rows are spread over the table
-instead of being the low ids.
+Two generators (docs/data.md):
+- v3, the default: the big tables are views of latent entities (user, ad, site) with their own power-law
+  popularity, derived with table-specific collisions and noise, so they recur together as in real rows;
+  missing values come in the real rows' groups; rows are in time order over days, with new entities and
+  drifting popularity; splits follow time. Everything per value is a hash, so no per-row arrays.
+- v2, kept bit for bit so earlier figures reproduce: every table drawn independently by rank from a
+  bounded continuous Zipf law (inverse CDF) and mapped to row ids by a random permutation per table
+  (int32, 135 MB at full scale); teacher parameters for the `HOT_ROWS` most popular rows of each table.
 """
 
 from __future__ import annotations
@@ -272,7 +275,7 @@ MISSING_GROUPS: tuple[tuple[tuple[int, ...], float], ...] = (
     ((5,), 0.126),
     ((21,), 0.816),
 )
-MISSING_ROW = 0  # v3: row 0 of a table with missing values is the empty value (as `preprocess --vocab hash`)
+MISSING_ROW = 0  # v3: row 0 of every table is the empty value (as with `preprocess --vocab hash`)
 # Time: the log spans DAYS days (Kaggle's 7); per day a share NEW_ENTITY_RATE of each entity's ranks passes
 # to an entity never seen before and a share DRIFT_RATE to an existing entity from elsewhere in the
 # ranking, continuously over the day. Not measurable on the shared rows: see docs/data.md for the choice.

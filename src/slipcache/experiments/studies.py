@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer
 
@@ -232,6 +233,7 @@ class Plan:
     out: Path
     data: str | None  # preprocessed dataset dir; None = synthetic data
     seeds: int
+    generator: str = DEFAULT_GENERATOR  # synthetic data: its generator (slipcache.data.synthetic)
 
     repeats: int = 1  # slipstream: timed runs of seed 0 per setup
 
@@ -266,6 +268,7 @@ class Plan:
         if self.data is None:
             values["synthetic_samples"] = p.stale_dataset_samples if stale else p.dataset_samples
             values["synthetic_scale"] = p.scale
+            values["synthetic_generator"] = self.generator
         if stale:
             values["epochs"] = p.stale_epochs  # same epochs with and without skipping
             # The AUC-over-time curve for time to target: 10 evaluations per epoch, each on the whole
@@ -1360,6 +1363,8 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="a preprocessed dataset dir (or raw Criteo files, "
                         "preprocessed once into OUT/data); default: synthetic data. Slipstream runs whole "
                         "epochs of its training split")
+    parser.add_argument("--generator", choices=tuple(GENERATOR_VERSIONS), default=DEFAULT_GENERATOR,
+                        help="synthetic data generator (default v3; v2 reproduces figures measured before v3)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds of the key setups (default 3, quick 1); sweep setups run one seed")
     parser.add_argument("--repeats", type=int, default=None,
@@ -1422,7 +1427,8 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
     repeats = args.repeats if getattr(args, "repeats", None) is not None else preset.repeats
     if repeats < 1:
         raise SlipcacheError(f"--repeats must be at least 1, got {repeats}")
-    plan = Plan(preset, out, data, seeds, repeats)
+    generator = getattr(args, "generator", DEFAULT_GENERATOR)
+    plan = Plan(preset, out, data, seeds, generator=generator, repeats=repeats)
     setups: list[Setup] = []
     records: list[dict[str, Any]] = []
     log(f"probing memory ({2 * preset.probe_seconds:g} s) ...")
@@ -1434,7 +1440,7 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
             from slipcache.data.synthetic import default_synthetic_path, synthetic_table_sizes
 
             n = preset.dataset_samples if name == "mixed-precision" else preset.stale_dataset_samples
-            default_synthetic_path(None, n, preset.scale, 0, progress=True)
+            default_synthetic_path(None, n, preset.scale, 0, generator=generator, progress=True)
             table_sizes = synthetic_table_sizes(preset.scale)
         setups += grid
         records += run_cells(plan, plan.cells(grid), name, log)
@@ -1451,6 +1457,7 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
         "repeats": repeats,
         "threads": args.threads,
         "data": data,
+        "generator": None if data is not None else generator,
         "table_sizes": table_sizes,
         "machine": describe_machine(),
         "probes": probes,

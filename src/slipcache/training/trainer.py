@@ -49,8 +49,10 @@ from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM, EMBEDDING_KINDS, ModelConfig, build_embeddings
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.metrics import evaluate_predictions
+from slipcache.training.tensorboard import embedding_event_fields, open_writer
 
 if typing.TYPE_CHECKING:
+    from slipcache.distributed.training import DistributedRun
     from slipcache.staleness.skipping import StaleSkipper
 
 VOCABS = ("hash", "frequency")
@@ -78,6 +80,8 @@ class TrainConfig:
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
     synthetic_generator: str = "v3"  # synthetic data: "v3" (entities, time order) or "v2" (earlier figures)
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
+    table_sizes: list[int] | None = None  # external formats: rows per table (one for all, or 26); ids modulo
+    split_order: str | None = None  # external formats: "val-test" or "test-val" halves of the last day
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
     # precision, cache_size, cache_rows: one value, or (config files) a list with one value per table
@@ -105,6 +109,7 @@ class TrainConfig:
     seed: int = 0
     quick: bool = False  # small synthetic run for tests and first contact (see QUICK)
     progress: bool = True  # tqdm progress bar
+    tensorboard: str | None = None  # also write metrics as TensorBoard events here; "" = <out>/tensorboard
     # Slipstream stale-input skipping (slipcache.staleness.skipping, docs/skipping.md)
     skip_stale: bool = False  # drop stale inputs while batches are assembled: no forward, no backward
     stale_target: float = 0.3  # D: share of hot inputs to skip, fitted anew each epoch
@@ -158,6 +163,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        if self.split_order not in (None, "val-test", "test-val"):
+            raise SlipcacheError(f"split_order must be val-test or test-val, got {self.split_order!r}")
+        if self.table_sizes is not None and (not self.table_sizes or min(self.table_sizes) < 1):
+            raise SlipcacheError(f"table_sizes must be positive row counts, got {self.table_sizes}")
         for share in self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]:
             if not 0.0 <= share <= 1.0:  # also rejects nan and inf
                 hint = f" (for a number of rows use --cache-rows {share:g})" if share > 1 else ""
@@ -349,8 +358,10 @@ def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     path = Path(config.data).expanduser().resolve()
     if not path.exists():
         raise SlipcacheError(f"data not found: {path}")
-    if (path / "meta.json").is_file():
-        return path
+    from slipcache.data.formats import detect_format
+
+    if (path / "meta.json").is_file() or detect_format(path) is not None:
+        return path  # read in place (slipcache.data.formats)
     cache_root = cache_root if cache_root is not None else preprocessed_root()
     inputs = _raw_inputs(path)
     key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
@@ -381,11 +392,13 @@ def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     return out_dir
 
 
-def open_dataset(path: Path) -> Any:
-    from slipcache.data.dataset import CriteoDataset
+def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
+    from slipcache.data.formats import open_any
 
     try:
-        return CriteoDataset(path)
+        if config is None:
+            return open_any(path)
+        return open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
     except SlipcacheError:
         raise
     except (OSError, ValueError, KeyError) as exc:
@@ -595,9 +608,16 @@ class Run:
     data_quality: dict[str, Any] | None  # malformed lines skipped while preprocessing raw input
     base_lookups: int = 0  # the collection's cumulative counters when the open logging window began
     base_hits: int = 0
+    tensorboard: Any = None  # TensorBoardWriter when config.tensorboard is set
     tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
     finished: bool = False  # set by the run's last batch
     logits: torch.Tensor | None = None  # the last step's (detached) logits, kept only for stale skipping
+    dist: DistributedRun | None = None  # N processes (slipcache.distributed.training); None: this one alone
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this process writes the run directory's files (rank 0 of N, or the only process)."""
+        return self.dist is None or self.dist.is_main
 
     @property
     def consumed(self) -> int:
@@ -608,7 +628,7 @@ class Run:
         return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
+def train(config: TrainConfig, dist: DistributedRun | None = None) -> dict[str, Any]:
     """Train DLRM as configured, writing the run directory; returns the summary dict.
 
     Hook points for features that join the loop: `epoch_batches` (per-epoch setup, the batch source),
@@ -617,7 +637,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     (`progress.train_wall_s`) runs from `run.tick` to the end of `record_step`; evaluation and checkpoints
     fall outside it.
     """
-    run = start_run(config)
+    run = start_run(config, dist)
     try:
         while run.more_epochs():
             batches = epoch_batches(run)
@@ -649,14 +669,14 @@ def _crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def start_run(config: TrainConfig) -> Run:
+def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
     if config.resume is not None:
-        state, saved, config, changes = _load_resume(config)
+        state, saved, config, changes = _load_resume(config, dist)
         run_dir = Path(config.out or "")
     else:
         run_dir = _prepare_out(Path(config.out) if config.out else _new_run_dir(), restart_ok=True)
@@ -666,7 +686,8 @@ def start_run(config: TrainConfig) -> Run:
         config.data = str(Path(config.data).expanduser().resolve())
 
     dataset_dir = _dataset_dir(config, saved.get("dataset"))
-    dataset = open_dataset(dataset_dir)
+    dataset = open_dataset(dataset_dir, config)
+    config.split_order = config.split_order or dataset.meta.get("split_order")
     config = resolve_schedule(config, dataset.splits["train"])
     config.out = str(run_dir)
     config_dict = {**asdict(config), "dataset": str(dataset_dir)}
@@ -683,7 +704,10 @@ def start_run(config: TrainConfig) -> Run:
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
-    model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    if dist is None:
+        model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    else:
+        model = dist.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir)
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
     emb_opt = embedding_optimizer(config, model)
     batches_per_epoch = dataset.splits["train"] // config.batch_size
@@ -696,8 +720,9 @@ def start_run(config: TrainConfig) -> Run:
     if state is not None:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(state, model, dense_opt, emb_opt, progress, skipper)
-    _write_json(run_dir / "config.json", config_dict)
-    _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops events after its checkpoint
+    if dist is None or dist.is_main:
+        _write_json(run_dir / "config.json", config_dict)
+        _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops later events
 
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
@@ -725,6 +750,8 @@ def start_run(config: TrainConfig) -> Run:
         budget=budget,
         max_epochs=math.ceil(total_steps / batches_per_epoch),
         bar=bar,
+        tensorboard=open_writer(config.tensorboard, run_dir) if dist is None or dist.is_main else None,
+        dist=dist,
     )
     # The collection's counters may or may not come back with its state; count relative to what it says now.
     run.base_lookups, run.base_hits = _stats_totals(model)
@@ -812,6 +839,7 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
     progress = run.progress
     _sync_window_counts(run)
     event = _close_window(progress)
+    event.update(embedding_event_fields(run.model.embeddings, progress.samples, progress.skipped))
     if run.skipper is not None:
         event.update(run.skipper.event_fields(progress.compute_s / progress.samples))
     run.bar.set_postfix(_postfix(event), refresh=False)
@@ -821,8 +849,11 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
         if run.skipper is not None:
             run.skipper.after_eval(scores)  # warm-up ends on a flat validation loss; the guard watches AUC
     progress.events.append(event)
-    with open(run.run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(event) + "\n")
+    if run.writes_files:
+        with open(run.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+    if run.tensorboard is not None:
+        run.tensorboard.write_event(event)
     run.base_lookups, run.base_hits = _stats_totals(run.model)  # evaluation lookups do not count
 
 
@@ -868,6 +899,9 @@ def save_checkpoint(run: Run) -> None:
     _sync_window_counts(run)
     state = checkpoint_state(run)
     directory = run.run_dir / "checkpoints"
+    if run.dist is not None:
+        run.dist.save_checkpoint(directory, state, run.progress.samples, keep=run.config.keep_checkpoints)
+        return
     try:
         ckpt.save_run_checkpoint(directory, state, run.progress.samples, keep=run.config.keep_checkpoints)
     except OSError as exc:  # a full disk, a quota: the previous checkpoint is intact (atomic writes)
@@ -910,6 +944,7 @@ def finish_run(run: Run) -> dict[str, Any]:
         "fp32_embedding_bytes": int(memory["fp32_bytes"]),
         "memory_ratio": float(memory["memory_ratio"]),
         "memory_components": memory["components"],
+        "memory_per_rank": memory.get("per_rank"),  # N processes: each rank's own report
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
         "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
@@ -917,11 +952,17 @@ def finish_run(run: Run) -> dict[str, Any]:
         "data_quality": run.data_quality,
         "run_dir": str(run.run_dir),
         "config": run.config_dict,
+        "distributed": run.dist.summary(model) if run.dist is not None else None,
     }
+    if not run.writes_files:
+        return summary
     _write_json(run.run_dir / "summary.json", summary)
     from slipcache.training.report import write_report
 
     write_report(run.run_dir, progress.events, summary)
+    if run.tensorboard is not None:
+        run.tensorboard.write_summary(summary)
+        run.tensorboard.close()
     return summary
 
 
@@ -1001,12 +1042,12 @@ def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
 
 
 # Fields that say where and how a run reports, not what it computes: free to differ on resume.
-_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes"}
+_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard"}
 # Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
 _STATE_DEFINING = {
     "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "strict",
     "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
-    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale",
+    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "table_sizes", "split_order",
 }  # fmt: skip
 
 
@@ -1067,7 +1108,7 @@ def _resume_location(resume: str) -> tuple[Path, Path | None]:
 
 
 def _load_resume(
-    config: TrainConfig,
+    config: TrainConfig, dist: DistributedRun | None = None
 ) -> tuple[dict[str, Any] | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
     """(checkpoint state or None, the run's saved config, the config to continue with, changed settings).
 
@@ -1082,7 +1123,14 @@ def _load_resume(
         raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
     else:
         run_dir = home
-    if home is not None and path.name == ckpt.LATEST and not _has_checkpoint(home):
+    if dist is None and home is not None:
+        from slipcache.distributed.checkpoint import refuse_sharded
+
+        refuse_sharded(home)  # written by N processes: say how to resume it
+    if dist is not None:
+        state = dist.load_checkpoint(home or path)  # every rank's file and the manifest
+        saved, where = state["config"], f"checkpoint {path.parent}"
+    elif home is not None and path.name == ckpt.LATEST and not _has_checkpoint(home):
         _warn(f"{home} has no checkpoint (it stopped before the first one); starting it again from the beginning")
         state, saved = None, json.loads((home / "config.json").read_text())
         where = f"{home / 'config.json'}"
@@ -1293,7 +1341,28 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-rows", type=int, default=s, help="raw data, hash vocabulary: rows per table (default 1000000)")
     add("--min-count", type=int, default=s, help="raw data, frequency vocabulary: minimum count (default 1)")
     add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
+    add(
+        "--table-sizes",
+        type=_int_list,
+        default=s,
+        help="TorchRec/DLRM/MLPerf files: rows per table, one for all or 26 comma-separated; ids are "
+        "taken modulo them (TorchRec's hashes). Default: the files' counts, else max id + 1",
+    )
+    add(
+        "--split-order",
+        choices=("val-test", "test-val"),
+        default=s,
+        help="which half of the last day is validation (default: the format's convention)",
+    )
     add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
+    add(
+        "--tensorboard",
+        nargs="?",
+        const="",
+        default=s,
+        metavar="DIR",
+        help="also write the metrics as TensorBoard events (default DIR: <out>/tensorboard)",
+    )
     add(
         "--skip-stale",
         action="store_true",
@@ -1346,11 +1415,28 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
 def run_train(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k in _FIELDS}
     file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
     config = make_config(file_values, flags)
-    summary = train(config)
+    from slipcache.distributed.launch import init_from_env
+
+    context = init_from_env()  # None unless started by torchrun with more than one process
+    if context is None:
+        summary = train(config)
+    else:
+        from slipcache.distributed.training import train_on_ranks
+
+        summary = train_on_ranks(config, context)
+        if not context.is_main:
+            return 0
     print(f"run: {summary['run_dir']}")
     print(summary_table(summary))
     return 0
@@ -1370,9 +1456,12 @@ def evaluate_checkpoint(
     if samples is not None and samples < 1:
         raise SlipcacheError(f"--samples must be at least 1, got {samples}")
     path = Path(checkpoint_path).expanduser().resolve()
+    from slipcache.distributed import checkpoint as sharded_ckpt
+
+    sharded = sharded_ckpt.latest_sharded(path) if path.is_dir() else None  # written by N processes
     if path.is_dir():
         path = path / "checkpoints" / ckpt.LATEST if (path / "checkpoints").is_dir() else path / ckpt.LATEST
-    state = _load_checkpoint_or_name_others(path)
+    state = sharded_ckpt.load_rank_state(sharded, 0) if sharded else _load_checkpoint_or_name_others(path)
     config = _config_from_saved(state["config"], f"checkpoint {path}")
     config.progress = False
     if data is not None:
@@ -1381,11 +1470,14 @@ def evaluate_checkpoint(
     else:
         saved_dataset = state["config"].get("dataset")
         dataset_dir = _dataset_dir(config, saved_dataset if isinstance(saved_dataset, str) else None)
-    dataset = open_dataset(dataset_dir)
+    dataset = open_dataset(dataset_dir, config)
     check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
     if split not in dataset.splits or not dataset.splits[split]:
         raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
     model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    if sharded is not None:  # gather the ranks' shards into this process's tables
+        sharded_ckpt.unshard_into(model.embeddings, sharded)
+        state["embeddings"] = model.embeddings.state_dict()
     _load_model_state(state, model)
     return evaluate(model, dataset.split(split), max_samples=samples)
 

@@ -1,0 +1,1 @@
+"""Many processes: the sharding plan, the sharded embedding collection, launch and checkpoints."""

@@ -1,0 +1,207 @@
+"""Checkpoints written by many ranks: one file per rank, a manifest written last.
+
+    <run>/checkpoints/step-<samples>/rank-<r>.pt     each rank's state (its shards under "embeddings")
+    <run>/checkpoints/step-<samples>/manifest.json   world size, plan, file sizes: written by rank 0
+                                                     after a barrier, once every rank's file is complete
+
+A checkpoint counts only when its manifest exists, so a crash mid-write leaves the previous one as the
+newest complete checkpoint. Each file is written atomically by `slipcache.training.checkpoint`.
+Resuming with another world size re-shards the tables (`reshard_into`): every new rank reads the old
+shards that overlap its own, flushes their caches into storage and copies the rows (storage bytes and
+optimizer state, exactly); caches start empty and cache counters from zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from slipcache.distributed.planner import ShardingPlan
+from slipcache.distributed.sharded import ShardedEmbeddingCollection, shard_config
+from slipcache.embedding.collection import CachedEmbeddingBagCollection
+from slipcache.errors import SlipcacheError
+from slipcache.training import checkpoint as ckpt
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "slipcache-sharded-checkpoint"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def rank_file(step_dir: Path, rank: int) -> Path:
+    return step_dir / f"rank-{rank}.pt"
+
+
+def save_sharded(
+    directory: Path,
+    samples: int,
+    rank: int,
+    world_size: int,
+    state: dict[str, Any],
+    manifest: dict[str, Any],
+    *,
+    keep: int = 2,
+    group: dist.ProcessGroup | None = None,
+) -> Path:
+    """Every rank writes its file; after a barrier rank 0 writes the manifest and prunes old checkpoints.
+
+    `manifest` (rank 0's is used) holds what resuming needs besides the files, e.g. the plan.
+    """
+    step_dir = Path(directory) / f"step-{samples:012d}"
+    ckpt.save_checkpoint(rank_file(step_dir, rank), state)
+    dist.barrier(group=group)  # every rank's file is complete (and fsynced) past this point
+    if rank == 0:
+        files = {
+            rank_file(step_dir, r).name: rank_file(step_dir, r).stat().st_size for r in range(world_size)
+        }
+        content = {
+            "format": MANIFEST_FORMAT,
+            "version": 1,
+            "world_size": world_size,
+            "samples": samples,
+            "files": files,
+            **manifest,
+        }
+        _write_atomic(step_dir / MANIFEST, json.dumps(content, indent=2) + "\n")
+        _prune(Path(directory), keep)
+    dist.barrier(group=group)  # no rank moves on (or reports the checkpoint) before it counts
+    return step_dir
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def _prune(directory: Path, keep: int) -> None:
+    """Keep the `keep` newest complete checkpoints; drop older ones and incomplete ones before them."""
+    steps = sorted(p for p in directory.iterdir() if _STEP_DIR.match(p.name))
+    complete = [p for p in steps if (p / MANIFEST).is_file()]
+    if keep <= 0 or len(complete) <= keep:
+        return
+    oldest_kept = complete[-keep]
+    for path in steps:
+        if path < oldest_kept:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def latest_sharded(path: Path) -> Path | None:
+    """The newest complete checkpoint under a run dir, its checkpoints dir, or a step dir itself."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if not path.is_dir():
+        return None
+    complete = sorted(p for p in path.iterdir() if _STEP_DIR.match(p.name) and (p / MANIFEST).is_file())
+    return complete[-1] if complete else None
+
+
+def read_manifest(step_dir: Path) -> dict[str, Any]:
+    """The manifest, after checking that every rank file it names is there with its recorded size."""
+    try:
+        manifest = json.loads((step_dir / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise SlipcacheError(f"cannot read {step_dir / MANIFEST}: {exc}") from exc
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise SlipcacheError(f"{step_dir / MANIFEST} is not a slipcache sharded checkpoint manifest")
+    for name, size in manifest["files"].items():
+        file = step_dir / name
+        if not file.is_file() or file.stat().st_size != size:
+            raise SlipcacheError(
+                f"checkpoint {step_dir}: {name} is missing or not the size the manifest records"
+            )
+    return manifest
+
+
+def load_rank_state(step_dir: Path, rank: int) -> dict[str, Any]:
+    return ckpt.load_checkpoint(rank_file(step_dir, rank))
+
+
+def reshard_into(collection: ShardedEmbeddingCollection, step_dir: Path, manifest: dict[str, Any]) -> None:
+    """Fill `collection`'s shards from a checkpoint written under another plan (any world size)."""
+    old_plan = ShardingPlan.from_dict(manifest["plan"])
+    if [t.rows for t in old_plan.tables] != collection.table_sizes:
+        raise SlipcacheError(f"checkpoint {step_dir} holds other tables than this model's")
+    local = collection.local
+    if local is None:
+        return
+    local.cache.evict(local.cache.cached()[0])  # the new shards start with empty caches
+    targets = local.table_offsets.tolist()
+    for old_rank in range(old_plan.world_size):
+        old_shards = old_plan.shards_of(old_rank)
+        overlaps = [
+            (i, j, max(a.row_start, b.row_start), min(a.row_end, b.row_end))
+            for i, a in enumerate(old_shards)
+            for j, b in enumerate(collection.shards)
+            if a.table == b.table and max(a.row_start, b.row_start) < min(a.row_end, b.row_end)
+        ]
+        if not overlaps:
+            continue
+        old = CachedEmbeddingBagCollection(shard_config(collection.config, old_shards, old_rank))
+        saved = load_rank_state(step_dir, old_rank)["embeddings"]  # the sharded collection's state dict
+        old.load_state_dict({k.removeprefix("local."): v for k, v in saved.items()})
+        old.flush()
+        sources = old.table_offsets.tolist()
+        for i, j, lo, hi in overlaps:
+            src = sources[i] + lo - old_shards[i].row_start
+            dst = targets[j] + lo - collection.shards[j].row_start
+            for target, source in _row_buffers(local, old):
+                target[dst : dst + hi - lo].copy_(source[src : src + hi - lo])
+
+
+def _row_buffers(
+    new: CachedEmbeddingBagCollection, old: CachedEmbeddingBagCollection
+) -> list[tuple[Any, Any]]:
+    """(new, old) pairs of every buffer indexed by row: storage bytes, quantization parameters, optimizer."""
+    pairs = list(zip(new.storage.buffers(), old.storage.buffers(), strict=True))
+    if hasattr(new, "optimizer_state"):
+        pairs.append((new.optimizer_state, old.optimizer_state))
+    return pairs
+
+
+def refuse_sharded(path: Path) -> None:
+    """One process resuming a checkpoint written by N: say how to resume it instead of "not found"."""
+    step_dir = latest_sharded(Path(path))
+    if step_dir is not None:
+        world_size = read_manifest(step_dir)["world_size"]
+        raise SlipcacheError(
+            f"{step_dir} was written by {world_size} processes; resume it with "
+            f"torchrun --nproc-per-node {world_size} --no-python slipcache train --resume ..."
+        )
+
+
+def unshard_into(collection: CachedEmbeddingBagCollection, step_dir: Path) -> None:
+    """Fill one process's collection of all tables from an N-rank checkpoint (for `slipcache eval`).
+
+    Every rank's shards are loaded in turn, their caches flushed, and their rows and optimizer state copied
+    to the tables' places; the cache of `collection` starts empty.
+    """
+    plan = ShardingPlan.from_dict(read_manifest(step_dir)["plan"])
+    if [t.rows for t in plan.tables] != collection.table_sizes:
+        raise SlipcacheError(f"checkpoint {step_dir} holds other tables than this model's")
+    collection.cache.evict(collection.cache.cached()[0])
+    offsets = collection.table_offsets.tolist()
+    for rank in range(plan.world_size):
+        shards = plan.shards_of(rank)
+        if not shards:
+            continue
+        old = CachedEmbeddingBagCollection(shard_config(collection.config, shards, rank))
+        saved = load_rank_state(step_dir, rank)["embeddings"]
+        old.load_state_dict({k.removeprefix("local."): v for k, v in saved.items()})
+        old.flush()
+        sources = old.table_offsets.tolist()
+        for i, shard in enumerate(shards):
+            dst = offsets[shard.table] + shard.row_start
+            for target, source in _row_buffers(collection, old):
+                target[dst : dst + shard.rows].copy_(source[sources[i] : sources[i] + shard.rows])

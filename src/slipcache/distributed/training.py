@@ -1,0 +1,274 @@
+"""`slipcache train` across N processes: what the training loop needs beyond one process.
+
+The loop itself (slipcache.training.trainer) does not change. It sees one model, `DistributedDLRM`, that
+takes the whole global batch like DLRM does and returns the logits of the whole batch:
+
+    global batch [B] -> this rank's slice (B split as evenly as possible: the first B mod N ranks take one
+    sample more) -> bottom MLP (DistributedDataParallel) and the sharded tables (all-to-all) -> interaction
+    and top MLP -> this slice's logits -> all ranks' logits gathered into [B]
+
+so the loss, the logged figures and validation/test metrics are computed over the whole batch or split on
+every rank, identically. In backward each rank keeps its slice's gradient of the (global mean) loss; the
+dense gradients are summed over ranks (a DDP communication hook that sums instead of averaging), so every
+gradient equals the one-process gradient of the same global batch up to float summation order.
+
+Every rank reads the whole global batch from the memory-mapped dataset and keeps its slice (the shuffle is
+the same on every rank). Rank 0 alone prints and writes config.json, metrics.jsonl, summary.json,
+report.md and the plan (plan.json); other ranks write their output to rank-<r>.log in the run directory.
+Cache statistics and memory are collectives that sum over ranks and keep each rank's figures
+(`ShardedEmbeddingCollection.stats` / `memory_report`), called at the same points on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from slipcache.distributed import checkpoint as dckpt
+from slipcache.distributed.launch import DistributedContext, redirect_output, shutdown
+from slipcache.distributed.planner import ShardingPlan, plan_sharding, table_specs
+from slipcache.distributed.sharded import RESHARD_FROM, ShardedEmbeddingCollection
+from slipcache.embedding.collection import EmbeddingConfig
+from slipcache.errors import SlipcacheError
+from slipcache.model import DLRM, ModelConfig
+
+PLAN_FILE = "plan.json"
+
+
+def slice_bounds(batch: int, world_size: int, rank: int) -> tuple[int, int]:
+    """This rank's [start, end) of a global batch: sizes differ by at most one, larger ones first."""
+    base, extra = divmod(batch, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+class _GatherLogits(torch.autograd.Function):
+    """Every rank's logits concatenated; backward keeps this rank's slice of the (identical) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, sizes: list[int], rank: int) -> Tensor:
+        ctx.bounds = (sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        padded = local.new_zeros(max(sizes))
+        padded[: local.numel()] = local
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(pieces, padded)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        start, end = ctx.bounds
+        return grad[start:end], None, None
+
+
+def _sum_gradients(state, bucket):  # noqa: ANN001, ANN201 - DDP checks real annotations, not strings
+    """DDP communication hook: sum the ranks' gradients (each is its slice's part of the global mean)."""
+    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return future.then(lambda f: f.value()[0])
+
+
+class DistributedDLRM(nn.Module):
+    """DLRM over N ranks with DLRM's interface: global batch in, global logits out (see module doc)."""
+
+    def __init__(self, model: DLRM, ctx: DistributedContext) -> None:
+        super().__init__()
+        self.inner = model
+        self.ctx = ctx
+        # DDP holds `model` too; kept out of this module's children so state dicts keep DLRM's keys.
+        # The tables hold no parameters and differ by rank: their buffers are never broadcast.
+        with warnings.catch_warnings():  # the suggested replacement still syncs buffers at init
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+            ddp = DistributedDataParallel(model, broadcast_buffers=False)
+        ddp.register_comm_hook(None, _sum_gradients)
+        self.__dict__["ddp"] = ddp
+
+    @property
+    def embeddings(self) -> ShardedEmbeddingCollection:
+        return self.inner.embeddings
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.inner.config
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        return self.inner.dense_parameters()
+
+    def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
+        world, rank = self.ctx.world_size, self.ctx.rank
+        sizes = [end - start for start, end in (slice_bounds(dense.shape[0], world, r) for r in range(world))]
+        start, end = slice_bounds(dense.shape[0], world, rank)
+        device = self.ctx.device
+        local = self.ddp(dense[start:end].to(device), sparse[start:end].to(device))
+        return _GatherLogits.apply(local, sizes, rank).to(dense.device)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.inner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.inner.load_state_dict(state, strict=strict, assign=assign)
+
+
+class DistributedRun:
+    """The launch, the plan, and the N-process versions of what the loop does with files."""
+
+    def __init__(self, ctx: DistributedContext) -> None:
+        self.ctx = ctx
+        self.plan: ShardingPlan | None = None  # from the checkpoint on resume, else made at model build
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.rank == 0
+
+    # ------------------------------------------------------------------------------------- set-up
+    def check_config(self, config: Any) -> None:
+        """Refuse what does not work across processes yet, with the same one-line error on every rank."""
+        n = self.ctx.world_size
+        if config.embeddings != "cached":
+            raise SlipcacheError(
+                f"--embeddings {config.embeddings} is not supported with {n} > 1 processes (only cached tables are sharded)"
+            )
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's value on every rank (e.g. a run directory named after the clock)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def build_model(
+        self, config: Any, table_sizes: list[int], num_dense: int, run_dir: Path
+    ) -> DistributedDLRM:
+        embedding_config = EmbeddingConfig(
+            table_sizes=list(table_sizes),
+            dim=config.embedding_dim,
+            precision=config.precision,
+            cache_size=config.cache_size,
+            cache_rows=config.cache_rows,
+            policy=config.policy,
+            rounding=config.rounding,
+            optimizer=config.optimizer,
+            lr=config.lr,
+            seed=config.seed,
+            storage_device=str(self.ctx.device),
+            cache_device=str(self.ctx.device),
+        )
+        if self.plan is None:
+            specs = table_specs(
+                table_sizes,
+                config.embedding_dim,
+                precision=config.precision,
+                cache_size=config.cache_size,
+                optimizer=config.optimizer,
+            )
+            self.plan = plan_sharding(specs, self.ctx.world_size)
+        # Every rank has checked the run directory by now; from here on the others write their logs in it.
+        dist.barrier()
+        if self.is_main:
+            print(self.plan.format_table())
+            (run_dir / PLAN_FILE).write_text(json.dumps(self.plan.to_dict(), indent=2) + "\n")
+        else:
+            redirect_output(run_dir, self.ctx.rank)
+        tables = ShardedEmbeddingCollection(
+            embedding_config, self.plan, self.ctx.rank, self.ctx.embedding_group
+        )
+        model_config = ModelConfig(
+            table_sizes=list(table_sizes),
+            num_dense=num_dense,
+            embedding_dim=config.embedding_dim,
+            bottom_mlp=list(config.bottom_mlp),
+            top_mlp=list(config.top_mlp),
+        )
+        return DistributedDLRM(DLRM(model_config, tables).to(self.ctx.device), self.ctx)
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: Path, state: dict[str, Any], samples: int, keep: int) -> None:
+        """Rank 0's file holds the full trainer state; the others only their shards."""
+        mine = state if self.is_main else {"embeddings": state["embeddings"]}
+        assert self.plan is not None
+        dckpt.save_sharded(
+            directory,
+            samples,
+            self.ctx.rank,
+            self.ctx.world_size,
+            mine,
+            {"plan": self.plan.to_dict()},
+            keep=keep,
+            group=self.ctx.embedding_group,
+        )
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """The trainer state to resume from: rank 0's file, with this rank's shards as "embeddings".
+
+        With the world size it was written with, the plan and the shards are taken as saved (exact
+        resume); with another, a new plan is made and the shards are re-sharded when the model loads
+        its state (`ShardedEmbeddingCollection.load_state_dict`).
+        """
+        step_dir = dckpt.latest_sharded(path)
+        if step_dir is None:
+            if (Path(path) / "checkpoints" / "latest.pt").is_file() or Path(path).name.endswith(".pt"):
+                raise SlipcacheError(
+                    f"{path} was written by 1 process; resuming it with {self.ctx.world_size} processes is not supported"
+                )
+            raise SlipcacheError(
+                f"no complete checkpoint (with its {dckpt.MANIFEST}) under {path}; start the run again with its --out"
+            )
+        manifest = dckpt.read_manifest(step_dir)
+        state = dckpt.load_rank_state(step_dir, 0)
+        if manifest["world_size"] == self.ctx.world_size:
+            self.plan = ShardingPlan.from_dict(manifest["plan"])
+            if self.ctx.rank != 0:
+                state["embeddings"] = dckpt.load_rank_state(step_dir, self.ctx.rank)["embeddings"]
+        else:
+            state["embeddings"] = {RESHARD_FROM: str(step_dir)}
+        return state
+
+    # ------------------------------------------------------------------------------------- summary
+    def summary(self, model: DistributedDLRM) -> dict[str, Any]:
+        """Launch facts and the all-to-all bytes sent per sample (a collective)."""
+        assert self.plan is not None
+        return {
+            "world_size": self.ctx.world_size,
+            "backend": self.ctx.backend,
+            "threads_per_rank": self.ctx.threads,
+            "plan_bytes_per_rank": self.plan.bytes_per_rank(),
+            "plan_lookups_per_rank": self.plan.lookups_per_rank(),
+            "traffic": model.embeddings.combined_traffic(),
+        }
+
+
+def lost_rank_error(exc: BaseException, rank: int) -> SlipcacheError:
+    """One line for a collective that failed because another rank died or stopped answering."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # gloo prefixes its source file and line
+    first = text.splitlines()[0].split(". ")[0] if text else type(exc).__name__
+    return SlipcacheError(
+        f"rank {rank}: another rank stopped ({first[:160]}); resume from the last complete checkpoint with --resume"
+    )
+
+
+def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
+    """`trainer.train` as one rank of N: the run directory agreed, the data prepared once, rank-0 output."""
+    from slipcache.training import trainer
+
+    run = DistributedRun(ctx)
+    try:
+        run.check_config(config)
+        if config.out is None and config.resume is None:
+            config.out = run.agree(str(trainer._new_run_dir()))
+        if not run.is_main:
+            config.progress = False
+        if config.resume is None and ctx.local_rank == 0:  # once per node, before the others read it
+            trainer.prepare_data(config)
+        dist.barrier()
+        return trainer.train(config, run)
+    except (dist.DistError, RuntimeError) as exc:
+        if isinstance(exc, dist.DistError) or "gloo" in str(exc).lower() or "connection" in str(exc).lower():
+            raise lost_rank_error(exc, ctx.rank) from exc
+        raise
+    finally:
+        shutdown()

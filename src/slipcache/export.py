@@ -1,0 +1,135 @@
+"""`slipcache export`: a trained checkpoint's tables in the layouts serving stacks load.
+
+Written into `--out DIR`:
+
+    embedding_bags.pt   {"t_cat_0": nn.EmbeddingBag state dict, ...}: fp32 weights, one bag per table
+    torchrec_ebc.pt     a torchrec EmbeddingBagCollection state dict ("embedding_bags.t_cat_0.weight", ...)
+    fbgemm_int8.pt      {"t_cat_0": uint8 [rows, dim + 8], ...}: FBGEMM's row-wise INT8 layout, each row
+                        its codes then fp32 scale and fp32 bias (little endian), as
+                        torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat reads it
+    tables.json         names, features, rows and dim of each table, to rebuild the modules
+
+The values are the trained fp32 rows: cached rows overlaid on storage, exactly what the model reads.
+Names follow TorchRec's Criteo convention (feature `cat_{t}`, table `t_cat_{t}`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from slipcache.errors import SlipcacheError
+
+FORMATS = ("fp32", "torchrec", "int8")
+FILES = {"fp32": "embedding_bags.pt", "torchrec": "torchrec_ebc.pt", "int8": "fbgemm_int8.pt"}
+
+
+def table_name(t: int) -> str:
+    return f"t_cat_{t}"
+
+
+def feature_name(t: int) -> str:
+    return f"cat_{t}"
+
+
+def load_tables(checkpoint: str | Path) -> list[torch.Tensor]:
+    """The fp32 tables of a training checkpoint (file, checkpoints dir or run dir)."""
+    from slipcache.training import checkpoint as ckpt
+    from slipcache.training import trainer
+
+    path = Path(checkpoint)
+    if path.is_dir() and (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    state = ckpt.load_checkpoint(path)
+    trainer._check_checkpoint(state, path)
+    config = trainer.TrainConfig(**{k: v for k, v in state["config"].items() if k in trainer._FIELDS})
+    model = trainer.build_model(config, state["table_sizes"], num_dense=1)  # the dense part is not loaded
+    try:
+        model.embeddings.load_state_dict(state["embeddings"])
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise SlipcacheError(f"{path}: embeddings do not load: {str(exc).splitlines()[0]}") from exc
+    embeddings = model.embeddings
+    with torch.no_grad():
+        if hasattr(embeddings, "export_tables"):
+            return [t.detach().float().cpu() for t in embeddings.export_tables()]
+        return [bag.weight.detach().float().clone() for bag in embeddings.bags]
+
+
+def quantize_rowwise_int8(table: torch.Tensor) -> torch.Tensor:
+    """FBGEMM's fused 8-bit row-wise layout: per row round((x - min) / scale) codes, fp32 scale, fp32 bias."""
+    table = table.float()
+    low = table.min(dim=1, keepdim=True).values
+    high = table.max(dim=1, keepdim=True).values
+    scale = (high - low) / 255.0
+    inverse = torch.where(scale > 0, 1.0 / scale.clamp_min(1e-30), torch.zeros_like(scale))
+    codes = torch.round((table - low) * inverse).clamp_(0, 255).to(torch.uint8)
+    params = torch.cat([scale, low], dim=1).contiguous().view(torch.uint8)  # 8 bytes per row
+    return torch.cat([codes, params], dim=1)
+
+
+def dequantize_rowwise_int8(fused: torch.Tensor) -> torch.Tensor:
+    """The fp32 rows of `quantize_rowwise_int8`'s layout (what FBGEMM's inverse op computes)."""
+    params = fused[:, -8:].contiguous().view(torch.float32)
+    return fused[:, :-8].float() * params[:, :1] + params[:, 1:]
+
+
+def export_tables(
+    tables: list[torch.Tensor], out: str | Path, formats: tuple[str, ...] = FORMATS
+) -> dict[str, Path]:
+    """Write `tables` into `out` in each of `formats`; returns {format: file}."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SlipcacheError(f"{out}: cannot create output directory: {exc}") from exc
+    written: dict[str, Path] = {}
+    for fmt in formats:
+        if fmt == "fp32":
+            value: Any = {table_name(t): {"weight": w.contiguous()} for t, w in enumerate(tables)}
+        elif fmt == "torchrec":
+            value = {f"embedding_bags.{table_name(t)}.weight": w.contiguous() for t, w in enumerate(tables)}
+        elif fmt == "int8":
+            value = {table_name(t): quantize_rowwise_int8(w) for t, w in enumerate(tables)}
+        else:
+            raise SlipcacheError(f"export format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        written[fmt] = out / FILES[fmt]
+        torch.save(value, written[fmt])
+    info = [
+        {
+            "name": table_name(t),
+            "feature_names": [feature_name(t)],
+            "num_embeddings": w.shape[0],
+            "embedding_dim": w.shape[1],
+        }
+        for t, w in enumerate(tables)
+    ]
+    (out / "tables.json").write_text(json.dumps(info, indent=1) + "\n")
+    return written
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
+    parser.add_argument("--out", required=True, help="directory to write the exported tables into")
+    parser.add_argument(
+        "--format",
+        dest="formats",
+        action="append",
+        choices=FORMATS,
+        help="fp32 (nn.EmbeddingBag), torchrec (EmbeddingBagCollection) or int8 (FBGEMM row-wise); "
+        "repeat for several (default: all)",
+    )
+
+
+def run_export(args: argparse.Namespace) -> int:
+    tables = load_tables(args.checkpoint)
+    written = export_tables(tables, args.out, tuple(args.formats or FORMATS))
+    rows = sum(t.shape[0] for t in tables)
+    print(f"{len(tables)} tables, {rows:,} rows of dim {tables[0].shape[1]}")
+    for fmt, path in written.items():
+        print(f"  {fmt:<9} {path} ({np.format_float_positional(path.stat().st_size / 2**20, 2)} MiB)")
+    return 0

@@ -1,0 +1,1 @@
+"""Memory planning from an id profile: `slipcache plan` (per-table precision and cache, placement preview)."""

@@ -1,0 +1,164 @@
+"""The sharded collection over 2 gloo processes equals one `CachedEmbeddingBagCollection`.
+
+Each test starts 2 processes on 127.0.0.1 (a free port, a bounded join); the workers assert themselves,
+and a failing assertion comes back as the test's error with the worker's traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from slipcache.distributed.planner import Shard, ShardingPlan, TableSpec
+from slipcache.distributed.sharded import ShardedEmbeddingCollection
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.errors import InvalidInputError
+from tests.ranks import run_ranks
+
+SIZES = [30, 7, 120, 11]
+
+
+def _split_plan(world_size: int) -> ShardingPlan:
+    """Tables 0 and 1 whole on rank 0; tables 2 and 3 cut by rows, rank 1 holding only their ends."""
+    tables = [TableSpec(f"t{i}", n, 4, 16.0) for i, n in enumerate(SIZES)]
+    shards = [Shard(0, 0, 0, 30), Shard(1, 0, 0, 7), Shard(2, 0, 0, 50), Shard(2, 1, 50, 120)]
+    shards += [Shard(3, 0, 0, 6), Shard(3, 1, 6, 11)]
+    return ShardingPlan(world_size, tables, shards)
+
+
+def _steps(generator: torch.Generator) -> list[tuple[torch.Tensor, list[int]]]:
+    """(global ids, slice sizes): uneven slices, an empty slice, and a batch rank 1 owns no row of."""
+
+    def ids(batch: int, high: list[int] | None = None) -> torch.Tensor:
+        return torch.stack([torch.randint(0, h, (batch,), generator=generator) for h in high or SIZES], 1)
+
+    return [
+        (ids(8), [4, 4]),
+        (ids(9), [7, 2]),
+        (ids(5), [0, 5]),
+        (ids(6, [30, 7, 50, 6]), [3, 3]),  # only rank 0's rows: rank 1 receives nothing
+        (ids(6), [6, 0]),
+    ]
+
+
+def _check_against_one_process(rank: int, world_size: int, config: EmbeddingConfig, plan_kind: str) -> None:
+    plan = _split_plan(world_size) if plan_kind == "split" else _all_on_rank_0(world_size)
+    reference = CachedEmbeddingBagCollection(config)
+    sharded = ShardedEmbeddingCollection(dataclasses.replace(config), plan, rank)
+    for got, want in zip(sharded.export_tables(), reference.export_tables(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same initial rows
+    generator = torch.Generator().manual_seed(1)
+    for ids, slices in _steps(generator):
+        weights = torch.randn(ids.shape[0], len(SIZES), config.dim, generator=generator)
+        start = sum(slices[:rank])
+        mine = slice(start, start + slices[rank])
+        want = reference(ids)
+        (want * weights).sum().backward()
+        got = sharded(ids[mine])
+        assert got.shape == (slices[rank], len(SIZES), config.dim)
+        torch.testing.assert_close(got, want[mine].detach(), rtol=0, atol=1e-6)
+        (got * weights[mine]).sum().backward()
+    for got, want in zip(sharded.export_tables(), reference.export_tables(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    sharded.eval()
+    with torch.no_grad():
+        ids = torch.tensor([[1, 2, 60, 3], [29, 6, 119, 10]])
+        torch.testing.assert_close(sharded(ids[rank : rank + 1]), reference.eval()(ids)[rank : rank + 1])
+
+
+def _all_on_rank_0(world_size: int) -> ShardingPlan:
+    tables = [TableSpec(f"t{i}", n, 4, 16.0) for i, n in enumerate(SIZES)]
+    return ShardingPlan(world_size, tables, [Shard(t, 0, 0, n) for t, n in enumerate(SIZES)])
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "cache_size", "plan_kind"),
+    [("sgd", 0, "split"), ("rowwise_adagrad", None, "split"), ("adagrad", 0.5, "all_on_rank_0")],
+)
+def test_sharded_forward_backward_equals_one_process(
+    optimizer: str, cache_size: float | None, plan_kind: str
+) -> None:
+    """fp32 storage, so the cache (small: evictions; none; half) changes no value: results must agree."""
+    config = EmbeddingConfig(
+        table_sizes=SIZES,
+        dim=4,
+        precision="fp32",
+        cache_size=cache_size or 0,
+        cache_rows=8 if cache_size is None else None,
+        optimizer=optimizer,
+        lr=0.1,
+        ways=2,
+    )
+    run_ranks(_check_against_one_process, config, plan_kind)
+
+
+def _owner(plan: ShardingPlan, table: int, row: int) -> int:
+    return next(s.rank for s in plan.shards if s.table == table and s.row_start <= row < s.row_end)
+
+
+def _check_int8_initial_rows_and_traffic(rank: int, world_size: int) -> None:
+    config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="int8", cache_size=0.1)
+    plan = _split_plan(world_size)
+    sharded = ShardedEmbeddingCollection(config, plan, rank)
+    reference = CachedEmbeddingBagCollection(config)
+    for got, want in zip(sharded.export_tables(), reference.export_tables(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ids = torch.stack([torch.arange(3, 13) % n * 7 % n for n in SIZES], 1)
+    mine = ids[rank * 4 : rank * 4 + 4 + 2 * rank]  # 4 and 6 samples
+    owners = [[_owner(plan, t, i) for t, i in enumerate(row)] for row in ids.tolist()]
+    remote_sent = sum(o != rank for row in owners[rank * 4 : rank * 4 + 4 + 2 * rank] for o in row)
+    other = slice(0, 4) if rank else slice(4, 10)
+    remote_received = sum(o == rank for row in owners[other] for o in row)
+    sharded(mine).sum().backward()
+    assert sharded.traffic["id_bytes"] == (remote_sent + 2) * 8
+    assert sharded.traffic["embedding_bytes"] == remote_received * 4 * 4
+    assert sharded.traffic["gradient_bytes"] == remote_sent * 4 * 4
+    assert sharded.traffic["samples"] == mine.shape[0]
+    with pytest.raises(InvalidInputError, match="outside"):
+        sharded(torch.tensor([[0, 0, 500, 0]]))
+
+
+def test_int8_shards_start_from_the_single_process_rows_and_count_their_traffic() -> None:
+    run_ranks(_check_int8_initial_rows_and_traffic)
+
+
+def _check_stale_flags_agree(rank: int, world_size: int) -> None:
+    """Snapshots read through the sharded tables are identical on every rank and equal one process's
+    snapshots, so the detector's fitted threshold and stale flags are one global decision."""
+    import numpy as np
+
+    from slipcache.staleness.detector import StaleInputDetector, StalenessConfig
+
+    config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="fp32", cache_size=0.25, lr=0.01)
+    sharded = ShardedEmbeddingCollection(config, _split_plan(world_size), rank)
+    reference = CachedEmbeddingBagCollection(config)
+    generator = torch.Generator().manual_seed(5)
+    inputs = torch.stack([torch.randint(0, n // 2 + 1, (64,), generator=generator) for n in SIZES], 1)
+    detectors = [
+        StaleInputDetector.from_collection(coll, StalenessConfig(target_drop=0.3, seed=0))
+        for coll in (sharded, reference)
+    ]
+    for detector, coll in zip(detectors, (sharded, reference), strict=True):
+        detector.profile(inputs.numpy())
+        detector.begin_window(coll)
+    for step in range(3):
+        batch = inputs[step * 16 : step * 16 + 16]
+        reference(batch).pow(2).sum().backward()
+        sharded(batch[rank * 8 : rank * 8 + 8]).pow(2).sum().backward()
+    for detector, coll in zip(detectors, (sharded, reference), strict=True):
+        detector.end_window(coll)
+        detector.fit_threshold(inputs.numpy())
+    mine, single = detectors
+    torch.testing.assert_close(mine.row_change(), single.row_change(), rtol=0, atol=1e-6)
+    flags = torch.from_numpy(mine.is_stale_row(np.arange(sum(SIZES))).astype(np.uint8))
+    everyone = [torch.empty_like(flags) for _ in range(world_size)]
+    torch.distributed.all_gather(everyone, flags)
+    assert all(torch.equal(f, everyone[0]) for f in everyone)  # one decision on every rank
+    assert 0 < int(flags.sum()) < len(mine.hot)
+    assert mine.threshold is not None and mine.threshold == single.threshold
+
+
+def test_stale_skipping_takes_one_decision_on_every_rank() -> None:
+    run_ranks(_check_stale_flags_agree)

@@ -1,0 +1,135 @@
+"""`slipcache train` as 2 gloo processes: equal to 1 process, exact resume, a clear stop when a rank dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from slipcache.distributed import checkpoint as dckpt
+from slipcache.errors import SlipcacheError
+from slipcache.training import trainer
+from tests.helpers import make_dataset
+from tests.ranks import exit_codes, run_ranks
+
+
+def _train_rank(rank: int, world_size: int, values: dict[str, Any]) -> None:
+    """One rank of `slipcache train` as torchrun would start it (the group is already joined)."""
+    from slipcache.distributed.launch import init_from_env
+    from slipcache.distributed.training import train_on_ranks
+
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "0")
+    context = init_from_env()
+    assert context is not None and context.threads >= 1
+    train_on_ranks(trainer.make_config({}, values), context)
+
+
+def _settings(data: str, out: str, settings: dict[str, Any]) -> dict[str, Any]:
+    base = {"data": data, "out": out, "embeddings": "cached", "embedding_dim": 8, "bottom_mlp": [16, 8]}
+    base.update(top_mlp=[16, 1], batch_size=64, epochs=1, log_every=64, eval_every=640, checkpoint_every=320)
+    base.update(progress=False)
+    return {**base, **settings}
+
+
+def _events(run: Path) -> list[dict[str, Any]]:
+    drop = {"samples_per_s", "train_wall_s", "train_seconds"}
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in drop} for line in open(run / "metrics.jsonl")
+    ]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("data"), n=1500)
+
+
+def test_two_processes_train_like_one_step_by_step(data_dir: Path, tmp_path: Path) -> None:
+    """fp32 tables, no stochastic rounding: the same global batches give the same losses and metrics."""
+    settings = {"precision": "fp32", "cache_size": 0.25, "batch_size": 63}  # 63 = 32 + 31: uneven slices
+    one = trainer.train(trainer.make_config({}, _settings(str(data_dir), str(tmp_path / "one"), settings)))
+    run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "two"), settings))
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    single, double = _events(tmp_path / "one"), _events(tmp_path / "two")
+    assert len(single) == len(double) == 23
+    for a, b in zip(single, double, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)
+        if "val_auc" in a:
+            assert b["val_auc"] == pytest.approx(a["val_auc"], abs=1e-6)
+    assert two["auc"] == pytest.approx(one["auc"], abs=1e-6)
+    assert two["test_samples"] == one["test_samples"]  # metrics over the whole split
+    # cache lookups summed over ranks: every lookup of every sample, once
+    assert two["embedding_stats"]["lookups"] == one["embedding_stats"]["lookups"]
+    assert len(two["memory_per_rank"]) == 2 and two["distributed"]["world_size"] == 2
+    assert sum(r["total_bytes"] for r in two["memory_per_rank"]) == two["embedding_bytes"]
+    assert (tmp_path / "two" / "rank-1.log").is_file() and (tmp_path / "two" / "plan.json").is_file()
+    # `slipcache eval` reads the 2-rank checkpoint in one process (fp32: flushing the caches is exact)
+    again = trainer.evaluate_checkpoint(tmp_path / "two")
+    assert again["auc"] == pytest.approx(two["auc"], abs=1e-9)
+
+
+def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_path: Path) -> None:
+    settings = {"precision": "int8", "cache_size": 0.25, "policy": "lfu", "samples": 1280}
+    run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "full"), settings))
+    run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "part"), {**settings, "samples": 640}))
+    run_ranks(
+        _train_rank,
+        {"resume": str(tmp_path / "part"), "samples": 1280, "allow_changes": True, "progress": False},
+    )
+    full = json.loads((tmp_path / "full" / "summary.json").read_text())
+    resumed = json.loads((tmp_path / "part" / "summary.json").read_text())
+    for key in ("auc", "logloss", "train_samples"):
+        assert resumed[key] == full[key], key
+    a, b = dckpt.latest_sharded(tmp_path / "full"), dckpt.latest_sharded(tmp_path / "part")
+    for rank in range(2):
+        saved, again = (
+            dckpt.load_rank_state(a, rank)["embeddings"],
+            dckpt.load_rank_state(b, rank)["embeddings"],
+        )
+        for name, tensor in saved.items():
+            if isinstance(tensor, torch.Tensor):
+                assert torch.equal(tensor, again[name]), (rank, name)
+    with pytest.raises(SlipcacheError, match="written by 2 processes"):
+        trainer.train(trainer.make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
+
+
+def _die_midway(rank: int, world_size: int, data: str, out: str, result: str) -> None:
+    real_loss = trainer.F.binary_cross_entropy_with_logits
+    calls = {"n": 0}
+
+    def loss(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 8:
+            os._exit(3)  # a rank dies without a word
+        return real_loss(*args, **kwargs)
+
+    trainer.F.binary_cross_entropy_with_logits = loss
+    try:
+        _train_rank(rank, world_size, _settings(data, out, {}))
+    except SlipcacheError as exc:
+        Path(result).write_text(str(exc))
+    assert not dist.is_initialized()
+
+
+def test_a_dead_rank_stops_the_others_with_one_line(data_dir: Path, tmp_path: Path) -> None:
+    result = tmp_path / "rank0.txt"
+    started = time.monotonic()
+    assert exit_codes(_die_midway, str(data_dir), str(tmp_path / "run"), str(result)) == [0, 3]
+    assert time.monotonic() - started < 50  # well within the 120 s collective timeout
+    message = result.read_text()
+    assert "another rank stopped (Read error" in message or "another rank stopped (Connection" in message
+    assert "--resume" in message and "\n" not in message
