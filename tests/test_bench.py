@@ -30,7 +30,7 @@ ROW_KEYS = {
     "status",
 }
 TINY = ["--scale", "0.0001", "--min-rows", "50", "--batch-size", "64", "--warmup-steps", "2", "--steps", "3"]
-TINY += ["--cache-warmup-steps", "4"]
+TINY += ["--cache-warmup-steps", "4", "--rounds", "2", "--min-seconds", "0", "--profile-steps", "2"]
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -188,3 +188,72 @@ def test_scaled_table_sizes() -> None:
     quick = bench.scaled_table_sizes(0.01)
     assert max(quick) == math.ceil(10_131_227 * 0.01)
     assert all(q == n for q, n in zip(quick, full, strict=True) if n <= 10_000)
+
+
+def test_rounds_are_combined_and_ours_is_profiled(result: dict[str, Any]) -> None:
+    assert result["rounds"] == 2 and result["machine"]["torch_threads"] >= 1
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            continue
+        assert r["rounds"] == 2 and len(r["samples_per_s_rounds"]) == 2
+        assert r["samples_per_s_min"] <= r["samples_per_s"] <= r["samples_per_s_max"]
+        profile = r["phase_us_per_sample"]
+        if r["impl"] != "slipcache":
+            assert profile is None
+            continue
+        assert set(profile) == {*bench.PHASE_NAMES.values(), "Python overhead", "total"}
+        assert all(v >= 0 for v in profile.values())
+        assert sum(v for k, v in profile.items() if k != "total") == pytest.approx(profile["total"], rel=1e-6)
+        assert profile["cache lookup"] > 0 and profile["forward gather/pool"] > 0
+
+
+def test_combine_rounds_takes_the_median() -> None:
+    rows = [{**bench._row(bench.CONFIGS[0], 8), "samples_per_s": v, "load_avg_1m": 0.1} for v in (5.0, 1.0, 3.0)]
+    row = bench.combine_rounds(rows)
+    assert (row["samples_per_s"], row["samples_per_s_min"], row["samples_per_s_max"]) == (3.0, 1.0, 5.0)
+    rows[1]["status"] = "skipped: failed (RuntimeError: x)"
+    assert bench.combine_rounds(rows)["status"] == "ok in 2 of 3 rounds"
+
+
+def test_timed_section_lasts_at_least_min_seconds() -> None:
+    work = bench.make_workload([100, 200], batch_size=8, warmup_steps=1, timed_steps=2)
+    row = bench.measure(bench.CONFIGS[0], 8, work, budget_bytes=1 << 30, min_seconds=0.05)
+    assert row["timed_s"] >= 0.05 and row["timed_steps"] > 2  # cycled over the two timed batches
+
+
+def test_busy_machine_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "_load_average", lambda: 40.0)
+    result = _run(tmp_path, "--dims", "8", "--configs", "torch-fp32", "--rounds", "1")
+    assert any("machine was busy" in w for w in result["warnings"])
+
+
+def test_bench_train_runs_each_implementation_on_the_same_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipcache.experiments import bench_train
+    from tests.helpers import make_dataset
+
+    data = make_dataset(tmp_path / "data", n=800, sizes=[300] * 26)
+    monkeypatch.setattr(bench_train, "torchrec_available", lambda: "ImportError: no module named torchrec")
+    argv = ["train", "--quick", "--data", str(data), "--samples", "320", "--batch-size", "64", "--rounds", "2"]
+    argv += ["--impls", "torch-fp32,torchrec-fbgemm", "--out", str(tmp_path / "out")]
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    assert bench.run_bench(parser.parse_args(argv)) == 0
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "out" / "train_bench.json").read_text())["rows"]}
+    assert rows["torchrec-fbgemm"]["status"].startswith("skipped: ImportError")
+    ours = rows["torch-fp32"]
+    assert ours["status"] == "ok" and len(ours["auc_rounds"]) == 2 and ours["train_samples"] == 320
+    assert ours["auc_rounds"][0] == ours["auc_rounds"][1]  # same data, same seed: timing is all that varies
+    assert ours["samples_per_s_min"] <= ours["samples_per_s"] <= ours["samples_per_s_max"]
+
+
+def test_torchrec_peer_trains(tmp_path: Path) -> None:
+    from slipcache.experiments import bench_train
+    from slipcache.training import trainer
+    from tests.helpers import make_dataset
+
+    if bench_train.torchrec_available() is not None:
+        pytest.skip("torchrec is not installed")
+    data = make_dataset(tmp_path / "data", n=800, sizes=[300] * 26)
+    config = trainer.make_config({}, {"quick": True, "data": str(data), "samples": 640, "batch_size": 64})
+    outcome = bench_train._run_torchrec(config, tmp_path)
+    assert outcome["train_samples"] == 640 and 0.0 < outcome["auc"] < 1.0 and outcome["samples_per_s"] > 0

@@ -196,3 +196,9 @@ def test_scratch_of_a_killed_preprocess_is_removed_first(tmp_path: Path, monkeyp
     monkeypatch.setattr(pp, "read_chunks", read_after_cleanup)
     preprocess([good], out, progress=False)
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_missing_input_creates_no_output_directory(tmp_path: Path) -> None:
+    with pytest.raises(SlipcacheError, match="missing.tsv: no such file"):
+        preprocess([tmp_path / "missing.tsv"], tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -288,6 +288,12 @@ def test_all_quick_preset_as_ci_runs_it(tmp_path: Path, monkeypatch: pytest.Monk
         assert (out / plot).is_file() and plot in report
 
 
+def test_out_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "notes").write_text("mine")
+    with pytest.raises(experiments.SlipcacheError, match="exists and is not a directory"):
+        experiments.run_experiment(_args("mixed-precision", "--out", str(tmp_path / "notes")))
+
+
 def test_generator_choice_reaches_every_cell() -> None:
     """`experiment --generator v2` trains every cell on v2 data; its cells never pass for v3 ones."""
     grid = experiments.mixed_precision_grid(experiments.PRESETS["quick"], 1)

@@ -84,3 +84,47 @@ def test_stale_input_filter_rejects_an_id_outside_its_table() -> None:
         det.count(np.array([[1, 1], [5, 0]], dtype=np.int32))  # id 5 of a 5-row table
     with pytest.raises(InvalidInputError, match="out of range"):
         det.count(np.array([[1, -1]], dtype=np.int32))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_threaded_sgd_update_is_exactly_the_single_threaded_one(threads: int) -> None:
+    """Duplicate slots spread over every thread's share: each slot still sums its updates in batch order."""
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(97, 8, generator=g)
+    slots = torch.randint(0, 97, (20_000,), generator=g)  # ~200 repeats per slot
+    grad = torch.randn(20_000, 8, generator=g)
+    one, many = weights.clone(), weights.clone()
+    _native.sgd_update(one, slots, grad, 0.1, threads=1)
+    _native.sgd_update(many, slots, grad, 0.1, threads=threads)
+    assert torch.equal(one, many)
+    reference = weights.clone().index_put_((slots,), grad * -0.1, accumulate=True)
+    assert torch.allclose(many, reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_threaded_lookup_is_exactly_the_single_threaded_one(policy: str) -> None:
+    results = []
+    for threads in (1, 2, 5):
+        cache = RowCache(256, 4, policy, 10_000, ways=8, lfu_halving_interval=0)
+        rows = torch.arange(0, 3000, 7)
+        assignment = cache.assign(rows, pin_since=1)
+        fits = assignment.slots >= 0
+        cache.install(assignment.slots[fits], rows[fits], torch.zeros(int(fits.sum()), 4), 1, torch.ones(int(fits.sum())))
+        queries = torch.randint(0, 3000, (50_000,), generator=torch.Generator().manual_seed(2))  # duplicates
+        use_count = cache.use_count if policy == "lfu" else None
+        slots = _native.lookup(
+            cache.slot_rows, cache.num_sets, cache.ways, cache.multiplier, queries, cache.last_used, use_count, 9,
+            threads=threads,
+        )
+        assert int((slots >= 0).sum()) > 1000
+        results.append((slots, [b.clone() for b in cache.buffers()]))
+    for slots, buffers in results[1:]:
+        assert torch.equal(slots, results[0][0])
+        for a, b in zip(buffers, results[0][1], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_large_batches_use_torch_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert _native.threads_for(_native.PARALLEL_MIN) == 4
+    assert _native.threads_for(_native.PARALLEL_MIN - 1) == 1 and _native.threads_for(10, threads=3) == 3

@@ -245,13 +245,12 @@ def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
 
 
 @pytest.mark.slow
-def test_quick_cli_skips_a_visible_share_at_the_same_auc(tmp_path: Path) -> None:
-    """`slipcache train --quick --skip-stale` against `slipcache train --quick` (about 3 minutes)."""
+def test_quick_cli_skips_a_visible_share_at_the_same_auc(tmp_path: Path, quick_run: tuple[Path, str]) -> None:
+    """`slipcache train --quick --skip-stale` against `slipcache train --quick` (the shared run)."""
     from slipcache.cli import main
 
-    assert main(["train", "--quick", "--no-progress", "--out", str(tmp_path / "plain")]) == 0
     assert main(["train", "--quick", "--no-progress", "--skip-stale", "--out", str(tmp_path / "skip")]) == 0
-    plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
+    plain = json.loads((quick_run[0] / "summary.json").read_text())
     skip = json.loads((tmp_path / "skip" / "summary.json").read_text())
     block = skip["staleness"]
     assert block["warm_at"]["samples"] >= 0.1 * skip["config"]["samples"]  # skips in the later part only

@@ -220,13 +220,9 @@ def test_bad_checkpoint_is_one_line_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # ~30 s on 2 idle cores (first run also generates the 800k-row synthetic dataset)
-def test_quick_run_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_quick_run_from_the_command_line(quick_run: tuple[Path, str]) -> None:
     """`slipcache train --quick`: synthetic data, recommended settings, AUC > 0.70."""
-    from slipcache.cli import main
-
-    run = tmp_path / "quick"
-    assert main(["train", "--quick", "--no-progress", "--out", str(run)]) == 0
-    out = capsys.readouterr().out
+    run, out = quick_run
     assert "AUC (test)" in out and "samples/s" in out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["auc"] > 0.70
@@ -280,3 +276,14 @@ def test_eval_schedule_in_samples_and_train_seconds_exclude_eval(
     assert all(e["val_samples"] == 100 for e in evals)
     seconds = [e["train_seconds"] for e in evals]
     assert seconds == sorted(seconds) and 0 < seconds[-1] < 1000
+
+
+def test_summary_table_shows_the_skipped_share_of_a_skipping_run() -> None:
+    summary = {
+        "auc": 0.75, "logloss": 0.5, "normalized_entropy": 0.87, "embedding_bytes": 1 << 20,
+        "fp32_embedding_bytes": 3 << 20, "memory_ratio": 3.0, "samples_per_s": 1000.0, "train_wall_s": 2.0,
+        "train_samples": 2000, "cache_hit_rate": 0.9, "skipped_fraction": 0.1586, "staleness": None,
+    }  # fmt: skip
+    assert "skipped" not in train.summary_table(summary)
+    summary["staleness"] = {"skipped_fraction": 0.1586}
+    assert "skipped as stale    15.9% of inputs" in train.summary_table(summary)

@@ -105,7 +105,9 @@ class Runner:
     def __init__(self, workdir: Path, config: Path) -> None:
         self.workdir = workdir
         self.config = config
-        src = Path(__file__).resolve().parents[1] / "src"
+        # A snapshot of the package: edits to the working tree during the (long) run cannot mix versions.
+        src = workdir / "src"
+        shutil.copytree(Path(__file__).resolve().parents[1] / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
         self.env = {
             **os.environ,
             "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -162,8 +164,8 @@ def kill_trial(runner: Runner, run: Path, log: Path, timing: dict[str, float], r
             during_startup = rng.random() < 0.2
             if during_startup:
                 delay = rng.uniform(0.1, 1.0) * timing["startup"]
-            else:
-                delay = rng.uniform(0.0, 1.0) * timing["training"]
+            else:  # the reference's time from setup to exit, less its final test evaluation and report
+                delay = rng.uniform(0.0, 0.8) * timing["training"]
                 if wait_until_training(process, run) is None:
                     delay = 0.0
             try:
@@ -174,6 +176,10 @@ def kill_trial(runner: Runner, run: Path, log: Path, timing: dict[str, float], r
                 kills.append(f"{'startup' if during_startup else 'training'} +{delay:.2f}s")
                 continue
         code = process.wait(timeout=900)
+        if not kills:  # it finished before the kill: a trial needs one, so start it over
+            shutil.rmtree(run)
+            stages.clear()
+            continue
         if code != 0:
             return {"kills": kills, "stages": stages, "error": f"exit {code}; see {log}"}
         return {"kills": kills, "stages": stages}

@@ -1,7 +1,10 @@
 """Optional compiled loops for the CPU hot path: cache lookup, the fused SGD update, the stale-input filter.
 
 Each is a plain loop over the lookups of a batch. In torch they take several passes over
-[lookups, ways] temporaries; in C they are one pass. The C source is compiled with the system's C
+[lookups, ways] temporaries; in C they are one pass. The lookup and the update run on
+`torch.get_num_threads()` threads for large batches: thread t takes the lookups whose cache set (lookup)
+or slot (update) is t modulo the thread count, in batch order, so no two threads write one slot and
+every slot sees its updates in the same order whatever the thread count: results do not depend on it. The C source is compiled with the system's C
 compiler on first use (about a second) into a per-user cache and loaded with ctypes; without a
 compiler, or with SLIPCACHE_NATIVE=0, the pure-torch path runs. Tests check the two agree.
 
@@ -31,7 +34,23 @@ import torch
 from torch import Tensor
 
 _SOURCE = r"""
+#include <pthread.h>
 #include <stdint.h>
+
+/* Run part(arg_t) for t = 0..threads-1: threads-1 new threads and the caller; joined before returning. */
+#define MAX_THREADS 64
+static void run_parts(void *(*part)(void *), void *args, size_t arg_size, int64_t threads) {
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], 0, part, (char *)args + t * arg_size) == 0;
+    part(args);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], 0);
+        else part((char *)args + t * arg_size);  /* no thread to be had: do its share here */
+    }
+}
 
 /* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64;
    M = 0 marks a cache that holds every row: set r / ways (-1 for a row beyond the last set). */
@@ -42,31 +61,51 @@ static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, in
     return s < 0 ? s + num_sets : s;
 }
 
-#define LOOKUP(NAME, ROW_T)                                                                        \
-int64_t NAME(const ROW_T *slot_rows, int64_t num_sets, int64_t ways, int64_t multiplier,          \
-             const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used,              \
-             int32_t *use_count, int32_t step) {                                                  \
-    int64_t hits = 0;                                                                             \
-    for (int64_t i = 0; i < n; i++) {                                                             \
-        int64_t r = rows[i];                                                                      \
-        int64_t set = set_of(r, multiplier, num_sets, ways);                                      \
-        int64_t first = set * ways;                                                               \
-        int64_t slot = -1;                                                                        \
-        for (int64_t w = 0; set >= 0 && w < ways; w++) {                                        \
-            if ((int64_t)slot_rows[first + w] == r) { slot = first + w; break; }                  \
-        }                                                                                         \
-        out_slots[i] = slot;                                                                      \
-        if (slot >= 0) {                                                                          \
-            hits++;                                                                               \
-            if (last_used) last_used[slot] = step;                                                \
-            if (use_count) use_count[slot] += 1;                                                  \
-        }                                                                                         \
-    }                                                                                             \
-    return hits;                                                                                  \
+typedef struct {
+    const void *slot_rows; int wide; int64_t num_sets, ways, multiplier;
+    const int64_t *rows; int64_t n; int64_t *out_slots; int32_t *last_used, *use_count; int32_t step;
+    int64_t part, parts, hits;
+} lookup_args;
+
+static void *lookup_part(void *p) {
+    lookup_args *a = (lookup_args *)p;
+    int64_t hits = 0;
+    for (int64_t i = 0; i < a->n; i++) {
+        int64_t r = a->rows[i];
+        int64_t set = set_of(r, a->multiplier, a->num_sets, a->ways);
+        if (a->parts > 1 && (set < 0 ? 0 : set) % a->parts != a->part) continue;
+        int64_t first = set * a->ways, slot = -1;
+        for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
+            int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
+                                       : ((const int32_t *)a->slot_rows)[first + w];
+            if (resident == r) { slot = first + w; break; }
+        }
+        a->out_slots[i] = slot;
+        if (slot >= 0) {
+            hits++;
+            if (a->last_used) a->last_used[slot] = a->step;
+            if (a->use_count) a->use_count[slot] += 1;
+        }
+    }
+    a->hits = hits;
+    return 0;
 }
 
-LOOKUP(lookup_i32, int32_t)
-LOOKUP(lookup_i64, int64_t)
+/* Slot of each row (-1 on a miss); hits get last_used = step and use_count += 1. Returns the hits. */
+int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
+               const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used, int32_t *use_count,
+               int32_t step, int64_t threads) {
+    lookup_args args[MAX_THREADS];
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int64_t t = 0; t < threads; t++)
+        args[t] = (lookup_args){slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used,
+                                use_count, step, t, threads, 0};
+    run_parts(lookup_part, args, sizeof(lookup_args), threads);
+    int64_t hits = 0;
+    for (int64_t t = 0; t < threads; t++) hits += args[t].hits;
+    return hits;
+}
 
 /* Stale-input filter: per input, whether at least `required` of its lookups are stale (flag 3) and hot
    (flag != 0). Returns -1, or the index of the first id outside its table (nothing after it is written). */
@@ -88,17 +127,35 @@ int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int
     return -1;
 }
 
-/* Returns -1, or the index of the first slot outside [0, num_slots) (then nothing is written). */
+typedef struct {
+    float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
+    int64_t part, parts;
+} sgd_args;
+
+static void *sgd_part(void *p) {
+    sgd_args *a = (sgd_args *)p;
+    for (int64_t i = 0; i < a->n; i++) {
+        int64_t s = a->slots[i];
+        if (a->parts > 1 && s % a->parts != a->part) continue;
+        float *w = a->weights + s * a->dim;
+        const float *g = a->grad + i * a->dim;
+        for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
+    }
+    return 0;
+}
+
+/* weights[slots[i]] -= lr * grad[i] in batch order per slot. Returns -1, or the index of the first slot
+   outside [0, num_slots) (then nothing is written). */
 int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
-                   int64_t n, float lr) {
+                   int64_t n, float lr, int64_t threads) {
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) return i;
     }
-    for (int64_t i = 0; i < n; i++) {
-        float *w = weights + slots[i] * dim;
-        const float *g = grad + i * dim;
-        for (int64_t d = 0; d < dim; d++) w[d] -= lr * g[d];
-    }
+    sgd_args args[MAX_THREADS];
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
+    run_parts(sgd_part, args, sizeof(sgd_args), threads);
     return -1;
 }
 """
@@ -107,7 +164,7 @@ _library: ctypes.CDLL | None = None
 _tried = False
 
 
-_FLAGS = ("-O3", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
 BUILD_TIMEOUT_S = 120.0  # a compiler that hangs must not hang training: the torch path runs instead
 
 
@@ -221,11 +278,9 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
 
 def _declare(library: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in ("lookup_i32", "lookup_i64"):
-        fn = getattr(library, name)
-        fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32]
-        fn.restype = i64
-    library.sgd_update.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float]
+    library.lookup.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32, i64]
+    library.lookup.restype = i64
+    library.sgd_update.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, i64]
     library.sgd_update.restype = i64
     library.classify_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
     library.classify_inputs.restype = i64
@@ -247,6 +302,17 @@ def native() -> ctypes.CDLL | None:
                 _library = None
                 warnings.warn(f"slipcache: compiled loops unavailable, using torch: {exc}", stacklevel=2)
     return _library
+
+
+# Below this many lookups a loop runs on the calling thread: starting threads costs more than it saves.
+PARALLEL_MIN = 16_384
+
+
+def threads_for(n: int, threads: int | None = None) -> int:
+    """Threads for a loop over `n` lookups: `threads` if given, else torch's count for large loops."""
+    if threads is not None:
+        return max(1, threads)
+    return torch.get_num_threads() if n >= PARALLEL_MIN else 1
 
 
 def usable(*tensors: Tensor) -> bool:
@@ -281,6 +347,7 @@ def lookup(
     last_used: Tensor | None,
     use_count: Tensor | None,
     step: int,
+    threads: int | None = None,
 ) -> Tensor:
     """Slot per row (-1 on a miss); hits get last_used = step and use_count += 1 when given."""
     library = native()
@@ -291,9 +358,9 @@ def lookup(
     _check("last_used", last_used, (torch.int32,), (num_sets * ways,))
     _check("use_count", use_count, (torch.int32,), (num_sets * ways,))
     slots = torch.empty_like(rows)
-    fn = library.lookup_i32 if slot_rows.dtype == torch.int32 else library.lookup_i64
-    fn(
+    library.lookup(
         slot_rows.data_ptr(),
+        int(slot_rows.dtype == torch.int64),
         num_sets,
         ways,
         multiplier,
@@ -303,12 +370,13 @@ def lookup(
         last_used.data_ptr() if last_used is not None else None,
         use_count.data_ptr() if use_count is not None else None,
         step,
+        threads_for(rows.numel(), threads),
     )
     return slots
 
 
-def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> None:
-    """weights[slots[i]] -= lr * grad[i], for repeated slots too."""
+def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> None:
+    """weights[slots[i]] -= lr * grad[i], for repeated slots too (in batch order, on any thread count)."""
     library = native()
     assert library is not None
     slots, grad = slots.contiguous(), grad.contiguous().float()  # a read-only input may be converted
@@ -316,7 +384,14 @@ def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> None:
     _check("slots", slots, (torch.int64,), (None,))
     _check("grad", grad, (torch.float32,), (slots.numel(), weights.shape[1]))
     bad = library.sgd_update(
-        weights.data_ptr(), weights.shape[0], weights.shape[1], slots.data_ptr(), grad.data_ptr(), slots.numel(), lr
+        weights.data_ptr(),
+        weights.shape[0],
+        weights.shape[1],
+        slots.data_ptr(),
+        grad.data_ptr(),
+        slots.numel(),
+        lr,
+        threads_for(slots.numel(), threads),
     )
     if bad >= 0:
         raise ValueError(f"compiled loop: slot {int(slots[bad])} is outside [0, {weights.shape[0]})")

@@ -37,7 +37,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:
             module = importlib.import_module(module_name)
             getattr(module, f"add_{name}_arguments")(sub_parser)
-            sub_parser.set_defaults(_module=module_name)
+            sub_parser.set_defaults(_module=module_name, _parser=sub_parser)
     return parser
 
 
@@ -45,10 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         parser.print_help()
         return 0
+    if unknown:  # the command's own usage and name, not the top-level ones
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     module = importlib.import_module(args._module)
     try:
         return int(getattr(module, f"run_{args.command}")(args) or 0)

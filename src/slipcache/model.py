@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from slipcache.errors import InvalidInputError, SlipcacheError
+
+if TYPE_CHECKING:
+    from slipcache.embedding.collection import EmbeddingConfig
 
 EMBEDDING_KINDS = ("cached", "torch")
 
@@ -131,6 +134,16 @@ class TorchEmbeddingBagCollection(nn.Module):
         """Nothing is cached: the weights are always current."""
 
 
+def embedding_config(table_sizes: list[int], dim: int, **options: Any) -> EmbeddingConfig:
+    """The cached collection's config, with a bad combination (e.g. from a config file) as a one-line error."""
+    from slipcache.embedding.collection import EmbeddingConfig
+
+    try:
+        return EmbeddingConfig(table_sizes=list(table_sizes), dim=dim, **options)
+    except ValueError as exc:  # e.g. a per-table list of the wrong length
+        raise SlipcacheError(f"embedding configuration: {exc}") from exc
+
+
 def build_embeddings(
     table_sizes: list[int],
     dim: int,
@@ -154,23 +167,20 @@ def build_embeddings(
         return TorchEmbeddingBagCollection(table_sizes, dim, lr=lr, seed=seed)
     if embeddings != "cached":
         raise SlipcacheError(f"unknown embeddings {embeddings!r}; choose one of {', '.join(EMBEDDING_KINDS)}")
-    from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+    from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
-    try:
-        config = EmbeddingConfig(
-            table_sizes=list(table_sizes),
-            dim=dim,
-            precision=precision,
-            cache_size=cache_size,
-            cache_rows=cache_rows,
-            policy=policy,
-            rounding=rounding,
-            optimizer=optimizer,
-            lr=lr,
-            seed=seed,
-        )
-    except ValueError as exc:  # e.g. a per-table list of the wrong length, from a config file
-        raise SlipcacheError(f"embedding configuration: {exc}") from exc
+    config = embedding_config(
+        table_sizes,
+        dim,
+        precision=precision,
+        cache_size=cache_size,
+        cache_rows=cache_rows,
+        policy=policy,
+        rounding=rounding,
+        optimizer=optimizer,
+        lr=lr,
+        seed=seed,
+    )
     return CachedEmbeddingBagCollection(config)
 
 

@@ -134,7 +134,7 @@ class DatasetWriter:
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise SlipcacheError(f"{self.out_dir}: cannot create output directory: {exc}") from exc
+            raise SlipcacheError(f"{self.out_dir}: cannot create output directory: {exc.strerror or exc}") from exc
         remove_dead_staging(self.out_dir)
         self.staging = self.out_dir / f".tmp-{os.getpid()}"
         shutil.rmtree(self.staging, ignore_errors=True)

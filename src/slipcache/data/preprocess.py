@@ -149,6 +149,9 @@ def preprocess(
         raise SlipcacheError(
             "--split days needs at least two input files (one day each; the last is val+test)"
         )
+    missing = [str(path) for path in inputs if not Path(path).exists()]
+    if missing:  # before the output directory is created, so a typo leaves nothing behind
+        raise SlipcacheError(f"{missing[0]}: no such file")
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -285,7 +288,12 @@ def _preprocess(
 def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="raw Criteo files (tsv, csv; .gz too)")
     parser.add_argument("--out", required=True, help="output dataset directory")
-    parser.add_argument("--vocab", choices=("frequency", "hash"), default="frequency")
+    parser.add_argument(
+        "--vocab",
+        choices=("frequency", "hash"),
+        default="frequency",
+        help="frequency: a row per value seen (default); hash: --max-rows hashed rows per table",
+    )
     parser.add_argument(
         "--min-count",
         type=int,

@@ -826,9 +826,9 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale", type=float, default=1.0, help="multiplier of the Kaggle table sizes (default %(default)s)"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--val-fraction", type=float, default=0.1)
-    parser.add_argument("--test-fraction", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--val-fraction", type=float, default=0.1, help="share of rows in val (default 0.1)")
+    parser.add_argument("--test-fraction", type=float, default=0.1, help="share of rows in test (default 0.1)")
     parser.add_argument(
         "--generator",
         choices=tuple(GENERATOR_VERSIONS),

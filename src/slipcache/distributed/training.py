@@ -36,9 +36,8 @@ from slipcache.distributed import checkpoint as dckpt
 from slipcache.distributed.launch import DistributedContext, redirect_output, shutdown
 from slipcache.distributed.planner import ShardingPlan, plan_sharding, table_specs
 from slipcache.distributed.sharded import RESHARD_FROM, ShardedEmbeddingCollection
-from slipcache.embedding.collection import EmbeddingConfig
 from slipcache.errors import SlipcacheError
-from slipcache.model import DLRM, ModelConfig
+from slipcache.model import DLRM, ModelConfig, embedding_config
 
 PLAN_FILE = "plan.json"
 
@@ -144,9 +143,9 @@ class DistributedRun:
     def build_model(
         self, config: Any, table_sizes: list[int], num_dense: int, run_dir: Path
     ) -> DistributedDLRM:
-        embedding_config = EmbeddingConfig(
-            table_sizes=list(table_sizes),
-            dim=config.embedding_dim,
+        tables_config = embedding_config(
+            table_sizes,
+            config.embedding_dim,
             precision=config.precision,
             cache_size=config.cache_size,
             cache_rows=config.cache_rows,
@@ -175,7 +174,7 @@ class DistributedRun:
         else:
             redirect_output(run_dir, self.ctx.rank)
         tables = ShardedEmbeddingCollection(
-            embedding_config, self.plan, self.ctx.rank, self.ctx.embedding_group
+            tables_config, self.plan, self.ctx.rank, self.ctx.embedding_group
         )
         model_config = ModelConfig(
             table_sizes=list(table_sizes),

@@ -1,8 +1,14 @@
-"""The full-precision row cache: set-associative, with LRU or LFU replacement.
+"""The full-precision row cache: set-associative, with LRU, LFU or lookahead replacement.
 
 A row may live only in the `ways` slots of its set (a hash of the global row id). Set-associativity keeps
 the bookkeeping per slot (the resident row, a last-use step, a use count), never per row: a row->slot map
 over all rows would cost 4 bytes for every row, as much as the quantized row itself at int4, dim 8.
+
+`lookahead` evicts by future use: given the rows of the next k batches (`lookahead.Window`), the victim is
+the evictable row whose next use is farthest, rows the window never uses going first (least recently used
+first, or least frequently used first with `lookahead-lfu`); rows of the next batch are never evicted, and
+a missing row whose next use is later than every victim's is not admitted (it is served from storage for
+this step). Without a window they are LRU and LFU.
 """
 
 from __future__ import annotations
@@ -13,8 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from slipcache import _native
+from slipcache.embedding.lookahead import Window, eviction_key
 
-POLICIES = ("lru", "lfu", "none")
+POLICIES = ("lru", "lfu", "lookahead", "lookahead-lfu", "none")
+LOOKAHEAD_POLICIES = ("lookahead", "lookahead-lfu")
+_COUNTING_POLICIES = ("lfu", "lookahead-lfu")  # keep a use count per slot
 EMPTY = -1
 _HASH_MULTIPLIER = 0x2C1B3C6D  # odd: consecutive rows land in distinct sets
 
@@ -74,7 +83,7 @@ class RowCache(nn.Module):
         self.register_buffer("weights", torch.zeros(slots, dim, device=device))
         self.register_buffer("slot_rows", torch.full((slots,), EMPTY, dtype=row_dtype, device=device))
         self.register_buffer("last_used", torch.zeros(slots, dtype=torch.int32, device=device))
-        if policy == "lfu":
+        if policy in _COUNTING_POLICIES:
             self.register_buffer("use_count", torch.zeros(slots, dtype=torch.int32, device=device))
         self.register_buffer("_way_index", torch.arange(self.ways, device=device), persistent=False)
         if self.partitioned:
@@ -125,7 +134,7 @@ class RowCache(nn.Module):
         """`lookup`, recording a use at `step` of every hit (repeats count once more each for LFU)."""
         if not self.capacity:
             return torch.full_like(rows, EMPTY)
-        use_count = self.use_count if self.policy == "lfu" else None
+        use_count = self.use_count if self.policy in _COUNTING_POLICIES else None
         if not self.partitioned and _native.usable(self.slot_rows, rows):
             slots = _native.lookup(
                 self.slot_rows,
@@ -147,11 +156,12 @@ class RowCache(nn.Module):
             use_count >>= 1  # aging: old popularity fades
         return slots
 
-    def assign(self, rows: Tensor, pin_since: int) -> Assignment:
+    def assign(self, rows: Tensor, pin_since: int, window: Window | None = None) -> Assignment:
         """Choose slots for unique missing `rows`: empty slots first, then the policy's victims.
 
         Missing rows of one set are ranked and take that set's evictable ways in victim order; those
-        beyond the evictable count get -1.
+        beyond the evictable count get -1. With the lookahead policy and a window, the rows used soonest
+        rank first and a row is admitted only in place of a victim it will be used before.
         """
         empty = rows.new_empty(0)
         if not self.capacity or not rows.numel():
@@ -167,20 +177,37 @@ class RowCache(nn.Module):
         way_slots = touched[:, None] * self.ways + self._way_index  # [k, ways]
         occupant = self.slot_rows[way_slots]
         pinned = (self.last_used[way_slots] >= pin_since) & (occupant != EMPTY)
-        key = self.last_used[way_slots].long() if self.policy == "lru" else self.use_count[way_slots].long()
+        incoming_key = None
+        key = self.use_count[way_slots] if self.policy in _COUNTING_POLICIES else self.last_used[way_slots]
+        key = key.long()
+        if self.policy in LOOKAHEAD_POLICIES and window is not None and len(window):
+            distance = window.next_use(occupant)
+            pinned |= distance == 1  # the next batch's rows stay
+            key = eviction_key(distance, key, len(window))
+            # A missing row outside the window ranks above every evictable row outside it, as a row just
+            # used does in LRU and a new row does in LFU (which always admits).
+            beyond = pin_since if self.policy == "lookahead" else torch.iinfo(torch.int32).max
+            incoming_key = eviction_key(window.next_use(rows), torch.full_like(rows, beyond), len(window))
         key = torch.where(occupant == EMPTY, torch.full_like(key, -1), key)
         key = torch.where(pinned, torch.full_like(key, torch.iinfo(torch.int64).max), key)
-        victim_order = torch.argsort(key, dim=1, stable=True)
+        victim_key, victim_order = torch.sort(key, dim=1, stable=True)
         evictable = (~pinned).sum(dim=1)
 
-        # Rank of each missing row among the missing rows of its set.
-        order = torch.argsort(set_of_row, stable=True)
+        # Rank of each missing row among the missing rows of its set (most worth a slot first).
+        order = torch.arange(rows.numel(), device=rows.device)
+        if incoming_key is not None:
+            order = torch.argsort(incoming_key, descending=True, stable=True)
+        order = order[torch.argsort(set_of_row[order], stable=True)]
         per_set = torch.bincount(set_of_row, minlength=touched.numel())
         group_start = torch.cumsum(per_set, 0) - per_set
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel(), device=order.device) - group_start[set_of_row[order]]
 
         fits = rank < evictable[set_of_row]
+        if incoming_key is not None:
+            # Keys rise along the victims and fall along the ranked rows: the first refusal ends the set.
+            capped = rank.clamp(max=self.ways - 1)
+            fits &= victim_key[set_of_row, capped] < incoming_key
         slots = torch.full_like(rows, EMPTY)
         set_idx, rank_fit = set_of_row[fits], rank[fits]
         chosen = way_slots[set_idx, victim_order[set_idx, rank_fit]]
@@ -193,7 +220,7 @@ class RowCache(nn.Module):
         self.weights[slots] = values
         self.slot_rows[slots] = rows.to(self.slot_rows.dtype)
         self.last_used[slots] = step
-        if self.policy == "lfu":
+        if self.policy in _COUNTING_POLICIES:
             self.use_count[slots] = uses.to(torch.int32)
 
     def cached(self) -> tuple[Tensor, Tensor]:
@@ -204,5 +231,5 @@ class RowCache(nn.Module):
     def evict(self, slots: Tensor) -> None:
         self.slot_rows[slots] = EMPTY
         self.last_used[slots] = 0
-        if self.policy == "lfu":
+        if self.policy in _COUNTING_POLICIES:
             self.use_count[slots] = 0

@@ -14,7 +14,9 @@ vectorized operations whatever the number of tables. A training step:
 from __future__ import annotations
 
 import math
+import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ from torch import Tensor, nn
 
 from slipcache import _native
 from slipcache.embedding.cache import POLICIES, RowCache
+from slipcache.embedding.lookahead import Window
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, Fitted, RowStorage, TableRowStorage
 from slipcache.errors import InvalidInputError, SlipcacheError
 
@@ -201,6 +204,37 @@ class SparseFeatures:
         return cls(values, offsets, lengths.shape[0])
 
 
+class PhaseClock:
+    """Wall time per phase of the training step, off unless `enable`d (`slipcache bench embedding` profile).
+
+    `mark()` starts a lap, `lap(name)` adds the time since the last mark to `name` and starts the next; when
+    off both return at once, so the hot path keeps only a few no-op calls. On GPU the laps time the launch,
+    not the kernels.
+    """
+
+    PHASES = ("lookup", "evict", "fill", "forward", "backward", "other")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] | None = None
+        self._last = 0.0
+
+    def enable(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+
+    def disable(self) -> None:
+        self.seconds = None
+
+    def mark(self) -> None:
+        if self.seconds is not None:
+            self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.seconds is not None:
+            now = time.perf_counter()
+            self.seconds[phase] += now - self._last
+            self._last = now
+
+
 @dataclass
 class _Lookup:
     """One batch's lookups: global rows in bag order and how they pool."""
@@ -243,7 +277,10 @@ class _FusedLookup(torch.autograd.Function):
         ctx: Any, anchor: Tensor, coll: CachedEmbeddingBagCollection, lookup: _Lookup, plan: _StepPlan
     ) -> Tensor:
         ctx.coll, ctx.lookup, ctx.plan = coll, lookup, plan
-        return coll._pool(coll._gather(plan), lookup)
+        coll.clock.mark()
+        pooled = coll._pool(coll._gather(plan), lookup)
+        coll.clock.lap("forward")
+        return pooled
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
@@ -254,7 +291,10 @@ class _FusedLookup(torch.autograd.Function):
                 "applied by the first; run the forward again for another update"
             )
         ctx.coll = ctx.lookup = ctx.plan = None
-        coll._receive_gradient(plan, coll._unpool(grad_out, lookup))
+        coll.clock.mark()
+        grad = coll._unpool(grad_out, lookup)
+        coll.clock.lap("backward")
+        coll._receive_gradient(plan, grad)
         return None, None, None, None
 
 
@@ -321,6 +361,17 @@ class CachedEmbeddingBagCollection(nn.Module):
         )
         self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
         self._generator: torch.Generator | None = None
+        # Lookahead (set_lookahead): the window for the next step, its rows per batch, the prefetch in flight.
+        self._window: Window | None = None
+        self._upcoming_rows: list[tuple[object, Tensor]] = []
+        self._prefetch_next = False
+        self._prefetching: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._side_stream: Any = None
+        # The prefetch thread's own rounding generator (made on first use): draws never interleave by timing.
+        self._prefetch_generator: torch.Generator | None = None
+        self.prefetched_rows = 0
+        self.clock = PhaseClock()
         if not meta:
             self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
             self._initialize_rows()
@@ -343,6 +394,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                     f"fp32 cache): converting {dtype} buffers to {converted.dtype} is refused; choose the storage "
                     "precision with EmbeddingConfig(precision=...) and convert only the dense layers"
                 )
+        self._join_prefetch()
         super()._apply(fn, recurse)
         self._follow_buffers()
         return self
@@ -359,6 +411,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._generator = None
             if self.device.type != "meta":
                 self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        if self._prefetch_generator is not None and self._prefetch_generator.device != self.device:
+            self._prefetch_generator = None  # made again, from the seed, on the new device
+        self._side_stream = None
         self._in_flight.clear()  # plans hold tensors on the old device
         self._pending.clear()
         self._residency_version += 1
@@ -385,6 +440,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""
+        self._join_prefetch()
         if len(tables) != len(self.table_sizes):
             raise InvalidInputError(f"expected {len(self.table_sizes)} tables, got {len(tables)}")
         for t, (table, size) in enumerate(zip(tables, self.table_sizes, strict=True)):
@@ -520,6 +576,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         return self._read_rows(self._check_rows(rows, "read_rows"))
 
     def _read_rows(self, rows: Tensor) -> Tensor:
+        self._join_prefetch()
         slots = self.cache.lookup(rows)
         hit = slots >= 0
         if self.cache.capacity and bool(hit.all()):
@@ -541,20 +598,28 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _plan_step(self, lookup: _Lookup) -> _StepPlan:
         """Bring the batch's rows into the cache where they fit; read the rest from storage."""
+        self._join_prefetch()
+        window, self._window = self._window, None  # a window describes the batches after this one only
+        prefetch, self._prefetch_next = self._prefetch_next, False
         self.step += 1
-        step, rows, cache = self.step, lookup.rows, self.cache
+        step, rows, cache, clock = self.step, lookup.rows, self.cache, self.clock
+        clock.mark()
         slots = cache.lookup_and_touch(rows, step)
+        clock.lap("lookup")
         hit = slots >= 0
         self._count("lookups", None, lookup)
         self._count("hits", hit, lookup)
         miss = ~hit
         storage_rows = storage_index = rows.new_empty(0)
+        clock.lap("other")
         if bool(miss.any()):
             missing, miss_inverse, uses = torch.unique(rows[miss], return_inverse=True, return_counts=True)
-            assignment = cache.assign(missing, self._pin_since())
+            clock.lap("lookup")
+            assignment = cache.assign(missing, self._pin_since(), window)
             if assignment.victim_slots.numel():
                 self._write_storage(assignment.victim_rows, cache.weights[assignment.victim_slots])
                 self._count_rows("evictions", assignment.victim_rows)
+            clock.lap("evict")
             admitted = assignment.slots >= 0
             if bool(admitted.any()):
                 admitted_rows = missing[admitted]
@@ -566,6 +631,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                     uses[admitted],
                 )
                 self._residency_version += 1
+            clock.lap("fill")
             slots[miss] = assignment.slots[miss_inverse]
             self._count("misses", miss, lookup)
             missing_tables = self._tables_of(missing)
@@ -579,11 +645,13 @@ class CachedEmbeddingBagCollection(nn.Module):
                     position = torch.cumsum(left_out, 0) - 1
                     storage_index = position[miss_inverse][assignment.slots[miss_inverse] < 0]
                 self._count_tables("overflow_rows", missing_tables[left_out])
+        clock.lap("other")
         storage_values = (
             self.storage.read(storage_rows, self.device)
             if storage_rows.numel()
             else rows.new_empty(0, self.dim, dtype=torch.float32)
         )
+        clock.lap("fill")
         plan = _StepPlan(
             step,
             rows,
@@ -595,6 +663,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._storage_version,
         )
         self._in_flight[step] = weakref.ref(plan)
+        if prefetch and window is not None and len(window) and cache.capacity:
+            self._start_prefetch(window)
+        clock.lap("other")
         return plan
 
     def _gather(self, plan: _StepPlan) -> Tensor:
@@ -631,6 +702,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         entries, self._pending = self._pending, []
         if not entries:
             return
+        self.clock.mark()
         if not all(bool(torch.isfinite(grad).all()) for _, grad in entries):
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return
@@ -655,6 +727,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 storage_parts.append((plan, storage_rows, storage_index, grad[on_storage]))
         self._update_cached(cache_parts)
         self._update_storage(storage_parts)
+        self.clock.lap("backward")
 
     def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:
         """1 / the GradScaler's scale, times clip_grad_norm_'s coefficient when clipping is on."""
@@ -721,11 +794,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._count_tables("rows_out", tables)
         self._count_fitted(tables, fitted)
 
-    def _count_fitted(self, tables: Tensor, fitted: Fitted) -> None:
+    def _count_fitted(self, tables: Tensor, fitted: Fitted, counters: Tensor | None = None) -> None:
+        counters = self.counters if counters is None else counters
         for name, per_row in (("saturated_values", fitted.saturated), ("nonfinite_values", fitted.nonfinite)):
             if per_row is not None:
                 counts = torch.bincount(tables, weights=per_row.to(tables.device), minlength=len(self.table_sizes))
-                self.counters[:, COUNTERS.index(name)] += counts.long()
+                counters[:, COUNTERS.index(name)] += counts.long()
 
     def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
         """Rows of `values` summed by `index` into [count, D]."""
@@ -751,6 +825,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def flush(self) -> None:
         """Round every cached row back into storage; the cache keeps its contents."""
+        self._join_prefetch()
         slots, rows = self.cache.cached()
         for start in range(0, slots.numel(), _INIT_CHUNK_ROWS):
             chunk = slice(start, start + _INIT_CHUNK_ROWS)
@@ -761,6 +836,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
         Safe between a forward and its backward: the update then lands on the row in storage.
         """
+        self._join_prefetch()
         slots = self.cache.lookup(self._check_rows(rows, "release_rows"))
         slots = torch.unique(slots[slots >= 0])
         if slots.numel():
@@ -803,17 +879,21 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _tables_of(self, rows: Tensor) -> Tensor:
         return torch.searchsorted(self.table_offsets, rows.to(self.device), right=True) - 1
 
-    def _count_tables(self, name: str, tables: Tensor) -> None:
-        self.counters[:, COUNTERS.index(name)] += torch.bincount(tables, minlength=len(self.table_sizes))
+    def _count_tables(self, name: str, tables: Tensor, counters: Tensor | None = None) -> None:
+        counters = self.counters if counters is None else counters
+        counters[:, COUNTERS.index(name)] += torch.bincount(tables, minlength=len(self.table_sizes))
 
-    def _count_rows(self, name: str, rows: Tensor) -> None:
-        self._count_tables(name, self._tables_of(rows))
+    def _count_rows(self, name: str, rows: Tensor, counters: Tensor | None = None) -> None:
+        self._count_tables(name, self._tables_of(rows), counters)
 
     def reset_stats(self) -> None:
+        self._join_prefetch()
         self.counters.zero_()
+        self.prefetched_rows = 0
 
     def stats(self) -> dict[str, Any]:
         """Cumulative lookups, hits, misses, evictions and traffic, in total and per table."""
+        self._join_prefetch()
         per_table_counts = self.counters.cpu().tolist()
 
         def summarize(counts: list[int]) -> dict[str, Any]:
@@ -833,6 +913,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         totals["per_table"] = per_table
         totals["cache_rows"] = self.cache.capacity
         totals["skipped_updates"] = self.skipped_updates  # backward passes dropped for inf/NaN gradients
+        totals["prefetched_rows"] = self.prefetched_rows  # rows the prefetch brought in (also in rows_in)
         return totals
 
     def memory_report(self) -> dict[str, Any]:
@@ -852,6 +933,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             components[_component_of(name)] += buffer.numel() * buffer.element_size()
         if self._generator is not None or self.device.type == "meta":  # (estimate_memory: as if built)
             components["other"] += torch.Generator().get_state().numel()
+        if self._prefetch_generator is not None:
+            components["other"] += self._prefetch_generator.get_state().numel()
         total = sum(components.values())
         fp32 = self.config.num_rows * self.dim * 4 + components["optimizer_state"]
         per_table = self._memory_per_table()
@@ -863,6 +946,107 @@ class CachedEmbeddingBagCollection(nn.Module):
             "per_table": per_table,
             "shared_bytes": total - sum(t["total_bytes"] for t in per_table),
         }
+
+    # ------------------------------------------------------------------------------------ lookahead
+    def set_lookahead(self, upcoming: list[Tensor | SparseFeatures], prefetch: bool = False) -> None:
+        """The ids of the batches after the next training step's (e.g. `BatchIterator.peek(k)`), for that
+        step only: the lookahead policies evict by their use, and with `prefetch` the first one's missing
+        rows are brought into the cache in the background while that step computes (a thread on CPU, a
+        side stream on GPU), never in place of a row of a batch in flight or of the next one.
+
+        Why per step: a window left over from an earlier step would be off by one batch.
+        """
+        known = {id(features): rows for features, rows in self._upcoming_rows}
+        self._upcoming_rows = [
+            (features, known[id(features)] if id(features) in known else torch.unique(self._prepare(features).rows))
+            for features in upcoming
+        ]
+        self._window = Window([rows for _, rows in self._upcoming_rows])
+        self._prefetch_next = prefetch
+
+    def _start_prefetch(self, window: Window) -> None:
+        """Run `_prefetch` for the window's first batch in the background; `_join_prefetch` waits for it.
+
+        Rows every in-flight forward read from storage are left alone: their backward writes them there
+        (with the shortcut of the values it read), so they must not be copied into the cache meanwhile.
+        """
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipcache-prefetch")
+        if self._prefetch_generator is None:
+            self._prefetch_generator = self._new_prefetch_generator()
+        pin_since = self._pin_since()
+        live = [ref() for ref in self._in_flight.values()]
+        in_storage = [plan.storage_rows for plan in live if plan is not None and plan.storage_rows.numel()]
+        args = (window, torch.cat(in_storage) if in_storage else None, pin_since, self.step)
+        if self.device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.device)
+            self._side_stream.wait_stream(torch.cuda.current_stream(self.device))  # this step's work first
+
+            def on_side_stream() -> tuple[Tensor, int]:
+                with torch.cuda.stream(self._side_stream):
+                    return self._prefetch(*args)
+
+            self._prefetching = self._executor.submit(on_side_stream)
+        else:
+            self._prefetching = self._executor.submit(self._prefetch, *args)
+
+    def _prefetch(
+        self, window: Window, in_storage: Tensor | None, pin_since: int, step: int
+    ) -> tuple[Tensor, int]:
+        """Install the missing rows of the window's first batch (run while step `step` computes).
+
+        Touches only what the running steps do not: slots of rows outside every in-flight batch (pinned
+        from `pin_since`) and outside the next one, and rows none of them serves from storage. Counts go to
+        a tensor of their own and the residency and storage versions are bumped on join, so a backward
+        running meanwhile keeps the shortcuts its plan recorded (still valid: none of its rows moved).
+        """
+        cache, counts = self.cache, torch.zeros_like(self.counters)
+        rows = window.batches[0]
+        slots = cache.lookup(rows)
+        hit = slots >= 0
+        cache.last_used[slots[hit]] = step + 1  # the next step's rows stay; its lookup will say so too
+        missing = rows[~hit]
+        if in_storage is not None:
+            missing = missing[~torch.isin(missing, in_storage)]
+        assignment = cache.assign(missing, pin_since, window)
+        if assignment.victim_slots.numel():
+            victims = assignment.victim_rows
+            fitted = self.storage.write(
+                victims, cache.weights[assignment.victim_slots], self.config.rounding, self._prefetch_generator
+            )
+            tables = self._tables_of(victims)
+            self._count_tables("evictions", tables, counts)
+            self._count_tables("rows_out", tables, counts)
+            self._count_fitted(tables, fitted, counts)
+        admitted = assignment.slots >= 0
+        rows_in = missing[admitted]
+        if rows_in.numel():
+            cache.install(
+                assignment.slots[admitted],
+                rows_in,
+                self.storage.read(rows_in, self.device),
+                step + 1,
+                torch.zeros_like(rows_in),  # LFU: the next step's lookup counts the uses
+            )
+            self._count_rows("rows_in", rows_in, counts)
+        return counts, int(rows_in.numel())
+
+    def _join_prefetch(self) -> None:
+        """Wait for the prefetch in flight, if any, and take in its counts (its errors surface here)."""
+        pending, self._prefetching = self._prefetching, None
+        if pending is None:
+            return
+        counts, admitted = pending.result()
+        if self._side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+        self.counters += counts
+        self.prefetched_rows += admitted
+        self._residency_version += 1
+        self._storage_version += 1
+
+    def _new_prefetch_generator(self) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.config.seed + 1)
 
     def _row_bytes(self) -> list[tuple[int, int]]:
         """(payload, quantization parameters) bytes of one row of each table."""
@@ -899,8 +1083,13 @@ class CachedEmbeddingBagCollection(nn.Module):
         return tables
 
     # ----------------------------------------------------------------------------------- state dict
+    def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._join_prefetch()  # the saved cache includes the prefetched rows, so a resumed run matches
+        super()._save_to_state_dict(*args, **kwargs)
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Checkpoints written before the saturation counters existed hold fewer counter columns."""
+        self._join_prefetch()
         counters = state_dict.get(prefix + "counters")
         if isinstance(counters, Tensor) and counters.dim() == 2 and counters.shape[1] < len(COUNTERS):
             padding = counters.new_zeros(counters.shape[0], len(COUNTERS) - counters.shape[1])
@@ -914,6 +1103,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             "skipped_updates": self.skipped_updates,
             "lr": self.lr,
             "generator": self._generator.get_state() if self._generator is not None else None,
+            "prefetch_generator": (
+                self._prefetch_generator.get_state() if self._prefetch_generator is not None else None
+            ),
             "config": {k: config[k] for k in _STATE_KEYS},
         }
 
@@ -932,6 +1124,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._storage_version += 1
         if self._generator is not None and state["generator"] is not None:
             self._generator.set_state(state["generator"])
+        if self._generator is not None and state.get("prefetch_generator") is not None:
+            self._prefetch_generator = self._new_prefetch_generator()
+            self._prefetch_generator.set_state(state["prefetch_generator"])
 
     @classmethod
     def estimate_memory(cls, config: EmbeddingConfig) -> dict[str, Any]:

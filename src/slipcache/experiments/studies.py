@@ -1409,6 +1409,8 @@ def run_experiment(args: argparse.Namespace, log: Callable[[str], None] | None =
         raise SlipcacheError(f"--seeds must be at least 1, got {seeds}")
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SlipcacheError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)

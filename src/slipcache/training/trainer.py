@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slipcache.data.synthetic import GENERATOR_VERSIONS
-from slipcache.embedding.cache import POLICIES
+from slipcache.embedding.cache import LOOKAHEAD_POLICIES, POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
@@ -89,6 +89,8 @@ class TrainConfig:
     cache_size: float | list[float] = 0.05  # share of all rows the cache holds, in [0, 1] (1.0: every row)
     cache_rows: int | list[int] | None = None  # cache capacity as a row count instead (overrides cache_size)
     policy: str = "lru"
+    lookahead: int = 4  # batches ahead the lookahead policies evict by (policy lookahead or lookahead-lfu)
+    prefetch: bool = False  # read the next batch's rows into the cache while the current one computes
     rounding: str = "stochastic"
     optimizer: str = "sgd"  # embedding optimizer
     lr: float = 0.3  # embedding learning rate (SGD; tuned on synthetic data at batch 256)
@@ -149,7 +151,7 @@ class TrainConfig:
                 raise SlipcacheError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
-        positive = ["batch_size", "epochs", "embedding_dim", "samples", "log_every", "eval_every"]
+        positive = ["batch_size", "epochs", "embedding_dim", "samples", "log_every", "eval_every", "lookahead"]
         positive += ["checkpoint_every", "eval_samples", "synthetic_samples", "max_rows", "min_count"]
         for name in positive:
             value = getattr(self, name)
@@ -642,7 +644,7 @@ def train(config: TrainConfig, dist: DistributedRun | None = None) -> dict[str, 
         while run.more_epochs():
             batches = epoch_batches(run)
             for batch in batches:
-                loss = train_step(run, batch)
+                loss = train_step(run, batch, batches)
                 consumed_before = run.consumed
                 last = record_step(run, batch, loss, batches)
                 eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
@@ -780,9 +782,16 @@ def epoch_batches(run: Run) -> Any:
     )
 
 
-def train_step(run: Run, batch: Any) -> float:
-    """Forward, backward and optimizer steps on one batch; returns its mean loss."""
+def train_step(run: Run, batch: Any, batches: Any = None) -> float:
+    """Forward, backward and optimizer steps on one batch; returns its mean loss.
+
+    `batches` (the iterator `batch` came from) lets a lookahead policy or the prefetch see the batches
+    that follow, after the skip filter: those that will be trained.
+    """
     t0 = time.perf_counter()
+    ahead = lookahead_batches(run.config)
+    if ahead and batches is not None:
+        run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], run.config.prefetch)
     logits = run.model(batch.dense, batch.sparse)
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
     loss_value = loss.item()
@@ -800,6 +809,13 @@ def train_step(run: Run, batch: Any) -> float:
     if run.skipper is not None:
         run.logits = logits.detach()  # the skipping guard follows the loss of its control inputs
     return loss_value
+
+
+def lookahead_batches(config: TrainConfig) -> int:
+    """Batches the embeddings are shown ahead: the lookahead policy's window, or 1 for the prefetch alone."""
+    if config.embeddings != "cached":
+        return 0
+    return config.lookahead if config.policy in LOOKAHEAD_POLICIES else int(config.prefetch)
 
 
 def _non_finite_loss(run: Run, loss_value: float) -> SlipcacheError:
@@ -1045,9 +1061,10 @@ def _load_model_state(state: dict[str, Any], model: DLRM) -> None:
 _RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard"}
 # Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
 _STATE_DEFINING = {
-    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "strict",
+    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
     "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
     "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "table_sizes", "split_order",
+    "lookahead", "prefetch",
 }  # fmt: skip
 
 
@@ -1263,6 +1280,8 @@ def summary_table(summary: dict[str, Any]) -> str:
     ]
     if summary.get("cache_hit_rate") is not None:
         rows.insert(4, ("cache hit rate", f"{100 * summary['cache_hit_rate']:.1f}%"))
+    if summary.get("staleness"):
+        rows.append(("skipped as stale", f"{100 * summary['skipped_fraction']:.1f}% of inputs"))
     quality = summary.get("data_quality")
     if quality and quality["malformed_lines"]:
         rows.append(("malformed lines", f"{quality['malformed_lines']:,} skipped (see report.md)"))
@@ -1311,7 +1330,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
     add("--cache-size", type=float, default=s, help="share of rows cached, 0..1; 1 = every row (default 0.05)")
     add("--cache-rows", type=int, default=s, help="cache capacity as a number of rows (overrides --cache-size)")
-    add("--policy", choices=POLICIES, default=s, help="cache replacement policy (default lru)")
+    add("--policy", choices=POLICIES, default=s, help="cache replacement policy; none = no cache (default lru)")
+    add("--lookahead", type=int, default=s, help="batches ahead the lookahead policies see (default 4)")
+    add(
+        "--prefetch",
+        action="store_true",
+        default=s,
+        help="read the next batch's rows into the cache in the background while the current one computes",
+    )
     add("--rounding", choices=ROUNDINGS, default=s, help="rounding into storage (default stochastic)")
     add("--optimizer", choices=OPTIMIZERS, default=s, help="embedding optimizer (default sgd)")
     add("--lr", type=float, default=s, help="embedding learning rate (default 0.3)")
@@ -1354,7 +1380,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=s,
         help="which half of the last day is validation (default: the format's convention)",
     )
-    add("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
+    add("--no-progress", "--quiet", dest="progress", action="store_false", default=s, help="no progress bar")
     add(
         "--tensorboard",
         nargs="?",
@@ -1445,7 +1471,7 @@ def run_train(args: argparse.Namespace) -> int:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     parser.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
-    parser.add_argument("--split", default="test", choices=("train", "val", "test"))
+    parser.add_argument("--split", default="test", choices=("train", "val", "test"), help="split to evaluate (default test)")
     parser.add_argument("--samples", type=int, default=None, help="evaluate only the first N samples")
 
 

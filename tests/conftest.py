@@ -1,0 +1,22 @@
+"""Fixtures shared across test modules."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One `slipcache train --quick` (the run directory and what it printed), shared by the tests that
+    check the first-contact run and the ones that compare against it: the run is the suite's most costly."""
+    from slipcache.cli import main
+
+    run = tmp_path_factory.mktemp("quick") / "run"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["train", "--quick", "--no-progress", "--out", str(run)]) == 0
+    return run, out.getvalue()

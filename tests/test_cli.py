@@ -1,0 +1,39 @@
+"""The `slipcache` command's own behaviour (argument handling shared by every subcommand)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slipcache.cli import build_parser, main
+
+
+def test_unknown_flag_is_reported_by_its_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    # `--no-progress` belongs to train; given to eval it must point at eval's usage, not the top-level one.
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--checkpoint", "run", "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: slipcache eval" in err
+    assert "slipcache eval: error: unrecognized arguments: --no-progress" in err
+
+
+def test_unknown_flag_without_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--bogus"])
+    assert exc.value.code == 2
+    assert "slipcache: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_synth_out_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes").write_text("mine")
+    assert main(["synth", "--out", str(tmp_path / "notes"), "--samples", "1000", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"slipcache synth: error: {tmp_path / 'notes'}: cannot create output directory: File exists"
+
+
+def test_every_long_job_takes_quiet() -> None:
+    # preprocess, synth and stats say --quiet; train said only --no-progress, which users mixed up.
+    assert build_parser("train").parse_args(["train", "--quiet"]).progress is False
+    assert build_parser("train").parse_args(["train", "--no-progress"]).progress is False
