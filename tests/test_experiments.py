@@ -124,13 +124,15 @@ def test_slipstream_runs_with_the_real_trainer(tmp_path: Path, monkeypatch: pyte
     """The whole slipstream grid end to end at a tiny scale: every setup, the report and its plots."""
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    lines = _run("slipstream", "--out", str(out), *TINY)
+    lines = _run("slipstream", "--out", str(out), *TINY, "--stale-epochs", "2")
     grid = experiments.slipstream_grid(experiments.PRESETS["quick"], 1)
     assert _ran(lines) == sum(s.seeds for s in grid)
     results = json.loads((out / "results.json").read_text())
-    skipped = [c["summary"]["skipped_fraction"] for c in results["cells"] if c["setup"].endswith("guard off")]
+    skipped = [c["summary"]["skipped_fraction"] for c in results["cells"] if c["config"]["skip_stale"]]
     assert skipped and all(0.0 <= f < 1.0 for f in skipped)
+    assert all(len(c["curve"]) >= 3 for c in results["cells"])  # 10 evaluations per epoch feed time to target
     report = (out / "report.md").read_text()
+    assert "time to target" in report
     for plot in STALE_PLOTS:
         assert (out / plot).is_file() and plot in report
 
@@ -154,14 +156,21 @@ class FakeConfig:
     progress: bool = False
     epochs: int = 1
     checkpoint_every: int = 0
+    eval_every: int | None = None
     skip_stale: bool = False
     stale_target: float = 0.3
-    stale_guard: bool = True
-    stale_alpha: float = 1.0
+    stale_rule: str = "convergence"
+    stale_warmup: str = "val"
+    stale_warmup_min: float = 0.1
+    stale_decision: str = "rolling"
 
 
 def _fake_train(config: FakeConfig) -> dict[str, Any]:
-    """A run whose time falls with the skip target, with staleness events in metrics.jsonl."""
+    """A run whose time falls with the skip target, with staleness events in metrics.jsonl.
+
+    Validation AUC climbs the same way per evaluation in every run; a skipping run gets there in (1 - skipped)
+    of the time, so its speedup to target is 1 / (1 - skipped) exactly.
+    """
     skipped = 0.8 * config.stale_target if config.skip_stale else 0.0
     run = Path(config.out)
     run.mkdir(parents=True)
@@ -173,14 +182,18 @@ def _fake_train(config: FakeConfig) -> dict[str, Any]:
             "stale_rows": s // 10 if skipped else 0,
             "hot_rows": 1000,
             "threshold": 0.01,
+            "val_auc": 0.75 - 0.05 / i,
+            "train_seconds": i * (1 - skipped),
         }
-        for s in range(512, 8192, 512)
+        for i, s in enumerate(range(512, 8192, 512), 1)
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     summary = {
         "auc": 0.75 - 0.01 * skipped + 0.001 * config.seed, "logloss": 0.5, "accuracy": 0.7,
         "train_samples": int(8192 * (1 - skipped)), "samples_per_s": 1000.0, "train_wall_s": 10.0 * (1 - skipped),
         "embedding_bytes": 100, "memory_ratio": 2.0, "cache_hit_rate": 0.9, "skipped_fraction": skipped,
+        "staleness": {"skip_overhead_parts_s": {"filter": 0.1, "guard": 0.05}, "guard_actions": [{"action": "lower"}]}
+        if skipped else None,
         "embedding_stats": {"lookups": 26, "hits": 20, "misses": 6, "evictions": 1, "rows_in": 6, "rows_out": 1,
                             "bytes_in": 114, "bytes_out": 19},
         "config": {**dataclasses.asdict(config), "embedding_dim": 16},
@@ -198,18 +211,38 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
     )
     monkeypatch.setattr(experiments, "trainer", fake)
     out = tmp_path / "out"
-    lines = _run("slipstream", "--out", str(out), "--data", str(tmp_path), "--seeds", "2", *TINY)
+    lines = _run("slipstream", "--out", str(out), "--data", str(tmp_path), "--seeds", "2", "--repeats", "3", *TINY)
     results = json.loads((out / "results.json").read_text())
     setups = {s["name"]: s for s in results["setups"]}
-    assert _ran(lines) == 2 * len(setups) == 2 * 12
-    speedup = setups["fp32, D=0.5, guard on"]["metrics"]["speedup"]
-    assert speedup["mean"] == pytest.approx(1 / 0.6) and speedup["n"] == 2
-    assert setups["fp32, no skipping"]["metrics"]["speedup"]["mean"] == 1.0
+    assert len(setups) == 14 and _ran(lines) == (2 + 2) * 14  # seeds 0 and 1, and seed 0 twice more
+    ran = [line for line in lines if RAN.match(line)]
+    # interleaved: every setup's first run, then every setup's repeat 1, then repeat 2 (A B A B), then seed 1
+    assert all("repeat" not in line for line in ran[:14]) and all("repeat 1" in line for line in ran[14:28])
+    assert all("repeat 2" in line for line in ran[28:42]) and all("seed 1" in line for line in ran[42:])
+    m = setups["fp32, convergence rule, warm-up val, D=0.5"]["metrics"]
+    assert m["speedup"]["median"] == pytest.approx(1 / 0.6) and m["speedup"]["n"] == 3
+    assert m["auc_delta"]["n"] == 2  # accuracy pairs by seed; repeats do not count twice
+    assert m["overhead_share"] == pytest.approx(0.15 / (10.0 * 0.6)) and m["guard_actions"] == 2
+    assert setups["fp32, no skipping"]["metrics"]["speedup"]["median"] == 1.0
     report = (out / "report.md").read_text()
     for name in STALE_PLOTS:
         assert (out / name).is_file() and f"]({name})" in report
     assert "**Skipping.**" in report and "Mixed-precision" not in report
-    assert "D=0.3 alpha=0.9 skipped" in report
+    assert "interleaved" in report and "1.67x (1.67-1.67)" in report
+    assert "fp32, convergence rule, warm-up val, D=0.5, seed 1: epoch None, batch None, guard: lower" in report
+
+
+def test_time_to_target_on_a_constructed_curve() -> None:
+    """Target = mean of the last 3 evaluations - 0.001; the crossing is interpolated between evaluations."""
+    baseline = [(10.0, 0.70), (20.0, 0.74), (30.0, 0.751), (40.0, 0.752), (50.0, 0.753)]
+    target = experiments.auc_target(baseline)
+    assert target == pytest.approx(0.751)
+    assert experiments.time_to_target(baseline, target) == pytest.approx(30.0)
+    faster = [(5.0, 0.70), (10.0, 0.76)]  # crosses 0.751 at 5 + 5 * 0.051 / 0.06
+    assert experiments.time_to_target(faster, target) == pytest.approx(5.0 + 5.0 * 0.051 / 0.06)
+    assert experiments.time_to_target([(3.0, 0.9)], target) == 3.0  # reached at the first evaluation
+    assert experiments.time_to_target([(1.0, 0.70), (2.0, 0.75), (3.0, 0.72)], target) is None
+    assert experiments.auc_target([]) is None
 
 
 def test_grids_cover_the_questions() -> None:
@@ -230,7 +263,8 @@ def test_grids_cover_the_questions() -> None:
     assert {s.overrides["rounding"] for s in full if "RQ4" in s.questions} == {"stochastic", "nearest"}
     assert next(s for s in full if s.name == "int8 5% lru").seeds == 3
     stale = experiments.slipstream_grid(experiments.PRESETS["full"], 2)
-    assert len(stale) == 16 and {s.group for s in stale} == set(experiments.STALE_STORAGES)
+    assert len(stale) == 14 and {s.group for s in stale} == set(experiments.STALE_STORAGES)
+    assert {s.overrides.get("stale_rule") for s in stale} == {None, "paper", "convergence"}
     plan = experiments.Plan(experiments.PRESETS["full"], Path("x"), None, 3)
     ids = [c.id for c in plan.cells(full + stale)]
     assert len(ids) == len(set(ids)) and ids == [c.id for c in plan.cells(full + stale)]

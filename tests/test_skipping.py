@@ -22,7 +22,9 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tiny(data: Path, out: Path, **overrides: object) -> train.TrainConfig:
-    stale = dict(skip_stale=True, stale_window=0.1, stale_guard_every=4, stale_target=0.5)
+    """Skipping from the start (no warm-up) unless a test asks for one: the runs are a few dozen batches."""
+    stale = dict(skip_stale=True, stale_window=0.1, stale_guard_every=4, stale_target=0.5, stale_warmup="none",
+                 stale_warmup_min=0.0, stale_min_updates=2)
     return tiny_config(data, out, **{**stale, **overrides})
 
 
@@ -36,14 +38,14 @@ def test_skipped_inputs_never_reach_forward_or_change_parameters(
 ) -> None:
     """Every input with id 0 in table 0 is declared stale: no training forward sees one, and its row never moves."""
 
-    def count(self: StaleInputDetector, sparse: np.ndarray) -> np.ndarray:
+    def count(self: StaleInputDetector, sparse: np.ndarray, control_share: float = 0.0) -> tuple:
         keep = np.asarray(sparse)[:, 0] != 0
         for counters in (self.epoch_counts, self.total):
             counters.inputs += keep.size
             counters.skipped += int((~keep).sum())
-        return keep
+        return keep, np.zeros_like(keep)
 
-    monkeypatch.setattr(StaleInputDetector, "count", count)
+    monkeypatch.setattr(StaleInputDetector, "count_with_controls", count)
     seen: list[torch.Tensor] = []
 
     def record(module: torch.nn.Module, args: tuple) -> None:
@@ -94,6 +96,10 @@ def test_off_is_the_plain_loop(data_dir: Path, tmp_path: Path, monkeypatch: pyte
             stale_alpha=0.5,
             stale_release_cache=True,
             stale_guard=False,
+            stale_rule="paper",
+            stale_warmup="epoch",
+            stale_decision="epoch",
+            stale_control=0.5,
         )
     )
     for key in METRICS:
@@ -112,7 +118,7 @@ def test_skipping_is_deterministic_and_reported(data_dir: Path, tmp_path: Path) 
     assert a["train_samples"] < 2 * 1984 * (1 - 0.5 * a["skipped_fraction"])
     block = a["staleness"]
     assert block["inputs_seen"] == 2 * 2000  # 2 epochs of 2000: each classifies every training input exactly once
-    assert block["inputs_skipped"] > 0 and block["hot_rows"] > 0 and block["guard_checks"] > 0
+    assert block["inputs_skipped"] > 0 and block["hot_rows"] > 0 and block["control_inputs"] > 0
     last = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])
     for key in (
         "skipped_fraction",
@@ -128,46 +134,107 @@ def test_skipping_is_deterministic_and_reported(data_dir: Path, tmp_path: Path) 
     assert c["auc"] != a["auc"]
 
 
-def test_guard_lowers_the_target_when_skipped_inputs_loss_rises(
+def test_guard_lowers_the_target_when_the_controls_loss_ratio_rises(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The guard compares the skipped guard inputs with their own loss when the window closed."""
-    import slipcache.staleness.skipping
+    """The first check sets the controls' reference ratio; 2 checks 50 % above it halve D, reported."""
+    import slipcache.staleness.skipping as skipping
 
-    calls: list[int] = []
+    checks: list[float] = []
 
-    def losses(self: slipcache.staleness.skipping.StaleSkipper, idx: np.ndarray) -> np.ndarray:
-        calls.append(idx.size)
-        return np.full(idx.size, 1.0 if len(calls) == 1 else 1.5, dtype=np.float32)  # reference, then +50 %
+    def account(self: skipping.StaleSkipper, batch: object, logits: object, control: object) -> None:
+        ratio = 1.0 if not checks else 1.5
+        self.control_sums = [ratio * skipping.CONTROL_MIN, skipping.CONTROL_MIN, 1.0, 1]
+        checks.append(ratio)
 
-    monkeypatch.setattr(slipcache.staleness.skipping.StaleSkipper, "_losses", losses)
+    monkeypatch.setattr(skipping.StaleSkipper, "_account_controls", account)
     summary = train.train(tiny(data_dir, tmp_path / "run", epochs=1))
     block = summary["staleness"]
-    assert calls[0] == 2000  # the guard sample (the whole 2000-input split here), once, when the window closed
-    assert block["guard_checks"] >= 2 and all(size < calls[0] for size in calls[1:])  # skipped ones only
     first = block["guard_actions"][0]
-    assert first["action"] == "lower" and first["target"] == pytest.approx(0.25)
-    assert first["drift"] == pytest.approx(0.5)
+    assert first["source"] == "control loss" and first["action"] == "lower"
+    assert first["target"] == pytest.approx(0.25) and first["drift"] == pytest.approx(0.5)
+    logged = [a for e in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              for a in e.get("guard_actions", [])]
+    assert logged == block["guard_actions"]  # every action also in metrics.jsonl, once
 
 
-def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
+def test_guard_lowers_the_target_when_validation_auc_falls(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    full = train.train(tiny(data_dir, tmp_path / "full"))
+    aucs = iter([0.80, 0.79, 0.78, 0.77, 0.76, 0.75, 0.74, 0.73, 0.72, 0.71])
+
+    def evaluate(*args: object, **kwargs: object) -> dict:
+        return {"auc": next(aucs, 0.7), "logloss": 0.5, "accuracy": 0.5, "normalized_entropy": 1.0, "samples": 1}
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    summary = train.train(tiny(data_dir, tmp_path / "run", epochs=2, eval_every=320, stale_guard_every=10_000))
+    actions = summary["staleness"]["guard_actions"]
+    assert actions and all(a["source"] == "validation" for a in actions)
+    assert actions[0]["action"] == "lower" and actions[0]["drift"] == pytest.approx(-0.01)
+    assert actions[-1]["action"] == "stop" and not summary["staleness"]["guard_active"]
+
+
+def test_no_input_is_skipped_before_warm_up_ends(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warm-up on the validation loss (default) with a 40 % floor: everything before it is trained."""
+    import slipcache.staleness.skipping as skipping
+
+    calls: list[tuple[int, int]] = []
+    real = skipping.StaleSkipper.sample_filter
+
+    def record(self: skipping.StaleSkipper, sparse: np.ndarray) -> np.ndarray:
+        keep = real(self, sparse)
+        calls.append((self.trained, int((~keep).sum())))
+        return keep
+
+    monkeypatch.setattr(skipping.StaleSkipper, "sample_filter", record)
+    summary = train.train(tiny(data_dir, tmp_path / "run", epochs=3, stale_warmup="val", stale_warmup_min=0.4))
+    warm = summary["staleness"]["warm_at"]
+    assert warm is not None and warm["samples"] >= 0.4 * 3 * 1984
+    assert all(skipped == 0 for trained, skipped in calls if trained < warm["samples"])
+    assert sum(skipped for _, skipped in calls) == summary["staleness"]["inputs_skipped"] > 0
+    assert summary["staleness"]["warmup"] == "val"
+
+
+def test_val_warm_up_ends_by_half_of_a_single_epoch_run_at_the_latest(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    losses = iter([0.7 - 0.05 * i for i in range(100)])  # the validation loss never flattens
+
+    def evaluate(*args: object, **kwargs: object) -> dict:
+        return {"auc": 0.7, "logloss": next(losses), "accuracy": 0.5, "normalized_entropy": 1.0, "samples": 1}
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    summary = train.train(tiny(data_dir, tmp_path / "run", epochs=1, stale_warmup="val", eval_every=192))
+    warm = summary["staleness"]["warm_at"]
+    assert warm["reason"] == "50% of the run" and 0.5 * 1984 <= warm["samples"] < 0.5 * 1984 + 64
+
+
+def test_epoch_warm_up_never_skips_in_a_single_epoch_run(data_dir: Path, tmp_path: Path) -> None:
+    summary = train.train(tiny(data_dir, tmp_path / "run", epochs=1, stale_warmup="epoch"))
+    assert summary["skipped_fraction"] == 0.0 and summary["staleness"]["warm_at"] is None
+
+
+@pytest.mark.parametrize("rule, warmup, crash_step", [("convergence", "val", 45), ("paper", "none", 35)])
+def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rule: str, warmup: str, crash_step: int
+) -> None:
+    knobs = dict(stale_rule=rule, stale_warmup=warmup)
+    full = train.train(tiny(data_dir, tmp_path / "full", **knobs))
+    assert full["skipped_fraction"] > 0
     real_step = torch.optim.SGD.step
     calls = {"n": 0}
 
     def crash_midway(self: torch.optim.SGD, *args: object, **kwargs: object) -> object:
         calls["n"] += 1
-        if (
-            calls["n"] == 2 * 35
-        ):  # dense and embedding optimizers: step 35 of 38, in epoch 1, after a checkpoint
+        if calls["n"] == 2 * crash_step:  # dense and embedding optimizers: in epoch 1, after a checkpoint
             raise KeyboardInterrupt
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.SGD, "step", crash_midway)
     with pytest.raises(KeyboardInterrupt):
-        train.train(tiny(data_dir, tmp_path / "part"))
+        train.train(tiny(data_dir, tmp_path / "part", **knobs))
     monkeypatch.undo()
     state = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints")
     assert state["progress"]["epoch"] == 1 and state["progress"]["batch_in_epoch"] > 0
@@ -185,5 +252,7 @@ def test_quick_cli_skips_a_visible_share_at_the_same_auc(tmp_path: Path, quick_r
     assert main(["train", "--quick", "--no-progress", "--skip-stale", "--out", str(tmp_path / "skip")]) == 0
     plain = json.loads((quick_run[0] / "summary.json").read_text())
     skip = json.loads((tmp_path / "skip" / "summary.json").read_text())
-    assert skip["skipped_fraction"] >= 0.05
+    block = skip["staleness"]
+    assert block["warm_at"]["samples"] >= 0.1 * skip["config"]["samples"]  # skips in the later part only
+    assert skip["skipped_fraction"] >= 0.02
     assert abs(skip["auc"] - plain["auc"]) <= 0.01

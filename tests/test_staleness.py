@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slipcache.errors import InvalidInputError
-from slipcache.staleness.detector import SkipGuard, StaleInputDetector, StalenessConfig
+from slipcache.staleness.detector import HotIndex, SkipGuard, StaleInputDetector, StalenessConfig
 
 
 class FakeCollection:
@@ -495,3 +495,107 @@ def test_memory_scales_with_hot_rows_not_with_tables():
     # everything else scales with the hot set and the sample: int64 per row would be 264 MB
     assert peak < 25 * 2**20
     assert det.stats()["flag_bytes"] == int(coll.table_offsets[-1])
+
+
+# ---- convergence rule ------------------------------------------------------------------------------------
+
+
+def convergence_window(min_updates: int = 2):
+    """1 table x 6 rows, all hot. During the window: rows 0-1 updated 3 times and barely move (converged),
+    rows 2-3 updated 3 times and move a lot, rows 4-5 never updated (unknown)."""
+    coll = FakeCollection([6])
+    det = make(StalenessConfig(rule="convergence", min_updates=min_updates, tolerance=1.0), coll)
+    det.profile(np.arange(6, dtype=np.int32)[:, None])
+    det.begin_window(coll)
+    for _ in range(3):
+        det.record_updates(np.array([[0], [1], [2], [3]]))
+    coll.move(np.array([0, 1]), 1e-4)
+    coll.move(np.array([2, 3]), 0.5)
+    det.end_window(coll)
+    return coll, det
+
+
+def test_convergence_rule_never_calls_a_row_without_updates_stale():
+    """Rows 4-5 did not change at all, which the paper's rule calls perfectly stale; here they are unknown."""
+    coll, det = convergence_window()
+    score = det.row_score()
+    assert np.isinf(score[4:]).all() and np.isfinite(score[:4]).all()
+    scale = coll.weight[:4].abs().amax(dim=1).numpy()
+    assert score[:2] == pytest.approx(1e-4 / (3 * scale[:2]), rel=1e-3)  # change per update, relative
+    det.fit_threshold(np.arange(6, dtype=np.int32)[:, None])
+    assert det.threshold is not None
+    assert det.stale_rows().tolist() == [0, 1]
+    assert not det.is_stale_row(np.array([4, 5])).any()
+    assert det.stale_mask(np.arange(6)[:, None]).tolist() == [True, True, False, False, False, False]
+
+
+def test_convergence_rule_waits_for_min_updates_and_reads_only_ready_rows():
+    coll, det = convergence_window(min_updates=4)  # 3 updates each: nobody is judged yet
+    assert np.isinf(det.row_score()).all()
+    assert det.fit_threshold(np.arange(6, dtype=np.int32)[:, None]).threshold is None
+    reads = len(coll.reads)
+    det.record_updates(np.array([[0], [2]]))  # rows 0 and 2 reach 4 updates, 1 and 3 stay at 3
+    det.recheck(coll)
+    assert coll.reads[reads:] == [2]  # only the two ready rows are copied, not the hot set
+    score = det.row_score()
+    assert np.isfinite(score[[0, 2]]).all() and np.isinf(score[[1, 3, 4, 5]]).all()
+    assert score[0] < score[2]
+
+
+def test_convergence_rule_ignores_lookups_of_rows_that_are_not_hot():
+    coll = FakeCollection([10])
+    det = make(StalenessConfig(rule="convergence", min_updates=1, memory_budget_bytes=3 * coll.dim * 4), coll)
+    det.profile(np.array([0, 0, 1, 1, 2, 2, 7], dtype=np.int32)[:, None])
+    det.begin_window(coll)
+    det.record_updates(np.array([[0], [7], [9], [2]]))
+    det.end_window(coll)
+    assert np.isfinite(det.row_score()).tolist() == [True, False, True]  # hot rows 0, 1, 2
+
+
+def test_hot_index_matches_a_sorted_search():
+    rng = np.random.default_rng(3)
+    rows = np.sort(rng.choice(1_000_000, 5000, replace=False))
+    index = HotIndex(rows)
+    queries = np.concatenate([rng.choice(rows, 3000), rng.integers(0, 1_000_000, 3000)])
+    expected = np.searchsorted(rows, queries)
+    expected = np.where(rows[np.minimum(expected, rows.size - 1)] == queries, expected, -1)
+    assert np.array_equal(index.find(queries), expected)
+    assert index.nbytes <= 4 * 12 * rows.size and HotIndex(np.zeros(0, np.int64)).find(queries).max() == -1
+
+
+def test_convergence_state_round_trip_continues_identically():
+    coll, det = convergence_window()
+    det.fit_threshold(np.arange(6, dtype=np.int32)[:, None])
+    det.record_updates(np.array([[4], [4], [5]]))
+    buf = io.BytesIO()
+    torch.save(det.state_dict(), buf)
+    buf.seek(0)
+    restored = make(StalenessConfig(rule="convergence", min_updates=2, tolerance=1.0), coll)
+    restored.load_state_dict(torch.load(buf, weights_only=True))
+    assert restored.stats() == det.stats()
+    for d in (det, restored):
+        d.record_updates(np.array([[5]]))
+    coll.move(np.array([4, 5]), 0.01)
+    det.recheck(coll)
+    restored.recheck(coll)
+    assert np.array_equal(restored.row_score(), det.row_score()) and np.isfinite(det.row_score()[4:]).all()
+
+
+def test_control_share_keeps_that_share_of_stale_inputs_and_counts_them():
+    coll, det = convergence_window()
+    det.fit_threshold(np.arange(6, dtype=np.int32)[:, None])
+    stale = np.zeros((20_000, 1), dtype=np.int32)  # row 0 is stale
+    keep = det.count(stale, control_share=0.05)
+    assert keep.mean() == pytest.approx(0.05, abs=0.01)
+    assert det.total.controls == int(keep.sum()) and det.total.skipped == int((~keep).sum())
+    again = make(StalenessConfig(rule="convergence", min_updates=2, tolerance=1.0), coll)
+    again.load_state_dict(det.state_dict())
+    again.total.inputs = 0  # the same run positions draw the same controls
+    assert np.array_equal(again.count(stale, control_share=0.05), keep)
+
+
+def test_guard_step_down_lowers_then_stops():
+    guard = SkipGuard(0.4, margin=0.1, release=0.5, patience=2, backoff=0.5, min_target=0.15)
+    assert guard.step_down(-0.003).action == "lower" and guard.target == pytest.approx(0.2)
+    assert guard.step_down(-0.003).action == "stop" and not guard.active
+    assert guard.step_down(-0.003).action == "none"

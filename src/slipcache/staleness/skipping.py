@@ -1,29 +1,34 @@
-"""Stale-input skipping inside the training loop: the per-epoch Slipstream protocol around `StaleInputDetector`.
+"""Stale-input skipping inside the training loop: warm-up, the Slipstream cycle and the guard.
 
-The trainer calls `StaleSkipper` through four hooks (see `slipcache.training.trainer.train`):
+The trainer calls `StaleSkipper` through these hooks (see `slipcache.training.trainer.train`):
 
     skipper.start_epoch(epoch, batch_in_epoch)   before the epoch's BatchIterator is built
     BatchIterator(..., sample_filter=skipper.sample_filter)
-    skipper.after_batch()                        after every optimizer step
+    skipper.after_batch(batch, logits)           after every optimizer step
+    skipper.after_eval(scores)                   after every periodic validation
     skipper.event_fields(...) / skipper.summary(...) / state_dict() / load_state_dict()
 
-One epoch, in a single pass over the data (so a one-epoch run can skip too):
-
-1. profile: count row accesses on `profile_fraction` of the split; hot rows are the most accessed that fit
-   `stale_budget_mb`, minus rows too rare to be touched during a window (see `_keep_frequent`);
-2. window: the epoch's first `stale_window` share of batches trains normally between two snapshots of the
-   hot rows; these batches are at the start of the epoch, so the rest of the epoch can skip;
-3. threshold: bisection on a sample of hot inputs so that `stale_target` (D) of them are stale;
-4. filtered training: the BatchIterator's sample filter drops stale inputs as batches are assembled, so
-   batches stay full and a skipped input never reaches forward or backward. Every K batches a rolling
-   snapshot recomputes which rows are stale, and (`stale_refit`, default on) the threshold is refitted on
-   that pair: embeddings of a young model speed up after the window, so a threshold fitted once on the
-   window pair skipped 0.7 % instead of D * hot share (~9 %) in `--quick`. When the window closes the guard
-   records the loss of a fixed sample of training inputs (forward only, eval mode, no_grad: the cache and the
-   weights are untouched); every G batches it evaluates those of them the detector now skips and lowers D (or
-   stops skipping) when their loss has risen above the recorded one by the margin. Each input is compared
-   with itself, so the check is not fooled by skipped inputs being easier than trained ones, and its noise
-   is that of a change, not of a population.
+1. **Warm-up** (`stale_warmup`): nothing is profiled, measured or skipped until the model has learned.
+   "val" (default): once the validation loss failed twice in a row to improve its best by `stale_warmup_tol`
+   (relative), or from epoch `stale_warmup_epoch` (0-based; default 1 = the second epoch) or half of the
+   run (`WARMUP_LATEST`), whichever comes first, at the latest; "epoch":
+   from that epoch only; "none": from the start. In every mode never within the first `stale_warmup_min`
+   (10 %) of the run's inputs. Why: the first window used to open at 2 % of epoch 1, judging rows of an
+   untrained model; the authors open it after a full pass over the cold inputs.
+2. **Profile and window**: when warm-up ends (and then at the start of each epoch) the hot rows are
+   profiled and a window of `stale_window` of the epoch's batches trains normally while rows are measured.
+3. **Threshold**: bisection on a sample of hot inputs so that `stale_target` (D) of them are stale.
+4. **Filtered training**: the BatchIterator's sample filter drops stale inputs as batches are assembled.
+   `stale_decision` "rolling" re-measures every window length and refits T; "epoch" is the authors' mode:
+   one decision per epoch, fixed until the next.
+5. **Guard**: `stale_control` (5 %) of the would-be-skipped inputs are trained anyway, as a control group.
+   Their training loss, relative to that of all trained inputs in the same batches, is followed: if it
+   rises by more than `CONTROL_MARGIN` against its value when skipping (re)started, on 2 consecutive
+   checks, skipped inputs were still teaching (the rest of the model moved on without them) and D is
+   halved, then skipping stops. At each validation, a drop of validation AUC by more than `VAL_DROP`
+   below its best since skipping began lowers D at once. Every action is reported.
+   The controls also keep stale rows receiving updates, so the convergence rule can notice one that moves
+   again.
 
 Exact resume: the filter records every keep decision of the epoch (one bit per input) and a checkpoint
 holds them. BatchIterator re-runs the filter over the batches before `start_batch`; the resumed filter
@@ -39,19 +44,29 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slipcache.data.dataset import SplitArrays
+from slipcache.data.dataset import Batch, SplitArrays
 from slipcache.model import DLRM
 from slipcache.staleness.detector import GuardDecision, HotSet, StaleInputDetector, StalenessConfig
 
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 THRESHOLD_SAMPLE_MIN = 4096
-# profile: hot rows and the window's first snapshot; filter: classifying inputs; snapshots: re-checks,
-# threshold fits and cache release; guard: its forward passes.
-OVERHEAD_PARTS = ("profile", "filter", "snapshots", "guard")
+WARMUPS = ("val", "epoch", "none")
+DECISIONS = ("rolling", "epoch")
+# A relative rise of the controls' loss ratio that counts as "still teaching". Its noise with 100-400
+# controls per check is a few %; 10 % with 2 consecutive checks does not fire on noise.
+CONTROL_MARGIN = 0.10
+CONTROL_MIN = 100  # controls needed before a check: fewer make the mean loss noise
+VAL_DROP = 0.002  # validation AUC below its best since skipping began by this much lowers D
+# "val" warm-up ends by this share of the run at the latest: a one-epoch run has no second epoch to fall back
+# on, and in `--quick` the noisy 20 k-sample validation loss sometimes flattened only at the very end.
+WARMUP_LATEST = 0.5
+# profile: hot rows and the window's first read; filter: classifying inputs; counting: update counters of
+# hot rows (convergence rule); snapshots: re-checks, threshold fits and cache release; guard: its bookkeeping.
+OVERHEAD_PARTS = ("profile", "filter", "counting", "snapshots", "guard")
 
 
 class StaleSkipper:
-    """Runs the Slipstream cycle of each epoch for the trainer; all state needed to resume is in state_dict."""
+    """Runs warm-up and the Slipstream cycle of each epoch for the trainer; state_dict holds all of it."""
 
     def __init__(self, config: Any, model: DLRM, split: SplitArrays, batches_per_epoch: int) -> None:
         self.model = model
@@ -64,26 +79,49 @@ class StaleSkipper:
                 target_drop=config.stale_target,
                 alpha=config.stale_alpha,
                 window_fraction=config.stale_window,
-                recheck_interval=config.stale_recheck,
+                recheck_interval=None if config.stale_decision == "epoch" else config.stale_recheck,
                 memory_budget_bytes=int(config.stale_budget_mb * 2**20),
+                guard_margin=CONTROL_MARGIN,
+                rule=config.stale_rule,
+                min_updates=config.stale_min_updates,
+                count_share=config.stale_count_share,
                 seed=config.seed,
             ),
         )
         self.window = self.detector.window_batches(batches_per_epoch)
         self.guard_every = int(config.stale_guard_every) if config.stale_guard else 0
+        self.control_share = float(config.stale_control) if config.stale_guard else 0.0
         self.release_cache = bool(config.stale_release_cache) and hasattr(self.coll, "release_rows")
         self.min_accesses = float(config.stale_min_accesses)
-        self.refit = bool(config.stale_refit)
+        self.refit = bool(config.stale_refit) and config.stale_decision == "rolling"
+        self.warmup = str(config.stale_warmup)
+        self.warmup_epoch = int(config.stale_warmup_epoch)
+        self.warmup_floor = float(config.stale_warmup_min) * int(config.samples or 0)
+        self.warmup_latest = WARMUP_LATEST * int(config.samples or 0)
+        self.warmup_tol = float(config.stale_warmup_tol)
+        self.epoch = 0
         self.batch = 0  # batches trained in the current epoch
+        self.trained = 0  # inputs trained in the run
+        self.warm = False
+        self.warm_at: dict[str, Any] | None = None  # where and why warm-up ended
+        self.val_flat = False
+        self.flat_evals = 0  # consecutive evaluations without a gain of warmup_tol on the best loss
+        self.best_val_loss: float | None = None
+        self.best_val_auc: float | None = None  # since skipping began
+        self.window_start: int | None = None  # batch of this epoch where its window opened
         self.decisions: list[np.ndarray] = []  # keep masks of this epoch, in filter-call order
         self._replay = np.zeros(0, dtype=bool)  # decisions to repeat after a resume
         self._replay_pos = 0
         self.released_rows = 0
         self.guard_checks = 0
         self.guard_actions: list[dict[str, Any]] = []
+        self._reported_actions = 0
         self.last_guard: GuardDecision | None = None
-        self.guard_sample = np.zeros(0, dtype=np.int64)  # the epoch's guard inputs (split indices)
-        self.guard_reference = np.zeros(0, dtype=np.float32)  # their loss when the window closed
+        self.control_sums = [0.0, 0, 0.0, 0]  # control loss, controls, all trained loss, trained (since check)
+        # Control flags of the inputs the filter kept and no batch has trained yet, in order: batches are cut
+        # from the kept inputs in order, so each trained batch takes the next batch_size of them.
+        self.pending_controls = np.zeros(0, dtype=bool)
+        self.control_reference: float | None = None  # controls' loss ratio when skipping (re)started
         self.overhead = dict.fromkeys(OVERHEAD_PARTS, 0.0)  # seconds spent on skipping, by part
         self.fits: list[dict[str, Any]] = []
         self.refits = 0
@@ -91,57 +129,93 @@ class StaleSkipper:
     # ---- hooks -----------------------------------------------------------------------------------------
 
     def start_epoch(self, epoch: int, batch_in_epoch: int) -> None:
-        """Profile and open the snapshot window, unless this is a resumed epoch already under way."""
-        if batch_in_epoch > 0 and self.detector.epoch == epoch and self.detector.hot is not None:
+        """New epoch: profile and open the window if warm, unless this is a resumed epoch already under way."""
+        if batch_in_epoch > 0 and self.epoch == epoch and self.detector.epoch == epoch:
             return
         t0 = time.perf_counter()
-        det = self.detector
-        det.start_epoch(epoch)
+        self.epoch = epoch
+        self.detector.start_epoch(epoch)
         self.batch = 0
+        self.window_start = None
         self.decisions, self._replay, self._replay_pos = [], np.zeros(0, dtype=bool), 0
-        n = len(self.split)
-        sample = self.split.sparse[det.sample_indices(n, det.config.profile_fraction, "profile")]
-        det.profile(sample)
-        self._keep_frequent(sample_share=len(sample) / max(n, 1))
-        det.begin_window(self.coll)
+        self.control_sums = [0.0, 0, 0.0, 0]
+        self.control_reference = None
+        self.pending_controls = np.zeros(0, dtype=bool)
+        if self.warm or self._end_warmup("epoch start"):
+            self._open_window()
         self.overhead["profile"] += time.perf_counter() - t0
 
     def sample_filter(self, sparse: np.ndarray) -> np.ndarray:
         """BatchIterator filter: keep mask; replays recorded decisions first after a resume."""
         t0 = time.perf_counter()
         n = sparse.shape[0]
-        if self._replay_pos < self._replay.size:
+        if self._replay_pos < self._replay.size:  # these inputs' controls are in the restored pending_controls
             keep = self._replay[self._replay_pos : self._replay_pos + n]
             self._replay_pos += n
         else:
-            keep = self.detector.count(sparse)
+            if self.window_start is None:  # warm-up: nothing to classify yet
+                keep, control = self.detector.pass_through(n), np.zeros(n, dtype=bool)
+            else:
+                keep, control = self.detector.count_with_controls(sparse, self.control_share)
+            self.pending_controls = np.concatenate([self.pending_controls, control[keep]])
         self.decisions.append(keep)
         self.overhead["filter"] += time.perf_counter() - t0
         return keep
 
-    def after_batch(self) -> None:
-        """Close the window and fit the threshold, rolling re-checks, cache release and guard checks."""
-        t0 = time.perf_counter()
-        det = self.detector
+    def after_batch(self, batch: Batch, logits: torch.Tensor) -> None:
+        """Warm-up check, update counting, window close and threshold fit, re-checks, guard bookkeeping."""
         self.batch += 1
+        n = int(batch.labels.shape[0])
+        self.trained += n
+        control, self.pending_controls = self.pending_controls[:n], self.pending_controls[n:]
+        if self.window_start is None:
+            if self._end_warmup("run position"):
+                t0 = time.perf_counter()
+                self._open_window()
+                self.overhead["profile"] += time.perf_counter() - t0
+            return
+        det = self.detector
+        t0 = time.perf_counter()
+        if self.guard_every and det.skipping:
+            self._account_controls(batch, logits, control)
+        t1 = time.perf_counter()
+        det.record_updates(batch.sparse.numpy())
+        t2 = time.perf_counter()
         rechecked = det.after_batch(self.coll)
-        if self.batch == self.window:
+        if self.batch == self.window_start + self.window:
             det.end_window(self.coll)
             self._fit()
             rechecked = True
         elif rechecked and self.refit:
-            self.detector.refit()
+            det.refit()
             self.refits += 1
         if rechecked and self.release_cache and det.skipping:
             self.released_rows += int(self.coll.release_rows(torch.from_numpy(det.stale_rows())))
-        t1 = time.perf_counter()
-        self.overhead["snapshots"] += t1 - t0
-        if self.guard_every and self.batch == self.window:
-            self.guard_sample = det.guard_indices(len(self.split))
-            self.guard_reference = self._losses(self.guard_sample)
-        if self.guard_every and det.threshold is not None and self.batch % self.guard_every == 0:
-            self._guard_check()
-        self.overhead["guard"] += time.perf_counter() - t1
+        t3 = time.perf_counter()
+        if self.guard_every and self.batch % self.guard_every == 0:
+            self._control_check()
+        t4 = time.perf_counter()
+        self.overhead["counting"] += t2 - t1
+        self.overhead["snapshots"] += t3 - t2
+        self.overhead["guard"] += (t1 - t0) + (t4 - t3)
+
+    def after_eval(self, scores: dict[str, Any]) -> None:
+        """Validation results: warm-up ends when the loss flattened; the guard watches AUC once skipping."""
+        loss, auc = float(scores["logloss"]), float(scores["auc"])
+        if self.best_val_loss is not None and loss > self.best_val_loss * (1.0 - self.warmup_tol):
+            self.flat_evals += 1
+            self.val_flat = self.val_flat or self.flat_evals >= 2  # 2 in a row: one can be noise
+        else:
+            self.flat_evals = 0
+        self.best_val_loss = loss if self.best_val_loss is None else min(loss, self.best_val_loss)
+        det = self.detector
+        if not (self.guard_every and det.skipping):
+            return
+        if self.best_val_auc is not None and auc < self.best_val_auc - VAL_DROP:
+            self._record(det.step_down_guard(auc - self.best_val_auc), "validation")
+            self.best_val_auc = auc  # the next step needs a new drop below this
+        else:
+            self.best_val_auc = auc if self.best_val_auc is None else max(auc, self.best_val_auc)
 
     @property
     def overhead_s(self) -> float:
@@ -149,8 +223,40 @@ class StaleSkipper:
 
     # ---- pieces ----------------------------------------------------------------------------------------
 
+    def _end_warmup(self, where: str) -> bool:
+        """Has warm-up ended? Sets `warm` (for good) and records where and why."""
+        if self.warm:
+            return True
+        position = self.trained + self.detector.total.skipped
+        if position < self.warmup_floor:
+            return False
+        if self.warmup == "none":
+            reason = "no warm-up"
+        elif self.epoch >= self.warmup_epoch and self.warmup in ("val", "epoch"):
+            reason = f"epoch {self.epoch}"
+        elif self.warmup == "val" and self.val_flat:
+            reason = "validation loss flattened"
+        elif self.warmup == "val" and position >= self.warmup_latest:
+            reason = f"{WARMUP_LATEST:.0%} of the run"
+        else:
+            return False
+        self.warm = True
+        self.warm_at = {"epoch": self.epoch, "batch": self.batch, "samples": position, "reason": reason,
+                        "checked_at": where}
+        return True
+
+    def _open_window(self) -> None:
+        """Profile the hot rows and start measuring them; skipping begins when the window closes."""
+        det = self.detector
+        n = len(self.split)
+        sample = self.split.sparse[det.sample_indices(n, det.config.profile_fraction, "profile")]
+        det.profile(sample)
+        self._keep_frequent(sample_share=len(sample) / max(n, 1))
+        det.begin_window(self.coll)
+        self.window_start = self.batch
+
     def _fit(self) -> None:
-        """Sample the epoch's threshold inputs and fit T on the window pair so that D of the hot ones are stale.
+        """Sample the epoch's threshold inputs and fit T on the window so that D of the hot ones are stale.
 
         Re-checks refit on the same sample (`StaleInputDetector.refit`); their thresholds show in the events.
         """
@@ -159,77 +265,85 @@ class StaleSkipper:
         n = len(self.split)
         share = min(1.0, max(det.config.threshold_sample_fraction, THRESHOLD_SAMPLE_MIN / max(n, 1)))
         result = det.fit_threshold(self.split.sparse[det.sample_indices(n, share, "threshold")])
-        self.fits.append({"epoch": det.epoch, "threshold": result.threshold, "ratio": result.achieved_ratio,
-                          "converged": result.converged, "reason": result.reason})
+        self.fits.append({"epoch": det.epoch, "batch": self.batch, "threshold": result.threshold,
+                          "ratio": result.achieved_ratio, "converged": result.converged, "reason": result.reason})
 
     def _keep_frequent(self, sample_share: float) -> None:
         """Drop hot rows expected to be accessed fewer than `stale_min_accesses` times in a window.
 
-        A row untouched between two snapshots has change 0 and would look converged when it was merely not
-        sampled; rare rows are the ones that still need training, so by default they are never hot.
+        Under the paper's rule a row untouched between two snapshots has change 0 and looks converged when it
+        was merely not sampled; this keeps such rows out of the hot set (the convergence rule needs no such
+        filter: it never judges a row without updates).
         """
         det = self.detector
         hot = det.hot
-        if hot is None or not len(hot):
+        if hot is None or not len(hot) or self.min_accesses <= 0:
             return
         window_inputs = self.window * self.batch_size
         expected = hot.counts / max(sample_share, 1e-12) * window_inputs / max(len(self.split), 1)
         keep = expected >= self.min_accesses
         if not keep.all():
-            det.hot = HotSet(hot.rows[keep], hot.counts[keep], det.table_offsets)
-            det._stale_flags = np.zeros(len(det.hot), dtype=bool)
+            det.set_hot(HotSet(hot.rows[keep], hot.counts[keep], det.table_offsets))
 
-    @torch.no_grad()
-    def _losses(self, idx: np.ndarray) -> np.ndarray:
-        """Per-input BCE of training inputs `idx`, forward only in eval mode (no cache or weight change)."""
-        dense = torch.from_numpy(np.ascontiguousarray(self.split.dense[idx]))
-        sparse = torch.from_numpy(self.split.sparse[idx].astype(np.int64))
-        labels = torch.from_numpy(np.ascontiguousarray(self.split.labels[idx]))
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            logits = self.model(dense, sparse)
-            return F.binary_cross_entropy_with_logits(logits, labels, reduction="none").numpy()
-        finally:
-            self.model.train(was_training)
+    def _account_controls(self, batch: Batch, logits: torch.Tensor, control: np.ndarray) -> None:
+        """Add the batch's per-input losses: of its controls (as the filter marked them) and of all inputs."""
+        losses = F.binary_cross_entropy_with_logits(logits.detach(), batch.labels, reduction="none").numpy()
+        if control.size != losses.size:  # cannot happen while batches are cut from the kept inputs in order
+            raise RuntimeError(f"{control.size} control flags for a batch of {losses.size}")
+        sums = self.control_sums
+        sums[0] += float(losses[control].sum())
+        sums[1] += int(np.count_nonzero(control))
+        sums[2] += float(losses.sum())
+        sums[3] += int(losses.size)
 
-    def _guard_check(self) -> None:
-        """Has the loss of the guard inputs now skipped risen since the window closed? Forward only.
-
-        With fewer than `guard_min_skipped` of them the mean is noise (at D = 0.1 on 320 k rows, ~60 inputs
-        gave a drift of +0.26 and halved D), and skipping that few inputs cannot cost much: no check.
-        """
-        det = self.detector
-        stale = det.stale_mask(self.split.sparse[self.guard_sample])
-        if np.count_nonzero(stale) < det.config.guard_min_skipped:
+    def _control_check(self) -> None:
+        """Compare the controls' loss ratio since the last check with the ratio when skipping (re)started."""
+        control_loss, controls, all_loss, trained = self.control_sums
+        if controls < CONTROL_MIN or not trained or not all_loss:
             return
-        loss = float(self._losses(self.guard_sample[stale]).mean())
-        decision = det.update_guard(loss, float(self.guard_reference[stale].mean()))
+        self.control_sums = [0.0, 0, 0.0, 0]
+        ratio = (control_loss / controls) / (all_loss / trained)
+        if self.control_reference is None:
+            self.control_reference = ratio
+            return
+        decision = self.detector.update_guard(ratio, self.control_reference)
         self.guard_checks += 1
         self.last_guard = decision
         if decision.action != "none":
-            self.guard_actions.append({"epoch": det.epoch, "batch": self.batch, "action": decision.action,
-                                       "target": decision.target, "drift": decision.drift})
+            self._record(decision, "control loss")
+            self.control_reference = None  # a new D skips a different population: measure it afresh
+
+    def _record(self, decision: GuardDecision, source: str) -> None:
+        if decision.action != "none":
+            self.guard_actions.append({"epoch": self.epoch, "batch": self.batch, "samples": self.trained,
+                                       "source": source, "action": decision.action, "target": decision.target,
+                                       "drift": decision.drift})
 
     # ---- reporting -------------------------------------------------------------------------------------
 
     def event_fields(self, seconds_per_trained_sample: float) -> dict[str, Any]:
-        """Staleness keys merged into each metrics.jsonl train event."""
+        """Staleness keys merged into each metrics.jsonl train event; guard actions since the last event."""
         det = self.detector
         stats = det.stats()
         total = det.total
         saved = total.skipped * seconds_per_trained_sample - self.overhead_s
+        new_actions = self.guard_actions[self._reported_actions :]
+        self._reported_actions = len(self.guard_actions)
         return {
             "skipped_fraction": total.skipped / total.inputs if total.inputs else 0.0,
             "epoch_skipped_fraction": stats["skipped_fraction"],
             "hot_skipped_fraction": total.skipped_hot / total.hot_inputs if total.hot_inputs else 0.0,
             "inputs_skipped": total.skipped,
+            "control_inputs": total.controls,
+            "warm": self.warm,
             "hot_rows": stats["hot_rows"],
             "stale_rows": stats["stale_rows"],
+            "unknown_rows": stats["unknown_rows"],
             "threshold": stats["threshold"],
             "stale_target": stats["target_drop"],
             "skipping": stats["skipping"],
             "guard_drift": self.last_guard.drift if self.last_guard else None,
+            "guard_actions": new_actions,
             "released_rows": self.released_rows,
             "skip_overhead_s": self.overhead_s,
             "time_saved_s": saved,
@@ -238,13 +352,21 @@ class StaleSkipper:
     def summary(self, seconds_per_trained_sample: float) -> dict[str, Any]:
         """The summary.json `staleness` block."""
         total = self.detector.total
+        stats = self.detector.stats()
+        fields = self.event_fields(seconds_per_trained_sample)
+        fields.pop("guard_actions")
         return {
-            **self.event_fields(seconds_per_trained_sample),
+            **fields,
+            "rule": stats["rule"],
+            "warmup": self.warmup,
+            "warm_at": self.warm_at,
             "skip_overhead_parts_s": dict(self.overhead),
+            "rows_read": stats["rows_read"],
+            "index_bytes": stats["index_bytes"],
             "inputs_seen": total.inputs,
             "hot_inputs_seen": total.hot_inputs,
             "window_batches": self.window,
-            "rechecks": self.detector.stats()["rechecks"],
+            "rechecks": stats["rechecks"],
             "guard_checks": self.guard_checks,
             "guard_actions": self.guard_actions,
             "guard_active": self.detector.guard.active,
@@ -260,15 +382,27 @@ class StaleSkipper:
         return {
             "version": _STATE_VERSION,
             "detector": self.detector.state_dict(),
+            "epoch": self.epoch,
             "batch": self.batch,
+            "trained": self.trained,
+            "warm": self.warm,
+            "warm_at": self.warm_at,
+            "val_flat": self.val_flat,
+            "flat_evals": self.flat_evals,
+            "pending_controls": torch.from_numpy(np.packbits(self.pending_controls)),
+            "num_pending_controls": int(self.pending_controls.size),
+            "best_val_loss": self.best_val_loss,
+            "best_val_auc": self.best_val_auc,
+            "window_start": self.window_start,
             "decisions": torch.from_numpy(np.packbits(decisions)),
             "num_decisions": int(decisions.size),
             "released_rows": self.released_rows,
             "guard_checks": self.guard_checks,
             "guard_actions": list(self.guard_actions),
+            "reported_actions": self._reported_actions,
             "last_guard": None if self.last_guard is None else vars(self.last_guard).copy(),
-            "guard_sample": torch.from_numpy(self.guard_sample),
-            "guard_reference": torch.from_numpy(self.guard_reference),
+            "control_sums": list(self.control_sums),
+            "control_reference": self.control_reference,
             "overhead": dict(self.overhead),
             "fits": list(self.fits),
             "refits": self.refits,
@@ -278,17 +412,22 @@ class StaleSkipper:
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"unsupported skipping state version {state.get('version')}")
         self.detector.load_state_dict(state["detector"])
-        self.batch = int(state["batch"])
+        for name in ("epoch", "batch", "trained", "released_rows", "guard_checks", "refits"):
+            setattr(self, name, int(state[name]))
+        self.warm, self.val_flat = bool(state["warm"]), bool(state["val_flat"])
+        self.warm_at = state["warm_at"]
+        self.flat_evals = int(state["flat_evals"])
+        bits = np.unpackbits(state["pending_controls"].numpy(), count=int(state["num_pending_controls"]))
+        self.pending_controls = bits.astype(bool)
+        self.best_val_loss, self.best_val_auc = state["best_val_loss"], state["best_val_auc"]
+        self.window_start = state["window_start"]
         bits = np.unpackbits(state["decisions"].numpy(), count=int(state["num_decisions"]))
         self._replay, self._replay_pos = bits.astype(bool), 0
         self.decisions = []
-        self.released_rows = int(state["released_rows"])
-        self.guard_checks = int(state["guard_checks"])
         self.guard_actions = list(state["guard_actions"])
+        self._reported_actions = int(state["reported_actions"])
         self.last_guard = GuardDecision(**state["last_guard"]) if state["last_guard"] else None
-        self.guard_sample = state["guard_sample"].numpy().copy()
-        self.guard_reference = state["guard_reference"].numpy().copy()
+        self.control_sums = list(state["control_sums"])
+        self.control_reference = state["control_reference"]
         self.overhead = {part: float(state["overhead"][part]) for part in OVERHEAD_PARTS}
         self.fits = list(state["fits"])
-        self.refits = int(state["refits"])
-

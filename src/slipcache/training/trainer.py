@@ -124,6 +124,15 @@ class TrainConfig:
     stale_min_accesses: float = 0.0  # hot rows must expect this many accesses per window (0 = paper)
     stale_release_cache: bool = False  # stale rows give their cache slots to rows that still move
     stale_refit: bool = True  # refit T at every rolling re-check so D holds all epoch (paper: once per epoch)
+    stale_rule: str = "convergence"  # "convergence" (change per update, measured rows only) or "paper"
+    stale_min_updates: int = 4  # convergence rule: updates a row needs before it is judged
+    stale_count_share: float = 0.25  # convergence rule: share of each trained batch counted (scaled up)
+    stale_warmup: str = "val"  # "val" (validation loss flattened), "epoch" or "none"
+    stale_warmup_epoch: int = 1  # 0-based epoch from which skipping may start at the latest (1 = the 2nd)
+    stale_warmup_min: float = 0.1  # never skip in this first share of the run
+    stale_warmup_tol: float = 0.005  # validation loss "flattened": improved less than this (relative) on its best
+    stale_decision: str = "rolling"  # "rolling" re-checks, or "epoch": one decision per epoch (the authors')
+    stale_control: float = 0.05  # share of would-be-skipped inputs trained anyway as the guard's control
 
     def validate(self) -> None:
         for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
@@ -185,6 +194,18 @@ class TrainConfig:
             raise SlipcacheError(
                 "stale_window must be in (0, 1], stale_guard_every >= 1, stale_budget_mb > 0"
             )
+        from slipcache.staleness.detector import RULES
+        from slipcache.staleness.skipping import DECISIONS, WARMUPS
+
+        for name, allowed in (("stale_rule", RULES), ("stale_warmup", WARMUPS), ("stale_decision", DECISIONS)):
+            if getattr(self, name) not in allowed:
+                raise SlipcacheError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.stale_min_updates < 1 or self.stale_warmup_epoch < 0 or not 0.0 <= self.stale_warmup_min < 1.0:
+            raise SlipcacheError("stale_min_updates must be >= 1, stale_warmup_epoch >= 0, stale_warmup_min in [0, 1)")
+        if not 0.0 < self.stale_count_share <= 1.0:
+            raise SlipcacheError(f"stale_count_share must be in (0, 1], got {self.stale_count_share}")
+        if not 0.0 <= self.stale_control < 1.0 or not 0.0 <= self.stale_warmup_tol < 1.0:
+            raise SlipcacheError("stale_control and stale_warmup_tol must be in [0, 1)")
         if (self.stale_recheck is not None and self.stale_recheck < 0) or not self.stale_min_accesses >= 0:
             raise SlipcacheError(
                 "stale_recheck must be >= 0 (0 = window length) or None, stale_min_accesses >= 0"
@@ -592,6 +613,7 @@ class Run:
     tensorboard: Any = None  # TensorBoardWriter when config.tensorboard is set
     tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
     finished: bool = False  # set by the run's last batch
+    logits: torch.Tensor | None = None  # the last step's (detached) logits, kept only for stale skipping
     dist: DistributedRun | None = None  # N processes (slipcache.distributed.training); None: this one alone
 
     @property
@@ -784,6 +806,8 @@ def train_step(run: Run, batch: Any, batches: Any = None) -> float:
     if run.emb_opt is not None:
         run.emb_opt.step()
     run.progress.compute_s += time.perf_counter() - t0
+    if run.skipper is not None:
+        run.logits = logits.detach()  # the skipping guard follows the loss of its control inputs
     return loss_value
 
 
@@ -809,7 +833,7 @@ def record_step(run: Run, batch: Any, loss_value: float, batches: Any) -> bool:
     progress = run.progress
     last = False
     if run.skipper is not None:
-        run.skipper.after_batch()  # snapshots, threshold fit, guard
+        run.skipper.after_batch(batch, run.logits)  # warm-up, counters, snapshots, threshold fit, guard
         progress.skipped = run.skipper.detector.total.skipped
         # A skipping epoch has fewer batches: the run's last one is known when none follows.
         last = progress.epoch == run.max_epochs - 1 and not batches.peek(1)
@@ -838,6 +862,8 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
     if evaluate_now:
         scores = evaluate(run.model, run.dataset.split("val"), max_samples=run.config.eval_samples)
         event.update({f"val_{k}": v for k, v in scores.items()})
+        if run.skipper is not None:
+            run.skipper.after_eval(scores)  # warm-up ends on a flat validation loss; the guard watches AUC
     progress.events.append(event)
     if run.writes_files:
         with open(run.run_dir / "metrics.jsonl", "a") as f:
@@ -1393,6 +1419,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="hot rows must expect this many accesses per window (default 0 = budget only, as the paper)",
     )
     add("--stale-release-cache", action="store_true", default=s, help="stale rows give up their cache slots")
+    add("--stale-rule", choices=("convergence", "paper"), default=s,
+        help="convergence (default): change per update of rows updated >= k times; paper: L-inf change")
+    add("--stale-min-updates", type=int, default=s, help="k: updates before a row is judged (default 4)")
+    add("--stale-count-share", type=float, default=s,
+        help="share of each trained batch whose row updates are counted, then scaled up (default 0.25)")
+    add("--stale-warmup", choices=("val", "epoch", "none"), default=s,
+        help="skip after validation loss flattened (val, default), from --stale-warmup-epoch, or at once")
+    add("--stale-warmup-epoch", type=int, default=s, help="0-based epoch skipping starts by at the latest (1)")
+    add("--stale-warmup-min", type=float, default=s, help="never skip in this first share of the run (0.1)")
+    add("--stale-warmup-tol", type=float, default=s, help="relative val-loss gain that still counts (0.005)")
+    add("--stale-decision", choices=("rolling", "epoch"), default=s,
+        help="rolling re-checks (default) or one decision per epoch (the authors')")
+    add("--stale-control", type=float, default=s, help="share of would-be-skipped inputs trained as control (0.05)")
     add(
         "--no-stale-refit",
         dest="stale_refit",
