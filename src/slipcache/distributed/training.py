@@ -146,14 +146,7 @@ class DistributedRun:
         tables_config = embedding_config(
             table_sizes,
             config.embedding_dim,
-            precision=config.precision,
-            cache_size=config.cache_size,
-            cache_rows=config.cache_rows,
-            policy=config.policy,
-            rounding=config.rounding,
-            optimizer=config.optimizer,
-            lr=config.lr,
-            seed=config.seed,
+            **config.embedding_options(),
             storage_device=str(self.ctx.device),
             cache_device=str(self.ctx.device),
         )
@@ -176,14 +169,7 @@ class DistributedRun:
         tables = ShardedEmbeddingCollection(
             tables_config, self.plan, self.ctx.rank, self.ctx.embedding_group
         )
-        model_config = ModelConfig(
-            table_sizes=list(table_sizes),
-            num_dense=num_dense,
-            embedding_dim=config.embedding_dim,
-            bottom_mlp=list(config.bottom_mlp),
-            top_mlp=list(config.top_mlp),
-        )
-        return DistributedDLRM(DLRM(model_config, tables).to(self.ctx.device), self.ctx)
+        return DistributedDLRM(DLRM(config.model_config(table_sizes, num_dense), tables).to(self.ctx.device), self.ctx)
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: Path, state: dict[str, Any], samples: int, keep: int) -> None:

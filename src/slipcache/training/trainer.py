@@ -134,6 +134,28 @@ class TrainConfig:
     stale_decision: str = "rolling"  # "rolling" re-checks, or "epoch": one decision per epoch (the authors')
     stale_control: float = 0.05  # share of would-be-skipped inputs trained anyway as the guard's control
 
+    def embedding_options(self) -> dict[str, Any]:
+        """The embedding collection's settings, shared by the one-process and the sharded model."""
+        return {
+            "precision": self.precision,
+            "cache_size": self.cache_size,
+            "cache_rows": self.cache_rows,
+            "policy": self.policy,
+            "rounding": self.rounding,
+            "optimizer": self.optimizer,
+            "lr": self.lr,
+            "seed": self.seed,
+        }
+
+    def model_config(self, table_sizes: list[int], num_dense: int) -> ModelConfig:
+        return ModelConfig(
+            table_sizes=list(table_sizes),
+            num_dense=num_dense,
+            embedding_dim=self.embedding_dim,
+            bottom_mlp=list(self.bottom_mlp),
+            top_mlp=list(self.top_mlp),
+        )
+
     def validate(self) -> None:
         for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
             if precision not in PRECISIONS:
@@ -413,26 +435,9 @@ def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
 
 def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> DLRM:
     embeddings = build_embeddings(
-        list(table_sizes),
-        config.embedding_dim,
-        embeddings=config.embeddings,
-        precision=config.precision,
-        cache_size=config.cache_size,
-        cache_rows=config.cache_rows,
-        policy=config.policy,
-        rounding=config.rounding,
-        optimizer=config.optimizer,
-        lr=config.lr,
-        seed=config.seed,
+        list(table_sizes), config.embedding_dim, embeddings=config.embeddings, **config.embedding_options()
     )
-    model_config = ModelConfig(
-        table_sizes=list(table_sizes),
-        num_dense=num_dense,
-        embedding_dim=config.embedding_dim,
-        bottom_mlp=list(config.bottom_mlp),
-        top_mlp=list(config.top_mlp),
-    )
-    return DLRM(model_config, embeddings)
+    return DLRM(config.model_config(table_sizes, num_dense), embeddings)
 
 
 def embedding_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer | None:
