@@ -36,6 +36,7 @@ import torch
 from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer
+from slipcache.training.trainer import write_json
 
 EXPERIMENTS = ("mixed-precision", "slipstream")
 ACCURACY = "accuracy"  # the settled accuracy claim (issue 9): a few setups, many paired seeds, whole epochs
@@ -310,12 +311,6 @@ class Plan:
         return samples / p.rate_guess + p.overhead_guess_s
 
 
-def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
-    tmp.replace(path)
-
-
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
@@ -369,7 +364,7 @@ def run_cell(cell: Cell, cells_dir: Path) -> tuple[dict[str, Any], bool]:
         "cell_wall_s": wall_s,
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    _write_json(record_path, record)
+    write_json(record_path, record)
     return record, True
 
 
@@ -1735,7 +1730,7 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str],
     add_timing(results["setups"], records)
     if ACCURACY in names:
         results["accuracy"] = accuracy_intervals([e for e in results["setups"] if e["experiment"] == ACCURACY])
-    _write_json(out / "results.json", results)
+    write_json(out / "results.json", results)
     report = write_report(out, results)
     log(f"wrote {out / 'results.json'} and {report} in {_duration(time.perf_counter() - start)}")
     return 0

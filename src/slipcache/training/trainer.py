@@ -582,7 +582,8 @@ def _new_run_dir() -> Path:
     return path
 
 
-def _write_json(path: Path, value: Any) -> None:
+def write_json(path: Path, value: Any) -> None:
+    """Write JSON atomically: a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
     tmp.replace(path)
@@ -728,7 +729,7 @@ def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(state, model, dense_opt, emb_opt, progress, skipper)
     if dist is None or dist.is_main:
-        _write_json(run_dir / "config.json", config_dict)
+        write_json(run_dir / "config.json", config_dict)
         _write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops later events
 
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
@@ -977,7 +978,7 @@ def finish_run(run: Run) -> dict[str, Any]:
     }
     if not run.writes_files:
         return summary
-    _write_json(run.run_dir / "summary.json", summary)
+    write_json(run.run_dir / "summary.json", summary)
     from slipcache.training.report import write_report
 
     write_report(run.run_dir, progress.events, summary)
