@@ -36,6 +36,7 @@ from torch import Tensor
 _SOURCE = r"""
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* Run part(arg_t) for t = 0..threads-1: threads-1 new threads and the caller; joined before returning. */
 #define MAX_THREADS 64
@@ -107,6 +108,145 @@ int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, 
     return hits;
 }
 
+/* Global row of each single-hot id: rows[i] = offsets[i % tables] + ids[i] for ids [batch, tables].
+   Returns -1, or the index of the first id outside its table (rows after it are not written). */
+int64_t global_rows(const int64_t *ids, int64_t batch, int64_t tables, const int64_t *offsets, int64_t *rows) {
+    for (int64_t b = 0, i = 0; b < batch; b++) {
+        for (int64_t t = 0; t < tables; t++, i++) {
+            int64_t id = ids[i];
+            if (id < 0 || id >= offsets[t + 1] - offsets[t]) return i;
+            rows[i] = offsets[t] + id;
+        }
+    }
+    return -1;
+}
+
+typedef struct {
+    lookup_args probe; const float *weights; int64_t dim; float *out; int64_t tables; int64_t *table_hits;
+} gather_args;
+
+/* Prefetch the `bytes` at p (each cache line), for reading or (write = 1) writing. */
+static inline void prefetch_span(const void *p, size_t bytes, int write) {
+    for (size_t k = 0; k < bytes; k += 64) {
+        if (write) __builtin_prefetch((const char *)p + k, 1);
+        else __builtin_prefetch((const char *)p + k, 0);
+    }
+}
+
+/* A software pipeline over the lookups, AHEAD apart per stage: the set of lookup j + AHEAD is computed and
+   its ways fetched; lookup j is probed and its cached row and bookkeeping fetched; lookup j - AHEAD is
+   served (touched, copied, counted). Each lookup's loads then overlap with other lookups' instead of
+   waiting one after another. */
+#define AHEAD 16
+#define RING 64 /* > 2 * AHEAD, a power of two */
+static void *lookup_gather_part(void *p) {
+    gather_args *g = (gather_args *)p;
+    lookup_args *a = &g->probe;
+    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = 0;
+    size_t row_bytes = (size_t)dim * sizeof(float), way_bytes = (size_t)a->ways * (a->wide ? 8 : 4);
+    int64_t sets[RING];
+    int64_t slots[RING];
+    for (int64_t j = -AHEAD; j < n + AHEAD; j++) {
+        int64_t next = j + AHEAD;
+        if (next < n) {
+            int64_t set = set_of(a->rows[next], a->multiplier, a->num_sets, a->ways);
+            if (a->parts > 1 && (set < 0 ? 0 : set) % a->parts != a->part) set = -2;  /* another thread's */
+            sets[next & (RING - 1)] = set;
+            if (set >= 0)
+                prefetch_span((const char *)a->slot_rows + set * way_bytes, way_bytes, 0);
+        }
+        if (j >= 0 && j < n) {
+            int64_t set = sets[j & (RING - 1)], r = a->rows[j], slot = -1;
+            int64_t first = set * a->ways;
+            for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
+                int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
+                                           : ((const int32_t *)a->slot_rows)[first + w];
+                if (resident == r) { slot = first + w; break; }
+            }
+            slots[j & (RING - 1)] = slot;
+            if (slot >= 0) {
+                prefetch_span(g->weights + slot * dim, row_bytes, 0);
+                __builtin_prefetch(a->last_used + slot, 1);
+                if (a->use_count) __builtin_prefetch(a->use_count + slot, 1);
+            }
+        }
+        int64_t i = j - AHEAD;
+        if (i >= 0) {
+            int64_t table = next_table;  /* i % tables, without a division */
+            if (++next_table == tables) next_table = 0;
+            if (sets[i & (RING - 1)] == -2) continue;
+            int64_t slot = slots[i & (RING - 1)];
+            a->out_slots[i] = slot;
+            if (slot >= 0) {
+                hits++;
+                g->table_hits[table]++;
+                if (a->last_used) a->last_used[slot] = a->step;
+                if (a->use_count) a->use_count[slot] += 1;
+                const float *src = g->weights + slot * dim;
+                float *dst = g->out + i * dim;
+                for (int64_t k = 0; k < dim; k++) dst[k] = src[k];
+            }
+        }
+    }
+    a->hits = hits;
+    return 0;
+}
+
+/* `lookup` over single-hot lookups [batch, tables] that also copies each hit's cached row into out[i]
+   (misses are left for the caller) and adds per-table lookups, hits and misses to the counters
+   ([tables, stride] int64, columns lookups_col, hits_col, misses_col). Returns the hits, or -1 when the
+   per-table scratch cannot be had (nothing is written then). */
+int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
+                      const int64_t *rows, int64_t batch, int64_t tables, int64_t *out_slots,
+                      int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
+                      float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
+                      int64_t misses_col, int64_t threads) {
+    gather_args args[MAX_THREADS];
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    int64_t *table_hits = calloc((size_t)(threads * tables), sizeof(int64_t));
+    if (!table_hits) return -1;
+    for (int64_t t = 0; t < threads; t++)
+        args[t] = (gather_args){{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots,
+                                 last_used, use_count, step, t, threads, 0},
+                                weights, dim, out, tables, table_hits + t * tables};
+    run_parts(lookup_gather_part, args, sizeof(gather_args), threads);
+    int64_t hits = 0;
+    for (int64_t t = 0; t < threads; t++) hits += args[t].probe.hits;
+    for (int64_t k = 0; k < tables; k++) {
+        int64_t table = 0;
+        for (int64_t t = 0; t < threads; t++) table += table_hits[t * tables + k];
+        counters[k * stride + lookups_col] += batch;
+        counters[k * stride + hits_col] += table;
+        counters[k * stride + misses_col] += batch - table;
+    }
+    free(table_hits);
+    return hits;
+}
+
+typedef struct { const uint32_t *bits; int64_t n; int bad; } finite_args;
+
+static void *finite_part(void *p) {
+    finite_args *a = (finite_args *)p;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < a->n; i++) bad |= (a->bits[i] & 0x7f800000u) == 0x7f800000u;  /* inf or NaN */
+    a->bad = bad != 0;
+    return 0;
+}
+
+/* Whether all n floats are finite, on `threads` threads over contiguous chunks. */
+static int all_finite(const float *values, int64_t n, int64_t threads) {
+    finite_args args[MAX_THREADS];
+    int64_t chunk = (n + threads - 1) / threads;
+    for (int64_t t = 0; t < threads; t++) {
+        int64_t start = t * chunk < n ? t * chunk : n, stop = (t + 1) * chunk < n ? (t + 1) * chunk : n;
+        args[t] = (finite_args){(const uint32_t *)values + start, stop - start, 0};
+    }
+    run_parts(finite_part, args, sizeof(finite_args), threads);
+    for (int64_t t = 0; t < threads; t++) if (args[t].bad) return 0;
+    return 1;
+}
+
 /* Stale-input filter: per input, whether at least `required` of its lookups are stale (flag 3) and hot
    (flag != 0). Returns -1, or the index of the first id outside its table (nothing after it is written). */
 int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
@@ -134,9 +274,12 @@ typedef struct {
 
 static void *sgd_part(void *p) {
     sgd_args *a = (sgd_args *)p;
+    size_t row_bytes = (size_t)a->dim * sizeof(float);
     for (int64_t i = 0; i < a->n; i++) {
+        if (i + AHEAD < a->n && a->slots[i + AHEAD] >= 0)  /* a later row on its way while this one is updated */
+            prefetch_span(a->weights + a->slots[i + AHEAD] * a->dim, row_bytes, 1);
         int64_t s = a->slots[i];
-        if (a->parts > 1 && s % a->parts != a->part) continue;
+        if (s < 0 || (a->parts > 1 && s % a->parts != a->part)) continue;  /* -1: the row is not cached */
         float *w = a->weights + s * a->dim;
         const float *g = a->grad + i * a->dim;
         for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
@@ -154,6 +297,23 @@ int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t
     sgd_args args[MAX_THREADS];
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
+    run_parts(sgd_part, args, sizeof(sgd_args), threads);
+    return -1;
+}
+
+/* The fused SGD step of one backward: nothing is written unless every value of grad [n, dim] is finite
+   (returns -2), and lookups with slot -1 (rows outside the cache) are left to the caller. Returns -1, or
+   the index of the first slot >= num_slots (then nothing is written). */
+int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots,
+                          const float *grad, int64_t n, float lr, int64_t threads) {
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] >= num_slots) return i;
+    }
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (!all_finite(grad, n * dim, threads)) return -2;
+    sgd_args args[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
     run_parts(sgd_part, args, sizeof(sgd_args), threads);
     return -1;
@@ -284,6 +444,15 @@ def _declare(library: ctypes.CDLL) -> None:
     library.sgd_update.restype = i64
     library.classify_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
     library.classify_inputs.restype = i64
+    library.global_rows.argtypes = [ptr, i64, i64, ptr, ptr]
+    library.global_rows.restype = i64
+    library.lookup_gather.argtypes = [
+        ptr, ctypes.c_int, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int32, ptr, i64, ptr, ptr,
+        i64, i64, i64, i64, i64,
+    ]
+    library.lookup_gather.restype = i64
+    library.sgd_update_finite.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, i64]
+    library.sgd_update_finite.restype = i64
 
 
 def native() -> ctypes.CDLL | None:
@@ -395,6 +564,102 @@ def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads:
     )
     if bad >= 0:
         raise ValueError(f"compiled loop: slot {int(slots[bad])} is outside [0, {weights.shape[0]})")
+
+
+def global_rows(ids: Tensor, offsets: Tensor) -> tuple[Tensor, int]:
+    """(offsets[t] + ids[:, t] flattened, -1) for int64 ids [B, T], or (partial rows, index of the first id
+    outside its table `[0, offsets[t + 1] - offsets[t])`)."""
+    library = native()
+    assert library is not None
+    _check("ids", ids, (torch.int64,), (None, offsets.numel() - 1))
+    _check("offsets", offsets, (torch.int64,), (ids.shape[1] + 1,))
+    rows = torch.empty(ids.numel(), dtype=torch.int64)
+    bad = library.global_rows(ids.data_ptr(), ids.shape[0], ids.shape[1], offsets.data_ptr(), rows.data_ptr())
+    return rows, int(bad)
+
+
+def lookup_gather(
+    slot_rows: Tensor,
+    num_sets: int,
+    ways: int,
+    multiplier: int,
+    rows: Tensor,
+    tables: int,
+    last_used: Tensor,
+    use_count: Tensor | None,
+    step: int,
+    weights: Tensor,
+    out: Tensor,
+    counters: Tensor,
+    columns: tuple[int, int, int],
+    threads: int | None = None,
+) -> tuple[Tensor, int]:
+    """The forward's one pass over single-hot lookups `rows` [B * T] (table = position mod T): `lookup`'s
+    slots and touches, each hit's row of `weights` copied into `out` [B * T, D] (miss rows are left as they
+    are), and per-table lookups, hits and misses added to `counters` [T, C] at `columns`. Returns
+    (slots, hits)."""
+    library = native()
+    assert library is not None
+    slots_count = num_sets * ways
+    _check("slot_rows", slot_rows, (torch.int32, torch.int64), (slots_count,))
+    _check("last_used", last_used, (torch.int32,), (slots_count,))
+    _check("use_count", use_count, (torch.int32,), (slots_count,))
+    _check("weights", weights, (torch.float32,), (slots_count, None))
+    if tables < 1 or rows.numel() % tables:
+        raise ValueError(f"compiled loop: {rows.numel()} lookups are not whole rows of {tables} tables")
+    _check("rows", rows, (torch.int64,), (None,))
+    _check("out", out, (torch.float32,), (rows.numel(), weights.shape[1]))
+    _check("counters", counters, (torch.int64,), (tables, None))
+    if not all(0 <= c < counters.shape[1] for c in columns):
+        raise ValueError(f"compiled loop: counter columns {columns} outside [0, {counters.shape[1]})")
+    slots = torch.empty_like(rows)
+    hits = library.lookup_gather(
+        slot_rows.data_ptr(),
+        int(slot_rows.dtype == torch.int64),
+        num_sets,
+        ways,
+        multiplier,
+        rows.data_ptr(),
+        rows.numel() // tables,
+        tables,
+        slots.data_ptr(),
+        last_used.data_ptr(),
+        use_count.data_ptr() if use_count is not None else None,
+        step,
+        weights.data_ptr(),
+        weights.shape[1],
+        out.data_ptr(),
+        counters.data_ptr(),
+        counters.shape[1],
+        *columns,
+        threads_for(rows.numel(), threads),
+    )
+    if hits < 0:
+        raise MemoryError("compiled loop: no memory for the per-table hit counts")
+    return slots, int(hits)
+
+
+def sgd_update_finite(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> bool:
+    """`sgd_update` for the lookups with a slot (-1: skipped), applied only if every value of `grad` is
+    finite; returns whether it was."""
+    library = native()
+    assert library is not None
+    _check("weights", weights, (torch.float32,), (None, None))
+    _check("slots", slots, (torch.int64,), (None,))
+    _check("grad", grad, (torch.float32,), (slots.numel(), weights.shape[1]))
+    bad = library.sgd_update_finite(
+        weights.data_ptr(),
+        weights.shape[0],
+        weights.shape[1],
+        slots.data_ptr(),
+        grad.data_ptr(),
+        slots.numel(),
+        lr,
+        threads_for(slots.numel(), threads),
+    )
+    if bad >= 0:
+        raise ValueError(f"compiled loop: slot {int(slots[bad])} is outside [0, {weights.shape[0]})")
+    return bad == -1
 
 
 def classify_inputs(

@@ -43,6 +43,8 @@ COUNTERS = (
     "nonfinite_values",  # inf or NaN values written, replaced
 )
 _INIT_CHUNK_ROWS = 1 << 20
+# Counter columns the fused forward adds to in its compiled pass.
+_FUSED_COLUMNS = (COUNTERS.index("lookups"), COUNTERS.index("hits"), COUNTERS.index("misses"))
 
 
 def _init_chunk_rows(dim: int) -> int:
@@ -262,6 +264,7 @@ class _StepPlan:
     storage_values: Tensor  # [m, D] fp32 copy of those rows as read in the forward
     residency_version: int  # the collection's versions when the plan was made
     storage_version: int
+    gathered: Tensor | None = None  # [L, D] values the fused forward already gathered (taken by the forward)
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -278,7 +281,8 @@ class _FusedLookup(torch.autograd.Function):
     ) -> Tensor:
         ctx.coll, ctx.lookup, ctx.plan = coll, lookup, plan
         coll.clock.mark()
-        pooled = coll._pool(coll._gather(plan), lookup)
+        values, plan.gathered = (plan.gathered if plan.gathered is not None else coll._gather(plan)), None
+        pooled = coll._pool(values, lookup)
         coll.clock.lap("forward")
         return pooled
 
@@ -502,6 +506,11 @@ class CachedEmbeddingBagCollection(nn.Module):
                 "use SparseFeatures for multi-hot bags"
             )
         ids = features.to(self.device, torch.int64)
+        if ids.numel() and _native.usable(ids, self.table_offsets):
+            rows, bad = _native.global_rows(ids.contiguous(), self.table_offsets)
+            if bad >= 0:
+                self._raise_out_of_range(bad % num_tables, int(ids.reshape(-1)[bad]))
+            return _Lookup(rows, ids.shape[0], None, None)
         if ids.numel():
             lo, hi = ids.amin(dim=0), ids.amax(dim=0)
             bad = (lo < 0) | (hi >= self._table_sizes)
@@ -604,15 +613,27 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.step += 1
         step, rows, cache, clock = self.step, lookup.rows, self.cache, self.clock
         clock.mark()
-        slots = cache.lookup_and_touch(rows, step)
+        # The fused path: one compiled pass probes, touches, counts and copies every hit's row into the
+        # forward's output; only the missed positions are filled below. Multi-hot bags pool in torch.
+        gathered = fused = None
+        if lookup.bag_of_value is None and cache.capacity and not cache.partitioned:
+            gathered = torch.empty(rows.numel(), self.dim, device=self.device)
+            fused = cache.gather_and_touch(rows, len(self.table_sizes), gathered, self.counters, _FUSED_COLUMNS, step)
+        if fused is not None:
+            slots, hits = fused
+            any_miss = hits < rows.numel()
+            miss = slots < 0 if any_miss else None
+        else:
+            gathered = None
+            slots = cache.lookup_and_touch(rows, step)
+            hit = slots >= 0
+            self._count("lookups", None, lookup)
+            self._count("hits", hit, lookup)
+            miss = ~hit
+            any_miss = bool(miss.any())
         clock.lap("lookup")
-        hit = slots >= 0
-        self._count("lookups", None, lookup)
-        self._count("hits", hit, lookup)
-        miss = ~hit
         storage_rows = storage_index = rows.new_empty(0)
-        clock.lap("other")
-        if bool(miss.any()):
+        if any_miss:
             missing, miss_inverse, uses = torch.unique(rows[miss], return_inverse=True, return_counts=True)
             clock.lap("lookup")
             assignment = cache.assign(missing, self._pin_since(), window)
@@ -633,7 +654,8 @@ class CachedEmbeddingBagCollection(nn.Module):
                 self._residency_version += 1
             clock.lap("fill")
             slots[miss] = assignment.slots[miss_inverse]
-            self._count("misses", miss, lookup)
+            if fused is None:
+                self._count("misses", miss, lookup)
             missing_tables = self._tables_of(missing)
             self._count_tables("rows_in", missing_tables)
             if not bool(admitted.all()):
@@ -651,7 +673,6 @@ class CachedEmbeddingBagCollection(nn.Module):
             if storage_rows.numel()
             else rows.new_empty(0, self.dim, dtype=torch.float32)
         )
-        clock.lap("fill")
         plan = _StepPlan(
             step,
             rows,
@@ -662,11 +683,27 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._residency_version,
             self._storage_version,
         )
+        if gathered is not None and miss is not None:
+            self._fill_missed(gathered, plan, miss)
+        plan.gathered = gathered
+        clock.lap("fill")
         self._in_flight[step] = weakref.ref(plan)
         if prefetch and window is not None and len(window) and cache.capacity:
             self._start_prefetch(window)
         clock.lap("other")
         return plan
+
+    def _fill_missed(self, values: Tensor, plan: _StepPlan, miss: Tensor) -> None:
+        """Write the rows of the lookups that missed the fused gather into `values`: from their new cache
+        slot, or from the storage copy when they found none."""
+        positions = torch.nonzero(miss).squeeze(1)
+        slots = plan.slots[positions]
+        if not plan.storage_rows.numel():
+            values[positions] = self.cache.weights[slots]
+            return
+        cached = slots >= 0
+        values[positions[cached]] = self.cache.weights[slots[cached]]
+        values[positions[~cached]] = plan.storage_values[plan.storage_index]
 
     def _gather(self, plan: _StepPlan) -> Tensor:
         if not plan.storage_rows.numel():
@@ -703,6 +740,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         if not entries:
             return
         self.clock.mark()
+        if len(entries) == 1 and self._fused_update(*entries[0]):
+            self.clock.lap("backward")
+            return
         if not all(bool(torch.isfinite(grad).all()) for _, grad in entries):
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return
@@ -728,6 +768,31 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._update_cached(cache_parts)
         self._update_storage(storage_parts)
         self.clock.lap("backward")
+
+    def _fused_update(self, plan: _StepPlan, grad: Tensor) -> bool:
+        """The common step in one compiled pass: one forward's SGD update on the cache slots its forward
+        found (no second lookup), applied only if the whole gradient is finite; rows it served from storage
+        then take the general storage update. Returns False, having done nothing, where the general path
+        must run: another optimizer, a GradScaler or clipping (the gradient is rescaled), residency changed
+        since the forward, no cache, or no compiled loop."""
+        scaler = self.grad_scaler
+        weights = self.cache.weights
+        if (
+            self.config.optimizer != "sgd"
+            or (scaler is not None and scaler.is_enabled())
+            or self.config.max_grad_norm is not None
+            or plan.residency_version != self._residency_version
+            or not self.cache.capacity
+            or grad.dtype != torch.float32
+            or not _native.usable(weights, plan.slots, grad)
+        ):
+            return False
+        if not _native.sgd_update_finite(weights, plan.slots, grad, self.lr):
+            self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
+            return True
+        if plan.storage_rows.numel():
+            self._update_storage([(plan, plan.storage_rows, plan.storage_index, grad[plan.slots < 0])])
+        return True
 
     def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:
         """1 / the GradScaler's scale, times clip_grad_norm_'s coefficient when clipping is on."""
