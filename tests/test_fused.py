@@ -1,0 +1,160 @@
+"""The fused compiled step (one pass forward: probe, touch, gather, count; one pass backward: finite check and
+SGD on the forward's slots) equals the pure-torch reference bit for bit, whatever the thread count."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from slipcache import _native
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig, SparseFeatures
+from slipcache.errors import InvalidInputError
+
+pytestmark = pytest.mark.skipif(_native.native() is None, reason="no C compiler: only the torch path exists")
+
+SIZES = [50, 300, 1000]
+DIM = 8
+
+
+def batches(count: int, batch: int = 96) -> list[torch.Tensor]:
+    """Skewed ids (many duplicates in a batch) over rows far more than the cache holds."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(count):
+        columns = [(torch.rand(batch, generator=g) ** 3 * n).long() for n in SIZES]
+        out.append(torch.stack(columns, dim=1))
+    return out
+
+
+def make(precision: str, policy: str = "lru") -> CachedEmbeddingBagCollection:
+    # 48 slots in 4-way sets for 1350 rows: misses, evictions and overflow rows in every step.
+    config = EmbeddingConfig(SIZES, dim=DIM, precision=precision, cache_rows=48, ways=4, policy=policy, lr=0.3, seed=1)
+    return CachedEmbeddingBagCollection(config)
+
+
+def train(coll: CachedEmbeddingBagCollection, inputs: list, seed: int = 5) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    outputs = []
+    for ids in inputs:
+        out = coll(ids)
+        out.backward(torch.randn(out.shape, generator=g))
+        outputs.append(out.detach().clone())
+    return outputs
+
+
+def state(coll: CachedEmbeddingBagCollection) -> dict:
+    return {k: v.clone() for k, v in coll.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def assert_same(a: CachedEmbeddingBagCollection, b: CachedEmbeddingBagCollection) -> None:
+    sa, sb = state(a), state(b)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+    assert a.stats() == b.stats()
+
+
+def spy(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Count the calls of the fused compiled loops (they must run, or the comparison proves nothing)."""
+    calls: Counter = Counter()
+    for name in ("lookup_gather", "sgd_update_finite"):
+        original = getattr(_native, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(_native, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_fused_step_equals_the_torch_reference(precision: str, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = batches(6)
+    fused = make(precision, policy)
+    calls = spy(monkeypatch)
+    fused_out = train(fused, inputs)
+    assert calls["lookup_gather"] == len(inputs) and calls["sgd_update_finite"] == len(inputs)
+    stats = fused.stats()
+    assert stats["evictions"] > 0 and stats["overflow_rows"] > 0 and stats["hits"] > 0  # every case occurs
+    monkeypatch.setattr(_native, "native", lambda: None)
+    reference = make(precision, policy)
+    reference_out = train(reference, inputs)
+    for a, b in zip(fused_out, reference_out, strict=True):
+        assert torch.equal(a, b)
+    assert_same(fused, reference)
+
+
+def test_fused_backward_of_multi_hot_bags_equals_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(4)
+    inputs = []
+    for _ in range(4):
+        lengths = torch.randint(0, 4, (len(SIZES), 32), generator=g)
+        values = torch.cat([(torch.rand(int(n), generator=g) ** 3 * SIZES[t]).long()
+                            for t, row in enumerate(lengths) for n in row])
+        inputs.append(SparseFeatures.from_lengths(values, lengths))
+    fused = make("fp32")
+    calls = spy(monkeypatch)
+    fused_out = train(fused, inputs)
+    assert calls["sgd_update_finite"] == len(inputs)
+    monkeypatch.setattr(_native, "native", lambda: None)
+    reference = make("fp32")
+    for a, b in zip(fused_out, train(reference, inputs), strict=True):
+        assert torch.equal(a, b)
+    assert_same(fused, reference)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_fused_step_is_the_same_on_any_thread_count(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Duplicate rows and slots spread over every thread's share: the same slots, rows and counters."""
+    inputs = batches(5, batch=400)
+    one = make("int8")
+    train(one, inputs)
+    monkeypatch.setattr(_native, "threads_for", lambda n, threads_=None: threads)
+    many = make("int8")
+    train(many, inputs)
+    assert_same(one, many)
+
+
+def test_a_nonfinite_gradient_leaves_every_row_unchanged() -> None:
+    coll = make("int8")
+    train(coll, batches(3))
+    out = coll(batches(4)[3])
+    assert coll.stats()["overflow_rows"] > 0  # the step serves rows from storage as well as from the cache
+    before = state(coll)
+    grad = torch.ones(out.shape)
+    grad[-1, -1, -1] = float("nan")
+    out.backward(grad)
+    after = state(coll)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    assert coll.skipped_updates == 1
+
+
+def test_the_fused_forward_refuses_an_id_outside_its_table() -> None:
+    coll = make("fp32")
+    ids = batches(1)[0]
+    ids[5, 1] = SIZES[1]
+    with pytest.raises(InvalidInputError, match=r"table 1 \(size 300\): id 300 is outside"):
+        coll(ids)
+    ids[5, 1] = -1
+    with pytest.raises(InvalidInputError, match=r"id -1 is outside"):
+        coll(ids)
+
+
+def test_the_compiled_gather_checks_its_tensors() -> None:
+    coll = make("fp32")
+    cache, rows = coll.cache, torch.arange(6)
+    args = (cache.slot_rows, cache.num_sets, cache.ways, cache.multiplier)
+    with pytest.raises(ValueError, match="out must be"):
+        _native.lookup_gather(*args, rows, 3, cache.last_used, None, 1, cache.weights, torch.empty(6, DIM + 1),
+                              coll.counters, (0, 1, 2))
+    with pytest.raises(ValueError, match="not whole rows of 4 tables"):
+        _native.lookup_gather(*args, rows, 4, cache.last_used, None, 1, cache.weights, torch.empty(6, DIM),
+                              coll.counters, (0, 1, 2))
+    with pytest.raises(ValueError, match="counter columns"):
+        _native.lookup_gather(*args, rows, 3, cache.last_used, None, 1, cache.weights, torch.empty(6, DIM),
+                              coll.counters, (0, 1, 99))
+    with pytest.raises(ValueError, match="slot 48 is outside"):
+        _native.sgd_update_finite(cache.weights, torch.tensor([-1, 48]), torch.zeros(2, DIM), 0.1)
