@@ -158,3 +158,28 @@ def test_the_compiled_gather_checks_its_tensors() -> None:
                               coll.counters, (0, 1, 99))
     with pytest.raises(ValueError, match="slot 48 is outside"):
         _native.sgd_update_finite(cache.weights, torch.tensor([-1, 48]), torch.zeros(2, DIM), 0.1)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("num_rows", [3000, 2**31 + 10])  # int32 and int64 slot maps
+def test_compiled_assign_equals_the_torch_assign(policy: str, num_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Empty, pinned and evictable ways mixed in one set, more missing rows than a set can take."""
+    from slipcache.embedding.cache import RowCache
+
+    g = torch.Generator().manual_seed(7)
+    cache = RowCache(64, 2, policy, num_rows, ways=8, lfu_halving_interval=0)
+    resident = torch.randperm(3000, generator=g)[:200]
+    first = cache.assign(resident, pin_since=1)
+    fits = first.slots >= 0
+    cache.install(first.slots[fits], resident[fits], torch.zeros(int(fits.sum()), 2), 1, torch.ones(int(fits.sum())))
+    cache.last_used.copy_(torch.randint(0, 10, cache.last_used.shape, generator=g, dtype=torch.int32))
+    if policy == "lfu":
+        cache.use_count.copy_(torch.randint(0, 4, cache.use_count.shape, generator=g, dtype=torch.int32))
+    cache.evict(torch.randperm(64, generator=g)[:10])  # a few empty ways
+    missing = torch.randperm(3000, generator=g)[:150] + 5000  # rows never resident
+    compiled = cache.assign(missing, pin_since=7)
+    monkeypatch.setattr(_native, "native", lambda: None)
+    reference = cache.assign(missing, pin_since=7)
+    assert (compiled.slots >= 0).any() and (compiled.slots < 0).any() and compiled.victim_slots.numel()
+    for a, b in zip(compiled.__dict__.values(), reference.__dict__.values(), strict=True):
+        assert torch.equal(a, b)

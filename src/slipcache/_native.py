@@ -247,6 +247,60 @@ static int all_finite(const float *values, int64_t n, int64_t threads) {
     return 1;
 }
 
+/* RowCache.assign for LRU and LFU (no lookahead window), unpartitioned: slots for the unique missing `rows`.
+   The rows of one set take its evictable ways (not pinned: last_used < pin_since, or empty) in victim order
+   (empty first, then ascending key = last_used, or use_count when given; ties by way), in the order the
+   rows come; rows beyond the evictable count get -1. Victims (resident rows displaced) are listed in row
+   order. Returns the victim count, or -1 when scratch memory cannot be had (nothing written then). */
+typedef struct { int64_t set; int64_t taken; int64_t evictable; int64_t order; } set_entry;
+
+int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
+                     const int32_t *last_used, const int32_t *use_count, int32_t pin_since, const int64_t *rows,
+                     int64_t n, int64_t *out_slots, int64_t *victim_slots, int64_t *victim_rows) {
+    int64_t capacity = 16;
+    while (capacity < 2 * n) capacity <<= 1;
+    set_entry *table = malloc((size_t)capacity * sizeof(set_entry));
+    int32_t *orders = malloc((size_t)(n > 0 ? n : 1) * (size_t)ways * sizeof(int32_t));
+    int64_t *keys = malloc((size_t)ways * sizeof(int64_t));
+    if (!table || !orders || !keys) { free(table); free(orders); free(keys); return -1; }
+    for (int64_t k = 0; k < capacity; k++) table[k].set = -1;
+    int64_t used_orders = 0, victims = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t set = set_of(rows[i], multiplier, num_sets, ways);
+        if (set < 0) { out_slots[i] = -1; continue; }
+        int64_t h = (int64_t)(((uint64_t)set * 0x9E3779B97F4A7C15ull) >> 20) & (capacity - 1);
+        while (table[h].set >= 0 && table[h].set != set) h = (h + 1) & (capacity - 1);
+        set_entry *e = &table[h];
+        if (e->set < 0) {  /* first row of this set: rank its ways as victims */
+            int32_t *order = orders + used_orders * ways;
+            int64_t evictable = 0;
+            for (int64_t w = 0; w < ways; w++) {
+                int64_t slot = set * ways + w;
+                int64_t resident = wide ? ((const int64_t *)slot_rows)[slot] : ((const int32_t *)slot_rows)[slot];
+                int64_t key;
+                if (resident == -1) key = -1;
+                else if (last_used[slot] >= pin_since) key = INT64_MAX;  /* pinned */
+                else key = use_count ? use_count[slot] : last_used[slot];
+                evictable += key != INT64_MAX;
+                /* insertion: after every way of an equal key (a stable sort) */
+                int64_t at = w;
+                while (at > 0 && keys[at - 1] > key) { keys[at] = keys[at - 1]; order[at] = order[at - 1]; at--; }
+                keys[at] = key;
+                order[at] = (int32_t)w;
+            }
+            *e = (set_entry){set, 0, evictable, used_orders++};
+        }
+        int64_t rank = e->taken++;
+        if (rank >= e->evictable) { out_slots[i] = -1; continue; }
+        int64_t slot = set * ways + orders[e->order * ways + rank];
+        out_slots[i] = slot;
+        int64_t resident = wide ? ((const int64_t *)slot_rows)[slot] : ((const int32_t *)slot_rows)[slot];
+        if (resident != -1) { victim_slots[victims] = slot; victim_rows[victims] = resident; victims++; }
+    }
+    free(table); free(orders); free(keys);
+    return victims;
+}
+
 /* Stale-input filter: per input, whether at least `required` of its lookups are stale (flag 3) and hot
    (flag != 0). Returns -1, or the index of the first id outside its table (nothing after it is written). */
 int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
@@ -451,6 +505,10 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i64, i64,
     ]
     library.lookup_gather.restype = i64
+    library.assign_slots.argtypes = [
+        ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ctypes.c_int32, ptr, i64, ptr, ptr, ptr,
+    ]
+    library.assign_slots.restype = i64
     library.sgd_update_finite.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, i64]
     library.sgd_update_finite.restype = i64
 
@@ -637,6 +695,46 @@ def lookup_gather(
     if hits < 0:
         raise MemoryError("compiled loop: no memory for the per-table hit counts")
     return slots, int(hits)
+
+
+def assign_slots(
+    slot_rows: Tensor,
+    num_sets: int,
+    ways: int,
+    multiplier: int,
+    last_used: Tensor,
+    use_count: Tensor | None,
+    pin_since: int,
+    rows: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`RowCache.assign` for LRU/LFU without a window in one pass: (slot of each unique missing row or -1,
+    victim slots, victim rows)."""
+    library = native()
+    assert library is not None
+    slots_count = num_sets * ways
+    _check("slot_rows", slot_rows, (torch.int32, torch.int64), (slots_count,))
+    _check("last_used", last_used, (torch.int32,), (slots_count,))
+    _check("use_count", use_count, (torch.int32,), (slots_count,))
+    _check("rows", rows, (torch.int64,), (None,))
+    slots, victim_slots, victim_rows = torch.empty_like(rows), torch.empty_like(rows), torch.empty_like(rows)
+    victims = library.assign_slots(
+        slot_rows.data_ptr(),
+        int(slot_rows.dtype == torch.int64),
+        num_sets,
+        ways,
+        multiplier,
+        last_used.data_ptr(),
+        use_count.data_ptr() if use_count is not None else None,
+        max(-(2**31), min(pin_since, 2**31 - 1)),
+        rows.data_ptr(),
+        rows.numel(),
+        slots.data_ptr(),
+        victim_slots.data_ptr(),
+        victim_rows.data_ptr(),
+    )
+    if victims < 0:
+        raise MemoryError("compiled loop: no memory for the cache assignment")
+    return slots, victim_slots[:victims], victim_rows[:victims]
 
 
 def sgd_update_finite(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> bool:

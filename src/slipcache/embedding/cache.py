@@ -196,6 +196,13 @@ class RowCache(nn.Module):
         empty = rows.new_empty(0)
         if not self.capacity or not rows.numel():
             return Assignment(torch.full_like(rows, EMPTY), empty, empty)
+        lookahead = self.policy in LOOKAHEAD_POLICIES and window is not None and len(window)
+        if not lookahead and not self.partitioned and _native.usable(self.slot_rows, rows):
+            use_count = self.use_count if self.policy in _COUNTING_POLICIES else None
+            slots, victim_slots, victim_rows = _native.assign_slots(
+                self.slot_rows, self.num_sets, self.ways, self.multiplier, self.last_used, use_count, pin_since, rows
+            )
+            return Assignment(slots, victim_slots, victim_rows)
         sets = self.set_of(rows)
         cacheable = sets >= 0
         if not bool(cacheable.all()):  # rows of a part without slots stay out
