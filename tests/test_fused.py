@@ -183,3 +183,22 @@ def test_compiled_assign_equals_the_torch_assign(policy: str, num_rows: int, mon
     assert (compiled.slots >= 0).any() and (compiled.slots < 0).any() and compiled.victim_slots.numel()
     for a, b in zip(compiled.__dict__.values(), reference.__dict__.values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_step_buffers_are_reused_only_once_nothing_holds_them() -> None:
+    coll = make("fp32")
+    first, second, third = batches(3)
+    g = torch.Generator().manual_seed(0)
+    out = coll(first)
+    out.backward(torch.randn(out.shape, generator=g))
+    address = out.data_ptr()
+    del out
+    kept = coll(second)  # the first step's output buffer, now free, is written again
+    assert kept.data_ptr() == address
+    kept.backward(torch.randn(kept.shape, generator=g))
+    copy = kept.detach().clone()
+    later = coll(third)  # the caller still holds `kept`: a new buffer, `kept` untouched
+    assert later.data_ptr() != kept.data_ptr() and torch.equal(kept, copy)
+    plan_rows = coll._scratch_buffers["rows"]
+    coll(first)  # a second forward before the first's backward: its plan keeps its rows
+    assert coll._scratch_buffers["rows"] is not plan_rows

@@ -624,14 +624,15 @@ def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads:
         raise ValueError(f"compiled loop: slot {int(slots[bad])} is outside [0, {weights.shape[0]})")
 
 
-def global_rows(ids: Tensor, offsets: Tensor) -> tuple[Tensor, int]:
+def global_rows(ids: Tensor, offsets: Tensor, out: Tensor | None = None) -> tuple[Tensor, int]:
     """(offsets[t] + ids[:, t] flattened, -1) for int64 ids [B, T], or (partial rows, index of the first id
-    outside its table `[0, offsets[t + 1] - offsets[t])`)."""
+    outside its table `[0, offsets[t + 1] - offsets[t])`). Written into `out` [B * T] when given."""
     library = native()
     assert library is not None
     _check("ids", ids, (torch.int64,), (None, offsets.numel() - 1))
     _check("offsets", offsets, (torch.int64,), (ids.shape[1] + 1,))
-    rows = torch.empty(ids.numel(), dtype=torch.int64)
+    rows = torch.empty(ids.numel(), dtype=torch.int64) if out is None else out
+    _check("out", rows, (torch.int64,), (ids.numel(),))
     bad = library.global_rows(ids.data_ptr(), ids.shape[0], ids.shape[1], offsets.data_ptr(), rows.data_ptr())
     return rows, int(bad)
 
@@ -651,11 +652,12 @@ def lookup_gather(
     counters: Tensor,
     columns: tuple[int, int, int],
     threads: int | None = None,
+    slots: Tensor | None = None,
 ) -> tuple[Tensor, int]:
     """The forward's one pass over single-hot lookups `rows` [B * T] (table = position mod T): `lookup`'s
     slots and touches, each hit's row of `weights` copied into `out` [B * T, D] (miss rows are left as they
     are), and per-table lookups, hits and misses added to `counters` [T, C] at `columns`. Returns
-    (slots, hits)."""
+    (slots, hits); the slots are written into `slots` when given."""
     library = native()
     assert library is not None
     slots_count = num_sets * ways
@@ -670,7 +672,8 @@ def lookup_gather(
     _check("counters", counters, (torch.int64,), (tables, None))
     if not all(0 <= c < counters.shape[1] for c in columns):
         raise ValueError(f"compiled loop: counter columns {columns} outside [0, {counters.shape[1]})")
-    slots = torch.empty_like(rows)
+    slots = torch.empty_like(rows) if slots is None else slots
+    _check("slots", slots, (torch.int64,), (rows.numel(),))
     hits = library.lookup_gather(
         slot_rows.data_ptr(),
         int(slot_rows.dtype == torch.int64),

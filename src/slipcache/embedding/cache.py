@@ -156,11 +156,18 @@ class RowCache(nn.Module):
         return slots
 
     def gather_and_touch(
-        self, rows: Tensor, tables: int, out: Tensor, counters: Tensor, columns: tuple[int, int, int], step: int
+        self,
+        rows: Tensor,
+        tables: int,
+        out: Tensor,
+        counters: Tensor,
+        columns: tuple[int, int, int],
+        step: int,
+        slots: Tensor | None = None,
     ) -> tuple[Tensor, int] | None:
         """`lookup_and_touch` of single-hot lookups [B * T] in one compiled pass that also copies each hit's
         row into `out` and adds per-table lookups, hits and misses to `counters` at `columns`; returns
-        (slots, hits), or None when the compiled loop cannot serve this cache (then nothing was done)."""
+        (slots, hits) (the slots written into `slots` when given), or None when the compiled loop cannot serve this cache (then nothing was done)."""
         if not self.capacity or self.partitioned or not _native.usable(self.slot_rows, self.weights, rows, out, counters):
             return None
         use_count = self.use_count if self.policy in _COUNTING_POLICIES else None
@@ -178,6 +185,7 @@ class RowCache(nn.Module):
             out,
             counters,
             columns,
+            slots=slots,
         )
         self._age(step)
         return found

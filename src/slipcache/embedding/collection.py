@@ -14,6 +14,7 @@ vectorized operations whatever the number of tables. A training step:
 from __future__ import annotations
 
 import math
+import sys
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -376,6 +377,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._prefetch_generator: torch.Generator | None = None
         self.prefetched_rows = 0
         self.clock = PhaseClock()
+        self._scratch_buffers: dict[str, Tensor] = {}  # see _scratch
         if not meta:
             self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
             self._initialize_rows()
@@ -418,6 +420,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         if self._prefetch_generator is not None and self._prefetch_generator.device != self.device:
             self._prefetch_generator = None  # made again, from the seed, on the new device
         self._side_stream = None
+        self._scratch_buffers.clear()
         self._in_flight.clear()  # plans hold tensors on the old device
         self._pending.clear()
         self._residency_version += 1
@@ -507,7 +510,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             )
         ids = features.to(self.device, torch.int64)
         if ids.numel() and _native.usable(ids, self.table_offsets):
-            rows, bad = _native.global_rows(ids.contiguous(), self.table_offsets)
+            scratch = self._scratch("rows", (ids.numel(),), torch.int64)
+            rows, bad = _native.global_rows(ids.contiguous(), self.table_offsets, scratch)
             if bad >= 0:
                 self._raise_out_of_range(bad % num_tables, int(ids.reshape(-1)[bad]))
             return _Lookup(rows, ids.shape[0], None, None)
@@ -554,6 +558,21 @@ class CachedEmbeddingBagCollection(nn.Module):
         if self.config.pooling == "mean":
             weight = 1.0 / lengths.clamp_min(1).float()[bag_of_value]
         return _Lookup(values + self.table_offsets[table_of_value], batch_size, bag_of_value, weight)
+
+    def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A buffer reused from step to step while nothing else holds it (the last step's output, plan or
+        rows are gone): a fresh megabytes-large tensor costs its page faults every step."""
+        buffer = self._scratch_buffers.get(name)
+        # References to the Python tensor: the dict, `buffer` and getrefcount's argument; any more is a holder.
+        if (
+            buffer is None
+            or buffer.shape != shape
+            or buffer.dtype != dtype
+            or sys.getrefcount(buffer) > 3
+            or not _storage_alone(buffer)
+        ):
+            buffer = self._scratch_buffers[name] = torch.empty(shape, dtype=dtype, device=self.device)
+        return buffer
 
     def _raise_out_of_range(self, table: int, value: int) -> None:
         size = self.table_sizes[table]
@@ -617,8 +636,11 @@ class CachedEmbeddingBagCollection(nn.Module):
         # forward's output; only the missed positions are filled below. Multi-hot bags pool in torch.
         gathered = fused = None
         if lookup.bag_of_value is None and cache.capacity and not cache.partitioned:
-            gathered = torch.empty(rows.numel(), self.dim, device=self.device)
-            fused = cache.gather_and_touch(rows, len(self.table_sizes), gathered, self.counters, _FUSED_COLUMNS, step)
+            gathered = self._scratch("gathered", (rows.numel(), self.dim), torch.float32)
+            slots = self._scratch("slots", (rows.numel(),), torch.int64)
+            fused = cache.gather_and_touch(
+                rows, len(self.table_sizes), gathered, self.counters, _FUSED_COLUMNS, step, slots
+            )
         if fused is not None:
             slots, hits = fused
             any_miss = hits < rows.numel()
@@ -1198,6 +1220,23 @@ class CachedEmbeddingBagCollection(nn.Module):
         """The memory report of a collection with this config, without allocating it."""
         meta = EmbeddingConfig(**{**asdict(config), "storage_device": "meta", "cache_device": "meta"})
         return cls(meta).memory_report()
+
+
+def _use_count(tensor: Tensor) -> int | None:
+    """How many tensors share `tensor`'s storage (plus the temporary that asks); None where torch cannot say."""
+    try:
+        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ALONE = _use_count(torch.empty(1))  # the count of a tensor nothing else shares
+
+
+def _storage_alone(tensor: Tensor) -> bool:
+    """Whether no other tensor (an output the caller kept, a view of it) shares `tensor`'s storage."""
+    count = _use_count(tensor)
+    return _ALONE is not None and count is not None and count <= _ALONE
 
 
 _STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "cache_rows", "policy", "optimizer", "ways")
