@@ -202,3 +202,27 @@ def test_step_buffers_are_reused_only_once_nothing_holds_them() -> None:
     plan_rows = coll._scratch_buffers["rows"]
     coll(first)  # a second forward before the first's backward: its plan keeps its rows
     assert coll._scratch_buffers["rows"] is not plan_rows
+
+
+def test_compiled_finite_check() -> None:
+    values = torch.zeros(40_000)  # above PARALLEL_MIN: threads take chunks
+    assert _native.all_finite(values) and _native.all_finite(values, threads=3)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 20_000, 39_999):
+            poisoned = values.clone()
+            poisoned[where] = bad
+            assert not _native.all_finite(poisoned) and not _native.all_finite(poisoned, threads=3)
+    assert _native.all_finite(torch.tensor([torch.finfo(torch.float32).max, -1e-45]))
+
+
+def test_a_nonfinite_gradient_skips_the_general_update_too() -> None:
+    """Adagrad takes the general path: its check is the compiled one."""
+    config = EmbeddingConfig(SIZES, dim=DIM, precision="int8", cache_rows=48, ways=4, optimizer="adagrad", seed=1)
+    coll = CachedEmbeddingBagCollection(config)
+    out = coll(batches(1)[0])
+    before = state(coll)
+    grad = torch.zeros(out.shape)
+    grad[3, 2, 1] = float("inf")
+    out.backward(grad)
+    after = state(coll)
+    assert all(torch.equal(before[k], after[k]) for k in before) and coll.skipped_updates == 1

@@ -247,6 +247,13 @@ static int all_finite(const float *values, int64_t n, int64_t threads) {
     return 1;
 }
 
+/* Whether all n floats are finite (exported: the general update's check). */
+int64_t finite(const float *values, int64_t n, int64_t threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    return all_finite(values, n, threads);
+}
+
 /* RowCache.assign for LRU and LFU (no lookahead window), unpartitioned: slots for the unique missing `rows`.
    The rows of one set take its evictable ways (not pinned: last_used < pin_since, or empty) in victim order
    (empty first, then ascending key = last_used, or use_count when given; ties by way), in the order the
@@ -505,6 +512,8 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i64, i64,
     ]
     library.lookup_gather.restype = i64
+    library.finite.argtypes = [ptr, i64, i64]
+    library.finite.restype = i64
     library.assign_slots.argtypes = [
         ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ctypes.c_int32, ptr, i64, ptr, ptr, ptr,
     ]
@@ -698,6 +707,15 @@ def lookup_gather(
     if hits < 0:
         raise MemoryError("compiled loop: no memory for the per-table hit counts")
     return slots, int(hits)
+
+
+def all_finite(values: Tensor, threads: int | None = None) -> bool:
+    """Whether every value of a contiguous fp32 CPU tensor is finite, in one pass (torch.isfinite(x).all()
+    takes several, with a temporary as large as x)."""
+    library = native()
+    assert library is not None
+    _check("values", values, (torch.float32,), (None,) * values.dim())
+    return bool(library.finite(values.data_ptr(), values.numel(), threads_for(values.numel(), threads)))
 
 
 def assign_slots(

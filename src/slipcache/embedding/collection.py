@@ -765,7 +765,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         if len(entries) == 1 and self._fused_update(*entries[0]):
             self.clock.lap("backward")
             return
-        if not all(bool(torch.isfinite(grad).all()) for _, grad in entries):
+        if not all(_finite(grad) for _, grad in entries):
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return
         factor = self._gradient_factor(entries)
@@ -1220,6 +1220,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         """The memory report of a collection with this config, without allocating it."""
         meta = EmbeddingConfig(**{**asdict(config), "storage_device": "meta", "cache_device": "meta"})
         return cls(meta).memory_report()
+
+
+def _finite(values: Tensor) -> bool:
+    if values.dtype == torch.float32 and _native.usable(values):
+        return _native.all_finite(values)
+    return bool(torch.isfinite(values).all())
 
 
 def _use_count(tensor: Tensor) -> int | None:
