@@ -248,7 +248,7 @@ static int all_finite(const float *values, int64_t n, int64_t threads) {
 }
 
 /* Whether all n floats are finite (exported: the general update's check). */
-int64_t finite(const float *values, int64_t n, int64_t threads) {
+int64_t finite_values(const float *values, int64_t n, int64_t threads) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     return all_finite(values, n, threads);
@@ -512,8 +512,8 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i64, i64,
     ]
     library.lookup_gather.restype = i64
-    library.finite.argtypes = [ptr, i64, i64]
-    library.finite.restype = i64
+    library.finite_values.argtypes = [ptr, i64, i64]
+    library.finite_values.restype = i64
     library.assign_slots.argtypes = [
         ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ctypes.c_int32, ptr, i64, ptr, ptr, ptr,
     ]
@@ -715,7 +715,7 @@ def all_finite(values: Tensor, threads: int | None = None) -> bool:
     library = native()
     assert library is not None
     _check("values", values, (torch.float32,), (None,) * values.dim())
-    return bool(library.finite(values.data_ptr(), values.numel(), threads_for(values.numel(), threads)))
+    return bool(library.finite_values(values.data_ptr(), values.numel(), threads_for(values.numel(), threads)))
 
 
 def assign_slots(
