@@ -656,12 +656,15 @@ class CachedEmbeddingBagCollection(nn.Module):
         clock.lap("lookup")
         storage_rows = storage_index = rows.new_empty(0)
         if any_miss:
-            missing, miss_inverse, uses = torch.unique(rows[miss], return_inverse=True, return_counts=True)
+            positions = torch.nonzero(miss).squeeze(1)  # found once, used for every write below
+            missing, miss_inverse, uses = torch.unique(
+                rows.index_select(0, positions), return_inverse=True, return_counts=True
+            )
             clock.lap("lookup")
             assignment = cache.assign(missing, self._pin_since(), window)
             if assignment.victim_slots.numel():
-                self._write_storage(assignment.victim_rows, cache.weights[assignment.victim_slots])
-                self._count_rows("evictions", assignment.victim_rows)
+                victim_tables = self._write_storage(assignment.victim_rows, cache.weights[assignment.victim_slots])
+                self._count_tables("evictions", victim_tables)
             clock.lap("evict")
             admitted = assignment.slots >= 0
             if bool(admitted.any()):
@@ -675,7 +678,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 )
                 self._residency_version += 1
             clock.lap("fill")
-            slots[miss] = assignment.slots[miss_inverse]
+            slots.index_copy_(0, positions, assignment.slots[miss_inverse])
             if fused is None:
                 self._count("misses", miss, lookup)
             missing_tables = self._tables_of(missing)
@@ -706,7 +709,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._storage_version,
         )
         if gathered is not None and miss is not None:
-            self._fill_missed(gathered, plan, miss)
+            self._fill_missed(gathered, plan, positions)
         plan.gathered = gathered
         clock.lap("fill")
         self._in_flight[step] = weakref.ref(plan)
@@ -715,10 +718,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         clock.lap("other")
         return plan
 
-    def _fill_missed(self, values: Tensor, plan: _StepPlan, miss: Tensor) -> None:
-        """Write the rows of the lookups that missed the fused gather into `values`: from their new cache
-        slot, or from the storage copy when they found none."""
-        positions = torch.nonzero(miss).squeeze(1)
+    def _fill_missed(self, values: Tensor, plan: _StepPlan, positions: Tensor) -> None:
+        """Write the rows of the lookups at `positions`, which missed the fused gather, into `values`: from
+        their new cache slot, or from the storage copy when they found none."""
         slots = plan.slots[positions]
         if not plan.storage_rows.numel():
             values[positions] = self.cache.weights[slots]
@@ -873,13 +875,14 @@ class CachedEmbeddingBagCollection(nn.Module):
             updated = values.add_(self._adagrad_step(rows, summed))
         self._write_storage(rows, updated)
 
-    def _write_storage(self, rows: Tensor, values: Tensor) -> None:
-        """Round fp32 `values` of unique `rows` into storage and count the traffic."""
+    def _write_storage(self, rows: Tensor, values: Tensor) -> Tensor:
+        """Round fp32 `values` of unique `rows` into storage and count the traffic; returns their tables."""
         fitted = self.storage.write(rows, values, self.config.rounding, self._generator)
         self._storage_version += 1
         tables = self._tables_of(rows)
         self._count_tables("rows_out", tables)
         self._count_fitted(tables, fitted)
+        return tables
 
     def _count_fitted(self, tables: Tensor, fitted: Fitted, counters: Tensor | None = None) -> None:
         counters = self.counters if counters is None else counters
