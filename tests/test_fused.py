@@ -226,3 +226,38 @@ def test_a_nonfinite_gradient_skips_the_general_update_too() -> None:
     out.backward(grad)
     after = state(coll)
     assert all(torch.equal(before[k], after[k]) for k in before) and coll.skipped_updates == 1
+
+
+@pytest.mark.parametrize(("precision", "rounding"), [("fp32", "stochastic"), ("int8", "nearest"), ("int8", "stochastic")])
+def test_no_cache_equals_the_torch_reference(precision: str, rounding: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a cache, distinct rows found by hashing (fp32, nearest rounding) or sorting: the same training."""
+    def build() -> CachedEmbeddingBagCollection:
+        config = EmbeddingConfig(SIZES, dim=DIM, precision=precision, cache_size=0.0, rounding=rounding, lr=0.3, seed=1)
+        return CachedEmbeddingBagCollection(config)
+
+    inputs = batches(4)
+    calls: Counter = Counter()
+    original = _native.unique_rows
+
+    def counted(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls["unique_rows"] += 1
+        return original(rows)
+
+    monkeypatch.setattr(_native, "unique_rows", counted)
+    hashed = build()
+    hashed_out = train(hashed, inputs)
+    assert calls["unique_rows"] == (0 if rounding == "stochastic" and precision != "fp32" else len(inputs))
+    monkeypatch.setattr(_native, "native", lambda: None)
+    reference = build()
+    for a, b in zip(hashed_out, train(reference, inputs), strict=True):
+        assert torch.equal(a, b)
+    assert_same(hashed, reference)
+    assert hashed.stats()["rows_in"] < hashed.stats()["lookups"]  # the batches repeat rows
+
+
+def test_unique_rows_in_order_of_first_occurrence() -> None:
+    rows = torch.tensor([7, 3, 7, 2**40, 3, 0, 7])
+    unique, inverse = _native.unique_rows(rows)
+    assert unique.tolist() == [7, 3, 2**40, 0] and torch.equal(unique[inverse], rows)
+    empty, none = _native.unique_rows(torch.empty(0, dtype=torch.int64))
+    assert empty.numel() == 0 and none.numel() == 0

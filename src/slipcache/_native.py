@@ -247,6 +247,26 @@ static int all_finite(const float *values, int64_t n, int64_t threads) {
     return 1;
 }
 
+/* The distinct values of rows[0..n) in order of first occurrence into `unique`, and for each i the index of
+   rows[i] there into `inverse`. Returns their count, or -1 without scratch memory (nothing written). */
+int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *inverse) {
+    int64_t capacity = 16;
+    while (capacity < 2 * n) capacity <<= 1;
+    int64_t *table = malloc((size_t)capacity * sizeof(int64_t));  /* index into unique, -1 when free */
+    if (!table) return -1;
+    for (int64_t k = 0; k < capacity; k++) table[k] = -1;
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        int64_t h = (int64_t)(((uint64_t)r * 0x9E3779B97F4A7C15ull) >> 20) & (capacity - 1);
+        while (table[h] >= 0 && unique[table[h]] != r) h = (h + 1) & (capacity - 1);
+        if (table[h] < 0) { table[h] = count; unique[count++] = r; }
+        inverse[i] = table[h];
+    }
+    free(table);
+    return count;
+}
+
 /* Whether all n floats are finite (exported: the general update's check). */
 int64_t finite_values(const float *values, int64_t n, int64_t threads) {
     if (threads < 1) threads = 1;
@@ -512,6 +532,8 @@ def _declare(library: ctypes.CDLL) -> None:
         i64, i64, i64, i64, i64,
     ]
     library.lookup_gather.restype = i64
+    library.unique_rows.argtypes = [ptr, i64, ptr, ptr]
+    library.unique_rows.restype = i64
     library.finite_values.argtypes = [ptr, i64, i64]
     library.finite_values.restype = i64
     library.assign_slots.argtypes = [
@@ -707,6 +729,19 @@ def lookup_gather(
     if hits < 0:
         raise MemoryError("compiled loop: no memory for the per-table hit counts")
     return slots, int(hits)
+
+
+def unique_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(distinct rows in order of first occurrence, index of each row there): `torch.unique(rows,
+    return_inverse=True)` by hashing instead of sorting, for callers that do not need the rows sorted."""
+    library = native()
+    assert library is not None
+    _check("rows", rows, (torch.int64,), (None,))
+    unique, inverse = torch.empty_like(rows), torch.empty_like(rows)
+    count = library.unique_rows(rows.data_ptr(), rows.numel(), unique.data_ptr(), inverse.data_ptr())
+    if count < 0:
+        raise MemoryError("compiled loop: no memory for the distinct rows")
+    return unique[:count], inverse
 
 
 def all_finite(values: Tensor, threads: int | None = None) -> bool:

@@ -632,6 +632,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.step += 1
         step, rows, cache, clock = self.step, lookup.rows, self.cache, self.clock
         clock.mark()
+        if not cache.capacity:
+            return self._plan_uncached(lookup, step)
         # The fused path: one compiled pass probes, touches, counts and copies every hit's row into the
         # forward's output; only the missed positions are filled below. Multi-hot bags pool in torch.
         gathered = fused = None
@@ -716,6 +718,38 @@ class CachedEmbeddingBagCollection(nn.Module):
         if prefetch and window is not None and len(window) and cache.capacity:
             self._start_prefetch(window)
         clock.lap("other")
+        return plan
+
+    def _plan_uncached(self, lookup: _Lookup, step: int) -> _StepPlan:
+        """Without a cache every lookup reads storage, each distinct row once (the general plan's outcome,
+        without its cache bookkeeping). When writing rows back does not depend on their order (fp32 storage
+        or nearest rounding: no random draws), they are found by hashing instead of sorting."""
+        rows, clock = lookup.rows, self.clock
+        self._pin_since()  # drops forwards whose graph is gone, as every training forward does
+        self._count("lookups", None, lookup)
+        self._count("misses", None, lookup)
+        order_free = self.config.rounding == "nearest" or all(p == "fp32" for p in self.config.precisions)
+        if order_free and _native.usable(rows):
+            storage_rows, storage_index = _native.unique_rows(rows)
+        else:
+            storage_rows, storage_index = torch.unique(rows, return_inverse=True)
+        clock.lap("lookup")
+        tables = self._tables_of(storage_rows)
+        self._count_tables("rows_in", tables)
+        self._count_tables("overflow_rows", tables)
+        clock.lap("other")
+        plan = _StepPlan(
+            step,
+            rows,
+            torch.full_like(rows, -1),
+            storage_rows,
+            storage_index,
+            self.storage.read(storage_rows, self.device),
+            self._residency_version,
+            self._storage_version,
+        )
+        clock.lap("fill")
+        self._in_flight[step] = weakref.ref(plan)
         return plan
 
     def _fill_missed(self, values: Tensor, plan: _StepPlan, positions: Tensor) -> None:
