@@ -10,6 +10,7 @@ from slipcache.data import formats
 from slipcache.data.preprocess import dense_transform
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer as train
+from slipcache.training.cli import evaluate_checkpoint
 from tests.helpers import tiny_config
 
 SIZES = np.array([20, 7, 50] + [5] * 23)
@@ -184,7 +185,7 @@ def test_a_run_trains_on_each_format(tmp_path: Path, kind: str) -> None:
     assert summary["auc"] > 0.6  # table 0's parity and dense 0 carry the signal
     expected_order = "val-test" if kind == "torchrec" else "test-val"
     assert summary["config"]["split_order"] == expected_order
-    scores = train.evaluate_checkpoint(tmp_path / "run", split="val")
+    scores = evaluate_checkpoint(tmp_path / "run", split="val")
     assert scores["samples"] > 0
 
 

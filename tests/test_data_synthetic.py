@@ -22,6 +22,7 @@ from slipcache.data.synthetic import (
     synthetic_window,
 )
 from slipcache.errors import SlipcacheError
+from slipcache.training.config import make_config
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
 needs_shared = pytest.mark.skipif(
@@ -258,7 +259,7 @@ def test_train_picks_the_generator(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         synthetic, "default_synthetic_path", lambda *a, generator, **k: asked.append(generator) or tmp_path
     )
     for flags in ({}, {"synthetic_generator": "v2"}):
-        trainer.prepare_data(trainer.make_config({}, flags), tmp_path)
+        trainer.prepare_data(make_config({}, flags), tmp_path)
     assert asked == ["v3", "v2"]
     with pytest.raises(SlipcacheError, match="synthetic_generator must be one of"):
-        trainer.make_config({}, {"synthetic_generator": "v9"})
+        make_config({}, {"synthetic_generator": "v9"})

@@ -11,8 +11,8 @@ from slipcache.errors import SlipcacheError
 
 # name -> (module, help). The module defines add_<name>_arguments(parser) and run_<name>(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("slipcache.training.trainer", "train a DLRM model (synthetic data by default)"),
-    "eval": ("slipcache.training.trainer", "evaluate a checkpoint on a dataset split"),
+    "train": ("slipcache.training.cli", "train a DLRM model (synthetic data by default)"),
+    "eval": ("slipcache.training.cli", "evaluate a checkpoint on a dataset split"),
     "synth": ("slipcache.data.synthetic", "generate a synthetic Criteo-shaped dataset"),
     "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
     "stats": ("slipcache.data.stats", "access-pattern statistics of raw Criteo files or a dataset"),

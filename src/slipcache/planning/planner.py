@@ -269,7 +269,7 @@ def uniform_choice(
 
 # ------------------------------------------------------------------------------------- presentation
 def _fmt_bytes(n: float) -> str:
-    from slipcache.training.trainer import _fmt_bytes as fmt
+    from slipcache.training.cli import fmt_bytes as fmt
 
     return fmt(n)
 
@@ -426,6 +426,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from slipcache.training import trainer
+    from slipcache.training.cli import int_list
+    from slipcache.training.config import make_config
 
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     unknown = [p for p in precisions if p not in ROUNDING_STEP]
@@ -448,10 +450,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.quick:
         flags["quick"] = True
     if args.table_sizes:
-        flags["table_sizes"] = trainer._int_list(args.table_sizes)
+        flags["table_sizes"] = int_list(args.table_sizes)
     if args.split_order:
         flags["split_order"] = args.split_order
-    config = trainer.make_config({}, flags)
+    config = make_config({}, flags)
     dataset_dir = trainer.prepare_data(config)
     dataset = trainer.open_dataset(dataset_dir, config)
     profile = profile_split(
