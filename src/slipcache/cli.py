@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("slipcache.training.cli", "evaluate a checkpoint on a dataset split"),
     "synth": ("slipcache.data.synthetic", "generate a synthetic Criteo-shaped dataset"),
     "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
-    "stats": ("slipcache.data.stats", "access-pattern statistics of raw Criteo files or a dataset"),
+    "stats": ("slipcache.data.stats.cli", "access-pattern statistics of raw Criteo files or a dataset"),
     "bench": ("slipcache.experiments.bench", "benchmark embedding implementations"),
     "experiment": ("slipcache.experiments.studies", "run the papers' experiments and write a report"),
     "plan": ("slipcache.planning.planner", "choose per-table precision and cache rows for a memory budget"),
