@@ -13,7 +13,7 @@ from slipcache.errors import SlipcacheError
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("slipcache.training.cli", "train a DLRM model (synthetic data by default)"),
     "eval": ("slipcache.training.cli", "evaluate a checkpoint on a dataset split"),
-    "synth": ("slipcache.data.synthetic", "generate a synthetic Criteo-shaped dataset"),
+    "synth": ("slipcache.data.synthetic.cli", "generate a synthetic Criteo-shaped dataset"),
     "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
     "stats": ("slipcache.data.stats.cli", "access-pattern statistics of raw Criteo files or a dataset"),
     "bench": ("slipcache.experiments.bench", "benchmark embedding implementations"),
