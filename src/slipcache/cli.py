@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("slipcache.data.stats.cli", "access-pattern statistics of raw Criteo files or a dataset"),
     "bench": ("slipcache.experiments.bench", "benchmark embedding implementations"),
     "experiment": ("slipcache.experiments.studies", "run the papers' experiments and write a report"),
-    "plan": ("slipcache.planning.planner", "choose per-table precision and cache rows for a memory budget"),
+    "plan": ("slipcache.planning.cli", "choose per-table precision and cache rows for a memory budget"),
     "export": ("slipcache.export", "write a checkpoint's tables for serving (nn.EmbeddingBag, TorchRec, FBGEMM INT8)"),
 }
 
