@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slipcache.data import formats
+from slipcache.data import formats, mapped
 from slipcache.data.preprocess import dense_transform
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer as train
@@ -168,7 +168,7 @@ def test_stored_npz_members_are_memory_mapped_at_the_right_offset(tmp_path: Path
     np.savez(tmp_path / "a.npz", first=np.ones(3), big=big)
     with zipfile.ZipFile(tmp_path / "a.npz") as zf:
         info = zf.getinfo("big.npy")
-    np.testing.assert_array_equal(formats._mmap_npz_member(tmp_path / "a.npz", info), big)
+    np.testing.assert_array_equal(mapped.mmap_npz_member(tmp_path / "a.npz", info), big)
 
 
 @pytest.mark.parametrize("kind", ["torchrec", "dlrm", "dlrm-compressed", "mlperf"])
