@@ -254,14 +254,14 @@ def test_cli_compare(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_train_picks_the_generator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`slipcache train --generator v2` asks for v2 data (v3 by default); an unknown name is refused."""
-    from slipcache.training import trainer
+    from slipcache.training.datasets import prepare_data
 
     asked = []
     monkeypatch.setattr(
         synthetic, "default_synthetic_path", lambda *a, generator, **k: asked.append(generator) or tmp_path
     )
     for flags in ({}, {"synthetic_generator": "v2"}):
-        trainer.prepare_data(make_config({}, flags), tmp_path)
+        prepare_data(make_config({}, flags), tmp_path)
     assert asked == ["v3", "v2"]
     with pytest.raises(SlipcacheError, match="synthetic_generator must be one of"):
         make_config({}, {"synthetic_generator": "v9"})

@@ -166,9 +166,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from slipcache.training import trainer
     from slipcache.training.cli import int_list
     from slipcache.training.config import make_config
+    from slipcache.training.datasets import open_dataset, prepare_data
 
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     unknown = [p for p in precisions if p not in ROUNDING_STEP]
@@ -195,8 +195,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.split_order:
         flags["split_order"] = args.split_order
     config = make_config({}, flags)
-    dataset_dir = trainer.prepare_data(config)
-    dataset = trainer.open_dataset(dataset_dir, config)
+    dataset_dir = prepare_data(config)
+    dataset = open_dataset(dataset_dir, config)
     profile = profile_split(
         dataset.split("train"), dataset.table_sizes, sample_rows=args.sample_rows, seed=args.seed
     )

@@ -15,17 +15,10 @@ from slipcache.errors import SlipcacheError
 from slipcache.model import EMBEDDING_KINDS
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.config import CONFIG_FIELDS, VOCABS, config_from_saved, load_config_file, make_config
+from slipcache.training.datasets import check_table_sizes, open_dataset, prepare_data, run_dataset_dir
+from slipcache.training.run_state import load_model_state
 from slipcache.training.rundir import load_training_checkpoint
-from slipcache.training.trainer import (
-    build_model,
-    check_table_sizes,
-    evaluate,
-    load_model_state,
-    open_dataset,
-    prepare_data,
-    run_dataset_dir,
-    train,
-)
+from slipcache.training.trainer import build_model, evaluate, train
 
 
 def fmt_bytes(n: float) -> str:
