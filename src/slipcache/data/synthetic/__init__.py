@@ -29,11 +29,11 @@ from slipcache.data.synthetic.generate import (
     make_generator,
     synthetic_window,
 )
-from slipcache.data.synthetic.teacher import KAGGLE_CARDINALITIES, auc, expected_auc, synthetic_table_sizes
+from slipcache.data.synthetic.teacher import KAGGLE_CARDINALITIES, expected_auc, synthetic_table_sizes
 from slipcache.data.synthetic.v3 import MISSING_ROW
 
 __all__ = [
-    "DEFAULT_GENERATOR", "DEFAULT_SAMPLES", "GENERATOR_VERSIONS", "KAGGLE_CARDINALITIES", "MISSING_ROW", "auc",
+    "DEFAULT_GENERATOR", "DEFAULT_SAMPLES", "GENERATOR_VERSIONS", "KAGGLE_CARDINALITIES", "MISSING_ROW",
     "compare_with_real", "default_cache_root", "default_synthetic_path", "expected_auc", "format_comparison",
     "generate_synthetic", "make_generator", "synthetic_table_sizes", "synthetic_window",
 ]  # fmt: skip
