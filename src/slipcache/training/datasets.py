@@ -8,6 +8,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from slipcache.cache_dir import default_cache_root
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import TrainConfig
 
@@ -40,8 +41,6 @@ def _raw_inputs(path: Path) -> list[Path]:
 def preprocessed_root() -> Path:
     """Where raw input is preprocessed to: `preprocessed/` in the cache ($SLIPCACHE_CACHE_DIR, else
     ~/.cache/slipcache), shared by every run that reads the same files with the same options."""
-    from slipcache.data.synthetic import default_cache_root
-
     return default_cache_root() / "preprocessed"
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from slipcache.cache_dir import default_cache_root
 from slipcache.data.dataset import DatasetWriter
 from slipcache.data.synthetic.teacher import (
     CHUNK_ROWS,
@@ -198,11 +199,6 @@ def synthetic_window(
         ids = gen.sample(_chunk_rng(seed, chunk), first, last - first)[1]
         parts.append(ids[max(start, first) - first : min(end, last) - first])
     return np.concatenate(parts)
-
-
-def default_cache_root() -> Path:
-    env = os.environ.get("SLIPCACHE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "slipcache"
 
 
 def default_synthetic_path(
