@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from slipcache.distributed.planner import TableSpec, plan_sharding
 from slipcache.errors import SlipcacheError
 from slipcache.planning.planner import GB, PLAN_PRECISIONS, ROUNDING_STEP, Plan, make_plan, uniform_choice
 from slipcache.planning.profile import IdProfile, profile_split
@@ -235,10 +236,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def preview_sharding(plan: Plan, profile: IdProfile, world_size: int) -> dict[str, Any]:
     """The distributed planner's placement of the planned tables, costed with this profile's lookups."""
-    try:
-        from slipcache.distributed.planner import TableSpec, plan_sharding
-    except ImportError as exc:  # the scale-out branch not merged yet
-        raise SlipcacheError("--world-size needs slipcache.distributed (the sharding planner)") from exc
     specs = [
         TableSpec(
             name=name,
