@@ -6,20 +6,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from slipcache.plotting import pyplot
+
 
 def fmt_percent(fraction: float) -> str:
     """0.05 -> '5%' (setup names and labels; no trailing zeros)."""
     return f"{100 * fraction:g}%"
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend, imported only when a report is drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def save_figure(fig: Any, path: Path) -> str:

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.experiments.paired import MIN_EFFECT
-from slipcache.experiments.render import fmt_mean_std, fmt_value, markdown_table, metric, pyplot, save_figure
+from slipcache.experiments.render import fmt_mean_std, fmt_value, markdown_table, metric, save_figure
 from slipcache.experiments.runner import PAPER, Preset, Setup
+from slipcache.plotting import pyplot, samples_axis
 
 STALE_STORAGES = {
     "fp32": {"precision": "fp32", "cache_size": 0.0, "policy": "lru", "rounding": "stochastic"},
@@ -186,8 +187,6 @@ def plot_skip_speedup(entries: list[dict[str, Any]], path: Path) -> str | None:
 def plot_stale_rows(entries: list[dict[str, Any]], events: dict[str, list[dict[str, Any]]], path: Path) -> str | None:
     """Stale and hot rows (left) and the skipped fraction (right) over training, one row per storage."""
     plt = pyplot()
-    from slipcache.training.report import _samples_axis
-
     groups = [g for g in STALE_STORAGES if any(events.get(e["name"]) for e in entries if e["group"] == g)]
     if not groups:
         return None
@@ -217,7 +216,7 @@ def plot_stale_rows(entries: list[dict[str, Any]], events: dict[str, list[dict[s
         right.set_title(f"Inputs skipped ({group}, convergence rule)")
         right.set_ylabel("skipped (% of inputs)")
         for ax in (left, right):
-            _samples_axis(ax)
+            samples_axis(ax)
             if ax.lines:
                 ax.legend(fontsize=9)
     return save_figure(fig, path)

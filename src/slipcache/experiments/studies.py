@@ -42,7 +42,7 @@ from slipcache.experiments.mixed_precision import (
     plot_traffic,
 )
 from slipcache.experiments.paired import PER_SEED, mean_std, on_seeds
-from slipcache.experiments.render import fmt_value, markdown_table, pyplot
+from slipcache.experiments.render import fmt_value, markdown_table
 from slipcache.experiments.runner import (
     ACCURACY,
     EXPERIMENTS,
@@ -64,6 +64,7 @@ from slipcache.experiments.slipstream import (
     slipstream_section,
     stale_name,
 )
+from slipcache.plotting import STYLE, pyplot
 from slipcache.training.rundir import write_json
 
 RESULTS_FORMAT = "slipcache-experiments"
@@ -161,8 +162,6 @@ def machine_section(machine: dict[str, Any], probes: dict[str, Any], threads: in
 
 def write_report(out: Path, results: dict[str, Any]) -> Path:
     """report.md and its PNGs from results.json's content (so a report can be rebuilt from it)."""
-    from slipcache.training.report import STYLE
-
     plt = pyplot()
     entries = results["setups"]
     mp = [e for e in entries if e["experiment"] == "mixed-precision"]

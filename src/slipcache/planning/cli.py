@@ -10,10 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from slipcache.cli import add_progress_flag
 from slipcache.distributed.planner import TableSpec, plan_sharding
 from slipcache.errors import SlipcacheError
 from slipcache.planning.planner import GB, PLAN_PRECISIONS, ROUNDING_STEP, Plan, make_plan, uniform_choice
 from slipcache.planning.profile import IdProfile, profile_split
+from slipcache.plotting import pyplot
 from slipcache.training.cli import fmt_bytes
 
 
@@ -48,11 +50,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def plot_curves(plan: Plan, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for t, ((sizes, hits), choice) in enumerate(zip(plan.curves, plan.choices, strict=True)):
         cached = sizes > 0
@@ -163,7 +161,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--table-sizes", default=None, help="external formats: rows per table (see slipcache train)"
     )
     parser.add_argument("--split-order", choices=("val-test", "test-val"), default=None)
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_progress_flag(parser)
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from slipcache.cli import add_progress_flag
 from slipcache.data.synthetic import GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
@@ -146,7 +147,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=s,
         help="which half of the last day is validation (default: the format's convention)",
     )
-    add("--no-progress", "--quiet", dest="progress", action="store_false", default=s, help="no progress bar")
+    add_progress_flag(parser, default=s)
     add(
         "--tensorboard",
         nargs="?",
