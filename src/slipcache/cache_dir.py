@@ -8,5 +8,6 @@ from pathlib import Path
 
 
 def default_cache_root() -> Path:
+    """`$SLIPCACHE_CACHE_DIR` when set (tests and shared machines point it elsewhere), else ~/.cache/slipcache."""
     env = os.environ.get("SLIPCACHE_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "slipcache"

@@ -33,6 +33,7 @@ def metric(entry: dict[str, Any], key: str, part: str = "mean") -> float | None:
 
 
 def mib(n: float) -> float:
+    """Bytes in MiB, the unit of the report's memory columns and axes."""
     return n / 2**20
 
 
@@ -56,4 +57,5 @@ def fmt_mean_std(entry: dict[str, Any], key: str, scale: float = 1.0, fmt: str =
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table as lines of the report."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]

@@ -22,6 +22,8 @@ STALE_STORAGES = {
 
 def stale_name(group: str, target: float | None, rule: str = "convergence", warmup: str = "val",
                decision: str = "rolling") -> str:
+    """Readable setup name, e.g. 'fp32, convergence rule, warm-up val, D=0.5'; also the key that pairs
+    a setup with its storage's run without skipping (target None)."""
     if target is None:
         return f"{group}, no skipping"
     if decision == "epoch":

@@ -23,6 +23,7 @@ from slipcache.training.trainer import build_model, evaluate, train
 
 
 def fmt_bytes(n: float) -> str:
+    """Bytes with a binary unit (B, KiB, MiB, GiB), for the summary table and `slipcache plan`."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -209,6 +210,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def int_list(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3] for argparse, so a bad list is argparse's one-line usage error."""
     try:
         return [int(v) for v in text.split(",")]
     except ValueError as exc:

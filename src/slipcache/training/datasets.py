@@ -90,6 +90,7 @@ def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
 
 
 def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
+    """The dataset at `path` in any supported layout (`formats.open_any`); errors become one line."""
     from slipcache.data.formats import open_any
 
     try:
@@ -133,6 +134,7 @@ def data_quality(dataset: Any) -> dict[str, Any] | None:
 
 
 def malformed_message(quality: dict[str, Any], data: str | None) -> str:
+    """The warning for raw input with malformed lines: how many, and the first ones as read."""
     total = quality["good_lines"] + quality["malformed_lines"]
     lines = [
         f"{quality['malformed_lines']:,} of {total:,} lines of {data} are malformed and were skipped "

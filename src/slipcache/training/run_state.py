@@ -83,6 +83,7 @@ def restore(
 
 
 def load_model_state(state: dict[str, Any], model: DLRM) -> None:
+    """Dense and embedding state into `model`; a checkpoint of another shape is named as such."""
     try:
         missing, unexpected = model.load_state_dict(state["dense"], strict=False)
         missing = [k for k in missing if not k.startswith("embeddings.")]

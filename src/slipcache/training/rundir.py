@@ -23,6 +23,7 @@ if typing.TYPE_CHECKING:
 
 
 def new_run_dir() -> Path:
+    """runs/<UTC timestamp>, with a counter when two runs start in the same second."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     path = Path("runs") / stamp
     n = 1
@@ -40,6 +41,7 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def write_events(path: Path, events: list[dict[str, Any]]) -> None:
+    """metrics.jsonl from the events a run holds (a resumed run rewrites it from its checkpoint's)."""
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
@@ -55,6 +57,7 @@ _STATE_DEFINING = {
 
 
 def warn(message: str) -> None:
+    """A warning on stderr that does not stop the run (stdout stays the run's own output)."""
     print(f"slipcache train: warning: {message}", file=sys.stderr)
 
 
@@ -68,6 +71,7 @@ def _is_run_dir(path: Path) -> bool:
 
 
 def has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run directory holds a checkpoint file, so that `--resume` has something to load."""
     directory = run_dir / "checkpoints"
     return directory.is_dir() and any(p.suffix == ".pt" for p in directory.iterdir())
 

@@ -73,6 +73,7 @@ from slipcache.training.datasets import prepare_data as prepare_data  # noqa: E4
 
 
 def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> DLRM:
+    """The DLRM of `config` on these tables; the sharded model builds its own (distributed.training)."""
     embeddings = build_embeddings(
         list(table_sizes), config.embedding_dim, embeddings=config.embeddings, **config.embedding_options()
     )

@@ -114,6 +114,7 @@ class Teacher:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
+    """Logistic function: teacher logits to click probabilities."""
     return 1.0 / (1.0 + np.exp(-x))
 
 
