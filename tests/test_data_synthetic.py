@@ -14,14 +14,17 @@ from slipcache.data.dataset import BatchIterator, CriteoDataset, SplitArrays
 from slipcache.data.stats import compute_stats_arrays
 from slipcache.data.synthetic import (
     KAGGLE_CARDINALITIES,
-    auc,
     default_synthetic_path,
     expected_auc,
+    generate,
     generate_synthetic,
     synthetic_table_sizes,
     synthetic_window,
 )
+from slipcache.data.synthetic import cli as synth_cli
 from slipcache.errors import SlipcacheError
+from slipcache.training.config import make_config
+from slipcache.training.metrics import auc
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
 needs_shared = pytest.mark.skipif(
@@ -109,26 +112,24 @@ def test_default_synthetic_path_caches(tmp_path: Path, monkeypatch: pytest.Monke
     def fail(*args: object, **kwargs: object) -> dict:
         raise AssertionError("regenerated a cached dataset")
 
-    monkeypatch.setattr(synthetic, "generate_synthetic", fail)
+    monkeypatch.setattr(generate, "generate_synthetic", fail)
     assert default_synthetic_path(None, 3000, 0.001, 1) == path
     with pytest.raises(AssertionError):
         default_synthetic_path(None, 3000, 0.001, 2)
 
 
-def test_auc_helpers() -> None:
-    assert auc(np.array([0.1, 0.2, 0.3, 0.4]), np.array([0, 0, 1, 1])) == 1.0
-    assert auc(np.array([0.5, 0.5]), np.array([0, 1])) == 0.5
+def test_expected_auc_matches_sampled_labels() -> None:
     rng = np.random.default_rng(0)
     logits = rng.standard_normal(20_000) * 2
     labels = rng.random(20_000) < 1 / (1 + np.exp(-logits))
-    assert abs(expected_auc(logits) - auc(logits, labels)) < 0.02
+    assert abs(expected_auc(logits) - auc(labels, logits)) < 0.02
 
 
 def run_cli(argv: list[str]) -> int:
     """Our subcommand through its own parser, so the test does not depend on other CLI modules."""
     parser = argparse.ArgumentParser()
-    synthetic.add_synth_arguments(parser)
-    return synthetic.run_synth(parser.parse_args(argv))
+    synth_cli.add_synth_arguments(parser)
+    return synth_cli.run_synth(parser.parse_args(argv))
 
 
 def test_cli_synth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -251,14 +252,14 @@ def test_cli_compare(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_train_picks_the_generator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`slipcache train --generator v2` asks for v2 data (v3 by default); an unknown name is refused."""
-    from slipcache.training import trainer
+    from slipcache.training.datasets import prepare_data
 
     asked = []
     monkeypatch.setattr(
         synthetic, "default_synthetic_path", lambda *a, generator, **k: asked.append(generator) or tmp_path
     )
     for flags in ({}, {"synthetic_generator": "v2"}):
-        trainer.prepare_data(trainer.make_config({}, flags), tmp_path)
+        prepare_data(make_config({}, flags), tmp_path)
     assert asked == ["v3", "v2"]
     with pytest.raises(SlipcacheError, match="synthetic_generator must be one of"):
-        trainer.make_config({}, {"synthetic_generator": "v9"})
+        make_config({}, {"synthetic_generator": "v9"})
