@@ -550,7 +550,7 @@ def native() -> ctypes.CDLL | None:
     if not _tried:
         _tried = True
         if os.environ.get("SLIPCACHE_NATIVE", "1") != "0":
-            from slipcache.data.synthetic import default_cache_root
+            from slipcache.cache_dir import default_cache_root
 
             try:
                 _library = load_library(default_cache_root() / "native")
