@@ -73,8 +73,6 @@ METRICS = (
     "auc", "logloss", "accuracy", "samples_per_s", "train_wall_s", "cache_hit_rate", "memory_ratio",
     "embedding_bytes", "skipped_fraction", "train_samples",
 )  # fmt: skip
-
-
 DERIVED = (
     "rows_moved_per_sample", "bytes_moved_per_sample", "unified_bytes_per_sample", "touched_bytes_per_sample",
     "step_ms", "bound_samples_per_s", "bound_fraction",
