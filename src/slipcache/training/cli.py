@@ -31,7 +31,7 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def summary_table(summary: dict[str, Any]) -> str:
+def format_summary(summary: dict[str, Any]) -> str:
     """The short table `slipcache train` ends with."""
     rate = summary["samples_per_s"]
     rows = [
@@ -233,7 +233,7 @@ def run_train(args: argparse.Namespace) -> int:
         if not context.is_main:
             return 0
     print(f"run: {summary['run_dir']}")
-    print(summary_table(summary))
+    print(format_summary(summary))
     return 0
 
 

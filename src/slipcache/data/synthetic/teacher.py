@@ -15,8 +15,6 @@ KAGGLE_CARDINALITIES = [
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
     5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 ]  # fmt: skip
-
-
 TARGET_POSITIVE_RATE = 0.256
 TARGET_TEACHER_AUC = 0.80
 SMALL_TABLE = 100  # tables up to this size keep their size under --scale; bigger ones never shrink below it
