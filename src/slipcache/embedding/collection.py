@@ -9,40 +9,38 @@ vectorized operations whatever the number of tables. A training step:
    straight from storage and updated there in fp32, then rounded back;
 3. backward applies the optimizer update itself (SGD, Adagrad or row-wise Adagrad): cached rows in
    fp32 in the cache, the others in storage.
+
+The class is assembled from parts in their own modules: input validation and pooling (`inputs`), the
+fused optimizer (`update`), lookahead and prefetch (`prefetch`), counters and memory accounting
+(`accounting`); the configuration is in `config`.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from slipcache import _native
-from slipcache.embedding.cache import POLICIES, RowCache
+from slipcache.embedding.accounting import COUNTERS, Accounting, PhaseClock
+from slipcache.embedding.cache import RowCache
+from slipcache.embedding.config import OPTIMIZERS, EmbeddingConfig
+from slipcache.embedding.inputs import LookupInputs, SparseFeatures, _Lookup
 from slipcache.embedding.lookahead import Window
-from slipcache.embedding.quant import PRECISIONS, ROUNDINGS, Fitted, RowStorage, TableRowStorage
+from slipcache.embedding.prefetch import Prefetcher
+from slipcache.embedding.quant import RowStorage, TableRowStorage
+from slipcache.embedding.update import FusedOptimizer
 from slipcache.errors import InvalidInputError, SlipcacheError
 
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
-POOLINGS = ("sum", "mean")
-COUNTERS = (
-    "lookups",
-    "hits",
-    "misses",
-    "evictions",
-    "rows_in",
-    "rows_out",
-    "overflow_rows",
-    "saturated_values",  # values written beyond the storage's range, clamped (see quant.fit_to_range)
-    "nonfinite_values",  # inf or NaN values written, replaced
-)
+# OPTIMIZERS: still imported from here by slipcache.training.
+__all__ = ["OPTIMIZERS", "PIN_STEPS", "CachedEmbeddingBagCollection", "EmbeddingConfig", "SparseFeatures"]
+
 _INIT_CHUNK_ROWS = 1 << 20
 # Counter columns the fused forward adds to in its compiled pass.
 _FUSED_COLUMNS = (COUNTERS.index("lookups"), COUNTERS.index("hits"), COUNTERS.index("misses"))
@@ -55,197 +53,6 @@ def _init_chunk_rows(dim: int) -> int:
 # A forward's cache rows stay pinned until its backward, until its graph is freed, or until this many
 # later training forwards have run (then its rows may be evicted; its update still lands correctly).
 PIN_STEPS = 8
-_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-@dataclass
-class EmbeddingConfig:
-    """Tables, storage precision, cache and fused optimizer of a `CachedEmbeddingBagCollection`."""
-
-    table_sizes: list[int]
-    dim: int = 16
-    # One value for all tables, or a list with one per table. One cache_size/cache_rows value: one cache
-    # shared by all tables (rows compete for it); a list: each table gets its own part of the cache.
-    precision: str | list[str] = "int8"
-    cache_size: float | list[float] = 0.05  # share of rows cached, in [0, 1]: 1.0 holds every row; 0: none
-    cache_rows: int | list[int] | None = None  # a row count instead of the share (capped at every row)
-    policy: str = "lru"
-    rounding: str = "stochastic"
-    optimizer: str = "sgd"
-    lr: float = 0.1
-    eps: float = 1e-8  # Adagrad denominator term
-    # Clip each step's embedding gradient to this L2 norm, as torch.nn.utils.clip_grad_norm_ would over the
-    # tables alone (that function cannot see these rows: they are updated inside backward). None: no clipping.
-    max_grad_norm: float | None = None
-    pooling: str = "sum"
-    ways: int = 16  # cache associativity
-    lfu_halving_interval: int = 1000  # LFU counts halve every this many steps; 0: never
-    seed: int = 0
-    storage_device: str = "cpu"
-    cache_device: str = "cpu"
-    table_names: list[str] | None = field(default=None)
-
-    def __post_init__(self) -> None:
-        self.table_sizes = [int(n) for n in self.table_sizes]
-        if not self.table_sizes or any(n <= 0 for n in self.table_sizes):
-            raise ValueError(
-                f"table_sizes must be a non-empty list of positive row counts, got {self.table_sizes}"
-            )
-        if self.dim <= 0:
-            raise ValueError(f"dim must be positive, got {self.dim}")
-        num_tables = len(self.table_sizes)
-        for name in ("precision", "cache_size", "cache_rows"):
-            value = getattr(self, name)
-            if isinstance(value, (list, tuple)):
-                if len(value) != num_tables:
-                    raise ValueError(f"{name} must be one value or one per table ({num_tables}), got {len(value)}")
-                setattr(self, name, list(value))
-        for precision in self.precisions:
-            if precision not in PRECISIONS:
-                raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
-        for name, value, allowed in (
-            ("policy", self.policy, POLICIES),
-            ("rounding", self.rounding, ROUNDINGS),
-            ("optimizer", self.optimizer, OPTIMIZERS),
-            ("pooling", self.pooling, POOLINGS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-        shares = self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]
-        for share in shares:
-            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
-                hint = ""
-                if isinstance(share, (int, float)) and share > 1:
-                    hint = f"; for a number of rows use cache_rows={share:g}"
-                raise ValueError(f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}")
-        counts = self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows]
-        for count in counts:
-            if count is not None and (
-                isinstance(count, bool)
-                or not isinstance(count, (int, float))
-                or int(count) != count
-                or count < 0
-            ):
-                raise ValueError(f"cache_rows must be a whole number of rows >= 0, got {count!r}")
-        if self.lr <= 0 or not math.isfinite(self.lr):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
-        if self.ways <= 0:
-            raise ValueError(f"ways must be positive, got {self.ways}")
-        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
-            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")
-        if self.table_names is not None and len(self.table_names) != len(self.table_sizes):
-            raise ValueError("table_names must name every table")
-
-    @property
-    def num_rows(self) -> int:
-        return sum(self.table_sizes)
-
-    @property
-    def precisions(self) -> list[str]:
-        """The storage precision of each table."""
-        if isinstance(self.precision, list):
-            return list(self.precision)
-        return [self.precision] * len(self.table_sizes)
-
-    @property
-    def cache_per_table(self) -> bool:
-        """Whether each table has its own part of the cache (a list of sizes) or all share one."""
-        return isinstance(self.cache_size, list) or isinstance(self.cache_rows, list)
-
-    @property
-    def cache_capacities(self) -> list[int]:
-        """Requested cache rows of each table (a per-table cache only); every row of the table at most."""
-        shares = self.cache_size if isinstance(self.cache_size, list) else [self.cache_size] * len(self.table_sizes)
-        counts = self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows] * len(self.table_sizes)
-        return [
-            0 if self.policy == "none" else _capacity(size, share, count)
-            for size, share, count in zip(self.table_sizes, shares, counts, strict=True)
-        ]
-
-    @property
-    def cache_capacity(self) -> int:
-        """Requested cache capacity in rows, all tables together (the cache rounds up to whole sets)."""
-        if self.cache_per_table:
-            return sum(self.cache_capacities)
-        if self.policy == "none":
-            return 0
-        return _capacity(self.num_rows, self.cache_size, self.cache_rows)
-
-
-def _capacity(rows: int, share: float, count: int | None) -> int:
-    if count is not None:
-        return min(int(count), rows)
-    if share == 0:
-        return 0
-    return min(rows, max(1, round(share * rows)))
-
-
-@dataclass(frozen=True)
-class SparseFeatures:
-    """Multi-hot ids: `values` of all bags, table-major (`num_tables` groups of `batch_size` bags).
-
-    `offsets[i]:offsets[i + 1]` are the values of bag i, bag i = table * batch_size + sample.
-    """
-
-    values: Tensor
-    offsets: Tensor
-    num_tables: int
-
-    @property
-    def batch_size(self) -> int:
-        return (self.offsets.numel() - 1) // self.num_tables
-
-    @classmethod
-    def from_lengths(cls, values: Tensor, lengths: Tensor) -> SparseFeatures:
-        """`lengths` [num_tables, batch_size]: the number of values in each bag."""
-        if lengths.dim() != 2:
-            raise InvalidInputError(
-                f"lengths must be [num_tables, batch_size], got shape {tuple(lengths.shape)}"
-            )
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-        torch.cumsum(lengths.reshape(-1), 0, out=offsets[1:])
-        return cls(values, offsets, lengths.shape[0])
-
-
-class PhaseClock:
-    """Wall time per phase of the training step, off unless `enable`d (`slipcache bench embedding` profile).
-
-    `mark()` starts a lap, `lap(name)` adds the time since the last mark to `name` and starts the next; when
-    off both return at once, so the hot path keeps only a few no-op calls. On GPU the laps time the launch,
-    not the kernels.
-    """
-
-    PHASES = ("lookup", "evict", "fill", "forward", "backward", "other")
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] | None = None
-        self._last = 0.0
-
-    def enable(self) -> None:
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
-
-    def disable(self) -> None:
-        self.seconds = None
-
-    def mark(self) -> None:
-        if self.seconds is not None:
-            self._last = time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        if self.seconds is not None:
-            now = time.perf_counter()
-            self.seconds[phase] += now - self._last
-            self._last = now
-
-
-@dataclass
-class _Lookup:
-    """One batch's lookups: global rows in bag order and how they pool."""
-
-    rows: Tensor  # [L] global rows
-    batch_size: int
-    bag_of_value: Tensor | None  # [L] bag of each value; None when each bag holds exactly one id
-    value_weight: Tensor | None  # [L] 1 / bag length for mean pooling
 
 
 @dataclass
@@ -303,7 +110,7 @@ class _FusedLookup(torch.autograd.Function):
         return None, None, None, None
 
 
-class CachedEmbeddingBagCollection(nn.Module):
+class CachedEmbeddingBagCollection(LookupInputs, FusedOptimizer, Prefetcher, Accounting, nn.Module):
     """Embedding bags over many tables: low-precision storage, an fp32 cache, a fused optimizer.
 
     forward(ids [B, T] or SparseFeatures) -> pooled [B, T, D]. In training mode with gradients enabled,
@@ -492,73 +299,6 @@ class CachedEmbeddingBagCollection(nn.Module):
             return _FusedLookup.apply(self._anchor, self, lookup, plan)
         return self._pool(self._read_rows(lookup.rows), lookup)
 
-    def _prepare(self, features: Tensor | SparseFeatures) -> _Lookup:
-        """Validate input once, at the boundary, and turn it into global rows."""
-        num_tables = len(self.table_sizes)
-        if isinstance(features, SparseFeatures):
-            return self._prepare_sparse(features)
-        if not isinstance(features, Tensor):
-            raise InvalidInputError(
-                f"expected ids as a LongTensor [batch, {num_tables}] or SparseFeatures, got {type(features).__name__}"
-            )
-        if features.dtype not in _INTEGER_DTYPES:
-            raise InvalidInputError(f"ids must be an integer tensor, got dtype {features.dtype}")
-        if features.dim() != 2 or features.shape[1] != num_tables:
-            raise InvalidInputError(
-                f"ids must have shape [batch, {num_tables}] (one id per table), got {tuple(features.shape)}; "
-                "use SparseFeatures for multi-hot bags"
-            )
-        ids = features.to(self.device, torch.int64)
-        if ids.numel() and _native.usable(ids, self.table_offsets):
-            scratch = self._scratch("rows", (ids.numel(),), torch.int64)
-            rows, bad = _native.global_rows(ids.contiguous(), self.table_offsets, scratch)
-            if bad >= 0:
-                self._raise_out_of_range(bad % num_tables, int(ids.reshape(-1)[bad]))
-            return _Lookup(rows, ids.shape[0], None, None)
-        if ids.numel():
-            lo, hi = ids.amin(dim=0), ids.amax(dim=0)
-            bad = (lo < 0) | (hi >= self._table_sizes)
-            if bool(bad.any()):
-                t = int(torch.nonzero(bad)[0])
-                value = int(lo[t]) if int(lo[t]) < 0 else int(hi[t])
-                self._raise_out_of_range(t, value)
-        return _Lookup((ids + self.table_offsets[:-1]).reshape(-1), ids.shape[0], None, None)
-
-    def _prepare_sparse(self, features: SparseFeatures) -> _Lookup:
-        values, offsets, num_tables = features.values, features.offsets, len(self.table_sizes)
-        if features.num_tables != num_tables:
-            raise InvalidInputError(
-                f"SparseFeatures has {features.num_tables} tables, the collection {num_tables}"
-            )
-        for name, tensor in (("values", values), ("offsets", offsets)):
-            if tensor.dtype not in _INTEGER_DTYPES or tensor.dim() != 1:
-                raise InvalidInputError(
-                    f"{name} must be a 1-D integer tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}"
-                )
-        if offsets.numel() < 1 or (offsets.numel() - 1) % num_tables:
-            raise InvalidInputError(
-                f"offsets must hold num_tables * batch_size + 1 = k * {num_tables} + 1 entries, got {offsets.numel()}"
-            )
-        values = values.to(self.device, torch.int64)
-        offsets = offsets.to(self.device, torch.int64)
-        lengths = offsets.diff()
-        if int(offsets[0]) != 0 or int(offsets[-1]) != values.numel() or bool((lengths < 0).any()):
-            raise InvalidInputError(
-                f"offsets must start at 0, never decrease and end at len(values) = {values.numel()}; "
-                f"got first {int(offsets[0])}, last {int(offsets[-1])}"
-            )
-        batch_size = features.batch_size
-        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=self.device), lengths)
-        table_of_value = bag_of_value // max(batch_size, 1)
-        bad = (values < 0) | (values >= self._table_sizes[table_of_value])
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            self._raise_out_of_range(int(table_of_value[i]), int(values[i]))
-        weight = None
-        if self.config.pooling == "mean":
-            weight = 1.0 / lengths.clamp_min(1).float()[bag_of_value]
-        return _Lookup(values + self.table_offsets[table_of_value], batch_size, bag_of_value, weight)
-
     def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """A buffer reused from step to step while nothing else holds it (the last step's output, plan or
         rows are gone): a fresh megabytes-large tensor costs its page faults every step."""
@@ -573,30 +313,6 @@ class CachedEmbeddingBagCollection(nn.Module):
         ):
             buffer = self._scratch_buffers[name] = torch.empty(shape, dtype=dtype, device=self.device)
         return buffer
-
-    def _raise_out_of_range(self, table: int, value: int) -> None:
-        size = self.table_sizes[table]
-        raise InvalidInputError(f"{self.table_names[table]} (size {size}): id {value} is outside [0, {size})")
-
-    def _pool(self, values: Tensor, lookup: _Lookup) -> Tensor:
-        num_tables = len(self.table_sizes)
-        if lookup.bag_of_value is None:
-            return values.view(lookup.batch_size, num_tables, self.dim)
-        if lookup.value_weight is not None:
-            values = values * lookup.value_weight[:, None]
-        pooled = values.new_zeros(num_tables * lookup.batch_size, self.dim).index_add_(
-            0, lookup.bag_of_value, values
-        )
-        return pooled.view(num_tables, lookup.batch_size, self.dim).transpose(0, 1)
-
-    def _unpool(self, grad_out: Tensor, lookup: _Lookup) -> Tensor:
-        """Gradient of the pooled output [B, T, D] -> gradient of each looked-up value [L, D]."""
-        if lookup.bag_of_value is None:
-            return grad_out.reshape(-1, self.dim)
-        grad = grad_out.transpose(0, 1).reshape(-1, self.dim)[lookup.bag_of_value]
-        if lookup.value_weight is not None:
-            grad = grad * lookup.value_weight[:, None]
-        return grad
 
     # -------------------------------------------------------------------------------- cache traffic
     def read_rows(self, rows: Tensor) -> Tensor:
@@ -774,141 +490,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         values[~cached] = plan.storage_values[plan.storage_index]
         return values
 
-    # ------------------------------------------------------------------------------ fused optimizer
-    def _receive_gradient(self, plan: _StepPlan, grad: Tensor) -> None:
-        """Collect one forward's gradient; the first one of a backward pass schedules the update."""
-        self._in_flight.pop(plan.step, None)
-        task = torch._C._current_graph_task_id()
-        if self._pending and task != self._pending_task:
-            # A backward pass that failed before its end: like a torch optimizer never stepped, its
-            # gradients are dropped.
-            self._pending.clear()
-        first = not self._pending
-        self._pending.append((plan, grad))
-        if first:
-            self._pending_task = task
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._apply_pending)
-            except RuntimeError:  # not inside the autograd engine: apply now
-                self._apply_pending()
-
-    def _apply_pending(self) -> None:
-        """The fused optimizer over every gradient of the backward pass, summed per row: one step per row."""
-        entries, self._pending = self._pending, []
-        if not entries:
-            return
-        self.clock.mark()
-        if len(entries) == 1 and self._fused_update(*entries[0]):
-            self.clock.lap("backward")
-            return
-        if not all(_finite(grad) for _, grad in entries):
-            self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
-            return
-        factor = self._gradient_factor(entries)
-        if factor != 1.0:
-            entries = [(plan, grad * factor) for plan, grad in entries]
-        cache_parts: list[tuple[Tensor, Tensor]] = []  # (slots, gradient of each)
-        storage_parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]] = []  # (plan, rows, index, gradient)
-        for plan, grad in entries:
-            slots, storage_rows, storage_index = plan.slots, plan.storage_rows, plan.storage_index
-            if plan.residency_version != self._residency_version:  # rows moved since the forward
-                slots = self.cache.lookup(plan.rows)
-                storage_rows, storage_index = torch.unique(plan.rows[slots < 0], return_inverse=True)
-            on_storage = slots < 0 if storage_rows.numel() else None
-            if on_storage is None:
-                cache_parts.append((slots, grad))
-            elif storage_index.numel() == slots.numel():
-                storage_parts.append((plan, storage_rows, storage_index, grad))
-            else:
-                cached = ~on_storage
-                cache_parts.append((slots[cached], grad[cached]))
-                storage_parts.append((plan, storage_rows, storage_index, grad[on_storage]))
-        self._update_cached(cache_parts)
-        self._update_storage(storage_parts)
-        self.clock.lap("backward")
-
-    def _fused_update(self, plan: _StepPlan, grad: Tensor) -> bool:
-        """The common step in one compiled pass: one forward's SGD update on the cache slots its forward
-        found (no second lookup), applied only if the whole gradient is finite; rows it served from storage
-        then take the general storage update. Returns False, having done nothing, where the general path
-        must run: another optimizer, a GradScaler or clipping (the gradient is rescaled), residency changed
-        since the forward, no cache, or no compiled loop."""
-        scaler = self.grad_scaler
-        weights = self.cache.weights
-        if (
-            self.config.optimizer != "sgd"
-            or (scaler is not None and scaler.is_enabled())
-            or self.config.max_grad_norm is not None
-            or plan.residency_version != self._residency_version
-            or not self.cache.capacity
-            or grad.dtype != torch.float32
-            or not _native.usable(weights, plan.slots, grad)
-        ):
-            return False
-        if not _native.sgd_update_finite(weights, plan.slots, grad, self.lr):
-            self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
-            return True
-        if plan.storage_rows.numel():
-            self._update_storage([(plan, plan.storage_rows, plan.storage_index, grad[plan.slots < 0])])
-        return True
-
-    def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:
-        """1 / the GradScaler's scale, times clip_grad_norm_'s coefficient when clipping is on."""
-        factor = 1.0
-        scaler = self.grad_scaler
-        if scaler is not None and scaler.is_enabled():
-            factor = 1.0 / float(scaler.get_scale())
-        if self.config.max_grad_norm is not None:
-            rows, inverse = torch.unique(torch.cat([plan.rows for plan, _ in entries]), return_inverse=True)
-            summed = self._sum_rows(inverse, torch.cat([grad for _, grad in entries]), rows.numel())
-            norm = float(summed.norm()) * factor  # the norm of the dense gradient of the tables
-            factor *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
-        return factor
-
-    def _update_cached(self, parts: list[tuple[Tensor, Tensor]]) -> None:
-        weights = self.cache.weights
-        if self.config.optimizer == "sgd":
-            for slots, grad in parts:  # SGD is linear: one scatter per part equals the summed step
-                if not slots.numel():
-                    continue
-                if _native.usable(weights, slots):
-                    _native.sgd_update(weights, slots, grad, self.lr)
-                else:
-                    # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
-                    weights.index_put_((slots,), grad * -self.lr, accumulate=True)
-            return
-        parts = [part for part in parts if part[0].numel()]
-        if not parts:
-            return
-        slots = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        grad = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        unique_slots, inverse = torch.unique(slots, return_inverse=True)
-        summed = self._sum_rows(inverse, grad, unique_slots.numel())
-        rows = self.cache.slot_rows[unique_slots].long()
-        weights.index_add_(0, unique_slots, self._adagrad_step(rows, summed))
-
-    def _update_storage(self, parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]]) -> None:
-        """Rows outside the cache: read, update in fp32, round back, once per row."""
-        if not parts:
-            return
-        if len(parts) == 1:
-            plan, rows, index, grad = parts[0]
-            current = (
-                plan.storage_version == self._storage_version
-                and plan.residency_version == self._residency_version
-            )
-            values = plan.storage_values if current else self.storage.read(rows, self.device)
-        else:
-            rows, index = torch.unique(torch.cat([p[1][p[2]] for p in parts]), return_inverse=True)
-            grad = torch.cat([p[3] for p in parts])
-            values = self.storage.read(rows, self.device)
-        summed = self._sum_rows(index, grad, rows.numel())
-        if self.config.optimizer == "sgd":
-            updated = values.add_(summed, alpha=-self.lr)
-        else:
-            updated = values.add_(self._adagrad_step(rows, summed))
-        self._write_storage(rows, updated)
-
+    # -------------------------------------------------------------------------------- storage writes
     def _write_storage(self, rows: Tensor, values: Tensor) -> Tensor:
         """Round fp32 `values` of unique `rows` into storage and count the traffic; returns their tables."""
         fitted = self.storage.write(rows, values, self.config.rounding, self._generator)
@@ -917,35 +499,6 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._count_tables("rows_out", tables)
         self._count_fitted(tables, fitted)
         return tables
-
-    def _count_fitted(self, tables: Tensor, fitted: Fitted, counters: Tensor | None = None) -> None:
-        counters = self.counters if counters is None else counters
-        for name, per_row in (("saturated_values", fitted.saturated), ("nonfinite_values", fitted.nonfinite)):
-            if per_row is not None:
-                counts = torch.bincount(tables, weights=per_row.to(tables.device), minlength=len(self.table_sizes))
-                counters[:, COUNTERS.index(name)] += counts.long()
-
-    def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
-        """Rows of `values` summed by `index` into [count, D]."""
-        summed = values.new_zeros(count, self.dim)
-        if _native.usable(summed, index):
-            _native.sgd_update(summed, index, values, -1.0)  # summed[index[i]] += values[i]
-        else:
-            summed.index_put_((index,), values, accumulate=True)
-        return summed
-
-    def _adagrad_step(self, rows: Tensor, grad: Tensor) -> Tensor:
-        """Accumulate squared gradients of unique `rows` and return the update to add."""
-        state = self.optimizer_state
-        state_rows = rows.to(state.device)
-        if self.config.optimizer == "adagrad":
-            accumulated = state[state_rows].to(self.device) + grad * grad
-            denominator = accumulated.sqrt() + self.config.eps
-        else:
-            accumulated = state[state_rows].to(self.device) + grad.pow(2).mean(dim=1)
-            denominator = (accumulated.sqrt() + self.config.eps)[:, None]
-        state[state_rows] = accumulated.to(state.device)
-        return grad / denominator * -self.lr
 
     def flush(self) -> None:
         """Round every cached row back into storage; the cache keeps its contents."""
@@ -968,243 +521,6 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.cache.evict(slots)
             self._residency_version += 1
         return int(slots.numel())
-
-    def _check_rows(self, rows: Tensor, caller: str) -> Tensor:
-        """Global rows as int64 on the cache device; anything but a 1-D integer tensor in range is refused."""
-        if not isinstance(rows, Tensor) or rows.dtype not in _INTEGER_DTYPES or rows.dim() != 1:
-            shape = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
-            dtype = rows.dtype if isinstance(rows, Tensor) else ""
-            raise InvalidInputError(f"{caller}: rows must be a 1-D integer tensor, got {dtype} {shape}")
-        rows = rows.to(self.device, torch.int64)
-        lo, hi = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
-        if lo < 0 or hi >= self.config.num_rows:
-            bad = lo if lo < 0 else hi
-            raise InvalidInputError(
-                f"{caller}: row {bad} is outside [0, {self.config.num_rows}) (global rows of all tables)"
-            )
-        return rows
-
-    # ----------------------------------------------------------------------------------- statistics
-    def _count(self, name: str, mask: Tensor | None, lookup: _Lookup) -> None:
-        """Add per-table counts of lookups (all, or those where `mask`)."""
-        column = COUNTERS.index(name)
-        num_tables = len(self.table_sizes)
-        if lookup.bag_of_value is None:
-            if mask is None:
-                self.counters[:, column] += lookup.batch_size
-            else:
-                self.counters[:, column] += mask.view(-1, num_tables).sum(dim=0)
-        else:
-            tables = lookup.bag_of_value // max(lookup.batch_size, 1)
-            if mask is not None:
-                tables = tables[mask]
-            self.counters[:, column] += torch.bincount(tables, minlength=num_tables)
-
-    def _tables_of(self, rows: Tensor) -> Tensor:
-        return torch.searchsorted(self.table_offsets, rows.to(self.device), right=True) - 1
-
-    def _count_tables(self, name: str, tables: Tensor, counters: Tensor | None = None) -> None:
-        counters = self.counters if counters is None else counters
-        counters[:, COUNTERS.index(name)] += torch.bincount(tables, minlength=len(self.table_sizes))
-
-    def _count_rows(self, name: str, rows: Tensor, counters: Tensor | None = None) -> None:
-        self._count_tables(name, self._tables_of(rows), counters)
-
-    def reset_stats(self) -> None:
-        self._join_prefetch()
-        self.counters.zero_()
-        self.prefetched_rows = 0
-
-    def stats(self) -> dict[str, Any]:
-        """Cumulative lookups, hits, misses, evictions and traffic, in total and per table."""
-        self._join_prefetch()
-        per_table_counts = self.counters.cpu().tolist()
-
-        def summarize(counts: list[int]) -> dict[str, Any]:
-            entry = dict(zip(COUNTERS, counts, strict=True))
-            entry["hit_rate"] = entry["hits"] / entry["lookups"] if entry["lookups"] else None
-            return entry
-
-        per_table = []
-        for name, counts, row_bytes in zip(self.table_names, per_table_counts, self._row_bytes(), strict=True):
-            entry = {"table": name, **summarize(counts)}
-            entry["bytes_in"] = entry["rows_in"] * sum(row_bytes)
-            entry["bytes_out"] = entry["rows_out"] * sum(row_bytes)
-            per_table.append(entry)
-        totals = summarize([sum(column) for column in zip(*per_table_counts, strict=True)])
-        totals["bytes_in"] = sum(t["bytes_in"] for t in per_table)
-        totals["bytes_out"] = sum(t["bytes_out"] for t in per_table)
-        totals["per_table"] = per_table
-        totals["cache_rows"] = self.cache.capacity
-        totals["skipped_updates"] = self.skipped_updates  # backward passes dropped for inf/NaN gradients
-        totals["prefetched_rows"] = self.prefetched_rows  # rows the prefetch brought in (also in rows_in)
-        return totals
-
-    def memory_report(self) -> dict[str, Any]:
-        """Bytes of every tensor this module holds, by component, against plain fp32 tables."""
-        components = dict.fromkeys(
-            (
-                "storage_payload",
-                "quantization_params",
-                "cache_rows",
-                "cache_bookkeeping",
-                "optimizer_state",
-                "other",
-            ),
-            0,
-        )
-        for name, buffer in self.named_buffers():
-            components[_component_of(name)] += buffer.numel() * buffer.element_size()
-        if self._generator is not None or self.device.type == "meta":  # (estimate_memory: as if built)
-            components["other"] += torch.Generator().get_state().numel()
-        if self._prefetch_generator is not None:
-            components["other"] += self._prefetch_generator.get_state().numel()
-        total = sum(components.values())
-        fp32 = self.config.num_rows * self.dim * 4 + components["optimizer_state"]
-        per_table = self._memory_per_table()
-        return {
-            "components": components,
-            "total_bytes": total,
-            "fp32_bytes": fp32,
-            "memory_ratio": fp32 / total,
-            "per_table": per_table,
-            "shared_bytes": total - sum(t["total_bytes"] for t in per_table),
-        }
-
-    # ------------------------------------------------------------------------------------ lookahead
-    def set_lookahead(self, upcoming: list[Tensor | SparseFeatures], prefetch: bool = False) -> None:
-        """The ids of the batches after the next training step's (e.g. `BatchIterator.peek(k)`), for that
-        step only: the lookahead policies evict by their use, and with `prefetch` the first one's missing
-        rows are brought into the cache in the background while that step computes (a thread on CPU, a
-        side stream on GPU), never in place of a row of a batch in flight or of the next one.
-
-        Why per step: a window left over from an earlier step would be off by one batch.
-        """
-        known = {id(features): rows for features, rows in self._upcoming_rows}
-        self._upcoming_rows = [
-            (features, known[id(features)] if id(features) in known else torch.unique(self._prepare(features).rows))
-            for features in upcoming
-        ]
-        self._window = Window([rows for _, rows in self._upcoming_rows])
-        self._prefetch_next = prefetch
-
-    def _start_prefetch(self, window: Window) -> None:
-        """Run `_prefetch` for the window's first batch in the background; `_join_prefetch` waits for it.
-
-        Rows every in-flight forward read from storage are left alone: their backward writes them there
-        (with the shortcut of the values it read), so they must not be copied into the cache meanwhile.
-        """
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipcache-prefetch")
-        if self._prefetch_generator is None:
-            self._prefetch_generator = self._new_prefetch_generator()
-        pin_since = self._pin_since()
-        live = [ref() for ref in self._in_flight.values()]
-        in_storage = [plan.storage_rows for plan in live if plan is not None and plan.storage_rows.numel()]
-        args = (window, torch.cat(in_storage) if in_storage else None, pin_since, self.step)
-        if self.device.type == "cuda":
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(self.device)
-            self._side_stream.wait_stream(torch.cuda.current_stream(self.device))  # this step's work first
-
-            def on_side_stream() -> tuple[Tensor, int]:
-                with torch.cuda.stream(self._side_stream):
-                    return self._prefetch(*args)
-
-            self._prefetching = self._executor.submit(on_side_stream)
-        else:
-            self._prefetching = self._executor.submit(self._prefetch, *args)
-
-    def _prefetch(
-        self, window: Window, in_storage: Tensor | None, pin_since: int, step: int
-    ) -> tuple[Tensor, int]:
-        """Install the missing rows of the window's first batch (run while step `step` computes).
-
-        Touches only what the running steps do not: slots of rows outside every in-flight batch (pinned
-        from `pin_since`) and outside the next one, and rows none of them serves from storage. Counts go to
-        a tensor of their own and the residency and storage versions are bumped on join, so a backward
-        running meanwhile keeps the shortcuts its plan recorded (still valid: none of its rows moved).
-        """
-        cache, counts = self.cache, torch.zeros_like(self.counters)
-        rows = window.batches[0]
-        slots = cache.lookup(rows)
-        hit = slots >= 0
-        cache.last_used[slots[hit]] = step + 1  # the next step's rows stay; its lookup will say so too
-        missing = rows[~hit]
-        if in_storage is not None:
-            missing = missing[~torch.isin(missing, in_storage)]
-        assignment = cache.assign(missing, pin_since, window)
-        if assignment.victim_slots.numel():
-            victims = assignment.victim_rows
-            fitted = self.storage.write(
-                victims, cache.weights[assignment.victim_slots], self.config.rounding, self._prefetch_generator
-            )
-            tables = self._tables_of(victims)
-            self._count_tables("evictions", tables, counts)
-            self._count_tables("rows_out", tables, counts)
-            self._count_fitted(tables, fitted, counts)
-        admitted = assignment.slots >= 0
-        rows_in = missing[admitted]
-        if rows_in.numel():
-            cache.install(
-                assignment.slots[admitted],
-                rows_in,
-                self.storage.read(rows_in, self.device),
-                step + 1,
-                torch.zeros_like(rows_in),  # LFU: the next step's lookup counts the uses
-            )
-            self._count_rows("rows_in", rows_in, counts)
-        return counts, int(rows_in.numel())
-
-    def _join_prefetch(self) -> None:
-        """Wait for the prefetch in flight, if any, and take in its counts (its errors surface here)."""
-        pending, self._prefetching = self._prefetching, None
-        if pending is None:
-            return
-        counts, admitted = pending.result()
-        if self._side_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
-        self.counters += counts
-        self.prefetched_rows += admitted
-        self._residency_version += 1
-        self._storage_version += 1
-
-    def _new_prefetch_generator(self) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(self.config.seed + 1)
-
-    def _row_bytes(self) -> list[tuple[int, int]]:
-        """(payload, quantization parameters) bytes of one row of each table."""
-        if isinstance(self.storage, RowStorage):
-            return [self.storage.row_bytes()] * len(self.table_sizes)
-        return [self.storage.row_bytes_of(p) for p in self.config.precisions]
-
-    def _memory_per_table(self) -> list[dict[str, Any]]:
-        """Each table's bytes by component; the cache's only when each table has its own part (None when the
-        tables share it). What no table owns (counters, a shared cache, index tables) is the difference to
-        the totals: `shared_bytes`."""
-        state = getattr(self, "optimizer_state", None)
-        state_row = 0 if state is None else state[0].numel() * state.element_size()
-        cache = self.cache
-        per_slot_cache = self.dim * cache.weights.element_size()
-        per_slot_bookkeeping = sum(
-            getattr(cache, name).element_size() for name in ("slot_rows", "last_used", "use_count") if hasattr(cache, name)
-        )
-        tables = []
-        for t, (size, (payload, params)) in enumerate(zip(self.table_sizes, self._row_bytes(), strict=True)):
-            slots = cache.part_slots[t] if cache.partitioned else None
-            entry = {
-                "table": self.table_names[t],
-                "precision": self.config.precisions[t],
-                "storage_payload": size * payload,
-                "quantization_params": size * params,
-                "cache_rows": None if slots is None else slots * per_slot_cache,
-                "cache_bookkeeping": None if slots is None else slots * per_slot_bookkeeping,
-                "optimizer_state": size * state_row,
-            }
-            entry["total_bytes"] = sum(v for k, v in entry.items() if isinstance(v, int))
-            entry["fp32_bytes"] = size * self.dim * 4 + entry["optimizer_state"]
-            tables.append(entry)
-        return tables
 
     # ----------------------------------------------------------------------------------- state dict
     def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
@@ -1259,12 +575,6 @@ class CachedEmbeddingBagCollection(nn.Module):
         return cls(meta).memory_report()
 
 
-def _finite(values: Tensor) -> bool:
-    if values.dtype == torch.float32 and _native.usable(values):
-        return _native.all_finite(values)
-    return bool(torch.isfinite(values).all())
-
-
 def _use_count(tensor: Tensor) -> int | None:
     """How many tensors share `tensor`'s storage (plus the temporary that asks); None where torch cannot say."""
     try:
@@ -1285,18 +595,3 @@ def _storage_alone(tensor: Tensor) -> bool:
 _STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "cache_rows", "policy", "optimizer", "ways")
 
 
-def _component_of(buffer_name: str) -> str:
-    if buffer_name.startswith("storage."):
-        leaf = buffer_name.rsplit(".", 1)[1]
-        if leaf == "payload":
-            return "storage_payload"
-        if leaf in ("bias", "scale_code"):
-            return "quantization_params"
-        return "other"  # the table -> part index of mixed precisions
-    if buffer_name == "cache.weights":
-        return "cache_rows"
-    if buffer_name.startswith("cache."):
-        return "cache_bookkeeping"
-    if buffer_name == "optimizer_state":
-        return "optimizer_state"
-    return "other"

@@ -1,0 +1,187 @@
+"""The fused optimizer of `CachedEmbeddingBagCollection`: gradients collected as backward runs, then one
+SGD, Adagrad or row-wise Adagrad step per row, applied where the row lives (cache slot in fp32, or storage:
+read, updated in fp32, rounded back).
+
+`FusedOptimizer` is a part of the collection (it reads its cache, storage, counters and versions).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from slipcache import _native
+
+if TYPE_CHECKING:
+    from slipcache.embedding.collection import _StepPlan
+
+
+class FusedOptimizer:
+    """The optimizer update of `CachedEmbeddingBagCollection`, run at the end of each backward pass."""
+
+
+
+    def _receive_gradient(self, plan: _StepPlan, grad: Tensor) -> None:
+        """Collect one forward's gradient; the first one of a backward pass schedules the update."""
+        self._in_flight.pop(plan.step, None)
+        task = torch._C._current_graph_task_id()
+        if self._pending and task != self._pending_task:
+            # A backward pass that failed before its end: like a torch optimizer never stepped, its
+            # gradients are dropped.
+            self._pending.clear()
+        first = not self._pending
+        self._pending.append((plan, grad))
+        if first:
+            self._pending_task = task
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._apply_pending)
+            except RuntimeError:  # not inside the autograd engine: apply now
+                self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """The fused optimizer over every gradient of the backward pass, summed per row: one step per row."""
+        entries, self._pending = self._pending, []
+        if not entries:
+            return
+        self.clock.mark()
+        if len(entries) == 1 and self._fused_update(*entries[0]):
+            self.clock.lap("backward")
+            return
+        if not all(_finite(grad) for _, grad in entries):
+            self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
+            return
+        factor = self._gradient_factor(entries)
+        if factor != 1.0:
+            entries = [(plan, grad * factor) for plan, grad in entries]
+        cache_parts: list[tuple[Tensor, Tensor]] = []  # (slots, gradient of each)
+        storage_parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]] = []  # (plan, rows, index, gradient)
+        for plan, grad in entries:
+            slots, storage_rows, storage_index = plan.slots, plan.storage_rows, plan.storage_index
+            if plan.residency_version != self._residency_version:  # rows moved since the forward
+                slots = self.cache.lookup(plan.rows)
+                storage_rows, storage_index = torch.unique(plan.rows[slots < 0], return_inverse=True)
+            on_storage = slots < 0 if storage_rows.numel() else None
+            if on_storage is None:
+                cache_parts.append((slots, grad))
+            elif storage_index.numel() == slots.numel():
+                storage_parts.append((plan, storage_rows, storage_index, grad))
+            else:
+                cached = ~on_storage
+                cache_parts.append((slots[cached], grad[cached]))
+                storage_parts.append((plan, storage_rows, storage_index, grad[on_storage]))
+        self._update_cached(cache_parts)
+        self._update_storage(storage_parts)
+        self.clock.lap("backward")
+
+    def _fused_update(self, plan: _StepPlan, grad: Tensor) -> bool:
+        """The common step in one compiled pass: one forward's SGD update on the cache slots its forward
+        found (no second lookup), applied only if the whole gradient is finite; rows it served from storage
+        then take the general storage update. Returns False, having done nothing, where the general path
+        must run: another optimizer, a GradScaler or clipping (the gradient is rescaled), residency changed
+        since the forward, no cache, or no compiled loop."""
+        scaler = self.grad_scaler
+        weights = self.cache.weights
+        if (
+            self.config.optimizer != "sgd"
+            or (scaler is not None and scaler.is_enabled())
+            or self.config.max_grad_norm is not None
+            or plan.residency_version != self._residency_version
+            or not self.cache.capacity
+            or grad.dtype != torch.float32
+            or not _native.usable(weights, plan.slots, grad)
+        ):
+            return False
+        if not _native.sgd_update_finite(weights, plan.slots, grad, self.lr):
+            self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
+            return True
+        if plan.storage_rows.numel():
+            self._update_storage([(plan, plan.storage_rows, plan.storage_index, grad[plan.slots < 0])])
+        return True
+
+    def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:
+        """1 / the GradScaler's scale, times clip_grad_norm_'s coefficient when clipping is on."""
+        factor = 1.0
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            factor = 1.0 / float(scaler.get_scale())
+        if self.config.max_grad_norm is not None:
+            rows, inverse = torch.unique(torch.cat([plan.rows for plan, _ in entries]), return_inverse=True)
+            summed = self._sum_rows(inverse, torch.cat([grad for _, grad in entries]), rows.numel())
+            norm = float(summed.norm()) * factor  # the norm of the dense gradient of the tables
+            factor *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
+        return factor
+
+    def _update_cached(self, parts: list[tuple[Tensor, Tensor]]) -> None:
+        weights = self.cache.weights
+        if self.config.optimizer == "sgd":
+            for slots, grad in parts:  # SGD is linear: one scatter per part equals the summed step
+                if not slots.numel():
+                    continue
+                if _native.usable(weights, slots):
+                    _native.sgd_update(weights, slots, grad, self.lr)
+                else:
+                    # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
+                    weights.index_put_((slots,), grad * -self.lr, accumulate=True)
+            return
+        parts = [part for part in parts if part[0].numel()]
+        if not parts:
+            return
+        slots = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        grad = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        unique_slots, inverse = torch.unique(slots, return_inverse=True)
+        summed = self._sum_rows(inverse, grad, unique_slots.numel())
+        rows = self.cache.slot_rows[unique_slots].long()
+        weights.index_add_(0, unique_slots, self._adagrad_step(rows, summed))
+
+    def _update_storage(self, parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]]) -> None:
+        """Rows outside the cache: read, update in fp32, round back, once per row."""
+        if not parts:
+            return
+        if len(parts) == 1:
+            plan, rows, index, grad = parts[0]
+            current = (
+                plan.storage_version == self._storage_version
+                and plan.residency_version == self._residency_version
+            )
+            values = plan.storage_values if current else self.storage.read(rows, self.device)
+        else:
+            rows, index = torch.unique(torch.cat([p[1][p[2]] for p in parts]), return_inverse=True)
+            grad = torch.cat([p[3] for p in parts])
+            values = self.storage.read(rows, self.device)
+        summed = self._sum_rows(index, grad, rows.numel())
+        if self.config.optimizer == "sgd":
+            updated = values.add_(summed, alpha=-self.lr)
+        else:
+            updated = values.add_(self._adagrad_step(rows, summed))
+        self._write_storage(rows, updated)
+
+    def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
+        """Rows of `values` summed by `index` into [count, D]."""
+        summed = values.new_zeros(count, self.dim)
+        if _native.usable(summed, index):
+            _native.sgd_update(summed, index, values, -1.0)  # summed[index[i]] += values[i]
+        else:
+            summed.index_put_((index,), values, accumulate=True)
+        return summed
+
+    def _adagrad_step(self, rows: Tensor, grad: Tensor) -> Tensor:
+        """Accumulate squared gradients of unique `rows` and return the update to add."""
+        state = self.optimizer_state
+        state_rows = rows.to(state.device)
+        if self.config.optimizer == "adagrad":
+            accumulated = state[state_rows].to(self.device) + grad * grad
+            denominator = accumulated.sqrt() + self.config.eps
+        else:
+            accumulated = state[state_rows].to(self.device) + grad.pow(2).mean(dim=1)
+            denominator = (accumulated.sqrt() + self.config.eps)[:, None]
+        state[state_rows] = accumulated.to(state.device)
+        return grad / denominator * -self.lr
+
+
+
+def _finite(values: Tensor) -> bool:
+    if values.dtype == torch.float32 and _native.usable(values):
+        return _native.all_finite(values)
+    return bool(torch.isfinite(values).all())
