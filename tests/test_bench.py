@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from slipcache.errors import SlipcacheError
-from slipcache.experiments import bench
+from slipcache.experiments import bench, bench_peers, bench_timing, bench_workload
 from slipcache.training.config import make_config
 
 ROW_KEYS = {
@@ -62,8 +62,8 @@ def test_schema(result: dict[str, Any]) -> None:
     machine = result["machine"]
     assert machine["torch"] == torch.__version__ and machine["logical_cores"] >= 1
     rows = result["rows"]
-    assert len(rows) == 2 * len(bench.CONFIGS)
-    assert {(r["name"], r["dim"]) for r in rows} == {(c.name, d) for c in bench.CONFIGS for d in (8, 16)}
+    assert len(rows) == 2 * len(bench_peers.CONFIGS)
+    assert {(r["name"], r["dim"]) for r in rows} == {(c.name, d) for c in bench_peers.CONFIGS for d in (8, 16)}
     for r in rows:
         assert set(r) >= ROW_KEYS, r
         assert r["impl"] in ("slipcache", "torch", "fbgemm")
@@ -106,16 +106,16 @@ def test_peer_memory_ratios_and_fbgemm_ratio(result: dict[str, Any]) -> None:
 def test_memory_ratios_match_memory_report(result: dict[str, Any]) -> None:
     from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
-    sizes = bench.scaled_table_sizes(0.0001, 50)
+    sizes = bench_workload.scaled_table_sizes(0.0001, 50)
     for r in result["rows"]:
         if r["impl"] != "slipcache":
             continue
-        cfg = next(c for c in bench.CONFIGS if c.name == r["name"])
-        config = bench._slipcache_config(cfg, sizes, r["dim"], 0.1, 0)
+        cfg = next(c for c in bench_peers.CONFIGS if c.name == r["name"])
+        config = bench_peers._slipcache_config(cfg, sizes, r["dim"], 0.1, 0)
         report = CachedEmbeddingBagCollection(config).memory_report()
         assert r["bytes"] == report["total_bytes"]
         assert r["memory_ratio"] == pytest.approx(report["memory_ratio"])
-        estimate = bench.slipcache_static_estimate(cfg, sizes, r["dim"])
+        estimate = bench_peers.slipcache_static_estimate(cfg, sizes, r["dim"])
         if estimate is not None:
             assert estimate["memory_ratio"] == pytest.approx(report["memory_ratio"])
 
@@ -146,7 +146,7 @@ def test_over_budget_configurations_are_skipped_not_allocated(tmp_path: Path) ->
 
 
 def test_missing_fbgemm_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench, "fbgemm_available", lambda: "ImportError: no module named fbgemm_gpu")
+    monkeypatch.setattr(bench_timing, "fbgemm_available", lambda: "ImportError: no module named fbgemm_gpu")
     result = _run(tmp_path, "--dims", "16", "--configs", "torch-fp32,fbgemm-fp32,fbgemm-fp16")
     by = {r["name"]: r for r in result["rows"]}
     assert by["fbgemm-fp32"]["status"] == "not installed" == by["fbgemm-fp16"]["status"]
@@ -163,15 +163,15 @@ def test_user_errors() -> None:
 
 
 def test_cached_configurations_warm_up_longer() -> None:
-    work = bench.make_workload([100, 200], batch_size=8, warmup_steps=2, timed_steps=3, cache_warmup_steps=5)
+    work = bench_workload.make_workload([100, 200], batch_size=8, warmup_steps=2, timed_steps=3, cache_warmup_steps=5)
     assert work.batches.shape[0] == 8 and work.first_timed == 5
-    row = bench.measure(bench.CONFIGS[0], 8, work, budget_bytes=1 << 30)
+    row = bench_timing.measure(bench_peers.CONFIGS[0], 8, work, budget_bytes=1 << 30)
     assert row["status"] == "ok" and row["samples_per_s"] > 0
 
 
 def test_workload_shape_and_skew() -> None:
     sizes = [3, 1000, 20_000]
-    work = bench.make_workload(sizes, batch_size=512, warmup_steps=1, timed_steps=3, seed=1)
+    work = bench_workload.make_workload(sizes, batch_size=512, warmup_steps=1, timed_steps=3, seed=1)
     assert work.batches.shape == (4, 512, 3) and work.batches.dtype == torch.int64
     ids = work.batches.reshape(-1, 3)
     for t, n in enumerate(sizes):
@@ -179,14 +179,14 @@ def test_workload_shape_and_skew() -> None:
     counts = torch.bincount(ids[:, 2], minlength=20_000).sort(descending=True).values
     assert counts[:1000].sum() / counts.sum() > 0.5  # top 5 % of rows take most lookups
     assert 0.5 < work.lookup_share_top_5pct < 1.0
-    again = bench.make_workload(sizes, batch_size=512, warmup_steps=1, timed_steps=3, seed=1)
+    again = bench_workload.make_workload(sizes, batch_size=512, warmup_steps=1, timed_steps=3, seed=1)
     assert torch.equal(work.batches, again.batches)
 
 
 def test_scaled_table_sizes() -> None:
-    full = bench.scaled_table_sizes(1.0)
-    assert full == bench.KAGGLE_TABLE_SIZES and sum(full) == 33_762_577
-    quick = bench.scaled_table_sizes(0.01)
+    full = bench_workload.scaled_table_sizes(1.0)
+    assert full == bench_workload.KAGGLE_TABLE_SIZES and sum(full) == 33_762_577
+    quick = bench_workload.scaled_table_sizes(0.01)
     assert max(quick) == math.ceil(10_131_227 * 0.01)
     assert all(q == n for q, n in zip(quick, full, strict=True) if n <= 10_000)
 
@@ -202,28 +202,29 @@ def test_rounds_are_combined_and_ours_is_profiled(result: dict[str, Any]) -> Non
         if r["impl"] != "slipcache":
             assert profile is None
             continue
-        assert set(profile) == {*bench.PHASE_NAMES.values(), "Python overhead", "total"}
+        assert set(profile) == {*bench_timing.PHASE_NAMES.values(), "Python overhead", "total"}
         assert all(v >= 0 for v in profile.values())
         assert sum(v for k, v in profile.items() if k != "total") == pytest.approx(profile["total"], rel=1e-6)
         assert profile["cache lookup"] > 0 and profile["forward gather/pool"] > 0
 
 
 def test_combine_rounds_takes_the_median() -> None:
-    rows = [{**bench._row(bench.CONFIGS[0], 8), "samples_per_s": v, "load_avg_1m": 0.1} for v in (5.0, 1.0, 3.0)]
-    row = bench.combine_rounds(rows)
+    rows = [{**bench_timing._row(bench_peers.CONFIGS[0], 8), "samples_per_s": v, "load_avg_1m": 0.1} for v in (5.0, 1.0, 3.0)]
+    row = bench_timing.combine_rounds(rows)
     assert (row["samples_per_s"], row["samples_per_s_min"], row["samples_per_s_max"]) == (3.0, 1.0, 5.0)
     rows[1]["status"] = "skipped: failed (RuntimeError: x)"
-    assert bench.combine_rounds(rows)["status"] == "ok in 2 of 3 rounds"
+    assert bench_timing.combine_rounds(rows)["status"] == "ok in 2 of 3 rounds"
 
 
 def test_timed_section_lasts_at_least_min_seconds() -> None:
-    work = bench.make_workload([100, 200], batch_size=8, warmup_steps=1, timed_steps=2)
-    row = bench.measure(bench.CONFIGS[0], 8, work, budget_bytes=1 << 30, min_seconds=0.05)
+    work = bench_workload.make_workload([100, 200], batch_size=8, warmup_steps=1, timed_steps=2)
+    row = bench_timing.measure(bench_peers.CONFIGS[0], 8, work, budget_bytes=1 << 30, min_seconds=0.05)
     assert row["timed_s"] >= 0.05 and row["timed_steps"] > 2  # cycled over the two timed batches
 
 
 def test_busy_machine_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench, "_load_average", lambda: 40.0)
+    for module in (bench, bench_timing):  # the load before the run, and before and after each configuration
+        monkeypatch.setattr(module, "_load_average", lambda: 40.0)
     result = _run(tmp_path, "--dims", "8", "--configs", "torch-fp32", "--rounds", "1")
     assert any("machine was busy" in w for w in result["warnings"])
 

@@ -1,0 +1,137 @@
+"""The workload of `slipcache bench embedding`: Criteo-Kaggle-shaped tables (optionally scaled down) and
+power-law id batches with their gradients, the same for every implementation (also `bench cache`'s trace).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# Criteo Kaggle categorical cardinalities, C1..C26 (33,762,577 rows in all).
+KAGGLE_TABLE_SIZES: list[int] = [
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]  # fmt: skip
+
+def scaled_table_sizes(scale: float, min_rows: int = 10_000, sizes: list[int] | None = None) -> list[int]:
+    """Shrink the big tables by `scale`; tables at or under `min_rows` keep their size.
+
+    Why a floor: scaling a 24-row table by 0.01 would leave a table of one row, a different workload.
+    """
+    sizes = KAGGLE_TABLE_SIZES if sizes is None else sizes
+    if scale >= 1.0:
+        return list(sizes)
+    return [min(n, max(math.ceil(n * scale), min_rows, 1)) for n in sizes]
+
+
+def zipf_cdf(num_rows: int, exponent: float) -> np.ndarray:
+    """Cumulative probability of ranks 1..n under p(k) ~ k^-exponent (float64, last entry 1)."""
+    weights = np.arange(1, num_rows + 1, dtype=np.float64) ** -exponent
+    cdf = np.cumsum(weights)
+    cdf /= cdf[-1]
+    return cdf
+
+
+@dataclass
+class Workload:
+    """Id batches generated up front (so sampling is never timed) and what they look like."""
+
+    table_sizes: list[int]
+    batch_size: int
+    warmup_steps: int  # for configurations without a cache
+    timed_steps: int
+    exponent: float
+    seed: int
+    cache_warmup_steps: int
+    batches: Tensor  # int64 [max(warmup, cache warmup) + timed, B, T]
+    lookup_share_top_1pct: float = 0.0
+    lookup_share_top_5pct: float = 0.0
+    generate_s: float = 0.0
+    _grads: dict[int, Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def first_timed(self) -> int:
+        """Index of the first timed batch: after the longer of the two warm-ups."""
+        return max(self.warmup_steps, self.cache_warmup_steps)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.table_sizes)
+
+    def grad(self, dim: int) -> Tensor:
+        """The output gradient used at every step at this dim: the same for every implementation."""
+        if dim not in self._grads:
+            gen = torch.Generator().manual_seed(self.seed + 7919 * dim)
+            shape = (self.batch_size, len(self.table_sizes), dim)
+            self._grads[dim] = torch.randn(shape, generator=gen) * 0.01
+        return self._grads[dim]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "tables": len(self.table_sizes),
+            "table_sizes": self.table_sizes,
+            "rows": self.num_rows,
+            "batch_size": self.batch_size,
+            "warmup_steps": self.warmup_steps,
+            "cache_warmup_steps": self.cache_warmup_steps,
+            "timed_steps": self.timed_steps,
+            "id_distribution": f"zipf({self.exponent}) over a random permutation of each table's rows",
+            "lookup_share_top_1pct_rows": self.lookup_share_top_1pct,
+            "lookup_share_top_5pct_rows": self.lookup_share_top_5pct,
+            "seed": self.seed,
+        }
+
+
+def make_workload(
+    table_sizes: list[int],
+    batch_size: int = 2048,
+    warmup_steps: int = 10,
+    timed_steps: int = 30,
+    exponent: float = 1.05,
+    seed: int = 0,
+    cache_warmup_steps: int | None = None,
+) -> Workload:
+    """Power-law ids per table by inverse-CDF sampling, ranks mapped to rows by a random permutation.
+
+    Why the permutation: hot rows of a real table are scattered, not rows 0..k; a cache or a prefetcher must
+    not get adjacency for free.
+    """
+    start = time.perf_counter()
+    if cache_warmup_steps is None:
+        cache_warmup_steps = warmup_steps
+    rng = np.random.default_rng(seed)
+    steps = max(warmup_steps, cache_warmup_steps) + timed_steps
+    count = steps * batch_size
+    ids = np.empty((count, len(table_sizes)), dtype=np.int64)
+    share1 = share5 = 0.0
+    for t, n in enumerate(table_sizes):
+        cdf = zipf_cdf(n, exponent)
+        share1 += float(cdf[max(1, n // 100) - 1])
+        share5 += float(cdf[max(1, n // 20) - 1])
+        ranks = np.searchsorted(cdf, rng.random(count), side="right")
+        np.minimum(ranks, n - 1, out=ranks)
+        perm = rng.permutation(n)
+        ids[:, t] = perm[ranks]
+        del cdf, perm, ranks
+    batches = torch.from_numpy(ids).view(steps, batch_size, len(table_sizes))
+    return Workload(
+        table_sizes=list(table_sizes),
+        batch_size=batch_size,
+        warmup_steps=warmup_steps,
+        cache_warmup_steps=cache_warmup_steps,
+        timed_steps=timed_steps,
+        exponent=exponent,
+        seed=seed,
+        batches=batches,
+        lookup_share_top_1pct=share1 / len(table_sizes),
+        lookup_share_top_5pct=share5 / len(table_sizes),
+        generate_s=time.perf_counter() - start,
+    )
+
+
