@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from slipcache.embedding.collection import PIN_STEPS, CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.embedding.plan import PIN_STEPS
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import load_config_file, make_config
 

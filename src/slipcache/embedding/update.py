@@ -15,7 +15,7 @@ from torch import Tensor
 from slipcache import _native
 
 if TYPE_CHECKING:
-    from slipcache.embedding.collection import _StepPlan
+    from slipcache.embedding.plan import _StepPlan
 
 
 class FusedOptimizer:
