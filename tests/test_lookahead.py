@@ -64,20 +64,37 @@ def test_never_evicts_a_row_of_the_batch_in_flight_or_the_next(batches, capacity
 
 @settings(max_examples=80, deadline=None)
 @given(
-    batches=st.lists(st.sets(st.integers(0, 29), min_size=1, max_size=8), min_size=1, max_size=12),
+    trace=st.lists(st.integers(0, 29), min_size=1, max_size=40),
     capacity=st.integers(1, 16),
     policy=st.sampled_from(LOOKAHEAD_POLICIES),
 )
-def test_equals_belady_on_a_trace_shorter_than_the_window(batches, capacity, policy) -> None:
-    """Fully associative, the whole trace in the window: the hits are Belady's (one lookup per row and batch,
-    so ties between rows used at the same time cannot change the count)."""
-    tensors = [torch.tensor(sorted(b)).view(-1, 1) for b in batches]
+def test_equals_belady_on_a_trace_shorter_than_the_window(trace, capacity, policy) -> None:
+    """Fully associative, the whole trace in the window, one row per batch: Belady's rule (with bypass) is
+    the optimum there, whatever its ties, so the policy's hits must equal it."""
+    tensors = [torch.tensor([[row]]) for row in trace]
     coll = CachedEmbeddingBagCollection(
         EmbeddingConfig([30], dim=1, precision="fp32", cache_rows=capacity, ways=capacity, policy=policy)
     )
-    _train(coll, tensors, k=len(batches))
+    _train(coll, tensors, k=len(tensors))
     lookup_hits, row_hits = belady_hits([t.view(-1) for t in tensors], capacity)
     assert coll.stats()["hits"] == lookup_hits.sum() == row_hits.sum()
+
+
+def test_belady_rule_is_no_bound_for_batches_of_several_rows() -> None:
+    """With several rows per batch a tie in next use can decide which row a later batch may keep (rows of
+    the batch in flight are never evicted): Belady's rule is then a near-optimal reference, not the optimum.
+    Found by hypothesis: the rule evicts row 0 at batch 1 (0 and 1 are both next used at batch 3), so 0
+    misses at batch 4; the policy kept 0 and hits once more."""
+    batches = [[0, 1], [2], [2], [0, 1, 2], [0], [0], [0, 1, 2], [0, 1]]
+    tensors = [torch.tensor(b).view(-1, 1) for b in batches]
+    lookup_hits, _ = belady_hits([t.view(-1) for t in tensors], capacity=2)
+    assert int(lookup_hits.sum()) == 7
+    for policy in LOOKAHEAD_POLICIES:
+        coll = CachedEmbeddingBagCollection(
+            EmbeddingConfig([30], dim=1, precision="fp32", cache_rows=2, ways=2, policy=policy)
+        )
+        _train(coll, tensors, k=len(tensors))
+        assert coll.stats()["hits"] == 8
 
 
 def test_belady_keeps_the_row_used_again() -> None:
