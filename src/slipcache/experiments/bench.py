@@ -30,6 +30,7 @@ from slipcache.experiments.bench_report import (
     format_profile,
     format_table,
     format_targets,
+    progress,
 )
 from slipcache.experiments.bench_timing import GB, PROFILE_STEPS, _load_average, combine_rounds, measure
 from slipcache.experiments.bench_workload import make_workload, scaled_table_sizes
@@ -189,10 +190,6 @@ def _command(args: argparse.Namespace, dims: list[int], configs: list[BenchConfi
     return shlex.join(parts)
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def run_bench(args: argparse.Namespace) -> int:
     """`slipcache bench TARGET`."""
     if args.target == "cache":
@@ -256,25 +253,25 @@ def _run_bench(args: argparse.Namespace) -> int:
     load = _load_average()
     cores = machine.get("usable_cores") or machine.get("logical_cores") or 1
     if load is not None and load > cores and torch.get_num_threads() > 1:
-        _progress(
+        progress(
             f"note: load average {load:.1f} on {cores} cores; with {torch.get_num_threads()} threads per op, "
             "timings on a shared CPU collapse (threads wait for descheduled peers): consider --threads 1"
         )
     probes = None
     if not args.skip_probes:
-        _progress("probing memory (sequential copy, random 64-byte row gathers from 1 GB) ...")
+        progress("probing memory (sequential copy, random 64-byte row gathers from 1 GB) ...")
         probes = probe_memory(seconds=0.5 if args.quick else 1.0)
-        _progress(
+        progress(
             f"  copy {probes['sequential_copy']['copy_gb_s']:.1f} GB/s, "
             f"gather {probes['random_gather']['rows_per_s'] / 1e6:.1f} M rows/s"
         )
     sizes = scaled_table_sizes(scale, args.min_rows)
-    _progress(
+    progress(
         f"generating ids: {len(sizes)} tables, {sum(sizes):,} rows, {max(warmup, cache_warmup)}+{steps} steps "
         f"of {args.batch_size}"
     )
     work = make_workload(sizes, args.batch_size, warmup, steps, args.zipf, args.seed, cache_warmup)
-    _progress(f"  done in {work.generate_s:.1f} s")
+    progress(f"  done in {work.generate_s:.1f} s")
 
     keys = [(dim, cfg) for dim in dims for cfg in configs]
     per_key: dict[tuple[int, str], list[dict[str, Any]]] = {(dim, cfg.name): [] for dim, cfg in keys}
@@ -284,20 +281,20 @@ def _run_bench(args: argparse.Namespace) -> int:
         for n, (dim, cfg) in enumerate(keys):
             if per_key[(dim, cfg.name)] and per_key[(dim, cfg.name)][0]["status"] != "ok":
                 continue  # skipped or not installed: the same in every round
-            _progress(f"[round {r + 1}/{rounds}, {n + 1}/{len(keys)}] dim {dim} {cfg.name} ...")
+            progress(f"[round {r + 1}/{rounds}, {n + 1}/{len(keys)}] dim {dim} {cfg.name} ...")
             profile_steps = args.profile_steps if r == rounds - 1 else 0
             row = measure(cfg, dim, work, budget, min_seconds=min_seconds, profile_steps=profile_steps)
             row["load_avg_1m_after"] = _load_average()
             per_key[(dim, cfg.name)].append(row)
             if row["status"] == "ok":
                 extra = "" if row["hit_rate"] is None else f", hit rate {row['hit_rate']:.3f}"
-                _progress(
+                progress(
                     f"    init {row['init_s']:.1f} s, {row['timed_steps']} steps in {row['timed_s']:.1f} s: "
                     f"{row['samples_per_s']:,.0f} samples/s, {row['bytes'] / GB:.3f} GB "
                     f"({row['memory_ratio']:.2f}x){extra}"
                 )
             else:
-                _progress(f"    {row['status']}")
+                progress(f"    {row['status']}")
     rows = [combine_rounds(per_key[(dim, cfg.name)]) for dim, cfg in keys]
     _attach_ratios(rows)
     targets = evaluate_targets(rows)

@@ -13,7 +13,6 @@ import datetime as _dt
 import json
 import os
 import shlex
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.embedding.lookahead import belady_hits
 from slipcache.errors import SlipcacheError
+from slipcache.experiments.bench_report import progress
 from slipcache.experiments.bench_workload import make_workload, scaled_table_sizes
 
 DEFAULT_SIZES = (0.005, 0.01, 0.02, 0.05, 0.10, 0.20)
@@ -65,7 +65,7 @@ def zipf_trace(scale: float, batch_size: int, batches: int, warmup: int, exponen
 def dataset_trace(path: str, batch_size: int, batches: int, warmup: int, seed: int) -> Trace:
     """The first `batches` training batches of a binary dataset, in the trainer's (shuffled) order."""
     from slipcache.data.dataset import BatchIterator
-    from slipcache.training.trainer import open_dataset
+    from slipcache.training.datasets import open_dataset
 
     dataset = open_dataset(Path(path))
     iterator = BatchIterator(dataset.split("train"), batch_size, shuffle=True, seed=seed, drop_last=True)
@@ -165,7 +165,7 @@ def run_cache_bench(args: argparse.Namespace) -> int:
     num_rows = sum(trace.table_sizes)
     rows = trace.rows
     distinct = int(torch.unique(rows).numel())
-    _progress(f"trace: {trace.source}; {rows.shape[0]} batches, {distinct:,} distinct rows")
+    progress(f"trace: {trace.source}; {rows.shape[0]} batches, {distinct:,} distinct rows")
 
     results: list[dict[str, Any]] = []
     for size in sizes:
@@ -178,7 +178,7 @@ def run_cache_bench(args: argparse.Namespace) -> int:
             r = hit_rate(trace, policy, window, capacity, args.ways)
             row_rates[name], lookup_rates[name] = r["row_hit_rate"], r["hit_rate"]
             results.append({"cache_size": size, "cache_rows": capacity, "policy": name, **r})
-            _progress(
+            progress(
                 f"  {size:6.1%} {name:13s} row hit rate {r['row_hit_rate']:.4f}, per lookup {r['hit_rate']:.4f} "
                 f"({time.perf_counter() - t0:.1f} s)"
             )
@@ -298,11 +298,9 @@ def _markdown(result: dict[str, Any], policies: list[str]) -> str:
 
 
 def _plot(results: list[dict[str, Any]], policies: list[str], path: str, title: str) -> None:
-    import matplotlib
+    from slipcache.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p in policies:
         pts = sorted((e["cache_size"], e["row_hit_rate"]) for e in results if e["policy"] == p)
@@ -348,7 +346,3 @@ def _command(args: argparse.Namespace) -> str:
     parts += ["--batches", str(args.batches), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
     parts += ["--ways", str(args.ways), "--seed", str(args.seed), "--out", str(args.out)]
     return shlex.join(parts)
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ tables of throughput, memory and the phase profile.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from slipcache.experiments.bench_timing import GB
@@ -187,3 +188,6 @@ def _markdown(result: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def progress(message: str) -> None:
+    """A line of benchmark progress on stderr, so stdout keeps only the results."""
+    print(message, file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slipcache.errors import SlipcacheError
+from slipcache.experiments.bench_report import progress
 from slipcache.experiments.machine import describe_machine
 
 IMPLS = ("torch-fp32", "slipcache-int8-lru5", "torchrec-fbgemm")
@@ -136,13 +137,13 @@ def run_train_bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     missing = torchrec_available() if "torchrec-fbgemm" in impls else None
     if missing is not None:
-        _progress(f"torchrec-fbgemm skipped: torchrec not usable ({missing})")
+        progress(f"torchrec-fbgemm skipped: torchrec not usable ({missing})")
     results: dict[str, list[dict[str, Any]]] = {i: [] for i in impls}
     for r in range(args.rounds):
         for impl in impls:
             if impl == "torchrec-fbgemm" and missing is not None:
                 continue
-            _progress(f"[round {r + 1}/{args.rounds}] {impl} ...")
+            progress(f"[round {r + 1}/{args.rounds}] {impl} ...")
             run_dir = out / f"{impl}-round{r}"
             if impl == "torchrec-fbgemm":
                 config = trainer.make_config({}, {**base, "out": str(run_dir), "progress": False})
@@ -151,7 +152,7 @@ def run_train_bench(args: argparse.Namespace) -> int:
                 outcome = _run_ours(impl, base, run_dir)
             outcome["load_avg_1m"] = os.getloadavg()[0]
             results[impl].append(outcome)
-            _progress(f"    {outcome['samples_per_s']:,.0f} samples/s, test AUC {outcome['auc']:.4f}")
+            progress(f"    {outcome['samples_per_s']:,.0f} samples/s, test AUC {outcome['auc']:.4f}")
     rows = []
     for impl in impls:
         runs = results[impl]
@@ -217,7 +218,3 @@ def add_train_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--impls", default=None, help=f"comma-separated subset of {','.join(IMPLS)}")
     parser.add_argument("--seed", type=int, default=0)
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
