@@ -93,6 +93,17 @@ def test_a_hanging_compiler_times_out(tmp_path: Path, monkeypatch: pytest.Monkey
         _native.load_library(tmp_path / "native")
 
 
+def test_a_compiler_without_target_clones_still_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = _native._compiler()
+    fake = tmp_path / "oldcc"  # rejects the AVX2 clones (no ifunc), as old compilers or musl do
+    fake.write_text(f'#!/bin/sh\ncase " $* " in *" -DSLIPCACHE_NO_CLONES "*) ;; *) [ "$1" = --version ] || exit 1;; esac\n'
+                    f'exec {real} "$@"\n')
+    fake.chmod(0o700)
+    monkeypatch.setenv("CC", str(fake))
+    library = _native.load_library(tmp_path / "native")
+    assert library.sgd_update is not None
+
+
 def test_unavailable_library_warns_once_and_torch_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     (cache / "native").mkdir(parents=True)

@@ -38,6 +38,18 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Row loops (copy, update, finite check) get an AVX2 clone picked at load time on CPUs that have it, the
+   baseline elsewhere: the cached library may move between machines, so no -march=native. -ffp-contract=off
+   keeps a*b+c unfused (avx2 does not imply fma anyway): results stay bit-identical to torch. */
+#if defined(__x86_64__) && defined(__has_attribute) && !defined(SLIPCACHE_NO_CLONES)
+#if __has_attribute(target_clones)
+#define ROW_LOOPS __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef ROW_LOOPS
+#define ROW_LOOPS
+#endif
+
 /* Run part(arg_t) for t = 0..threads-1: threads-1 new threads and the caller; joined before returning. */
 #define MAX_THREADS 64
 static void run_parts(void *(*part)(void *), void *args, size_t arg_size, int64_t threads) {
@@ -139,7 +151,7 @@ static inline void prefetch_span(const void *p, size_t bytes, int write) {
    waiting one after another. */
 #define AHEAD 16
 #define RING 64 /* > 2 * AHEAD, a power of two */
-static void *lookup_gather_part(void *p) {
+ROW_LOOPS static void *lookup_gather_part(void *p) {
     gather_args *g = (gather_args *)p;
     lookup_args *a = &g->probe;
     int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = 0;
@@ -226,7 +238,7 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
 
 typedef struct { const uint32_t *bits; int64_t n; int bad; } finite_args;
 
-static void *finite_part(void *p) {
+ROW_LOOPS static void *finite_part(void *p) {
     finite_args *a = (finite_args *)p;
     uint32_t bad = 0;
     for (int64_t i = 0; i < a->n; i++) bad |= (a->bits[i] & 0x7f800000u) == 0x7f800000u;  /* inf or NaN */
@@ -353,7 +365,7 @@ typedef struct {
     int64_t part, parts;
 } sgd_args;
 
-static void *sgd_part(void *p) {
+ROW_LOOPS static void *sgd_part(void *p) {
     sgd_args *a = (sgd_args *)p;
     size_t row_bytes = (size_t)a->dim * sizeof(float);
     for (int64_t i = 0; i < a->n; i++) {
@@ -405,7 +417,9 @@ _library: ctypes.CDLL | None = None
 _tried = False
 
 
-_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
+_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
+# A compiler or C library without ifunc support (target_clones) builds the same source once more without it.
+_FALLBACK_FLAGS = ("-DSLIPCACHE_NO_CLONES",)
 BUILD_TIMEOUT_S = 120.0  # a compiler that hangs must not hang training: the torch path runs instead
 
 
@@ -465,15 +479,18 @@ def _build(compiler: str, target: Path) -> None:
         source = Path(tmp) / "native.c"
         source.write_text(_SOURCE)
         built = Path(tmp) / target.name
-        try:
-            result = subprocess.run(
-                [compiler, *_FLAGS, "-o", str(built), str(source)],
-                capture_output=True,
-                text=True,
-                timeout=BUILD_TIMEOUT_S,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise OSError(f"the C compiler took over {BUILD_TIMEOUT_S:g} s") from exc
+        for extra in ((), _FALLBACK_FLAGS):
+            try:
+                result = subprocess.run(
+                    [compiler, *_FLAGS, *extra, "-o", str(built), str(source)],
+                    capture_output=True,
+                    text=True,
+                    timeout=BUILD_TIMEOUT_S,
+                )
+            except subprocess.TimeoutExpired as exc:
+                raise OSError(f"the C compiler took over {BUILD_TIMEOUT_S:g} s") from exc
+            if result.returncode == 0:
+                break
         if result.returncode != 0:
             raise OSError(f"the C compiler failed: {(result.stderr or '').strip().splitlines()[:1]}")
         os.chmod(built, 0o700)
