@@ -258,3 +258,48 @@ def test_torchrec_peer_trains(tmp_path: Path) -> None:
     config = make_config({}, {"quick": True, "data": str(data), "samples": 640, "batch_size": 64})
     outcome = bench_train._run_torchrec(config, tmp_path)
     assert outcome["train_samples"] == 640 and 0.0 < outcome["auc"] < 1.0 and outcome["samples_per_s"] > 0
+
+
+def test_hottest_counts_rank_rows_of_all_tables_by_probability() -> None:
+    sizes = [3, 1000, 20_000]
+    norms = [sum(k**-1.05 for k in range(1, n + 1)) for n in sizes]
+    counts = bench_workload.hottest_counts(sizes, norms, 1.05, 500)
+    assert sum(counts) == pytest.approx(500, abs=len(sizes)) and counts[0] == 3
+    least_kept = min(counts[t] ** -1.05 / norms[t] for t in range(3))
+    most_left = max((counts[t] + 1) ** -1.05 / norms[t] for t in range(3) if counts[t] < sizes[t])
+    assert least_kept >= most_left  # every row kept is at least as probable as every row left out
+    assert bench_workload.hottest_counts(sizes, norms, 1.05, 10**9) == sizes
+
+
+def _cache_after(work: bench_workload.Workload, cfg: bench_peers.BenchConfig, prefill: bool) -> tuple[float, int]:
+    """(share of cache slots holding a row, evictions in the workload's timed batches) without a warm-up."""
+    built = bench_peers._build_slipcache(cfg, work.table_sizes, 8, 0.1, 0)
+    if prefill:
+        bench_timing._prefill(built, work, 8)
+    occupied = float((built.owner.cache.slot_rows >= 0).float().mean())
+    built.reset_stats()
+    for i in range(work.first_timed, work.batches.shape[0]):
+        built.step(work.batches[i], work.grad(8))
+    return occupied, int(built.stats()["evictions"])
+
+
+def test_prefill_fills_the_cache_so_timing_evicts() -> None:
+    cfg = next(c for c in bench_peers.CONFIGS if c.name == "slipcache-int8-lru5")
+    sizes = [20, 3000, 8000]
+    work = bench_workload.make_workload(sizes, batch_size=64, warmup_steps=0, timed_steps=3, hot_rows=2 * 550)
+    full, evictions = _cache_after(work, cfg, prefill=True)
+    assert full > 0.98 and evictions > 0  # a set that few hot rows hash to may keep a way free
+    cold, cold_evictions = _cache_after(work, cfg, prefill=False)  # the old behaviour: still filling
+    assert cold < 0.8 and cold_evictions < evictions
+    assert work.describe()["prefill"]
+    assert not bench_workload.make_workload(sizes, batch_size=64, warmup_steps=0, timed_steps=3).describe()["prefill"]
+
+
+def test_bench_reports_evictions_per_step_and_keeps_no_prefill(tmp_path: Path) -> None:
+    result = _run(tmp_path, "--dims", "8", "--configs", "slipcache-int8-lru5", "--rounds", "1", "--no-prefill")
+    (row,) = result["rows"]
+    assert "--no-prefill" in result["command"] and row.get("prefill_steps") is None
+    assert row["evictions_per_step"] == row["evictions"] / row["timed_steps"]
+    result = _run(tmp_path, "--dims", "8", "--configs", "slipcache-int8-lru5", "--rounds", "1")
+    (row,) = result["rows"]
+    assert row["prefill_steps"] > 0 and "evict/step" in (tmp_path / "out" / "bench.md").read_text()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import shlex
 import sys
@@ -32,7 +33,14 @@ from slipcache.experiments.bench_report import (
     format_targets,
     progress,
 )
-from slipcache.experiments.bench_timing import GB, PROFILE_STEPS, _load_average, combine_rounds, measure
+from slipcache.experiments.bench_timing import (
+    GB,
+    PREFILL_OVERSUBSCRIPTION,
+    PROFILE_STEPS,
+    _load_average,
+    combine_rounds,
+    measure,
+)
 from slipcache.experiments.bench_workload import make_workload, scaled_table_sizes
 from slipcache.experiments.machine import describe_machine, physical_memory_bytes, probe_memory
 
@@ -96,6 +104,13 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="skip configurations estimated above this (default 60%% of physical memory)",
+    )
+    parser.add_argument(
+        "--prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fill each cache with the most probable rows before its warm-up, so timing sees steady-state "
+        "evictions, as in a long run (default on; --no-prefill: caches start empty)",
     )
     parser.add_argument("--zipf", type=float, default=1.05, help="power-law exponent of the ids")
     parser.add_argument(
@@ -182,6 +197,8 @@ def _command(args: argparse.Namespace, dims: list[int], configs: list[BenchConfi
     ):
         if value is not None:
             parts += [flag, str(value)]
+    if not args.prefill:
+        parts.append("--no-prefill")
     if args.min_rows != 10_000:
         parts += ["--min-rows", str(args.min_rows)]
     if args.skip_probes:
@@ -270,7 +287,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         f"generating ids: {len(sizes)} tables, {sum(sizes):,} rows, {max(warmup, cache_warmup)}+{steps} steps "
         f"of {args.batch_size}"
     )
-    work = make_workload(sizes, args.batch_size, warmup, steps, args.zipf, args.seed, cache_warmup)
+    # The rows a prefill may need: the largest cache's, oversubscribed, with room for its sets' rounding.
+    largest = max((c.cache_fraction for c in configs), default=0.0) if args.prefill else 0.0
+    hot_rows = math.ceil(1.25 * PREFILL_OVERSUBSCRIPTION * largest * sum(sizes))
+    work = make_workload(sizes, args.batch_size, warmup, steps, args.zipf, args.seed, cache_warmup, hot_rows)
     progress(f"  done in {work.generate_s:.1f} s")
 
     keys = [(dim, cfg) for dim in dims for cfg in configs]
@@ -288,6 +308,8 @@ def _run_bench(args: argparse.Namespace) -> int:
             per_key[(dim, cfg.name)].append(row)
             if row["status"] == "ok":
                 extra = "" if row["hit_rate"] is None else f", hit rate {row['hit_rate']:.3f}"
+                if row.get("evictions_per_step") is not None:
+                    extra += f", {row['evictions_per_step']:,.0f} evictions/step"
                 progress(
                     f"    init {row['init_s']:.1f} s, {row['timed_steps']} steps in {row['timed_s']:.1f} s: "
                     f"{row['samples_per_s']:,.0f} samples/s, {row['bytes'] / GB:.3f} GB "
@@ -320,7 +342,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             "fewer evictions than half the rows admitted to the cache during the timed steps of "
             + ", ".join(cold)
             + ": the cache was still filling, so their hit rate is a cold-start figure, not the steady state "
-            "(more --cache-warmup-steps or a smaller --scale show capacity misses)"
+            "(--prefill, more --cache-warmup-steps or a smaller --scale show capacity misses)"
         )
     # This process accounts for about `threads` of the load; more than half a core beyond it is someone else.
     if loads and max(loads) > threads + 0.5:

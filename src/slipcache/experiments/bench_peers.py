@@ -65,6 +65,7 @@ class Built:
     reset_stats: Callable[[], None] | None = None
     clock: Any = None  # our PhaseClock, for the phase profile
     owner: Any = None  # the module; dropped to free memory
+    cache_rows: int = 0  # rows its cache holds (0: no cache), for the prefill
 
 
 class _TorchBags(nn.Module):
@@ -196,6 +197,7 @@ def _build_slipcache(
         reset_stats=coll.reset_stats,
         clock=coll.clock,
         owner=coll,
+        cache_rows=coll.cache.capacity if cfg.cache_fraction else 0,
     )
 
 

@@ -67,6 +67,7 @@ def format_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
         "GB",
         "mem ratio",
         "hit rate",
+        "evict/step",
         "B moved/sample",
         "status",
     ]
@@ -82,6 +83,7 @@ def format_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
                 _fmt(None if r["bytes"] is None else r["bytes"] / GB, ".3f"),
                 _fmt(r["memory_ratio"], ".2f"),
                 _fmt(r["hit_rate"], ".3f"),
+                _fmt(r.get("evictions_per_step"), ",.0f"),
                 _fmt(r["bytes_moved_per_sample"], ",.0f"),
                 r["status"],
             ]
@@ -93,7 +95,7 @@ def format_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     widths = [max(len(h), *(len(c[i]) for c in lines)) if lines else len(h) for i, h in enumerate(header)]
 
     def fmt_line(cells: list[str]) -> str:
-        numeric = range(2, 9)  # right-align the number columns
+        numeric = range(2, 10)  # right-align the number columns
         return "  ".join(
             c.rjust(w) if i in numeric else c.ljust(w)
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))
@@ -164,7 +166,12 @@ def _markdown(result: dict[str, Any]) -> str:
         f"- workload: {w['tables']} tables, {w['rows']:,} rows, batch {w['batch_size']}, {w['id_distribution']}; "
         f"top 1% / 5% of rows take {w['lookup_share_top_1pct_rows']:.0%} / {w['lookup_share_top_5pct_rows']:.0%} "
         f"of lookups; {w['warmup_steps']} warm-up steps ({w['cache_warmup_steps']} with a cache) + "
-        f"{w['timed_steps']} timed steps of forward + backward + update",
+        f"{w['timed_steps']} timed steps of forward + backward + update; "
+        + (
+            "each cache first prefilled with the rows the id distribution makes most probable"
+            if w.get("prefill")
+            else "caches start empty (no prefill)"
+        ),
         f"- memory budget: {result['memory_budget_gb']:.1f} GB",
         "",
         format_table(result["rows"], markdown=True),
@@ -176,8 +183,8 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         format_profile(result["rows"], markdown=True) or "(not profiled)",
         "",
-        "`mem ratio` = fp32 bytes / bytes held; `hit rate` and `B moved/sample` (cache <-> storage traffic) "
-        "cover the timed steps only.",
+        "`mem ratio` = fp32 bytes / bytes held; `hit rate`, `evict/step` (rows written back to storage per "
+        "step) and `B moved/sample` (cache <-> storage traffic) cover the timed steps only.",
         "",
         "## Targets",
         "",

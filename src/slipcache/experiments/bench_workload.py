@@ -50,6 +50,10 @@ class Workload:
     seed: int
     cache_warmup_steps: int
     batches: Tensor  # int64 [max(warmup, cache warmup) + timed, B, T]
+    # Each table's most probable rows, hottest first, as many as are among the `hot_rows` most probable rows
+    # of all tables (make_workload's argument; at least one per table; none when 0), for `prefill_batches`.
+    hot_rows: list[Tensor] = field(default_factory=list, repr=False)
+    zipf_norms: list[float] = field(default_factory=list, repr=False)  # sum_k k^-exponent of each table
     lookup_share_top_1pct: float = 0.0
     lookup_share_top_5pct: float = 0.0
     generate_s: float = 0.0
@@ -82,6 +86,7 @@ class Workload:
             "cache_warmup_steps": self.cache_warmup_steps,
             "timed_steps": self.timed_steps,
             "id_distribution": f"zipf({self.exponent}) over a random permutation of each table's rows",
+            "prefill": bool(self.hot_rows),
             "lookup_share_top_1pct_rows": self.lookup_share_top_1pct,
             "lookup_share_top_5pct_rows": self.lookup_share_top_5pct,
             "seed": self.seed,
@@ -96,15 +101,19 @@ def make_workload(
     exponent: float = 1.05,
     seed: int = 0,
     cache_warmup_steps: int | None = None,
+    hot_rows: int = 0,
 ) -> Workload:
     """Power-law ids per table by inverse-CDF sampling, ranks mapped to rows by a random permutation.
 
     Why the permutation: hot rows of a real table are scattered, not rows 0..k; a cache or a prefetcher must
-    not get adjacency for free.
+    not get adjacency for free. The `hot_rows` most probable rows of all tables are kept for a cache prefill.
     """
     start = time.perf_counter()
     if cache_warmup_steps is None:
         cache_warmup_steps = warmup_steps
+    norms = [float(np.sum(np.arange(1, n + 1, dtype=np.float64) ** -exponent)) for n in table_sizes]
+    hot_counts = [max(1, c) for c in hottest_counts(table_sizes, norms, exponent, hot_rows)]
+    hot: list[Tensor] = []
     rng = np.random.default_rng(seed)
     steps = max(warmup_steps, cache_warmup_steps) + timed_steps
     count = steps * batch_size
@@ -118,6 +127,8 @@ def make_workload(
         np.minimum(ranks, n - 1, out=ranks)
         perm = rng.permutation(n)
         ids[:, t] = perm[ranks]
+        if hot_rows > 0:
+            hot.append(torch.from_numpy(perm[: hot_counts[t]].copy()))
         del cdf, perm, ranks
     batches = torch.from_numpy(ids).view(steps, batch_size, len(table_sizes))
     return Workload(
@@ -129,9 +140,59 @@ def make_workload(
         exponent=exponent,
         seed=seed,
         batches=batches,
+        hot_rows=hot,
+        zipf_norms=norms,
         lookup_share_top_1pct=share1 / len(table_sizes),
         lookup_share_top_5pct=share5 / len(table_sizes),
         generate_s=time.perf_counter() - start,
     )
 
 
+
+
+def hottest_counts(table_sizes: list[int], norms: list[float], exponent: float, total: int) -> list[int]:
+    """How many top ranks of each table are among the `total` most probable rows of all tables.
+
+    Rank k of table t has probability k^-exponent / norms[t] per lookup of t, and every table is looked up
+    once per sample, so these are the rows a cache of `total` rows holds in steady state under LFU (and,
+    near enough, LRU). The threshold probability is found by bisection on its logarithm.
+    """
+    if total <= 0:
+        return [0] * len(table_sizes)
+    if total >= sum(table_sizes):
+        return list(table_sizes)
+
+    def counts(log_threshold: float) -> list[int]:
+        # k^-s / H >= p  <=>  log k <= -(log p + log H) / s
+        return [
+            min(n, int(math.exp(min(50.0, -(log_threshold + math.log(h)) / exponent)) + 1e-9))
+            for n, h in zip(table_sizes, norms, strict=True)
+        ]
+
+    low = -exponent * math.log(max(table_sizes)) - math.log(max(norms)) - 1.0  # every row above it
+    high = 0.0  # no row above it
+    for _ in range(100):
+        middle = (low + high) / 2
+        if sum(counts(middle)) > total:
+            low = middle
+        else:
+            high = middle
+    return counts(high)
+
+
+def prefill_batches(work: Workload, capacity: int, rows_per_batch: int) -> list[Tensor]:
+    """Id batches ([<= rows_per_batch, tables]) that bring the `capacity` most probable rows into a cache.
+
+    Each table's rows come coldest first and end together in the last batch, so under LRU the hottest are
+    the most recently used when the warm-up starts; a table with fewer rows than the longest repeats its
+    hottest one before them. Deterministic: the same rows for every configuration of one workload.
+    """
+    available = sum(len(h) for h in work.hot_rows)
+    counts = hottest_counts(work.table_sizes, work.zipf_norms, work.exponent, min(capacity, available))
+    counts = [max(1, min(c, len(h))) for c, h in zip(counts, work.hot_rows, strict=True)]
+    length = max(counts)
+    ids = torch.empty(length, len(counts), dtype=torch.int64)
+    for t, count in enumerate(counts):
+        ids[:, t] = work.hot_rows[t][0]
+        ids[length - count :, t] = work.hot_rows[t][:count].flip(0)
+    return list(ids.split(max(1, rows_per_batch)))
