@@ -303,3 +303,10 @@ def test_bench_reports_evictions_per_step_and_keeps_no_prefill(tmp_path: Path) -
     result = _run(tmp_path, "--dims", "8", "--configs", "slipcache-int8-lru5", "--rounds", "1")
     (row,) = result["rows"]
     assert row["prefill_steps"] > 0 and "evict/step" in (tmp_path / "out" / "bench.md").read_text()
+
+
+def test_a_cache_replaying_its_timed_batches_is_warned(tmp_path: Path) -> None:
+    argv = ["--dims", "8", "--configs", "slipcache-int8-lru5", "--rounds", "1"]
+    assert not any("more than once" in w for w in _run(tmp_path, *argv)["warnings"])
+    warned = _run(tmp_path, *argv, "--min-seconds", "0.2")["warnings"]
+    assert any("ran over its 3 batches more than once" in w for w in warned)

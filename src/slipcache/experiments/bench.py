@@ -344,6 +344,19 @@ def _run_bench(args: argparse.Namespace) -> int:
             + ": the cache was still filling, so their hit rate is a cold-start figure, not the steady state "
             "(--prefill, more --cache-warmup-steps or a smaller --scale show capacity misses)"
         )
+    # Past `--steps` the timed section runs the same batches again: a cache then holds the rows they need,
+    # so hit rate and evictions per step drift from the steady state toward a replay of a short trace.
+    replayed = [
+        f"{r['name']}@{r['dim']}"
+        for r in rows
+        if r["status"] == "ok" and r["cache_fraction"] and (r.get("timed_steps") or 0) > 1.5 * steps
+    ]
+    if replayed:
+        warnings.append(
+            "the timed section of " + ", ".join(replayed) + f" ran over its {steps} batches more than once "
+            "(to last --min-seconds): their cache saw those rows again, so hit rate and samples/s are "
+            "optimistic; give --steps at least the steps that run in --min-seconds"
+        )
     # This process accounts for about `threads` of the load; more than half a core beyond it is someone else.
     if loads and max(loads) > threads + 0.5:
         warnings.append(
