@@ -90,7 +90,10 @@ class StaleSkipper:
         )
         self.window = self.detector.window_batches(batches_per_epoch)
         self.guard_every = int(config.stale_guard_every) if config.stale_guard else 0
-        self.control_share = float(config.stale_control) if config.stale_guard else 0.0
+        # p: share of the would-be-skipped inputs trained anyway (the guard's control group); with reweighting
+        # their loss counts 1/p, an importance sample of all would-be-skipped inputs (see loss_weights).
+        self.control_share = float(config.stale_keep)
+        self.control_weight = 1.0 / self.control_share if config.stale_reweight and self.control_share > 0 else 1.0
         self.release_cache = bool(config.stale_release_cache) and hasattr(self.coll, "release_rows")
         self.min_accesses = float(config.stale_min_accesses)
         self.refit = bool(config.stale_refit) and config.stale_decision == "rolling"
@@ -161,6 +164,24 @@ class StaleSkipper:
         self.decisions.append(keep)
         self.overhead["filter"] += time.perf_counter() - t0
         return keep
+
+    def loss_weights(self, n: int) -> torch.Tensor | None:
+        """Per-input loss weights of the next trained batch of ``n``: 1/p on its kept would-be-skipped inputs.
+
+        Why: Slipstream drops stale inputs, so the gradient of the dense MLP and of every row they look up
+        loses their terms (biased). Training a random share p of them with weight 1/p makes the epoch's
+        expected gradient sum the one without skipping; only its variance grows. The weights are the
+        mean-reduced loss's, over the batch's n inputs: an epoch's update sums lr / n x w x gradient over the
+        kept inputs, whose expectation is the no-skipping sum. None (plain mean) when no input of the batch
+        is weighted, so p = 1 or reweighting off trains bit-identically.
+        """
+        if self.control_weight == 1.0:
+            return None
+        control = self.pending_controls[:n]
+        if not control.any():
+            return None
+        weights = np.where(control, self.control_weight, 1.0).astype(np.float32)
+        return torch.from_numpy(weights)
 
     def after_batch(self, batch: Batch, logits: torch.Tensor) -> None:
         """Warm-up check, update counting, window close and threshold fit, re-checks, guard bookkeeping."""

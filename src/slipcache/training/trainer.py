@@ -132,7 +132,8 @@ class TrainConfig:
     stale_warmup_min: float = 0.1  # never skip in this first share of the run
     stale_warmup_tol: float = 0.005  # validation loss "flattened": improved less than this (relative) on its best
     stale_decision: str = "rolling"  # "rolling" re-checks, or "epoch": one decision per epoch (the authors')
-    stale_control: float = 0.05  # share of would-be-skipped inputs trained anyway as the guard's control
+    stale_keep: float = 0.05  # p: share of would-be-skipped inputs trained anyway (the guard's control)
+    stale_reweight: bool = False  # weight the kept would-be-skipped inputs' loss by 1/p: unbiased gradient
 
     def embedding_options(self) -> dict[str, Any]:
         """The embedding collection's settings, shared by the one-process and the sharded model."""
@@ -226,8 +227,10 @@ class TrainConfig:
             raise SlipcacheError("stale_min_updates must be >= 1, stale_warmup_epoch >= 0, stale_warmup_min in [0, 1)")
         if not 0.0 < self.stale_count_share <= 1.0:
             raise SlipcacheError(f"stale_count_share must be in (0, 1], got {self.stale_count_share}")
-        if not 0.0 <= self.stale_control < 1.0 or not 0.0 <= self.stale_warmup_tol < 1.0:
-            raise SlipcacheError("stale_control and stale_warmup_tol must be in [0, 1)")
+        if not 0.0 <= self.stale_keep <= 1.0 or not 0.0 <= self.stale_warmup_tol < 1.0:
+            raise SlipcacheError("stale_keep must be in [0, 1] and stale_warmup_tol in [0, 1)")
+        if self.stale_reweight and self.stale_keep == 0.0:
+            raise SlipcacheError("stale_reweight needs stale_keep > 0 (the kept share p is weighted 1/p)")
         if (self.stale_recheck is not None and self.stale_recheck < 0) or not self.stale_min_accesses >= 0:
             raise SlipcacheError(
                 "stale_recheck must be >= 0 (0 = window length) or None, stale_min_accesses >= 0"
@@ -799,7 +802,8 @@ def train_step(run: Run, batch: Any, batches: Any = None) -> float:
     if ahead and batches is not None:
         run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], run.config.prefetch)
     logits = run.model(batch.dense, batch.sparse)
-    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    weights = run.skipper.loss_weights(batch.labels.shape[0]) if run.skipper is not None else None
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels, weight=weights)
     loss_value = loss.item()
     if not math.isfinite(loss_value):
         # Stop before backward: a fused embedding update would write the bad gradient into storage.
@@ -1437,7 +1441,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stale-warmup-tol", type=float, default=s, help="relative val-loss gain that still counts (0.005)")
     add("--stale-decision", choices=("rolling", "epoch"), default=s,
         help="rolling re-checks (default) or one decision per epoch (the authors')")
-    add("--stale-control", type=float, default=s, help="share of would-be-skipped inputs trained as control (0.05)")
+    add("--stale-keep", "--stale-control", dest="stale_keep", type=float, default=s,
+        help="p: share of would-be-skipped inputs trained anyway, the guard's control (0.05)")
+    add("--stale-reweight", action="store_true", default=s,
+        help="weight those inputs' loss by 1/p: the expected gradient is the one without skipping")
     add(
         "--no-stale-refit",
         dest="stale_refit",
