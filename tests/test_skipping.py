@@ -12,7 +12,7 @@ from slipcache.training import checkpoint
 from slipcache.training import trainer as train
 from tests.helpers import SIZES, make_dataset, tiny_config
 
-TIMING = {"samples_per_s", "train_wall_s", "train_seconds", "compute_s", "skip_overhead_s", "time_saved_s"}
+TIMING = {"samples_per_s", "train_wall_s", "train_seconds", "compute_s", "skip_overhead_s", "time_saved_s", "train_cpu_s"}
 METRICS = ("auc", "logloss", "accuracy", "normalized_entropy", "train_samples", "skipped_fraction")
 
 

@@ -552,6 +552,30 @@ def test_convergence_rule_ignores_lookups_of_rows_that_are_not_hot():
     assert np.isfinite(det.row_score()).tolist() == [True, False, True]  # hot rows 0, 1, 2
 
 
+def test_compiled_update_counting_matches_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C loop (flag byte, hash probe, increment) counts exactly what the NumPy path counts."""
+    from slipcache import _native
+
+    if _native.native() is None:
+        pytest.skip("no compiled library")
+    rng = np.random.default_rng(5)
+    sizes = [50, 3, 400, 1000]
+    ids = np.stack([np.minimum(rng.zipf(1.4, 3000) - 1, s - 1) for s in sizes], axis=1).astype(np.int32)
+    counts = []
+    for compiled in (True, False):
+        coll = FakeCollection(sizes)
+        det = make(StalenessConfig(rule="convergence", memory_budget_bytes=60 * coll.dim * 4), coll)
+        det.profile(ids[:500])
+        det.begin_window(coll)
+        if not compiled:
+            monkeypatch.setattr(_native, "native", lambda: None)
+        for batch in np.split(ids, 6):
+            det.record_updates(np.ascontiguousarray(batch))
+        det._fold_updates()
+        counts.append(det._updates.copy())
+    assert counts[0].sum() > 0 and np.array_equal(counts[0], counts[1])
+
+
 def test_hot_index_matches_a_sorted_search():
     rng = np.random.default_rng(3)
     rows = np.sort(rng.choice(1_000_000, 5000, replace=False))

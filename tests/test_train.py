@@ -28,7 +28,7 @@ SUMMARY_KEYS = {
     "skipped_fraction",
     "config",
 }
-TIMING = {"samples_per_s", "train_wall_s", "train_seconds"}
+TIMING = {"samples_per_s", "train_wall_s", "train_seconds", "train_cpu_s"}
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,24 @@ int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int
     return -1;
 }
 
+/* Update counting of the convergence rule: for every lookup of a hot row (flag != 0), counts[position]++,
+   the position found in the open-addressing hash of the hot rows (HotIndex: Fibonacci hash, linear probing,
+   keys -1 = empty). Ids are trained ones, validated by the filter already. Returns the lookups counted. */
+int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
+                          const uint8_t *flags, const int64_t *keys, const int32_t *values, int64_t bits,
+                          int64_t *counts) {
+    uint64_t mask = ((uint64_t)1 << bits) - 1, shift = 64 - (uint64_t)bits;
+    int64_t counted = 0;
+    for (int64_t i = 0; i < n * tables; i++) {
+        int64_t row = offsets[i % tables] + ids[i];
+        if (!flags[row]) continue;
+        uint64_t slot = ((uint64_t)row * 0x9E3779B97F4A7C15ULL) >> shift;
+        while (keys[slot] != row && keys[slot] != -1) slot = (slot + 1) & mask;
+        if (keys[slot] == row) { counts[values[slot]]++; counted++; }
+    }
+    return counted;
+}
+
 typedef struct {
     float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
     int64_t part, parts;
@@ -284,6 +302,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.sgd_update.restype = i64
     library.classify_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
     library.classify_inputs.restype = i64
+    library.count_hot_updates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr]
+    library.count_hot_updates.restype = i64
 
 
 def native() -> ctypes.CDLL | None:
@@ -423,3 +443,26 @@ def classify_inputs(
     bad = library.classify_inputs(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data, required,
                                   stale.ctypes.data, hot.ctypes.data)
     return None if bad >= 0 else (stale, hot)
+
+
+def count_hot_updates(ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                      counts: np.ndarray) -> int:
+    """counts[hot position of each hot lookup] += 1, in one pass; returns the lookups counted.
+
+    `keys`/`values` are a HotIndex's table (its size a power of two), `flags` the detector's per-row bytes
+    (non-zero = hot). The caller checks that the library is there; ids must be valid C-contiguous int32 [n, T].
+    """
+    library = native()
+    assert library is not None
+    n, tables = ids.shape
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    bits = int(keys.size).bit_length() - 1
+    if (
+        ids.dtype != np.int32 or not ids.flags.c_contiguous or offsets.shape != (tables + 1,)
+        or flags.dtype != np.uint8 or flags.shape[0] < offsets[-1] or keys.dtype != np.int64
+        or values.dtype != np.int32 or keys.size != 1 << bits or values.size != keys.size
+        or counts.dtype != np.int64 or not counts.flags.c_contiguous
+    ):
+        raise ValueError("compiled loop: bad arrays for count_hot_updates")
+    return int(library.count_hot_updates(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data,
+                                         keys.ctypes.data, values.ctypes.data, bits, counts.ctypes.data))
