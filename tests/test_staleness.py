@@ -570,7 +570,7 @@ def test_compiled_update_counting_matches_numpy(monkeypatch: pytest.MonkeyPatch)
         if not compiled:
             monkeypatch.setattr(_native, "native", lambda: None)
         for batch in np.split(ids, 6):
-            det.record_updates(np.ascontiguousarray(batch))
+            det.record_updates(batch.astype(np.int64))  # as the trainer's batches hold them
         det._fold_updates()
         counts.append(det._updates.copy())
     assert counts[0].sum() > 0 and np.array_equal(counts[0], counts[1])
