@@ -623,3 +623,34 @@ def test_guard_step_down_lowers_then_stops():
     assert guard.step_down(-0.003).action == "lower" and guard.target == pytest.approx(0.2)
     assert guard.step_down(-0.003).action == "stop" and not guard.active
     assert guard.step_down(-0.003).action == "none"
+
+
+def test_compiled_filter_matches_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep, control and every counter of the one-pass C filter equal the NumPy path's, alpha < 1 too."""
+    from slipcache import _native
+
+    if _native.native() is None:
+        pytest.skip("no compiled library")
+    rng = np.random.default_rng(7)
+    sizes = [40, 5, 300]
+    ids = np.stack([np.minimum(rng.zipf(1.3, 4000) - 1, s - 1) for s in sizes], axis=1).astype(np.int32)
+    for alpha in (1.0, 0.6):
+        results = []
+        for compiled in (True, False):
+            coll = FakeCollection(sizes)
+            det = make(StalenessConfig(rule="convergence", min_updates=1, tolerance=1.0, alpha=alpha, seed=3), coll)
+            det.profile(ids[:1000])
+            det.begin_window(coll)
+            det.record_updates(ids[:1000])
+            coll.move(np.arange(0, 345, 2), 0.3)  # even rows move: odd ones are stale
+            det.end_window(coll)
+            det.fit_threshold(ids[:1000])
+            assert det.skipping
+            if not compiled:
+                monkeypatch.setattr(_native, "native", lambda: None)
+            out = [det.count_with_controls(batch, control_share=0.3) for batch in np.split(ids, 8)]
+            monkeypatch.undo()
+            results.append((np.concatenate([k for k, _ in out]), np.concatenate([c for _, c in out]), det.total))
+        (keep, control, total), (keep_np, control_np, total_np) = results
+        assert np.array_equal(keep, keep_np) and np.array_equal(control, control_np) and total == total_np
+        assert total.skipped > 0 and total.controls > 0

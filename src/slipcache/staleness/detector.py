@@ -780,8 +780,7 @@ class StaleInputDetector:
         """
         required = self.config.required_stale(self.num_tables)
         ids = _to_numpy(sparse)
-        if (ids.dtype == np.int32 and ids.ndim == 2 and ids.shape[1] == self.num_tables and ids.flags.c_contiguous
-                and _native.native() is not None):
+        if self._compiled(ids):
             result = _native.classify_inputs(ids, self.table_offsets, self._row_flags, required)
             if result is None:
                 raise InvalidInputError("sparse ids out of range for their tables")
@@ -791,6 +790,11 @@ class StaleInputDetector:
             lowest = flags.min(axis=1, initial=3)
             return lowest == 3, lowest >= 1
         return np.count_nonzero(flags == 3, axis=1) >= required, np.count_nonzero(flags, axis=1) >= required
+
+    def _compiled(self, ids: np.ndarray) -> bool:
+        """Whether the compiled loops can take these ids (C-contiguous int32 [n, T], as the splits hold them)."""
+        return (ids.dtype == np.int32 and ids.ndim == 2 and ids.shape[1] == self.num_tables
+                and ids.flags.c_contiguous and _native.native() is not None)
 
     def count(self, sparse: np.ndarray | torch.Tensor, control_share: float = 0.0) -> np.ndarray:
         """Classify for skipping and record the counts for ``stats``; returns the keep mask."""
@@ -803,6 +807,16 @@ class StaleInputDetector:
         ``control_share``: that share of the would-be-skipped inputs is kept anyway (the guard's control
         group), chosen by a hash of the input's position in the run, so the choice needs no RNG state.
         """
+        ids = _to_numpy(sparse)
+        if self._compiled(ids):  # one C pass (this runs on every training input): a few NumPy passes less
+            result = _native.filter_inputs(ids, self.table_offsets, self._row_flags,
+                                           self.config.required_stale(self.num_tables), self.skipping,
+                                           control_share, _seed_mix(self.config.seed), self.total.inputs)
+            if result is None:
+                raise InvalidInputError("sparse ids out of range for their tables")
+            keep, control, num_hot, num_would_skip, num_control = result
+            self._add_counts(keep.size, num_hot, num_would_skip - num_control, num_control)
+            return keep, control
         skip, hot = self._classify(sparse)
         control = np.zeros_like(skip)
         num_hot = int(np.count_nonzero(hot))
@@ -816,15 +830,17 @@ class StaleInputDetector:
         keep = np.ones_like(skip)
         keep[would_skip] = False
         keep |= control
-        num_skipped = int(would_skip.size) - num_control
+        self._add_counts(skip.size, num_hot, int(would_skip.size) - num_control, num_control)
+        return keep, control
+
+    def _add_counts(self, inputs: int, hot: int, skipped: int, controls: int) -> None:
         # skipped inputs are stale under alpha, so hot under alpha too: every skipped input is a hot one
         for counters in (self.epoch_counts, self.total):
-            counters.inputs += int(skip.size)
-            counters.hot_inputs += num_hot
-            counters.skipped += num_skipped
-            counters.skipped_hot += num_skipped
-            counters.controls += num_control
-        return keep, control
+            counters.inputs += int(inputs)
+            counters.hot_inputs += hot
+            counters.skipped += skipped
+            counters.skipped_hot += skipped
+            counters.controls += controls
 
     def pass_through(self, n: int) -> np.ndarray:
         """Keep all of ``n`` inputs without classifying them (before warm-up ends); counts them."""
@@ -974,12 +990,16 @@ def _uniform(seed: int, positions: np.ndarray) -> np.ndarray:
     Stateless, so a resumed run draws exactly what the uninterrupted one drew for the same inputs.
     """
     with np.errstate(over="ignore"):
-        z = positions.astype(np.uint64) + np.uint64((seed * 0x632BE59BD9B4E019) % 2**64)
+        z = positions.astype(np.uint64) + np.uint64(_seed_mix(seed))
         z += np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z ^= z >> np.uint64(31)
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def _seed_mix(seed: int) -> int:
+    return (seed * 0x632BE59BD9B4E019) % 2**64
 
 
 def _to_numpy(x: np.ndarray | torch.Tensor) -> np.ndarray:
