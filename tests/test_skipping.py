@@ -142,7 +142,7 @@ def test_guard_lowers_the_target_when_the_controls_loss_ratio_rises(
 
     checks: list[float] = []
 
-    def account(self: skipping.StaleSkipper, batch: object, logits: object, control: object) -> None:
+    def account(self: skipping.StaleSkipper, batch: object, logits: object, control: object, loss: object) -> None:
         ratio = 1.0 if not checks else 1.5
         self.control_sums = [ratio * skipping.CONTROL_MIN, skipping.CONTROL_MIN, 1.0, 1]
         checks.append(ratio)
@@ -247,14 +247,16 @@ def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
     assert events(tmp_path / "part") == events(tmp_path / "full")
 
 
-def _skipper_with_stale(data_dir: Path, tmp_path: Path, stale: np.ndarray, **overrides: object):  # type: ignore[no-untyped-def]
-    """A StaleSkipper on the tiny model whose detector calls exactly the inputs in `stale` stale."""
+def _skipper_with_stale(data_dir: Path, tmp_path: Path, **overrides: object):  # type: ignore[no-untyped-def]
+    """A StaleSkipper on the tiny model whose detector calls row 0 of every table stale and row 1 of table 0
+    hot but moving: an input of zeros is stale, one with id 1 in table 0 is not."""
     from slipcache.staleness.skipping import StaleSkipper
 
     config = tiny(data_dir, tmp_path / "run", **overrides)
     skipper = StaleSkipper(config, train.build_model(config, SIZES, 13), None, batches_per_epoch=10)
     det = skipper.detector
-    det._classify = lambda sparse: (stale.copy(), np.ones_like(stale))  # type: ignore[method-assign]
+    det._row_flags[det.table_offsets[:-1]] = 3
+    det._row_flags[1] = 1
     det._threshold = 0.0  # a fitted threshold: skipping is on
     skipper.window_start = 0
     return skipper
@@ -271,8 +273,9 @@ def test_reweighted_kept_inputs_make_the_loss_unbiased(data_dir: Path, tmp_path:
     n, p = 64, 0.25
     stale = rng.random(n) < 0.6
     losses = rng.uniform(0.1, 2.0, n) * np.where(stale, 0.3, 1.0)  # stale inputs have lower loss
-    skipper = _skipper_with_stale(data_dir, tmp_path, stale, stale_keep=p, stale_reweight=reweight)
+    skipper = _skipper_with_stale(data_dir, tmp_path, stale_keep=p, stale_reweight=reweight)
     sparse = np.zeros((n, 26), dtype=np.int32)
+    sparse[~stale, 0] = 1
     sums = []
     for _ in range(3000):  # each call classifies the next n positions of the run: a fresh control draw
         keep = skipper.sample_filter(sparse)
@@ -287,6 +290,27 @@ def test_reweighted_kept_inputs_make_the_loss_unbiased(data_dir: Path, tmp_path:
     else:
         biased = float(losses[~stale].sum() + p * losses[stale].sum())
         assert np.mean(sums) == pytest.approx(biased, rel=0.01) and biased < 0.9 * unbiased
+
+
+@pytest.mark.parametrize("reweight", [True, False])
+def test_guard_sums_from_the_step_loss_match_per_input_losses(data_dir: Path, tmp_path: Path, reweight: bool) -> None:
+    """The guard's cheap path (controls' losses only, the batch's sum from the step's mean) sums the same."""
+    from types import SimpleNamespace
+
+    skipper = _skipper_with_stale(data_dir, tmp_path, stale_keep=0.25, stale_reweight=reweight)
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(512, generator=gen), (torch.rand(512, generator=gen) < 0.3).float()
+    control = (torch.rand(512, generator=gen) < 0.1).numpy()
+    batch = SimpleNamespace(labels=labels)
+    skipper._account_controls(batch, logits, control)
+    exact = list(skipper.control_sums)
+    skipper.control_sums = [0.0, 0, 0.0, 0]
+    skipper.pending_controls = control  # loss_weights reads the flags the filter queued
+    weights = skipper.loss_weights(512)
+    mean = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=weights))
+    skipper._account_controls(batch, logits, control, mean)
+    assert skipper.control_sums[1::2] == exact[1::2] and exact[1] > 0
+    assert skipper.control_sums[0::2] == pytest.approx(exact[0::2], rel=1e-5)
 
 
 def test_full_keep_share_trains_exactly_as_without_skipping(data_dir: Path, tmp_path: Path) -> None:

@@ -847,7 +847,7 @@ def record_step(run: Run, batch: Any, loss_value: float, batches: Any) -> bool:
     progress = run.progress
     last = False
     if run.skipper is not None:
-        run.skipper.after_batch(batch, run.logits)  # warm-up, counters, snapshots, threshold fit, guard
+        run.skipper.after_batch(batch, run.logits, loss_value)  # warm-up, counting, snapshots, fits, guard
         progress.skipped = run.skipper.detector.total.skipped
         # A skipping epoch has fewer batches: the run's last one is known when none follows.
         last = progress.epoch == run.max_epochs - 1 and not batches.peek(1)
