@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slipcache.training import trainer as train
+from slipcache.training.config import TrainConfig, make_config
 
 SIZES = [20, 7, 50] + [5] * 23
 
@@ -50,11 +50,11 @@ def make_dataset(
     return root
 
 
-def tiny_config(data: Path, out: Path, **overrides: object) -> train.TrainConfig:
+def tiny_config(data: Path, out: Path, **overrides: object) -> TrainConfig:
     """A run of a few seconds on `make_dataset` data: small MLPs, two epochs, frequent events."""
     values = dict(
         data=str(data), out=str(out), embeddings="torch", embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16, 1],
         lr=0.3, batch_size=64, epochs=2, log_every=320, eval_every=640, checkpoint_every=640, progress=False,
     )
     values.update(overrides)
-    return train.make_config({}, values)
+    return make_config({}, values)

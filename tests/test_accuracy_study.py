@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from slipcache.errors import SlipcacheError
-from slipcache.experiments import studies
+from slipcache.experiments import accuracy, runner, studies
 
 RAN = re.compile(r"^\[\d+/\d+\] ")
 PROBE = ["--probe-seconds", "0.05", "--probe-table-bytes", "8000000"]
@@ -34,39 +34,39 @@ def _run(*argv: str) -> list[str]:
     [(1, 12.706205), (2, 4.302653), (3, 3.182446), (4, 2.776445), (9, 2.262157), (10, 2.228139), (30, 2.042272)],
 )
 def test_t_critical_matches_the_tables(df: int, expected: float) -> None:
-    assert studies.t_critical(df) == pytest.approx(expected, abs=2e-6)
+    assert accuracy.t_critical(df) == pytest.approx(expected, abs=2e-6)
 
 
 def test_t_mass_has_the_closed_forms_of_one_and_two_degrees_of_freedom() -> None:
     for t in (0.0, 0.3, 1.0, 4.0):
-        assert studies.t_two_sided_mass(t, 1) == pytest.approx(2 / math.pi * math.atan(t))  # Cauchy
-        assert studies.t_two_sided_mass(t, 2) == pytest.approx(t / math.sqrt(2 + t * t))
-    assert studies.t_critical(10_000) == pytest.approx(1.959964, abs=1e-3)  # the normal limit
+        assert accuracy.t_two_sided_mass(t, 1) == pytest.approx(2 / math.pi * math.atan(t))  # Cauchy
+        assert accuracy.t_two_sided_mass(t, 2) == pytest.approx(t / math.sqrt(2 + t * t))
+    assert accuracy.t_critical(10_000) == pytest.approx(1.959964, abs=1e-3)  # the normal limit
     with pytest.raises(SlipcacheError):
-        studies.t_two_sided_mass(1.0, 0)
+        accuracy.t_two_sided_mass(1.0, 0)
 
 
 def test_paired_interval_on_known_values() -> None:
-    got = studies.paired_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    got = accuracy.paired_interval([1.0, 2.0, 3.0, 4.0, 5.0])
     half = 2.776445 * math.sqrt(2.5) / math.sqrt(5)  # t(0.975, 4) * sd / sqrt(n)
     assert got is not None and got["n"] == 5 and got["mean"] == pytest.approx(3.0)
     assert got["half_width"] == pytest.approx(half, rel=1e-6)
     assert (got["low"], got["high"]) == pytest.approx((3 - half, 3 + half), rel=1e-6)
-    one = studies.paired_interval([0.5])
+    one = accuracy.paired_interval([0.5])
     assert one is not None and one["mean"] == 0.5 and one["low"] is None and one["half_width"] is None
-    assert studies.paired_interval([]) is None
+    assert accuracy.paired_interval([]) is None
 
 
 def test_tolerance_verdict() -> None:
     def verdict(*diffs: float) -> str:
-        return studies.tolerance_verdict(studies.paired_interval(list(diffs)))
+        return accuracy.tolerance_verdict(accuracy.paired_interval(list(diffs)))
 
     assert verdict(0.0001, -0.0001, 0.0002, 0.0).startswith("met")
     assert verdict(-0.003, -0.0031, -0.0029).startswith("missed: a loss")
     assert verdict(0.003, 0.0031, 0.0029).startswith("missed: a gain")
     wide = verdict(0.002, -0.002, 0.0)  # mean 0, half width 4.3 * 0.002 / sqrt(3) = 0.00497
     assert wide.startswith("not shown") and "0.004 beyond" in wide
-    assert studies.tolerance_verdict(studies.paired_interval([0.0])) == "too few seeds for an interval"
+    assert accuracy.tolerance_verdict(accuracy.paired_interval([0.0])) == "too few seeds for an interval"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -126,13 +126,13 @@ def test_accuracy_study_with_a_fake_trainer(tmp_path: Path, monkeypatch: pytest.
         prepare_data=lambda config, root: Path(config.data),
         open_dataset=lambda path: types.SimpleNamespace(table_sizes=[100] * 26),
     )
-    monkeypatch.setattr(studies, "trainer", fake)
+    monkeypatch.setattr(runner, "trainer", fake)
     out = tmp_path / "out"
     lines = _run("accuracy", "--out", str(out), "--data", str(tmp_path), "--accuracy-epochs", "4", *PROBE)
     results = json.loads((out / "results.json").read_text())
-    assert sum(bool(RAN.match(line)) for line in lines) == 6 * studies.ACCURACY_SEEDS == len(results["cells"])
+    assert sum(bool(RAN.match(line)) for line in lines) == 6 * accuracy.ACCURACY_SEEDS == len(results["cells"])
     assert {c["config"]["epochs"] for c in results["cells"]} == {4}
-    for setup in studies.accuracy_grid(studies.PRESETS["full"], 5):  # every setup on every seed: paired
+    for setup in accuracy.accuracy_grid(runner.PRESETS["full"], 5):  # every setup on every seed: paired
         assert sorted(c["seed"] for c in results["cells"] if c["setup"] == setup.name) == [0, 1, 2, 3, 4]
 
     rows = {r["setup"]: r for r in results["accuracy"]}
@@ -176,21 +176,21 @@ def test_accuracy_study_with_the_real_trainer(tmp_path: Path, monkeypatch: pytes
 
 
 def test_a_recalibrated_synthetic_dataset_makes_new_cells(tmp_path: Path) -> None:
-    plan = studies.Plan(studies.PRESETS["quick"], tmp_path, None, 2)
-    grid = studies.accuracy_grid(plan.preset, 2)
+    plan = runner.Plan(runner.PRESETS["quick"], tmp_path, None, 2)
+    grid = accuracy.accuracy_grid(plan.preset, 2)
     old, new = plan.cells(grid, "n150000-scale0.01-seed0-v3-aaaa"), plan.cells(grid, "n150000-scale0.01-seed0-v3-bbbb")
     assert [c.id for c in old] == [c.id for c in plan.cells(grid, "n150000-scale0.01-seed0-v3-aaaa")]
     assert not {c.id for c in old} & {c.id for c in new}
 
 
 def test_a_new_optional_trainer_field_keeps_finished_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    plan = studies.Plan(studies.PRESETS["quick"], tmp_path, None, 2)
-    grid = studies.accuracy_grid(plan.preset, 2)
+    plan = runner.Plan(runner.PRESETS["quick"], tmp_path, None, 2)
+    grid = accuracy.accuracy_grid(plan.preset, 2)
     before = [c.id for c in plan.cells(grid, "v3-aaaa")]
-    base = studies.trainer.TrainConfig
+    base = runner.trainer.TrainConfig
     off = dataclasses.make_dataclass("Off", [("new_option", str | None, None)], bases=(base,))
-    monkeypatch.setattr(studies.trainer, "TrainConfig", off)
+    monkeypatch.setattr(runner.trainer, "TrainConfig", off)
     assert [c.id for c in plan.cells(grid, "v3-aaaa")] == before  # an option added, off by default
     changed = dataclasses.make_dataclass("Changed", [("new_option", str, "on")], bases=(base,))
-    monkeypatch.setattr(studies.trainer, "TrainConfig", changed)
+    monkeypatch.setattr(runner.trainer, "TrainConfig", changed)
     assert not set(before) & {c.id for c in plan.cells(grid, "v3-aaaa")}  # a default that is on: new cells

@@ -13,6 +13,7 @@ import torch
 
 from slipcache.errors import SlipcacheError
 from slipcache.experiments import bench
+from slipcache.training.config import make_config
 
 ROW_KEYS = {
     "name",
@@ -248,12 +249,11 @@ def test_bench_train_runs_each_implementation_on_the_same_data(tmp_path: Path, m
 
 def test_torchrec_peer_trains(tmp_path: Path) -> None:
     from slipcache.experiments import bench_train
-    from slipcache.training import trainer
     from tests.helpers import make_dataset
 
     if bench_train.torchrec_available() is not None:
         pytest.skip("torchrec is not installed")
     data = make_dataset(tmp_path / "data", n=800, sizes=[300] * 26)
-    config = trainer.make_config({}, {"quick": True, "data": str(data), "samples": 640, "batch_size": 64})
+    config = make_config({}, {"quick": True, "data": str(data), "samples": 640, "batch_size": 64})
     outcome = bench_train._run_torchrec(config, tmp_path)
     assert outcome["train_samples"] == 640 and 0.0 < outcome["auc"] < 1.0 and outcome["samples_per_s"] > 0

@@ -6,10 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slipcache.data import formats
+from slipcache.data import formats, mapped
 from slipcache.data.preprocess import dense_transform
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer as train
+from slipcache.training.cli import evaluate_checkpoint
 from tests.helpers import tiny_config
 
 SIZES = np.array([20, 7, 50] + [5] * 23)
@@ -167,7 +168,7 @@ def test_stored_npz_members_are_memory_mapped_at_the_right_offset(tmp_path: Path
     np.savez(tmp_path / "a.npz", first=np.ones(3), big=big)
     with zipfile.ZipFile(tmp_path / "a.npz") as zf:
         info = zf.getinfo("big.npy")
-    np.testing.assert_array_equal(formats._mmap_npz_member(tmp_path / "a.npz", info), big)
+    np.testing.assert_array_equal(mapped.mmap_npz_member(tmp_path / "a.npz", info), big)
 
 
 @pytest.mark.parametrize("kind", ["torchrec", "dlrm", "dlrm-compressed", "mlperf"])
@@ -184,7 +185,7 @@ def test_a_run_trains_on_each_format(tmp_path: Path, kind: str) -> None:
     assert summary["auc"] > 0.6  # table 0's parity and dense 0 carry the signal
     expected_order = "val-test" if kind == "torchrec" else "test-val"
     assert summary["config"]["split_order"] == expected_order
-    scores = train.evaluate_checkpoint(tmp_path / "run", split="val")
+    scores = evaluate_checkpoint(tmp_path / "run", split="val")
     assert scores["samples"] > 0
 
 

@@ -17,11 +17,14 @@ from slipcache.data.synthetic import (
     auc,
     default_synthetic_path,
     expected_auc,
+    generate,
     generate_synthetic,
     synthetic_table_sizes,
     synthetic_window,
 )
+from slipcache.data.synthetic import cli as synth_cli
 from slipcache.errors import SlipcacheError
+from slipcache.training.config import make_config
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
 needs_shared = pytest.mark.skipif(
@@ -109,7 +112,7 @@ def test_default_synthetic_path_caches(tmp_path: Path, monkeypatch: pytest.Monke
     def fail(*args: object, **kwargs: object) -> dict:
         raise AssertionError("regenerated a cached dataset")
 
-    monkeypatch.setattr(synthetic, "generate_synthetic", fail)
+    monkeypatch.setattr(generate, "generate_synthetic", fail)
     assert default_synthetic_path(None, 3000, 0.001, 1) == path
     with pytest.raises(AssertionError):
         default_synthetic_path(None, 3000, 0.001, 2)
@@ -127,8 +130,8 @@ def test_auc_helpers() -> None:
 def run_cli(argv: list[str]) -> int:
     """Our subcommand through its own parser, so the test does not depend on other CLI modules."""
     parser = argparse.ArgumentParser()
-    synthetic.add_synth_arguments(parser)
-    return synthetic.run_synth(parser.parse_args(argv))
+    synth_cli.add_synth_arguments(parser)
+    return synth_cli.run_synth(parser.parse_args(argv))
 
 
 def test_cli_synth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -258,7 +261,7 @@ def test_train_picks_the_generator(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         synthetic, "default_synthetic_path", lambda *a, generator, **k: asked.append(generator) or tmp_path
     )
     for flags in ({}, {"synthetic_generator": "v2"}):
-        trainer.prepare_data(trainer.make_config({}, flags), tmp_path)
+        trainer.prepare_data(make_config({}, flags), tmp_path)
     assert asked == ["v3", "v2"]
     with pytest.raises(SlipcacheError, match="synthetic_generator must be one of"):
-        trainer.make_config({}, {"synthetic_generator": "v9"})
+        make_config({}, {"synthetic_generator": "v9"})

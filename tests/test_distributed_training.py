@@ -15,6 +15,8 @@ import torch.distributed as dist
 from slipcache.distributed import checkpoint as dckpt
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer
+from slipcache.training.cli import evaluate_checkpoint
+from slipcache.training.config import make_config
 from tests.helpers import make_dataset
 from tests.ranks import exit_codes, run_ranks
 
@@ -36,7 +38,7 @@ def _train_rank(rank: int, world_size: int, values: dict[str, Any]) -> None:
     os.environ.setdefault("MASTER_PORT", "0")
     context = init_from_env()
     assert context is not None and context.threads >= 1
-    train_on_ranks(trainer.make_config({}, values), context)
+    train_on_ranks(make_config({}, values), context)
 
 
 def _settings(data: str, out: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -61,7 +63,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_processes_train_like_one_step_by_step(data_dir: Path, tmp_path: Path) -> None:
     """fp32 tables, no stochastic rounding: the same global batches give the same losses and metrics."""
     settings = {"precision": "fp32", "cache_size": 0.25, "batch_size": 63}  # 63 = 32 + 31: uneven slices
-    one = trainer.train(trainer.make_config({}, _settings(str(data_dir), str(tmp_path / "one"), settings)))
+    one = trainer.train(make_config({}, _settings(str(data_dir), str(tmp_path / "one"), settings)))
     run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "two"), settings))
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     single, double = _events(tmp_path / "one"), _events(tmp_path / "two")
@@ -78,7 +80,7 @@ def test_two_processes_train_like_one_step_by_step(data_dir: Path, tmp_path: Pat
     assert sum(r["total_bytes"] for r in two["memory_per_rank"]) == two["embedding_bytes"]
     assert (tmp_path / "two" / "rank-1.log").is_file() and (tmp_path / "two" / "plan.json").is_file()
     # `slipcache eval` reads the 2-rank checkpoint in one process (fp32: flushing the caches is exact)
-    again = trainer.evaluate_checkpoint(tmp_path / "two")
+    again = evaluate_checkpoint(tmp_path / "two")
     assert again["auc"] == pytest.approx(two["auc"], abs=1e-9)
 
 
@@ -104,7 +106,7 @@ def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_pat
             if isinstance(tensor, torch.Tensor):
                 assert torch.equal(tensor, again[name]), (rank, name)
     with pytest.raises(SlipcacheError, match="written by 2 processes"):
-        trainer.train(trainer.make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
+        trainer.train(make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
 
 
 def _die_midway(rank: int, world_size: int, data: str, out: str, result: str) -> None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from slipcache.embedding.collection import PIN_STEPS, CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.errors import SlipcacheError
+from slipcache.training.config import load_config_file, make_config
 
 SIZES = [40, 7, 300, 3]
 DIM = 4
@@ -196,7 +197,7 @@ def test_cache_size_is_a_share_and_cache_rows_a_count() -> None:
 
 
 def test_train_config_takes_cache_share_or_rows(tmp_path) -> None:
-    from slipcache.training.trainer import build_model, load_config_file, make_config
+    from slipcache.training.trainer import build_model
 
     with pytest.raises(SlipcacheError, match="use --cache-rows 5000"):
         make_config(flag_values={"cache_size": 5000.0})

@@ -8,6 +8,7 @@ import torch
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.embedding.quant import RowStorage
 from slipcache.errors import SlipcacheError
+from slipcache.training.config import load_config_file, make_config
 
 SIZES = [40, 7, 300, 3]
 MIXED = ["fp32", "int8", "fp16", "int4"]
@@ -113,7 +114,7 @@ def test_mixed_configuration_resumes_bit_identically() -> None:
 
 
 def test_config_file_takes_per_table_lists(tmp_path) -> None:
-    from slipcache.training.trainer import build_model, load_config_file, make_config
+    from slipcache.training.trainer import build_model
 
     path = tmp_path / "plan.toml"
     path.write_text('precision = ["int8", "fp32"]\ncache_size = [0.05, 1]\npolicy = "lfu"\n')

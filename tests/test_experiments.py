@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from slipcache.experiments import studies as experiments
+from slipcache.errors import SlipcacheError
+from slipcache.experiments import mixed_precision, runner, slipstream, studies
 
 # Far below --quick: ~35k embedding rows, 8 steps per run; still every setup of the quick grid.
 TINY = [
@@ -28,13 +29,13 @@ RAN = re.compile(r"^\[\d+/\d+\] ")
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    experiments.add_experiment_arguments(parser)
+    studies.add_experiment_arguments(parser)
     return parser.parse_args(list(argv))
 
 
 def _run(*argv: str) -> list[str]:
     lines: list[str] = []
-    assert experiments.run_experiment(_args(*argv), log=lines.append) == 0
+    assert studies.run_experiment(_args(*argv), log=lines.append) == 0
     return lines
 
 
@@ -56,7 +57,7 @@ def test_results_schema(mp_run: tuple[Path, list[str]]) -> None:
     results = json.loads((out / "results.json").read_text())
     assert results["format"] == "slipcache-experiments" and results["version"] == 1
     assert results["machine"]["cpu_model"] and results["probes"]["random_gather"]["rows_per_s"] > 0
-    grid = experiments.mixed_precision_grid(experiments.PRESETS["quick"], 1)
+    grid = mixed_precision.mixed_precision_grid(runner.PRESETS["quick"], 1)
     assert _ran(lines) == len(results["cells"]) == sum(s.seeds for s in grid)
     for cell in results["cells"]:
         assert {
@@ -75,7 +76,7 @@ def test_results_schema(mp_run: tuple[Path, list[str]]) -> None:
         assert cell["derived"]["bytes_moved_per_sample"] > 0 and cell["derived"]["step_ms"] > 0
     setups = {s["name"]: s for s in results["setups"]}
     assert {q for s in setups.values() for q in s["questions"]} == {"RQ1", "RQ2", "RQ3", "RQ4"}
-    base = setups[experiments.BASELINE]["metrics"]
+    base = setups[mixed_precision.BASELINE]["metrics"]
     assert base["auc_delta"]["mean"] == 0.0 and base["auc"]["n"] == 1
     for s in setups.values():
         for key in ("auc", "logloss", "samples_per_s", "memory_ratio", "auc_delta", "bytes_moved_per_sample"):
@@ -125,7 +126,7 @@ def test_slipstream_runs_with_the_real_trainer(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
     lines = _run("slipstream", "--out", str(out), *TINY, "--stale-epochs", "2")
-    grid = experiments.slipstream_grid(experiments.PRESETS["quick"], 1)
+    grid = slipstream.slipstream_grid(runner.PRESETS["quick"], 1)
     assert _ran(lines) == sum(s.seeds for s in grid)
     results = json.loads((out / "results.json").read_text())
     skipped = [c["summary"]["skipped_fraction"] for c in results["cells"] if c["config"]["skip_stale"]]
@@ -209,7 +210,7 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
         prepare_data=lambda config, root: Path(config.data),
         open_dataset=lambda path: types.SimpleNamespace(table_sizes=[100] * 26),
     )
-    monkeypatch.setattr(experiments, "trainer", fake)
+    monkeypatch.setattr(runner, "trainer", fake)
     out = tmp_path / "out"
     lines = _run("slipstream", "--out", str(out), "--data", str(tmp_path), "--seeds", "2", "--repeats", "3", *TINY)
     results = json.loads((out / "results.json").read_text())
@@ -235,22 +236,22 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
 def test_time_to_target_on_a_constructed_curve() -> None:
     """Target = mean of the last 3 evaluations - 0.001; the crossing is interpolated between evaluations."""
     baseline = [(10.0, 0.70), (20.0, 0.74), (30.0, 0.751), (40.0, 0.752), (50.0, 0.753)]
-    target = experiments.auc_target(baseline)
+    target = slipstream.auc_target(baseline)
     assert target == pytest.approx(0.751)
-    assert experiments.time_to_target(baseline, target) == pytest.approx(30.0)
+    assert slipstream.time_to_target(baseline, target) == pytest.approx(30.0)
     faster = [(5.0, 0.70), (10.0, 0.76)]  # crosses 0.751 at 5 + 5 * 0.051 / 0.06
-    assert experiments.time_to_target(faster, target) == pytest.approx(5.0 + 5.0 * 0.051 / 0.06)
-    assert experiments.time_to_target([(3.0, 0.9)], target) == 3.0  # reached at the first evaluation
-    assert experiments.time_to_target([(1.0, 0.70), (2.0, 0.75), (3.0, 0.72)], target) is None
-    assert experiments.auc_target([]) is None
+    assert slipstream.time_to_target(faster, target) == pytest.approx(5.0 + 5.0 * 0.051 / 0.06)
+    assert slipstream.time_to_target([(3.0, 0.9)], target) == 3.0  # reached at the first evaluation
+    assert slipstream.time_to_target([(1.0, 0.70), (2.0, 0.75), (3.0, 0.72)], target) is None
+    assert slipstream.auc_target([]) is None
 
 
 def test_grids_cover_the_questions() -> None:
-    full = experiments.mixed_precision_grid(experiments.PRESETS["full"], 3)
+    full = mixed_precision.mixed_precision_grid(runner.PRESETS["full"], 3)
     names = {s.name for s in full}
     assert len(names) == len(full)
     rq1 = [s for s in full if "RQ1" in s.questions]
-    assert len(rq1) == 16 and experiments.BASELINE in names
+    assert len(rq1) == 16 and mixed_precision.BASELINE in names
     assert {s.overrides["cache_size"] for s in full if "RQ3" in s.questions} == {
         0.005,
         0.01,
@@ -262,17 +263,17 @@ def test_grids_cover_the_questions() -> None:
     assert {s.overrides["policy"] for s in full if "RQ2" in s.questions} == {"lru", "lfu"}
     assert {s.overrides["rounding"] for s in full if "RQ4" in s.questions} == {"stochastic", "nearest"}
     assert next(s for s in full if s.name == "int8 5% lru").seeds == 3
-    stale = experiments.slipstream_grid(experiments.PRESETS["full"], 2)
-    assert len(stale) == 14 and {s.group for s in stale} == set(experiments.STALE_STORAGES)
+    stale = slipstream.slipstream_grid(runner.PRESETS["full"], 2)
+    assert len(stale) == 14 and {s.group for s in stale} == set(slipstream.STALE_STORAGES)
     assert {s.overrides.get("stale_rule") for s in stale} == {None, "paper", "convergence"}
-    plan = experiments.Plan(experiments.PRESETS["full"], Path("x"), None, 3)
+    plan = runner.Plan(runner.PRESETS["full"], Path("x"), None, 3)
     ids = [c.id for c in plan.cells(full + stale)]
     assert len(ids) == len(set(ids)) and ids == [c.id for c in plan.cells(full + stale)]
 
 
 def test_pareto_front() -> None:
     points = [(10.0, 0.0), (5.0, -0.001), (5.0, -0.003), (2.0, -0.002), (3.0, -0.004), (1.0, -0.01)]
-    assert experiments.pareto_front(points) == [5, 3, 1, 0]
+    assert mixed_precision.pareto_front(points) == [5, 3, 1, 0]
 
 
 @pytest.mark.slow
@@ -290,14 +291,14 @@ def test_all_quick_preset_as_ci_runs_it(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_out_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "notes").write_text("mine")
-    with pytest.raises(experiments.SlipcacheError, match="exists and is not a directory"):
-        experiments.run_experiment(_args("mixed-precision", "--out", str(tmp_path / "notes")))
+    with pytest.raises(SlipcacheError, match="exists and is not a directory"):
+        studies.run_experiment(_args("mixed-precision", "--out", str(tmp_path / "notes")))
 
 
 def test_generator_choice_reaches_every_cell() -> None:
     """`experiment --generator v2` trains every cell on v2 data; its cells never pass for v3 ones."""
-    grid = experiments.mixed_precision_grid(experiments.PRESETS["quick"], 1)
-    plans = [experiments.Plan(experiments.PRESETS["quick"], Path("x"), None, 1, g) for g in ("v3", "v2")]
+    grid = mixed_precision.mixed_precision_grid(runner.PRESETS["quick"], 1)
+    plans = [runner.Plan(runner.PRESETS["quick"], Path("x"), None, 1, g) for g in ("v3", "v2")]
     v3, v2 = (plan.cells(grid) for plan in plans)
     assert {c.values["synthetic_generator"] for c in v3} == {"v3"}
     assert {c.values["synthetic_generator"] for c in v2} == {"v2"}

@@ -10,6 +10,7 @@ from torch import nn
 from slipcache import cli, export
 from slipcache.training import checkpoint as ckpt
 from slipcache.training import trainer as train
+from slipcache.training.config import CONFIG_FIELDS, TrainConfig
 from tests.helpers import make_dataset, tiny_config
 
 
@@ -25,7 +26,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _trained_lookups(run: Path, ids: torch.Tensor) -> torch.Tensor:
     """Pooled rows [B, T, D] of the checkpoint's own collection (its forward, not export_tables)."""
     state = ckpt.load_checkpoint(run / "checkpoints")
-    config = train.TrainConfig(**{k: v for k, v in state["config"].items() if k in train._FIELDS})
+    config = TrainConfig(**{k: v for k, v in state["config"].items() if k in CONFIG_FIELDS})
     model = train.build_model(config, state["table_sizes"], num_dense=13)
     model.embeddings.load_state_dict(state["embeddings"])
     model.eval()

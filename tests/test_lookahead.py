@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from slipcache.embedding.cache import EMPTY, LOOKAHEAD_POLICIES
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.embedding.lookahead import Window, belady_hits
+from slipcache.training.config import TrainConfig, make_config
 
 
 def _resident(coll: CachedEmbeddingBagCollection) -> set[int]:
@@ -175,8 +176,8 @@ def test_trainer_with_prefetch_equals_trainer_without(tmp_path) -> None:
 
 def _restore_embeddings(train, checkpoint, run):
     state = checkpoint.load_checkpoint(run / "checkpoints")
-    fields = {f.name for f in dataclasses.fields(train.TrainConfig)}
-    config = train.make_config({}, {k: v for k, v in state["config"].items() if k in fields})
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = make_config({}, {k: v for k, v in state["config"].items() if k in fields})
     model = train.build_model(config, state["table_sizes"], 13)
     model.embeddings.load_state_dict(state["embeddings"])
     return model.embeddings
@@ -207,7 +208,7 @@ def test_resume_with_lookahead_and_prefetch_matches_uninterrupted(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         train.train(tiny_config(data, tmp_path / "part", **settings))
     monkeypatch.undo()
-    resumed = train.train(train.make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
+    resumed = train.train(make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
     assert resumed["auc"] == full["auc"] and resumed["embedding_stats"]["prefetched_rows"] > 0
     a = checkpoint.load_checkpoint(tmp_path / "full" / "checkpoints")["embeddings"]
     b = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints")["embeddings"]

@@ -13,6 +13,7 @@ from slipcache.embedding.collection import CachedEmbeddingBagCollection, Embeddi
 from slipcache.errors import SlipcacheError
 from slipcache.planning.planner import CostModel, make_plan, uniform_choice
 from slipcache.planning.profile import TableProfile, profile_split
+from slipcache.training.config import load_config_file, make_config
 from tests.helpers import SIZES, make_dataset
 
 
@@ -125,8 +126,8 @@ def test_plan_drives_a_training_run(tmp_path: Path) -> None:
     planned = tomllib.loads(out.read_text())
     assert set(planned["train"]["precision"]) - {"fp32"}  # the budget forces some tables below fp32
     overrides = {"out": str(tmp_path / "run"), "bottom_mlp": [16, 8], "top_mlp": [16, 1], "epochs": 1}
-    config = train.make_config(
-        train.load_config_file(out), {**overrides, "batch_size": 64, "progress": False}
+    config = make_config(
+        load_config_file(out), {**overrides, "batch_size": 64, "progress": False}
     )
     summary = train.train(config)
     assert summary["config"]["precision"] == planned["train"]["precision"]

@@ -10,6 +10,7 @@ import torch
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.training import checkpoint
 from slipcache.training import trainer as train
+from slipcache.training.config import TrainConfig, make_config
 from tests.helpers import SIZES, make_dataset, tiny_config
 
 TIMING = {"samples_per_s", "train_wall_s", "train_seconds", "compute_s", "skip_overhead_s", "time_saved_s", "train_cpu_s"}
@@ -21,7 +22,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("data"), skewed=True)
 
 
-def tiny(data: Path, out: Path, **overrides: object) -> train.TrainConfig:
+def tiny(data: Path, out: Path, **overrides: object) -> TrainConfig:
     """Skipping from the start (no warm-up) unless a test asks for one: the runs are a few dozen batches."""
     stale = dict(skip_stale=True, stale_window=0.1, stale_guard_every=4, stale_target=0.5, stale_warmup="none",
                  stale_warmup_min=0.0, stale_min_updates=2)
@@ -241,7 +242,7 @@ def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
     monkeypatch.undo()
     state = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints")
     assert state["progress"]["epoch"] == 1 and state["progress"]["batch_in_epoch"] > 0
-    resumed = train.train(train.make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
+    resumed = train.train(make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
     for key in METRICS:
         assert resumed[key] == full[key], key
     assert events(tmp_path / "part") == events(tmp_path / "full")

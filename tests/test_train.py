@@ -11,6 +11,14 @@ import torch
 from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint
 from slipcache.training import trainer as train
+from slipcache.training.cli import (
+    add_eval_arguments,
+    add_train_arguments,
+    evaluate_checkpoint,
+    run_eval,
+    summary_table,
+)
+from slipcache.training.config import QUICK, load_config_file, make_config
 from tests.helpers import make_dataset
 from tests.helpers import tiny_config as tiny
 
@@ -100,7 +108,7 @@ def test_resume_matches_uninterrupted(
     state = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints")
     assert state["progress"]["samples"] == 2560  # last periodic checkpoint before the crash
 
-    resumed = train.train(train.make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
+    resumed = train.train(make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
     for key in ("auc", "logloss", "accuracy", "normalized_entropy", "train_samples"):
         assert resumed[key] == full[key], key
     assert events_without_timing(tmp_path / "part") == events_without_timing(tmp_path / "full")
@@ -118,14 +126,14 @@ def test_resume_refuses_changes_to_the_run_unless_allowed(data_dir: Path, tmp_pa
     first = train.train(tiny(data_dir, run, epochs=1))
     resume = {"resume": str(run), "progress": False}
     with pytest.raises(SlipcacheError, match=r"change the run's definition \(lr 0.3 -> 0.5\).*--allow-changes"):
-        train.train(train.make_config({}, {**resume, "lr": 0.5}))
+        train.train(make_config({}, {**resume, "lr": 0.5}))
     # --quick on a finished run: it would extend the budget and replace the results (issue 12, item 10)
     with pytest.raises(SlipcacheError, match=r" samples 1984 -> 600000.*quick False -> True"):
-        train.train(train.make_config({}, {**resume, "quick": True}))
+        train.train(make_config({}, {**resume, "quick": True}))
     with pytest.raises(SlipcacheError, match="cannot change bottom_mlp, embedding_dim when resuming"):
-        train.train(train.make_config({}, {**resume, "embedding_dim": 4, "allow_changes": True}))
+        train.train(make_config({}, {**resume, "embedding_dim": 4, "allow_changes": True}))
     assert json.loads((run / "summary.json").read_text())["train_samples"] == first["train_samples"]
-    longer = train.train(train.make_config({}, {**resume, "samples": 2560, "allow_changes": True}))
+    longer = train.train(make_config({}, {**resume, "samples": 2560, "allow_changes": True}))
     assert longer["train_samples"] == 2560
     assert longer["config"]["changed_on_resume"] == [{"samples": 1984, "changes": {"samples": [1984, 2560]}}]
 
@@ -160,41 +168,41 @@ def test_nan_loss_after_checkpoint(data_dir: Path, tmp_path: Path, monkeypatch: 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    train.add_train_arguments(parser)
+    add_train_arguments(parser)
     return parser.parse_args(argv)
 
 
 def test_config_file_and_flag_precedence(tmp_path: Path) -> None:
     toml = tmp_path / "c.toml"
     toml.write_text('lr = 0.05\nbatch-size = 256\npolicy = "lfu"\nbottom_mlp = [32, 16]\n')
-    file_values = train.load_config_file(toml)
+    file_values = load_config_file(toml)
     args = parse_flags(["--config", str(toml), "--lr", "0.2"])
     flags = {k: v for k, v in vars(args).items() if k != "config"}
-    config = train.make_config(file_values, flags)
+    config = make_config(file_values, flags)
     assert config.lr == 0.2  # flag beats file
     assert config.batch_size == 256 and config.policy == "lfu"  # file beats default
     assert config.precision == "int8"  # default
 
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("quick: true\nbatch_size: 128\n")
-    quick = train.make_config(train.load_config_file(yaml_file), {})
+    quick = make_config(load_config_file(yaml_file), {})
     assert quick.batch_size == 128  # an explicit value beats the --quick preset
-    assert quick.samples == train.QUICK["samples"]
+    assert quick.samples == QUICK["samples"]
 
 
 def test_config_file_errors(tmp_path: Path) -> None:
     bad_key = tmp_path / "k.yaml"
     bad_key.write_text("learning_rate: 0.1\n")
     with pytest.raises(SlipcacheError, match="unknown key 'learning_rate'"):
-        train.load_config_file(bad_key)
+        load_config_file(bad_key)
     bad_type = tmp_path / "t.toml"
     bad_type.write_text('batch_size = "big"\n')
     with pytest.raises(SlipcacheError, match="batch_size"):
-        train.load_config_file(bad_type)
+        load_config_file(bad_type)
     with pytest.raises(SlipcacheError, match="not found"):
-        train.load_config_file(tmp_path / "missing.toml")
+        load_config_file(tmp_path / "missing.toml")
     with pytest.raises(SlipcacheError, match="precision"):
-        train.make_config({}, {"precision": "int3"})
+        make_config({}, {"precision": "int3"})
 
 
 def test_eval_checkpoint_and_vocab_mismatch(
@@ -202,21 +210,21 @@ def test_eval_checkpoint_and_vocab_mismatch(
 ) -> None:
     run = tmp_path / "run"
     summary = train.train(tiny(data_dir, run, epochs=1))
-    scores = train.evaluate_checkpoint(run, split="test")
+    scores = evaluate_checkpoint(run, split="test")
     assert scores["auc"] == pytest.approx(summary["auc"])
     parser = argparse.ArgumentParser()
-    train.add_eval_arguments(parser)
-    assert train.run_eval(parser.parse_args(["--checkpoint", str(run / "checkpoints" / "latest.pt")])) == 0
+    add_eval_arguments(parser)
+    assert run_eval(parser.parse_args(["--checkpoint", str(run / "checkpoints" / "latest.pt")])) == 0
     assert "auc" in capsys.readouterr().out
     other = make_dataset(tmp_path / "other", sizes=[21, 7, 50] + [5] * 23)
     with pytest.raises(SlipcacheError, match="table 0 has 21 rows vs 20"):
-        train.evaluate_checkpoint(run, data=str(other))
+        evaluate_checkpoint(run, data=str(other))
 
 
 def test_bad_checkpoint_is_one_line_error(tmp_path: Path) -> None:
     (tmp_path / "x.pt").write_bytes(b"junk")
     with pytest.raises(SlipcacheError, match="not a slipcache checkpoint"):
-        train.evaluate_checkpoint(tmp_path / "x.pt")
+        evaluate_checkpoint(tmp_path / "x.pt")
 
 
 @pytest.mark.slow  # ~30 s on 2 idle cores (first run also generates the 800k-row synthetic dataset)
@@ -284,6 +292,6 @@ def test_summary_table_shows_the_skipped_share_of_a_skipping_run() -> None:
         "fp32_embedding_bytes": 3 << 20, "memory_ratio": 3.0, "samples_per_s": 1000.0, "train_wall_s": 2.0,
         "train_samples": 2000, "cache_hit_rate": 0.9, "skipped_fraction": 0.1586, "staleness": None,
     }  # fmt: skip
-    assert "skipped" not in train.summary_table(summary)
+    assert "skipped" not in summary_table(summary)
     summary["staleness"] = {"skipped_fraction": 0.1586}
-    assert "skipped as stale    15.9% of inputs" in train.summary_table(summary)
+    assert "skipped as stale    15.9% of inputs" in summary_table(summary)

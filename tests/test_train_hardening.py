@@ -15,6 +15,8 @@ from slipcache.cli import main
 from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint
 from slipcache.training import trainer as train
+from slipcache.training.cli import evaluate_checkpoint
+from slipcache.training.config import make_config
 from tests.helpers import make_dataset
 from tests.helpers import tiny_config as tiny
 
@@ -46,7 +48,7 @@ def interrupted_run(data_dir: Path, run: Path, monkeypatch: pytest.MonkeyPatch, 
 
 
 def resume(run: Path | str, **flags: object) -> dict:
-    return train.train(train.make_config({}, {"resume": str(run), "progress": False, **flags}))
+    return train.train(make_config({}, {"resume": str(run), "progress": False, **flags}))
 
 
 def cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
@@ -97,7 +99,7 @@ def test_damaged_latest_names_the_complete_older_checkpoints(
     assert "\n" not in message and f"complete older checkpoints: {older.name}" in message
     assert f"--resume {older}" in message
     with pytest.raises(SlipcacheError, match="checksum mismatch"):
-        train.evaluate_checkpoint(run)
+        evaluate_checkpoint(run)
     summary = resume(older)  # as the message says
     assert summary["train_samples"] == 1984 and Path(summary["run_dir"]) == run
 
@@ -257,9 +259,9 @@ def test_eval_rejects_bad_samples_and_crafted_checkpoints(
 
 
 def test_dim_moves_the_bottom_mlp(data_dir: Path, tmp_path: Path) -> None:
-    assert train.make_config({}, {"embedding_dim": 32}).bottom_mlp == [512, 256, 64, 32]
-    assert train.make_config({}, {"quick": True, "embedding_dim": 32}).bottom_mlp == [128, 64, 32]
-    assert train.make_config({}, {"embedding_dim": 32, "bottom_mlp": [8, 32]}).bottom_mlp == [8, 32]
-    config = train.make_config({}, {"data": str(data_dir), "out": str(tmp_path / "run"), "embedding_dim": 32,
+    assert make_config({}, {"embedding_dim": 32}).bottom_mlp == [512, 256, 64, 32]
+    assert make_config({}, {"quick": True, "embedding_dim": 32}).bottom_mlp == [128, 64, 32]
+    assert make_config({}, {"embedding_dim": 32, "bottom_mlp": [8, 32]}).bottom_mlp == [8, 32]
+    config = make_config({}, {"data": str(data_dir), "out": str(tmp_path / "run"), "embedding_dim": 32,
                                     "embeddings": "torch", "samples": 256, "progress": False})  # fmt: skip
     assert train.train(config)["train_samples"] == 256

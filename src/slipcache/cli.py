@@ -11,14 +11,14 @@ from slipcache.errors import SlipcacheError
 
 # name -> (module, help). The module defines add_<name>_arguments(parser) and run_<name>(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("slipcache.training.trainer", "train a DLRM model (synthetic data by default)"),
-    "eval": ("slipcache.training.trainer", "evaluate a checkpoint on a dataset split"),
-    "synth": ("slipcache.data.synthetic", "generate a synthetic Criteo-shaped dataset"),
+    "train": ("slipcache.training.cli", "train a DLRM model (synthetic data by default)"),
+    "eval": ("slipcache.training.cli", "evaluate a checkpoint on a dataset split"),
+    "synth": ("slipcache.data.synthetic.cli", "generate a synthetic Criteo-shaped dataset"),
     "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
-    "stats": ("slipcache.data.stats", "access-pattern statistics of raw Criteo files or a dataset"),
+    "stats": ("slipcache.data.stats.cli", "access-pattern statistics of raw Criteo files or a dataset"),
     "bench": ("slipcache.experiments.bench", "benchmark embedding implementations"),
     "experiment": ("slipcache.experiments.studies", "run the papers' experiments and write a report"),
-    "plan": ("slipcache.planning.planner", "choose per-table precision and cache rows for a memory budget"),
+    "plan": ("slipcache.planning.cli", "choose per-table precision and cache rows for a memory budget"),
     "export": ("slipcache.export", "write a checkpoint's tables for serving (nn.EmbeddingBag, TorchRec, FBGEMM INT8)"),
 }
 

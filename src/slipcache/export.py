@@ -41,13 +41,15 @@ def load_tables(checkpoint: str | Path) -> list[torch.Tensor]:
     """The fp32 tables of a training checkpoint (file, checkpoints dir or run dir)."""
     from slipcache.training import checkpoint as ckpt
     from slipcache.training import trainer
+    from slipcache.training.config import CONFIG_FIELDS, TrainConfig
+    from slipcache.training.rundir import check_checkpoint
 
     path = Path(checkpoint)
     if path.is_dir() and (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     state = ckpt.load_checkpoint(path)
-    trainer._check_checkpoint(state, path)
-    config = trainer.TrainConfig(**{k: v for k, v in state["config"].items() if k in trainer._FIELDS})
+    check_checkpoint(state, path)
+    config = TrainConfig(**{k: v for k, v in state["config"].items() if k in CONFIG_FIELDS})
     model = trainer.build_model(config, state["table_sizes"], num_dense=1)  # the dense part is not loaded
     try:
         model.embeddings.load_state_dict(state["embeddings"])

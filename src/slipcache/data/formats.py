@@ -30,7 +30,7 @@ import json
 import os
 import re
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from slipcache.data.dataset import NUM_DENSE, NUM_TABLES, CriteoDataset, DatasetWriter, SplitArrays
+from slipcache.data.mapped import LazyColumn, Piece, load_npy, npz_arrays, npz_compressed, npz_members
 from slipcache.data.preprocess import dense_transform
 from slipcache.errors import SlipcacheError
 
@@ -47,80 +48,10 @@ DEFAULT_SPLIT_ORDER = {"torchrec": "val-test", "dlrm": "test-val", "mlperf": "te
 SINGLE_FILE_DAYS = {"kaggleAdDisplayChallenge_processed.npz": 7, "terabyte_processed.npz": 24}
 MLPERF_COLUMNS = 1 + NUM_DENSE + NUM_TABLES
 READ_ROWS = 1 << 20  # rows per block when scanning or converting
-
 _TORCHREC = re.compile(r"^day_(\d+)_(dense|sparse|labels)\.npy$")
 _DLRM_DAY = re.compile(r"^(.+)_(\d+)_processed\.npz$")
 _MLPERF = re.compile(r"^(.+)_(train|test|val)\.bin$")
 _COUNTS = re.compile(r"^.+_fea_count\.npz$")
-
-Convert = Callable[[np.ndarray], np.ndarray]
-
-
-# ------------------------------------------------------------------------------------------ columns
-@dataclass(frozen=True)
-class _Piece:
-    """Rows [start, end) of one memory-mapped array."""
-
-    array: np.ndarray
-    start: int
-    end: int
-
-
-class LazyColumn:
-    """A column of a split spread over several memory-mapped files, converted as it is indexed.
-
-    Behaves like the read-only array the trainer expects (`shape`, `dtype`, slicing, integer-array
-    indexing); only the rows asked for are read and converted.
-    """
-
-    def __init__(self, pieces: Sequence[_Piece], convert: Convert, tail: tuple[int, ...], dtype: Any) -> None:
-        self.pieces = list(pieces)
-        self.convert = convert
-        self.dtype = np.dtype(dtype)
-        self._bounds = np.cumsum([0] + [p.end - p.start for p in self.pieces])
-        self.shape = (int(self._bounds[-1]), *tail)
-        self.ndim = len(self.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        values = self[:]
-        return values if dtype is None else values.astype(dtype)
-
-    def __getitem__(self, index: Any) -> np.ndarray:
-        n = self.shape[0]
-        if isinstance(index, (int, np.integer)):
-            return self[np.array([index])][0]
-        if isinstance(index, slice):
-            start, stop, step = index.indices(n)
-            if step == 1:
-                return self._read_range(start, max(start, stop))
-            index = np.arange(start, stop, step)
-        rows = np.asarray(index)
-        if rows.dtype == bool:
-            rows = np.flatnonzero(rows)
-        rows = np.where(rows < 0, rows + n, rows).astype(np.int64)
-        if rows.size and (rows.min() < 0 or rows.max() >= n):
-            raise IndexError(f"row index out of range for a column of {n} rows")
-        out = np.empty((rows.size, *self.shape[1:]), dtype=self.dtype)
-        which = np.searchsorted(self._bounds, rows, side="right") - 1
-        for p in np.unique(which):
-            mask = which == p
-            piece = self.pieces[p]
-            out[mask] = self.convert(piece.array[piece.start + rows[mask] - self._bounds[p]])
-        return out
-
-    def _read_range(self, start: int, stop: int) -> np.ndarray:
-        parts = []
-        for p, piece in enumerate(self.pieces):
-            lo, hi = max(start, int(self._bounds[p])), min(stop, int(self._bounds[p + 1]))
-            if lo < hi:
-                offset = piece.start - int(self._bounds[p])
-                parts.append(self.convert(piece.array[offset + lo : offset + hi]))
-        if not parts:
-            return np.empty((0, *self.shape[1:]), dtype=self.dtype)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 # ------------------------------------------------------------------------------------- one "day"
@@ -135,54 +66,6 @@ class _Day:
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
-
-
-def _load_npy(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as exc:
-        raise SlipcacheError(f"{path}: unreadable array: {exc}") from exc
-
-
-def _npz_members(path: Path) -> dict[str, zipfile.ZipInfo]:
-    try:
-        with zipfile.ZipFile(path) as zf:
-            return {info.filename.removesuffix(".npy"): info for info in zf.infolist()}
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise SlipcacheError(f"{path}: unreadable .npz: {exc}") from exc
-
-
-def _npz_compressed(path: Path) -> bool:
-    return any(info.compress_type != zipfile.ZIP_STORED for info in _npz_members(path).values())
-
-
-def _mmap_npz_member(path: Path, info: zipfile.ZipInfo) -> np.ndarray:
-    """Memory-map an uncompressed member of an .npz (np.savez) without reading it."""
-    with open(path, "rb") as f:
-        f.seek(info.header_offset)
-        local = f.read(30)
-        if local[:4] != b"PK\x03\x04":
-            raise SlipcacheError(f"{path}: corrupt zip entry {info.filename}")
-        name_len = int.from_bytes(local[26:28], "little")
-        extra_len = int.from_bytes(local[28:30], "little")
-        f.seek(info.header_offset + 30 + name_len + extra_len)
-        version = np.lib.format.read_magic(f)
-        read_header = (
-            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        )
-        shape, fortran, dtype = read_header(f)
-        if fortran or dtype.hasobject:
-            raise SlipcacheError(f"{path}: {info.filename} is not a plain C-ordered array")
-        offset = f.tell()
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
-
-
-def _npz_arrays(path: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
-    members = _npz_members(path)
-    missing = [n for n in names if n not in members]
-    if missing:
-        raise SlipcacheError(f"{path}: missing array {missing[0]!r} (has: {', '.join(sorted(members))})")
-    return {n: _mmap_npz_member(path, members[n]) for n in names}
 
 
 def _check_day(day: _Day, where: Path) -> None:
@@ -341,9 +224,9 @@ class ExternalDataset:
                 return np.asarray(a).reshape(-1).astype(np.float32)
 
             self._cache[name] = SplitArrays(
-                LazyColumn([_Piece(d.labels, s, e) for d, s, e in parts], labels, (), np.float32),  # type: ignore[arg-type]
-                LazyColumn([_Piece(d.dense, s, e) for d, s, e in parts], dense, (NUM_DENSE,), np.float32),  # type: ignore[arg-type]
-                LazyColumn([_Piece(d.sparse, s, e) for d, s, e in parts], sparse, (NUM_TABLES,), np.int32),  # type: ignore[arg-type]
+                LazyColumn([Piece(d.labels, s, e) for d, s, e in parts], labels, (), np.float32),  # type: ignore[arg-type]
+                LazyColumn([Piece(d.dense, s, e) for d, s, e in parts], dense, (NUM_DENSE,), np.float32),  # type: ignore[arg-type]
+                LazyColumn([Piece(d.sparse, s, e) for d, s, e in parts], sparse, (NUM_TABLES,), np.int32),  # type: ignore[arg-type]
             )
         return self._cache[name]
 
@@ -355,9 +238,9 @@ def _open_days(layout: Layout) -> tuple[list[_Day], bool]:
         for dense_file in layout.files:
             stem = dense_file.name.removesuffix("_dense.npy")
             day = _Day(
-                _load_npy(dense_file.with_name(f"{stem}_labels.npy")),
-                _load_npy(dense_file),
-                _load_npy(dense_file.with_name(f"{stem}_sparse.npy")),
+                load_npy(dense_file.with_name(f"{stem}_labels.npy")),
+                load_npy(dense_file),
+                load_npy(dense_file.with_name(f"{stem}_sparse.npy")),
                 stem,
             )
             _check_day(day, dense_file.parent / stem)
@@ -365,7 +248,7 @@ def _open_days(layout: Layout) -> tuple[list[_Day], bool]:
         return days, False
     if layout.format == "dlrm":
         for file in layout.files:
-            arrays = _npz_arrays(file, ("X_int", "X_cat", "y"))
+            arrays = npz_arrays(file, ("X_int", "X_cat", "y"))
             day = _Day(arrays["y"], arrays["X_int"], arrays["X_cat"], file.name)
             _check_day(day, file)
             days.append(day)
@@ -437,7 +320,7 @@ def _read_counts(layout: Layout) -> list[int] | None:
         candidates.insert(0, layout.files[0])
     for file in candidates:
         assert file is not None
-        if "counts" not in _npz_members(file):
+        if "counts" not in npz_members(file):
             continue
         counts = np.load(file)["counts"].reshape(-1)
         if counts.size != NUM_TABLES or (counts < 1).any():
@@ -569,6 +452,6 @@ def open_any(
     layout = detect_format(path)
     if layout is None:
         return CriteoDataset(path)  # its error says what is missing
-    if layout.format == "dlrm" and any(_npz_compressed(f) for f in layout.files):
+    if layout.format == "dlrm" and any(npz_compressed(f) for f in layout.files):
         return CriteoDataset(_convert_compressed(path, layout, table_sizes, split_order))
     return ExternalDataset(path, layout, table_sizes, split_order)

@@ -239,12 +239,13 @@ def lost_rank_error(exc: BaseException, rank: int) -> SlipcacheError:
 def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
     """`trainer.train` as one rank of N: the run directory agreed, the data prepared once, rank-0 output."""
     from slipcache.training import trainer
+    from slipcache.training.rundir import new_run_dir
 
     run = DistributedRun(ctx)
     try:
         run.check_config(config)
         if config.out is None and config.resume is None:
-            config.out = run.agree(str(trainer._new_run_dir()))
+            config.out = run.agree(str(new_run_dir()))
         if not run.is_main:
             config.progress = False
         if config.resume is None and ctx.local_rank == 0:  # once per node, before the others read it

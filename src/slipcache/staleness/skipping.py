@@ -21,7 +21,7 @@ The trainer calls `StaleSkipper` through these hooks (see `slipcache.training.tr
 4. **Filtered training**: the BatchIterator's sample filter drops stale inputs as batches are assembled.
    `stale_decision` "rolling" re-measures every window length and refits T; "epoch" is the authors' mode:
    one decision per epoch, fixed until the next.
-5. **Guard**: `stale_control` (5 %) of the would-be-skipped inputs are trained anyway, as a control group.
+5. **Guard**: `stale_keep` (5 %) of the would-be-skipped inputs are trained anyway, as a control group.
    Their training loss, relative to that of all trained inputs in the same batches, is followed: if it
    rises by more than `CONTROL_MARGIN` against its value when skipping (re)started, on 2 consecutive
    checks, skipped inputs were still teaching (the rest of the model moved on without them) and D is

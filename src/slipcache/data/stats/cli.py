@@ -1,0 +1,88 @@
+"""`slipcache stats`: its flags, and printing or writing the result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from slipcache.data.stats.compute import (
+    DEFAULT_BUDGETS_MB,
+    DEFAULT_CHUNK_ROWS,
+    DEFAULT_HOT_FRACTIONS,
+    DEFAULT_MAX_VALUES,
+    DEFAULT_SAMPLE_ROWS,
+    compute_stats,
+)
+from slipcache.data.stats.report import format_stats, plot_stats
+
+
+def _positive_list(text: str) -> list[float]:
+    """'64,256,1024' -> [64.0, 256.0, 1024.0] (for argparse)."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers like 64,256,1024, got {text!r}"
+        ) from exc
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "path", metavar="PATH", help="raw Criteo file or directory (tsv/csv, .gz too) or a dataset"
+    )
+    parser.add_argument("--max-rows", type=int, default=None, help="measure only the first N rows")
+    parser.add_argument("--json", metavar="FILE", help="also write the statistics as JSON ('-': stdout only)")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw them into a PNG")
+    parser.add_argument(
+        "--budgets-mb", type=_positive_list, default=list(DEFAULT_BUDGETS_MB),
+        help="hot-row budgets in MB for the hot-input share (default 64,256,1024)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hot-fractions", type=_positive_list, default=list(DEFAULT_HOT_FRACTIONS),
+        help="hot-row budgets as shares of the sample's values (default 0.01,0.1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS,
+        help="rows per chunk for the over-time figures (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sample-rows", type=int, default=DEFAULT_SAMPLE_ROWS,
+        help="rows kept for per-row figures; more rows make them estimates (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-values", type=int, default=DEFAULT_MAX_VALUES,
+        help="distinct values counted exactly before counts are sampled (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--split", action="append", help="dataset split to read (repeatable; default all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the row sample")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    stats = compute_stats(
+        args.path,
+        max_rows=args.max_rows,
+        chunk_rows=args.chunk_rows,
+        budgets_mb=args.budgets_mb,
+        hot_fractions=args.hot_fractions,
+        progress=not args.quiet,
+        sample_rows=args.sample_rows,
+        max_values=args.max_values,
+        splits=args.split,
+        seed=args.seed,
+    )
+    if args.plot:
+        plot_stats(stats, args.plot)
+    if args.json == "-":
+        json.dump(stats, sys.stdout, indent=1)
+        print()
+        return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(stats, indent=1) + "\n")
+    print(format_stats(stats))
+    return 0

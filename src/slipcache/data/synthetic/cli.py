@@ -1,0 +1,103 @@
+"""`slipcache synth`: generate a dataset, or compare the generators with real rows (`--compare`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from slipcache.data.synthetic.compare import COMPARE_ROWS, compare_with_real, format_comparison
+from slipcache.data.synthetic.generate import (
+    DEFAULT_GENERATOR,
+    DEFAULT_SAMPLES,
+    GENERATOR_VERSIONS,
+    generate_synthetic,
+)
+from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, NEW_ENTITY_RATE
+from slipcache.errors import SlipcacheError
+
+
+def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", help="output dataset directory (required unless --compare)")
+    parser.add_argument(
+        "--samples", type=int, default=DEFAULT_SAMPLES, help="total rows (default %(default)s)"
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiplier of the Kaggle table sizes (default %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--val-fraction", type=float, default=0.1, help="share of rows in val (default 0.1)")
+    parser.add_argument("--test-fraction", type=float, default=0.1, help="share of rows in test (default 0.1)")
+    parser.add_argument(
+        "--generator",
+        choices=tuple(GENERATOR_VERSIONS),
+        default=DEFAULT_GENERATOR,
+        help="v3 (default): latent entities, time order; v2: independent tables (earlier figures)",
+    )
+    parser.add_argument("--days", type=int, default=DAYS, help="v3: days the log spans (default %(default)s)")
+    parser.add_argument(
+        "--new-entity-rate",
+        type=float,
+        default=NEW_ENTITY_RATE,
+        help="v3: share of each entity's popularity ranks taken by new entities per day (default %(default)s)",
+    )
+    parser.add_argument(
+        "--drift-rate",
+        type=float,
+        default=DRIFT_RATE,
+        help="v3: share of ranks passed to another existing entity per day (default %(default)s)",
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="REAL_FILE",
+        help="instead of writing data: real vs synthetic statistics (v3 and v2) side by side, with tolerances",
+    )
+    parser.add_argument(
+        "--compare-rows",
+        type=int,
+        default=COMPARE_ROWS,
+        help="--compare: real rows read from the start of the file (default %(default)s)",
+    )
+    parser.add_argument(
+        "--compare-day",
+        type=int,
+        default=0,
+        help="--compare: the synthetic window starts this day (default 0)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    if args.compare:
+        result = compare_with_real(
+            args.compare,
+            max_rows=args.compare_rows,
+            day=args.compare_day,
+            num_samples=args.samples,
+            scale=args.scale,
+            seed=args.seed,
+            days=args.days,
+            new_entity_rate=args.new_entity_rate,
+            drift_rate=args.drift_rate,
+        )
+        print(format_comparison(result))
+        return 0
+    if not args.out:
+        raise SlipcacheError("synth needs --out DIR (or --compare REAL_FILE)")
+    meta = generate_synthetic(
+        args.out,
+        num_samples=args.samples,
+        scale=args.scale,
+        seed=args.seed,
+        val_fraction=args.val_fraction,
+        test_fraction=args.test_fraction,
+        generator=args.generator,
+        days=args.days,
+        new_entity_rate=args.new_entity_rate,
+        drift_rate=args.drift_rate,
+        progress=not args.quiet,
+    )
+    splits = ", ".join(f"{k} {v}" for k, v in meta["splits"].items())
+    print(
+        f"wrote {args.out} ({args.generator}): {splits}; {sum(meta['table_sizes'])} embedding rows; "
+        f"positive rate {meta['positive_rate']:.4f}; teacher AUC {meta['teacher_auc']}"
+    )
+    return 0

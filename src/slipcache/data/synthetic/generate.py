@@ -1,0 +1,244 @@
+"""Writing a synthetic dataset (`generate_synthetic`), reading a window of its rows without writing it,
+and the cache of generated datasets (`default_synthetic_path`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from slipcache.data.dataset import DatasetWriter
+from slipcache.data.synthetic.teacher import (
+    CHUNK_ROWS,
+    DENSE_MISSING,
+    HOT_ROWS,
+    TEACHER_DIM,
+    VARIANCE_SHARES,
+    Teacher,
+    auc,
+    expected_auc,
+    sigmoid,
+)
+from slipcache.data.synthetic.v2 import GeneratorV2
+from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, MISSING_ROW, NEW_ENTITY_RATE, GeneratorV3
+from slipcache.errors import SlipcacheError
+
+GENERATOR_VERSIONS = {"v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
+DEFAULT_GENERATOR = "v3"
+DEFAULT_SAMPLES = 2_500_000  # 2M train + 250k val + 250k test with the default fractions
+
+
+def make_generator(
+    generator: str,
+    scale: float,
+    seed: int,
+    *,
+    num_samples: int,
+    days: int = DAYS,
+    new_entity_rate: float = NEW_ENTITY_RATE,
+    drift_rate: float = DRIFT_RATE,
+) -> Teacher:
+    """The (uncalibrated) generator `generator` ("v3" or "v2") of a dataset of `num_samples` rows."""
+    if generator == "v2":
+        return GeneratorV2(scale, seed)
+    if generator != "v3":
+        raise SlipcacheError(f"generator must be one of {', '.join(GENERATOR_VERSIONS)}, got {generator!r}")
+    if days < 1:
+        raise SlipcacheError(f"days must be at least 1, got {days}")
+    if not (0 <= new_entity_rate <= 1 and 0 <= drift_rate <= 1):
+        raise SlipcacheError("new-entity and drift rates are shares of ranks per day, in [0, 1]")
+    return GeneratorV3(
+        scale,
+        seed,
+        num_samples=num_samples,
+        days=days,
+        new_entity_rate=new_entity_rate,
+        drift_rate=drift_rate,
+    )
+
+
+def generate_synthetic(
+    out_dir: str | os.PathLike[str],
+    *,
+    num_samples: int = DEFAULT_SAMPLES,
+    scale: float = 1.0,
+    seed: int = 0,
+    val_fraction: float = 0.1,
+    test_fraction: float = 0.1,
+    generator: str = DEFAULT_GENERATOR,
+    days: int = DAYS,
+    new_entity_rate: float = NEW_ENTITY_RATE,
+    drift_rate: float = DRIFT_RATE,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Write a synthetic dataset to `out_dir` (atomically) and return its meta. Deterministic per seed.
+
+    Rows are written in log order and the splits are contiguous: with v3 (time-ordered over `days` days)
+    train holds the earlier days, validation and test the last ones, as in the standard Criteo split.
+    `days` and the two rates apply to v3 only."""
+    if num_samples < 1:
+        raise SlipcacheError(f"number of samples must be at least 1, got {num_samples}")
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise SlipcacheError("val and test fractions must be in [0, 1) and sum to less than 1")
+    gen = make_generator(
+        generator,
+        scale,
+        seed,
+        num_samples=num_samples,
+        days=days,
+        new_entity_rate=new_entity_rate,
+        drift_rate=drift_rate,
+    )
+    gen.calibrate()
+    n_val = int(num_samples * val_fraction)
+    n_test = int(num_samples * test_fraction)
+    n_train = num_samples - n_val - n_test
+    bounds = {
+        "train": (0, n_train),
+        "val": (n_train, n_train + n_val),
+        "test": (n_train + n_val, num_samples),
+    }
+    positives = dict.fromkeys(bounds, 0)
+    test_logits = np.empty(n_test)
+    test_labels = np.empty(n_test, dtype=np.float32)
+    with (
+        DatasetWriter(out_dir, {k: b - a for k, (a, b) in bounds.items()}) as writer,
+        tqdm(total=num_samples, unit="rows", unit_scale=True, desc="synth", disable=not progress) as bar,
+    ):
+        for chunk, start in enumerate(range(0, num_samples, CHUNK_ROWS)):
+            end = min(start + CHUNK_ROWS, num_samples)
+            rng = _chunk_rng(seed, chunk)
+            dense, ids, terms = gen.sample(rng, start, end - start)
+            logits = gen.logits(terms)
+            labels = (rng.random(end - start) < sigmoid(logits)).astype(np.float32)
+            for name, (a, b) in bounds.items():
+                lo, hi = max(a, start), min(b, end)
+                if lo >= hi:
+                    continue
+                part = slice(lo - start, hi - start)
+                writer.write(name, lo - a, labels[part], dense[part], ids[part])
+                positives[name] += int(labels[part].sum())
+                if name == "test":
+                    test_logits[lo - a : hi - a] = logits[part]
+                    test_labels[lo - a : hi - a] = labels[part]
+            bar.update(end - start)
+        sizes = {k: b - a for k, (a, b) in bounds.items()}
+        meta = writer.commit(
+            {
+                "table_sizes": [int(s) for s in gen.sizes],
+                "positive_rate": sum(positives.values()) / num_samples,
+                "split_positive_rate": {k: (positives[k] / sizes[k] if sizes[k] else None) for k in sizes},
+                "vocabulary": "synthetic",
+                "teacher_auc": auc(test_logits, test_labels) if n_test else None,
+                "teacher_expected_auc": expected_auc(test_logits) if n_test else None,
+                "source": {"generator": "slipcache.data.synthetic"},
+                "time_ordered": isinstance(gen, GeneratorV3),
+                **({"missing_row": MISSING_ROW} if isinstance(gen, GeneratorV3) else {}),
+                "generator": {
+                    "version": GENERATOR_VERSIONS[generator],
+                    "num_samples": num_samples,
+                    "scale": scale,
+                    "seed": seed,
+                    "val_fraction": val_fraction,
+                    "test_fraction": test_fraction,
+                    "hot_rows": HOT_ROWS,
+                    "teacher_dim": TEACHER_DIM,
+                    "variance_shares": list(VARIANCE_SHARES),
+                    "logit_scale": gen.logit_scale,
+                    "logit_bias": gen.logit_bias,
+                    "dense_missing": DENSE_MISSING,
+                    **gen.describe(),
+                },
+            }
+        )
+    return meta
+
+
+def _chunk_rng(seed: int, chunk: int) -> np.random.Generator:
+    """The random stream of rows [chunk * CHUNK_ROWS, (chunk + 1) * CHUNK_ROWS) of a dataset."""
+    return np.random.default_rng([seed, 2, chunk])
+
+
+def synthetic_window(
+    start: int,
+    rows: int,
+    *,
+    num_samples: int = DEFAULT_SAMPLES,
+    scale: float = 1.0,
+    seed: int = 0,
+    generator: str = DEFAULT_GENERATOR,
+    days: int = DAYS,
+    new_entity_rate: float = NEW_ENTITY_RATE,
+    drift_rate: float = DRIFT_RATE,
+) -> np.ndarray:
+    """The categorical ids [rows, 26] of rows start..start+rows-1 of the dataset `generate_synthetic`
+    would write with these parameters (the same rows; no labels, so no calibration is needed)."""
+    gen = make_generator(
+        generator,
+        scale,
+        seed,
+        num_samples=num_samples,
+        days=days,
+        new_entity_rate=new_entity_rate,
+        drift_rate=drift_rate,
+    )
+    end = start + rows
+    if not 0 <= start < end <= num_samples:
+        raise SlipcacheError(f"rows {start}..{end - 1} are not all within the {num_samples} rows of the log")
+    parts = []
+    for chunk in range(start // CHUNK_ROWS, (end - 1) // CHUNK_ROWS + 1):
+        first = chunk * CHUNK_ROWS
+        last = min(first + CHUNK_ROWS, num_samples)
+        ids = gen.sample(_chunk_rng(seed, chunk), first, last - first)[1]
+        parts.append(ids[max(start, first) - first : min(end, last) - first])
+    return np.concatenate(parts)
+
+
+def default_cache_root() -> Path:
+    env = os.environ.get("SLIPCACHE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "slipcache"
+
+
+def default_synthetic_path(
+    cache_root: str | os.PathLike[str] | None,
+    num_samples: int = DEFAULT_SAMPLES,
+    scale: float = 1.0,
+    seed: int = 0,
+    *,
+    generator: str = DEFAULT_GENERATOR,
+    progress: bool = True,
+) -> Path:
+    """A cached synthetic dataset for these parameters: reused when present, generated when not.
+
+    `cache_root` None means $SLIPCACHE_CACHE_DIR, else ~/.cache/slipcache; data lives under `synthetic/`.
+    The key holds the generator's version and, for v3, a digest of its parameters, so data from another
+    generator or an older calibration is never reused.
+    """
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    described = make_generator(generator, scale, seed, num_samples=num_samples).describe()
+    version = GENERATOR_VERSIONS[generator]
+    name = f"n{num_samples}-scale{scale:g}-seed{seed}-v{version}"
+    if generator != "v2":  # v2 keeps its earlier directory name, so its cached datasets stay valid
+        name += "-" + hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:8]
+    path = root / "synthetic" / name
+    try:
+        gen = json.loads((path / "meta.json").read_text()).get("generator", {})
+        if (gen.get("version"), gen.get("num_samples"), gen.get("scale"), gen.get("seed")) == (
+            version,
+            num_samples,
+            scale,
+            seed,
+        ):
+            return path
+    except (OSError, ValueError, AttributeError):
+        pass
+    generate_synthetic(
+        path, num_samples=num_samples, scale=scale, seed=seed, generator=generator, progress=progress
+    )
+    return path

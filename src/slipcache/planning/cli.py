@@ -1,0 +1,258 @@
+"""`slipcache plan`: profile a dataset, plan for the budget, print the plan and write it as a
+`slipcache train --config` file (plus the hit-rate curves and, with `--world-size`, a sharding preview).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slipcache.errors import SlipcacheError
+from slipcache.planning.planner import GB, PLAN_PRECISIONS, ROUNDING_STEP, Plan, make_plan, uniform_choice
+from slipcache.planning.profile import IdProfile, profile_split
+from slipcache.training.cli import fmt_bytes
+
+
+def format_plan(plan: Plan) -> str:
+    header = ("table", "rows", "precision", "cache rows", "MiB", "hit rate", "lookups/sample")
+    body = [
+        (
+            name,
+            f"{rows:,}",
+            c.precision,
+            f"{c.cache_rows:,}",
+            f"{c.bytes / 2**20:.2f}",
+            f"{c.hit_rate:.3f}" if c.cache_rows else "-",
+            f"{lk:.2f}",
+        )
+        for name, rows, lk, c in zip(
+            plan.names, plan.rows, plan.lookups_per_sample, plan.choices, strict=True
+        )
+    ]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = [
+        "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
+        for r in [header, *body]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(
+        f"total {fmt_bytes(plan.total_bytes)} of {fmt_bytes(plan.budget_bytes)} budget; expected: hit rate "
+        f"{plan.hit_rate:.3f}, lookups reading fp32 rows {plan.full_precision_share:.3f}, rounding loss "
+        f"{plan.loss:.2e}/sample, traffic {sum(c.traffic for c in plan.choices):.0f} B/sample (storage<->cache)"
+    )
+    return "\n".join(lines)
+
+
+def plot_curves(plan: Plan, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for t, ((sizes, hits), choice) in enumerate(zip(plan.curves, plan.choices, strict=True)):
+        cached = sizes > 0
+        (line,) = ax.plot(sizes[cached], hits[cached], lw=1, label=plan.names[t])
+        if choice.cache_rows:
+            ax.plot(choice.cache_rows, choice.hit_rate, "o", color=line.get_color(), ms=4)
+    ax.set_xscale("log")
+    ax.set_xlabel("cache rows (log)")
+    ax.set_ylabel("expected hit rate")
+    ax.set_title(f"hit-rate curves per table ({plan.policy}); dots: planned cache")
+    ax.legend(fontsize=5, ncol=3, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return repr(float(value))
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def to_toml(plan: Plan, train_values: dict[str, Any], sharding: dict[str, Any] | None = None) -> str:
+    """`[train]` (what `slipcache train --config` reads), then the plan's figures for people."""
+    lines = [
+        "# written by `slipcache plan`; `slipcache train --config FILE` reads the [train] table",
+        "[train]",
+    ]
+    lines += [
+        f"{k} = {_toml_value(v)}"
+        for k, v in {**train_values, **plan.config_values()}.items()
+        if v is not None
+    ]
+    lines += ["", "[plan]"]
+    lines += [
+        f"budget_bytes = {int(plan.budget_bytes)}",
+        f"planned_bytes = {int(plan.total_bytes)}",
+        f"expected_hit_rate = {plan.hit_rate!r}",
+        f"expected_fp32_share = {plan.full_precision_share!r}",
+        f"expected_rounding_loss = {plan.loss!r}",
+    ]
+    for name, rows, c in zip(plan.names, plan.rows, plan.choices, strict=True):
+        lines += [
+            "",
+            "[[plan.tables]]",
+            f"name = {_toml_value(name)}",
+            f"rows = {rows}",
+            f"precision = {_toml_value(c.precision)}",
+            f"cache_rows = {c.cache_rows}",
+            f"bytes = {int(c.bytes)}",
+            f"expected_hit_rate = {c.hit_rate!r}",
+        ]
+    if sharding is not None:
+        lines += ["", "[sharding]", f"world_size = {sharding['world_size']}"]
+        for shard in sharding["shards"]:
+            lines += ["", "[[sharding.shards]]"] + [f"{k} = {_toml_value(v)}" for k, v in shard.items()]
+    return "\n".join(lines) + "\n"
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data", default=None, help="dataset as `slipcache train --data` takes it (default: synthetic)"
+    )
+    parser.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="memory for all embedding tables, in GB (1e9 bytes); default: what the --compare config takes",
+    )
+    parser.add_argument(
+        "--compare",
+        default="int8:0.05",
+        metavar="PRECISION:SHARE",
+        help="the uniform config to compare with: one precision, one shared cache of SHARE of all rows "
+        "(default int8:0.05)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the --quick synthetic dataset of slipcache train"
+    )
+    parser.add_argument("--dim", type=int, default=16, help="embedding dimension (default 16)")
+    parser.add_argument(
+        "--out", default=None, help="write the plan as a TOML config for `slipcache train --config`"
+    )
+    parser.add_argument("--plot", default=None, help="PNG of the hit-rate curves (default: beside --out)")
+    parser.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="cache policy (default lru)")
+    parser.add_argument("--optimizer", choices=("sgd", "adagrad", "rowwise_adagrad"), default="sgd")
+    parser.add_argument(
+        "--precisions",
+        default=",".join(PLAN_PRECISIONS),
+        help="precisions to choose from (default fp32,fp16,int8,int4)",
+    )
+    parser.add_argument(
+        "--sample-rows", type=int, default=1_000_000, help="training rows profiled (default 1,000,000)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="also preview table placement on N ranks"
+    )
+    parser.add_argument(
+        "--table-sizes", default=None, help="external formats: rows per table (see slipcache train)"
+    )
+    parser.add_argument("--split-order", choices=("val-test", "test-val"), default=None)
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from slipcache.training import trainer
+    from slipcache.training.cli import int_list
+    from slipcache.training.config import make_config
+
+    precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
+    unknown = [p for p in precisions if p not in ROUNDING_STEP]
+    if unknown or not precisions:
+        raise SlipcacheError(
+            f"--precisions: unknown {unknown[0] if unknown else 'empty list'} (fp32, fp16, bf16, int8, int4)"
+        )
+    if (args.budget_gb is not None and not args.budget_gb > 0) or args.dim < 1 or args.sample_rows < 1:
+        raise SlipcacheError("--budget-gb, --dim and --sample-rows must be positive")
+    try:
+        compare_precision, compare_share = args.compare.split(":")
+        compare = (compare_precision, float(compare_share))
+    except ValueError as exc:
+        raise SlipcacheError(
+            f"--compare must be PRECISION:SHARE, e.g. int8:0.05; got {args.compare!r}"
+        ) from exc
+    if compare[0] not in ROUNDING_STEP or not 0 <= compare[1] <= 1:
+        raise SlipcacheError(f"--compare: unknown precision or share outside [0, 1]: {args.compare!r}")
+    flags: dict[str, Any] = {"data": args.data, "progress": args.progress}
+    if args.quick:
+        flags["quick"] = True
+    if args.table_sizes:
+        flags["table_sizes"] = int_list(args.table_sizes)
+    if args.split_order:
+        flags["split_order"] = args.split_order
+    config = make_config({}, flags)
+    dataset_dir = trainer.prepare_data(config)
+    dataset = trainer.open_dataset(dataset_dir, config)
+    profile = profile_split(
+        dataset.split("train"), dataset.table_sizes, sample_rows=args.sample_rows, seed=args.seed
+    )
+    uniform = uniform_choice(profile, args.dim, *compare, policy=args.policy, optimizer=args.optimizer)
+    plan = make_plan(
+        profile,
+        args.budget_gb * GB if args.budget_gb is not None else uniform["bytes"],
+        args.dim,
+        names=[f"C{t + 1}" for t in range(dataset.num_tables)],
+        policy=args.policy,
+        optimizer=args.optimizer,
+        precisions=precisions,
+    )
+    print(f"profiled {profile.sampled_rows:,} of {profile.split_rows:,} training rows of {dataset_dir}")
+    print(format_plan(plan))
+    print(
+        f"uniform {compare[0]} + {100 * compare[1]:g} % shared cache: {fmt_bytes(uniform['bytes'])}; expected: "
+        f"hit rate {uniform['hit_rate']:.3f}, rounding loss {uniform['loss']:.2e}/sample"
+    )
+    sharding = None
+    if args.world_size is not None:
+        sharding = preview_sharding(plan, profile, args.world_size)
+        print(sharding["text"])
+    train_values = {k: v for k, v in flags.items() if k != "progress"}
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(to_toml(plan, train_values, sharding))
+        print(f"config: {out}  (slipcache train --config {out})")
+    plot = Path(args.plot) if args.plot else (Path(args.out).with_suffix(".png") if args.out else None)
+    if plot is not None:
+        plot_curves(plan, plot)
+        print(f"curves: {plot}")
+    return 0
+
+
+def preview_sharding(plan: Plan, profile: IdProfile, world_size: int) -> dict[str, Any]:
+    """The distributed planner's placement of the planned tables, costed with this profile's lookups."""
+    try:
+        from slipcache.distributed.planner import TableSpec, plan_sharding
+    except ImportError as exc:  # the scale-out branch not merged yet
+        raise SlipcacheError("--world-size needs slipcache.distributed (the sharding planner)") from exc
+    specs = [
+        TableSpec(
+            name=name,
+            rows=rows,
+            dim=plan.dim,
+            bytes_per_row=choice.bytes / rows,
+            lookups_per_sample=table.lookups_per_sample,
+            row_histogram=tuple(float(v) for v in table.histogram),
+        )
+        for name, rows, choice, table in zip(plan.names, plan.rows, plan.choices, profile.tables, strict=True)
+    ]
+    sharding = plan_sharding(specs, world_size)
+    shards = [
+        {"table": plan.names[s.table], "rank": s.rank, "row_start": s.row_start, "row_end": s.row_end}
+        for s in sharding.shards
+    ]
+    return {"world_size": world_size, "shards": shards, "text": sharding.format_table()}

@@ -1,0 +1,298 @@
+"""`slipcache train` and `slipcache eval`: their flags, evaluating a saved run, and the summary table a run ends with."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from slipcache.data.synthetic import GENERATOR_VERSIONS
+from slipcache.embedding.cache import POLICIES
+from slipcache.embedding.collection import OPTIMIZERS
+from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
+from slipcache.errors import SlipcacheError
+from slipcache.model import EMBEDDING_KINDS
+from slipcache.training import checkpoint as ckpt
+from slipcache.training.config import CONFIG_FIELDS, VOCABS, config_from_saved, load_config_file, make_config
+from slipcache.training.rundir import load_training_checkpoint
+from slipcache.training.trainer import (
+    build_model,
+    check_table_sizes,
+    evaluate,
+    load_model_state,
+    open_dataset,
+    prepare_data,
+    run_dataset_dir,
+    train,
+)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """The short table `slipcache train` ends with."""
+    rate = summary["samples_per_s"]
+    rows = [
+        ("AUC (test)", f"{summary['auc']:.4f}"),
+        ("log loss (test)", f"{summary['logloss']:.4f}"),
+        ("normalized entropy", f"{summary['normalized_entropy']:.4f}"),
+        (
+            "embedding memory",
+            f"{fmt_bytes(summary['embedding_bytes'])} vs {fmt_bytes(summary['fp32_embedding_bytes'])} fp32 "
+            f"({summary['memory_ratio']:.2f}x smaller)",
+        ),
+        ("throughput", f"{rate:,.0f} samples/s" if rate else "n/a"),
+        ("train time", f"{summary['train_wall_s']:.1f} s for {summary['train_samples']:,} samples"),
+    ]
+    if summary.get("cache_hit_rate") is not None:
+        rows.insert(4, ("cache hit rate", f"{100 * summary['cache_hit_rate']:.1f}%"))
+    if summary.get("staleness"):
+        rows.append(("skipped as stale", f"{100 * summary['skipped_fraction']:.1f}% of inputs"))
+    quality = summary.get("data_quality")
+    if quality and quality["malformed_lines"]:
+        rows.append(("malformed lines", f"{quality['malformed_lines']:,} skipped (see report.md)"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag defaults to 'not given' so that a config file value is only overridden on purpose."""
+    s = argparse.SUPPRESS
+    add = parser.add_argument
+    add("--config", metavar="FILE", default=s, help="TOML or YAML file of config keys; flags override it")
+    add(
+        "--data",
+        default=s,
+        help="raw Criteo file/dir (any of the 3 formats) or a preprocessed dataset dir; "
+        "default: synthetic data",
+    )
+    add("--out", default=s, help="run directory (default runs/<timestamp>)")
+    add(
+        "--generator",
+        dest="synthetic_generator",
+        choices=tuple(GENERATOR_VERSIONS),
+        default=s,
+        help="synthetic data generator: v3 (default; entities, time order) or v2 (earlier figures)",
+    )
+    add(
+        "--resume",
+        metavar="RUN_OR_CHECKPOINT",
+        default=s,
+        help="continue an interrupted run, in its own directory (or a new empty --out)",
+    )
+    add(
+        "--allow-changes",
+        action="store_true",
+        default=s,
+        help="with --resume: continue with settings that differ from the run's (e.g. a larger --samples)",
+    )
+    add("--quick", action="store_true", default=s, help="small synthetic run, well under a minute")
+    add(
+        "--embeddings",
+        choices=EMBEDDING_KINDS,
+        default=s,
+        help="cached = mixed-precision + fp32 cache (default); torch = fp32 nn.EmbeddingBag baseline",
+    )
+    add("--precision", choices=PRECISIONS, default=s, help="embedding storage precision (default int8)")
+    add("--cache-size", type=float, default=s, help="share of rows cached, 0..1; 1 = every row (default 0.05)")
+    add("--cache-rows", type=int, default=s, help="cache capacity as a number of rows (overrides --cache-size)")
+    add("--policy", choices=POLICIES, default=s, help="cache replacement policy; none = no cache (default lru)")
+    add("--lookahead", type=int, default=s, help="batches ahead the lookahead policies see (default 4)")
+    add(
+        "--prefetch",
+        action="store_true",
+        default=s,
+        help="read the next batch's rows into the cache in the background while the current one computes",
+    )
+    add("--rounding", choices=ROUNDINGS, default=s, help="rounding into storage (default stochastic)")
+    add("--optimizer", choices=OPTIMIZERS, default=s, help="embedding optimizer (default sgd)")
+    add("--lr", type=float, default=s, help="embedding learning rate (default 0.3)")
+    add("--dense-lr", type=float, default=s, help="MLP learning rate (default: --lr)")
+    add("--batch-size", type=int, default=s, help="samples per batch (default 256)")
+    add("--epochs", type=int, default=s, help="passes over the training split (default 1)")
+    add("--samples", type=int, default=s, help="training budget in samples (overrides --epochs)")
+    add(
+        "--eval-every",
+        metavar="SAMPLES",
+        type=int,
+        default=s,
+        help="evaluate on the validation split after every SAMPLES samples consumed (trained or skipped; "
+        "default: 10 per run)",
+    )
+    add(
+        "--eval-samples",
+        metavar="N",
+        type=int,
+        default=s,
+        help="validation samples per evaluation, the first N of the split (default 100000)",
+    )
+    add("--checkpoint-every", type=int, default=s, help="samples between checkpoints (default: 4 per run)")
+    add("--dim", dest="embedding_dim", type=int, default=s, help="embedding dimension (default 16)")
+    add("--seed", type=int, default=s, help="random seed (default 0)")
+    add("--vocab", choices=VOCABS, default=s, help="raw data vocabulary: hash (default) or frequency")
+    add("--max-rows", type=int, default=s, help="raw data, hash vocabulary: rows per table (default 1000000)")
+    add("--min-count", type=int, default=s, help="raw data, frequency vocabulary: minimum count (default 1)")
+    add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
+    add(
+        "--table-sizes",
+        type=int_list,
+        default=s,
+        help="TorchRec/DLRM/MLPerf files: rows per table, one for all or 26 comma-separated; ids are "
+        "taken modulo them (TorchRec's hashes). Default: the files' counts, else max id + 1",
+    )
+    add(
+        "--split-order",
+        choices=("val-test", "test-val"),
+        default=s,
+        help="which half of the last day is validation (default: the format's convention)",
+    )
+    add("--no-progress", "--quiet", dest="progress", action="store_false", default=s, help="no progress bar")
+    add(
+        "--tensorboard",
+        nargs="?",
+        const="",
+        default=s,
+        metavar="DIR",
+        help="also write the metrics as TensorBoard events (default DIR: <out>/tensorboard)",
+    )
+    add(
+        "--skip-stale",
+        action="store_true",
+        default=s,
+        help="skip stale inputs (Slipstream; docs/skipping.md)",
+    )
+    add("--stale-target", type=float, default=s, help="D: share of hot inputs to skip (default 0.3)")
+    add("--no-stale-guard", dest="stale_guard", action="store_false", default=s, help="no accuracy guard")
+    add("--stale-guard-every", type=int, default=s, help="batches between guard checks (default 100)")
+    add(
+        "--stale-alpha",
+        type=float,
+        default=s,
+        help="share of an input's lookups that must be hot, and stale to skip it (default 1: all; 0.9 = 24 of 26)",
+    )
+    add(
+        "--stale-window",
+        type=float,
+        default=s,
+        help="share of an epoch's batches in the snapshot window (0.02)",
+    )
+    add("--stale-recheck", type=int, default=s, help="batches between rolling snapshots (default 0 = window)")
+    add("--stale-budget-mb", type=float, default=s, help="hot-row snapshot budget in MiB (default 256)")
+    add(
+        "--stale-min-accesses",
+        type=float,
+        default=s,
+        help="hot rows must expect this many accesses per window (default 0 = budget only, as the paper)",
+    )
+    add("--stale-release-cache", action="store_true", default=s, help="stale rows give up their cache slots")
+    add("--stale-rule", choices=("convergence", "paper"), default=s,
+        help="convergence (default): change per update of rows updated >= k times; paper: L-inf change")
+    add("--stale-min-updates", type=int, default=s, help="k: updates before a row is judged (default 4)")
+    add("--stale-count-share", type=float, default=s,
+        help="share of each trained batch whose row updates are counted, then scaled up (default 0.25)")
+    add("--stale-warmup", choices=("val", "epoch", "none"), default=s,
+        help="skip after validation loss flattened (val, default), from --stale-warmup-epoch, or at once")
+    add("--stale-warmup-epoch", type=int, default=s, help="0-based epoch skipping starts by at the latest (1)")
+    add("--stale-warmup-min", type=float, default=s, help="never skip in this first share of the run (0.1)")
+    add("--stale-warmup-tol", type=float, default=s, help="relative val-loss gain that still counts (0.005)")
+    add("--stale-decision", choices=("rolling", "epoch"), default=s,
+        help="rolling re-checks (default) or one decision per epoch (the authors')")
+    add("--stale-keep", "--stale-control", dest="stale_keep", type=float, default=s,
+        help="p: share of would-be-skipped inputs trained anyway, the guard's control (0.05)")
+    add("--stale-reweight", action="store_true", default=s,
+        help="weight those inputs' loss by 1/p: the expected gradient is the one without skipping")
+    add(
+        "--no-stale-refit",
+        dest="stale_refit",
+        action="store_false",
+        default=s,
+        help="fit the threshold once per epoch (the paper) instead of at every re-check",
+    )
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def run_train(args: argparse.Namespace) -> int:
+    flags = {k: v for k, v in vars(args).items() if k in CONFIG_FIELDS}
+    file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
+    config = make_config(file_values, flags)
+    from slipcache.distributed.launch import init_from_env
+
+    context = init_from_env()  # None unless started by torchrun with more than one process
+    if context is None:
+        summary = train(config)
+    else:
+        from slipcache.distributed.training import train_on_ranks
+
+        summary = train_on_ranks(config, context)
+        if not context.is_main:
+            return 0
+    print(f"run: {summary['run_dir']}")
+    print(summary_table(summary))
+    return 0
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
+    parser.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
+    parser.add_argument("--split", default="test", choices=("train", "val", "test"), help="split to evaluate (default test)")
+    parser.add_argument("--samples", type=int, default=None, help="evaluate only the first N samples")
+
+
+def evaluate_checkpoint(
+    checkpoint_path: str | Path, *, data: str | None = None, split: str = "test", samples: int | None = None
+) -> dict[str, float]:
+    """Metrics of a saved model on a dataset split."""
+    if samples is not None and samples < 1:
+        raise SlipcacheError(f"--samples must be at least 1, got {samples}")
+    path = Path(checkpoint_path).expanduser().resolve()
+    from slipcache.distributed import checkpoint as sharded_ckpt
+
+    sharded = sharded_ckpt.latest_sharded(path) if path.is_dir() else None  # written by N processes
+    if path.is_dir():
+        path = path / "checkpoints" / ckpt.LATEST if (path / "checkpoints").is_dir() else path / ckpt.LATEST
+    state = sharded_ckpt.load_rank_state(sharded, 0) if sharded else load_training_checkpoint(path)
+    config = config_from_saved(state["config"], f"checkpoint {path}")
+    config.progress = False
+    if data is not None:
+        config.data = str(Path(data).expanduser().resolve())
+        dataset_dir = prepare_data(config)
+    else:
+        saved_dataset = state["config"].get("dataset")
+        dataset_dir = run_dataset_dir(config, saved_dataset if isinstance(saved_dataset, str) else None)
+    dataset = open_dataset(dataset_dir, config)
+    check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
+    if split not in dataset.splits or not dataset.splits[split]:
+        raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
+    model = build_model(config, dataset.table_sizes, dataset.num_dense)
+    if sharded is not None:  # gather the ranks' shards into this process's tables
+        sharded_ckpt.unshard_into(model.embeddings, sharded)
+        state["embeddings"] = model.embeddings.state_dict()
+    load_model_state(state, model)
+    return evaluate(model, dataset.split(split), max_samples=samples)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    scores = evaluate_checkpoint(args.checkpoint, data=args.data, split=args.split, samples=args.samples)
+    print(f"{args.split}: {scores['samples']:,} samples")
+    for name in ("auc", "logloss", "accuracy", "normalized_entropy"):
+        print(f"  {name:<20} {scores[name]:.4f}")
+    return 0
+
+
+if __name__ == "__main__":  # python -m slipcache.training.cli
+    parser = argparse.ArgumentParser(prog="slipcache train")
+    add_train_arguments(parser)
+    sys.exit(run_train(parser.parse_args()))

@@ -1,0 +1,215 @@
+"""The run directory: where a run writes, and what `--resume` may continue from.
+
+`--out` must be new, empty, or a run that stopped before its first checkpoint; `--resume` writes only into
+the run it names, and refuses setting changes the checkpoint's state depends on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import typing
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from slipcache.errors import SlipcacheError
+from slipcache.training import checkpoint as ckpt
+from slipcache.training.config import CONFIG_FIELDS, TrainConfig, config_from_saved
+
+if typing.TYPE_CHECKING:
+    from slipcache.distributed.training import DistributedRun
+
+CHECKPOINT_FORMAT = ckpt.MAGIC
+
+
+def new_run_dir() -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = Path("runs") / stamp
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path("runs") / f"{stamp}-{n}"
+    return path
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write JSON atomically: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def write_events(path: Path, events: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def check_checkpoint(state: dict[str, Any], path: Path) -> None:
+    """The file verified (see `checkpoint.load_checkpoint`); is it a training checkpoint of this version?"""
+    if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != ckpt.FORMAT_VERSION:
+        raise SlipcacheError(
+            f"{path} is not a slipcache training checkpoint of format version {ckpt.FORMAT_VERSION} "
+            f"(it holds format {state.get('format')!r}, version {state.get('version')!r})"
+        )
+    sizes = state.get("table_sizes")
+    parts = ("dense", "embeddings", "dense_optimizer", "progress", "rng")
+    if (
+        not isinstance(sizes, list)
+        or not all(isinstance(n, int) and n >= 1 for n in sizes)
+        or not all(isinstance(state.get(k), dict) for k in parts)
+    ):
+        raise SlipcacheError(f"checkpoint {path} is incomplete or malformed (table sizes or state missing)")
+
+
+# Fields that say where and how a run reports, not what it computes: free to differ on resume.
+_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard"}
+# Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
+_STATE_DEFINING = {
+    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
+    "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
+    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "table_sizes", "split_order",
+    "lookahead", "prefetch",
+}  # fmt: skip
+
+
+def warn(message: str) -> None:
+    print(f"slipcache train: warning: {message}", file=sys.stderr)
+
+
+def _is_run_dir(path: Path) -> bool:
+    """Whether `path` is a directory `slipcache train` made (its config.json names a run's dataset)."""
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"dataset", "embeddings", "seed"} <= saved.keys()
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    directory = run_dir / "checkpoints"
+    return directory.is_dir() and any(p.suffix == ".pt" for p in directory.iterdir())
+
+
+def prepare_out_dir(path: Path, *, restart_ok: bool) -> Path:
+    """Create the run directory `path` (absolute): new, empty, or, with `restart_ok`, a run that stopped
+    before its first checkpoint. Anything else holds someone's files or another run: refused."""
+    path = path.expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise SlipcacheError(f"--out {path} is a file, not a directory")
+    # Temp files of a write killed midway (before config.json existed) do not make a directory anyone's.
+    entries = [p for p in path.iterdir() if not p.name.endswith(".tmp")] if path.is_dir() else []
+    if entries:
+        if not _is_run_dir(path):
+            raise SlipcacheError(
+                f"--out {path} is not empty and is not a slipcache run directory; choose a new or empty one"
+            )
+        if has_checkpoint(path) or not restart_ok:
+            raise SlipcacheError(f"run directory {path} already holds a run; use --resume {path} or another --out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SlipcacheError(f"cannot create run directory {path}: {exc.strerror or exc}") from exc
+    return path
+
+
+def _resume_location(resume: str) -> tuple[Path, Path | None]:
+    """(checkpoint file, the run directory holding it or None for a loose file) named by `--resume`."""
+    path = Path(resume).expanduser().resolve()
+    if path.is_dir():
+        if path.name == "checkpoints" and _is_run_dir(path.parent):
+            return path / ckpt.LATEST, path.parent
+        if _is_run_dir(path) or (path / "checkpoints").is_dir():
+            return path / "checkpoints" / ckpt.LATEST, path
+        raise SlipcacheError(f"--resume {path}: not a slipcache run directory or checkpoint file")
+    if path.is_file():
+        if path.parent.name == "checkpoints" and _is_run_dir(path.parent.parent):
+            return path, path.parent.parent
+        return path, None
+    raise SlipcacheError(f"--resume {path}: no such run directory or checkpoint file")
+
+
+def load_resume(
+    config: TrainConfig, dist: DistributedRun | None = None
+) -> tuple[dict[str, Any] | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
+    """(checkpoint state or None, the run's saved config, the config to continue with, changed settings).
+
+    The resumed run writes into the directory `--resume` names, whatever the checkpoint says (a copied
+    run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
+    stopped before its first checkpoint (a full disk) starts again from its config.json.
+    """
+    path, home = _resume_location(config.resume or "")
+    if config.out is not None and (home is None or Path(config.out).expanduser().resolve() != home):
+        run_dir = prepare_out_dir(Path(config.out), restart_ok=False)
+    elif home is None:
+        raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
+    else:
+        run_dir = home
+    if dist is None and home is not None:
+        from slipcache.distributed.checkpoint import refuse_sharded
+
+        refuse_sharded(home)  # written by N processes: say how to resume it
+    if dist is not None:
+        state = dist.load_checkpoint(home or path)  # every rank's file and the manifest
+        saved, where = state["config"], f"checkpoint {path.parent}"
+    elif home is not None and path.name == ckpt.LATEST and not has_checkpoint(home):
+        warn(f"{home} has no checkpoint (it stopped before the first one); starting it again from the beginning")
+        state, saved = None, json.loads((home / "config.json").read_text())
+        where = f"{home / 'config.json'}"
+    else:
+        state = load_training_checkpoint(path)
+        saved, where = state["config"], f"checkpoint {path}"
+    resumed = config_from_saved(saved, where)
+    changes = _resume_changes(config, resumed)
+    if changes:
+        listing = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changes.items())
+        if not config.allow_changes:
+            raise SlipcacheError(
+                f"resuming would change the run's definition ({listing}); leave these flags out, "
+                "or pass --allow-changes to continue with them"
+            )
+        fixed = sorted(changes.keys() & _STATE_DEFINING)
+        if fixed:
+            raise SlipcacheError(
+                f"cannot change {', '.join(fixed)} when resuming, even with --allow-changes: "
+                "the checkpoint's state depends on it"
+            )
+        for name, (_, new) in changes.items():
+            setattr(resumed, name, new)
+        if "epochs" in changes and "samples" not in changes:
+            resumed.samples = None  # derive the budget from the new epoch count
+    resumed.resume, resumed.progress, resumed.allow_changes = config.resume, config.progress, config.allow_changes
+    resumed.out = str(run_dir)
+    return state, saved, resumed, {k: list(v) for k, v in changes.items()}
+
+
+def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Settings given for the resume that differ from the run's (a value equal to the default counts as
+    not given: the run's own value stands)."""
+    defaults = TrainConfig()
+    changes = {}
+    for name in CONFIG_FIELDS:
+        value, old = getattr(config, name), getattr(saved, name)
+        if name in _RUN_INDEPENDENT or value == getattr(defaults, name):
+            continue
+        if name == "data" and value is not None and old is not None:
+            value = str(Path(value).expanduser().resolve())
+        if value != old:
+            changes[name] = (old, value)
+    return changes
+
+
+def load_training_checkpoint(path: Path) -> dict[str, Any]:
+    """A verified training checkpoint; when it is damaged or missing, the error names the complete older
+    checkpoints beside it and how to resume from one."""
+    try:
+        state = ckpt.load_checkpoint(path)
+    except ckpt.CorruptCheckpointError as exc:
+        older = [p for p in ckpt.complete_checkpoints(path.parent) if p.name != path.name]
+        if not older:
+            raise
+        names = ", ".join(p.name for p in older)
+        raise SlipcacheError(
+            f"{exc}; complete older checkpoints: {names}; to continue from the newest: --resume {older[0]}"
+        ) from exc
+    check_checkpoint(state, path)
+    return state
