@@ -164,6 +164,8 @@ class FakeConfig:
     stale_warmup: str = "val"
     stale_warmup_min: float = 0.1
     stale_decision: str = "rolling"
+    stale_keep: float = 0.05
+    stale_reweight: bool = False
 
 
 def _fake_train(config: FakeConfig) -> dict[str, Any]:
@@ -185,6 +187,7 @@ def _fake_train(config: FakeConfig) -> dict[str, Any]:
             "threshold": 0.01,
             "val_auc": 0.75 - 0.05 / i,
             "train_seconds": i * (1 - skipped),
+            "train_cpu_s": 0.5 * i * (1 - skipped),
         }
         for i, s in enumerate(range(512, 8192, 512), 1)
     ]
@@ -215,13 +218,17 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
     lines = _run("slipstream", "--out", str(out), "--data", str(tmp_path), "--seeds", "2", "--repeats", "3", *TINY)
     results = json.loads((out / "results.json").read_text())
     setups = {s["name"]: s for s in results["setups"]}
-    assert len(setups) == 14 and _ran(lines) == (2 + 2) * 14  # seeds 0 and 1, and seed 0 twice more
+    assert len(setups) == 16 and _ran(lines) == (2 + 2) * 16  # seeds 0 and 1, and seed 0 twice more
     ran = [line for line in lines if RAN.match(line)]
     # interleaved: every setup's first run, then every setup's repeat 1, then repeat 2 (A B A B), then seed 1
-    assert all("repeat" not in line for line in ran[:14]) and all("repeat 1" in line for line in ran[14:28])
-    assert all("repeat 2" in line for line in ran[28:42]) and all("seed 1" in line for line in ran[42:])
+    assert all("repeat" not in line for line in ran[:16]) and all("repeat 1" in line for line in ran[16:32])
+    assert all("repeat 2" in line for line in ran[32:48]) and all("seed 1" in line for line in ran[48:])
     m = setups["fp32, convergence rule, warm-up val, D=0.5"]["metrics"]
     assert m["speedup"]["median"] == pytest.approx(1 / 0.6) and m["speedup"]["n"] == 3
+    assert m["cpu_speedup"]["median"] == pytest.approx(1 / 0.6) and m["cpu_time_to_target"]["median"] < (
+        m["time_to_target"]["median"])  # the CPU clock's own curve, not the wall clock's
+    unbiased = setups["fp32, convergence rule, warm-up val, unbiased (keep 0.25, weight 4), D=0.5"]
+    assert unbiased["overrides"]["stale_reweight"] and unbiased["overrides"]["stale_keep"] == 0.25
     assert m["auc_delta"]["n"] == 2  # accuracy pairs by seed; repeats do not count twice
     assert m["overhead_share"] == pytest.approx(0.15 / (10.0 * 0.6)) and m["guard_actions"] == 2
     assert setups["fp32, no skipping"]["metrics"]["speedup"]["median"] == 1.0
@@ -264,7 +271,7 @@ def test_grids_cover_the_questions() -> None:
     assert {s.overrides["rounding"] for s in full if "RQ4" in s.questions} == {"stochastic", "nearest"}
     assert next(s for s in full if s.name == "int8 5% lru").seeds == 3
     stale = slipstream.slipstream_grid(runner.PRESETS["full"], 2)
-    assert len(stale) == 14 and {s.group for s in stale} == set(slipstream.STALE_STORAGES)
+    assert len(stale) == 16 and {s.group for s in stale} == set(slipstream.STALE_STORAGES)
     assert {s.overrides.get("stale_rule") for s in stale} == {None, "paper", "convergence"}
     plan = runner.Plan(runner.PRESETS["full"], Path("x"), None, 3)
     ids = [c.id for c in plan.cells(full + stale)]
