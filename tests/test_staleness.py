@@ -654,3 +654,6 @@ def test_compiled_filter_matches_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
         (keep, control, total), (keep_np, control_np, total_np) = results
         assert np.array_equal(keep, keep_np) and np.array_equal(control, control_np) and total == total_np
         assert total.skipped > 0 and total.controls > 0
+        cold = int(np.flatnonzero(det._row_flags[:40] == 0)[0])  # the flag reads stop at a cold first lookup,
+        with pytest.raises(InvalidInputError):  # the range check does not
+            det.count_with_controls(np.array([[cold, 0, 300]], dtype=np.int32), control_share=0.3)

@@ -109,16 +109,21 @@ int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, 
 
 /* Stale-input filter: per input, whether at least `required` of its lookups are stale (flag 3) and hot
    (flag != 0). Returns -1, or the index of the first id outside its table (nothing after it is written). */
-/* One input: its hot and stale lookups; -1, or the table of the first id outside its table. */
+/* One input: its hot and stale lookups, counted until fewer than `required` hot ones are still possible
+   (then neither count can reach it: stale rows are hot); -1, or the table of the first id outside its table.
+   Every id is range-checked; the flag reads, random accesses into a byte per row, stop early: with
+   required = every lookup (alpha = 1) a cold input costs its first cold lookup, not all of them. */
 static inline int64_t classify_one(const int32_t *row, int64_t tables, const int64_t *offsets,
-                                   const uint8_t *flags, int64_t *num_hot, int64_t *num_stale) {
+                                   const uint8_t *flags, int64_t required, int64_t *num_hot, int64_t *num_stale) {
+    for (int64_t t = 0; t < tables; t++) {
+        if (row[t] < 0 || row[t] >= offsets[t + 1] - offsets[t]) return t;
+    }
     *num_hot = *num_stale = 0;
     for (int64_t t = 0; t < tables; t++) {
-        int64_t id = row[t];
-        if (id < 0 || id >= offsets[t + 1] - offsets[t]) return t;
-        uint8_t flag = flags[offsets[t] + id];
+        uint8_t flag = flags[offsets[t] + row[t]];
         *num_hot += flag != 0;
         *num_stale += flag == 3;
+        if (*num_hot + (tables - 1 - t) < required) break;
     }
     return -1;
 }
@@ -126,7 +131,7 @@ static inline int64_t classify_one(const int32_t *row, int64_t tables, const int
 int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
                         const uint8_t *flags, int64_t required, uint8_t *stale, uint8_t *hot) {
     for (int64_t i = 0; i < n; i++) {
-        int64_t num_hot, num_stale, bad = classify_one(ids + i * tables, tables, offsets, flags, &num_hot, &num_stale);
+        int64_t num_hot, num_stale, bad = classify_one(ids + i * tables, tables, offsets, flags, required, &num_hot, &num_stale);
         if (bad >= 0) return i * tables + bad;
         stale[i] = num_stale >= required;
         hot[i] = num_hot >= required;
@@ -151,7 +156,7 @@ int64_t filter_inputs(const int32_t *ids, int64_t n, int64_t tables, const int64
                       uint64_t seed_mix, uint64_t start, uint8_t *keep, uint8_t *control, int64_t *counts) {
     int64_t hot = 0, would_skip = 0, controls = 0;
     for (int64_t i = 0; i < n; i++) {
-        int64_t num_hot, num_stale, bad = classify_one(ids + i * tables, tables, offsets, flags, &num_hot, &num_stale);
+        int64_t num_hot, num_stale, bad = classify_one(ids + i * tables, tables, offsets, flags, required, &num_hot, &num_stale);
         if (bad >= 0) return i * tables + bad;
         hot += num_hot >= required;
         int skip = skipping && num_stale >= required;
