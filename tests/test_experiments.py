@@ -240,6 +240,22 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
     assert "fp32, convergence rule, warm-up val, D=0.5, seed 1: epoch None, batch None, guard: lower" in report
 
 
+def test_slipstream_runs_only_the_named_setups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--setup picks setups by name (a timing rerun of a baseline and one setting); a wrong name is one line."""
+    fake = types.SimpleNamespace(TrainConfig=FakeConfig, train=_fake_train, prepare_data=lambda config, root: Path(
+        config.data), open_dataset=lambda path: types.SimpleNamespace(table_sizes=[100] * 26))
+    monkeypatch.setattr(runner, "trainer", fake)
+    pick = ["fp32, no skipping", "fp32, convergence rule, warm-up val, D=0.5"]
+    lines = _run("slipstream", "--out", str(tmp_path / "out"), "--data", str(tmp_path), "--seeds", "1",
+                 "--repeats", "3", "--setup", pick[0], "--setup", pick[1], *TINY)
+    assert _ran(lines) == 2 * 3
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [s["name"] for s in results["setups"]] == pick
+    assert results["setups"][1]["metrics"]["speedup"]["n"] == 3
+    with pytest.raises(SlipcacheError, match="no setup named 'fp32, D=9'"):
+        _run("slipstream", "--out", str(tmp_path / "bad"), "--data", str(tmp_path), "--setup", "fp32, D=9", *TINY)
+
+
 def test_time_to_target_on_a_constructed_curve() -> None:
     """Target = mean of the last 3 evaluations - 0.001; the crossing is interpolated between evaluations."""
     baseline = [(10.0, 0.70), (20.0, 0.74), (30.0, 0.751), (40.0, 0.752), (50.0, 0.753)]
