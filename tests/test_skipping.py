@@ -328,9 +328,11 @@ def test_full_keep_share_trains_exactly_as_without_skipping(data_dir: Path, tmp_
             assert torch.equal(tensor, b[part][name]), name
 
 
+@pytest.mark.parametrize("weight_max, weight", [(None, 4.0), (2.0, 2.0)])
 def test_reweighting_weights_the_kept_inputs_in_the_train_step(
-    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weight_max: float | None, weight: float
 ) -> None:
+    """Kept would-be-skipped inputs weigh 1/p = 4 in the train step's loss, or the clipped weight."""
     seen: list[torch.Tensor] = []
     real = train.F.binary_cross_entropy_with_logits
 
@@ -340,11 +342,12 @@ def test_reweighting_weights_the_kept_inputs_in_the_train_step(
         return real(logits, labels, weight=weight, **kw)
 
     monkeypatch.setattr(train.F, "binary_cross_entropy_with_logits", record)
-    summary = train.train(tiny(data_dir, tmp_path / "run", stale_keep=0.25, stale_reweight=True))
+    summary = train.train(tiny(data_dir, tmp_path / "run", stale_keep=0.25, stale_reweight=True,
+                               stale_weight_max=weight_max))
     values = torch.cat(seen)
-    assert set(values.unique().tolist()) == {1.0, 4.0}
+    assert set(values.unique().tolist()) == {1.0, weight}
     controls = summary["staleness"]["control_inputs"]  # kept ones, including those in each epoch's dropped tail
-    assert controls - 2 * 64 < int((values == 4.0).sum()) <= controls
+    assert controls - 2 * 64 < int((values == weight).sum()) <= controls
 
 
 @pytest.mark.slow

@@ -95,6 +95,8 @@ class StaleSkipper:
         # their loss counts 1/p, an importance sample of all would-be-skipped inputs (see loss_weights).
         self.control_share = float(config.stale_keep)
         self.control_weight = 1.0 / self.control_share if config.stale_reweight and self.control_share > 0 else 1.0
+        if config.stale_weight_max is not None:  # a clipped weight: less variance, part of the bias back
+            self.control_weight = min(self.control_weight, float(config.stale_weight_max))
         self.release_cache = bool(config.stale_release_cache) and hasattr(self.coll, "release_rows")
         self.min_accesses = float(config.stale_min_accesses)
         self.refit = bool(config.stale_refit) and config.stale_decision == "rolling"

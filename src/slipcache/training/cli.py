@@ -208,6 +208,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="p: share of would-be-skipped inputs trained anyway, the guard's control (0.05)")
     add("--stale-reweight", action="store_true", default=s,
         help="weight those inputs' loss by 1/p: the expected gradient is the one without skipping")
+    add("--stale-weight-max", type=float, default=s, help="clip that weight at this value (default: none, 1/p)")
     add(
         "--no-stale-refit",
         dest="stale_refit",
