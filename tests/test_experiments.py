@@ -166,6 +166,7 @@ class FakeConfig:
     stale_decision: str = "rolling"
     stale_keep: float = 0.05
     stale_reweight: bool = False
+    stale_weight_max: float | None = None
 
 
 def _fake_train(config: FakeConfig) -> dict[str, Any]:
@@ -227,7 +228,7 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
     assert m["speedup"]["median"] == pytest.approx(1 / 0.6) and m["speedup"]["n"] == 3
     assert m["cpu_speedup"]["median"] == pytest.approx(1 / 0.6) and m["cpu_time_to_target"]["median"] < (
         m["time_to_target"]["median"])  # the CPU clock's own curve, not the wall clock's
-    unbiased = setups["fp32, convergence rule, warm-up val, unbiased (keep 0.25, weight 4), D=0.5"]
+    unbiased = setups["fp32, convergence rule, warm-up val, keep 0.25, weight 4 (unbiased), D=0.5"]
     assert unbiased["overrides"]["stale_reweight"] and unbiased["overrides"]["stale_keep"] == 0.25
     assert m["auc_delta"]["n"] == 2  # accuracy pairs by seed; repeats do not count twice
     assert m["overhead_share"] == pytest.approx(0.15 / (10.0 * 0.6)) and m["guard_actions"] == 2
@@ -287,7 +288,7 @@ def test_grids_cover_the_questions() -> None:
     assert {s.overrides["rounding"] for s in full if "RQ4" in s.questions} == {"stochastic", "nearest"}
     assert next(s for s in full if s.name == "int8 5% lru").seeds == 3
     stale = slipstream.slipstream_grid(runner.PRESETS["full"], 2)
-    assert len(stale) == 16 and {s.group for s in stale} == set(slipstream.STALE_STORAGES)
+    assert len(stale) == 20 and {s.group for s in stale} == set(slipstream.STALE_STORAGES)
     assert {s.overrides.get("stale_rule") for s in stale} == {None, "paper", "convergence"}
     plan = runner.Plan(runner.PRESETS["full"], Path("x"), None, 3)
     ids = [c.id for c in plan.cells(full + stale)]

@@ -20,21 +20,25 @@ STALE_STORAGES = {
 
 
 def stale_name(group: str, target: float | None, rule: str = "convergence", warmup: str = "val",
-               decision: str = "rolling", keep: float | None = None) -> str:
+               decision: str = "rolling", keep: str | None = None) -> str:
     if target is None:
         return f"{group}, no skipping"
     if decision == "epoch":
         return f"{group}, authors' mode ({rule} rule, warm-up {warmup}, one decision per epoch), D={target:g}"
-    unbiased = f", unbiased (keep {keep:g}, weight {1 / keep:g})" if keep else ""
-    return f"{group}, {rule} rule, warm-up {warmup}{unbiased}, D={target:g}"
+    kept = f", {keep}" if keep else ""
+    return f"{group}, {rule} rule, warm-up {warmup}{kept}, D={target:g}"
 
 
 # Warm-up settings of the grid: "val" is the new default; "off" is the earlier behaviour (window at 2 % of
 # every epoch, no floor), which the paper rule's published grid used.
 WARMUP_SETTINGS = {"val": {"stale_warmup": "val"}, "off": {"stale_warmup": "none", "stale_warmup_min": 0.0}}
-# Unbiased skipping: this share p of the would-be-skipped inputs is trained with loss weight 1/p
-# (docs/skipping.md, "Unbiased skipping").
-UNBIASED_KEEP = 0.25
+# Kept share p of the would-be-skipped inputs and its loss weight (docs/skipping.md, "Unbiased skipping"):
+# weight 1 (a larger control group), 1/p (unbiased), or clipped in between.
+KEEP_SETTINGS = {
+    "keep 0.25": {"stale_keep": 0.25},
+    "keep 0.25, weight 4 (unbiased)": {"stale_keep": 0.25, "stale_reweight": True},
+    "keep 0.25, weight 2 (clipped)": {"stale_keep": 0.25, "stale_reweight": True, "stale_weight_max": 2.0},
+}
 
 
 def slipstream_grid(preset: Preset, seeds: int) -> list[Setup]:
@@ -45,11 +49,12 @@ def slipstream_grid(preset: Preset, seeds: int) -> list[Setup]:
     """
     if preset.full_grid:
         variants = [(d, "convergence", "val", None) for d in (0.3, 0.5, 0.7)] + [
-            (0.5, "convergence", "val", UNBIASED_KEEP), (0.5, "paper", "val", None), (0.3, "paper", "off", None)]
+            (0.5, "convergence", "val", keep) for keep in KEEP_SETTINGS] + [
+            (0.5, "paper", "val", None), (0.3, "paper", "off", None)]
     else:
         # D sweep of the new default; rule, warm-up and unbiased skipping each compared at D = 0.5
         variants = [(0.3, "convergence", "val", None), (0.5, "convergence", "val", None),
-                    (0.5, "convergence", "val", UNBIASED_KEEP), (0.5, "convergence", "off", None),
+                    (0.5, "convergence", "val", "keep 0.25, weight 4 (unbiased)"), (0.5, "convergence", "off", None),
                     (0.5, "paper", "val", None), (0.5, "paper", "off", None)]
     setups = []
     for group, storage in STALE_STORAGES.items():
@@ -59,7 +64,7 @@ def slipstream_grid(preset: Preset, seeds: int) -> list[Setup]:
             overrides = {**storage, "skip_stale": True, "stale_target": target, "stale_rule": rule,
                          **WARMUP_SETTINGS[warmup]}
             if keep:
-                overrides.update(stale_keep=keep, stale_reweight=True)
+                overrides.update(KEEP_SETTINGS[keep])
             setups.append(Setup("slipstream", stale_name(group, target, rule, warmup, keep=keep), overrides, seeds,
                                 ["skip"], group))
         authors = {**storage, "skip_stale": True, "stale_target": 0.3, "stale_rule": "paper",
