@@ -33,7 +33,10 @@ def test_synth_out_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert err == f"slipcache synth: error: {tmp_path / 'notes'}: cannot create output directory: File exists"
 
 
-def test_every_long_job_takes_quiet() -> None:
-    # preprocess, synth and stats say --quiet; train said only --no-progress, which users mixed up.
-    assert build_parser("train").parse_args(["train", "--quiet"]).progress is False
-    assert build_parser("train").parse_args(["train", "--no-progress"]).progress is False
+def test_every_long_job_takes_quiet_and_no_progress() -> None:
+    # One flag under both spellings everywhere: users learnt --no-progress on plan and tried it on stats.
+    required = {"train": [], "plan": ["--budget-gb", "1"], "preprocess": ["in.txt", "--out", "o"], "synth": [],
+                "stats": ["data"]}  # fmt: skip
+    for command, argv in required.items():
+        for flag in ("--quiet", "--no-progress"):
+            assert build_parser(command).parse_args([command, *argv, flag]).progress is False, (command, flag)

@@ -327,3 +327,10 @@ def test_generator_choice_reaches_every_cell() -> None:
     assert {c.values["synthetic_generator"] for c in v3} == {"v3"}
     assert {c.values["synthetic_generator"] for c in v2} == {"v2"}
     assert not {c.id for c in v3} & {c.id for c in v2}
+
+
+def test_bad_repeats_is_refused_before_any_data_is_prepared(tmp_path: Path) -> None:
+    # Checked with the other flags: not after minutes of preprocessing `--data`.
+    with pytest.raises(SlipcacheError, match="--repeats must be at least 1"):
+        studies.run_experiment(_args("slipstream", "--out", str(tmp_path / "out"), "--data", str(tmp_path / "none"),
+                                     "--repeats", "0", *TINY))

@@ -15,8 +15,8 @@ from slipcache.training.cli import (
     add_eval_arguments,
     add_train_arguments,
     evaluate_checkpoint,
+    format_summary,
     run_eval,
-    summary_table,
 )
 from slipcache.training.config import QUICK, load_config_file, make_config
 from tests.helpers import make_dataset
@@ -292,6 +292,6 @@ def test_summary_table_shows_the_skipped_share_of_a_skipping_run() -> None:
         "fp32_embedding_bytes": 3 << 20, "memory_ratio": 3.0, "samples_per_s": 1000.0, "train_wall_s": 2.0,
         "train_samples": 2000, "cache_hit_rate": 0.9, "skipped_fraction": 0.1586, "staleness": None,
     }  # fmt: skip
-    assert "skipped" not in summary_table(summary)
+    assert "skipped" not in format_summary(summary)
     summary["staleness"] = {"skipped_fraction": 0.1586}
-    assert "skipped as stale    15.9% of inputs" in summary_table(summary)
+    assert "skipped as stale    15.9% of inputs" in format_summary(summary)

@@ -23,6 +23,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def add_progress_flag(parser: argparse.ArgumentParser, default: object = True) -> None:
+    """`--quiet` / `--no-progress`, one flag under both names in every long-running command (args.progress);
+    users who learnt one spelling on one command tried it on the others."""
+    parser.add_argument("--no-progress", "--quiet", dest="progress", action="store_false", default=default,
+                        help="no progress bar")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the chosen command's module is imported (torch and friends load slowly)."""
     parser = argparse.ArgumentParser(

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from slipcache.cache_dir import default_cache_root
 from slipcache.data.dataset import NUM_DENSE, NUM_TABLES, CriteoDataset, DatasetWriter, SplitArrays
 from slipcache.data.mapped import LazyColumn, Piece, load_npy, npz_arrays, npz_compressed, npz_members
 from slipcache.data.preprocess import dense_transform
@@ -348,8 +349,6 @@ def _all_files(layout: Layout) -> list[Path]:
 
 def _max_ids(layout: Layout, days: list[_Day]) -> list[int]:
     """Max id + 1 per table in one pass over every file, remembered in the cache directory."""
-    from slipcache.data.synthetic import default_cache_root
-
     record = default_cache_root() / "formats" / f"max-ids-{_files_key(_all_files(layout))}.json"
     try:
         sizes = json.loads(record.read_text())
@@ -381,8 +380,6 @@ def _convert_compressed(
     path: Path, layout: Layout, table_sizes: Sequence[int] | None, split_order: str | None
 ) -> Path:
     """Decompress DLRM .npz files once into the binary dataset format under the cache directory."""
-    from slipcache.data.synthetic import default_cache_root
-
     order = split_order or DEFAULT_SPLIT_ORDER["dlrm"]
     given = ",".join(str(s) for s in table_sizes) if table_sizes else ""
     key = _files_key(_all_files(layout) + ([layout.counts_file] if layout.counts_file else []), given, order)

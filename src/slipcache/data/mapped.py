@@ -86,6 +86,7 @@ class LazyColumn:
 
 
 def load_npy(path: Path) -> np.ndarray:
+    """A memory-mapped .npy; an unreadable file is named in a one-line error, not a numpy traceback."""
     try:
         return np.load(path, mmap_mode="r")
     except (OSError, ValueError) as exc:
@@ -93,6 +94,7 @@ def load_npy(path: Path) -> np.ndarray:
 
 
 def npz_members(path: Path) -> dict[str, zipfile.ZipInfo]:
+    """The .npz's arrays by name (without `.npy`), as zip entries: what `mmap_npz_member` maps."""
     try:
         with zipfile.ZipFile(path) as zf:
             return {info.filename.removesuffix(".npy"): info for info in zf.infolist()}
@@ -101,6 +103,7 @@ def npz_members(path: Path) -> dict[str, zipfile.ZipInfo]:
 
 
 def npz_compressed(path: Path) -> bool:
+    """Whether any member is deflated: such files cannot be mapped and are converted once instead."""
     return any(info.compress_type != zipfile.ZIP_STORED for info in npz_members(path).values())
 
 
@@ -126,6 +129,7 @@ def mmap_npz_member(path: Path, info: zipfile.ZipInfo) -> np.ndarray:
 
 
 def npz_arrays(path: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The named arrays of an uncompressed .npz, memory-mapped; a missing one is named with those present."""
     members = npz_members(path)
     missing = [n for n in names if n not in members]
     if missing:

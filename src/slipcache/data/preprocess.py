@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from slipcache.cli import add_progress_flag
 from slipcache.data.criteo import MISSING, NUM_CATEGORICAL, NUM_DENSE, ReadStats, read_chunks
 from slipcache.data.dataset import DatasetWriter, remove_dead_staging
 from slipcache.errors import SlipcacheError
@@ -314,7 +315,7 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--strict", action="store_true", help="stop at the first malformed line")
     parser.add_argument("--seed", type=int, default=0, help="salt of the hash vocabulary")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_progress_flag(parser)
 
 
 def run_preprocess(args: argparse.Namespace) -> int:
@@ -326,7 +327,7 @@ def run_preprocess(args: argparse.Namespace) -> int:
         max_rows=args.max_rows,
         split=args.split,
         strict=args.strict,
-        progress=not args.quiet,
+        progress=args.progress,
         seed=args.seed,
     )
     source = meta["source"]

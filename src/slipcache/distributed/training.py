@@ -239,6 +239,7 @@ def lost_rank_error(exc: BaseException, rank: int) -> SlipcacheError:
 def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
     """`trainer.train` as one rank of N: the run directory agreed, the data prepared once, rank-0 output."""
     from slipcache.training import trainer
+    from slipcache.training.datasets import prepare_data
     from slipcache.training.rundir import new_run_dir
 
     run = DistributedRun(ctx)
@@ -249,7 +250,7 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
         if not run.is_main:
             config.progress = False
         if config.resume is None and ctx.local_rank == 0:  # once per node, before the others read it
-            trainer.prepare_data(config)
+            prepare_data(config)
         dist.barrier()
         return trainer.train(config, run)
     except (dist.DistError, RuntimeError) as exc:

@@ -17,10 +17,10 @@ from slipcache.experiments.render import (
     fmt_value,
     markdown_table,
     metric,
-    pyplot,
     save_figure,
 )
 from slipcache.experiments.runner import ACCURACY, Preset, Setup
+from slipcache.plotting import STYLE, pyplot
 
 ACCURACY_SEEDS = 5
 ACCURACY_TOLERANCE = 0.001  # the claim: INT8 + 5 % cache within this AUC of fp32, its interval inside ± this
@@ -205,8 +205,6 @@ def _interval_text(stat: dict[str, Any] | None) -> str:
 
 
 def accuracy_section(out: Path, results: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
-    from slipcache.training.report import STYLE
-
     rows = accuracy_intervals(entries)
     curves = validation_curves(out, results, entries)
     with pyplot().rc_context(STYLE):

@@ -19,10 +19,10 @@ from slipcache.experiments.render import (
     markdown_table,
     metric,
     mib,
-    pyplot,
     save_figure,
 )
 from slipcache.experiments.runner import PAPER, Preset, Setup
+from slipcache.plotting import pyplot
 
 BASELINE = "fp32 no cache"  # the mixed-precision reference setup
 CACHE_LINE = 64  # bytes; a random row access costs at least one line

@@ -6,20 +6,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from slipcache.plotting import pyplot
+
 
 def fmt_percent(fraction: float) -> str:
     """0.05 -> '5%' (setup names and labels; no trailing zeros)."""
     return f"{100 * fraction:g}%"
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot on the file-only Agg backend, imported only when a report is drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def save_figure(fig: Any, path: Path) -> str:
@@ -41,6 +33,7 @@ def metric(entry: dict[str, Any], key: str, part: str = "mean") -> float | None:
 
 
 def mib(n: float) -> float:
+    """Bytes in MiB, the unit of the report's memory columns and axes."""
     return n / 2**20
 
 
@@ -64,4 +57,5 @@ def fmt_mean_std(entry: dict[str, Any], key: str, scale: float = 1.0, fmt: str =
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table as lines of the report."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]

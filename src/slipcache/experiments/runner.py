@@ -196,6 +196,7 @@ def _read_json(path: Path) -> Any:
 
 
 def fmt_duration(seconds: float) -> str:
+    """m:ss or h:mm:ss, for progress lines and estimates."""
     seconds = max(0, int(round(seconds)))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.experiments.paired import MIN_EFFECT
-from slipcache.experiments.render import fmt_mean_std, fmt_value, markdown_table, metric, pyplot, save_figure
+from slipcache.experiments.render import fmt_mean_std, fmt_value, markdown_table, metric, save_figure
 from slipcache.experiments.runner import PAPER, Preset, Setup
+from slipcache.plotting import pyplot, samples_axis
 
 STALE_STORAGES = {
     "fp32": {"precision": "fp32", "cache_size": 0.0, "policy": "lru", "rounding": "stochastic"},
@@ -21,6 +22,8 @@ STALE_STORAGES = {
 
 def stale_name(group: str, target: float | None, rule: str = "convergence", warmup: str = "val",
                decision: str = "rolling", keep: str | None = None) -> str:
+    """Readable setup name, e.g. 'fp32, convergence rule, warm-up val, D=0.5' (with `keep`, a KEEP_SETTINGS
+    key, before D); also the key that pairs a setup with its storage's run without skipping (target None)."""
     if target is None:
         return f"{group}, no skipping"
     if decision == "epoch":
@@ -202,8 +205,6 @@ def plot_skip_speedup(entries: list[dict[str, Any]], path: Path) -> str | None:
 def plot_stale_rows(entries: list[dict[str, Any]], events: dict[str, list[dict[str, Any]]], path: Path) -> str | None:
     """Stale and hot rows (left) and the skipped fraction (right) over training, one row per storage."""
     plt = pyplot()
-    from slipcache.training.report import _samples_axis
-
     groups = [g for g in STALE_STORAGES if any(events.get(e["name"]) for e in entries if e["group"] == g)]
     if not groups:
         return None
@@ -233,7 +234,7 @@ def plot_stale_rows(entries: list[dict[str, Any]], events: dict[str, list[dict[s
         right.set_title(f"Inputs skipped ({group}, convergence rule)")
         right.set_ylabel("skipped (% of inputs)")
         for ax in (left, right):
-            _samples_axis(ax)
+            samples_axis(ax)
             if ax.lines:
                 ax.legend(fontsize=9)
     return save_figure(fig, path)

@@ -42,7 +42,7 @@ from slipcache.experiments.mixed_precision import (
     plot_traffic,
 )
 from slipcache.experiments.paired import PER_SEED, mean_std, on_seeds
-from slipcache.experiments.render import fmt_value, markdown_table, pyplot
+from slipcache.experiments.render import fmt_value, markdown_table
 from slipcache.experiments.runner import (
     ACCURACY,
     EXPERIMENTS,
@@ -64,6 +64,7 @@ from slipcache.experiments.slipstream import (
     slipstream_section,
     stale_name,
 )
+from slipcache.plotting import STYLE, pyplot
 from slipcache.training.rundir import write_json
 
 RESULTS_FORMAT = "slipcache-experiments"
@@ -72,8 +73,6 @@ METRICS = (
     "auc", "logloss", "accuracy", "samples_per_s", "train_wall_s", "cache_hit_rate", "memory_ratio",
     "embedding_bytes", "skipped_fraction", "train_samples",
 )  # fmt: skip
-
-
 DERIVED = (
     "rows_moved_per_sample", "bytes_moved_per_sample", "unified_bytes_per_sample", "touched_bytes_per_sample",
     "step_ms", "bound_samples_per_s", "bound_fraction",
@@ -161,8 +160,6 @@ def machine_section(machine: dict[str, Any], probes: dict[str, Any], threads: in
 
 def write_report(out: Path, results: dict[str, Any]) -> Path:
     """report.md and its PNGs from results.json's content (so a report can be rebuilt from it)."""
-    from slipcache.training.report import STYLE
-
     plt = pyplot()
     entries = results["setups"]
     mp = [e for e in entries if e["experiment"] == "mixed-precision"]
@@ -256,6 +253,9 @@ def run_experiment(args: argparse.Namespace, log: Callable[[str], None] | None =
     seeds = args.seeds if args.seeds is not None else ACCURACY_SEEDS if args.name == ACCURACY else preset.key_seeds
     if seeds < 1:
         raise SlipcacheError(f"--seeds must be at least 1, got {seeds}")
+    repeats = args.repeats if getattr(args, "repeats", None) is not None else preset.repeats
+    if repeats < 1:
+        raise SlipcacheError(f"--repeats must be at least 1, got {repeats}")
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -264,20 +264,17 @@ def run_experiment(args: argparse.Namespace, log: Callable[[str], None] | None =
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run(args, preset, seeds, names, out, log)
+        return _run(args, preset, seeds, repeats, names, out, log)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(args: argparse.Namespace, preset: Preset, seeds: int, names: list[str], out: Path,
+def _run(args: argparse.Namespace, preset: Preset, seeds: int, repeats: int, names: list[str], out: Path,
          log: Callable[[str], None]) -> int:
     from slipcache.experiments.machine import describe_machine, probe_memory
 
     start = time.perf_counter()
     data, table_sizes = prepare_experiment_data(args.data, out)
-    repeats = args.repeats if getattr(args, "repeats", None) is not None else preset.repeats
-    if repeats < 1:
-        raise SlipcacheError(f"--repeats must be at least 1, got {repeats}")
     generator = getattr(args, "generator", DEFAULT_GENERATOR)
     plan = Plan(preset, out, data, seeds, generator=generator, repeats=repeats)
     setups: list[Setup] = []

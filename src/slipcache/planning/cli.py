@@ -10,9 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from slipcache.cli import add_progress_flag
+from slipcache.distributed.planner import TableSpec, plan_sharding
 from slipcache.errors import SlipcacheError
 from slipcache.planning.planner import GB, PLAN_PRECISIONS, ROUNDING_STEP, Plan, make_plan, uniform_choice
 from slipcache.planning.profile import IdProfile, profile_split
+from slipcache.plotting import pyplot
 from slipcache.training.cli import fmt_bytes
 
 
@@ -47,11 +50,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def plot_curves(plan: Plan, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for t, ((sizes, hits), choice) in enumerate(zip(plan.curves, plan.choices, strict=True)):
         cached = sizes > 0
@@ -162,13 +161,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--table-sizes", default=None, help="external formats: rows per table (see slipcache train)"
     )
     parser.add_argument("--split-order", choices=("val-test", "test-val"), default=None)
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_progress_flag(parser)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from slipcache.training import trainer
     from slipcache.training.cli import int_list
     from slipcache.training.config import make_config
+    from slipcache.training.datasets import open_dataset, prepare_data
 
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     unknown = [p for p in precisions if p not in ROUNDING_STEP]
@@ -195,8 +194,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.split_order:
         flags["split_order"] = args.split_order
     config = make_config({}, flags)
-    dataset_dir = trainer.prepare_data(config)
-    dataset = trainer.open_dataset(dataset_dir, config)
+    dataset_dir = prepare_data(config)
+    dataset = open_dataset(dataset_dir, config)
     profile = profile_split(
         dataset.split("train"), dataset.table_sizes, sample_rows=args.sample_rows, seed=args.seed
     )
@@ -235,10 +234,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def preview_sharding(plan: Plan, profile: IdProfile, world_size: int) -> dict[str, Any]:
     """The distributed planner's placement of the planned tables, costed with this profile's lookups."""
-    try:
-        from slipcache.distributed.planner import TableSpec, plan_sharding
-    except ImportError as exc:  # the scale-out branch not merged yet
-        raise SlipcacheError("--world-size needs slipcache.distributed (the sharding planner)") from exc
     specs = [
         TableSpec(
             name=name,

@@ -218,6 +218,8 @@ def make_plan(
     optimizer: str = "sgd",
     precisions: tuple[str, ...] = PLAN_PRECISIONS,
 ) -> Plan:
+    """The plan for `budget_bytes`: per table the option (precision, cache rows) that the knapsack
+    picks to minimize the expected rounding loss within the budget (see the module docstring)."""
     rows = [t.rows for t in profile.tables]
     model = CostModel.from_modules(dim, policy=policy, optimizer=optimizer, total_rows=sum(rows))
     options, curves = [], []

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from slipcache.cli import add_progress_flag
 from slipcache.data.synthetic import GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
@@ -15,20 +16,14 @@ from slipcache.errors import SlipcacheError
 from slipcache.model import EMBEDDING_KINDS
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.config import CONFIG_FIELDS, VOCABS, config_from_saved, load_config_file, make_config
+from slipcache.training.datasets import check_table_sizes, open_dataset, prepare_data, run_dataset_dir
+from slipcache.training.run_state import load_model_state
 from slipcache.training.rundir import load_training_checkpoint
-from slipcache.training.trainer import (
-    build_model,
-    check_table_sizes,
-    evaluate,
-    load_model_state,
-    open_dataset,
-    prepare_data,
-    run_dataset_dir,
-    train,
-)
+from slipcache.training.trainer import build_model, evaluate, train
 
 
 def fmt_bytes(n: float) -> str:
+    """Bytes with a binary unit (B, KiB, MiB, GiB), for the summary table and `slipcache plan`."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -36,7 +31,7 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def summary_table(summary: dict[str, Any]) -> str:
+def format_summary(summary: dict[str, Any]) -> str:
     """The short table `slipcache train` ends with."""
     rate = summary["samples_per_s"]
     rows = [
@@ -153,7 +148,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=s,
         help="which half of the last day is validation (default: the format's convention)",
     )
-    add("--no-progress", "--quiet", dest="progress", action="store_false", default=s, help="no progress bar")
+    add_progress_flag(parser, default=s)
     add(
         "--tensorboard",
         nargs="?",
@@ -219,6 +214,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def int_list(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3] for argparse, so a bad list is argparse's one-line usage error."""
     try:
         return [int(v) for v in text.split(",")]
     except ValueError as exc:
@@ -241,7 +237,7 @@ def run_train(args: argparse.Namespace) -> int:
         if not context.is_main:
             return 0
     print(f"run: {summary['run_dir']}")
-    print(summary_table(summary))
+    print(format_summary(summary))
     return 0
 
 

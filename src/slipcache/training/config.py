@@ -211,7 +211,6 @@ QUICK: dict[str, Any] = {
     "top_mlp": [128, 64, 1],
 }
 
-
 CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = typing.get_type_hints(TrainConfig)
 

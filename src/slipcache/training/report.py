@@ -12,42 +12,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 import numpy as np
+from matplotlib.ticker import FuncFormatter
 
-matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from slipcache.plotting import STYLE, pyplot, samples_axis
 
-STYLE = {
-    "font.size": 11,
-    "axes.titlesize": 13,
-    "axes.labelsize": 11,
-    "legend.fontsize": 10,
-    "axes.grid": True,
-    "grid.alpha": 0.3,
-    "figure.dpi": 110,
-}
+plt = pyplot()
 
 
 def _series(events: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     points = [(e["samples"], e[key]) for e in events if e.get(key) is not None]
     points = [(x, y) for x, y in points if isinstance(y, (int, float)) and math.isfinite(y)]
     return [x for x, _ in points], [float(y) for _, y in points]
-
-
-def _samples_axis(ax: plt.Axes) -> None:
-    """Sample counts in thousands or millions instead of matplotlib's 1e6 offset label."""
-
-    def fmt(x: float, _pos: int) -> str:
-        if abs(x) >= 1e6:
-            return f"{x / 1e6:g}M"
-        if abs(x) >= 1e3:
-            return f"{x / 1e3:g}k"
-        return f"{x:g}"
-
-    ax.xaxis.set_major_formatter(FuncFormatter(fmt))
-    ax.set_xlabel("training samples seen")
 
 
 def _save(fig: plt.Figure, path: Path) -> str:
@@ -72,11 +48,11 @@ def plot_training(events: list[dict[str, Any]], path: Path) -> str | None:
         left.legend()
     left.set_title("Training loss")
     left.set_ylabel("binary cross-entropy (nats)")
-    _samples_axis(left)
+    samples_axis(left)
     right.plot(auc_x, auc_y, color="tab:green", marker="o", markersize=4, linewidth=1.5)
     right.set_title("Validation AUC")
     right.set_ylabel("ROC AUC")
-    _samples_axis(right)
+    samples_axis(right)
     return _save(fig, path)
 
 
@@ -91,7 +67,7 @@ def plot_hit_rate(events: list[dict[str, Any]], path: Path) -> str | None:
     ax.set_title("Embedding cache hit rate during training")
     ax.set_ylabel("hit rate (% of lookups)")
     ax.set_ylim(max(0.0, 10 * math.floor(min(percent) / 10) - 5), 100)
-    _samples_axis(ax)
+    samples_axis(ax)
     return _save(fig, path)
 
 
@@ -142,7 +118,7 @@ def plot_staleness(events: list[dict[str, Any]], path: Path) -> str | None:
     left.plot(skip_x, [100 * v for v in skip_y], color="tab:orange", linewidth=1.5)
     left.set_title("Inputs skipped as stale")
     left.set_ylabel("skipped (% of inputs)")
-    _samples_axis(left)
+    samples_axis(left)
     right.plot(stale_x, stale_y, color="tab:red", linewidth=1.5, label="stale rows")
     if hot_x:
         right.plot(hot_x, hot_y, color="0.5", linestyle="--", linewidth=1.2, label="hot rows")
@@ -150,7 +126,7 @@ def plot_staleness(events: list[dict[str, Any]], path: Path) -> str | None:
     right.set_ylabel("rows")
     right.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
     right.legend()
-    _samples_axis(right)
+    samples_axis(right)
     return _save(fig, path)
 
 

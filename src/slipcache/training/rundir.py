@@ -16,14 +16,14 @@ from typing import Any
 from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig, config_from_saved
+from slipcache.training.run_state import check_checkpoint
 
 if typing.TYPE_CHECKING:
     from slipcache.distributed.training import DistributedRun
 
-CHECKPOINT_FORMAT = ckpt.MAGIC
-
 
 def new_run_dir() -> Path:
+    """runs/<UTC timestamp>, with a counter when two runs start in the same second."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     path = Path("runs") / stamp
     n = 1
@@ -41,24 +41,8 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def write_events(path: Path, events: list[dict[str, Any]]) -> None:
+    """metrics.jsonl from the events a run holds (a resumed run rewrites it from its checkpoint's)."""
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
-
-
-def check_checkpoint(state: dict[str, Any], path: Path) -> None:
-    """The file verified (see `checkpoint.load_checkpoint`); is it a training checkpoint of this version?"""
-    if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != ckpt.FORMAT_VERSION:
-        raise SlipcacheError(
-            f"{path} is not a slipcache training checkpoint of format version {ckpt.FORMAT_VERSION} "
-            f"(it holds format {state.get('format')!r}, version {state.get('version')!r})"
-        )
-    sizes = state.get("table_sizes")
-    parts = ("dense", "embeddings", "dense_optimizer", "progress", "rng")
-    if (
-        not isinstance(sizes, list)
-        or not all(isinstance(n, int) and n >= 1 for n in sizes)
-        or not all(isinstance(state.get(k), dict) for k in parts)
-    ):
-        raise SlipcacheError(f"checkpoint {path} is incomplete or malformed (table sizes or state missing)")
 
 
 # Fields that say where and how a run reports, not what it computes: free to differ on resume.
@@ -73,6 +57,7 @@ _STATE_DEFINING = {
 
 
 def warn(message: str) -> None:
+    """A warning on stderr that does not stop the run (stdout stays the run's own output)."""
     print(f"slipcache train: warning: {message}", file=sys.stderr)
 
 
@@ -86,6 +71,7 @@ def _is_run_dir(path: Path) -> bool:
 
 
 def has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run directory holds a checkpoint file, so that `--resume` has something to load."""
     directory = run_dir / "checkpoints"
     return directory.is_dir() and any(p.suffix == ".pt" for p in directory.iterdir())
 

@@ -1,8 +1,7 @@
-"""Training and evaluation of DLRM: `slipcache train` and `slipcache eval`.
+"""The DLRM training loop (`train`) and evaluation; `slipcache train` / `eval` are in `training/cli.py`.
 
-Read top to bottom: where
-the data comes from (`prepare_data`), evaluation, then the training loop (`train`), which writes a run
-directory:
+Read top to bottom: the model and `evaluate`, the run state, then the loop (`train`) and its steps in the
+order they run. A run writes its directory:
 
     <out>/config.json      the resolved config
     <out>/metrics.jsonl    one JSON object per logging or evaluation event
@@ -10,9 +9,9 @@ directory:
     <out>/report.md        plots of the above (see slipcache.training.report)
     <out>/checkpoints/     latest.pt plus the newest periodic checkpoints (atomic, checksummed writes)
 
-Raw Criteo input is preprocessed once into the cache ($SLIPCACHE_CACHE_DIR, else ~/.cache/slipcache),
-under `preprocessed/`; nothing is written outside `<out>` and the cache. `--out` must be new, empty, or
-a run that stopped before its first checkpoint; `--resume` writes only into the run it names.
+Around the loop: `config.py` (TrainConfig), `datasets.py` (where the data comes from; raw Criteo input is
+preprocessed once into the cache), `rundir.py` (which `--out` and `--resume` are allowed), `run_state.py`
+(what a checkpoint holds). Nothing is written outside `<out>` and the cache.
 
 Determinism: everything random is seeded from `config.seed` (model init, shuffling, stochastic rounding
 inside the embedding collection), and a checkpoint holds every piece of state the loop reads, so an
@@ -22,7 +21,6 @@ interrupted run resumed with `--resume` ends exactly where the uninterrupted run
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import random
@@ -41,13 +39,17 @@ from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM, build_embeddings
 from slipcache.training import checkpoint as ckpt
-from slipcache.training.config import (
-    TrainConfig,
-    make_config,  # noqa: F401  (experiments/bench_train.py reads trainer.make_config)
+from slipcache.training.config import TrainConfig
+from slipcache.training.datasets import (
+    check_table_sizes,
+    data_quality,
+    malformed_message,
+    open_dataset,
+    run_dataset_dir,
 )
 from slipcache.training.metrics import evaluate_predictions
+from slipcache.training.run_state import checkpoint_state, restore
 from slipcache.training.rundir import (
-    CHECKPOINT_FORMAT,
     load_resume,
     new_run_dir,
     prepare_out_dir,
@@ -61,107 +63,17 @@ if typing.TYPE_CHECKING:
     from slipcache.distributed.training import DistributedRun
     from slipcache.staleness.skipping import StaleSkipper
 
-
-# ----------------------------------------------------------------------------------------------------
-# Data
-
-
-def _synthetic_dataset(config: TrainConfig) -> Path:
-    from slipcache.data.synthetic import default_synthetic_path
-
-    # Dataset seed 0 whatever the run seed: runs with different seeds then compare on the same data.
-    return default_synthetic_path(
-        None,
-        config.synthetic_samples,
-        config.synthetic_scale,
-        0,
-        generator=config.synthetic_generator,
-        progress=config.progress,
-    )
-
-
-def _raw_inputs(path: Path) -> list[Path]:
-    files = (
-        sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-        if path.is_dir()
-        else [path]
-    )
-    if not files:
-        raise SlipcacheError(f"no data files in {path}")
-    return files
-
-
-def preprocessed_root() -> Path:
-    """Where raw input is preprocessed to: `preprocessed/` in the cache ($SLIPCACHE_CACHE_DIR, else
-    ~/.cache/slipcache), shared by every run that reads the same files with the same options."""
-    from slipcache.data.synthetic import default_cache_root
-
-    return default_cache_root() / "preprocessed"
-
-
-def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
-    """The preprocessed dataset dir for `config.data`, preprocessing raw files into `cache_root` once.
-
-    The cache key covers the input files (path, size, mtime) and every preprocessing option, so a
-    changed file or option produces a new dataset instead of silently reusing a stale one.
-    """
-    if config.data is None:
-        return _synthetic_dataset(config)
-    path = Path(config.data).expanduser().resolve()
-    if not path.exists():
-        raise SlipcacheError(f"data not found: {path}")
-    from slipcache.data.formats import detect_format
-
-    if (path / "meta.json").is_file() or detect_format(path) is not None:
-        return path  # read in place (slipcache.data.formats)
-    cache_root = cache_root if cache_root is not None else preprocessed_root()
-    inputs = _raw_inputs(path)
-    key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
-    key_parts += [config.vocab, str(config.max_rows), str(config.min_count), str(config.strict)]
-    key = hashlib.sha256("\n".join(key_parts).encode()).hexdigest()[:12]
-    out_dir = cache_root / f"{path.stem}-{config.vocab}-{key}"
-    if (out_dir / "meta.json").is_file():
-        return out_dir
-    from slipcache.data.dataset import remove_dead_staging
-    from slipcache.data.preprocess import preprocess
-
-    if cache_root.is_dir():  # what preprocessing runs killed before finishing left behind
-        for other in cache_root.iterdir():
-            if other.is_dir():
-                remove_dead_staging(other)
-    # Held-back splits: contiguous 80/10/10 in file order (Criteo is time-ordered), the preprocess default.
-    # Hash seed 0 whatever the run seed, so runs with different seeds share one preprocessed dataset.
-    preprocess(
-        inputs,
-        out_dir,
-        vocab=config.vocab,
-        min_count=config.min_count,
-        max_rows=config.max_rows,
-        strict=config.strict,
-        progress=config.progress,
-        seed=0,
-    )
-    return out_dir
-
-
-def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
-    from slipcache.data.formats import open_any
-
-    try:
-        if config is None:
-            return open_any(path)
-        return open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
-    except SlipcacheError:
-        raise
-    except (OSError, ValueError, KeyError) as exc:
-        raise SlipcacheError(f"cannot open dataset {path}: {exc}") from exc
-
+# Re-exported: experiments/bench_train.py and experiments/runner.py (one seam for a fake trainer in the
+# tests) read these as trainer.<name>.
+from slipcache.training.config import make_config as make_config  # noqa: E402
+from slipcache.training.datasets import prepare_data as prepare_data  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------
 # Model, evaluation
 
 
 def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> DLRM:
+    """The DLRM of `config` on these tables; the sharded model builds its own (distributed.training)."""
     embeddings = build_embeddings(
         list(table_sizes), config.embedding_dim, embeddings=config.embeddings, **config.embedding_options()
     )
@@ -208,17 +120,6 @@ def evaluate(
     result = evaluate_predictions(np.concatenate(labels), np.concatenate(probs))
     result["samples"] = seen
     return result
-
-
-def check_table_sizes(expected: list[int], actual: list[int], what: str) -> None:
-    """Embedding tables are sized by the vocabulary, so a mismatch means a different preprocessing."""
-    if list(expected) != list(actual):
-        if len(expected) != len(actual):
-            detail = f"{len(actual)} tables vs {len(expected)}"
-        else:
-            t = next(i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b)
-            detail = f"table {t} has {actual[t]} rows vs {expected[t]}"
-        raise SlipcacheError(f"{what} does not match the checkpoint's vocabulary ({detail})")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -270,23 +171,6 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
         eval_every=config.eval_every if config.eval_every is not None else every(None, 10),
         checkpoint_every=every(config.checkpoint_every, 4),
     )
-
-
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
-        "python": random.getstate(),
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy(), *rest))
-    python = state["python"]
-    random.setstate((python[0], tuple(python[1]), python[2]))
 
 
 def _stats_totals(model: DLRM) -> tuple[int, int]:
@@ -412,7 +296,7 @@ def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
         config_dict["changed_on_resume"] = history
     quality = data_quality(dataset)
     if quality is not None and quality["malformed_lines"]:
-        warn(_malformed_message(quality, config.data))
+        warn(malformed_message(quality, config.data))
 
     # Model and optimizers. Seeding first makes the MLP init (torch's global RNG) reproducible.
     random.seed(config.seed)
@@ -698,87 +582,3 @@ def finish_run(run: Run) -> dict[str, Any]:
         run.tensorboard.write_summary(summary)
         run.tensorboard.close()
     return summary
-
-
-# ----------------------------------------------------------------------------------------------------
-# Checkpoints
-
-
-def checkpoint_state(run: Run) -> dict[str, Any]:
-    """Every piece of state the loop reads, so a resumed run ends exactly where an uninterrupted one ends."""
-    # The collection's own state_dict (cache contents, quantized storage, optimizer state, rounding RNG)
-    # is saved through its method, not through the parent's, which would bypass an override.
-    model = run.model
-    dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "version": ckpt.FORMAT_VERSION,
-        "config": run.config_dict,
-        "table_sizes": list(run.dataset.table_sizes),
-        "dense": dense,
-        "embeddings": model.embeddings.state_dict(),
-        "dense_optimizer": run.dense_opt.state_dict(),
-        "embedding_optimizer": run.emb_opt.state_dict() if run.emb_opt is not None else None,
-        "progress": asdict(run.progress),
-        "rng": _rng_state(),
-        "skipping": run.skipper.state_dict() if run.skipper is not None else None,
-    }
-
-
-def restore(
-    state: dict[str, Any],
-    model: DLRM,
-    dense_opt: torch.optim.Optimizer,
-    emb_opt: torch.optim.Optimizer | None,
-    progress: Progress,
-    skipper: StaleSkipper | None,
-) -> None:
-    """Load what `checkpoint_state` saved into freshly built objects."""
-    load_model_state(state, model)
-    dense_opt.load_state_dict(state["dense_optimizer"])
-    if emb_opt is not None and state["embedding_optimizer"] is not None:
-        emb_opt.load_state_dict(state["embedding_optimizer"])
-    for name, value in state["progress"].items():
-        setattr(progress, name, value)
-    _set_rng_state(state["rng"])
-    if skipper is not None:
-        skipper.load_state_dict(state["skipping"])
-
-
-def load_model_state(state: dict[str, Any], model: DLRM) -> None:
-    try:
-        missing, unexpected = model.load_state_dict(state["dense"], strict=False)
-        missing = [k for k in missing if not k.startswith("embeddings.")]
-        if missing or unexpected:
-            raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-        model.embeddings.load_state_dict(state["embeddings"])
-    except (RuntimeError, KeyError, ValueError) as exc:
-        raise SlipcacheError(f"checkpoint does not fit the model: {str(exc).splitlines()[0]}") from exc
-
-
-def run_dataset_dir(config: TrainConfig, saved_dataset: str | None) -> Path:
-    """The dataset a run reads: the one it started on while that is still there, else prepared anew."""
-    if saved_dataset is not None and (Path(saved_dataset) / "meta.json").is_file():
-        return Path(saved_dataset)
-    return prepare_data(config)
-
-
-def data_quality(dataset: Any) -> dict[str, Any] | None:
-    """Lines read and skipped as malformed when the dataset was preprocessed from raw files (else None)."""
-    source = dataset.meta.get("source") or {}
-    if "bad_lines" not in source:
-        return None
-    return {
-        "good_lines": int(source.get("good_lines", 0)),
-        "malformed_lines": int(source["bad_lines"]),
-        "examples": list(source.get("bad_examples", [])),
-    }
-
-
-def _malformed_message(quality: dict[str, Any], data: str | None) -> str:
-    total = quality["good_lines"] + quality["malformed_lines"]
-    lines = [
-        f"{quality['malformed_lines']:,} of {total:,} lines of {data} are malformed and were skipped "
-        "(--strict stops at the first); the first:"
-    ]
-    return "\n  ".join(lines + quality["examples"])

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from slipcache.cli import add_progress_flag
 from slipcache.data.stats.compute import (
     DEFAULT_BUDGETS_MB,
     DEFAULT_CHUNK_ROWS,
@@ -60,7 +61,7 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--split", action="append", help="dataset split to read (repeatable; default all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row sample")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_progress_flag(parser)
 
 
 def run_stats(args: argparse.Namespace) -> int:
@@ -70,7 +71,7 @@ def run_stats(args: argparse.Namespace) -> int:
         chunk_rows=args.chunk_rows,
         budgets_mb=args.budgets_mb,
         hot_fractions=args.hot_fractions,
-        progress=not args.quiet,
+        progress=args.progress,
         sample_rows=args.sample_rows,
         max_values=args.max_values,
         splits=args.split,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,28 +52,34 @@ def json_ready(value: Any) -> Any:
     return value
 
 
-def _compute(
+@dataclass
+class _Scan:
+    """What the pass over the rows collects; every figure is computed from it afterwards."""
+
+    counters: list[TableCounter]  # per table: counts of its (kept) values
+    missing_counts: np.ndarray | None  # per table: lookups of the missing value
+    reservoir: np.ndarray  # a uniform sample of at most `sample_rows` rows, for the per-row figures
+    chunks: list[dict[str, Any]]  # per chunk of `chunk_rows`: new-id rates and top-value overlap
+    rows: int
+    positives: float
+    label_rows: int
+    dense_missing: np.ndarray | None  # per dense feature: NaN count
+    dense_rows: int
+
+
+def _scan(
     source: Source,
     *,
     max_rows: int | None,
     chunk_rows: int,
-    budgets_mb: Sequence[float],
-    hot_fractions: Sequence[float],
     sample_rows: int,
     max_values: int,
     top_k: int,
-    big_tables: Sequence[int] | None,
     seed: int,
     progress: bool,
-) -> dict[str, Any]:
-    if max_rows is not None and max_rows < 1:
-        raise SlipcacheError(f"--max-rows must be at least 1, got {max_rows}")
-    if chunk_rows < 1 or sample_rows < 1 or max_values < 1 or top_k < 1:
-        raise SlipcacheError("chunk_rows, sample_rows, max_values and top_k must be at least 1")
-    if not budgets_mb or any(not b > 0 for b in budgets_mb):
-        raise SlipcacheError(f"budgets must be positive megabytes, got {list(budgets_mb)}")
-    if any(not 0 < f <= 1 for f in hot_fractions):
-        raise SlipcacheError(f"hot fractions must be in (0, 1], got {list(hot_fractions)}")
+) -> _Scan:
+    """One pass in row order: counts within `max_values` (coarsening the biggest table when over), the
+    reservoir sample and the per-chunk figures."""
     total = source.total_rows if max_rows is None else min(max_rows, source.total_rows or max_rows)
     rng = np.random.default_rng(seed)
     counters: list[TableCounter] = []
@@ -144,6 +151,36 @@ def _compute(
             else ""
         )
         raise SlipcacheError(f"no rows to measure ({bad} malformed lines{first})")
+    return _Scan(counters, missing_counts, reservoir, chunks_out, rows, positives, label_rows, dense_missing,
+                 dense_rows)
+
+
+def _compute(
+    source: Source,
+    *,
+    max_rows: int | None,
+    chunk_rows: int,
+    budgets_mb: Sequence[float],
+    hot_fractions: Sequence[float],
+    sample_rows: int,
+    max_values: int,
+    top_k: int,
+    big_tables: Sequence[int] | None,
+    seed: int,
+    progress: bool,
+) -> dict[str, Any]:
+    """Arguments checked before any row is read, one `_scan`, then every figure from what it collected."""
+    if max_rows is not None and max_rows < 1:
+        raise SlipcacheError(f"--max-rows must be at least 1, got {max_rows}")
+    if chunk_rows < 1 or sample_rows < 1 or max_values < 1 or top_k < 1:
+        raise SlipcacheError("chunk_rows, sample_rows, max_values and top_k must be at least 1")
+    if not budgets_mb or any(not b > 0 for b in budgets_mb):
+        raise SlipcacheError(f"budgets must be positive megabytes, got {list(budgets_mb)}")
+    if any(not 0 < f <= 1 for f in hot_fractions):
+        raise SlipcacheError(f"hot fractions must be in (0, 1], got {list(hot_fractions)}")
+    scan = _scan(source, max_rows=max_rows, chunk_rows=chunk_rows, sample_rows=sample_rows, max_values=max_values,
+                 top_k=top_k, seed=seed, progress=progress)
+    counters, reservoir, missing_counts, rows = scan.counters, scan.reservoir, scan.missing_counts, scan.rows
 
     num_tables = len(counters)
     exact_counts = all(c.level == 0 for c in counters)
@@ -212,7 +249,7 @@ def _compute(
     sample_error = (
         0.0 if exact_rows else 0.5 / math.sqrt(len(reservoir))
     )  # the largest binomial standard error, at p = 0.5
-    over_time = over_time_figures(chunks_out, big)
+    over_time = over_time_figures(scan.chunks, big)
     result = {
         "source": {
             **source.info,
@@ -230,8 +267,8 @@ def _compute(
         "rows": rows,
         "max_rows": max_rows,
         "num_tables": num_tables,
-        "positive_rate": positives / label_rows if label_rows else None,
-        "dense_missing_rate": None if dense_missing is None else dense_missing / dense_rows,
+        "positive_rate": scan.positives / scan.label_rows if scan.label_rows else None,
+        "dense_missing_rate": None if scan.dense_missing is None else scan.dense_missing / scan.dense_rows,
         "tables": tables,
         "big_tables": [names[t] for t in big],
         "co_recurrence": {

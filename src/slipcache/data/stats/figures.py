@@ -50,6 +50,7 @@ def table_figures(
 
 
 def fraction_name(fraction: float) -> str:
+    """0.01 -> '1%': the keys of `top_share`."""
     return f"{fraction * 100:g}%"
 
 

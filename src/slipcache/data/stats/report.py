@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from slipcache.plotting import STYLE, pyplot
+
 
 def _num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
@@ -98,13 +100,7 @@ def format_stats(stats: dict[str, Any]) -> str:
 
 def plot_stats(stats: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """A PNG of the rank-frequency curves, per-table shares, recurrence correlation, hot inputs and time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from slipcache.training.report import STYLE
-
+    plt = pyplot()
     out = Path(path)
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))

@@ -17,8 +17,6 @@ from slipcache.data.formats import detect_format, open_any
 from slipcache.errors import SlipcacheError
 
 READ_ROWS = 262_144  # rows per read from a preprocessed dataset
-
-
 Chunk = tuple[np.ndarray, "np.ndarray | None", "np.ndarray | None"]  # categorical, dense, labels
 
 

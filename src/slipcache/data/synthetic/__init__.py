@@ -18,22 +18,22 @@ Modules: `teacher` (the shape and the labelling teacher both generators share), 
 (writing a dataset, windows of rows, the dataset cache), `compare` (`synth --compare`), `cli`.
 """
 
+from slipcache.cache_dir import default_cache_root as default_cache_root  # _native.py imports it from here
 from slipcache.data.synthetic.compare import compare_with_real, format_comparison
 from slipcache.data.synthetic.generate import (
     DEFAULT_GENERATOR,
     DEFAULT_SAMPLES,
     GENERATOR_VERSIONS,
-    default_cache_root,
     default_synthetic_path,
     generate_synthetic,
     make_generator,
     synthetic_window,
 )
-from slipcache.data.synthetic.teacher import KAGGLE_CARDINALITIES, auc, expected_auc, synthetic_table_sizes
+from slipcache.data.synthetic.teacher import KAGGLE_CARDINALITIES, expected_auc, synthetic_table_sizes
 from slipcache.data.synthetic.v3 import MISSING_ROW
 
 __all__ = [
-    "DEFAULT_GENERATOR", "DEFAULT_SAMPLES", "GENERATOR_VERSIONS", "KAGGLE_CARDINALITIES", "MISSING_ROW", "auc",
-    "compare_with_real", "default_cache_root", "default_synthetic_path", "expected_auc", "format_comparison",
+    "DEFAULT_GENERATOR", "DEFAULT_SAMPLES", "GENERATOR_VERSIONS", "KAGGLE_CARDINALITIES", "MISSING_ROW",
+    "compare_with_real", "default_synthetic_path", "expected_auc", "format_comparison",
     "generate_synthetic", "make_generator", "synthetic_table_sizes", "synthetic_window",
 ]  # fmt: skip

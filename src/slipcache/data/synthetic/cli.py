@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from slipcache.cli import add_progress_flag
 from slipcache.data.synthetic.compare import COMPARE_ROWS, compare_with_real, format_comparison
 from slipcache.data.synthetic.generate import (
     DEFAULT_GENERATOR,
@@ -62,7 +63,7 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="--compare: the synthetic window starts this day (default 0)",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_progress_flag(parser)
 
 
 def run_synth(args: argparse.Namespace) -> int:
@@ -93,7 +94,7 @@ def run_synth(args: argparse.Namespace) -> int:
         days=args.days,
         new_entity_rate=args.new_entity_rate,
         drift_rate=args.drift_rate,
-        progress=not args.quiet,
+        progress=args.progress,
     )
     splits = ", ".join(f"{k} {v}" for k, v in meta["splits"].items())
     print(

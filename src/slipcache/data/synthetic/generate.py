@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from slipcache.cache_dir import default_cache_root
 from slipcache.data.dataset import DatasetWriter
 from slipcache.data.synthetic.teacher import (
     CHUNK_ROWS,
@@ -21,13 +22,13 @@ from slipcache.data.synthetic.teacher import (
     TEACHER_DIM,
     VARIANCE_SHARES,
     Teacher,
-    auc,
     expected_auc,
     sigmoid,
 )
 from slipcache.data.synthetic.v2 import GeneratorV2
 from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, MISSING_ROW, NEW_ENTITY_RATE, GeneratorV3
 from slipcache.errors import SlipcacheError
+from slipcache.training.metrics import auc
 
 GENERATOR_VERSIONS = {"v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
 DEFAULT_GENERATOR = "v3"
@@ -135,7 +136,7 @@ def generate_synthetic(
                 "positive_rate": sum(positives.values()) / num_samples,
                 "split_positive_rate": {k: (positives[k] / sizes[k] if sizes[k] else None) for k in sizes},
                 "vocabulary": "synthetic",
-                "teacher_auc": auc(test_logits, test_labels) if n_test else None,
+                "teacher_auc": auc(test_labels, test_logits) if n_test else None,
                 "teacher_expected_auc": expected_auc(test_logits) if n_test else None,
                 "source": {"generator": "slipcache.data.synthetic"},
                 "time_ordered": isinstance(gen, GeneratorV3),
@@ -198,11 +199,6 @@ def synthetic_window(
         ids = gen.sample(_chunk_rng(seed, chunk), first, last - first)[1]
         parts.append(ids[max(start, first) - first : min(end, last) - first])
     return np.concatenate(parts)
-
-
-def default_cache_root() -> Path:
-    env = os.environ.get("SLIPCACHE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "slipcache"
 
 
 def default_synthetic_path(

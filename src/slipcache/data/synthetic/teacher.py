@@ -15,8 +15,6 @@ KAGGLE_CARDINALITIES = [
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
     5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 ]  # fmt: skip
-
-
 TARGET_POSITIVE_RATE = 0.256
 TARGET_TEACHER_AUC = 0.80
 SMALL_TABLE = 100  # tables up to this size keep their size under --scale; bigger ones never shrink below it
@@ -114,6 +112,7 @@ class Teacher:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
+    """Logistic function: teacher logits to click probabilities."""
     return 1.0 / (1.0 + np.exp(-x))
 
 
@@ -136,20 +135,3 @@ def expected_auc(logits: np.ndarray) -> float:
     p, q = p[order], 1.0 - p[order]
     negatives_below = np.cumsum(q) - q
     return float((p * negatives_below).sum() / (p.sum() * q.sum() - (p * q).sum()))
-
-
-def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Rank AUC with ties counted half (Mann-Whitney)."""
-    scores = np.asarray(scores, dtype=np.float64)
-    labels = np.asarray(labels) > 0.5
-    order = np.argsort(scores, kind="stable")
-    sorted_scores = scores[order]
-    ranks = np.empty(len(scores), dtype=np.float64)
-    _, first, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
-    average = first + (counts - 1) / 2.0 + 1.0
-    ranks[order] = np.repeat(average, counts)
-    n_pos = int(labels.sum())
-    n_neg = len(labels) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))

@@ -40,8 +40,6 @@ DERIVED: dict[int, tuple[str | int, float, float]] = {
     1: (17, 0.30, 0.0),  # C2
     13: (14, 0.30, 0.0),  # C14
 }
-
-
 # Zipf exponents of the entities and of the tables drawn on their own (static, as in v2), fitted to the
 # per-table recurrence of the real rows (see docs/data.md).
 ENTITY_EXPONENT = {"user": 1.15, "ad": 0.93, "site": 1.15}
@@ -62,8 +60,6 @@ INDEPENDENT_EXPONENT = {
     22: 1.8,
     24: 2.0,
 }
-
-
 # Missing values come in groups that are empty together in the real rows: (tables, share of rows).
 MISSING_GROUPS: tuple[tuple[tuple[int, ...], float], ...] = (
     ((2, 3, 11, 15, 20, 23), 0.033),
@@ -71,8 +67,6 @@ MISSING_GROUPS: tuple[tuple[tuple[int, ...], float], ...] = (
     ((5,), 0.126),
     ((21,), 0.816),
 )
-
-
 MISSING_ROW = 0  # v3: row 0 of every table is the empty value (as with `preprocess --vocab hash`)
 # Time: the log spans DAYS days (Kaggle's 7); per day a share NEW_ENTITY_RATE of each entity's ranks passes
 # to an entity never seen before and a share DRIFT_RATE to an existing entity from elsewhere in the

@@ -1,0 +1,143 @@
+"""Where a run's data comes from: synthetic data from the cache, a dataset read in place, or raw Criteo
+files preprocessed once into the cache (keyed by the files and every preprocessing option).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from slipcache.cache_dir import default_cache_root
+from slipcache.errors import SlipcacheError
+from slipcache.training.config import TrainConfig
+
+
+def _synthetic_dataset(config: TrainConfig) -> Path:
+    from slipcache.data.synthetic import default_synthetic_path
+
+    # Dataset seed 0 whatever the run seed: runs with different seeds then compare on the same data.
+    return default_synthetic_path(
+        None,
+        config.synthetic_samples,
+        config.synthetic_scale,
+        0,
+        generator=config.synthetic_generator,
+        progress=config.progress,
+    )
+
+
+def _raw_inputs(path: Path) -> list[Path]:
+    files = (
+        sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        if path.is_dir()
+        else [path]
+    )
+    if not files:
+        raise SlipcacheError(f"no data files in {path}")
+    return files
+
+
+def preprocessed_root() -> Path:
+    """Where raw input is preprocessed to: `preprocessed/` in the cache ($SLIPCACHE_CACHE_DIR, else
+    ~/.cache/slipcache), shared by every run that reads the same files with the same options."""
+    return default_cache_root() / "preprocessed"
+
+
+def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
+    """The preprocessed dataset dir for `config.data`, preprocessing raw files into `cache_root` once.
+
+    The cache key covers the input files (path, size, mtime) and every preprocessing option, so a
+    changed file or option produces a new dataset instead of silently reusing a stale one.
+    """
+    if config.data is None:
+        return _synthetic_dataset(config)
+    path = Path(config.data).expanduser().resolve()
+    if not path.exists():
+        raise SlipcacheError(f"data not found: {path}")
+    from slipcache.data.formats import detect_format
+
+    if (path / "meta.json").is_file() or detect_format(path) is not None:
+        return path  # read in place (slipcache.data.formats)
+    cache_root = cache_root if cache_root is not None else preprocessed_root()
+    inputs = _raw_inputs(path)
+    key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
+    key_parts += [config.vocab, str(config.max_rows), str(config.min_count), str(config.strict)]
+    key = hashlib.sha256("\n".join(key_parts).encode()).hexdigest()[:12]
+    out_dir = cache_root / f"{path.stem}-{config.vocab}-{key}"
+    if (out_dir / "meta.json").is_file():
+        return out_dir
+    from slipcache.data.dataset import remove_dead_staging
+    from slipcache.data.preprocess import preprocess
+
+    if cache_root.is_dir():  # what preprocessing runs killed before finishing left behind
+        for other in cache_root.iterdir():
+            if other.is_dir():
+                remove_dead_staging(other)
+    # Held-back splits: contiguous 80/10/10 in file order (Criteo is time-ordered), the preprocess default.
+    # Hash seed 0 whatever the run seed, so runs with different seeds share one preprocessed dataset.
+    preprocess(
+        inputs,
+        out_dir,
+        vocab=config.vocab,
+        min_count=config.min_count,
+        max_rows=config.max_rows,
+        strict=config.strict,
+        progress=config.progress,
+        seed=0,
+    )
+    return out_dir
+
+
+def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
+    """The dataset at `path` in any supported layout (`formats.open_any`); errors become one line."""
+    from slipcache.data.formats import open_any
+
+    try:
+        if config is None:
+            return open_any(path)
+        return open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
+    except SlipcacheError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        raise SlipcacheError(f"cannot open dataset {path}: {exc}") from exc
+
+
+def check_table_sizes(expected: list[int], actual: list[int], what: str) -> None:
+    """Embedding tables are sized by the vocabulary, so a mismatch means a different preprocessing."""
+    if list(expected) != list(actual):
+        if len(expected) != len(actual):
+            detail = f"{len(actual)} tables vs {len(expected)}"
+        else:
+            t = next(i for i, (a, b) in enumerate(zip(expected, actual, strict=True)) if a != b)
+            detail = f"table {t} has {actual[t]} rows vs {expected[t]}"
+        raise SlipcacheError(f"{what} does not match the checkpoint's vocabulary ({detail})")
+
+
+def run_dataset_dir(config: TrainConfig, saved_dataset: str | None) -> Path:
+    """The dataset a run reads: the one it started on while that is still there, else prepared anew."""
+    if saved_dataset is not None and (Path(saved_dataset) / "meta.json").is_file():
+        return Path(saved_dataset)
+    return prepare_data(config)
+
+
+def data_quality(dataset: Any) -> dict[str, Any] | None:
+    """Lines read and skipped as malformed when the dataset was preprocessed from raw files (else None)."""
+    source = dataset.meta.get("source") or {}
+    if "bad_lines" not in source:
+        return None
+    return {
+        "good_lines": int(source.get("good_lines", 0)),
+        "malformed_lines": int(source["bad_lines"]),
+        "examples": list(source.get("bad_examples", [])),
+    }
+
+
+def malformed_message(quality: dict[str, Any], data: str | None) -> str:
+    """The warning for raw input with malformed lines: how many, and the first ones as read."""
+    total = quality["good_lines"] + quality["malformed_lines"]
+    lines = [
+        f"{quality['malformed_lines']:,} of {total:,} lines of {data} are malformed and were skipped "
+        "(--strict stops at the first); the first:"
+    ]
+    return "\n  ".join(lines + quality["examples"])

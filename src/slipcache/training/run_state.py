@@ -1,0 +1,112 @@
+"""What a training checkpoint holds (the file format is `checkpoint.py`): every piece of state the loop
+reads, so a resumed run ends exactly where the uninterrupted run ends, and how it is put back.
+"""
+
+from __future__ import annotations
+
+import random
+import typing
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from slipcache.errors import SlipcacheError
+from slipcache.model import DLRM
+from slipcache.training import checkpoint as ckpt
+
+if typing.TYPE_CHECKING:
+    from slipcache.staleness.skipping import StaleSkipper
+    from slipcache.training.trainer import Progress, Run
+
+CHECKPOINT_FORMAT = ckpt.MAGIC
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+
+
+def checkpoint_state(run: Run) -> dict[str, Any]:
+    """Every piece of state the loop reads, so a resumed run ends exactly where an uninterrupted one ends."""
+    # The collection's own state_dict (cache contents, quantized storage, optimizer state, rounding RNG)
+    # is saved through its method, not through the parent's, which would bypass an override.
+    model = run.model
+    dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "version": ckpt.FORMAT_VERSION,
+        "config": run.config_dict,
+        "table_sizes": list(run.dataset.table_sizes),
+        "dense": dense,
+        "embeddings": model.embeddings.state_dict(),
+        "dense_optimizer": run.dense_opt.state_dict(),
+        "embedding_optimizer": run.emb_opt.state_dict() if run.emb_opt is not None else None,
+        "progress": asdict(run.progress),
+        "rng": _rng_state(),
+        "skipping": run.skipper.state_dict() if run.skipper is not None else None,
+    }
+
+
+def restore(
+    state: dict[str, Any],
+    model: DLRM,
+    dense_opt: torch.optim.Optimizer,
+    emb_opt: torch.optim.Optimizer | None,
+    progress: Progress,
+    skipper: StaleSkipper | None,
+) -> None:
+    """Load what `checkpoint_state` saved into freshly built objects."""
+    load_model_state(state, model)
+    dense_opt.load_state_dict(state["dense_optimizer"])
+    if emb_opt is not None and state["embedding_optimizer"] is not None:
+        emb_opt.load_state_dict(state["embedding_optimizer"])
+    for name, value in state["progress"].items():
+        setattr(progress, name, value)
+    _set_rng_state(state["rng"])
+    if skipper is not None:
+        skipper.load_state_dict(state["skipping"])
+
+
+def load_model_state(state: dict[str, Any], model: DLRM) -> None:
+    """Dense and embedding state into `model`; a checkpoint of another shape is named as such."""
+    try:
+        missing, unexpected = model.load_state_dict(state["dense"], strict=False)
+        missing = [k for k in missing if not k.startswith("embeddings.")]
+        if missing or unexpected:
+            raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        model.embeddings.load_state_dict(state["embeddings"])
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise SlipcacheError(f"checkpoint does not fit the model: {str(exc).splitlines()[0]}") from exc
+
+
+
+def check_checkpoint(state: dict[str, Any], path: Path) -> None:
+    """The file verified (see `checkpoint.load_checkpoint`); is it a training checkpoint of this version?"""
+    if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != ckpt.FORMAT_VERSION:
+        raise SlipcacheError(
+            f"{path} is not a slipcache training checkpoint of format version {ckpt.FORMAT_VERSION} "
+            f"(it holds format {state.get('format')!r}, version {state.get('version')!r})"
+        )
+    sizes = state.get("table_sizes")
+    parts = ("dense", "embeddings", "dense_optimizer", "progress", "rng")
+    if (
+        not isinstance(sizes, list)
+        or not all(isinstance(n, int) and n >= 1 for n in sizes)
+        or not all(isinstance(state.get(k), dict) for k in parts)
+    ):
+        raise SlipcacheError(f"checkpoint {path} is incomplete or malformed (table sizes or state missing)")
