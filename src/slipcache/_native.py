@@ -36,6 +36,7 @@ from torch import Tensor
 _SOURCE = r"""
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* Run part(arg_t) for t = 0..threads-1: threads-1 new threads and the caller; joined before returning. */
 #define MAX_THREADS 64
@@ -105,6 +106,226 @@ int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, 
     int64_t hits = 0;
     for (int64_t t = 0; t < threads; t++) hits += args[t].hits;
     return hits;
+}
+
+/* Global row of each single-hot id: rows[i] = offsets[i % tables] + ids[i] for ids [batch, tables].
+   Returns -1, or the index of the first id outside its table (rows after it are not written). */
+int64_t global_rows(const int64_t *ids, int64_t batch, int64_t tables, const int64_t *offsets, int64_t *rows) {
+    for (int64_t b = 0, i = 0; b < batch; b++) {
+        for (int64_t t = 0; t < tables; t++, i++) {
+            int64_t id = ids[i];
+            if (id < 0 || id >= offsets[t + 1] - offsets[t]) return i;
+            rows[i] = offsets[t] + id;
+        }
+    }
+    return -1;
+}
+
+typedef struct {
+    lookup_args probe; const float *weights; int64_t dim; float *out; int64_t tables; int64_t *table_hits;
+} gather_args;
+
+/* Prefetch the `bytes` at p (each cache line), for reading or (write = 1) writing. */
+static inline void prefetch_span(const void *p, size_t bytes, int write) {
+    for (size_t k = 0; k < bytes; k += 64) {
+        if (write) __builtin_prefetch((const char *)p + k, 1);
+        else __builtin_prefetch((const char *)p + k, 0);
+    }
+}
+
+/* A software pipeline over the lookups, AHEAD apart per stage: the set of lookup j + AHEAD is computed and
+   its ways fetched; lookup j is probed and its cached row and bookkeeping fetched; lookup j - AHEAD is
+   served (touched, copied, counted). Each lookup's loads then overlap with other lookups' instead of
+   waiting one after another. */
+#define AHEAD 16
+#define RING 64 /* > 2 * AHEAD, a power of two */
+static void *lookup_gather_part(void *p) {
+    gather_args *g = (gather_args *)p;
+    lookup_args *a = &g->probe;
+    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = 0;
+    size_t row_bytes = (size_t)dim * sizeof(float), way_bytes = (size_t)a->ways * (a->wide ? 8 : 4);
+    int64_t sets[RING];
+    int64_t slots[RING];
+    for (int64_t j = -AHEAD; j < n + AHEAD; j++) {
+        int64_t next = j + AHEAD;
+        if (next < n) {
+            int64_t set = set_of(a->rows[next], a->multiplier, a->num_sets, a->ways);
+            if (a->parts > 1 && (set < 0 ? 0 : set) % a->parts != a->part) set = -2;  /* another thread's */
+            sets[next & (RING - 1)] = set;
+            if (set >= 0)
+                prefetch_span((const char *)a->slot_rows + set * way_bytes, way_bytes, 0);
+        }
+        if (j >= 0 && j < n) {
+            int64_t set = sets[j & (RING - 1)], r = a->rows[j], slot = -1;
+            int64_t first = set * a->ways;
+            for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
+                int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
+                                           : ((const int32_t *)a->slot_rows)[first + w];
+                if (resident == r) { slot = first + w; break; }
+            }
+            slots[j & (RING - 1)] = slot;
+            if (slot >= 0) {
+                prefetch_span(g->weights + slot * dim, row_bytes, 0);
+                __builtin_prefetch(a->last_used + slot, 1);
+                if (a->use_count) __builtin_prefetch(a->use_count + slot, 1);
+            }
+        }
+        int64_t i = j - AHEAD;
+        if (i >= 0) {
+            int64_t table = next_table;  /* i % tables, without a division */
+            if (++next_table == tables) next_table = 0;
+            if (sets[i & (RING - 1)] == -2) continue;
+            int64_t slot = slots[i & (RING - 1)];
+            a->out_slots[i] = slot;
+            if (slot >= 0) {
+                hits++;
+                g->table_hits[table]++;
+                if (a->last_used) a->last_used[slot] = a->step;
+                if (a->use_count) a->use_count[slot] += 1;
+                const float *src = g->weights + slot * dim;
+                float *dst = g->out + i * dim;
+                for (int64_t k = 0; k < dim; k++) dst[k] = src[k];
+            }
+        }
+    }
+    a->hits = hits;
+    return 0;
+}
+
+/* `lookup` over single-hot lookups [batch, tables] that also copies each hit's cached row into out[i]
+   (misses are left for the caller) and adds per-table lookups, hits and misses to the counters
+   ([tables, stride] int64, columns lookups_col, hits_col, misses_col). Returns the hits, or -1 when the
+   per-table scratch cannot be had (nothing is written then). */
+int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
+                      const int64_t *rows, int64_t batch, int64_t tables, int64_t *out_slots,
+                      int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
+                      float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
+                      int64_t misses_col, int64_t threads) {
+    gather_args args[MAX_THREADS];
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    int64_t *table_hits = calloc((size_t)(threads * tables), sizeof(int64_t));
+    if (!table_hits) return -1;
+    for (int64_t t = 0; t < threads; t++)
+        args[t] = (gather_args){{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots,
+                                 last_used, use_count, step, t, threads, 0},
+                                weights, dim, out, tables, table_hits + t * tables};
+    run_parts(lookup_gather_part, args, sizeof(gather_args), threads);
+    int64_t hits = 0;
+    for (int64_t t = 0; t < threads; t++) hits += args[t].probe.hits;
+    for (int64_t k = 0; k < tables; k++) {
+        int64_t table = 0;
+        for (int64_t t = 0; t < threads; t++) table += table_hits[t * tables + k];
+        counters[k * stride + lookups_col] += batch;
+        counters[k * stride + hits_col] += table;
+        counters[k * stride + misses_col] += batch - table;
+    }
+    free(table_hits);
+    return hits;
+}
+
+typedef struct { const uint32_t *bits; int64_t n; int bad; } finite_args;
+
+static void *finite_part(void *p) {
+    finite_args *a = (finite_args *)p;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < a->n; i++) bad |= (a->bits[i] & 0x7f800000u) == 0x7f800000u;  /* inf or NaN */
+    a->bad = bad != 0;
+    return 0;
+}
+
+/* Whether all n floats are finite, on `threads` threads over contiguous chunks. */
+static int all_finite(const float *values, int64_t n, int64_t threads) {
+    finite_args args[MAX_THREADS];
+    int64_t chunk = (n + threads - 1) / threads;
+    for (int64_t t = 0; t < threads; t++) {
+        int64_t start = t * chunk < n ? t * chunk : n, stop = (t + 1) * chunk < n ? (t + 1) * chunk : n;
+        args[t] = (finite_args){(const uint32_t *)values + start, stop - start, 0};
+    }
+    run_parts(finite_part, args, sizeof(finite_args), threads);
+    for (int64_t t = 0; t < threads; t++) if (args[t].bad) return 0;
+    return 1;
+}
+
+/* The distinct values of rows[0..n) in order of first occurrence into `unique`, and for each i the index of
+   rows[i] there into `inverse`. Returns their count, or -1 without scratch memory (nothing written). */
+int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *inverse) {
+    int64_t capacity = 16;
+    while (capacity < 2 * n) capacity <<= 1;
+    int64_t *table = malloc((size_t)capacity * sizeof(int64_t));  /* index into unique, -1 when free */
+    if (!table) return -1;
+    for (int64_t k = 0; k < capacity; k++) table[k] = -1;
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        int64_t h = (int64_t)(((uint64_t)r * 0x9E3779B97F4A7C15ull) >> 20) & (capacity - 1);
+        while (table[h] >= 0 && unique[table[h]] != r) h = (h + 1) & (capacity - 1);
+        if (table[h] < 0) { table[h] = count; unique[count++] = r; }
+        inverse[i] = table[h];
+    }
+    free(table);
+    return count;
+}
+
+/* Whether all n floats are finite (exported: the general update's check). */
+int64_t finite_values(const float *values, int64_t n, int64_t threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    return all_finite(values, n, threads);
+}
+
+/* RowCache.assign for LRU and LFU (no lookahead window), unpartitioned: slots for the unique missing `rows`.
+   The rows of one set take its evictable ways (not pinned: last_used < pin_since, or empty) in victim order
+   (empty first, then ascending key = last_used, or use_count when given; ties by way), in the order the
+   rows come; rows beyond the evictable count get -1. Victims (resident rows displaced) are listed in row
+   order. Returns the victim count, or -1 when scratch memory cannot be had (nothing written then). */
+typedef struct { int64_t set; int64_t taken; int64_t evictable; int64_t order; } set_entry;
+
+int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
+                     const int32_t *last_used, const int32_t *use_count, int32_t pin_since, const int64_t *rows,
+                     int64_t n, int64_t *out_slots, int64_t *victim_slots, int64_t *victim_rows) {
+    int64_t capacity = 16;
+    while (capacity < 2 * n) capacity <<= 1;
+    set_entry *table = malloc((size_t)capacity * sizeof(set_entry));
+    int32_t *orders = malloc((size_t)(n > 0 ? n : 1) * (size_t)ways * sizeof(int32_t));
+    int64_t *keys = malloc((size_t)ways * sizeof(int64_t));
+    if (!table || !orders || !keys) { free(table); free(orders); free(keys); return -1; }
+    for (int64_t k = 0; k < capacity; k++) table[k].set = -1;
+    int64_t used_orders = 0, victims = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t set = set_of(rows[i], multiplier, num_sets, ways);
+        if (set < 0) { out_slots[i] = -1; continue; }
+        int64_t h = (int64_t)(((uint64_t)set * 0x9E3779B97F4A7C15ull) >> 20) & (capacity - 1);
+        while (table[h].set >= 0 && table[h].set != set) h = (h + 1) & (capacity - 1);
+        set_entry *e = &table[h];
+        if (e->set < 0) {  /* first row of this set: rank its ways as victims */
+            int32_t *order = orders + used_orders * ways;
+            int64_t evictable = 0;
+            for (int64_t w = 0; w < ways; w++) {
+                int64_t slot = set * ways + w;
+                int64_t resident = wide ? ((const int64_t *)slot_rows)[slot] : ((const int32_t *)slot_rows)[slot];
+                int64_t key;
+                if (resident == -1) key = -1;
+                else if (last_used[slot] >= pin_since) key = INT64_MAX;  /* pinned */
+                else key = use_count ? use_count[slot] : last_used[slot];
+                evictable += key != INT64_MAX;
+                /* insertion: after every way of an equal key (a stable sort) */
+                int64_t at = w;
+                while (at > 0 && keys[at - 1] > key) { keys[at] = keys[at - 1]; order[at] = order[at - 1]; at--; }
+                keys[at] = key;
+                order[at] = (int32_t)w;
+            }
+            *e = (set_entry){set, 0, evictable, used_orders++};
+        }
+        int64_t rank = e->taken++;
+        if (rank >= e->evictable) { out_slots[i] = -1; continue; }
+        int64_t slot = set * ways + orders[e->order * ways + rank];
+        out_slots[i] = slot;
+        int64_t resident = wide ? ((const int64_t *)slot_rows)[slot] : ((const int32_t *)slot_rows)[slot];
+        if (resident != -1) { victim_slots[victims] = slot; victim_rows[victims] = resident; victims++; }
+    }
+    free(table); free(orders); free(keys);
+    return victims;
 }
 
 /* Stale-input filter: per input, whether at least `required` of its lookups are stale (flag 3) and hot
@@ -195,9 +416,12 @@ typedef struct {
 
 static void *sgd_part(void *p) {
     sgd_args *a = (sgd_args *)p;
+    size_t row_bytes = (size_t)a->dim * sizeof(float);
     for (int64_t i = 0; i < a->n; i++) {
+        if (i + AHEAD < a->n && a->slots[i + AHEAD] >= 0)  /* a later row on its way while this one is updated */
+            prefetch_span(a->weights + a->slots[i + AHEAD] * a->dim, row_bytes, 1);
         int64_t s = a->slots[i];
-        if (a->parts > 1 && s % a->parts != a->part) continue;
+        if (s < 0 || (a->parts > 1 && s % a->parts != a->part)) continue;  /* -1: the row is not cached */
         float *w = a->weights + s * a->dim;
         const float *g = a->grad + i * a->dim;
         for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
@@ -215,6 +439,23 @@ int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t
     sgd_args args[MAX_THREADS];
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
+    run_parts(sgd_part, args, sizeof(sgd_args), threads);
+    return -1;
+}
+
+/* The fused SGD step of one backward: nothing is written unless every value of grad [n, dim] is finite
+   (returns -2), and lookups with slot -1 (rows outside the cache) are left to the caller. Returns -1, or
+   the index of the first slot >= num_slots (then nothing is written). */
+int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots,
+                          const float *grad, int64_t n, float lr, int64_t threads) {
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] >= num_slots) return i;
+    }
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (!all_finite(grad, n * dim, threads)) return -2;
+    sgd_args args[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
     run_parts(sgd_part, args, sizeof(sgd_args), threads);
     return -1;
@@ -350,6 +591,23 @@ def _declare(library: ctypes.CDLL) -> None:
     library.filter_inputs.restype = i64
     library.count_hot_updates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr]
     library.count_hot_updates.restype = i64
+    library.global_rows.argtypes = [ptr, i64, i64, ptr, ptr]
+    library.global_rows.restype = i64
+    library.lookup_gather.argtypes = [
+        ptr, ctypes.c_int, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int32, ptr, i64, ptr, ptr,
+        i64, i64, i64, i64, i64,
+    ]
+    library.lookup_gather.restype = i64
+    library.unique_rows.argtypes = [ptr, i64, ptr, ptr]
+    library.unique_rows.restype = i64
+    library.finite_values.argtypes = [ptr, i64, i64]
+    library.finite_values.restype = i64
+    library.assign_slots.argtypes = [
+        ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ctypes.c_int32, ptr, i64, ptr, ptr, ptr,
+    ]
+    library.assign_slots.restype = i64
+    library.sgd_update_finite.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, i64]
+    library.sgd_update_finite.restype = i64
 
 
 def native() -> ctypes.CDLL | None:
@@ -358,7 +616,7 @@ def native() -> ctypes.CDLL | None:
     if not _tried:
         _tried = True
         if os.environ.get("SLIPCACHE_NATIVE", "1") != "0":
-            from slipcache.data.synthetic import default_cache_root
+            from slipcache.cache_dir import default_cache_root
 
             try:
                 _library = load_library(default_cache_root() / "native")
@@ -461,6 +719,167 @@ def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads:
     )
     if bad >= 0:
         raise ValueError(f"compiled loop: slot {int(slots[bad])} is outside [0, {weights.shape[0]})")
+
+
+def global_rows(ids: Tensor, offsets: Tensor, out: Tensor | None = None) -> tuple[Tensor, int]:
+    """(offsets[t] + ids[:, t] flattened, -1) for int64 ids [B, T], or (partial rows, index of the first id
+    outside its table `[0, offsets[t + 1] - offsets[t])`). Written into `out` [B * T] when given."""
+    library = native()
+    assert library is not None
+    _check("ids", ids, (torch.int64,), (None, offsets.numel() - 1))
+    _check("offsets", offsets, (torch.int64,), (ids.shape[1] + 1,))
+    rows = torch.empty(ids.numel(), dtype=torch.int64) if out is None else out
+    _check("out", rows, (torch.int64,), (ids.numel(),))
+    bad = library.global_rows(ids.data_ptr(), ids.shape[0], ids.shape[1], offsets.data_ptr(), rows.data_ptr())
+    return rows, int(bad)
+
+
+def lookup_gather(
+    slot_rows: Tensor,
+    num_sets: int,
+    ways: int,
+    multiplier: int,
+    rows: Tensor,
+    tables: int,
+    last_used: Tensor,
+    use_count: Tensor | None,
+    step: int,
+    weights: Tensor,
+    out: Tensor,
+    counters: Tensor,
+    columns: tuple[int, int, int],
+    threads: int | None = None,
+    slots: Tensor | None = None,
+) -> tuple[Tensor, int]:
+    """The forward's one pass over single-hot lookups `rows` [B * T] (table = position mod T): `lookup`'s
+    slots and touches, each hit's row of `weights` copied into `out` [B * T, D] (miss rows are left as they
+    are), and per-table lookups, hits and misses added to `counters` [T, C] at `columns`. Returns
+    (slots, hits); the slots are written into `slots` when given."""
+    library = native()
+    assert library is not None
+    slots_count = num_sets * ways
+    _check("slot_rows", slot_rows, (torch.int32, torch.int64), (slots_count,))
+    _check("last_used", last_used, (torch.int32,), (slots_count,))
+    _check("use_count", use_count, (torch.int32,), (slots_count,))
+    _check("weights", weights, (torch.float32,), (slots_count, None))
+    if tables < 1 or rows.numel() % tables:
+        raise ValueError(f"compiled loop: {rows.numel()} lookups are not whole rows of {tables} tables")
+    _check("rows", rows, (torch.int64,), (None,))
+    _check("out", out, (torch.float32,), (rows.numel(), weights.shape[1]))
+    _check("counters", counters, (torch.int64,), (tables, None))
+    if not all(0 <= c < counters.shape[1] for c in columns):
+        raise ValueError(f"compiled loop: counter columns {columns} outside [0, {counters.shape[1]})")
+    slots = torch.empty_like(rows) if slots is None else slots
+    _check("slots", slots, (torch.int64,), (rows.numel(),))
+    hits = library.lookup_gather(
+        slot_rows.data_ptr(),
+        int(slot_rows.dtype == torch.int64),
+        num_sets,
+        ways,
+        multiplier,
+        rows.data_ptr(),
+        rows.numel() // tables,
+        tables,
+        slots.data_ptr(),
+        last_used.data_ptr(),
+        use_count.data_ptr() if use_count is not None else None,
+        step,
+        weights.data_ptr(),
+        weights.shape[1],
+        out.data_ptr(),
+        counters.data_ptr(),
+        counters.shape[1],
+        *columns,
+        threads_for(rows.numel(), threads),
+    )
+    if hits < 0:
+        raise MemoryError("compiled loop: no memory for the per-table hit counts")
+    return slots, int(hits)
+
+
+def unique_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(distinct rows in order of first occurrence, index of each row there): `torch.unique(rows,
+    return_inverse=True)` by hashing instead of sorting, for callers that do not need the rows sorted."""
+    library = native()
+    assert library is not None
+    _check("rows", rows, (torch.int64,), (None,))
+    unique, inverse = torch.empty_like(rows), torch.empty_like(rows)
+    count = library.unique_rows(rows.data_ptr(), rows.numel(), unique.data_ptr(), inverse.data_ptr())
+    if count < 0:
+        raise MemoryError("compiled loop: no memory for the distinct rows")
+    return unique[:count], inverse
+
+
+def all_finite(values: Tensor, threads: int | None = None) -> bool:
+    """Whether every value of a contiguous fp32 CPU tensor is finite, in one pass (torch.isfinite(x).all()
+    takes several, with a temporary as large as x)."""
+    library = native()
+    assert library is not None
+    _check("values", values, (torch.float32,), (None,) * values.dim())
+    return bool(library.finite_values(values.data_ptr(), values.numel(), threads_for(values.numel(), threads)))
+
+
+def assign_slots(
+    slot_rows: Tensor,
+    num_sets: int,
+    ways: int,
+    multiplier: int,
+    last_used: Tensor,
+    use_count: Tensor | None,
+    pin_since: int,
+    rows: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`RowCache.assign` for LRU/LFU without a window in one pass: (slot of each unique missing row or -1,
+    victim slots, victim rows)."""
+    library = native()
+    assert library is not None
+    slots_count = num_sets * ways
+    _check("slot_rows", slot_rows, (torch.int32, torch.int64), (slots_count,))
+    _check("last_used", last_used, (torch.int32,), (slots_count,))
+    _check("use_count", use_count, (torch.int32,), (slots_count,))
+    _check("rows", rows, (torch.int64,), (None,))
+    slots, victim_slots, victim_rows = torch.empty_like(rows), torch.empty_like(rows), torch.empty_like(rows)
+    victims = library.assign_slots(
+        slot_rows.data_ptr(),
+        int(slot_rows.dtype == torch.int64),
+        num_sets,
+        ways,
+        multiplier,
+        last_used.data_ptr(),
+        use_count.data_ptr() if use_count is not None else None,
+        max(-(2**31), min(pin_since, 2**31 - 1)),
+        rows.data_ptr(),
+        rows.numel(),
+        slots.data_ptr(),
+        victim_slots.data_ptr(),
+        victim_rows.data_ptr(),
+    )
+    if victims < 0:
+        raise MemoryError("compiled loop: no memory for the cache assignment")
+    return slots, victim_slots[:victims], victim_rows[:victims]
+
+
+def sgd_update_finite(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> bool:
+    """`sgd_update` for the lookups with a slot (-1: skipped), applied only if every value of `grad` is
+    finite; returns whether it was."""
+    library = native()
+    assert library is not None
+    _check("weights", weights, (torch.float32,), (None, None))
+    _check("slots", slots, (torch.int64,), (None,))
+    _check("grad", grad, (torch.float32,), (slots.numel(), weights.shape[1]))
+    bad = library.sgd_update_finite(
+        weights.data_ptr(),
+        weights.shape[0],
+        weights.shape[1],
+        slots.data_ptr(),
+        grad.data_ptr(),
+        slots.numel(),
+        lr,
+        threads_for(slots.numel(), threads),
+    )
+    if bad >= 0:
+        raise ValueError(f"compiled loop: slot {int(slots[bad])} is outside [0, {weights.shape[0]})")
+    return bad == -1
 
 
 def classify_inputs(

@@ -152,9 +152,47 @@ class RowCache(nn.Module):
             self.last_used[hits] = step
             if use_count is not None:
                 use_count.index_add_(0, hits, torch.ones_like(hits, dtype=torch.int32))
-        if use_count is not None and self.lfu_halving_interval and step % self.lfu_halving_interval == 0:
-            use_count >>= 1  # aging: old popularity fades
+        self._age(step)
         return slots
+
+    def gather_and_touch(
+        self,
+        rows: Tensor,
+        tables: int,
+        out: Tensor,
+        counters: Tensor,
+        columns: tuple[int, int, int],
+        step: int,
+        slots: Tensor | None = None,
+    ) -> tuple[Tensor, int] | None:
+        """`lookup_and_touch` of single-hot lookups [B * T] in one compiled pass that also copies each hit's
+        row into `out` and adds per-table lookups, hits and misses to `counters` at `columns`; returns
+        (slots, hits) (the slots written into `slots` when given), or None when the compiled loop cannot serve this cache (then nothing was done)."""
+        if not self.capacity or self.partitioned or not _native.usable(self.slot_rows, self.weights, rows, out, counters):
+            return None
+        use_count = self.use_count if self.policy in _COUNTING_POLICIES else None
+        found = _native.lookup_gather(
+            self.slot_rows,
+            self.num_sets,
+            self.ways,
+            self.multiplier,
+            rows,
+            tables,
+            self.last_used,
+            use_count,
+            step,
+            self.weights,
+            out,
+            counters,
+            columns,
+            slots=slots,
+        )
+        self._age(step)
+        return found
+
+    def _age(self, step: int) -> None:
+        if self.policy in _COUNTING_POLICIES and self.lfu_halving_interval and step % self.lfu_halving_interval == 0:
+            self.use_count >>= 1  # aging: old popularity fades
 
     def assign(self, rows: Tensor, pin_since: int, window: Window | None = None) -> Assignment:
         """Choose slots for unique missing `rows`: empty slots first, then the policy's victims.
@@ -166,6 +204,13 @@ class RowCache(nn.Module):
         empty = rows.new_empty(0)
         if not self.capacity or not rows.numel():
             return Assignment(torch.full_like(rows, EMPTY), empty, empty)
+        lookahead = self.policy in LOOKAHEAD_POLICIES and window is not None and len(window)
+        if not lookahead and not self.partitioned and _native.usable(self.slot_rows, rows):
+            use_count = self.use_count if self.policy in _COUNTING_POLICIES else None
+            slots, victim_slots, victim_rows = _native.assign_slots(
+                self.slot_rows, self.num_sets, self.ways, self.multiplier, self.last_used, use_count, pin_since, rows
+            )
+            return Assignment(slots, victim_slots, victim_rows)
         sets = self.set_of(rows)
         cacheable = sets >= 0
         if not bool(cacheable.all()):  # rows of a part without slots stay out

@@ -14,6 +14,7 @@ vectorized operations whatever the number of tables. A training step:
 from __future__ import annotations
 
 import math
+import sys
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +44,8 @@ COUNTERS = (
     "nonfinite_values",  # inf or NaN values written, replaced
 )
 _INIT_CHUNK_ROWS = 1 << 20
+# Counter columns the fused forward adds to in its compiled pass.
+_FUSED_COLUMNS = (COUNTERS.index("lookups"), COUNTERS.index("hits"), COUNTERS.index("misses"))
 
 
 def _init_chunk_rows(dim: int) -> int:
@@ -262,6 +265,7 @@ class _StepPlan:
     storage_values: Tensor  # [m, D] fp32 copy of those rows as read in the forward
     residency_version: int  # the collection's versions when the plan was made
     storage_version: int
+    gathered: Tensor | None = None  # [L, D] values the fused forward already gathered (taken by the forward)
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -278,7 +282,8 @@ class _FusedLookup(torch.autograd.Function):
     ) -> Tensor:
         ctx.coll, ctx.lookup, ctx.plan = coll, lookup, plan
         coll.clock.mark()
-        pooled = coll._pool(coll._gather(plan), lookup)
+        values, plan.gathered = (plan.gathered if plan.gathered is not None else coll._gather(plan)), None
+        pooled = coll._pool(values, lookup)
         coll.clock.lap("forward")
         return pooled
 
@@ -372,6 +377,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._prefetch_generator: torch.Generator | None = None
         self.prefetched_rows = 0
         self.clock = PhaseClock()
+        self._scratch_buffers: dict[str, Tensor] = {}  # see _scratch
         if not meta:
             self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
             self._initialize_rows()
@@ -414,6 +420,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         if self._prefetch_generator is not None and self._prefetch_generator.device != self.device:
             self._prefetch_generator = None  # made again, from the seed, on the new device
         self._side_stream = None
+        self._scratch_buffers.clear()
         self._in_flight.clear()  # plans hold tensors on the old device
         self._pending.clear()
         self._residency_version += 1
@@ -502,6 +509,12 @@ class CachedEmbeddingBagCollection(nn.Module):
                 "use SparseFeatures for multi-hot bags"
             )
         ids = features.to(self.device, torch.int64)
+        if ids.numel() and _native.usable(ids, self.table_offsets):
+            scratch = self._scratch("rows", (ids.numel(),), torch.int64)
+            rows, bad = _native.global_rows(ids.contiguous(), self.table_offsets, scratch)
+            if bad >= 0:
+                self._raise_out_of_range(bad % num_tables, int(ids.reshape(-1)[bad]))
+            return _Lookup(rows, ids.shape[0], None, None)
         if ids.numel():
             lo, hi = ids.amin(dim=0), ids.amax(dim=0)
             bad = (lo < 0) | (hi >= self._table_sizes)
@@ -545,6 +558,21 @@ class CachedEmbeddingBagCollection(nn.Module):
         if self.config.pooling == "mean":
             weight = 1.0 / lengths.clamp_min(1).float()[bag_of_value]
         return _Lookup(values + self.table_offsets[table_of_value], batch_size, bag_of_value, weight)
+
+    def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A buffer reused from step to step while nothing else holds it (the last step's output, plan or
+        rows are gone): a fresh megabytes-large tensor costs its page faults every step."""
+        buffer = self._scratch_buffers.get(name)
+        # References to the Python tensor: the dict, `buffer` and getrefcount's argument; any more is a holder.
+        if (
+            buffer is None
+            or buffer.shape != shape
+            or buffer.dtype != dtype
+            or sys.getrefcount(buffer) > 3
+            or not _storage_alone(buffer)
+        ):
+            buffer = self._scratch_buffers[name] = torch.empty(shape, dtype=dtype, device=self.device)
+        return buffer
 
     def _raise_out_of_range(self, table: int, value: int) -> None:
         size = self.table_sizes[table]
@@ -604,21 +632,41 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.step += 1
         step, rows, cache, clock = self.step, lookup.rows, self.cache, self.clock
         clock.mark()
-        slots = cache.lookup_and_touch(rows, step)
+        if not cache.capacity:
+            return self._plan_uncached(lookup, step)
+        # The fused path: one compiled pass probes, touches, counts and copies every hit's row into the
+        # forward's output; only the missed positions are filled below. Multi-hot bags pool in torch.
+        gathered = fused = None
+        if lookup.bag_of_value is None and cache.capacity and not cache.partitioned:
+            gathered = self._scratch("gathered", (rows.numel(), self.dim), torch.float32)
+            slots = self._scratch("slots", (rows.numel(),), torch.int64)
+            fused = cache.gather_and_touch(
+                rows, len(self.table_sizes), gathered, self.counters, _FUSED_COLUMNS, step, slots
+            )
+        if fused is not None:
+            slots, hits = fused
+            any_miss = hits < rows.numel()
+            miss = slots < 0 if any_miss else None
+        else:
+            gathered = None
+            slots = cache.lookup_and_touch(rows, step)
+            hit = slots >= 0
+            self._count("lookups", None, lookup)
+            self._count("hits", hit, lookup)
+            miss = ~hit
+            any_miss = bool(miss.any())
         clock.lap("lookup")
-        hit = slots >= 0
-        self._count("lookups", None, lookup)
-        self._count("hits", hit, lookup)
-        miss = ~hit
         storage_rows = storage_index = rows.new_empty(0)
-        clock.lap("other")
-        if bool(miss.any()):
-            missing, miss_inverse, uses = torch.unique(rows[miss], return_inverse=True, return_counts=True)
+        if any_miss:
+            positions = torch.nonzero(miss).squeeze(1)  # found once, used for every write below
+            missing, miss_inverse, uses = torch.unique(
+                rows.index_select(0, positions), return_inverse=True, return_counts=True
+            )
             clock.lap("lookup")
             assignment = cache.assign(missing, self._pin_since(), window)
             if assignment.victim_slots.numel():
-                self._write_storage(assignment.victim_rows, cache.weights[assignment.victim_slots])
-                self._count_rows("evictions", assignment.victim_rows)
+                victim_tables = self._write_storage(assignment.victim_rows, cache.weights[assignment.victim_slots])
+                self._count_tables("evictions", victim_tables)
             clock.lap("evict")
             admitted = assignment.slots >= 0
             if bool(admitted.any()):
@@ -632,8 +680,9 @@ class CachedEmbeddingBagCollection(nn.Module):
                 )
                 self._residency_version += 1
             clock.lap("fill")
-            slots[miss] = assignment.slots[miss_inverse]
-            self._count("misses", miss, lookup)
+            slots.index_copy_(0, positions, assignment.slots[miss_inverse])
+            if fused is None:
+                self._count("misses", miss, lookup)
             missing_tables = self._tables_of(missing)
             self._count_tables("rows_in", missing_tables)
             if not bool(admitted.all()):
@@ -651,7 +700,6 @@ class CachedEmbeddingBagCollection(nn.Module):
             if storage_rows.numel()
             else rows.new_empty(0, self.dim, dtype=torch.float32)
         )
-        clock.lap("fill")
         plan = _StepPlan(
             step,
             rows,
@@ -662,11 +710,58 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._residency_version,
             self._storage_version,
         )
+        if gathered is not None and miss is not None:
+            self._fill_missed(gathered, plan, positions)
+        plan.gathered = gathered
+        clock.lap("fill")
         self._in_flight[step] = weakref.ref(plan)
         if prefetch and window is not None and len(window) and cache.capacity:
             self._start_prefetch(window)
         clock.lap("other")
         return plan
+
+    def _plan_uncached(self, lookup: _Lookup, step: int) -> _StepPlan:
+        """Without a cache every lookup reads storage, each distinct row once (the general plan's outcome,
+        without its cache bookkeeping). When writing rows back does not depend on their order (fp32 storage
+        or nearest rounding: no random draws), they are found by hashing instead of sorting."""
+        rows, clock = lookup.rows, self.clock
+        self._pin_since()  # drops forwards whose graph is gone, as every training forward does
+        self._count("lookups", None, lookup)
+        self._count("misses", None, lookup)
+        order_free = self.config.rounding == "nearest" or all(p == "fp32" for p in self.config.precisions)
+        if order_free and _native.usable(rows):
+            storage_rows, storage_index = _native.unique_rows(rows)
+        else:
+            storage_rows, storage_index = torch.unique(rows, return_inverse=True)
+        clock.lap("lookup")
+        tables = self._tables_of(storage_rows)
+        self._count_tables("rows_in", tables)
+        self._count_tables("overflow_rows", tables)
+        clock.lap("other")
+        plan = _StepPlan(
+            step,
+            rows,
+            torch.full_like(rows, -1),
+            storage_rows,
+            storage_index,
+            self.storage.read(storage_rows, self.device),
+            self._residency_version,
+            self._storage_version,
+        )
+        clock.lap("fill")
+        self._in_flight[step] = weakref.ref(plan)
+        return plan
+
+    def _fill_missed(self, values: Tensor, plan: _StepPlan, positions: Tensor) -> None:
+        """Write the rows of the lookups at `positions`, which missed the fused gather, into `values`: from
+        their new cache slot, or from the storage copy when they found none."""
+        slots = plan.slots[positions]
+        if not plan.storage_rows.numel():
+            values[positions] = self.cache.weights[slots]
+            return
+        cached = slots >= 0
+        values[positions[cached]] = self.cache.weights[slots[cached]]
+        values[positions[~cached]] = plan.storage_values[plan.storage_index]
 
     def _gather(self, plan: _StepPlan) -> Tensor:
         if not plan.storage_rows.numel():
@@ -703,7 +798,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         if not entries:
             return
         self.clock.mark()
-        if not all(bool(torch.isfinite(grad).all()) for _, grad in entries):
+        if len(entries) == 1 and self._fused_update(*entries[0]):
+            self.clock.lap("backward")
+            return
+        if not all(_finite(grad) for _, grad in entries):
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return
         factor = self._gradient_factor(entries)
@@ -728,6 +826,31 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._update_cached(cache_parts)
         self._update_storage(storage_parts)
         self.clock.lap("backward")
+
+    def _fused_update(self, plan: _StepPlan, grad: Tensor) -> bool:
+        """The common step in one compiled pass: one forward's SGD update on the cache slots its forward
+        found (no second lookup), applied only if the whole gradient is finite; rows it served from storage
+        then take the general storage update. Returns False, having done nothing, where the general path
+        must run: another optimizer, a GradScaler or clipping (the gradient is rescaled), residency changed
+        since the forward, no cache, or no compiled loop."""
+        scaler = self.grad_scaler
+        weights = self.cache.weights
+        if (
+            self.config.optimizer != "sgd"
+            or (scaler is not None and scaler.is_enabled())
+            or self.config.max_grad_norm is not None
+            or plan.residency_version != self._residency_version
+            or not self.cache.capacity
+            or grad.dtype != torch.float32
+            or not _native.usable(weights, plan.slots, grad)
+        ):
+            return False
+        if not _native.sgd_update_finite(weights, plan.slots, grad, self.lr):
+            self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
+            return True
+        if plan.storage_rows.numel():
+            self._update_storage([(plan, plan.storage_rows, plan.storage_index, grad[plan.slots < 0])])
+        return True
 
     def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:
         """1 / the GradScaler's scale, times clip_grad_norm_'s coefficient when clipping is on."""
@@ -786,13 +909,14 @@ class CachedEmbeddingBagCollection(nn.Module):
             updated = values.add_(self._adagrad_step(rows, summed))
         self._write_storage(rows, updated)
 
-    def _write_storage(self, rows: Tensor, values: Tensor) -> None:
-        """Round fp32 `values` of unique `rows` into storage and count the traffic."""
+    def _write_storage(self, rows: Tensor, values: Tensor) -> Tensor:
+        """Round fp32 `values` of unique `rows` into storage and count the traffic; returns their tables."""
         fitted = self.storage.write(rows, values, self.config.rounding, self._generator)
         self._storage_version += 1
         tables = self._tables_of(rows)
         self._count_tables("rows_out", tables)
         self._count_fitted(tables, fitted)
+        return tables
 
     def _count_fitted(self, tables: Tensor, fitted: Fitted, counters: Tensor | None = None) -> None:
         counters = self.counters if counters is None else counters
@@ -1133,6 +1257,29 @@ class CachedEmbeddingBagCollection(nn.Module):
         """The memory report of a collection with this config, without allocating it."""
         meta = EmbeddingConfig(**{**asdict(config), "storage_device": "meta", "cache_device": "meta"})
         return cls(meta).memory_report()
+
+
+def _finite(values: Tensor) -> bool:
+    if values.dtype == torch.float32 and _native.usable(values):
+        return _native.all_finite(values)
+    return bool(torch.isfinite(values).all())
+
+
+def _use_count(tensor: Tensor) -> int | None:
+    """How many tensors share `tensor`'s storage (plus the temporary that asks); None where torch cannot say."""
+    try:
+        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ALONE = _use_count(torch.empty(1))  # the count of a tensor nothing else shares
+
+
+def _storage_alone(tensor: Tensor) -> bool:
+    """Whether no other tensor (an output the caller kept, a view of it) shares `tensor`'s storage."""
+    count = _use_count(tensor)
+    return _ALONE is not None and count is not None and count <= _ALONE
 
 
 _STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "cache_rows", "policy", "optimizer", "ways")

@@ -18,7 +18,6 @@ Modules: `teacher` (the shape and the labelling teacher both generators share), 
 (writing a dataset, windows of rows, the dataset cache), `compare` (`synth --compare`), `cli`.
 """
 
-from slipcache.cache_dir import default_cache_root as default_cache_root  # _native.py imports it from here
 from slipcache.data.synthetic.compare import compare_with_real, format_comparison
 from slipcache.data.synthetic.generate import (
     DEFAULT_GENERATOR,
