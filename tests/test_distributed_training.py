@@ -49,7 +49,7 @@ def _settings(data: str, out: str, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _events(run: Path) -> list[dict[str, Any]]:
-    drop = {"samples_per_s", "train_wall_s", "train_seconds"}
+    drop = {"samples_per_s", "train_wall_s", "train_seconds", "train_cpu_s"}
     return [
         {k: v for k, v in json.loads(line).items() if k not in drop} for line in open(run / "metrics.jsonl")
     ]

@@ -164,6 +164,9 @@ class FakeConfig:
     stale_warmup: str = "val"
     stale_warmup_min: float = 0.1
     stale_decision: str = "rolling"
+    stale_keep: float = 0.05
+    stale_reweight: bool = False
+    stale_weight_max: float | None = None
 
 
 def _fake_train(config: FakeConfig) -> dict[str, Any]:
@@ -185,6 +188,7 @@ def _fake_train(config: FakeConfig) -> dict[str, Any]:
             "threshold": 0.01,
             "val_auc": 0.75 - 0.05 / i,
             "train_seconds": i * (1 - skipped),
+            "train_cpu_s": 0.5 * i * (1 - skipped),
         }
         for i, s in enumerate(range(512, 8192, 512), 1)
     ]
@@ -215,13 +219,17 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
     lines = _run("slipstream", "--out", str(out), "--data", str(tmp_path), "--seeds", "2", "--repeats", "3", *TINY)
     results = json.loads((out / "results.json").read_text())
     setups = {s["name"]: s for s in results["setups"]}
-    assert len(setups) == 14 and _ran(lines) == (2 + 2) * 14  # seeds 0 and 1, and seed 0 twice more
+    assert len(setups) == 16 and _ran(lines) == (2 + 2) * 16  # seeds 0 and 1, and seed 0 twice more
     ran = [line for line in lines if RAN.match(line)]
     # interleaved: every setup's first run, then every setup's repeat 1, then repeat 2 (A B A B), then seed 1
-    assert all("repeat" not in line for line in ran[:14]) and all("repeat 1" in line for line in ran[14:28])
-    assert all("repeat 2" in line for line in ran[28:42]) and all("seed 1" in line for line in ran[42:])
+    assert all("repeat" not in line for line in ran[:16]) and all("repeat 1" in line for line in ran[16:32])
+    assert all("repeat 2" in line for line in ran[32:48]) and all("seed 1" in line for line in ran[48:])
     m = setups["fp32, convergence rule, warm-up val, D=0.5"]["metrics"]
     assert m["speedup"]["median"] == pytest.approx(1 / 0.6) and m["speedup"]["n"] == 3
+    assert m["cpu_speedup"]["median"] == pytest.approx(1 / 0.6) and m["cpu_time_to_target"]["median"] < (
+        m["time_to_target"]["median"])  # the CPU clock's own curve, not the wall clock's
+    unbiased = setups["fp32, convergence rule, warm-up val, keep 0.25, weight 4 (unbiased), D=0.5"]
+    assert unbiased["overrides"]["stale_reweight"] and unbiased["overrides"]["stale_keep"] == 0.25
     assert m["auc_delta"]["n"] == 2  # accuracy pairs by seed; repeats do not count twice
     assert m["overhead_share"] == pytest.approx(0.15 / (10.0 * 0.6)) and m["guard_actions"] == 2
     assert setups["fp32, no skipping"]["metrics"]["speedup"]["median"] == 1.0
@@ -231,6 +239,22 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
     assert "**Skipping.**" in report and "Mixed-precision" not in report
     assert "interleaved" in report and "1.67x (1.67-1.67)" in report
     assert "fp32, convergence rule, warm-up val, D=0.5, seed 1: epoch None, batch None, guard: lower" in report
+
+
+def test_slipstream_runs_only_the_named_setups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--setup picks setups by name (a timing rerun of a baseline and one setting); a wrong name is one line."""
+    fake = types.SimpleNamespace(TrainConfig=FakeConfig, train=_fake_train, prepare_data=lambda config, root: Path(
+        config.data), open_dataset=lambda path: types.SimpleNamespace(table_sizes=[100] * 26))
+    monkeypatch.setattr(runner, "trainer", fake)
+    pick = ["fp32, no skipping", "fp32, convergence rule, warm-up val, D=0.5"]
+    lines = _run("slipstream", "--out", str(tmp_path / "out"), "--data", str(tmp_path), "--seeds", "1",
+                 "--repeats", "3", "--setup", pick[0], "--setup", pick[1], *TINY)
+    assert _ran(lines) == 2 * 3
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [s["name"] for s in results["setups"]] == pick
+    assert results["setups"][1]["metrics"]["speedup"]["n"] == 3
+    with pytest.raises(SlipcacheError, match="no setup named 'fp32, D=9'"):
+        _run("slipstream", "--out", str(tmp_path / "bad"), "--data", str(tmp_path), "--setup", "fp32, D=9", *TINY)
 
 
 def test_time_to_target_on_a_constructed_curve() -> None:
@@ -264,7 +288,7 @@ def test_grids_cover_the_questions() -> None:
     assert {s.overrides["rounding"] for s in full if "RQ4" in s.questions} == {"stochastic", "nearest"}
     assert next(s for s in full if s.name == "int8 5% lru").seeds == 3
     stale = slipstream.slipstream_grid(runner.PRESETS["full"], 2)
-    assert len(stale) == 14 and {s.group for s in stale} == set(slipstream.STALE_STORAGES)
+    assert len(stale) == 20 and {s.group for s in stale} == set(slipstream.STALE_STORAGES)
     assert {s.overrides.get("stale_rule") for s in stale} == {None, "paper", "convergence"}
     plan = runner.Plan(runner.PRESETS["full"], Path("x"), None, 3)
     ids = [c.id for c in plan.cells(full + stale)]

@@ -13,7 +13,7 @@ from slipcache.training import trainer as train
 from slipcache.training.config import TrainConfig, make_config
 from tests.helpers import SIZES, make_dataset, tiny_config
 
-TIMING = {"samples_per_s", "train_wall_s", "train_seconds", "compute_s", "skip_overhead_s", "time_saved_s"}
+TIMING = {"samples_per_s", "train_wall_s", "train_seconds", "compute_s", "skip_overhead_s", "time_saved_s", "train_cpu_s"}
 METRICS = ("auc", "logloss", "accuracy", "normalized_entropy", "train_samples", "skipped_fraction")
 
 
@@ -100,7 +100,7 @@ def test_off_is_the_plain_loop(data_dir: Path, tmp_path: Path, monkeypatch: pyte
             stale_rule="paper",
             stale_warmup="epoch",
             stale_decision="epoch",
-            stale_control=0.5,
+            stale_keep=0.5,
         )
     )
     for key in METRICS:
@@ -143,7 +143,7 @@ def test_guard_lowers_the_target_when_the_controls_loss_ratio_rises(
 
     checks: list[float] = []
 
-    def account(self: skipping.StaleSkipper, batch: object, logits: object, control: object) -> None:
+    def account(self: skipping.StaleSkipper, batch: object, logits: object, control: object, loss: object) -> None:
         ratio = 1.0 if not checks else 1.5
         self.control_sums = [ratio * skipping.CONTROL_MIN, skipping.CONTROL_MIN, 1.0, 1]
         checks.append(ratio)
@@ -217,11 +217,14 @@ def test_epoch_warm_up_never_skips_in_a_single_epoch_run(data_dir: Path, tmp_pat
     assert summary["skipped_fraction"] == 0.0 and summary["staleness"]["warm_at"] is None
 
 
-@pytest.mark.parametrize("rule, warmup, crash_step", [("convergence", "val", 45), ("paper", "none", 35)])
+@pytest.mark.parametrize("rule, warmup, crash_step, reweight", [("convergence", "val", 45, False),
+                                                               ("paper", "none", 35, False),
+                                                               ("convergence", "none", 35, True)])
 def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
-    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rule: str, warmup: str, crash_step: int
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rule: str, warmup: str, crash_step: int,
+    reweight: bool,
 ) -> None:
-    knobs = dict(stale_rule=rule, stale_warmup=warmup)
+    knobs = dict(stale_rule=rule, stale_warmup=warmup, stale_reweight=reweight, stale_keep=0.25 if reweight else 0.05)
     full = train.train(tiny(data_dir, tmp_path / "full", **knobs))
     assert full["skipped_fraction"] > 0
     real_step = torch.optim.SGD.step
@@ -243,6 +246,108 @@ def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
     for key in METRICS:
         assert resumed[key] == full[key], key
     assert events(tmp_path / "part") == events(tmp_path / "full")
+
+
+def _skipper_with_stale(data_dir: Path, tmp_path: Path, **overrides: object):  # type: ignore[no-untyped-def]
+    """A StaleSkipper on the tiny model whose detector calls row 0 of every table stale and row 1 of table 0
+    hot but moving: an input of zeros is stale, one with id 1 in table 0 is not."""
+    from slipcache.staleness.skipping import StaleSkipper
+
+    config = tiny(data_dir, tmp_path / "run", **overrides)
+    skipper = StaleSkipper(config, train.build_model(config, SIZES, 13), None, batches_per_epoch=10)
+    det = skipper.detector
+    det._row_flags[det.table_offsets[:-1]] = 3
+    det._row_flags[1] = 1
+    det._threshold = 0.0  # a fitted threshold: skipping is on
+    skipper.window_start = 0
+    return skipper
+
+
+@pytest.mark.parametrize("reweight", [True, False])
+def test_reweighted_kept_inputs_make_the_loss_unbiased(data_dir: Path, tmp_path: Path, reweight: bool) -> None:
+    """On a constructed batch, the kept inputs' weighted loss sum equals the whole batch's in expectation.
+
+    Without reweighting the sum lacks the skipped inputs' share (Slipstream's bias); with weights 1/p on the
+    kept would-be-skipped inputs it matches (over many draws of the control hash), only noisier.
+    """
+    rng = np.random.default_rng(0)
+    n, p = 64, 0.25
+    stale = rng.random(n) < 0.6
+    losses = rng.uniform(0.1, 2.0, n) * np.where(stale, 0.3, 1.0)  # stale inputs have lower loss
+    skipper = _skipper_with_stale(data_dir, tmp_path, stale_keep=p, stale_reweight=reweight)
+    sparse = np.zeros((n, 26), dtype=np.int32)
+    sparse[~stale, 0] = 1
+    sums = []
+    for _ in range(3000):  # each call classifies the next n positions of the run: a fresh control draw
+        keep = skipper.sample_filter(sparse)
+        weights = skipper.loss_weights(int(keep.sum()))
+        w = np.ones(int(keep.sum())) if weights is None else weights.numpy()
+        sums.append(float((w * losses[keep]).sum()))
+        skipper.pending_controls = skipper.pending_controls[int(keep.sum()):]
+    unbiased = float(losses.sum())
+    if reweight:
+        assert np.mean(sums) == pytest.approx(unbiased, rel=0.01)
+        assert np.std(sums) > 0  # the price: variance
+    else:
+        biased = float(losses[~stale].sum() + p * losses[stale].sum())
+        assert np.mean(sums) == pytest.approx(biased, rel=0.01) and biased < 0.9 * unbiased
+
+
+@pytest.mark.parametrize("reweight", [True, False])
+def test_guard_sums_from_the_step_loss_match_per_input_losses(data_dir: Path, tmp_path: Path, reweight: bool) -> None:
+    """The guard's cheap path (controls' losses only, the batch's sum from the step's mean) sums the same."""
+    from types import SimpleNamespace
+
+    skipper = _skipper_with_stale(data_dir, tmp_path, stale_keep=0.25, stale_reweight=reweight)
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(512, generator=gen), (torch.rand(512, generator=gen) < 0.3).float()
+    control = (torch.rand(512, generator=gen) < 0.1).numpy()
+    batch = SimpleNamespace(labels=labels)
+    skipper._account_controls(batch, logits, control)
+    exact = list(skipper.control_sums)
+    skipper.control_sums = [0.0, 0, 0.0, 0]
+    skipper.pending_controls = control  # loss_weights reads the flags the filter queued
+    weights = skipper.loss_weights(512)
+    mean = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=weights))
+    skipper._account_controls(batch, logits, control, mean)
+    assert skipper.control_sums[1::2] == exact[1::2] and exact[1] > 0
+    assert skipper.control_sums[0::2] == pytest.approx(exact[0::2], rel=1e-5)
+
+
+def test_full_keep_share_trains_exactly_as_without_skipping(data_dir: Path, tmp_path: Path) -> None:
+    """p = 1 keeps every would-be-skipped input at weight 1: the run is the plain one, bit for bit."""
+    plain = train.train(tiny(data_dir, tmp_path / "a", skip_stale=False))
+    kept = train.train(tiny(data_dir, tmp_path / "b", stale_keep=1.0, stale_reweight=True))
+    assert kept["staleness"]["control_inputs"] > 0  # inputs were would-be-skipped, and all kept
+    for key in METRICS:
+        assert plain[key] == kept[key], key
+    a = checkpoint.load_checkpoint(tmp_path / "a" / "checkpoints")
+    b = checkpoint.load_checkpoint(tmp_path / "b" / "checkpoints")
+    for part in ("dense", "embeddings"):
+        for name, tensor in a[part].items():
+            assert torch.equal(tensor, b[part][name]), name
+
+
+@pytest.mark.parametrize("weight_max, weight", [(None, 4.0), (2.0, 2.0)])
+def test_reweighting_weights_the_kept_inputs_in_the_train_step(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weight_max: float | None, weight: float
+) -> None:
+    """Kept would-be-skipped inputs weigh 1/p = 4 in the train step's loss, or the clipped weight."""
+    seen: list[torch.Tensor] = []
+    real = train.F.binary_cross_entropy_with_logits
+
+    def record(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None, **kw: object):  # type: ignore[no-untyped-def]
+        if weight is not None and torch.is_grad_enabled():
+            seen.append(weight)
+        return real(logits, labels, weight=weight, **kw)
+
+    monkeypatch.setattr(train.F, "binary_cross_entropy_with_logits", record)
+    summary = train.train(tiny(data_dir, tmp_path / "run", stale_keep=0.25, stale_reweight=True,
+                               stale_weight_max=weight_max))
+    values = torch.cat(seen)
+    assert set(values.unique().tolist()) == {1.0, weight}
+    controls = summary["staleness"]["control_inputs"]  # kept ones, including those in each epoch's dropped tail
+    assert controls - 2 * 64 < int((values == weight).sum()) <= controls
 
 
 @pytest.mark.slow

@@ -552,6 +552,30 @@ def test_convergence_rule_ignores_lookups_of_rows_that_are_not_hot():
     assert np.isfinite(det.row_score()).tolist() == [True, False, True]  # hot rows 0, 1, 2
 
 
+def test_compiled_update_counting_matches_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C loop (flag byte, hash probe, increment) counts exactly what the NumPy path counts."""
+    from slipcache import _native
+
+    if _native.native() is None:
+        pytest.skip("no compiled library")
+    rng = np.random.default_rng(5)
+    sizes = [50, 3, 400, 1000]
+    ids = np.stack([np.minimum(rng.zipf(1.4, 3000) - 1, s - 1) for s in sizes], axis=1).astype(np.int32)
+    counts = []
+    for compiled in (True, False):
+        coll = FakeCollection(sizes)
+        det = make(StalenessConfig(rule="convergence", memory_budget_bytes=60 * coll.dim * 4), coll)
+        det.profile(ids[:500])
+        det.begin_window(coll)
+        if not compiled:
+            monkeypatch.setattr(_native, "native", lambda: None)
+        for batch in np.split(ids, 6):
+            det.record_updates(batch.astype(np.int64))  # as the trainer's batches hold them
+        det._fold_updates()
+        counts.append(det._updates.copy())
+    assert counts[0].sum() > 0 and np.array_equal(counts[0], counts[1])
+
+
 def test_hot_index_matches_a_sorted_search():
     rng = np.random.default_rng(3)
     rows = np.sort(rng.choice(1_000_000, 5000, replace=False))
@@ -599,3 +623,37 @@ def test_guard_step_down_lowers_then_stops():
     assert guard.step_down(-0.003).action == "lower" and guard.target == pytest.approx(0.2)
     assert guard.step_down(-0.003).action == "stop" and not guard.active
     assert guard.step_down(-0.003).action == "none"
+
+
+def test_compiled_filter_matches_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep, control and every counter of the one-pass C filter equal the NumPy path's, alpha < 1 too."""
+    from slipcache import _native
+
+    if _native.native() is None:
+        pytest.skip("no compiled library")
+    rng = np.random.default_rng(7)
+    sizes = [40, 5, 300]
+    ids = np.stack([np.minimum(rng.zipf(1.3, 4000) - 1, s - 1) for s in sizes], axis=1).astype(np.int32)
+    for alpha in (1.0, 0.6):
+        results = []
+        for compiled in (True, False):
+            coll = FakeCollection(sizes)
+            det = make(StalenessConfig(rule="convergence", min_updates=1, tolerance=1.0, alpha=alpha, seed=3), coll)
+            det.profile(ids[:1000])
+            det.begin_window(coll)
+            det.record_updates(ids[:1000])
+            coll.move(np.arange(0, 345, 2), 0.3)  # even rows move: odd ones are stale
+            det.end_window(coll)
+            det.fit_threshold(ids[:1000])
+            assert det.skipping
+            if not compiled:
+                monkeypatch.setattr(_native, "native", lambda: None)
+            out = [det.count_with_controls(batch, control_share=0.3) for batch in np.split(ids, 8)]
+            monkeypatch.undo()
+            results.append((np.concatenate([k for k, _ in out]), np.concatenate([c for _, c in out]), det.total))
+        (keep, control, total), (keep_np, control_np, total_np) = results
+        assert np.array_equal(keep, keep_np) and np.array_equal(control, control_np) and total == total_np
+        assert total.skipped > 0 and total.controls > 0
+        cold = int(np.flatnonzero(det._row_flags[:40] == 0)[0])  # the flag reads stop at a cold first lookup,
+        with pytest.raises(InvalidInputError):  # the range check does not
+            det.count_with_controls(np.array([[cold, 0, 300]], dtype=np.int32), control_share=0.3)

@@ -36,7 +36,7 @@ SUMMARY_KEYS = {
     "skipped_fraction",
     "config",
 }
-TIMING = {"samples_per_s", "train_wall_s", "train_seconds"}
+TIMING = {"samples_per_s", "train_wall_s", "train_seconds", "train_cpu_s"}
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +273,7 @@ def test_eval_schedule_in_samples_and_train_seconds_exclude_eval(
 
         return wrapped
 
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=tick))
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=tick, process_time=tick))
     monkeypatch.setattr(train, "evaluate", slow(train.evaluate))
     monkeypatch.setattr(train.ckpt, "save_run_checkpoint", slow(train.ckpt.save_run_checkpoint))
     run = tmp_path / "run"
@@ -284,6 +284,8 @@ def test_eval_schedule_in_samples_and_train_seconds_exclude_eval(
     assert all(e["val_samples"] == 100 for e in evals)
     seconds = [e["train_seconds"] for e in evals]
     assert seconds == sorted(seconds) and 0 < seconds[-1] < 1000
+    cpu = [e["train_cpu_s"] for e in evals]  # the same span by the process CPU clock: evaluation left out too
+    assert cpu == sorted(cpu) and 0 < cpu[-1] < 1000
 
 
 def test_summary_table_shows_the_skipped_share_of_a_skipping_run() -> None:

@@ -342,22 +342,83 @@ int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t 
 
 /* Stale-input filter: per input, whether at least `required` of its lookups are stale (flag 3) and hot
    (flag != 0). Returns -1, or the index of the first id outside its table (nothing after it is written). */
+/* One input: its hot and stale lookups, counted until fewer than `required` hot ones are still possible
+   (then neither count can reach it: stale rows are hot); -1, or the table of the first id outside its table.
+   Every id is range-checked; the flag reads, random accesses into a byte per row, stop early: with
+   required = every lookup (alpha = 1) a cold input costs its first cold lookup, not all of them. */
+static inline int64_t classify_one(const int32_t *row, int64_t tables, const int64_t *offsets,
+                                   const uint8_t *flags, int64_t required, int64_t *num_hot, int64_t *num_stale) {
+    for (int64_t t = 0; t < tables; t++) {
+        if (row[t] < 0 || row[t] >= offsets[t + 1] - offsets[t]) return t;
+    }
+    *num_hot = *num_stale = 0;
+    for (int64_t t = 0; t < tables; t++) {
+        uint8_t flag = flags[offsets[t] + row[t]];
+        *num_hot += flag != 0;
+        *num_stale += flag == 3;
+        if (*num_hot + (tables - 1 - t) < required) break;
+    }
+    return -1;
+}
+
 int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
                         const uint8_t *flags, int64_t required, uint8_t *stale, uint8_t *hot) {
     for (int64_t i = 0; i < n; i++) {
-        const int32_t *row = ids + i * tables;
-        int64_t num_hot = 0, num_stale = 0;
-        for (int64_t t = 0; t < tables; t++) {
-            int64_t id = row[t];
-            if (id < 0 || id >= offsets[t + 1] - offsets[t]) return i * tables + t;
-            uint8_t flag = flags[offsets[t] + id];
-            num_hot += flag != 0;
-            num_stale += flag == 3;
-        }
+        int64_t num_hot, num_stale, bad = classify_one(ids + i * tables, tables, offsets, flags, required, &num_hot, &num_stale);
+        if (bad >= 0) return i * tables + bad;
         stale[i] = num_stale >= required;
         hot[i] = num_hot >= required;
     }
     return -1;
+}
+
+/* Must match detector._uniform: splitmix64 of (seed mix + position of the input in the run), top 53 bits. */
+static inline double uniform_at(uint64_t seed_mix, uint64_t position) {
+    uint64_t z = position + seed_mix + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return (double)(z >> 11) / 9007199254740992.0;
+}
+
+/* The skip filter in one pass: an input with >= required stale lookups is skipped (keep 0) when skipping,
+   unless drawn as a control (uniform_at(seed_mix, start + i) < control_share: kept, control 1).
+   counts: hot inputs, would-be-skipped inputs, controls. Returns -1 or the index of the first bad id. */
+int64_t filter_inputs(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
+                      const uint8_t *flags, int64_t required, int64_t skipping, double control_share,
+                      uint64_t seed_mix, uint64_t start, uint8_t *keep, uint8_t *control, int64_t *counts) {
+    int64_t hot = 0, would_skip = 0, controls = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t num_hot, num_stale, bad = classify_one(ids + i * tables, tables, offsets, flags, required, &num_hot, &num_stale);
+        if (bad >= 0) return i * tables + bad;
+        hot += num_hot >= required;
+        int skip = skipping && num_stale >= required;
+        int is_control = skip && control_share > 0.0 && uniform_at(seed_mix, start + (uint64_t)i) < control_share;
+        would_skip += skip;
+        controls += is_control;
+        keep[i] = !skip || is_control;
+        control[i] = is_control;
+    }
+    counts[0] = hot; counts[1] = would_skip; counts[2] = controls;
+    return -1;
+}
+
+/* Update counting of the convergence rule: for every lookup of a hot row (flag != 0), counts[position]++,
+   the position found in the open-addressing hash of the hot rows (HotIndex: Fibonacci hash, linear probing,
+   keys -1 = empty). Ids are trained ones, validated by the filter already. Returns the lookups counted. */
+int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
+                          const uint8_t *flags, const int64_t *keys, const int32_t *values, int64_t bits,
+                          int64_t *counts) {
+    uint64_t mask = ((uint64_t)1 << bits) - 1, shift = 64 - (uint64_t)bits;
+    int64_t counted = 0;
+    for (int64_t i = 0; i < n * tables; i++) {
+        int64_t row = offsets[i % tables] + ids[i];
+        if (!flags[row]) continue;
+        uint64_t slot = ((uint64_t)row * 0x9E3779B97F4A7C15ULL) >> shift;
+        while (keys[slot] != row && keys[slot] != -1) slot = (slot + 1) & mask;
+        if (keys[slot] == row) { counts[values[slot]]++; counted++; }
+    }
+    return counted;
 }
 
 typedef struct {
@@ -542,6 +603,11 @@ def _declare(library: ctypes.CDLL) -> None:
     library.sgd_update.restype = i64
     library.classify_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
     library.classify_inputs.restype = i64
+    library.filter_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ctypes.c_double, ctypes.c_uint64,
+                                      ctypes.c_uint64, ptr, ptr, ptr]
+    library.filter_inputs.restype = i64
+    library.count_hot_updates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr]
+    library.count_hot_updates.restype = i64
     library.global_rows.argtypes = [ptr, i64, i64, ptr, ptr]
     library.global_rows.restype = i64
     library.lookup_gather.argtypes = [
@@ -859,3 +925,49 @@ def classify_inputs(
     bad = library.classify_inputs(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data, required,
                                   stale.ctypes.data, hot.ctypes.data)
     return None if bad >= 0 else (stale, hot)
+
+
+def filter_inputs(
+    ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, required: int, skipping: bool, control_share: float,
+    seed_mix: int, start: int,
+) -> tuple[np.ndarray, np.ndarray, int, int, int] | None:
+    """(keep, control, hot inputs, would-be-skipped, controls) of the skip filter; None if an id is out of range.
+
+    Same contract as `classify_inputs` for ids/offsets/flags; the control draw is detector._uniform's.
+    """
+    library = native()
+    assert library is not None
+    n, tables = ids.shape
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    if (ids.dtype != np.int32 or not ids.flags.c_contiguous or flags.dtype != np.uint8 or not flags.flags.c_contiguous
+            or offsets.shape != (tables + 1,) or flags.shape[0] < offsets[-1]):
+        raise ValueError("compiled loop: bad arrays for filter_inputs")
+    keep, control = np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.bool_)
+    counts = np.zeros(3, dtype=np.int64)
+    bad = library.filter_inputs(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data, required,
+                                int(skipping), float(control_share), seed_mix, start, keep.ctypes.data,
+                                control.ctypes.data, counts.ctypes.data)
+    return None if bad >= 0 else (keep, control, int(counts[0]), int(counts[1]), int(counts[2]))
+
+
+def count_hot_updates(ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                      counts: np.ndarray) -> int:
+    """counts[hot position of each hot lookup] += 1, in one pass; returns the lookups counted.
+
+    `keys`/`values` are a HotIndex's table (its size a power of two), `flags` the detector's per-row bytes
+    (non-zero = hot). The caller checks that the library is there; ids must be valid C-contiguous int32 [n, T].
+    """
+    library = native()
+    assert library is not None
+    n, tables = ids.shape
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    bits = int(keys.size).bit_length() - 1
+    if (
+        ids.dtype != np.int32 or not ids.flags.c_contiguous or offsets.shape != (tables + 1,)
+        or flags.dtype != np.uint8 or flags.shape[0] < offsets[-1] or keys.dtype != np.int64
+        or values.dtype != np.int32 or keys.size != 1 << bits or values.size != keys.size
+        or counts.dtype != np.int64 or not counts.flags.c_contiguous
+    ):
+        raise ValueError("compiled loop: bad arrays for count_hot_updates")
+    return int(library.count_hot_updates(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data,
+                                         keys.ctypes.data, values.ctypes.data, bits, counts.ctypes.data))

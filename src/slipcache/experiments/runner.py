@@ -235,6 +235,7 @@ def run_cell(cell: Cell, cells_dir: Path) -> tuple[dict[str, Any], bool]:
         "seed": cell.seed,
         "repeat": cell.repeat,
         "curve": eval_curve(cell_dir / "metrics.jsonl"),
+        "cpu_curve": eval_curve(cell_dir / "metrics.jsonl", clock="train_cpu_s"),
         "config": cell.values,
         "dataset": cell.dataset or None,
         "summary": on_disk if isinstance(on_disk, dict) else summary,
@@ -246,17 +247,18 @@ def run_cell(cell: Cell, cells_dir: Path) -> tuple[dict[str, Any], bool]:
     return record, True
 
 
-def eval_curve(metrics: Path) -> list[list[float]]:
+def eval_curve(metrics: Path, clock: str = "train_seconds") -> list[list[float]]:
     """[training seconds, validation AUC] of each evaluation of a run, in order.
 
-    Training seconds exclude evaluation: `train_seconds` where the trainer writes it, else `train_wall_s`.
+    Training seconds exclude evaluation: `train_seconds` where the trainer writes it, else `train_wall_s`;
+    `clock="train_cpu_s"`: the same span in process CPU time (empty for runs that did not record it).
     """
     curve = []
     text = metrics.read_text() if metrics.is_file() else ""
     for line in text.splitlines():
         event = json.loads(line) if line.strip() else {}
         if event.get("val_auc") is not None:
-            seconds = event.get("train_seconds", event.get("train_wall_s"))
+            seconds = event.get(clock, event.get("train_wall_s") if clock == "train_seconds" else None)
             if seconds is not None:
                 curve.append([float(seconds), float(event["val_auc"])])
     return curve

@@ -21,19 +21,27 @@ STALE_STORAGES = {
 
 
 def stale_name(group: str, target: float | None, rule: str = "convergence", warmup: str = "val",
-               decision: str = "rolling") -> str:
-    """Readable setup name, e.g. 'fp32, convergence rule, warm-up val, D=0.5'; also the key that pairs
-    a setup with its storage's run without skipping (target None)."""
+               decision: str = "rolling", keep: str | None = None) -> str:
+    """Readable setup name, e.g. 'fp32, convergence rule, warm-up val, D=0.5' (with `keep`, a KEEP_SETTINGS
+    key, before D); also the key that pairs a setup with its storage's run without skipping (target None)."""
     if target is None:
         return f"{group}, no skipping"
     if decision == "epoch":
         return f"{group}, authors' mode ({rule} rule, warm-up {warmup}, one decision per epoch), D={target:g}"
-    return f"{group}, {rule} rule, warm-up {warmup}, D={target:g}"
+    kept = f", {keep}" if keep else ""
+    return f"{group}, {rule} rule, warm-up {warmup}{kept}, D={target:g}"
 
 
 # Warm-up settings of the grid: "val" is the new default; "off" is the earlier behaviour (window at 2 % of
 # every epoch, no floor), which the paper rule's published grid used.
 WARMUP_SETTINGS = {"val": {"stale_warmup": "val"}, "off": {"stale_warmup": "none", "stale_warmup_min": 0.0}}
+# Kept share p of the would-be-skipped inputs and its loss weight (docs/skipping.md, "Unbiased skipping"):
+# weight 1 (a larger control group), 1/p (unbiased), or clipped in between.
+KEEP_SETTINGS = {
+    "keep 0.25": {"stale_keep": 0.25},
+    "keep 0.25, weight 4 (unbiased)": {"stale_keep": 0.25, "stale_reweight": True},
+    "keep 0.25, weight 2 (clipped)": {"stale_keep": 0.25, "stale_reweight": True, "stale_weight_max": 2.0},
+}
 
 
 def slipstream_grid(preset: Preset, seeds: int) -> list[Setup]:
@@ -43,20 +51,25 @@ def slipstream_grid(preset: Preset, seeds: int) -> list[Setup]:
     grid keeps the settings that matter for the time-to-target question (see docs/skipping.md).
     """
     if preset.full_grid:
-        variants = [(d, "convergence", "val") for d in (0.3, 0.5, 0.7)] + [(0.5, "paper", "val"), (0.3, "paper", "off")]
+        variants = [(d, "convergence", "val", None) for d in (0.3, 0.5, 0.7)] + [
+            (0.5, "convergence", "val", keep) for keep in KEEP_SETTINGS] + [
+            (0.5, "paper", "val", None), (0.3, "paper", "off", None)]
     else:
-        # D sweep of the new default; rule and warm-up each compared at D = 0.5
-        variants = [(0.3, "convergence", "val"), (0.5, "convergence", "val"), (0.5, "convergence", "off"),
-                    (0.5, "paper", "val"), (0.5, "paper", "off")]
+        # D sweep of the new default; rule, warm-up and unbiased skipping each compared at D = 0.5
+        variants = [(0.3, "convergence", "val", None), (0.5, "convergence", "val", None),
+                    (0.5, "convergence", "val", "keep 0.25, weight 4 (unbiased)"), (0.5, "convergence", "off", None),
+                    (0.5, "paper", "val", None), (0.5, "paper", "off", None)]
     setups = []
     for group, storage in STALE_STORAGES.items():
         base = {**storage, "skip_stale": False}
         setups.append(Setup("slipstream", stale_name(group, None), base, seeds, ["skip"], group))
-        for target, rule, warmup in variants:
+        for target, rule, warmup, keep in variants:
             overrides = {**storage, "skip_stale": True, "stale_target": target, "stale_rule": rule,
                          **WARMUP_SETTINGS[warmup]}
-            setups.append(Setup("slipstream", stale_name(group, target, rule, warmup), overrides, seeds, ["skip"],
-                                group))
+            if keep:
+                overrides.update(KEEP_SETTINGS[keep])
+            setups.append(Setup("slipstream", stale_name(group, target, rule, warmup, keep=keep), overrides, seeds,
+                                ["skip"], group))
         authors = {**storage, "skip_stale": True, "stale_target": 0.3, "stale_rule": "paper",
                    "stale_warmup": "epoch", "stale_decision": "epoch"}
         setups.append(Setup("slipstream", stale_name(group, 0.3, "paper", "epoch", "epoch"), authors, seeds,
@@ -115,21 +128,24 @@ def add_timing(entries: list[dict[str, Any]], records: list[dict[str, Any]]) -> 
         runs = by_setup.get(entry["name"], {})
         base = by_setup.get(stale_name(entry["group"], None), {})
         target = auc_target(base[0].get("curve", [])) if 0 in base else None
-        times, speedups, missed = [], [], 0
-        for repeat, record in sorted(runs.items()):
-            t = time_to_target(record.get("curve", []), target) if target is not None else None
-            if t is None:
-                missed += 1
-                continue
-            times.append(t)
-            t_base = time_to_target(base[repeat].get("curve", []), target) if repeat in base else None
-            if t_base:
-                speedups.append(t_base / t)
         m = entry["metrics"]
         m["target_auc"] = target
-        m["time_to_target"] = _spread(times)
-        m["target_missed"] = missed
-        m["speedup"] = _spread(speedups)
+        # wall clock (the loop's), and process CPU time: one torch thread per run, so CPU time is what the
+        # run itself spent, robust to other jobs on a shared machine
+        for clock, prefix in (("curve", ""), ("cpu_curve", "cpu_")):
+            times, speedups, missed = [], [], 0
+            for repeat, record in sorted(runs.items()):
+                t = time_to_target(record.get(clock) or [], target) if target is not None else None
+                if t is None:
+                    missed += 1
+                    continue
+                times.append(t)
+                t_base = time_to_target(base[repeat].get(clock) or [], target) if repeat in base else None
+                if t_base:
+                    speedups.append(t_base / t)
+            m[f"{prefix}time_to_target"] = _spread(times)
+            m[f"{prefix}target_missed"] = missed
+            m[f"{prefix}speedup"] = _spread(speedups)
         parts: dict[str, list[float]] = {}
         actions = []
         for r in (r for r in records if r["setup"] == entry["name"] and not r.get("repeat")):
@@ -247,18 +263,20 @@ def slipstream_section(entries: list[dict[str, Any]], plots: dict[str, str | Non
         "interpolated linearly between evaluations (10 per epoch, each on the whole validation split). "
         f"Timing protocol: seed 0 of every setup ran {repeats} time(s), interleaved (every setup once, then "
         f"again: A B A B ...), {threads} torch thread(s) per run; medians with min-max over the repeats; "
-        "speedup = baseline time / skipping time within the same repeat. Test AUC at equal epochs is paired "
+        "speedup = baseline time / skipping time within the same repeat, by the loop's wall clock and by its "
+        "process CPU time (robust to other jobs on the machine with one thread per run). Test AUC at equal epochs is paired "
         "by seed (mean +- std of the per-seed differences). Overhead: skipping's bookkeeping as a share of the "
         "training loop's wall time, split into its parts (%).", "",
     ]
     lines += markdown_table(
         ["setup", "seeds", "skipped", "test AUC", "ΔAUC vs no skipping", "time to target (s)", "speedup",
-         "overhead", "guard actions"],
+         "speedup (CPU time)", "overhead", "guard actions"],
         [[e["name"], str(e["seeds"]), fmt_mean_std(e, "skipped_fraction", 100, ".1f") + "%", fmt_mean_std(e, "auc"),
           fmt_mean_std(e, "auc_delta", sign=True),
           _spread_text(e["metrics"].get("time_to_target"), ".1f")
           + (f", missed {e['metrics']['target_missed']}x" if e["metrics"].get("target_missed") else ""),
-          _spread_text(e["metrics"].get("speedup"), ".2f", "x"), _overhead_text(e),
+          _spread_text(e["metrics"].get("speedup"), ".2f", "x"), _spread_text(e["metrics"].get("cpu_speedup"), ".2f", "x"),
+          _overhead_text(e),
           str(e["metrics"].get("guard_actions", 0))] for e in entries],
     )
     acted = [(e["name"], a) for e in entries for a in e.get("guard_action_list", [])]

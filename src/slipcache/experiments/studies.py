@@ -222,6 +222,9 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accuracy-epochs", type=int, default=None,
                         help="accuracy: passes over the training split (default 3, quick 8)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per batch (default 512)")
+    parser.add_argument("--setup", action="append", default=None, metavar="NAME",
+                        help="run only this setup of the grid (its full name, as in the report; repeatable), "
+                        "e.g. a baseline and one setting for a timing rerun")
     # Hidden size overrides, for tests and for fitting a time budget.
     for flag, kind in (("--scale", float), ("--dataset-samples", int), ("--train-samples", int),
                        ("--stale-dataset-samples", int), ("--stale-epochs", int), ("--eval-samples", int),
@@ -282,6 +285,13 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, repeats: int, nam
     for name in names:
         grids = {"mixed-precision": mixed_precision_grid, "slipstream": slipstream_grid, ACCURACY: accuracy_grid}
         grid = grids[name](preset, seeds)
+        only = getattr(args, "setup", None)
+        if only:
+            unknown = sorted(set(only) - {s.name for s in grid})
+            if unknown:
+                raise SlipcacheError(f"no setup named {unknown[0]!r} in the {name} grid; its setups: "
+                                     + "; ".join(s.name for s in grid))
+            grid = [s for s in grid if s.name in only]
         if data is None:  # generate the synthetic data up front, so the first cell's time is its own
             from slipcache.data.synthetic import default_synthetic_path, synthetic_table_sizes
 

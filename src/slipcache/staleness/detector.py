@@ -45,6 +45,8 @@ import torch
 
 from slipcache import _native
 from slipcache.errors import InvalidInputError
+from slipcache.staleness.guard import GuardDecision, SkipGuard
+from slipcache.staleness.hotset import HotIndex, HotSet, _check_ids, _global_rows, _to_numpy
 
 __all__ = [
     "RULES",
@@ -169,183 +171,6 @@ class ThresholdResult:
 
 
 @dataclass
-class GuardDecision:
-    """What one guard check concluded; ``action`` is one of none, lower, stop, raise, resume."""
-
-    action: str
-    target: float
-    active: bool
-    drift: float  # (loss - reference) / reference
-
-
-class HotSet:
-    """Sorted global hot rows with vectorized membership; memory proportional to the hot set only."""
-
-    def __init__(self, rows: np.ndarray, counts: np.ndarray, table_offsets: np.ndarray) -> None:
-        order = np.argsort(rows, kind="stable")
-        self.rows = np.ascontiguousarray(rows[order], dtype=np.int64)
-        self.counts = np.ascontiguousarray(counts[order], dtype=np.int64)
-        self.table_offsets = table_offsets
-
-    def __len__(self) -> int:
-        return int(self.rows.size)
-
-    def positions(self, global_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Index of each row in ``self.rows`` (clipped) and whether it is hot; any shape."""
-        if self.rows.size == 0:
-            return np.zeros(global_rows.shape, np.int64), np.zeros(global_rows.shape, bool)
-        pos = np.searchsorted(self.rows, global_rows)
-        np.minimum(pos, self.rows.size - 1, out=pos)
-        return pos, self.rows[pos] == global_rows
-
-    def contains(self, global_rows: np.ndarray) -> np.ndarray:
-        """Boolean mask: which global rows are hot."""
-        return self.positions(np.asarray(global_rows, dtype=np.int64))[1]
-
-    def input_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
-        """bool[n]: inputs whose every lookup is a hot row."""
-        global_rows = _global_rows(sparse, self.table_offsets)
-        return self.contains(global_rows).all(axis=1)
-
-
-class HotIndex:
-    """Global row -> position in the hot set, as an open-addressing hash table sized by the hot set.
-
-    Why not a direct index: that costs bytes on every row of every table (the memory targets forbid it); why
-    not ``np.searchsorted`` on the sorted hot rows: it took 570 us per 256-input batch against 105 us here
-    (56 k hot rows). Linear probing, at most half full: 8 + 4 bytes per slot, 2-4 slots per hot row.
-    """
-
-    _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of row * 2^64 / phi
-
-    def __init__(self, rows: np.ndarray) -> None:
-        rows = np.asarray(rows, dtype=np.int64)
-        bits = max(4, int(2 * rows.size - 1).bit_length())
-        self._shift = np.uint64(64 - bits)
-        self._mask = (1 << bits) - 1
-        self.keys = np.full(1 << bits, -1, dtype=np.int64)
-        self.values = np.zeros(1 << bits, dtype=np.int32)
-        pending = np.arange(rows.size)
-        slot = self._hash(rows)
-        while pending.size:  # place one row per free slot per round; the others probe on
-            s = slot[pending]
-            free = self.keys[s] == -1
-            taken, first = np.unique(s[free], return_index=True)
-            winners = pending[free][first]
-            self.keys[taken], self.values[taken] = rows[winners], winners
-            placed = np.zeros(rows.size, dtype=bool)
-            placed[winners] = True
-            pending = pending[~placed[pending]]
-            slot[pending] = (slot[pending] + 1) & self._mask
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.keys.nbytes + self.values.nbytes)
-
-    def _hash(self, rows: np.ndarray) -> np.ndarray:
-        return ((rows.astype(np.uint64) * self._MULTIPLIER) >> self._shift).astype(np.int64)
-
-    def find(self, rows: np.ndarray) -> np.ndarray:
-        """int32 position of each global row in the hot set, -1 where it is not hot."""
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        slot = self._hash(rows)
-        found = np.full(rows.size, -1, dtype=np.int32)
-        key = self.keys[slot]
-        hit = key == rows
-        found[hit] = self.values[slot[hit]]
-        todo = np.flatnonzero(~hit & (key != -1))
-        while todo.size:  # ends: the table is at most half full, so every probe sequence meets an empty slot
-            s = (slot[todo] + 1) & self._mask
-            slot[todo] = s
-            key = self.keys[s]
-            hit = key == rows[todo]
-            found[todo[hit]] = self.values[s[hit]]
-            todo = todo[~hit & (key != -1)]
-        return found
-
-
-class SkipGuard:
-    """Lowers the skip target, or stops skipping, when the loss of skipped inputs drifts above a reference.
-
-    The trainer's reference is the same inputs' loss when the epoch's skipping began (see
-    ``slipcache.staleness.skipping``): Slipstream assumes stale inputs stay learned, and this checks it.
-    Rule: ``drift = (loss - reference) / reference``. ``patience`` consecutive checks with
-    ``drift > margin`` halve the target (``backoff``); if that would fall below ``min_target`` skipping
-    stops. ``patience`` consecutive checks with ``drift < margin * release`` undo one step (resume,
-    then double the target up to its base). Drift in between resets both streaks: that dead band is the
-    hysteresis that keeps the guard from flapping around the margin.
-    """
-
-    def __init__(self, base_target: float, margin: float, release: float, patience: int, backoff: float,
-                 min_target: float) -> None:
-        self.base_target = base_target
-        self.margin = margin
-        self.release = release
-        self.patience = patience
-        self.backoff = backoff
-        self.min_target = min_target
-        self.target = base_target
-        self.active = True
-        self._bad = 0
-        self._good = 0
-
-    @classmethod
-    def from_config(cls, config: StalenessConfig) -> SkipGuard:
-        return cls(config.target_drop, config.guard_margin, config.guard_release, config.guard_patience,
-                   config.guard_backoff, config.guard_min_target)
-
-    def update(self, loss: float, reference: float) -> GuardDecision:
-        """Feed one comparison (mean losses, same loss function) and apply the rule."""
-        if not (math.isfinite(loss) and math.isfinite(reference)):
-            raise InvalidInputError(f"guard losses must be finite, got {loss}, {reference}")
-        drift = (loss - reference) / max(abs(reference), 1e-12)
-        if drift > self.margin:
-            self._bad, self._good = self._bad + 1, 0
-        elif drift < self.margin * self.release:
-            self._bad, self._good = 0, self._good + 1
-        else:
-            self._bad = self._good = 0
-
-        action = "none"
-        if self._bad >= self.patience:
-            self._bad = 0
-            if self.active:
-                lowered = self.target * self.backoff
-                if lowered < self.min_target:
-                    self.active, action = False, "stop"
-                else:
-                    self.target, action = lowered, "lower"
-        elif self._good >= self.patience:
-            self._good = 0
-            if not self.active:
-                self.active, action = True, "resume"
-            elif self.target < self.base_target:
-                self.target, action = min(self.base_target, self.target / self.backoff), "raise"
-        return GuardDecision(action, self.target, self.active, drift)
-
-    def step_down(self, drift: float) -> GuardDecision:
-        """One step down without waiting for ``patience`` checks: halve the target, or stop below the minimum."""
-        self._bad = self._good = 0
-        if not self.active:
-            return GuardDecision("none", self.target, self.active, drift)
-        lowered = self.target * self.backoff
-        if lowered < self.min_target:
-            self.active = False
-            return GuardDecision("stop", self.target, self.active, drift)
-        self.target = lowered
-        return GuardDecision("lower", self.target, self.active, drift)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "active": self.active, "bad": self._bad, "good": self._good}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.target = float(state["target"])
-        self.active = bool(state["active"])
-        self._bad = int(state["bad"])
-        self._good = int(state["good"])
-
-
-@dataclass
 class _Counters:
     """Per-epoch input counts seen through ``sample_filter`` (or ``count``)."""
 
@@ -397,14 +222,18 @@ class StaleInputDetector:
         byte per row (34 MB for the Criteo Kaggle tables), reported as `flag_bytes` in the stats.
         """
         self._stale_aligned = flags
-        if self.hot is None:
-            self._row_flags[:] = 0
-            return
-        self._row_flags[:] = 0
-        self._row_flags[self.hot.rows] = 1 | (flags.astype(np.uint8) << 1)
+        # Only rows flagged before can be non-zero: clear those, not every row of every table (a re-check
+        # runs every window length; clearing 34 M bytes each time would cost more than the re-check itself).
+        rows = None if self.hot is None else self.hot.rows
+        if self._flagged is not None and self._flagged is not rows:
+            self._row_flags[self._flagged] = 0
+        self._flagged = rows
+        if rows is not None:
+            self._row_flags[rows] = 1 | (flags.astype(np.uint8) << 1)
 
     def _reset_epoch_state(self) -> None:
         self._row_flags = np.zeros(int(self.table_offsets[-1]), dtype=np.uint8)
+        self._flagged: np.ndarray | None = None  # the rows whose flag bytes may be non-zero
         self._fit_positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (sample, pos, hit) memo
         self.hot: HotSet | None = None
         self.threshold_result: ThresholdResult | None = None
@@ -545,6 +374,13 @@ class StaleInputDetector:
         ids = _to_numpy(sparse)
         if self.config.count_share < 1.0:
             ids = ids[: max(1, math.ceil(ids.shape[0] * self.config.count_share))]
+        if ids.ndim == 2 and ids.dtype.kind in "iu" and _native.native() is not None:
+            # One pass in C: flag byte, hash probe and counter increment per lookup (NumPy below: ~6x slower).
+            # Batches hold int64 ids; ids index a table, so int32 holds them (the copy is of the counted share).
+            ids = np.ascontiguousarray(ids, dtype=np.int32)
+            _native.count_hot_updates(ids, self.table_offsets, self._row_flags, self._index.keys,
+                                      self._index.values, self._updates)
+            return
         rows = (ids + self.table_offsets[:-1].astype(ids.dtype)).reshape(-1)
         rows = rows[np.take(self._row_flags, rows) != 0]  # hot lookups only: the flag byte says so
         pos = self._index.find(rows)
@@ -769,8 +605,7 @@ class StaleInputDetector:
         """
         required = self.config.required_stale(self.num_tables)
         ids = _to_numpy(sparse)
-        if (ids.dtype == np.int32 and ids.ndim == 2 and ids.shape[1] == self.num_tables and ids.flags.c_contiguous
-                and _native.native() is not None):
+        if self._compiled(ids):
             result = _native.classify_inputs(ids, self.table_offsets, self._row_flags, required)
             if result is None:
                 raise InvalidInputError("sparse ids out of range for their tables")
@@ -780,6 +615,11 @@ class StaleInputDetector:
             lowest = flags.min(axis=1, initial=3)
             return lowest == 3, lowest >= 1
         return np.count_nonzero(flags == 3, axis=1) >= required, np.count_nonzero(flags, axis=1) >= required
+
+    def _compiled(self, ids: np.ndarray) -> bool:
+        """Whether the compiled loops can take these ids (C-contiguous int32 [n, T], as the splits hold them)."""
+        return (ids.dtype == np.int32 and ids.ndim == 2 and ids.shape[1] == self.num_tables
+                and ids.flags.c_contiguous and _native.native() is not None)
 
     def count(self, sparse: np.ndarray | torch.Tensor, control_share: float = 0.0) -> np.ndarray:
         """Classify for skipping and record the counts for ``stats``; returns the keep mask."""
@@ -792,20 +632,40 @@ class StaleInputDetector:
         ``control_share``: that share of the would-be-skipped inputs is kept anyway (the guard's control
         group), chosen by a hash of the input's position in the run, so the choice needs no RNG state.
         """
+        ids = _to_numpy(sparse)
+        if self._compiled(ids):  # one C pass (this runs on every training input): a few NumPy passes less
+            result = _native.filter_inputs(ids, self.table_offsets, self._row_flags,
+                                           self.config.required_stale(self.num_tables), self.skipping,
+                                           control_share, _seed_mix(self.config.seed), self.total.inputs)
+            if result is None:
+                raise InvalidInputError("sparse ids out of range for their tables")
+            keep, control, num_hot, num_would_skip, num_control = result
+            self._add_counts(keep.size, num_hot, num_would_skip - num_control, num_control)
+            return keep, control
         skip, hot = self._classify(sparse)
-        if not self.skipping:
-            skip[:] = False
         control = np.zeros_like(skip)
-        if control_share > 0.0 and skip.any():
-            control = skip & (_uniform(self.config.seed, self.total.inputs, skip.size) < control_share)
-            skip &= ~control
+        num_hot = int(np.count_nonzero(hot))
+        would_skip = np.flatnonzero(skip) if self.skipping else np.zeros(0, dtype=np.int64)
+        num_control = 0
+        if control_share > 0.0 and would_skip.size:
+            # draws for the would-be-skipped inputs only; the same values a draw for every input gives them
+            chosen = would_skip[_uniform(self.config.seed, self.total.inputs + would_skip) < control_share]
+            control[chosen] = True
+            num_control = int(chosen.size)
+        keep = np.ones_like(skip)
+        keep[would_skip] = False
+        keep |= control
+        self._add_counts(skip.size, num_hot, int(would_skip.size) - num_control, num_control)
+        return keep, control
+
+    def _add_counts(self, inputs: int, hot: int, skipped: int, controls: int) -> None:
+        # skipped inputs are stale under alpha, so hot under alpha too: every skipped input is a hot one
         for counters in (self.epoch_counts, self.total):
-            counters.inputs += int(skip.size)
-            counters.hot_inputs += int(np.count_nonzero(hot))
-            counters.skipped += int(np.count_nonzero(skip))
-            counters.skipped_hot += int(np.count_nonzero(skip & hot))
-            counters.controls += int(np.count_nonzero(control))
-        return ~skip, control
+            counters.inputs += int(inputs)
+            counters.hot_inputs += hot
+            counters.skipped += skipped
+            counters.skipped_hot += skipped
+            counters.controls += controls
 
     def pass_through(self, n: int) -> np.ndarray:
         """Keep all of ``n`` inputs without classifying them (before warm-up ends); counts them."""
@@ -949,13 +809,13 @@ class StaleInputDetector:
         return self.hot
 
 
-def _uniform(seed: int, start: int, n: int) -> np.ndarray:
-    """Uniform [0, 1) values for inputs start .. start + n - 1 of a run: splitmix64 of (seed, position).
+def _uniform(seed: int, positions: np.ndarray) -> np.ndarray:
+    """Uniform [0, 1) values for inputs at these positions of a run: splitmix64 of (seed, position).
 
     Stateless, so a resumed run draws exactly what the uninterrupted one drew for the same inputs.
     """
     with np.errstate(over="ignore"):
-        z = np.arange(start, start + n, dtype=np.uint64) + np.uint64((seed * 0x632BE59BD9B4E019) % 2**64)
+        z = positions.astype(np.uint64) + np.uint64(_seed_mix(seed))
         z += np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -963,25 +823,5 @@ def _uniform(seed: int, start: int, n: int) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def _to_numpy(x: np.ndarray | torch.Tensor) -> np.ndarray:
-    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
-
-
-def _check_ids(sparse: np.ndarray | torch.Tensor, offsets: np.ndarray) -> np.ndarray:
-    """Validate [n, T] integer ids within each table's size."""
-    ids = _to_numpy(sparse)
-    num_tables = offsets.size - 1
-    if ids.ndim != 2 or ids.shape[1] != num_tables:
-        raise InvalidInputError(f"sparse ids must be [n, {num_tables}], got {tuple(ids.shape)}")
-    if ids.dtype.kind not in "iu":
-        raise InvalidInputError(f"sparse ids must be integers, got {ids.dtype}")
-    if ids.size and (ids.min() < 0 or np.any(ids.max(axis=0) >= np.diff(offsets))):
-        raise InvalidInputError("sparse ids out of range for their tables")
-    return ids
-
-
-def _global_rows(sparse: np.ndarray | torch.Tensor, offsets: np.ndarray) -> np.ndarray:
-    """[n, T] global row = offset[t] + id; int32 when every row number fits, which halves the traffic."""
-    ids = _check_ids(sparse, offsets)
-    dtype = np.int32 if offsets[-1] <= np.iinfo(np.int32).max else np.int64
-    return ids.astype(dtype, copy=False) + offsets[:-1].astype(dtype)
+def _seed_mix(seed: int) -> int:
+    return (seed * 0x632BE59BD9B4E019) % 2**64

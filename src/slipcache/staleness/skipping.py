@@ -21,7 +21,7 @@ The trainer calls `StaleSkipper` through these hooks (see `slipcache.training.tr
 4. **Filtered training**: the BatchIterator's sample filter drops stale inputs as batches are assembled.
    `stale_decision` "rolling" re-measures every window length and refits T; "epoch" is the authors' mode:
    one decision per epoch, fixed until the next.
-5. **Guard**: `stale_control` (5 %) of the would-be-skipped inputs are trained anyway, as a control group.
+5. **Guard**: `stale_keep` (5 %) of the would-be-skipped inputs are trained anyway, as a control group.
    Their training loss, relative to that of all trained inputs in the same batches, is followed: if it
    rises by more than `CONTROL_MARGIN` against its value when skipping (re)started, on 2 consecutive
    checks, skipped inputs were still teaching (the rest of the model moved on without them) and D is
@@ -61,8 +61,9 @@ VAL_DROP = 0.002  # validation AUC below its best since skipping began by this m
 # on, and in `--quick` the noisy 20 k-sample validation loss sometimes flattened only at the very end.
 WARMUP_LATEST = 0.5
 # profile: hot rows and the window's first read; filter: classifying inputs; counting: update counters of
-# hot rows (convergence rule); snapshots: re-checks, threshold fits and cache release; guard: its bookkeeping.
-OVERHEAD_PARTS = ("profile", "filter", "counting", "snapshots", "guard")
+# hot rows (convergence rule); snapshots: re-checks, threshold fits and cache release; guard: its bookkeeping;
+# weights: the per-input loss weights of unbiased skipping (`loss_weights`, called from the train step).
+OVERHEAD_PARTS = ("profile", "filter", "counting", "snapshots", "guard", "weights")
 
 
 class StaleSkipper:
@@ -90,7 +91,12 @@ class StaleSkipper:
         )
         self.window = self.detector.window_batches(batches_per_epoch)
         self.guard_every = int(config.stale_guard_every) if config.stale_guard else 0
-        self.control_share = float(config.stale_control) if config.stale_guard else 0.0
+        # p: share of the would-be-skipped inputs trained anyway (the guard's control group); with reweighting
+        # their loss counts 1/p, an importance sample of all would-be-skipped inputs (see loss_weights).
+        self.control_share = float(config.stale_keep)
+        self.control_weight = 1.0 / self.control_share if config.stale_reweight and self.control_share > 0 else 1.0
+        if config.stale_weight_max is not None:  # a clipped weight: less variance, part of the bias back
+            self.control_weight = min(self.control_weight, float(config.stale_weight_max))
         self.release_cache = bool(config.stale_release_cache) and hasattr(self.coll, "release_rows")
         self.min_accesses = float(config.stale_min_accesses)
         self.refit = bool(config.stale_refit) and config.stale_decision == "rolling"
@@ -162,8 +168,31 @@ class StaleSkipper:
         self.overhead["filter"] += time.perf_counter() - t0
         return keep
 
-    def after_batch(self, batch: Batch, logits: torch.Tensor) -> None:
-        """Warm-up check, update counting, window close and threshold fit, re-checks, guard bookkeeping."""
+    def loss_weights(self, n: int) -> torch.Tensor | None:
+        """Per-input loss weights of the next trained batch of ``n``: 1/p on its kept would-be-skipped inputs.
+
+        Why: Slipstream drops stale inputs, so the gradient of the dense MLP and of every row they look up
+        loses their terms (biased). Training a random share p of them with weight 1/p makes the epoch's
+        expected gradient sum the one without skipping; only its variance grows. The weights are the
+        mean-reduced loss's, over the batch's n inputs: an epoch's update sums lr / n x w x gradient over the
+        kept inputs, whose expectation is the no-skipping sum. None (plain mean) when no input of the batch
+        is weighted, so p = 1 or reweighting off trains bit-identically.
+        """
+        if self.control_weight == 1.0:
+            return None
+        t0 = time.perf_counter()
+        control = self.pending_controls[:n]
+        weights = None
+        if control.any():
+            weights = torch.from_numpy(np.where(control, np.float32(self.control_weight), np.float32(1.0)))
+        self.overhead["weights"] += time.perf_counter() - t0
+        return weights
+
+    def after_batch(self, batch: Batch, logits: torch.Tensor, loss: float | None = None) -> None:
+        """Warm-up check, update counting, window close and threshold fit, re-checks, guard bookkeeping.
+
+        ``loss``: the step's mean (weighted) loss, which spares the guard a per-input loss of the whole batch.
+        """
         self.batch += 1
         n = int(batch.labels.shape[0])
         self.trained += n
@@ -177,7 +206,7 @@ class StaleSkipper:
         det = self.detector
         t0 = time.perf_counter()
         if self.guard_every and det.skipping:
-            self._account_controls(batch, logits, control)
+            self._account_controls(batch, logits, control, loss)
         t1 = time.perf_counter()
         det.record_updates(batch.sparse.numpy())
         t2 = time.perf_counter()
@@ -285,16 +314,29 @@ class StaleSkipper:
         if not keep.all():
             det.set_hot(HotSet(hot.rows[keep], hot.counts[keep], det.table_offsets))
 
-    def _account_controls(self, batch: Batch, logits: torch.Tensor, control: np.ndarray) -> None:
-        """Add the batch's per-input losses: of its controls (as the filter marked them) and of all inputs."""
-        losses = F.binary_cross_entropy_with_logits(logits.detach(), batch.labels, reduction="none").numpy()
-        if control.size != losses.size:  # cannot happen while batches are cut from the kept inputs in order
-            raise RuntimeError(f"{control.size} control flags for a batch of {losses.size}")
+    def _account_controls(self, batch: Batch, logits: torch.Tensor, control: np.ndarray,
+                          loss: float | None = None) -> None:
+        """Add the batch's losses: the sum over its controls (as the filter marked them) and over all inputs.
+
+        With the step's mean loss given, only the controls' losses are computed (a few % of the batch) and the
+        batch's sum follows from the mean: n x mean - (w - 1) x controls' sum, w their loss weight.
+        """
+        n = int(batch.labels.shape[0])
+        if control.size != n:  # cannot happen while batches are cut from the kept inputs in order
+            raise RuntimeError(f"{control.size} control flags for a batch of {n}")
+        idx = torch.from_numpy(np.flatnonzero(control))
+        if loss is None:
+            losses = F.binary_cross_entropy_with_logits(logits.detach(), batch.labels, reduction="none")
+            control_loss, all_loss = float(losses[idx].sum()), float(losses.sum())
+        else:
+            control_loss = float(F.binary_cross_entropy_with_logits(
+                logits.detach()[idx], batch.labels[idx], reduction="sum")) if idx.numel() else 0.0
+            all_loss = n * loss - (self.control_weight - 1.0) * control_loss
         sums = self.control_sums
-        sums[0] += float(losses[control].sum())
-        sums[1] += int(np.count_nonzero(control))
-        sums[2] += float(losses.sum())
-        sums[3] += int(losses.size)
+        sums[0] += control_loss
+        sums[1] += int(idx.numel())
+        sums[2] += all_loss
+        sums[3] += n
 
     def _control_check(self) -> None:
         """Compare the controls' loss ratio since the last check with the ratio when skipping (re)started."""
@@ -429,5 +471,5 @@ class StaleSkipper:
         self.last_guard = GuardDecision(**state["last_guard"]) if state["last_guard"] else None
         self.control_sums = list(state["control_sums"])
         self.control_reference = state["control_reference"]
-        self.overhead = {part: float(state["overhead"][part]) for part in OVERHEAD_PARTS}
+        self.overhead = {part: float(state["overhead"].get(part, 0.0)) for part in OVERHEAD_PARTS}
         self.fits = list(state["fits"])

@@ -199,7 +199,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stale-warmup-tol", type=float, default=s, help="relative val-loss gain that still counts (0.005)")
     add("--stale-decision", choices=("rolling", "epoch"), default=s,
         help="rolling re-checks (default) or one decision per epoch (the authors')")
-    add("--stale-control", type=float, default=s, help="share of would-be-skipped inputs trained as control (0.05)")
+    add("--stale-keep", "--stale-control", dest="stale_keep", type=float, default=s,
+        help="p: share of would-be-skipped inputs trained anyway, the guard's control (0.05)")
+    add("--stale-reweight", action="store_true", default=s,
+        help="weight those inputs' loss by 1/p: the expected gradient is the one without skipping")
+    add("--stale-weight-max", type=float, default=s, help="clip that weight at this value (default: none, 1/p)")
     add(
         "--no-stale-refit",
         dest="stale_refit",

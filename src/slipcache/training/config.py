@@ -90,7 +90,9 @@ class TrainConfig:
     stale_warmup_min: float = 0.1  # never skip in this first share of the run
     stale_warmup_tol: float = 0.005  # validation loss "flattened": improved less than this (relative) on its best
     stale_decision: str = "rolling"  # "rolling" re-checks, or "epoch": one decision per epoch (the authors')
-    stale_control: float = 0.05  # share of would-be-skipped inputs trained anyway as the guard's control
+    stale_keep: float = 0.05  # p: share of would-be-skipped inputs trained anyway (the guard's control)
+    stale_reweight: bool = False  # weight the kept would-be-skipped inputs' loss by 1/p: unbiased gradient
+    stale_weight_max: float | None = None  # clip that weight (less variance, some bias back); None = 1/p
 
     def embedding_options(self) -> dict[str, Any]:
         """The embedding collection's settings, shared by the one-process and the sharded model."""
@@ -184,8 +186,12 @@ class TrainConfig:
             raise SlipcacheError("stale_min_updates must be >= 1, stale_warmup_epoch >= 0, stale_warmup_min in [0, 1)")
         if not 0.0 < self.stale_count_share <= 1.0:
             raise SlipcacheError(f"stale_count_share must be in (0, 1], got {self.stale_count_share}")
-        if not 0.0 <= self.stale_control < 1.0 or not 0.0 <= self.stale_warmup_tol < 1.0:
-            raise SlipcacheError("stale_control and stale_warmup_tol must be in [0, 1)")
+        if not 0.0 <= self.stale_keep <= 1.0 or not 0.0 <= self.stale_warmup_tol < 1.0:
+            raise SlipcacheError("stale_keep must be in [0, 1] and stale_warmup_tol in [0, 1)")
+        if self.stale_reweight and self.stale_keep == 0.0:
+            raise SlipcacheError("stale_reweight needs stale_keep > 0 (the kept share p is weighted 1/p)")
+        if self.stale_weight_max is not None and not self.stale_weight_max >= 1.0:
+            raise SlipcacheError(f"stale_weight_max must be >= 1, got {self.stale_weight_max}")
         if (self.stale_recheck is not None and self.stale_recheck < 0) or not self.stale_min_accesses >= 0:
             raise SlipcacheError(
                 "stale_recheck must be >= 0 (0 = window length) or None, stale_min_accesses >= 0"

@@ -138,6 +138,7 @@ class Progress:
         0.0  # wall time of the loop: data, skip filter and guard, steps (no eval, no checkpoints)
     )
     compute_s: float = 0.0  # forward, backward and optimizer steps only
+    train_cpu_s: float = 0.0  # process CPU time of the same span as train_wall_s: robust to a shared machine
     skipped: int = 0  # inputs dropped as stale; they count against the sample budget like trained ones
     window_loss: float = 0.0  # sum of per-batch mean loss * batch size since the last log event
     window_samples: int = 0
@@ -205,6 +206,7 @@ class Run:
     base_hits: int = 0
     tensorboard: Any = None  # TensorBoardWriter when config.tensorboard is set
     tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
+    tick_cpu: float = 0.0  # process CPU time at `tick`
     finished: bool = False  # set by the run's last batch
     logits: torch.Tensor | None = None  # the last step's (detached) logits, kept only for stale skipping
     dist: DistributedRun | None = None  # N processes (slipcache.distributed.training); None: this one alone
@@ -251,6 +253,7 @@ def train(config: TrainConfig, dist: DistributedRun | None = None) -> dict[str, 
                     run.finished = True
                     break
                 run.tick = time.perf_counter()  # the training clock restarts: eval and checkpoints excluded
+                run.tick_cpu = time.process_time()
             else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
                 end_epoch(run)
     finally:
@@ -360,6 +363,7 @@ def epoch_batches(run: Run) -> Any:
     from slipcache.data.dataset import BatchIterator
 
     run.tick = time.perf_counter()  # wall time includes reading and filtering batches, not eval or checkpoints
+    run.tick_cpu = time.process_time()
     if run.skipper is not None:
         run.skipper.start_epoch(run.progress.epoch, run.progress.batch_in_epoch)  # profile, open the window
     return BatchIterator(
@@ -386,7 +390,8 @@ def train_step(run: Run, batch: Any, batches: Any = None) -> float:
     if ahead and batches is not None:
         run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], run.config.prefetch)
     logits = run.model(batch.dense, batch.sparse)
-    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    weights = run.skipper.loss_weights(batch.labels.shape[0]) if run.skipper is not None else None
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels, weight=weights)
     loss_value = loss.item()
     if not math.isfinite(loss_value):
         # Stop before backward: a fused embedding update would write the bad gradient into storage.
@@ -426,7 +431,7 @@ def record_step(run: Run, batch: Any, loss_value: float, batches: Any) -> bool:
     progress = run.progress
     last = False
     if run.skipper is not None:
-        run.skipper.after_batch(batch, run.logits)  # warm-up, counters, snapshots, threshold fit, guard
+        run.skipper.after_batch(batch, run.logits, loss_value)  # warm-up, counting, snapshots, fits, guard
         progress.skipped = run.skipper.detector.total.skipped
         # A skipping epoch has fewer batches: the run's last one is known when none follows.
         last = progress.epoch == run.max_epochs - 1 and not batches.peek(1)
@@ -436,6 +441,7 @@ def record_step(run: Run, batch: Any, loss_value: float, batches: Any) -> bool:
     progress.samples += n
     progress.batch_in_epoch += 1
     progress.train_wall_s += elapsed
+    progress.train_cpu_s += time.process_time() - run.tick_cpu
     progress.window_loss += loss_value * n
     progress.window_samples += n
     progress.window_wall_s += elapsed
@@ -488,6 +494,7 @@ def _close_window(progress: Progress) -> dict[str, Any]:
         "train_wall_s": progress.train_wall_s,
         # time-to-accuracy axis: cumulative training wall time, evaluation and checkpoints excluded
         "train_seconds": progress.train_wall_s,
+        "train_cpu_s": progress.train_cpu_s,  # the same span in process CPU time (one torch thread: robust)
     }
     progress.window_loss = 0.0
     progress.window_samples = 0
@@ -529,6 +536,7 @@ def end_epoch(run: Run) -> None:
     if progress.batch_in_epoch == 0:
         raise SlipcacheError(f"epoch {progress.epoch} produced no training batches")
     progress.train_wall_s += time.perf_counter() - run.tick
+    progress.train_cpu_s += time.process_time() - run.tick_cpu
     progress.epoch += 1
     progress.batch_in_epoch = 0
 
@@ -549,6 +557,7 @@ def finish_run(run: Run) -> dict[str, Any]:
         "samples_per_s": progress.samples / progress.train_wall_s if progress.train_wall_s else None,
         "train_wall_s": progress.train_wall_s,  # wall clock of the loop: the figure speedups use
         "compute_s": progress.compute_s,
+        "train_cpu_s": progress.train_cpu_s,
         "embedding_bytes": int(memory["total_bytes"]),
         "fp32_embedding_bytes": int(memory["fp32_bytes"]),
         "memory_ratio": float(memory["memory_ratio"]),
