@@ -246,6 +246,8 @@ def test_bench_train_runs_each_implementation_on_the_same_data(tmp_path: Path, m
     assert ours["status"] == "ok" and len(ours["auc_rounds"]) == 2 and ours["train_samples"] == 320
     assert ours["auc_rounds"][0] == ours["auc_rounds"][1]  # same data, same seed: timing is all that varies
     assert ours["samples_per_s_min"] <= ours["samples_per_s"] <= ours["samples_per_s_max"]
+    report = (tmp_path / "out" / "train_bench.md").read_text()
+    assert "- machine: " in report and '"samples": 320' in report and "| torch-fp32 |" in report
 
 
 def test_torchrec_peer_trains(tmp_path: Path) -> None:

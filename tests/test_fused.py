@@ -205,7 +205,7 @@ def test_step_buffers_are_reused_only_once_nothing_holds_them() -> None:
 
 
 def test_compiled_finite_check() -> None:
-    values = torch.zeros(40_000)  # above PARALLEL_MIN: threads take chunks
+    values = torch.zeros(40_000)  # with threads=3 each thread checks a chunk
     assert _native.all_finite(values) and _native.all_finite(values, threads=3)
     for bad in (float("nan"), float("inf"), float("-inf")):
         for where in (0, 20_000, 39_999):

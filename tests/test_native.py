@@ -124,7 +124,7 @@ def test_threaded_lookup_is_exactly_the_single_threaded_one(policy: str) -> None
             assert torch.equal(a, b)
 
 
-def test_large_batches_use_torch_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    assert _native.threads_for(_native.PARALLEL_MIN) == 4
-    assert _native.threads_for(_native.PARALLEL_MIN - 1) == 1 and _native.threads_for(10, threads=3) == 3
+def test_loops_run_on_the_calling_thread_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # torch's count does not decide
+    assert _native.threads_for(1_000_000) == 1
+    assert _native.threads_for(10, threads=3) == 3 and _native.threads_for(10, threads=0) == 1

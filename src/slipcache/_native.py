@@ -645,15 +645,17 @@ def native() -> ctypes.CDLL | None:
     return _library
 
 
-# Below this many lookups a loop runs on the calling thread: starting threads costs more than it saves.
-PARALLEL_MIN = 16_384
 
 
 def threads_for(n: int, threads: int | None = None) -> int:
-    """Threads for a loop over `n` lookups: `threads` if given, else torch's count for large loops."""
-    if threads is not None:
-        return max(1, threads)
-    return torch.get_num_threads() if n >= PARALLEL_MIN else 1
+    """Threads for a loop over `n` lookups: `threads` if given, else 1.
+
+    Why not torch's count: the loops split their work by cache set or slot, so every thread scans all `n`
+    lookups, and threads start per call. On the 2-core machine two threads made the fused step slower
+    (INT8 + 5 %, dim 16: lookup + gather 0.60 -> 1.46 µs, backward 0.24 -> 0.78 µs per sample;
+    docs/results.md §1d), so more threads are for callers who measured that they help.
+    """
+    return 1 if threads is None else max(1, threads)
 
 
 def usable(*tensors: Tensor) -> bool:

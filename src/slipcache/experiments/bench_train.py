@@ -189,11 +189,30 @@ def run_train_bench(args: argparse.Namespace) -> int:
     }
     (out / "train_bench.json").write_text(json.dumps(result, indent=2) + "\n")
     table = format_train_table(rows)
-    (out / "train_bench.md").write_text(f"# slipcache bench train\n\n- date: {result['date']}\n\n{table}\n")
+    (out / "train_bench.md").write_text(format_train_report(result, table))
     print(table)
     for w in warnings_out:
         print(f"\nwarning: {w}")
     return 0
+
+
+def format_train_report(result: dict[str, Any], table: str) -> str:
+    """train_bench.md: what ran where, then the table; a figure without its command and machine is noise."""
+    machine = result["machine"]
+    lines = [
+        "# slipcache bench train",
+        "",
+        f"- date: {result['date']}",
+        f"- command: `{result['command']}`",
+        f"- machine: {machine.get('cpu_model')}, {machine.get('usable_cores')} usable cores, torch threads "
+        f"{machine.get('torch_threads')}; torch {machine.get('torch')}, fbgemm_gpu {machine.get('fbgemm_gpu')}",
+        f"- settings: {json.dumps(result['settings'], sort_keys=True)}",
+        "",
+        table,
+        "",
+        *(f"warning: {w}" for w in result["warnings"]),
+    ]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def format_train_table(rows: list[dict[str, Any]]) -> str:
