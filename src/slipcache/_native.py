@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -723,10 +724,15 @@ def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads:
     library = native()
     assert library is not None
     slots, grad = slots.contiguous(), grad.contiguous().float()  # a read-only input may be converted
+    _run_sgd(library.sgd_update, weights, slots, grad, lr, threads)
+
+
+def _run_sgd(loop: Callable[..., int], weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None) -> int:
+    """Check the arguments of an SGD loop, run it and return its code; a slot out of range raises."""
     _check("weights", weights, (torch.float32,), (None, None))
     _check("slots", slots, (torch.int64,), (None,))
     _check("grad", grad, (torch.float32,), (slots.numel(), weights.shape[1]))
-    bad = library.sgd_update(
+    code = loop(
         weights.data_ptr(),
         weights.shape[0],
         weights.shape[1],
@@ -736,8 +742,9 @@ def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads:
         lr,
         threads_for(slots.numel(), threads),
     )
-    if bad >= 0:
-        raise ValueError(f"compiled loop: slot {int(slots[bad])} is outside [0, {weights.shape[0]})")
+    if code >= 0:
+        raise ValueError(f"compiled loop: slot {int(slots[code])} is outside [0, {weights.shape[0]})")
+    return code
 
 
 def global_rows(ids: Tensor, offsets: Tensor, out: Tensor | None = None) -> tuple[Tensor, int]:
@@ -883,22 +890,7 @@ def sgd_update_finite(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, t
     finite; returns whether it was."""
     library = native()
     assert library is not None
-    _check("weights", weights, (torch.float32,), (None, None))
-    _check("slots", slots, (torch.int64,), (None,))
-    _check("grad", grad, (torch.float32,), (slots.numel(), weights.shape[1]))
-    bad = library.sgd_update_finite(
-        weights.data_ptr(),
-        weights.shape[0],
-        weights.shape[1],
-        slots.data_ptr(),
-        grad.data_ptr(),
-        slots.numel(),
-        lr,
-        threads_for(slots.numel(), threads),
-    )
-    if bad >= 0:
-        raise ValueError(f"compiled loop: slot {int(slots[bad])} is outside [0, {weights.shape[0]})")
-    return bad == -1
+    return _run_sgd(library.sgd_update_finite, weights, slots, grad, lr, threads) == -1
 
 
 def classify_inputs(
