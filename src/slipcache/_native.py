@@ -682,6 +682,13 @@ def _check(name: str, tensor: Tensor | None, dtypes: tuple[torch.dtype, ...], sh
         )
 
 
+def _check_cache_state(slot_rows: Tensor, last_used: Tensor | None, use_count: Tensor | None, slots: int) -> None:
+    """The cache's per-slot arrays, as every cache loop reads them."""
+    _check("slot_rows", slot_rows, (torch.int32, torch.int64), (slots,))
+    _check("last_used", last_used, (torch.int32,), (slots,))
+    _check("use_count", use_count, (torch.int32,), (slots,))
+
+
 def lookup(
     slot_rows: Tensor,
     num_sets: int,
@@ -697,10 +704,8 @@ def lookup(
     library = native()
     assert library is not None
     rows = rows.contiguous()
-    _check("slot_rows", slot_rows, (torch.int32, torch.int64), (num_sets * ways,))
+    _check_cache_state(slot_rows, last_used, use_count, num_sets * ways)
     _check("rows", rows, (torch.int64,), (None,))
-    _check("last_used", last_used, (torch.int32,), (num_sets * ways,))
-    _check("use_count", use_count, (torch.int32,), (num_sets * ways,))
     slots = torch.empty_like(rows)
     library.lookup(
         slot_rows.data_ptr(),
@@ -784,9 +789,7 @@ def lookup_gather(
     library = native()
     assert library is not None
     slots_count = num_sets * ways
-    _check("slot_rows", slot_rows, (torch.int32, torch.int64), (slots_count,))
-    _check("last_used", last_used, (torch.int32,), (slots_count,))
-    _check("use_count", use_count, (torch.int32,), (slots_count,))
+    _check_cache_state(slot_rows, last_used, use_count, slots_count)
     _check("weights", weights, (torch.float32,), (slots_count, None))
     if tables < 1 or rows.numel() % tables:
         raise ValueError(f"compiled loop: {rows.numel()} lookups are not whole rows of {tables} tables")
@@ -860,9 +863,7 @@ def assign_slots(
     library = native()
     assert library is not None
     slots_count = num_sets * ways
-    _check("slot_rows", slot_rows, (torch.int32, torch.int64), (slots_count,))
-    _check("last_used", last_used, (torch.int32,), (slots_count,))
-    _check("use_count", use_count, (torch.int32,), (slots_count,))
+    _check_cache_state(slot_rows, last_used, use_count, slots_count)
     _check("rows", rows, (torch.int64,), (None,))
     slots, victim_slots, victim_rows = torch.empty_like(rows), torch.empty_like(rows), torch.empty_like(rows)
     victims = library.assign_slots(
