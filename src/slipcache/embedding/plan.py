@@ -113,7 +113,7 @@ class StepPlanner:
         # The fused path: one compiled pass probes, touches, counts and copies every hit's row into the
         # forward's output; only the missed positions are filled below. Multi-hot bags pool in torch.
         gathered = fused = None
-        if lookup.bag_of_value is None and cache.capacity and not cache.partitioned:
+        if lookup.bag_of_value is None and not cache.partitioned:
             gathered = self._scratch("gathered", (rows.numel(), self.dim), torch.float32)
             slots = self._scratch("slots", (rows.numel(),), torch.int64)
             fused = cache.gather_and_touch(
@@ -187,11 +187,11 @@ class StepPlanner:
             self._storage_version,
         )
         if gathered is not None and miss is not None:
-            self._fill_missed(gathered, plan, positions)
+            self._fill_positions(gathered, plan, positions)
         plan.gathered = gathered
         clock.lap("fill")
         self._in_flight[step] = weakref.ref(plan)
-        if prefetch and window is not None and len(window) and cache.capacity:
+        if prefetch and window is not None and len(window):
             self._start_prefetch(window)
         clock.lap("other")
         return plan
@@ -228,9 +228,9 @@ class StepPlanner:
         self._in_flight[step] = weakref.ref(plan)
         return plan
 
-    def _fill_missed(self, values: Tensor, plan: _StepPlan, positions: Tensor) -> None:
-        """Write the rows of the lookups at `positions`, which missed the fused gather, into `values`: from
-        their new cache slot, or from the storage copy when they found none."""
+    def _fill_positions(self, values: Tensor, plan: _StepPlan, positions: Tensor) -> None:
+        """Write the rows of the lookups at `positions` (those the fused gather missed, or all) into `values`:
+        from their cache slot, or from the storage copy when they have none."""
         slots = plan.slots[positions]
         if not plan.storage_rows.numel():
             values[positions] = self.cache.weights[slots]
@@ -245,8 +245,6 @@ class StepPlanner:
         if plan.storage_index.numel() == plan.slots.numel():
             return plan.storage_values.index_select(0, plan.storage_index)
         values = torch.empty(plan.slots.numel(), self.dim, device=self.device)
-        cached = plan.slots >= 0
-        values[cached] = self.cache.weights[plan.slots[cached]]
-        values[~cached] = plan.storage_values[plan.storage_index]
+        self._fill_positions(values, plan, torch.arange(plan.slots.numel(), device=self.device))
         return values
 

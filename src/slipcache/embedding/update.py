@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 class FusedOptimizer:
     """The optimizer update of `CachedEmbeddingBagCollection`, run at the end of each backward pass."""
 
-
-
     def _receive_gradient(self, plan: _StepPlan, grad: Tensor) -> None:
         """Collect one forward's gradient; the first one of a backward pass schedules the update."""
         self._in_flight.pop(plan.step, None)
