@@ -1,11 +1,11 @@
 """`slipcache plan`: the id profiler, hit-rate curves, the per-table choice and its TOML output."""
 
+import tomllib
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tomllib
 
 from slipcache import cli
 from slipcache.data.dataset import SplitArrays

@@ -379,7 +379,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         "rounds": rounds,
         "min_seconds": min_seconds,
         "command": _command(args, dims, configs),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "rows": rows,
         "probes": probes,
         "workload": work.describe(),

@@ -189,7 +189,7 @@ def run_cache_bench(args: argparse.Namespace) -> int:
     targets = _targets(results, policies)
     result = {
         "command": _command(args),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "trace": {
             "source": trace.source,
             "batches": rows.shape[0],

@@ -180,7 +180,7 @@ def run_train_bench(args: argparse.Namespace) -> int:
             "samples/s are understated and noisy; rerun when idle"
         )
     result = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["slipcache", "bench", "train", *sys.argv[3:]]) if len(sys.argv) > 2 else "",
         "machine": {**describe_machine(), "torch_threads": threads},
         "settings": base,

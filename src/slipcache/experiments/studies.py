@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -307,7 +307,7 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, repeats: int, nam
         "format": RESULTS_FORMAT,
         "version": RESULTS_VERSION,
         "name": args.name,
-        "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "written": datetime.now(UTC).isoformat(timespec="seconds"),
         "preset": asdict(preset),
         "seeds": seeds,
         "repeats": repeats,

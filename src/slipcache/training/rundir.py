@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import typing
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ if typing.TYPE_CHECKING:
 
 def new_run_dir() -> Path:
     """runs/<UTC timestamp>, with a counter when two runs start in the same second."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     path = Path("runs") / stamp
     n = 1
     while path.exists():

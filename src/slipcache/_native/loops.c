@@ -1,0 +1,438 @@
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* Row loops (copy, update, finite check) get an AVX2 clone picked at load time on CPUs that have it, the
+   baseline elsewhere: the cached library may move between machines, so no -march=native. -ffp-contract=off
+   keeps a*b+c unfused (avx2 does not imply fma anyway): results stay bit-identical to torch. */
+#if defined(__x86_64__) && defined(__has_attribute) && !defined(SLIPCACHE_NO_CLONES)
+#if __has_attribute(target_clones)
+#define ROW_LOOPS __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef ROW_LOOPS
+#define ROW_LOOPS
+#endif
+
+/* Run part(arg_t) for t = 0..threads-1: threads-1 new threads and the caller; joined before returning. */
+#define MAX_THREADS 64
+static void run_parts(void *(*part)(void *), void *args, size_t arg_size, int64_t threads) {
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], 0, part, (char *)args + t * arg_size) == 0;
+    part(args);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], 0);
+        else part((char *)args + t * arg_size);  /* no thread to be had: do its share here */
+    }
+}
+
+/* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64;
+   M = 0 marks a cache that holds every row: set r / ways (-1 for a row beyond the last set). */
+static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, int64_t ways) {
+    if (multiplier == 0) return (r >= 0 && r / ways < num_sets) ? r / ways : -1;
+    int64_t mixed = (int64_t)((uint64_t)(r ^ (r >> 17)) * (uint64_t)multiplier);
+    int64_t s = (mixed >> 5) % num_sets;
+    return s < 0 ? s + num_sets : s;
+}
+
+typedef struct {
+    const void *slot_rows; int wide; int64_t num_sets, ways, multiplier;
+    const int64_t *rows; int64_t n; int64_t *out_slots; int32_t *last_used, *use_count; int32_t step;
+    int64_t part, parts, hits;
+} lookup_args;
+
+static void *lookup_part(void *p) {
+    lookup_args *a = (lookup_args *)p;
+    int64_t hits = 0;
+    for (int64_t i = 0; i < a->n; i++) {
+        int64_t r = a->rows[i];
+        int64_t set = set_of(r, a->multiplier, a->num_sets, a->ways);
+        if (a->parts > 1 && (set < 0 ? 0 : set) % a->parts != a->part) continue;
+        int64_t first = set * a->ways, slot = -1;
+        for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
+            int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
+                                       : ((const int32_t *)a->slot_rows)[first + w];
+            if (resident == r) { slot = first + w; break; }
+        }
+        a->out_slots[i] = slot;
+        if (slot >= 0) {
+            hits++;
+            if (a->last_used) a->last_used[slot] = a->step;
+            if (a->use_count) a->use_count[slot] += 1;
+        }
+    }
+    a->hits = hits;
+    return 0;
+}
+
+/* Slot of each row (-1 on a miss); hits get last_used = step and use_count += 1. Returns the hits. */
+int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
+               const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used, int32_t *use_count,
+               int32_t step, int64_t threads) {
+    lookup_args args[MAX_THREADS];
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int64_t t = 0; t < threads; t++)
+        args[t] = (lookup_args){slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used,
+                                use_count, step, t, threads, 0};
+    run_parts(lookup_part, args, sizeof(lookup_args), threads);
+    int64_t hits = 0;
+    for (int64_t t = 0; t < threads; t++) hits += args[t].hits;
+    return hits;
+}
+
+/* Global row of each single-hot id: rows[i] = offsets[i % tables] + ids[i] for ids [batch, tables].
+   Returns -1, or the index of the first id outside its table (rows after it are not written). */
+int64_t global_rows(const int64_t *ids, int64_t batch, int64_t tables, const int64_t *offsets, int64_t *rows) {
+    for (int64_t b = 0, i = 0; b < batch; b++) {
+        for (int64_t t = 0; t < tables; t++, i++) {
+            int64_t id = ids[i];
+            if (id < 0 || id >= offsets[t + 1] - offsets[t]) return i;
+            rows[i] = offsets[t] + id;
+        }
+    }
+    return -1;
+}
+
+typedef struct {
+    lookup_args probe; const float *weights; int64_t dim; float *out; int64_t tables; int64_t *table_hits;
+} gather_args;
+
+/* Prefetch the `bytes` at p (each cache line), for reading or (write = 1) writing. */
+static inline void prefetch_span(const void *p, size_t bytes, int write) {
+    for (size_t k = 0; k < bytes; k += 64) {
+        if (write) __builtin_prefetch((const char *)p + k, 1);
+        else __builtin_prefetch((const char *)p + k, 0);
+    }
+}
+
+/* A software pipeline over the lookups, AHEAD apart per stage: the set of lookup j + AHEAD is computed and
+   its ways fetched; lookup j is probed and its cached row and bookkeeping fetched; lookup j - AHEAD is
+   served (touched, copied, counted). Each lookup's loads then overlap with other lookups' instead of
+   waiting one after another. */
+#define AHEAD 16
+#define RING 64 /* > 2 * AHEAD, a power of two */
+ROW_LOOPS static void *lookup_gather_part(void *p) {
+    gather_args *g = (gather_args *)p;
+    lookup_args *a = &g->probe;
+    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = 0;
+    size_t row_bytes = (size_t)dim * sizeof(float), way_bytes = (size_t)a->ways * (a->wide ? 8 : 4);
+    int64_t sets[RING];
+    int64_t slots[RING];
+    for (int64_t j = -AHEAD; j < n + AHEAD; j++) {
+        int64_t next = j + AHEAD;
+        if (next < n) {
+            int64_t set = set_of(a->rows[next], a->multiplier, a->num_sets, a->ways);
+            if (a->parts > 1 && (set < 0 ? 0 : set) % a->parts != a->part) set = -2;  /* another thread's */
+            sets[next & (RING - 1)] = set;
+            if (set >= 0)
+                prefetch_span((const char *)a->slot_rows + set * way_bytes, way_bytes, 0);
+        }
+        if (j >= 0 && j < n) {
+            int64_t set = sets[j & (RING - 1)], r = a->rows[j], slot = -1;
+            int64_t first = set * a->ways;
+            for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
+                int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
+                                           : ((const int32_t *)a->slot_rows)[first + w];
+                if (resident == r) { slot = first + w; break; }
+            }
+            slots[j & (RING - 1)] = slot;
+            if (slot >= 0) {
+                prefetch_span(g->weights + slot * dim, row_bytes, 0);
+                __builtin_prefetch(a->last_used + slot, 1);
+                if (a->use_count) __builtin_prefetch(a->use_count + slot, 1);
+            }
+        }
+        int64_t i = j - AHEAD;
+        if (i >= 0) {
+            int64_t table = next_table;  /* i % tables, without a division */
+            if (++next_table == tables) next_table = 0;
+            if (sets[i & (RING - 1)] == -2) continue;
+            int64_t slot = slots[i & (RING - 1)];
+            a->out_slots[i] = slot;
+            if (slot >= 0) {
+                hits++;
+                g->table_hits[table]++;
+                if (a->last_used) a->last_used[slot] = a->step;
+                if (a->use_count) a->use_count[slot] += 1;
+                const float *src = g->weights + slot * dim;
+                float *dst = g->out + i * dim;
+                for (int64_t k = 0; k < dim; k++) dst[k] = src[k];
+            }
+        }
+    }
+    a->hits = hits;
+    return 0;
+}
+
+/* `lookup` over single-hot lookups [batch, tables] that also copies each hit's cached row into out[i]
+   (misses are left for the caller) and adds per-table lookups, hits and misses to the counters
+   ([tables, stride] int64, columns lookups_col, hits_col, misses_col). Returns the hits, or -1 when the
+   per-table scratch cannot be had (nothing is written then). */
+int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
+                      const int64_t *rows, int64_t batch, int64_t tables, int64_t *out_slots,
+                      int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
+                      float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
+                      int64_t misses_col, int64_t threads) {
+    gather_args args[MAX_THREADS];
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    int64_t *table_hits = calloc((size_t)(threads * tables), sizeof(int64_t));
+    if (!table_hits) return -1;
+    for (int64_t t = 0; t < threads; t++)
+        args[t] = (gather_args){{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots,
+                                 last_used, use_count, step, t, threads, 0},
+                                weights, dim, out, tables, table_hits + t * tables};
+    run_parts(lookup_gather_part, args, sizeof(gather_args), threads);
+    int64_t hits = 0;
+    for (int64_t t = 0; t < threads; t++) hits += args[t].probe.hits;
+    for (int64_t k = 0; k < tables; k++) {
+        int64_t table = 0;
+        for (int64_t t = 0; t < threads; t++) table += table_hits[t * tables + k];
+        counters[k * stride + lookups_col] += batch;
+        counters[k * stride + hits_col] += table;
+        counters[k * stride + misses_col] += batch - table;
+    }
+    free(table_hits);
+    return hits;
+}
+
+typedef struct { const uint32_t *bits; int64_t n; int bad; } finite_args;
+
+ROW_LOOPS static void *finite_part(void *p) {
+    finite_args *a = (finite_args *)p;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < a->n; i++) bad |= (a->bits[i] & 0x7f800000u) == 0x7f800000u;  /* inf or NaN */
+    a->bad = bad != 0;
+    return 0;
+}
+
+/* Whether all n floats are finite, on `threads` threads over contiguous chunks. */
+static int all_finite(const float *values, int64_t n, int64_t threads) {
+    finite_args args[MAX_THREADS];
+    int64_t chunk = (n + threads - 1) / threads;
+    for (int64_t t = 0; t < threads; t++) {
+        int64_t start = t * chunk < n ? t * chunk : n, stop = (t + 1) * chunk < n ? (t + 1) * chunk : n;
+        args[t] = (finite_args){(const uint32_t *)values + start, stop - start, 0};
+    }
+    run_parts(finite_part, args, sizeof(finite_args), threads);
+    for (int64_t t = 0; t < threads; t++) if (args[t].bad) return 0;
+    return 1;
+}
+
+/* The distinct values of rows[0..n) in order of first occurrence into `unique`, and for each i the index of
+   rows[i] there into `inverse`. Returns their count, or -1 without scratch memory (nothing written). */
+int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *inverse) {
+    int64_t capacity = 16;
+    while (capacity < 2 * n) capacity <<= 1;
+    int64_t *table = malloc((size_t)capacity * sizeof(int64_t));  /* index into unique, -1 when free */
+    if (!table) return -1;
+    for (int64_t k = 0; k < capacity; k++) table[k] = -1;
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        int64_t h = (int64_t)(((uint64_t)r * 0x9E3779B97F4A7C15ull) >> 20) & (capacity - 1);
+        while (table[h] >= 0 && unique[table[h]] != r) h = (h + 1) & (capacity - 1);
+        if (table[h] < 0) { table[h] = count; unique[count++] = r; }
+        inverse[i] = table[h];
+    }
+    free(table);
+    return count;
+}
+
+/* Whether all n floats are finite (exported: the general update's check). */
+int64_t finite_values(const float *values, int64_t n, int64_t threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    return all_finite(values, n, threads);
+}
+
+/* RowCache.assign for LRU and LFU (no lookahead window), unpartitioned: slots for the unique missing `rows`.
+   The rows of one set take its evictable ways (not pinned: last_used < pin_since, or empty) in victim order
+   (empty first, then ascending key = last_used, or use_count when given; ties by way), in the order the
+   rows come; rows beyond the evictable count get -1. Victims (resident rows displaced) are listed in row
+   order. Returns the victim count, or -1 when scratch memory cannot be had (nothing written then). */
+typedef struct { int64_t set; int64_t taken; int64_t evictable; int64_t order; } set_entry;
+
+int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
+                     const int32_t *last_used, const int32_t *use_count, int32_t pin_since, const int64_t *rows,
+                     int64_t n, int64_t *out_slots, int64_t *victim_slots, int64_t *victim_rows) {
+    int64_t capacity = 16;
+    while (capacity < 2 * n) capacity <<= 1;
+    set_entry *table = malloc((size_t)capacity * sizeof(set_entry));
+    int32_t *orders = malloc((size_t)(n > 0 ? n : 1) * (size_t)ways * sizeof(int32_t));
+    int64_t *keys = malloc((size_t)ways * sizeof(int64_t));
+    if (!table || !orders || !keys) { free(table); free(orders); free(keys); return -1; }
+    for (int64_t k = 0; k < capacity; k++) table[k].set = -1;
+    int64_t used_orders = 0, victims = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t set = set_of(rows[i], multiplier, num_sets, ways);
+        if (set < 0) { out_slots[i] = -1; continue; }
+        int64_t h = (int64_t)(((uint64_t)set * 0x9E3779B97F4A7C15ull) >> 20) & (capacity - 1);
+        while (table[h].set >= 0 && table[h].set != set) h = (h + 1) & (capacity - 1);
+        set_entry *e = &table[h];
+        if (e->set < 0) {  /* first row of this set: rank its ways as victims */
+            int32_t *order = orders + used_orders * ways;
+            int64_t evictable = 0;
+            for (int64_t w = 0; w < ways; w++) {
+                int64_t slot = set * ways + w;
+                int64_t resident = wide ? ((const int64_t *)slot_rows)[slot] : ((const int32_t *)slot_rows)[slot];
+                int64_t key;
+                if (resident == -1) key = -1;
+                else if (last_used[slot] >= pin_since) key = INT64_MAX;  /* pinned */
+                else key = use_count ? use_count[slot] : last_used[slot];
+                evictable += key != INT64_MAX;
+                /* insertion: after every way of an equal key (a stable sort) */
+                int64_t at = w;
+                while (at > 0 && keys[at - 1] > key) { keys[at] = keys[at - 1]; order[at] = order[at - 1]; at--; }
+                keys[at] = key;
+                order[at] = (int32_t)w;
+            }
+            *e = (set_entry){set, 0, evictable, used_orders++};
+        }
+        int64_t rank = e->taken++;
+        if (rank >= e->evictable) { out_slots[i] = -1; continue; }
+        int64_t slot = set * ways + orders[e->order * ways + rank];
+        out_slots[i] = slot;
+        int64_t resident = wide ? ((const int64_t *)slot_rows)[slot] : ((const int32_t *)slot_rows)[slot];
+        if (resident != -1) { victim_slots[victims] = slot; victim_rows[victims] = resident; victims++; }
+    }
+    free(table); free(orders); free(keys);
+    return victims;
+}
+
+/* Stale-input filter: per input, whether at least `required` of its lookups are stale (flag 3) and hot
+   (flag != 0). Returns -1, or the index of the first id outside its table (nothing after it is written). */
+/* One input: its hot and stale lookups, counted until fewer than `required` hot ones are still possible
+   (then neither count can reach it: stale rows are hot); -1, or the table of the first id outside its table.
+   Every id is range-checked; the flag reads, random accesses into a byte per row, stop early: with
+   required = every lookup (alpha = 1) a cold input costs its first cold lookup, not all of them. */
+static inline int64_t classify_one(const int32_t *row, int64_t tables, const int64_t *offsets,
+                                   const uint8_t *flags, int64_t required, int64_t *num_hot, int64_t *num_stale) {
+    for (int64_t t = 0; t < tables; t++) {
+        if (row[t] < 0 || row[t] >= offsets[t + 1] - offsets[t]) return t;
+    }
+    *num_hot = *num_stale = 0;
+    for (int64_t t = 0; t < tables; t++) {
+        uint8_t flag = flags[offsets[t] + row[t]];
+        *num_hot += flag != 0;
+        *num_stale += flag == 3;
+        if (*num_hot + (tables - 1 - t) < required) break;
+    }
+    return -1;
+}
+
+int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
+                        const uint8_t *flags, int64_t required, uint8_t *stale, uint8_t *hot) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t num_hot, num_stale, bad = classify_one(ids + i * tables, tables, offsets, flags, required, &num_hot, &num_stale);
+        if (bad >= 0) return i * tables + bad;
+        stale[i] = num_stale >= required;
+        hot[i] = num_hot >= required;
+    }
+    return -1;
+}
+
+/* Must match detector._uniform: splitmix64 of (seed mix + position of the input in the run), top 53 bits. */
+static inline double uniform_at(uint64_t seed_mix, uint64_t position) {
+    uint64_t z = position + seed_mix + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return (double)(z >> 11) / 9007199254740992.0;
+}
+
+/* The skip filter in one pass: an input with >= required stale lookups is skipped (keep 0) when skipping,
+   unless drawn as a control (uniform_at(seed_mix, start + i) < control_share: kept, control 1).
+   counts: hot inputs, would-be-skipped inputs, controls. Returns -1 or the index of the first bad id. */
+int64_t filter_inputs(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
+                      const uint8_t *flags, int64_t required, int64_t skipping, double control_share,
+                      uint64_t seed_mix, uint64_t start, uint8_t *keep, uint8_t *control, int64_t *counts) {
+    int64_t hot = 0, would_skip = 0, controls = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t num_hot, num_stale, bad = classify_one(ids + i * tables, tables, offsets, flags, required, &num_hot, &num_stale);
+        if (bad >= 0) return i * tables + bad;
+        hot += num_hot >= required;
+        int skip = skipping && num_stale >= required;
+        int is_control = skip && control_share > 0.0 && uniform_at(seed_mix, start + (uint64_t)i) < control_share;
+        would_skip += skip;
+        controls += is_control;
+        keep[i] = !skip || is_control;
+        control[i] = is_control;
+    }
+    counts[0] = hot; counts[1] = would_skip; counts[2] = controls;
+    return -1;
+}
+
+/* Update counting of the convergence rule: for every lookup of a hot row (flag != 0), counts[position]++,
+   the position found in the open-addressing hash of the hot rows (HotIndex: Fibonacci hash, linear probing,
+   keys -1 = empty). Ids are trained ones, validated by the filter already. Returns the lookups counted. */
+int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const int64_t *offsets,
+                          const uint8_t *flags, const int64_t *keys, const int32_t *values, int64_t bits,
+                          int64_t *counts) {
+    uint64_t mask = ((uint64_t)1 << bits) - 1, shift = 64 - (uint64_t)bits;
+    int64_t counted = 0;
+    for (int64_t i = 0; i < n * tables; i++) {
+        int64_t row = offsets[i % tables] + ids[i];
+        if (!flags[row]) continue;
+        uint64_t slot = ((uint64_t)row * 0x9E3779B97F4A7C15ULL) >> shift;
+        while (keys[slot] != row && keys[slot] != -1) slot = (slot + 1) & mask;
+        if (keys[slot] == row) { counts[values[slot]]++; counted++; }
+    }
+    return counted;
+}
+
+typedef struct {
+    float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
+    int64_t part, parts;
+} sgd_args;
+
+ROW_LOOPS static void *sgd_part(void *p) {
+    sgd_args *a = (sgd_args *)p;
+    size_t row_bytes = (size_t)a->dim * sizeof(float);
+    for (int64_t i = 0; i < a->n; i++) {
+        if (i + AHEAD < a->n && a->slots[i + AHEAD] >= 0)  /* a later row on its way while this one is updated */
+            prefetch_span(a->weights + a->slots[i + AHEAD] * a->dim, row_bytes, 1);
+        int64_t s = a->slots[i];
+        if (s < 0 || (a->parts > 1 && s % a->parts != a->part)) continue;  /* -1: the row is not cached */
+        float *w = a->weights + s * a->dim;
+        const float *g = a->grad + i * a->dim;
+        for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
+    }
+    return 0;
+}
+
+/* weights[slots[i]] -= lr * grad[i] in batch order per slot. Returns -1, or the index of the first slot
+   outside [0, num_slots) (then nothing is written). */
+int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
+                   int64_t n, float lr, int64_t threads) {
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= num_slots) return i;
+    }
+    sgd_args args[MAX_THREADS];
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
+    run_parts(sgd_part, args, sizeof(sgd_args), threads);
+    return -1;
+}
+
+/* The fused SGD step of one backward: nothing is written unless every value of grad [n, dim] is finite
+   (returns -2), and lookups with slot -1 (rows outside the cache) are left to the caller. Returns -1, or
+   the index of the first slot >= num_slots (then nothing is written). */
+int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots,
+                          const float *grad, int64_t n, float lr, int64_t threads) {
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] >= num_slots) return i;
+    }
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (!all_finite(grad, n * dim, threads)) return -2;
+    sgd_args args[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
+    run_parts(sgd_part, args, sizeof(sgd_args), threads);
+    return -1;
+}
