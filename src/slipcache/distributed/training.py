@@ -35,9 +35,11 @@ from torch.nn.parallel import DistributedDataParallel
 from slipcache.distributed import checkpoint as dckpt
 from slipcache.distributed.launch import DistributedContext, redirect_output, shutdown
 from slipcache.distributed.planner import ShardingPlan, plan_sharding, table_specs
-from slipcache.distributed.sharded import RESHARD_FROM, ShardedEmbeddingCollection
+from slipcache.distributed.sharded import ShardedEmbeddingCollection
 from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM, ModelConfig, embedding_config
+from slipcache.training.backend import RunBackend
+from slipcache.training.run_state import load_model_state
 
 PLAN_FILE = "plan.json"
 
@@ -114,16 +116,23 @@ class DistributedDLRM(nn.Module):
         return self.inner.load_state_dict(state, strict=strict, assign=assign)
 
 
-class DistributedRun:
-    """The launch, the plan, and the N-process versions of what the loop does with files."""
+class DistributedBackend(RunBackend):
+    """One rank of N: the launch, the plan, sharded checkpoints (re-sharded on another world size), and
+    rank 0 alone writing the run directory."""
 
     def __init__(self, ctx: DistributedContext) -> None:
         self.ctx = ctx
         self.plan: ShardingPlan | None = None  # from the checkpoint on resume, else made at model build
+        # Resuming with another world size: (checkpoint dir, its manifest) to re-shard the tables from.
+        self._reshard_from: tuple[Path, dict[str, Any]] | None = None
 
     @property
     def is_main(self) -> bool:
         return self.ctx.rank == 0
+
+    @property
+    def writes_files(self) -> bool:
+        return self.is_main
 
     # ------------------------------------------------------------------------------------- set-up
     def check_config(self, config: Any) -> None:
@@ -172,8 +181,9 @@ class DistributedRun:
         return DistributedDLRM(DLRM(config.model_config(table_sizes, num_dense), tables).to(self.ctx.device), self.ctx)
 
     # ---------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, directory: Path, state: dict[str, Any], samples: int, keep: int) -> None:
+    def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> None:
         """Rank 0's file holds the full trainer state; the others only their shards."""
+        directory = run_dir / "checkpoints"
         mine = state if self.is_main else {"embeddings": state["embeddings"]}
         assert self.plan is not None
         dckpt.save_sharded(
@@ -187,13 +197,13 @@ class DistributedRun:
             group=self.ctx.embedding_group,
         )
 
-    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+    def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any]:
         """The trainer state to resume from: rank 0's file, with this rank's shards as "embeddings".
 
         With the world size it was written with, the plan and the shards are taken as saved (exact
-        resume); with another, a new plan is made and the shards are re-sharded when the model loads
-        its state (`ShardedEmbeddingCollection.load_state_dict`).
+        resume); with another, a new plan is made and `load_model_state` re-shards the tables.
         """
+        path = home or path
         step_dir = dckpt.latest_sharded(path)
         if step_dir is None:
             if (Path(path) / "checkpoints" / "latest.pt").is_file() or Path(path).name.endswith(".pt"):
@@ -210,8 +220,16 @@ class DistributedRun:
             if self.ctx.rank != 0:
                 state["embeddings"] = dckpt.load_rank_state(step_dir, self.ctx.rank)["embeddings"]
         else:
-            state["embeddings"] = {RESHARD_FROM: str(step_dir)}
+            del state["embeddings"]  # rank 0's shards under the old plan: re-sharded instead
+            self._reshard_from = (step_dir, manifest)
         return state
+
+    def load_model_state(self, state: dict[str, Any], model: DistributedDLRM) -> None:
+        if self._reshard_from is None:
+            load_model_state(state, model)
+            return
+        load_model_state(state, model, embeddings=False)
+        dckpt.reshard_into(model.embeddings, *self._reshard_from)
 
     # ------------------------------------------------------------------------------------- summary
     def summary(self, model: DistributedDLRM) -> dict[str, Any]:
@@ -242,7 +260,7 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
     from slipcache.training.datasets import prepare_data
     from slipcache.training.rundir import new_run_dir
 
-    run = DistributedRun(ctx)
+    run = DistributedBackend(ctx)
     try:
         run.check_config(config)
         if config.out is None and config.resume is None:
@@ -259,3 +277,6 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
         raise
     finally:
         shutdown()
+
+
+DistributedRun = DistributedBackend  # the name before the run backend; kept for code that imports it

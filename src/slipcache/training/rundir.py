@@ -19,7 +19,7 @@ from slipcache.training.config import CONFIG_FIELDS, TrainConfig, config_from_sa
 from slipcache.training.run_state import check_checkpoint
 
 if typing.TYPE_CHECKING:
-    from slipcache.distributed.training import DistributedRun
+    from slipcache.training.backend import RunBackend
 
 
 def new_run_dir() -> Path:
@@ -115,7 +115,7 @@ def _resume_location(resume: str) -> tuple[Path, Path | None]:
 
 
 def load_resume(
-    config: TrainConfig, dist: DistributedRun | None = None
+    config: TrainConfig, backend: RunBackend
 ) -> tuple[dict[str, Any] | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
     """(checkpoint state or None, the run's saved config, the config to continue with, changed settings).
 
@@ -130,19 +130,12 @@ def load_resume(
         raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
     else:
         run_dir = home
-    if dist is None and home is not None:
-        from slipcache.distributed.checkpoint import refuse_sharded
-
-        refuse_sharded(home)  # written by N processes: say how to resume it
-    if dist is not None:
-        state = dist.load_checkpoint(home or path)  # every rank's file and the manifest
-        saved, where = state["config"], f"checkpoint {path.parent}"
-    elif home is not None and path.name == ckpt.LATEST and not has_checkpoint(home):
+    state = backend.read_resume_checkpoint(path, home)
+    if state is None:
+        assert home is not None
         warn(f"{home} has no checkpoint (it stopped before the first one); starting it again from the beginning")
-        state, saved = None, json.loads((home / "config.json").read_text())
-        where = f"{home / 'config.json'}"
+        saved, where = json.loads((home / "config.json").read_text()), f"{home / 'config.json'}"
     else:
-        state = load_training_checkpoint(path)
         saved, where = state["config"], f"checkpoint {path}"
     resumed = config_from_saved(saved, where)
     changes = _resume_changes(config, resumed)
