@@ -36,6 +36,7 @@ from slipcache.embedding.lookahead import Window
 from slipcache.embedding.plan import StepPlanner, _FusedLookup, _StepPlan
 from slipcache.embedding.prefetch import Prefetcher
 from slipcache.embedding.quant import RowStorage, TableRowStorage
+from slipcache.embedding.replicas import refuse_replicated_training
 from slipcache.embedding.update import FusedOptimizer
 from slipcache.errors import InvalidInputError, SlipcacheError
 
@@ -63,6 +64,8 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
     """
 
     fused_update = True
+    # True for one rank's shards inside slipcache's sharded collection: meant to differ by rank (replicas.py)
+    sharded_by_slipcache = False
 
     def __init__(self, config: EmbeddingConfig) -> None:
         super().__init__()
@@ -249,6 +252,7 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
     def forward(self, features: Tensor | SparseFeatures) -> Tensor:
         lookup = self._prepare(features)
         if self.training and torch.is_grad_enabled():
+            refuse_replicated_training(self)
             plan = self._plan_step(lookup)
             return _FusedLookup.apply(self._anchor, self, lookup, plan)
         return self._pool(self._read_rows(lookup.rows), lookup)
