@@ -57,8 +57,8 @@ from slipcache.training.run_state import checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, warn
 from slipcache.training.tensorboard import embedding_event_fields
 
-# Re-exported: experiments/bench_train.py and experiments/runner.py (one seam for a fake trainer in the
-# tests) read these as trainer.<name>; `Run`/`Progress` lived here before `training/run.py`.
+# Re-exported: bench/train.py and benchmarks/runner.py (one seam for a fake trainer in the tests) read
+# these as trainer.<name>; `Run`/`Progress` lived here before `training/run.py`.
 __all__ = ["Progress", "Run", "build_model", "embedding_optimizer", "evaluate", "make_config", "prepare_data", "train"]
 
 # ----------------------------------------------------------------------------------------------------
