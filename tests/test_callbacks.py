@@ -124,5 +124,5 @@ def test_a_callback_sees_every_hook_and_its_state_survives_a_resume(
 
     resumed = tmp_path / "resumed"
     train.train(tiny(data, resumed, epochs=1, log_every=128, eval_every=320, checkpoint_every=320))
-    summary = train.train(tiny(data, None, resume=str(resumed), epochs=2, allow_changes=True))
+    summary = train.train(tiny(data, resumed, resume=str(resumed), epochs=2, allow_changes=True))
     assert recorders[-1].calls[0] == "on_start" and summary["recorded_steps"] == 20  # 10 restored + 10
