@@ -76,11 +76,11 @@ def test_to_device_moves_every_piece_of_state() -> None:
     assert {b.device.type for b in coll.buffers()} == {"meta"}
     assert coll.device.type == coll.storage_device.type == coll._anchor.device.type == "meta"
     assert coll.config.cache_device == coll.config.storage_device == "meta"
-    assert coll._generator is None
+    assert coll.writer.generator is None
     coll = small("int8", cache_size=0.1)
-    state = coll._generator.get_state()
+    state = coll.writer.generator.get_state()
     coll.to("cpu")  # same device: the generator is kept as it is
-    assert torch.equal(coll._generator.get_state(), state)
+    assert torch.equal(coll.writer.generator.get_state(), state)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4", "fp16", "bf16", "fp32"])

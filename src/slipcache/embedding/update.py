@@ -1,29 +1,72 @@
 """The fused optimizer of `CachedEmbeddingBagCollection`: gradients collected as backward runs, then one
 SGD, Adagrad or row-wise Adagrad step per row, applied where the row lives (cache slot in fp32, or storage:
 read, updated in fp32, rounded back).
-
-`FusedOptimizer` is a part of the collection (it reads its cache, storage, counters and versions).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from slipcache import _native
+from slipcache.embedding.accounting import PhaseClock
+from slipcache.embedding.cache import RowCache
+from slipcache.embedding.config import EmbeddingConfig
+from slipcache.embedding.quant import RowStorage, TableRowStorage
+from slipcache.embedding.writeback import RowWriter
 
 if TYPE_CHECKING:
     from slipcache.embedding.plan import _StepPlan
 
 
 class FusedOptimizer:
-    """The optimizer update of `CachedEmbeddingBagCollection`, run at the end of each backward pass."""
+    """The optimizer update, run once at the end of each backward pass, over the given cache and storage.
 
-    def _receive_gradient(self, plan: _StepPlan, grad: Tensor) -> None:
+    Owns the learning rate, the optimizer state (`state`: Adagrad's squared-gradient sums, None for SGD),
+    the count of skipped updates and the gradients of the running backward pass: they are applied together
+    when the pass ends, so a row read several times in one step takes one step.
+    """
+
+    def __init__(
+        self,
+        config: EmbeddingConfig,
+        cache: RowCache,
+        storage: RowStorage | TableRowStorage,
+        writer: RowWriter,
+        clock: PhaseClock,
+        state: Tensor | None,
+    ) -> None:
+        self.config, self.cache, self.storage, self.writer, self.clock = config, cache, storage, writer, clock
+        self.state = state
+        self.lr = config.lr
+        self.dim = config.dim
+        self.skipped_updates = 0  # backward passes whose gradient held inf or NaN (update dropped)
+        # With mixed precision, set to the torch.amp.GradScaler that scales the loss: the update then
+        # divides by its current scale (and, like scaler.step, skips a step whose gradient is not finite).
+        self.grad_scaler: Any = None
+        self._pending: list[tuple[_StepPlan, Tensor]] = []  # gradients of the running backward pass
+        self._pending_task = -1  # the autograd graph task they belong to
+
+    @staticmethod
+    def new_state(config: EmbeddingConfig, device: torch.device) -> Tensor | None:
+        """The optimizer's zero state for `config`'s rows: per value (Adagrad), per row (row-wise), or None."""
+        shape = {"sgd": None, "adagrad": (config.num_rows, config.dim), "rowwise_adagrad": (config.num_rows,)}[
+            config.optimizer
+        ]
+        return None if shape is None else torch.zeros(shape, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.weights.device
+
+    def forget(self) -> None:
+        """Drop the gradients collected so far (their plans moved away, or the state was replaced)."""
+        self._pending.clear()
+
+    def receive(self, plan: _StepPlan, grad: Tensor) -> None:
         """Collect one forward's gradient; the first one of a backward pass schedules the update."""
-        self._in_flight.pop(plan.step, None)
         task = torch._C._current_graph_task_id()
         if self._pending and task != self._pending_task:
             # A backward pass that failed before its end: like a torch optimizer never stepped, its
@@ -34,11 +77,11 @@ class FusedOptimizer:
         if first:
             self._pending_task = task
             try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._apply_pending)
+                torch.autograd.Variable._execution_engine.queue_callback(self.apply_pending)
             except RuntimeError:  # not inside the autograd engine: apply now
-                self._apply_pending()
+                self.apply_pending()
 
-    def _apply_pending(self) -> None:
+    def apply_pending(self) -> None:
         """The fused optimizer over every gradient of the backward pass, summed per row: one step per row."""
         entries, self._pending = self._pending, []
         if not entries:
@@ -57,7 +100,7 @@ class FusedOptimizer:
         storage_parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]] = []  # (plan, rows, index, gradient)
         for plan, grad in entries:
             slots, storage_rows, storage_index = plan.slots, plan.storage_rows, plan.storage_index
-            if plan.residency_version != self._residency_version:  # rows moved since the forward
+            if plan.residency_version != self.cache.version:  # rows moved since the forward
                 slots = self.cache.lookup(plan.rows)
                 storage_rows, storage_index = torch.unique(plan.rows[slots < 0], return_inverse=True)
             on_storage = slots < 0 if storage_rows.numel() else None
@@ -85,7 +128,7 @@ class FusedOptimizer:
             self.config.optimizer != "sgd"
             or (scaler is not None and scaler.is_enabled())
             or self.config.max_grad_norm is not None
-            or plan.residency_version != self._residency_version
+            or plan.residency_version != self.cache.version
             or not self.cache.capacity
             or grad.dtype != torch.float32
             or not _native.usable(weights, plan.slots, grad)
@@ -140,8 +183,7 @@ class FusedOptimizer:
         if len(parts) == 1:
             plan, rows, index, grad = parts[0]
             current = (
-                plan.storage_version == self._storage_version
-                and plan.residency_version == self._residency_version
+                plan.storage_version == self.storage.version and plan.residency_version == self.cache.version
             )
             values = plan.storage_values if current else self.storage.read(rows, self.device)
         else:
@@ -153,7 +195,7 @@ class FusedOptimizer:
             updated = values.add_(summed, alpha=-self.lr)
         else:
             updated = values.add_(self._adagrad_step(rows, summed))
-        self._write_storage(rows, updated)
+        self.writer.write(rows, updated)
 
     def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
         """Rows of `values` summed by `index` into [count, D]."""
@@ -166,7 +208,7 @@ class FusedOptimizer:
 
     def _adagrad_step(self, rows: Tensor, grad: Tensor) -> Tensor:
         """Accumulate squared gradients of unique `rows` and return the update to add."""
-        state = self.optimizer_state
+        state = self.state
         state_rows = rows.to(state.device)
         if self.config.optimizer == "adagrad":
             accumulated = state[state_rows].to(self.device) + grad * grad
