@@ -490,7 +490,7 @@ def filter_inputs(
 ) -> tuple[np.ndarray, np.ndarray, int, int, int] | None:
     """(keep, control, hot inputs, would-be-skipped, controls) of the skip filter; None if an id is out of range.
 
-    Same contract as `classify_inputs` for ids/offsets/flags; the control draw is detector._uniform's.
+    Same contract as `classify_inputs` for ids/offsets/flags; the control draw is filtering.uniform's.
     """
     library = native()
     assert library is not None

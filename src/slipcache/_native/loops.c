@@ -336,7 +336,7 @@ int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int
     return -1;
 }
 
-/* Must match detector._uniform: splitmix64 of (seed mix + position of the input in the run), top 53 bits. */
+/* Must match filtering.uniform: splitmix64 of (seed mix + position of the input in the run), top 53 bits. */
 static inline double uniform_at(uint64_t seed_mix, uint64_t position) {
     uint64_t z = position + seed_mix + 0x9E3779B97F4A7C15ULL;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;

@@ -202,6 +202,26 @@ class DatasetWriter:
             self.abort()
 
 
+def check_output_dir(path: str | os.PathLike[str], *, force: bool) -> Path:
+    """Where `synth --out` / `preprocess --out` may write: a new or empty directory, or (with `force`) a
+    dataset of ours. Anything else holds someone's files: refused before a byte is written."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise SlipcacheError(f"--out {out} is a file, not a directory")
+    entries = [p for p in out.iterdir() if not p.name.startswith(".tmp-")] if out.is_dir() else []
+    if not entries:
+        return out
+    try:
+        ours = json.loads((out / "meta.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise SlipcacheError(f"--out {out} is not empty and is not a slipcache dataset; choose a new or empty directory")
+    if not force:
+        raise SlipcacheError(f"--out {out} already holds a dataset; pass --force to overwrite it")
+    return out
+
+
 def remove_dead_staging(out_dir: Path) -> None:
     """Remove `.tmp-<pid>[-...]` directories of crashed writers (their pid is gone), keeping live ones."""
     for path in out_dir.glob(".tmp-*"):

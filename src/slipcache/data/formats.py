@@ -49,6 +49,7 @@ DEFAULT_SPLIT_ORDER = {"torchrec": "val-test", "dlrm": "test-val", "mlperf": "te
 SINGLE_FILE_DAYS = {"kaggleAdDisplayChallenge_processed.npz": 7, "terabyte_processed.npz": 24}
 MLPERF_COLUMNS = 1 + NUM_DENSE + NUM_TABLES
 READ_ROWS = 1 << 20  # rows per block when scanning or converting
+LABEL_PROBE_ROWS = 1 << 16  # labels checked when a file is opened (all are checked as they are read)
 _TORCHREC = re.compile(r"^day_(\d+)_(dense|sparse|labels)\.npy$")
 _DLRM_DAY = re.compile(r"^(.+)_(\d+)_processed\.npz$")
 _MLPERF = re.compile(r"^(.+)_(train|test|val)\.bin$")
@@ -80,6 +81,18 @@ def _check_day(day: _Day, where: Path) -> None:
             f"{where}: expected {n} rows of 13 dense and 26 sparse values, found dense {day.dense.shape}, "
             f"sparse {day.sparse.shape}, labels {day.labels.shape}"
         )
+    check_labels(day.labels[:LABEL_PROBE_ROWS], where)  # early: before a model is built on them
+
+
+def check_labels(labels: np.ndarray, where: Any) -> np.ndarray:
+    """The labels as float32 0/1; anything else (-1/1 labels, soft labels, NaN) is named in one line,
+    like the text readers do, instead of training on a negative loss."""
+    values = np.asarray(labels).reshape(-1)
+    bad = (values != 0) & (values != 1)
+    if bad.any():
+        found = ", ".join(sorted({f"{v:g}" for v in values[bad][:1000].tolist()})[:5])
+        raise SlipcacheError(f"{where}: labels must be 0 or 1, found {found} ({int(bad.sum())} of {values.size} read)")
+    return values.astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------- detection
@@ -222,7 +235,7 @@ class ExternalDataset:
                 return dense_transform(np.asarray(a)) if self.transform_dense else np.asarray(a, np.float32)
 
             def labels(a: np.ndarray) -> np.ndarray:
-                return np.asarray(a).reshape(-1).astype(np.float32)
+                return check_labels(a, self.path)
 
             self._cache[name] = SplitArrays(
                 LazyColumn([Piece(d.labels, s, e) for d, s, e in parts], labels, (), np.float32),  # type: ignore[arg-type]
@@ -260,6 +273,7 @@ def _open_days(layout: Layout) -> tuple[list[_Day], bool]:
             raise SlipcacheError(f"{file}: size {size} is not a whole number of 160-byte MLPerf rows")
         rows = np.memmap(file, dtype=np.int32, mode="r", shape=(size // (MLPERF_COLUMNS * 4), MLPERF_COLUMNS))
         days.append(_Day(rows[:, 0], rows[:, 1 : 1 + NUM_DENSE], rows[:, 1 + NUM_DENSE :], file.name))
+        check_labels(days[-1].labels[:LABEL_PROBE_ROWS], file)
     return days, True
 
 

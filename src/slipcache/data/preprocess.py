@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from slipcache.cli import add_progress_flag
 from slipcache.data.criteo import MISSING, NUM_CATEGORICAL, NUM_DENSE, ReadStats, read_chunks
-from slipcache.data.dataset import DatasetWriter, remove_dead_staging
+from slipcache.data.dataset import DatasetWriter, check_output_dir, remove_dead_staging
 from slipcache.errors import SlipcacheError
 
 DEFAULT_SPLIT = "0.8,0.1,0.1"
@@ -315,10 +315,12 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--strict", action="store_true", help="stop at the first malformed line")
     parser.add_argument("--seed", type=int, default=0, help="salt of the hash vocabulary")
+    parser.add_argument("--force", action="store_true", help="overwrite the dataset already in --out")
     add_progress_flag(parser)
 
 
 def run_preprocess(args: argparse.Namespace) -> int:
+    check_output_dir(args.out, force=args.force)
     meta = preprocess(
         args.inputs,
         args.out,

@@ -34,6 +34,7 @@ from slipcache.embedding.inputs import LookupInputs, SparseFeatures
 from slipcache.embedding.plan import StepPlanner, _FusedLookup
 from slipcache.embedding.prefetch import Prefetcher
 from slipcache.embedding.quant import RowStorage, TableRowStorage
+from slipcache.embedding.replicas import refuse_replicated_training
 from slipcache.embedding.scratch import Scratch
 from slipcache.embedding.update import FusedOptimizer
 from slipcache.embedding.writeback import RowWriter
@@ -55,6 +56,8 @@ class CachedEmbeddingBagCollection(nn.Module):
     """
 
     fused_update = True
+    # True for one rank's shards inside slipcache's sharded collection: meant to differ by rank (replicas.py)
+    sharded_by_slipcache = False
 
     def __init__(self, config: EmbeddingConfig) -> None:
         super().__init__()
@@ -252,6 +255,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def forward(self, features: Tensor | SparseFeatures) -> Tensor:
         lookup = self.inputs.prepare(features)
         if self.training and torch.is_grad_enabled():
+            refuse_replicated_training(self)
             self.prefetcher.join()
             window, prefetch = self.prefetcher.take_window()
             plan = self.planner.plan(lookup, window)

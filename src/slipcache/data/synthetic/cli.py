@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from slipcache.cli import add_progress_flag
+from slipcache.data.dataset import check_output_dir
 from slipcache.data.synthetic.compare import COMPARE_ROWS, compare_with_real, format_comparison
 from slipcache.data.synthetic.generate import (
     DEFAULT_GENERATOR,
@@ -63,6 +64,7 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="--compare: the synthetic window starts this day (default 0)",
     )
+    parser.add_argument("--force", action="store_true", help="overwrite the dataset already in --out")
     add_progress_flag(parser)
 
 
@@ -83,6 +85,7 @@ def run_synth(args: argparse.Namespace) -> int:
         return 0
     if not args.out:
         raise SlipcacheError("synth needs --out DIR (or --compare REAL_FILE)")
+    check_output_dir(args.out, force=args.force)
     meta = generate_synthetic(
         args.out,
         num_samples=args.samples,
