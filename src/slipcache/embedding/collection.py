@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from slipcache.embedding.accounting import COUNTERS, PhaseClock, TrafficCounters, memory_report, row_bytes
 from slipcache.embedding.cache import RowCache
-from slipcache.embedding.config import OPTIMIZERS, EmbeddingConfig
+from slipcache.embedding.config import FLOAT32_MAX, OPTIMIZERS, EmbeddingConfig
 from slipcache.embedding.inputs import LookupInputs, SparseFeatures
 from slipcache.embedding.plan import StepPlanner, _FusedLookup
 from slipcache.embedding.prefetch import Prefetcher
@@ -97,6 +97,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.register_buffer("optimizer_state", state)
         self.register_buffer("counters", TrafficCounters.new(len(self.table_sizes), self.device))
         self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
+        self.frozen = False  # requires_grad_(False): training forwards read rows only
         self.clock = PhaseClock()
         self.scratch = Scratch(self.device)
         self.traffic = TrafficCounters(self.table_offsets, self.counters)
@@ -109,7 +110,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.planner = StepPlanner(
             self.cache, self.storage, self.writer, self.traffic, self.clock, self.scratch, config.dim, order_free
         )
-        self.optimizer = FusedOptimizer(config, self.cache, self.storage, self.writer, self.clock, state)
+        self.optimizer = FusedOptimizer(config, self.cache, self.storage, self.writer, self.traffic, self.clock, state)
         self.prefetcher = Prefetcher(
             self.inputs, self.planner, self.cache, self.storage, self.traffic, config.rounding, config.seed
         )
@@ -132,7 +133,20 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.optimizer.lr = value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT32_MAX:
+            raise InvalidInputError(f"lr must be a positive number within fp32's range, got {value!r}")
+        self.optimizer.lr = float(value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> CachedEmbeddingBagCollection:
+        """`requires_grad_(False)` freezes the tables: training forwards then read rows as evaluation does
+        (no update, the cache left as it is); `requires_grad_(True)` trains them again.
+
+        The rows are not parameters (the update runs inside backward), so a freeze of a module that holds
+        this collection does not reach it: `nn.Module.requires_grad_` sets only parameters. Call it here.
+        """
+        super().requires_grad_(requires_grad)
+        self.frozen = not requires_grad
+        return self
 
     @property
     def step(self) -> int:
@@ -254,7 +268,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     # ------------------------------------------------------------------------------------- forward
     def forward(self, features: Tensor | SparseFeatures) -> Tensor:
         lookup = self.inputs.prepare(features)
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and not self.frozen:
             refuse_replicated_training(self)
             self.prefetcher.join()
             window, prefetch = self.prefetcher.take_window()
@@ -364,13 +378,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         }
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        """Restores the step, the rounding generators and the counts; the learning rate stays this
+        collection's own (the one it was built with, or set since): a run resumed with another lr trains with
+        it. The saved lr stays in the state for reference."""
         config = asdict(self.config)
         saved = state["config"]
         mismatched = [k for k in _STATE_KEYS if saved.get(k) != config[k]]
         if mismatched:
             details = ", ".join(f"{k}: saved {saved.get(k)!r}, here {config[k]!r}" for k in mismatched)
             raise InvalidInputError(f"embedding state does not match this collection ({details})")
-        self.planner.step, self.optimizer.lr = state["step"], state["lr"]
+        self.planner.step = state["step"]
         self.optimizer.skipped_updates = state.get("skipped_updates", 0)
         self.planner.forget()
         self.optimizer.forget()

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 
 from slipcache import _native
-from slipcache.embedding.accounting import PhaseClock
+from slipcache.embedding.accounting import PhaseClock, TrafficCounters
 from slipcache.embedding.cache import RowCache
 from slipcache.embedding.config import EmbeddingConfig
-from slipcache.embedding.quant import RowStorage, TableRowStorage
+from slipcache.embedding.quant import VALUE_LIMIT, RowStorage, TableRowStorage, fit_to_range
 from slipcache.embedding.writeback import RowWriter
 
 if TYPE_CHECKING:
@@ -35,10 +35,12 @@ class FusedOptimizer:
         cache: RowCache,
         storage: RowStorage | TableRowStorage,
         writer: RowWriter,
+        counters: TrafficCounters,
         clock: PhaseClock,
         state: Tensor | None,
     ) -> None:
         self.config, self.cache, self.storage, self.writer, self.clock = config, cache, storage, writer, clock
+        self.counters = counters
         self.state = state
         self.lr = config.lr
         self.dim = config.dim
@@ -134,9 +136,12 @@ class FusedOptimizer:
             or not _native.usable(weights, plan.slots, grad)
         ):
             return False
-        if not _native.sgd_update_finite(weights, plan.slots, grad, self.lr):
+        applied, finite = _native.sgd_update_finite(weights, plan.slots, grad, self.lr)
+        if not applied:
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return True
+        if not finite:
+            self._fit_cached(plan.slots)
         if plan.storage_rows.numel():
             self._update_storage([(plan, plan.storage_rows, plan.storage_index, grad[plan.slots < 0])])
         return True
@@ -161,10 +166,13 @@ class FusedOptimizer:
                 if not slots.numel():
                     continue
                 if _native.usable(weights, slots):
-                    _native.sgd_update(weights, slots, grad, self.lr)
+                    finite = _native.sgd_update(weights, slots, grad, self.lr)
                 else:
                     # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
                     weights.index_put_((slots,), grad * -self.lr, accumulate=True)
+                    finite = _finite(weights.index_select(0, slots))
+                if not finite:
+                    self._fit_cached(slots)
             return
         parts = [part for part in parts if part[0].numel()]
         if not parts:
@@ -175,6 +183,17 @@ class FusedOptimizer:
         summed = self._sum_rows(inverse, grad, unique_slots.numel())
         rows = self.cache.slot_rows[unique_slots].long()
         weights.index_add_(0, unique_slots, self._adagrad_step(rows, summed))
+        if not _finite(weights.index_select(0, unique_slots)):
+            self._fit_cached(unique_slots)
+
+    def _fit_cached(self, slots: Tensor) -> None:
+        """After an update that overflowed: the cached rows at `slots` fitted to fp32's range as storage
+        fits what it stores (±inf -> ±largest float, NaN -> 0), the values replaced counted as non-finite."""
+        slots = torch.unique(slots[slots >= 0])
+        fitted = fit_to_range(self.cache.weights.index_select(0, slots), VALUE_LIMIT["fp32"])
+        if fitted.nonfinite is not None:
+            self.cache.weights.index_copy_(0, slots, fitted.values)
+            self.counters.count_fitted(self.counters.tables_of(self.cache.slot_rows[slots].long()), fitted)
 
     def _update_storage(self, parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]]) -> None:
         """Rows outside the cache: read, update in fp32, round back, once per row."""
