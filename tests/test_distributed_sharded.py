@@ -137,7 +137,7 @@ def _check_stale_flags_agree(rank: int, world_size: int) -> None:
     generator = torch.Generator().manual_seed(5)
     inputs = torch.stack([torch.randint(0, n // 2 + 1, (64,), generator=generator) for n in SIZES], 1)
     detectors = [
-        StaleInputDetector.from_collection(coll, StalenessConfig(target_drop=0.3, seed=0))
+        StaleInputDetector.from_collection(coll, StalenessConfig(target_drop=0.3, seed=0, rule="paper", count_share=1.0))
         for coll in (sharded, reference)
     ]
     for detector, coll in zip(detectors, (sharded, reference), strict=True):

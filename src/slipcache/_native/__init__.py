@@ -188,6 +188,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.assign_slots.restype = i64
     library.sgd_update_finite.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, i64]
     library.sgd_update_finite.restype = i64
+    f32 = ctypes.c_float
+    library.quantize_rows.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64]
+    library.quantize_rows.restype = i64
 
 
 def native() -> ctypes.CDLL | None:
@@ -490,7 +493,7 @@ def filter_inputs(
 ) -> tuple[np.ndarray, np.ndarray, int, int, int] | None:
     """(keep, control, hot inputs, would-be-skipped, controls) of the skip filter; None if an id is out of range.
 
-    Same contract as `classify_inputs` for ids/offsets/flags; the control draw is detector._uniform's.
+    Same contract as `classify_inputs` for ids/offsets/flags; the control draw is filtering.uniform's.
     """
     library = native()
     assert library is not None

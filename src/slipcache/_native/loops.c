@@ -1,3 +1,4 @@
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -336,7 +337,7 @@ int64_t classify_inputs(const int32_t *ids, int64_t n, int64_t tables, const int
     return -1;
 }
 
-/* Must match detector._uniform: splitmix64 of (seed mix + position of the input in the run), top 53 bits. */
+/* Must match filtering.uniform: splitmix64 of (seed mix + position of the input in the run), top 53 bits. */
 static inline double uniform_at(uint64_t seed_mix, uint64_t position) {
     uint64_t z = position + seed_mix + 0x9E3779B97F4A7C15ULL;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -435,4 +436,225 @@ int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const 
     for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
     run_parts(sgd_part, args, sizeof(sgd_args), threads);
     return -1;
+}
+
+/* ------------------------------------------------------------------ quantize: fp32 rows -> storage rows
+   The same arithmetic as slipcache.embedding.quant, in one pass per row (bit-identical; tests compare):
+   int8/int4 rows get bias = the row minimum rounded down to fp16 and scale code = the smallest code whose
+   decoded scale (the caller's table `scales`) covers (max - bias) / levels; codes are
+   floor((x - bias) / scale + u) with the caller's noise u, or round-half-even without it. fp16/bf16 rows
+   round to nearest even, or stochastically between the two neighbours with probability by distance. */
+enum { Q_INT8 = 0, Q_INT4 = 1, Q_FP16 = 2, Q_BF16 = 3, Q_FP32 = 4 };
+
+static inline uint32_t float_bits(float f) { union { float f; uint32_t u; } v = {.f = f}; return v.u; }
+static inline float bits_float(uint32_t u) { union { uint32_t u; float f; } v = {.u = u}; return v.f; }
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0) return bits_float(sign | float_bits((float)man * 5.9604644775390625e-8f));  /* man * 2^-24 */
+    if (exp == 31) return bits_float(sign | 0x7f800000u | (man << 13));
+    return bits_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+/* |f| as fp16 bits rounded toward zero, and whether that was inexact (|f| below 65520, finite). */
+static inline uint16_t half_magnitude(uint32_t a, int *inexact) {
+    if (a < 0x38800000u) {  /* below 2^-14: an fp16 subnormal, in units of 2^-24 (exact scaling) */
+        float m = bits_float(a) * 16777216.0f;
+        uint32_t h = (uint32_t)m;
+        *inexact = (float)h != m;
+        return (uint16_t)h;
+    }
+    *inexact = (a & 0x1fffu) != 0;
+    return (uint16_t)((a - 0x38000000u) >> 13);
+}
+
+/* The largest fp16 <= f, f clamped to +-65504 (quant.round_down_fp16). */
+static inline uint16_t half_round_down(float f) {
+    if (f > 65504.0f) f = 65504.0f;
+    if (f < -65504.0f) f = -65504.0f;
+    uint32_t x = float_bits(f), sign = (x >> 16) & 0x8000u;
+    int inexact;
+    uint16_t h = half_magnitude(x & 0x7fffffffu, &inexact);
+    return (uint16_t)(sign | (uint32_t)(h + (sign && inexact)));
+}
+
+/* f (finite, |f| <= 65504) to fp16, round half to even. */
+static inline uint16_t half_nearest(float f) {
+    uint32_t x = float_bits(f), sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a < 0x38800000u) return (uint16_t)(sign | (uint32_t)rintf(bits_float(a) * 16777216.0f));
+    uint32_t h = (a - 0x38000000u) >> 13, rest = a & 0x1fffu;
+    h += rest > 0x1000u || (rest == 0x1000u && (h & 1));
+    return (uint16_t)(sign | h);
+}
+
+static inline uint16_t bf16_nearest(float f) {  /* torch's conversion (inputs are finite here) */
+    uint32_t x = float_bits(f);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
+}
+
+static inline float bf16_to_float(uint16_t h) { return bits_float((uint32_t)h << 16); }
+
+/* The neighbour of a 16-bit float toward +inf (up) or -inf, as nextafter does. */
+static inline uint16_t step16(uint16_t h, int up) {
+    if ((h & 0x7fff) == 0) return up ? 0x0001 : 0x8001;
+    return (uint16_t)(((h & 0x8000) == 0) == up ? h + 1 : h - 1);
+}
+
+static inline uint16_t round16(float x, const float *u, int bf16) {
+    if (!bf16) x = x > 65504.0f ? 65504.0f : (x < -65504.0f ? -65504.0f : x);
+    uint16_t near = bf16 ? bf16_nearest(x) : half_nearest(x);
+    if (!u) return near;
+    float nearf = bf16 ? bf16_to_float(near) : half_to_float(near);
+    int above = nearf > x;
+    uint16_t other = step16(near, !above);
+    float otherf = bf16 ? bf16_to_float(other) : half_to_float(other);
+    float lo = above ? otherf : nearf, hi = above ? nearf : otherf, gap = hi - lo;
+    float p_hi = gap > 0 ? (x - lo) / gap : 0.0f;
+    uint16_t lo_bits = above ? other : near, hi_bits = above ? near : other;
+    return *u < p_hi ? hi_bits : lo_bits;
+}
+
+/* The smallest code whose scale covers `needed` (255 when none does): scales ascend. */
+static inline uint8_t scale_code_for(float needed, const float *scales) {
+    if (needed < 1.17549435e-38f) needed = 1.17549435e-38f;  /* quant: needed.clamp_min(tiny) */
+    int lo = 0, hi = 255;
+    while (lo < hi) {
+        int mid = (lo + hi) >> 1;
+        if (scales[mid] >= needed) hi = mid; else lo = mid + 1;
+    }
+    return (uint8_t)lo;
+}
+
+#define QUANTIZE_BLOCK 256  /* even: int4 blocks pack whole bytes */
+
+static inline void quantize_block(const float *x, const float *u, int64_t m, float bias, float scale, float top,
+                                  uint8_t *codes) {
+    if (u) {
+        for (int64_t j = 0; j < m; j++) {
+            float s = floorf((x[j] - bias) / scale + u[j]);
+            codes[j] = (uint8_t)(s < 0.0f ? 0.0f : (s > top ? top : s));
+        }
+    } else {
+        for (int64_t j = 0; j < m; j++) {
+            float s = rintf((x[j] - bias) / scale);
+            codes[j] = (uint8_t)(s < 0.0f ? 0.0f : (s > top ? top : s));
+        }
+    }
+}
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* The row's minimum and maximum, and whether it holds inf or NaN: eight lanes at a time (vector extensions,
+   so each target clone gets its own instructions). */
+static inline int row_range(const float *x, int64_t dim, float *lo_out, float *hi_out) {
+    float lo = x[0], hi = x[0];
+    uint32_t special = 0;
+    int64_t j = 0;
+    if (dim >= 8) {
+        v8f lo8, hi8;
+        v8i sp8 = {0};
+        const v8i exp8 = {0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000,
+                          0x7f800000, 0x7f800000, 0x7f800000, 0x7f800000};
+        __builtin_memcpy(&lo8, x, sizeof lo8);
+        hi8 = lo8;
+        for (; j + 8 <= dim; j += 8) {
+            v8f v;
+            __builtin_memcpy(&v, x + j, sizeof v);
+            v8i vi = (v8i)v, below = v < lo8, above = v > hi8;
+            lo8 = (v8f)(((v8i)v & below) | ((v8i)lo8 & ~below));
+            hi8 = (v8f)(((v8i)v & above) | ((v8i)hi8 & ~above));
+            sp8 |= (vi & exp8) == exp8;
+        }
+        lo = lo8[0], hi = hi8[0];
+        for (int k = 0; k < 8; k++) {
+            lo = lo8[k] < lo ? lo8[k] : lo;
+            hi = hi8[k] > hi ? hi8[k] : hi;
+            special |= (uint32_t)sp8[k];
+        }
+    }
+    for (; j < dim; j++) {
+        float v = x[j];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+        special |= (float_bits(v) & 0x7f800000u) == 0x7f800000u;
+    }
+    *lo_out = lo, *hi_out = hi;
+    return special != 0;
+}
+
+typedef struct {
+    const float *values; int64_t n, dim; int kind; const float *noise, *scales; float limit, max_span;
+    const int64_t *rows; void *payload; uint16_t *bias; uint8_t *scale_code; uint8_t *bad;
+    int64_t start, stop, bad_count;
+} quantize_args;
+
+ROW_LOOPS static void *quantize_part(void *p) {
+    quantize_args *a = (quantize_args *)p;
+    const int64_t dim = a->dim;
+    const int64_t width = a->kind == Q_INT4 ? (dim + 1) / 2 : dim;
+    const int levels = a->kind == Q_INT8 ? 255 : 15;
+    for (int64_t i = a->start; i < a->stop; i++) {
+        const float *x = a->values + i * dim;
+        const float *u = a->noise ? a->noise + i * dim : 0;
+        float lo, hi;
+        int special = row_range(x, dim, &lo, &hi);
+        int fits = !special && lo >= -a->limit && hi <= a->limit && (a->max_span < 0 || hi - lo <= a->max_span);
+        if (a->bad) a->bad[i] = !fits;
+        if (!fits) { a->bad_count++; continue; }
+        int64_t r = a->rows ? a->rows[i] : i;
+        if (a->kind == Q_FP32) {
+            float *out = (float *)a->payload + r * dim;
+            for (int64_t j = 0; j < dim; j++) out[j] = x[j];
+            continue;
+        }
+        if (a->kind == Q_FP16 || a->kind == Q_BF16) {
+            uint16_t *out = (uint16_t *)a->payload + r * dim;
+            for (int64_t j = 0; j < dim; j++) out[j] = round16(x[j], u ? u + j : 0, a->kind == Q_BF16);
+            continue;
+        }
+        uint16_t bias = half_round_down(lo);
+        float biasf = half_to_float(bias);
+        uint8_t code = scale_code_for((hi - biasf) / (float)levels, a->scales);
+        float scale = a->scales[code], top = (float)levels;
+        a->bias[r] = bias;
+        a->scale_code[r] = code;
+        uint8_t *out = (uint8_t *)a->payload + r * width;
+        uint8_t codes[QUANTIZE_BLOCK + 1];
+        for (int64_t j0 = 0; j0 < dim; j0 += QUANTIZE_BLOCK) {  /* blocks keep the inner loops simple */
+            int64_t m = dim - j0 < QUANTIZE_BLOCK ? dim - j0 : QUANTIZE_BLOCK;
+            quantize_block(x + j0, u ? u + j0 : 0, m, biasf, scale, top, codes);
+            if (a->kind == Q_INT8) {
+                for (int64_t j = 0; j < m; j++) out[j0 + j] = codes[j];
+            } else {
+                if (m & 1) codes[m] = 0;
+                for (int64_t j = 0; j < (m + 1) / 2; j++)
+                    out[j0 / 2 + j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+            }
+        }
+    }
+    return 0;
+}
+
+/* Quantize fp32 rows values[n, dim] into storage: row i goes to storage row rows[i] (i when rows is NULL)
+   of `payload` (uint8 [*, dim] int8, [*, (dim+1)/2] int4 low nibble first, uint16 bits fp16/bf16, float
+   fp32), `bias` (fp16 bits) and `scale_code` (int kinds only). `noise` (uniform [n, dim], or NULL for
+   nearest) drives stochastic rounding. A row with inf/NaN, a value beyond +-limit or (max_span >= 0) a
+   span beyond max_span is not written: bad[i] = 1 (when given) and it is counted in the return value. */
+int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, const float *noise,
+                      const float *scales, float limit, float max_span, const int64_t *rows, void *payload,
+                      uint16_t *bias, uint8_t *scale_code, uint8_t *bad, int64_t threads) {
+    if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > n) threads = n > 0 ? n : 1;
+    quantize_args args[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) {
+        args[t] = (quantize_args){values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias,
+                                  scale_code, bad, n * t / threads, n * (t + 1) / threads, 0};
+    }
+    run_parts(quantize_part, args, sizeof(quantize_args), threads);
+    int64_t bad_count = 0;
+    for (int64_t t = 0; t < threads; t++) bad_count += args[t].bad_count;
+    return bad_count;
 }

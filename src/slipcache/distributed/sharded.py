@@ -114,6 +114,7 @@ class ShardedEmbeddingCollection(nn.Module):
             local_config = shard_config(config, self.shards, rank)
             local_config.table_names = [_shard_name(names[s.table], s, plan) for s in self.shards]
             self.local = CachedEmbeddingBagCollection(local_config)
+            self.local.sharded_by_slipcache = True  # its rows differ by rank by design, under DDP
             if torch.device(config.storage_device).type != "meta":
                 self._replay_initialization()
         device = torch.device(config.cache_device)

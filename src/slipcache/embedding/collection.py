@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from slipcache.embedding.accounting import COUNTERS, Accounting, PhaseClock
 from slipcache.embedding.cache import RowCache
@@ -35,6 +36,7 @@ from slipcache.embedding.lookahead import Window
 from slipcache.embedding.plan import StepPlanner, _FusedLookup, _StepPlan
 from slipcache.embedding.prefetch import Prefetcher
 from slipcache.embedding.quant import RowStorage, TableRowStorage
+from slipcache.embedding.replicas import refuse_replicated_training
 from slipcache.embedding.update import FusedOptimizer
 from slipcache.errors import InvalidInputError, SlipcacheError
 
@@ -42,9 +44,17 @@ from slipcache.errors import InvalidInputError, SlipcacheError
 __all__ = ["OPTIMIZERS", "CachedEmbeddingBagCollection", "EmbeddingConfig", "SparseFeatures"]
 
 _INIT_CHUNK_ROWS = 1 << 20
+# Rows are drawn and rounded a chunk of about 1 MB of fp32 at a time: it stays in the core's cache between
+# the draw and the rounding, and bounds what creation holds in fp32 whatever the table sizes.
+_INIT_CHUNK_VALUES = 1 << 18
+# A progress bar when creation rounds at least this many values (a few seconds).
+PROGRESS_VALUES = 1 << 30
+
+
 def _init_chunk_rows(dim: int) -> int:
-    """Rows drawn at once at initialization: 2^20 up to dim 16 (as always), 64 MB of fp32 beyond."""
-    return max(1, min(_INIT_CHUNK_ROWS, (1 << 24) // dim))
+    """Rows drawn at once at initialization (the draw is one generator stream: chunking changes nothing)."""
+    return max(1, _INIT_CHUNK_VALUES // max(dim, 1))
+
 
 class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Prefetcher, Accounting, nn.Module):
     """Embedding bags over many tables: low-precision storage, an fp32 cache, a fused optimizer.
@@ -54,6 +64,8 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
     """
 
     fused_update = True
+    # True for one rank's shards inside slipcache's sharded collection: meant to differ by rank (replicas.py)
+    sharded_by_slipcache = False
 
     def __init__(self, config: EmbeddingConfig) -> None:
         super().__init__()
@@ -175,18 +187,27 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
 
         The draw depends on the seed and the table shapes only, never on the precision: a seed's INT8, INT4
         or FP16 run starts from the rounding of the very rows its FP32 run starts from, so paired runs
-        measure precision alone. Chunks of at most 64 MB of fp32 bound the memory it takes.
+        measure precision alone. One reused chunk of about 1 MB of fp32 at a time: the compiled quantize
+        pass rounds it while it is still in cache, and creation never holds more than that in fp32.
         """
         generator = torch.Generator().manual_seed(self.config.seed)
         chunk_rows = _init_chunk_rows(self.dim)
-        start = 0
-        for size in self.table_sizes:
-            bound = 1.0 / math.sqrt(size)
-            for chunk_start in range(0, size, chunk_rows):
-                count = min(chunk_rows, size - chunk_start)
-                values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
-                self.storage.write_range(start + chunk_start, values.to(self.storage_device), "nearest", None)
-            start += size
+        chunk = torch.empty(chunk_rows, self.dim)
+        total = sum(self.table_sizes)
+        with tqdm(
+            total=total, unit="rows", unit_scale=True, desc="creating tables", leave=False,
+            disable=total * self.dim < PROGRESS_VALUES,
+        ) as bar:
+            start = 0
+            for size in self.table_sizes:
+                bound = 1.0 / math.sqrt(size)
+                for chunk_start in range(0, size, chunk_rows):
+                    count = min(chunk_rows, size - chunk_start)
+                    # In place, the same float operations as (rand * 2 - 1) * bound: the same values.
+                    values = chunk[:count].uniform_(generator=generator).mul_(2).sub_(1).mul_(bound)
+                    self.storage.write_range(start + chunk_start, values.to(self.storage_device), "nearest", None)
+                    bar.update(count)
+                start += size
 
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""
@@ -231,6 +252,7 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
     def forward(self, features: Tensor | SparseFeatures) -> Tensor:
         lookup = self._prepare(features)
         if self.training and torch.is_grad_enabled():
+            refuse_replicated_training(self)
             plan = self._plan_step(lookup)
             return _FusedLookup.apply(self._anchor, self, lookup, plan)
         return self._pool(self._read_rows(lookup.rows), lookup)

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from slipcache._native import quantize
+
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 ROUNDINGS = ("stochastic", "nearest")
 
@@ -99,13 +101,13 @@ def decode_scale(code: Tensor) -> Tensor:
 
 
 def encode_scale(needed: Tensor) -> Tensor:
-    """Smallest code whose scale is at least `needed` (clamped to the grid)."""
+    """Smallest code whose scale is at least `needed` (clamped to the grid): a search of the decoded table,
+    so the code is exact (a log2 of `needed` can land one step high on a grid value) and the compiled pass
+    finds the same one."""
     tiny = torch.finfo(torch.float32).tiny
-    code = torch.ceil(torch.log2(needed.clamp_min(tiny)) * SCALE_STEPS_PER_OCTAVE) + SCALE_CODE_ZERO
-    code = code.clamp_(0, 255)
-    # log2 is not exact: step up where the decoded scale fell short.
-    code = torch.where(decode_scale(code) < needed, (code + 1).clamp_(max=255), code)
-    return code.to(torch.uint8)
+    table = decode_scale(torch.arange(256, dtype=torch.uint8, device=needed.device))
+    code = torch.searchsorted(table, needed.clamp_min(tiny).contiguous())
+    return code.clamp_(max=255).to(torch.uint8)
 
 
 def round_down_fp16(x: Tensor) -> Tensor:
@@ -237,9 +239,60 @@ class RowStorage(nn.Module):
             codes = pack_int4(codes)
         return [codes, bias, scale_code], fitted
 
+    def _write_compiled(
+        self, values: Tensor, rounding: str, generator: torch.Generator | None, rows: Tensor | None, start: int
+    ) -> Fitted | None:
+        """`write` (at `rows`) or `write_range` (from `start`) in the compiled pass; None where it cannot run.
+
+        Draws the same noise as `encode` and fits the same rows, so the stored bytes are the same."""
+        if not (
+            self.dim
+            and (self.precision in INT_BITS or rounding == "stochastic")  # torch's own casts round to nearest fast
+            and values.device.type == "cpu"
+            and self.payload.device.type == "cpu"
+            and values.dtype == torch.float32
+            and quantize.available()
+        ):
+            return None
+        values = values.contiguous()
+        n = values.shape[0]
+        bits = INT_BITS.get(self.precision)
+        buffers = list(self.buffers())
+        if rows is None:
+            buffers = [buf[start : start + n] for buf in buffers]
+        noise = None
+        if rounding == "stochastic" and self.precision != "fp32":
+            noise = random_uniform(tuple(values.shape), generator, values.device)
+        bad = torch.empty(n, dtype=torch.uint8)
+        limit, max_span = VALUE_LIMIT[self.precision], INT_MAX_SPAN[bits] if bits else None
+        kwargs = {"scales": _SCALES}
+        count = quantize.quantize_rows(
+            values, self.precision, *buffers, noise=noise, rows=rows, bad=bad, limit=limit, max_span=max_span,
+            **kwargs,
+        )
+        if not count:
+            return Fitted(values, None, None)
+        fix = torch.nonzero(bad).squeeze(1)
+        fitted = fit_to_range(values[fix], limit, max_span)
+        # Fitted rows are stored as they are (a window's float rounding may exceed max_span by an ulp).
+        quantize.quantize_rows(
+            fitted.values.contiguous(), self.precision, *buffers, noise=None if noise is None else noise[fix],
+            rows=fix if rows is None else rows[fix], limit=float("inf"), **kwargs,
+        )
+        counts = []
+        for part in (fitted.saturated, fitted.nonfinite):
+            full = torch.zeros(n, dtype=torch.int64)
+            if part is not None:
+                full[fix] = part
+            counts.append(full)
+        return Fitted(values, counts[0], counts[1])
+
     def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
         """Round fp32 `values` [n, D] into storage at unique `rows`; returns the per-row saturation counts."""
         rows = rows.to(self.payload.device)
+        done = self._write_compiled(values, rounding, generator, rows.contiguous(), 0)
+        if done is not None:
+            return done
         encoded, fitted = self.encode(values, rounding, generator)
         for buf, tensor in zip(self.buffers(), encoded, strict=True):
             buf.index_copy_(0, rows, tensor.to(buf.device, non_blocking=True))
@@ -250,6 +303,9 @@ class RowStorage(nn.Module):
     ) -> Fitted:
         """Contiguous write, for initialization and loading whole tables."""
         end = start + values.shape[0]
+        done = self._write_compiled(values, rounding, generator, None, start)
+        if done is not None:
+            return done
         encoded, fitted = self.encode(values, rounding, generator)
         for buf, tensor in zip(self.buffers(), encoded, strict=True):
             buf[start:end].copy_(tensor)

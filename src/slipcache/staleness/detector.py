@@ -1,52 +1,43 @@
-"""Slipstream-style stale-input skipping (Maboud et al., arXiv 2404.04270), plus rolling re-checks and a guard.
+"""Slipstream-style stale-input skipping (Maboud et al., arXiv 2404.04270): hot rows, flags, threshold, filter.
 
 Hot embedding rows converge early; an input whose lookups all hit rows that no longer move adds little to
 training, so the trainer may skip it. Per epoch:
 
 1. ``profile``: count row accesses on a sample of inputs; the hot set is the most-accessed rows fitting a
    byte budget. An input is *hot* when every lookup is a hot row (at least alpha of them, when alpha < 1).
-2. ``begin_window`` / ``end_window``: snapshot the hot rows (only those) around a window of normal training.
-3. ``row_change``: per hot row, the largest per-dimension change (L-infinity) between the two snapshots;
-   a row is stale under threshold ``T`` when that change is below ``T``.
-4. ``fit_threshold``: bisection on ``T`` so that the stale fraction of a sample of hot inputs lands in
-   ``target_drop +- tolerance``; when unreachable, report it and skip nothing.
+2. ``begin_window`` / ``end_window``: measure the hot rows (only those) around a window of normal training.
+3. ``row_score``: per hot row, the configured rule's score (``slipcache.staleness.rules``: the paper's
+   L-infinity change, or change per update); a row is stale under threshold ``T`` when its score is below.
+4. ``fit_threshold``: bisection on ``T`` (``slipcache.staleness.threshold.fit_threshold``) so that the stale
+   fraction of a sample of hot inputs lands in ``target +- tolerance``; when unreachable, skip nothing.
 5. ``stale_mask`` / ``sample_filter``: an input is skipped when at least alpha of its lookups are stale.
 
-Two staleness rules (``StalenessConfig.rule``):
+Beyond the paper: ``after_batch`` re-measures every K batches so a row that moves again stops being stale.
+The skip guard lives with the skipper (``slipcache.staleness.skipping``), which sets the detector's
+``target`` and ``active`` through ``retarget``.
 
-- ``paper``: the L-infinity change of a row between two snapshots of every hot row. A row that was not
-  updated between them has change 0 and looks converged; in ``--quick`` 56,395 of 56,407 hot rows were
-  "stale" that way, so the rule mostly skipped inputs avoiding the few rows that moved.
-- ``convergence``: a row is judged only once it has been updated at least ``min_updates`` times since its
-  last measurement; its score is the L-infinity change over that span divided by the number of updates and
-  by the row's own L-infinity norm (change per update, relative to the row's scale). Rows not yet measured
-  are unknown and never stale. Update counts are kept for the hot rows only (``record_updates``, through
-  ``HotIndex``, a hash of the hot rows: no byte per row of the tables), and a re-check reads back only the
-  rows with enough updates, not every hot row.
-
-Beyond the paper: ``after_batch`` re-snapshots every K batches so a row that moves again stops being stale;
-``SkipGuard`` lowers the target (or stops skipping) when skipped inputs' loss rises above a reference;
-``stale_rows`` lists rows a cache may demote.
-
-Memory: snapshots and counts are proportional to the hot set; the input filter also reads one flag byte per
-row of every table (hot, stale), because a direct index is much faster than a search of the hot rows.
+Memory: measurements and counts are proportional to the hot set; the input filter also reads one flag byte
+per row of every table (hot, stale), because a direct index is much faster than a search of the hot rows.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 import torch
 
-from slipcache import _native
 from slipcache.errors import InvalidInputError
+from slipcache.staleness.config import RULES, StalenessConfig
+from slipcache.staleness.filtering import Counters as _Counters
+from slipcache.staleness.filtering import classify, filter_inputs, lookup_flags
 from slipcache.staleness.guard import GuardDecision, SkipGuard
-from slipcache.staleness.hotset import HotIndex, HotSet, _check_ids, _global_rows, _to_numpy
+from slipcache.staleness.hotset import HotIndex, HotSet, _check_ids, _global_rows, _to_numpy, most_accessed
+from slipcache.staleness.rules import EmbeddingRowSource, make_rule
+from slipcache.staleness.threshold import ThresholdResult, fit_threshold
 
 __all__ = [
     "RULES",
@@ -60,125 +51,7 @@ __all__ = [
     "ThresholdResult",
 ]
 
-_STATE_VERSION = 2
-RULES = ("paper", "convergence")
-
-
-class EmbeddingRowSource(Protocol):
-    """The part of the embedding collection interface the detector needs (see docs/design.md)."""
-
-    table_offsets: torch.Tensor
-    dim: int
-
-    def read_rows(self, rows: torch.Tensor) -> torch.Tensor: ...
-
-
-@dataclass
-class StalenessConfig:
-    """Every Slipstream constant as a parameter; defaults follow the paper (Criteo, 26 tables).
-
-    ``alpha`` is a fraction of an input's lookups (1.0 = all of them). ``alpha_count``, when set, replaces it
-    with an absolute number of lookups; the two are separate fields so a YAML ``1`` can never silently mean
-    "one lookup" instead of "all lookups".
-    """
-
-    profile_fraction: float = 0.05  # share of training inputs sampled to count row accesses
-    memory_budget_bytes: int = 256 * 2**20  # hot set size: rows * dim * 4 <= budget
-    window_fraction: float = 0.02  # share of hot batches in the snapshot window (paper: 1.5-3 %)
-    threshold_sample_fraction: float = 0.01  # share of inputs sampled for the threshold search
-    threshold_sample_max: int = 200_000  # cap on hot inputs kept for (re)fitting the threshold
-    target_drop: float = 0.3  # D: fraction of hot inputs to skip
-    tolerance: float = 0.08  # delta: accepted |achieved - D|
-    threshold_low: float = 0.0
-    threshold_high: float = 0.1
-    max_bisection_steps: int = 25
-    alpha: float = 1.0  # skip when >= ceil(alpha * T) lookups are stale
-    alpha_count: int | None = None  # absolute count; overrides alpha when set
-    recheck_interval: int | None = 0  # batches between rolling snapshots; 0 = window length, None = off
-    guard_margin: float = 0.01  # relative rise of the skipped inputs' loss that counts as drift
-    guard_release: float = 0.5  # drift must fall below margin * release to relax (hysteresis)
-    guard_patience: int = 2  # consecutive checks needed before acting, either way
-    guard_backoff: float = 0.5  # target multiplier on drift (halve D)
-    guard_min_target: float = 0.05  # below this the guard stops skipping instead
-    guard_sample_size: int = 4096  # inputs per epoch whose loss the trainer follows (forward only)
-    guard_min_skipped: int = 100  # fewer skipped inputs in that sample: too noisy to judge, no check
-    rule: str = "paper"  # "paper" (L-inf change between snapshots) or "convergence" (see module docstring)
-    min_updates: int = 4  # convergence rule: updates a row needs before its change is judged
-    count_share: float = 1.0  # convergence rule: share of each trained batch whose lookups are counted
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Reject values that would make the method silently meaningless."""
-        fractions = {
-            "profile_fraction": self.profile_fraction,
-            "window_fraction": self.window_fraction,
-            "threshold_sample_fraction": self.threshold_sample_fraction,
-        }
-        for name, value in fractions.items():
-            if not 0.0 < value <= 1.0:
-                raise InvalidInputError(f"{name} must be in (0, 1], got {value}")
-        if not 0.0 < self.alpha <= 1.0:
-            raise InvalidInputError(f"alpha is a fraction in (0, 1], got {self.alpha}; use alpha_count for a count")
-        if self.alpha_count is not None and (isinstance(self.alpha_count, bool) or self.alpha_count < 1):
-            raise InvalidInputError(f"alpha_count must be a positive int, got {self.alpha_count}")
-        if not 0.0 <= self.target_drop <= 1.0 or self.tolerance < 0.0:
-            raise InvalidInputError("target_drop must be in [0, 1] and tolerance >= 0")
-        if not 0.0 <= self.threshold_low < self.threshold_high:
-            raise InvalidInputError("need 0 <= threshold_low < threshold_high")
-        if self.max_bisection_steps < 1 or self.threshold_sample_max < 1:
-            raise InvalidInputError("max_bisection_steps and threshold_sample_max must be >= 1")
-        if self.memory_budget_bytes < 0:
-            raise InvalidInputError("memory_budget_bytes must be >= 0")
-        if self.recheck_interval is not None and self.recheck_interval < 0:
-            raise InvalidInputError("recheck_interval must be None (off), 0 (window length) or positive")
-        if self.guard_margin < 0.0 or not 0.0 <= self.guard_release <= 1.0:
-            raise InvalidInputError("guard_margin must be >= 0 and guard_release in [0, 1]")
-        if self.rule not in RULES:
-            raise InvalidInputError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
-        if isinstance(self.min_updates, bool) or self.min_updates < 1:
-            raise InvalidInputError(f"min_updates must be a positive int, got {self.min_updates}")
-        if not 0.0 < self.count_share <= 1.0:
-            raise InvalidInputError(f"count_share must be in (0, 1], got {self.count_share}")
-        if self.guard_patience < 1 or not 0.0 < self.guard_backoff < 1.0 or min(self.guard_sample_size,
-                                                                                 self.guard_min_skipped) < 1:
-            raise InvalidInputError("need guard_patience >= 1, guard_backoff in (0, 1), guard_sample_size >= 1 "
-                                    "and guard_min_skipped >= 1")
-
-    def required_stale(self, num_tables: int) -> int:
-        """Number of stale lookups (out of ``num_tables``) that makes an input skippable."""
-        if self.alpha_count is not None:
-            if self.alpha_count > num_tables:
-                raise InvalidInputError(f"alpha_count {self.alpha_count} exceeds the {num_tables} lookups per input")
-            return self.alpha_count
-        # The epsilon keeps 0.5 * 26 at 13 despite float rounding.
-        return max(1, math.ceil(self.alpha * num_tables - 1e-9))
-
-
-@dataclass
-class ThresholdResult:
-    """Outcome of the bisection. ``threshold`` is None when the target band is unreachable (no skipping)."""
-
-    threshold: float | None
-    achieved_ratio: float  # stale fraction of the sampled hot inputs at the last threshold tried
-    steps: int  # bisection midpoints evaluated
-    converged: bool
-    target: float
-    sample_size: int
-    reason: str = ""
-
-
-@dataclass
-class _Counters:
-    """Per-epoch input counts seen through ``sample_filter`` (or ``count``)."""
-
-    inputs: int = 0
-    hot_inputs: int = 0
-    skipped: int = 0
-    skipped_hot: int = 0
-    controls: int = 0  # would-be-skipped inputs trained anyway as the guard's control group
+_STATE_VERSION = 3
 
 
 class StaleInputDetector:
@@ -194,15 +67,15 @@ class StaleInputDetector:
         self.table_offsets = offsets  # int64 [T + 1]
         self.dim = int(dim)
         self.epoch = 0
-        self.guard = SkipGuard.from_config(config)
+        self.rule = make_rule(config)
+        self.target = float(config.target_drop)  # D; the skipper's guard lowers it (``retarget``)
+        self.active = True  # False: the skipper's guard stopped skipping
         self._reset_epoch_state()
         self.total = _Counters()
 
     @classmethod
     def from_collection(cls, coll: EmbeddingRowSource, config: StalenessConfig | None = None) -> StaleInputDetector:
         return cls(config or StalenessConfig(), coll.table_offsets, int(coll.dim))
-
-    # ---- epoch lifecycle -------------------------------------------------------------------------------
 
     @property
     def num_tables(self) -> int:
@@ -215,12 +88,7 @@ class StaleInputDetector:
 
     @_stale_flags.setter
     def _stale_flags(self, flags: np.ndarray) -> None:
-        """Also refresh the per-row flag bytes (bit 0: hot, bit 1: stale) that the input filter reads.
-
-        Why a byte for every row of every table: the filter classifies each training input, 26 lookups,
-        and a direct index is about 50x faster than a binary search of the sorted hot rows. It costs one
-        byte per row (34 MB for the Criteo Kaggle tables), reported as `flag_bytes` in the stats.
-        """
+        """Also refresh the per-row flag bytes the input filter reads (``slipcache.staleness.filtering``)."""
         self._stale_aligned = flags
         # Only rows flagged before can be non-zero: clear those, not every row of every table (a re-check
         # runs every window length; clearing 34 M bytes each time would cost more than the re-check itself).
@@ -238,9 +106,6 @@ class StaleInputDetector:
         self.hot: HotSet | None = None
         self.threshold_result: ThresholdResult | None = None
         self._threshold: float | None = None
-        self._snap_prev: torch.Tensor | None = None
-        self._snap_cur: torch.Tensor | None = None
-        self._change_memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._stale_flags = np.zeros(0, dtype=bool)  # aligned with hot.rows
         self._fit_sample: np.ndarray | None = None  # hot inputs kept for refits after guard actions
         self._window_open = False
@@ -248,20 +113,11 @@ class StaleInputDetector:
         self._since_snapshot = 0
         self._rechecks = 0
         self.epoch_counts = _Counters()
-        # convergence rule: per hot row, its value when its current span began, updates since then, score
-        self._index: HotIndex | None = None
-        self._base: torch.Tensor | None = None
-        self._updates = np.zeros(0, dtype=np.int64)
-        self._score = np.zeros(0, dtype=np.float32)  # inf = unknown (not yet updated min_updates times)
-        self._pending: list[np.ndarray] = []  # hot positions of trained lookups not yet added to _updates
+        self.rule.reset(None)
         self.rows_read = 0  # hot rows copied by snapshots and measurements this epoch
 
-    @property
-    def convergence(self) -> bool:
-        return self.config.rule == "convergence"
-
     def start_epoch(self, epoch: int) -> None:
-        """Forget last epoch's hot set, snapshots and threshold; the guard and totals carry over."""
+        """Forget last epoch's hot set, measurements and threshold; the target and totals carry over."""
         self.epoch = int(epoch)
         self._reset_epoch_state()
 
@@ -280,30 +136,17 @@ class StaleInputDetector:
     def _rng(self, purpose: str) -> np.random.Generator:
         return np.random.default_rng([self.config.seed, self.epoch, zlib.crc32(purpose.encode())])
 
-    # ---- 1. hot rows -----------------------------------------------------------------------------------
-
     def profile(self, sparse_sample: np.ndarray | torch.Tensor) -> HotSet:
         """Count accesses on a sample of inputs and keep the most-accessed rows that fit the budget."""
-        global_rows = _global_rows(sparse_sample, self.table_offsets).reshape(-1)
-        rows, counts = np.unique(global_rows, return_counts=True)
         max_rows = self.config.memory_budget_bytes // (self.dim * 4)
-        if rows.size > max_rows:
-            # Most accessed first; ties go to the lower row so the choice is deterministic.
-            keep = np.lexsort((rows, -counts))[:max_rows]
-            rows, counts = rows[keep], counts[keep]
-        self.set_hot(HotSet(rows, counts, self.table_offsets))
+        self.set_hot(most_accessed(_global_rows(sparse_sample, self.table_offsets), max_rows, self.table_offsets))
         return self.hot
 
     def set_hot(self, hot: HotSet) -> None:
         """Install a hot set (from ``profile`` or a filtered one) and clear what was measured on the last."""
         self.hot = hot
         self._stale_flags = np.zeros(len(hot), dtype=bool)
-        self._snap_prev = self._snap_cur = self._base = None
-        if self.convergence:
-            self._index = HotIndex(hot.rows)
-            self._updates = np.zeros(len(hot), dtype=np.int64)
-            self._score = np.full(len(hot), np.inf, dtype=np.float32)
-            self._pending = []
+        self.rule.reset(hot)
 
     def hot_input_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
         """bool[n]: hot inputs, those with at least alpha of their lookups hot (all False before ``profile``).
@@ -313,11 +156,8 @@ class StaleInputDetector:
         """
         return self._classify(sparse)[1]
 
-    # ---- 2. snapshots ----------------------------------------------------------------------------------
-
-    def _read_hot(self, coll: EmbeddingRowSource) -> torch.Tensor:
-        hot = self._require_hot()
-        return self._read(coll, hot.rows)
+    def _reader(self, coll: EmbeddingRowSource) -> Callable[[np.ndarray], torch.Tensor]:
+        return lambda rows: self._read(coll, rows)
 
     def _read(self, coll: EmbeddingRowSource, rows: np.ndarray) -> torch.Tensor:
         values = coll.read_rows(torch.from_numpy(rows))
@@ -328,26 +168,16 @@ class StaleInputDetector:
         return values.detach().to(device="cpu", dtype=torch.float32).clone()
 
     def begin_window(self, coll: EmbeddingRowSource) -> None:
-        """Snapshot the hot rows before the window of normal training."""
-        if self.convergence:
-            self._base = self._read_hot(coll)
-            self._updates[:] = 0
-            self._score[:] = np.inf
-            self._pending = []
-        else:
-            self._snap_prev = self._read_hot(coll)
-        self._snap_cur = None
+        """Measure the hot rows before the window of normal training."""
+        self.rule.begin_window(self._reader(coll), self._require_hot())
         self._window_open = True
         self._since_snapshot = 0
 
     def end_window(self, coll: EmbeddingRowSource) -> torch.Tensor:
-        """Snapshot the hot rows after the window; returns the per-row L-infinity change."""
+        """Measure the hot rows after the window; returns the rule's per-row score."""
         if not self._window_open:
             raise InvalidInputError("end_window called without begin_window")
-        if self.convergence:
-            self._measure(coll)
-        else:
-            self._snap_cur = self._read_hot(coll)
+        self.rule.end_window(self._reader(coll), self._require_hot())
         self._window_open = False
         self._window_batches = self._since_snapshot
         self._since_snapshot = 0
@@ -357,7 +187,7 @@ class StaleInputDetector:
     @property
     def window_done(self) -> bool:
         """True once the first window of the epoch closed: re-checks and fits can run."""
-        return (self._base is not None or self._snap_cur is not None) and not self._window_open
+        return self.rule.measured() and not self._window_open
 
     def record_updates(self, sparse: np.ndarray | torch.Tensor) -> None:
         """Convergence rule: count one update of each hot row per trained input that looks it up.
@@ -368,47 +198,7 @@ class StaleInputDetector:
         and counts are scaled up when judged: the hash lookups are most of the bookkeeping's cost. A row
         counted at all was updated at least once, so a row never updated still stays unknown.
         """
-        if self._index is None or self._base is None:
-            return
-        # Trained ids were validated by the filter already: no range check here (it cost a third of this).
-        ids = _to_numpy(sparse)
-        if self.config.count_share < 1.0:
-            ids = ids[: max(1, math.ceil(ids.shape[0] * self.config.count_share))]
-        if ids.ndim == 2 and ids.dtype.kind in "iu" and _native.native() is not None:
-            # One pass in C: flag byte, hash probe and counter increment per lookup (NumPy below: ~6x slower).
-            # Batches hold int64 ids; ids index a table, so int32 holds them (the copy is of the counted share).
-            ids = np.ascontiguousarray(ids, dtype=np.int32)
-            _native.count_hot_updates(ids, self.table_offsets, self._row_flags, self._index.keys,
-                                      self._index.values, self._updates)
-            return
-        rows = (ids + self.table_offsets[:-1].astype(ids.dtype)).reshape(-1)
-        rows = rows[np.take(self._row_flags, rows) != 0]  # hot lookups only: the flag byte says so
-        pos = self._index.find(rows)
-        self._pending.append(pos[pos >= 0])
-
-    def _fold_updates(self) -> None:
-        if self._pending:
-            self._updates += np.bincount(np.concatenate(self._pending), minlength=self._updates.size)
-            self._pending = []
-
-    def _measure(self, coll: EmbeddingRowSource) -> None:
-        """Score every hot row updated at least ``min_updates`` times since its span began; start a new span.
-
-        Score = L-inf change over the span / (updates x the row's L-inf norm now). Only those rows are read:
-        a row with fewer updates keeps its span open and its last score (inf until it has one).
-        """
-        self._fold_updates()
-        hot = self._require_hot()
-        estimated = self._updates / self.config.count_share
-        ready = np.flatnonzero(estimated >= self.config.min_updates)
-        if ready.size:
-            idx = torch.from_numpy(ready)
-            now = self._read(coll, hot.rows[ready])
-            change = (now - self._base[idx]).abs().amax(dim=1)
-            scale = now.abs().amax(dim=1).clamp_min(1e-12)
-            self._score[ready] = (change / (scale * torch.from_numpy(estimated[ready]).float())).numpy()
-            self._base[idx] = now
-            self._updates[ready] = 0
+        self.rule.record_updates(sparse, self.table_offsets, self._row_flags)
 
     def after_batch(self, coll: EmbeddingRowSource) -> bool:
         """Call after every trained batch; re-snapshots every K batches once the window has ended.
@@ -426,10 +216,7 @@ class StaleInputDetector:
         """Take a new snapshot; staleness is recomputed from (previous snapshot, this one)."""
         if not self.window_done:
             raise InvalidInputError("recheck needs a finished window (end_window) first")
-        if self.convergence:
-            self._measure(coll)
-        else:
-            self._snap_prev, self._snap_cur = self._snap_cur, self._read_hot(coll)
+        self.rule.recheck(self._reader(coll), self._require_hot())
         self._since_snapshot = 0
         self._rechecks += 1
         self._refresh_flags()
@@ -440,18 +227,11 @@ class StaleInputDetector:
             interval = self._window_batches or None
         return interval
 
-    # ---- 3. staleness ----------------------------------------------------------------------------------
-
     def row_change(self) -> torch.Tensor:
-        """float32 [hot rows]: largest per-dimension change between the latest two snapshots."""
-        if self._snap_prev is None or self._snap_cur is None:
+        """float32 [hot rows]: largest per-dimension change between the latest two snapshots (paper rule)."""
+        if not hasattr(self.rule, "row_change"):
             raise InvalidInputError("row_change needs two snapshots (begin_window, end_window)")
-        prev, cur = self._snap_prev, self._snap_cur
-        memo = self._change_memo  # the filter, refits and stats all ask between two snapshots
-        if memo is None or memo[0] is not prev or memo[1] is not cur:
-            change = torch.zeros(0) if prev.shape[0] == 0 else (cur - prev).abs().amax(dim=1)
-            self._change_memo = memo = (prev, cur, change)
-        return memo[2]
+        return self.rule.row_change()
 
     def row_score(self) -> np.ndarray:
         """float32 [hot rows]: what the threshold is compared with under the configured rule.
@@ -459,11 +239,7 @@ class StaleInputDetector:
         paper: the L-inf change between the latest two snapshots; convergence: change per update relative
         to the row's scale, inf for rows not yet measured (never stale).
         """
-        if not self.convergence:
-            return self.row_change().numpy()
-        if self._base is None:
-            raise InvalidInputError("row_score needs a window (begin_window, end_window)")
-        return self._score
+        return self.rule.score()
 
     def _refresh_flags(self) -> None:
         if self._threshold is None or not self.window_done:
@@ -485,8 +261,6 @@ class StaleInputDetector:
         pos, hit = self.hot.positions(rows)
         return hit & self._stale_flags[pos]
 
-    # ---- 4. threshold ----------------------------------------------------------------------------------
-
     @property
     def threshold(self) -> float | None:
         return self._threshold
@@ -505,7 +279,7 @@ class StaleInputDetector:
             hot_inputs = hot_inputs[np.sort(pick)]
         self.row_score()  # fail early without snapshots
         self._fit_sample = np.ascontiguousarray(hot_inputs, dtype=np.int32)
-        return self._fit(self.guard.target)
+        return self._fit(self.target)
 
     def refit(self) -> ThresholdResult:
         """Refit T on the latest snapshot pair, with the inputs sampled by the last ``fit_threshold``.
@@ -514,7 +288,7 @@ class StaleInputDetector:
         """
         if self._fit_sample is None:
             raise InvalidInputError("refit needs a sample: call fit_threshold first")
-        return self._fit(self.guard.target)
+        return self._fit(self.target)
 
     def _input_keys(self, sparse: np.ndarray) -> np.ndarray:
         """Per input, the smallest T that makes it stale is just above its k-th smallest lookup change."""
@@ -536,48 +310,17 @@ class StaleInputDetector:
     def _fit(self, target: float) -> ThresholdResult:
         cfg = self.config
         sample = self._fit_sample if self._fit_sample is not None else np.zeros((0, self.num_tables), np.int32)
-        keys = self._input_keys(sample)
-        n = int(keys.size)
-
-        def ratio(t: float) -> float:
-            return float(np.count_nonzero(keys < t)) / n
-
-        def result(t: float | None, achieved: float, steps: int, ok: bool, reason: str = "") -> ThresholdResult:
-            self._threshold = t
-            self.threshold_result = ThresholdResult(t, achieved, steps, ok, target, n, reason)
-            self._refresh_flags()
-            return self.threshold_result
-
-        if n == 0:
-            return result(None, 0.0, 0, False, "no hot inputs in the threshold sample")
-        lo, hi = cfg.threshold_low, cfg.threshold_high
-        if self.convergence:  # scores are relative: search up to just above the largest known input key
-            known = keys[np.isfinite(keys)]
-            if not known.size:
-                return result(None, 0.0, 0, False, "no sampled hot input has all its rows measured yet")
-            lo, hi = 0.0, float(np.nextafter(np.float32(known.max()), np.float32(np.inf)))
-        top = ratio(hi)
-        if top < target - cfg.tolerance:
-            return result(None, top, 0, False, f"stale fraction at T={hi} is {top:.3f} < {target - cfg.tolerance:.3f}")
-        achieved = top
-        for step in range(1, cfg.max_bisection_steps + 1):
-            mid = 0.5 * (lo + hi)
-            achieved = ratio(mid)
-            if abs(achieved - target) <= cfg.tolerance:
-                return result(mid, achieved, step, True)
-            if achieved < target:
-                lo = mid
-            else:
-                hi = mid
-        return result(None, achieved, cfg.max_bisection_steps, False,
-                      f"no T in [{cfg.threshold_low}, {cfg.threshold_high}] gives {target:.3f} +- {cfg.tolerance}")
-
-    # ---- 5. classify -----------------------------------------------------------------------------------
+        keys = self._input_keys(sample) if sample.shape[0] else np.zeros(0)
+        self.threshold_result = fit_threshold(keys, target, cfg.tolerance, cfg.threshold_low, cfg.threshold_high,
+                                              cfg.max_bisection_steps, relative=self.rule.relative)
+        self._threshold = self.threshold_result.threshold
+        self._refresh_flags()
+        return self.threshold_result
 
     @property
     def skipping(self) -> bool:
-        """True when a threshold was found and the guard allows skipping."""
-        return self._threshold is not None and self.guard.active
+        """True when a threshold was found and the skipper's guard allows skipping."""
+        return self._threshold is not None and self.active
 
     def stale_counts(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
         """int[n]: stale lookups per input."""
@@ -594,32 +337,11 @@ class StaleInputDetector:
 
     def _flags(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
         """uint8 [n, T]: per lookup 0 (cold), 1 (hot) or 3 (hot and stale)."""
-        return np.take(self._row_flags, _global_rows(sparse, self.table_offsets))
+        return lookup_flags(sparse, self.table_offsets, self._row_flags)
 
     def _classify(self, sparse: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """(stale: at least alpha lookups stale, hot: at least alpha lookups hot), bool[n] each.
-
-        This runs on every training input: the compiled loop (`slipcache._native`) does it in one pass over
-        the int32 ids, validating them on the way; otherwise NumPy, where the common case (alpha = every
-        lookup) takes one reduction: the smallest flag decides both.
-        """
-        required = self.config.required_stale(self.num_tables)
-        ids = _to_numpy(sparse)
-        if self._compiled(ids):
-            result = _native.classify_inputs(ids, self.table_offsets, self._row_flags, required)
-            if result is None:
-                raise InvalidInputError("sparse ids out of range for their tables")
-            return result
-        flags = self._flags(sparse)
-        if required == self.num_tables:
-            lowest = flags.min(axis=1, initial=3)
-            return lowest == 3, lowest >= 1
-        return np.count_nonzero(flags == 3, axis=1) >= required, np.count_nonzero(flags, axis=1) >= required
-
-    def _compiled(self, ids: np.ndarray) -> bool:
-        """Whether the compiled loops can take these ids (C-contiguous int32 [n, T], as the splits hold them)."""
-        return (ids.dtype == np.int32 and ids.ndim == 2 and ids.shape[1] == self.num_tables
-                and ids.flags.c_contiguous and _native.native() is not None)
+        """(stale: at least alpha lookups stale, hot: at least alpha lookups hot), bool[n] each."""
+        return classify(sparse, self.table_offsets, self._row_flags, self.config.required_stale(self.num_tables))
 
     def count(self, sparse: np.ndarray | torch.Tensor, control_share: float = 0.0) -> np.ndarray:
         """Classify for skipping and record the counts for ``stats``; returns the keep mask."""
@@ -632,30 +354,10 @@ class StaleInputDetector:
         ``control_share``: that share of the would-be-skipped inputs is kept anyway (the guard's control
         group), chosen by a hash of the input's position in the run, so the choice needs no RNG state.
         """
-        ids = _to_numpy(sparse)
-        if self._compiled(ids):  # one C pass (this runs on every training input): a few NumPy passes less
-            result = _native.filter_inputs(ids, self.table_offsets, self._row_flags,
-                                           self.config.required_stale(self.num_tables), self.skipping,
-                                           control_share, _seed_mix(self.config.seed), self.total.inputs)
-            if result is None:
-                raise InvalidInputError("sparse ids out of range for their tables")
-            keep, control, num_hot, num_would_skip, num_control = result
-            self._add_counts(keep.size, num_hot, num_would_skip - num_control, num_control)
-            return keep, control
-        skip, hot = self._classify(sparse)
-        control = np.zeros_like(skip)
-        num_hot = int(np.count_nonzero(hot))
-        would_skip = np.flatnonzero(skip) if self.skipping else np.zeros(0, dtype=np.int64)
-        num_control = 0
-        if control_share > 0.0 and would_skip.size:
-            # draws for the would-be-skipped inputs only; the same values a draw for every input gives them
-            chosen = would_skip[_uniform(self.config.seed, self.total.inputs + would_skip) < control_share]
-            control[chosen] = True
-            num_control = int(chosen.size)
-        keep = np.ones_like(skip)
-        keep[would_skip] = False
-        keep |= control
-        self._add_counts(skip.size, num_hot, int(would_skip.size) - num_control, num_control)
+        keep, control, num_hot, num_would_skip, num_control = filter_inputs(
+            sparse, self.table_offsets, self._row_flags, self.config.required_stale(self.num_tables), self.skipping,
+            control_share, self.config.seed, self.total.inputs)
+        self._add_counts(keep.size, num_hot, num_would_skip - num_control, num_control)
         return keep, control
 
     def _add_counts(self, inputs: int, hot: int, skipped: int, controls: int) -> None:
@@ -680,51 +382,36 @@ class StaleInputDetector:
         """
         return self.count
 
-    # ---- guard -----------------------------------------------------------------------------------------
-
-    def guard_indices(self, num_inputs: int) -> np.ndarray:
-        """The epoch's guard sample: inputs whose loss the guard follows (deterministic per seed and epoch)."""
-        return self.sample_indices(num_inputs, min(1.0, self.config.guard_sample_size / max(num_inputs, 1)), "guard")
-
-    def update_guard(self, loss: float, reference: float) -> GuardDecision:
-        """Feed the guard's loss statistic and its reference; refits T if D changed."""
-        before = self.guard.target
-        decision = self.guard.update(loss, reference)
-        if decision.target != before and self._fit_sample is not None:
-            self._fit(decision.target)
-        return decision
-
-    def step_down_guard(self, drift: float) -> GuardDecision:
-        """Lower D one step now (or stop skipping), e.g. when validation AUC fell; refits T."""
-        decision = self.guard.step_down(drift)
-        if decision.action == "lower" and self._fit_sample is not None:
-            self._fit(decision.target)
-        return decision
-
-    # ---- metrics and checkpoints -----------------------------------------------------------------------
+    def retarget(self, target: float, active: bool) -> None:
+        """A new D (refit T when it changed and a sample exists) and whether skipping is allowed at all."""
+        changed = target != self.target
+        self.target, self.active = float(target), bool(active)
+        if changed and self._fit_sample is not None:
+            self._fit(self.target)
 
     def stats(self) -> dict[str, Any]:
         """Flat JSON-ready metrics for metrics.jsonl."""
         res = self.threshold_result
         ep = self.epoch_counts
+        rule_stats = self.rule.stats()
         return {
             "epoch": self.epoch,
             "hot_rows": len(self.hot) if self.hot is not None else 0,
             "hot_bytes": (len(self.hot) if self.hot is not None else 0) * self.dim * 4,
             "flag_bytes": int(self._row_flags.nbytes),
-            "index_bytes": self._index.nbytes if self._index is not None else 0,
+            "index_bytes": rule_stats["index_bytes"],
             "rule": self.config.rule,
             "stale_rows": int(np.count_nonzero(self._stale_flags)),
-            "unknown_rows": int(np.count_nonzero(~np.isfinite(self._score))) if self.convergence else None,
+            "unknown_rows": rule_stats["unknown_rows"],
             "rows_read": self.rows_read,
             "threshold": self._threshold,
             "threshold_converged": res.converged if res else False,
             "threshold_steps": res.steps if res else 0,
             "threshold_ratio": res.achieved_ratio if res else None,
             "threshold_reason": res.reason if res else "",
-            "target_drop": self.guard.target,
+            "target_drop": self.target,
             "skipping": self.skipping,
-            "guard_active": self.guard.active,
+            "active": self.active,
             "window_batches": self._window_batches,
             "rechecks": self._rechecks,
             "inputs_seen": ep.inputs,
@@ -740,8 +427,6 @@ class StaleInputDetector:
         def tensor(a: np.ndarray | None) -> torch.Tensor | None:
             return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
 
-        self._fold_updates()  # sums are order-free: folding early changes no count
-
         return {
             "version": _STATE_VERSION,
             "config": asdict(self.config),
@@ -750,8 +435,7 @@ class StaleInputDetector:
             "epoch": self.epoch,
             "hot_rows": tensor(self.hot.rows) if self.hot is not None else None,
             "hot_counts": tensor(self.hot.counts) if self.hot is not None else None,
-            "snap_prev": self._snap_prev,
-            "snap_cur": self._snap_cur,
+            "rule": self.rule.state_dict(),
             "threshold": self._threshold,
             "threshold_result": asdict(self.threshold_result) if self.threshold_result else None,
             "stale_flags": tensor(self._stale_flags),
@@ -760,11 +444,9 @@ class StaleInputDetector:
             "window_batches": self._window_batches,
             "since_snapshot": self._since_snapshot,
             "rechecks": self._rechecks,
-            "base": self._base,
-            "updates": tensor(self._updates),
-            "score": tensor(self._score),
             "rows_read": self.rows_read,
-            "guard": self.guard.state_dict(),
+            "target": self.target,
+            "active": self.active,
             "epoch_counts": asdict(self.epoch_counts),
             "total": asdict(self.total),
         }
@@ -784,12 +466,8 @@ class StaleInputDetector:
         self.epoch = int(state["epoch"])
         if state["hot_rows"] is not None:
             self.set_hot(HotSet(array(state["hot_rows"]), array(state["hot_counts"]), self.table_offsets))
-        self._base = None if state["base"] is None else state["base"].clone()
-        self._updates = array(state["updates"])
-        self._score = array(state["score"])
+        self.rule.load_state_dict(state["rule"])
         self.rows_read = int(state["rows_read"])
-        self._snap_prev = None if state["snap_prev"] is None else state["snap_prev"].clone()
-        self._snap_cur = None if state["snap_cur"] is None else state["snap_cur"].clone()
         self._threshold = state["threshold"]
         res = state["threshold_result"]
         self.threshold_result = ThresholdResult(**res) if res else None
@@ -799,7 +477,7 @@ class StaleInputDetector:
         self._window_batches = int(state["window_batches"])
         self._since_snapshot = int(state["since_snapshot"])
         self._rechecks = int(state["rechecks"])
-        self.guard.load_state_dict(state["guard"])
+        self.target, self.active = float(state["target"]), bool(state["active"])
         self.epoch_counts = _Counters(**state["epoch_counts"])
         self.total = _Counters(**state["total"])
 
@@ -808,20 +486,3 @@ class StaleInputDetector:
             raise InvalidInputError("call profile() before using the hot set")
         return self.hot
 
-
-def _uniform(seed: int, positions: np.ndarray) -> np.ndarray:
-    """Uniform [0, 1) values for inputs at these positions of a run: splitmix64 of (seed, position).
-
-    Stateless, so a resumed run draws exactly what the uninterrupted one drew for the same inputs.
-    """
-    with np.errstate(over="ignore"):
-        z = positions.astype(np.uint64) + np.uint64(_seed_mix(seed))
-        z += np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-
-
-def _seed_mix(seed: int) -> int:
-    return (seed * 0x632BE59BD9B4E019) % 2**64

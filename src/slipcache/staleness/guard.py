@@ -1,5 +1,5 @@
-"""The skip guard's rule: lower the target D, or stop skipping, when a loss statistic drifts above a reference
-(moved out of detector.py; the trainer's use of it is in skipping.py)."""
+"""The skip guard's rule: lower the target D, or stop skipping, when a loss statistic drifts above a reference.
+The skipper (``slipcache.staleness.skipping``) owns the guard and tells the detector the resulting target."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from slipcache.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from slipcache.staleness.detector import StalenessConfig
+    from slipcache.staleness.config import GuardConfig
 
 
 @dataclass
@@ -49,9 +49,8 @@ class SkipGuard:
         self._good = 0
 
     @classmethod
-    def from_config(cls, config: StalenessConfig) -> SkipGuard:
-        return cls(config.target_drop, config.guard_margin, config.guard_release, config.guard_patience,
-                   config.guard_backoff, config.guard_min_target)
+    def from_config(cls, config: GuardConfig, base_target: float) -> SkipGuard:
+        return cls(base_target, config.margin, config.release, config.patience, config.backoff, config.min_target)
 
     def update(self, loss: float, reference: float) -> GuardDecision:
         """Feed one comparison (mean losses, same loss function) and apply the rule."""

@@ -1,5 +1,5 @@
 """The hot set of the staleness detector: its sorted rows, a hash from global row to hot position, and the
-id checks the detector applies to every input (moved out of detector.py; see its docstring)."""
+id checks the detector applies to every input."""
 
 from __future__ import annotations
 
@@ -33,10 +33,15 @@ class HotSet:
         """Boolean mask: which global rows are hot."""
         return self.positions(np.asarray(global_rows, dtype=np.int64))[1]
 
-    def input_mask(self, sparse: np.ndarray | torch.Tensor) -> np.ndarray:
-        """bool[n]: inputs whose every lookup is a hot row."""
-        global_rows = _global_rows(sparse, self.table_offsets)
-        return self.contains(global_rows).all(axis=1)
+
+def most_accessed(global_rows: np.ndarray, max_rows: int, table_offsets: np.ndarray) -> HotSet:
+    """FAE's hot set: the ``max_rows`` rows most accessed in a sample (any shape of global rows)."""
+    rows, counts = np.unique(global_rows.reshape(-1), return_counts=True)
+    if rows.size > max_rows:
+        # Most accessed first; ties go to the lower row so the choice is deterministic.
+        keep = np.lexsort((rows, -counts))[:max_rows]
+        rows, counts = rows[keep], counts[keep]
+    return HotSet(rows, counts, table_offsets)
 
 
 class HotIndex:

@@ -23,7 +23,7 @@ The trainer calls `StaleSkipper` through these hooks (see `slipcache.training.tr
    one decision per epoch, fixed until the next.
 5. **Guard**: `stale_keep` (5 %) of the would-be-skipped inputs are trained anyway, as a control group.
    Their training loss, relative to that of all trained inputs in the same batches, is followed: if it
-   rises by more than `CONTROL_MARGIN` against its value when skipping (re)started, on 2 consecutive
+   rises by more than the guard's margin (`GuardConfig.margin`, 10 %) against its value when skipping (re)started, on 2 consecutive
    checks, skipped inputs were still teaching (the rest of the model moved on without them) and D is
    halved, then skipping stops. At each validation, a drop of validation AUC by more than `VAL_DROP`
    below its best since skipping began lowers D at once. Every action is reported.
@@ -46,15 +46,15 @@ import torch.nn.functional as F
 
 from slipcache.data.dataset import Batch, SplitArrays
 from slipcache.model import DLRM
-from slipcache.staleness.detector import GuardDecision, HotSet, StaleInputDetector, StalenessConfig
+from slipcache.staleness.config import GuardConfig, StalenessConfig
+from slipcache.staleness.detector import StaleInputDetector
+from slipcache.staleness.guard import GuardDecision, SkipGuard
+from slipcache.staleness.hotset import HotSet
 
-_STATE_VERSION = 3
+_STATE_VERSION = 4
 THRESHOLD_SAMPLE_MIN = 4096
 WARMUPS = ("val", "epoch", "none")
 DECISIONS = ("rolling", "epoch")
-# A relative rise of the controls' loss ratio that counts as "still teaching". Its noise with 100-400
-# controls per check is a few %; 10 % with 2 consecutive checks does not fire on noise.
-CONTROL_MARGIN = 0.10
 CONTROL_MIN = 100  # controls needed before a check: fewer make the mean loss noise
 VAL_DROP = 0.002  # validation AUC below its best since skipping began by this much lowers D
 # "val" warm-up ends by this share of the run at the latest: a one-epoch run has no second epoch to fall back
@@ -82,7 +82,6 @@ class StaleSkipper:
                 window_fraction=config.stale_window,
                 recheck_interval=None if config.stale_decision == "epoch" else config.stale_recheck,
                 memory_budget_bytes=int(config.stale_budget_mb * 2**20),
-                guard_margin=CONTROL_MARGIN,
                 rule=config.stale_rule,
                 min_updates=config.stale_min_updates,
                 count_share=config.stale_count_share,
@@ -90,6 +89,7 @@ class StaleSkipper:
             ),
         )
         self.window = self.detector.window_batches(batches_per_epoch)
+        self.guard = SkipGuard.from_config(GuardConfig(), float(config.stale_target))
         self.guard_every = int(config.stale_guard_every) if config.stale_guard else 0
         # p: share of the would-be-skipped inputs trained anyway (the guard's control group); with reweighting
         # their loss counts 1/p, an importance sample of all would-be-skipped inputs (see loss_weights).
@@ -241,7 +241,7 @@ class StaleSkipper:
         if not (self.guard_every and det.skipping):
             return
         if self.best_val_auc is not None and auc < self.best_val_auc - VAL_DROP:
-            self._record(det.step_down_guard(auc - self.best_val_auc), "validation")
+            self._record(self._apply(self.guard.step_down(auc - self.best_val_auc)), "validation")
             self.best_val_auc = auc  # the next step needs a new drop below this
         else:
             self.best_val_auc = auc if self.best_val_auc is None else max(auc, self.best_val_auc)
@@ -348,12 +348,17 @@ class StaleSkipper:
         if self.control_reference is None:
             self.control_reference = ratio
             return
-        decision = self.detector.update_guard(ratio, self.control_reference)
+        decision = self._apply(self.guard.update(ratio, self.control_reference))
         self.guard_checks += 1
         self.last_guard = decision
         if decision.action != "none":
             self._record(decision, "control loss")
             self.control_reference = None  # a new D skips a different population: measure it afresh
+
+    def _apply(self, decision: GuardDecision) -> GuardDecision:
+        """Tell the detector the guard's target (it refits T when D changed) and whether skipping may go on."""
+        self.detector.retarget(decision.target, decision.active)
+        return decision
 
     def _record(self, decision: GuardDecision, source: str) -> None:
         if decision.action != "none":
@@ -411,7 +416,7 @@ class StaleSkipper:
             "rechecks": stats["rechecks"],
             "guard_checks": self.guard_checks,
             "guard_actions": self.guard_actions,
-            "guard_active": self.detector.guard.active,
+            "guard_active": self.guard.active,
             "threshold_fits": self.fits,
             "threshold_refits": self.refits,
             "speedup_bound": 1.0 / max(1.0 - (total.skipped / total.inputs if total.inputs else 0.0), 1e-9),
@@ -424,6 +429,7 @@ class StaleSkipper:
         return {
             "version": _STATE_VERSION,
             "detector": self.detector.state_dict(),
+            "guard": self.guard.state_dict(),
             "epoch": self.epoch,
             "batch": self.batch,
             "trained": self.trained,
@@ -454,6 +460,7 @@ class StaleSkipper:
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"unsupported skipping state version {state.get('version')}")
         self.detector.load_state_dict(state["detector"])
+        self.guard.load_state_dict(state["guard"])
         for name in ("epoch", "batch", "trained", "released_rows", "guard_checks", "refits"):
             setattr(self, name, int(state[name]))
         self.warm, self.val_flat = bool(state["warm"]), bool(state["val_flat"])

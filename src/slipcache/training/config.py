@@ -18,6 +18,9 @@ from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import EMBEDDING_KINDS, ModelConfig
+from slipcache.staleness.config import StalenessConfig
+
+_STALE = StalenessConfig()  # the stale_* defaults below are the detector's: one set of defaults
 
 VOCABS = ("hash", "frequency")
 
@@ -72,19 +75,19 @@ class TrainConfig:
     tensorboard: str | None = None  # also write metrics as TensorBoard events here; "" = <out>/tensorboard
     # Slipstream stale-input skipping (slipcache.staleness.skipping, docs/skipping.md)
     skip_stale: bool = False  # drop stale inputs while batches are assembled: no forward, no backward
-    stale_target: float = 0.3  # D: share of hot inputs to skip, fitted anew each epoch
+    stale_target: float = _STALE.target_drop  # D: share of hot inputs to skip, fitted anew each epoch
     stale_guard: bool = True  # back off D (or stop) when skipped inputs' loss drifts above trained ones'
     stale_guard_every: int = 100  # batches between guard checks (each evaluates 2048 inputs, forward only)
-    stale_alpha: float = 1.0  # an input is stale when this share of its lookups hit stale rows
-    stale_window: float = 0.02  # share of an epoch's batches between the two snapshots of the window
-    stale_recheck: int | None = 0  # batches between rolling snapshots; 0 = window length, None = off
-    stale_budget_mb: float = 256.0  # hot-row snapshot budget (one snapshot)
+    stale_alpha: float = _STALE.alpha  # an input is stale when this share of its lookups hit stale rows
+    stale_window: float = _STALE.window_fraction  # share of an epoch's batches between the two snapshots of the window
+    stale_recheck: int | None = _STALE.recheck_interval  # batches between rolling snapshots; 0 = window length, None = off
+    stale_budget_mb: float = _STALE.memory_budget_bytes / 2**20  # hot-row snapshot budget (one snapshot)
     stale_min_accesses: float = 0.0  # hot rows must expect this many accesses per window (0 = paper)
     stale_release_cache: bool = False  # stale rows give their cache slots to rows that still move
     stale_refit: bool = True  # refit T at every rolling re-check so D holds all epoch (paper: once per epoch)
-    stale_rule: str = "convergence"  # "convergence" (change per update, measured rows only) or "paper"
-    stale_min_updates: int = 4  # convergence rule: updates a row needs before it is judged
-    stale_count_share: float = 0.25  # convergence rule: share of each trained batch counted (scaled up)
+    stale_rule: str = _STALE.rule  # "convergence" (change per update, measured rows only) or "paper"
+    stale_min_updates: int = _STALE.min_updates  # convergence rule: updates a row needs before it is judged
+    stale_count_share: float = _STALE.count_share  # convergence rule: share of each trained batch counted (scaled up)
     stale_warmup: str = "val"  # "val" (validation loss flattened), "epoch" or "none"
     stale_warmup_epoch: int = 1  # 0-based epoch from which skipping may start at the latest (1 = the 2nd)
     stale_warmup_min: float = 0.1  # never skip in this first share of the run
@@ -176,7 +179,7 @@ class TrainConfig:
             raise SlipcacheError(
                 "stale_window must be in (0, 1], stale_guard_every >= 1, stale_budget_mb > 0"
             )
-        from slipcache.staleness.detector import RULES
+        from slipcache.staleness.config import RULES
         from slipcache.staleness.skipping import DECISIONS, WARMUPS
 
         for name, allowed in (("stale_rule", RULES), ("stale_warmup", WARMUPS), ("stale_decision", DECISIONS)):
