@@ -148,7 +148,7 @@ CHANGED = {  # every setting a resume may change (--allow-changes), and a new va
     "eval_samples": 100, "checkpoint_every": 256, "keep_checkpoints": 3, "stale_target": 0.2,
     "stale_guard": False, "stale_guard_every": 7, "stale_alpha": 0.9, "stale_window": 0.05, "stale_recheck": 3,
     "stale_budget_mb": 64.0, "stale_min_accesses": 0.5, "stale_release_cache": True, "stale_refit": False,
-    "stale_rule": "paper", "stale_min_updates": 3, "stale_count_share": 0.5, "stale_warmup": "epoch",
+    "stale_min_updates": 3, "stale_count_share": 0.5, "stale_warmup": "epoch",
     "stale_warmup_epoch": 0, "stale_warmup_min": 0.2, "stale_warmup_tol": 0.01, "stale_decision": "epoch",
     "stale_keep": 0.1, "stale_reweight": True, "stale_weight_max": 5.0,
 }  # fmt: skip
@@ -179,8 +179,7 @@ def test_changed_settings_on_resume_are_what_trains(
     # The copies each part keeps of a setting follow it, not the checkpoint:
     assert r.model.embeddings.lr == 0.11
     assert [g["lr"] for g in r.dense_opt.param_groups] == [0.07]
-    guard = r.skipper.detector.guard
-    assert guard.base_target == 0.2 and guard.target <= 0.2
+    assert r.skipper.guard.base_target == 0.2 and r.skipper.detector.target <= 0.2
     assert r.budget == 2560 and r.consumed >= 2560  # trained + skipped reach the new budget
     final = checkpoint.load_checkpoint(run / "checkpoints")
     assert final["dense_optimizer"]["param_groups"][0]["lr"] == 0.07

@@ -131,4 +131,5 @@ def apply_settings(
     for group in emb_opt.param_groups if emb_opt is not None else []:
         group["lr"] = config.lr
     if skipper is not None and "stale_target" in changed:  # the guard's backed-off target restarts from it
-        skipper.detector.guard.base_target = skipper.detector.guard.target = config.stale_target
+        skipper.guard.base_target = skipper.guard.target = config.stale_target
+        skipper.detector.retarget(config.stale_target, skipper.detector.active)  # refits T for the new D
