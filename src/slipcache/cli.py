@@ -16,8 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("slipcache.data.synthetic.cli", "generate a synthetic Criteo-shaped dataset"),
     "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
     "stats": ("slipcache.data.stats.cli", "access-pattern statistics of raw Criteo files or a dataset"),
-    "bench": ("slipcache.experiments.bench", "benchmark embedding implementations"),
-    "experiment": ("slipcache.experiments.studies", "run the papers' experiments and write a report"),
+    "bench": ("slipcache.bench.cli", "benchmark embedding implementations"),
+    "experiment": ("slipcache.bench.experiment", "run the papers' experiments and write a report"),
     "plan": ("slipcache.planning.cli", "choose per-table precision and cache rows for a memory budget"),
     "export": ("slipcache.export", "write a checkpoint's tables for serving (nn.EmbeddingBag, TorchRec, FBGEMM INT8)"),
 }

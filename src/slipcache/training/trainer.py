@@ -66,7 +66,7 @@ if typing.TYPE_CHECKING:
     from slipcache.distributed.training import DistributedRun
     from slipcache.staleness.skipping import StaleSkipper
 
-# Re-exported: experiments/bench_train.py and experiments/runner.py (one seam for a fake trainer in the
+# Re-exported: bench/train.py and benchmarks/runner.py (one seam for a fake trainer in the
 # tests) read these as trainer.<name>.
 from slipcache.training.config import make_config as make_config  # noqa: E402
 from slipcache.training.datasets import prepare_data as prepare_data  # noqa: E402
