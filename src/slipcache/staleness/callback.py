@@ -27,6 +27,12 @@ class SkipStaleInputs(Callback):
     def __init__(self, run: Run) -> None:
         self.skipper = StaleSkipper(run.config, run.model, run.dataset.split("train"), run.batches_per_epoch)
 
+    def on_start(self, run: Run) -> None:
+        if "stale_target" in run.changed:  # resumed with another D: the guard's backed-off target restarts
+            skipper = self.skipper
+            skipper.guard.base_target = skipper.guard.target = run.config.stale_target
+            skipper.detector.retarget(run.config.stale_target, skipper.detector.active)  # refits T for it
+
     def start_epoch(self, run: Run) -> None:
         self.skipper.start_epoch(run.progress.epoch, run.progress.batch_in_epoch)  # profile, open the window
 

@@ -17,8 +17,10 @@ import torch
 from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM, build_embeddings
 from slipcache.training import checkpoint as ckpt
+from slipcache.training import runlock
 from slipcache.training.run_state import load_model_state
 from slipcache.training.rundir import has_checkpoint, load_training_checkpoint
+from slipcache.training.runlock import RunLock
 
 if typing.TYPE_CHECKING:
     from torch import nn
@@ -54,6 +56,10 @@ class RunBackend:
         """Whether this process writes the run directory's files (config, metrics, summary, report)."""
         raise NotImplementedError
 
+    def claim_run_dir(self, run_dir: Path, record: dict[str, Any]) -> RunLock:
+        """Take the run directory for this run (`run.lock`): one writer per run directory."""
+        raise NotImplementedError
+
     def build_model(self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path) -> Any:
         raise NotImplementedError
 
@@ -80,6 +86,9 @@ class LocalBackend(RunBackend):
     @property
     def writes_files(self) -> bool:
         return True
+
+    def claim_run_dir(self, run_dir: Path, record: dict[str, Any]) -> RunLock:
+        return runlock.acquire(run_dir, record["run_id"])
 
     def build_model(self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path) -> DLRM:
         return build_model(config, table_sizes, num_dense)

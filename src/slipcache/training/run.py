@@ -16,6 +16,7 @@ if typing.TYPE_CHECKING:
     from slipcache.training.backend import RunBackend
     from slipcache.training.callbacks import Callbacks
     from slipcache.training.config import TrainConfig
+    from slipcache.training.runlock import RunLock
 
 
 @dataclass
@@ -70,6 +71,8 @@ class Run:
     tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
     tick_cpu: float = 0.0  # process CPU time at `tick`
     finished: bool = False  # set by the run's last batch
+    changed: frozenset[str] = frozenset()  # settings this resume changed (--allow-changes)
+    lock: RunLock | None = None  # run.lock of the run directory (rank 0 of N holds it), released at the end
 
     @property
     def consumed(self) -> int:

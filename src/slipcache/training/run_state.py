@@ -102,3 +102,16 @@ def check_checkpoint(state: dict[str, Any], path: Path) -> None:
         or not all(isinstance(state.get(k), dict) for k in parts)
     ):
         raise SlipcacheError(f"checkpoint {path} is incomplete or malformed (table sizes or state missing)")
+
+
+def apply_settings(run: Run) -> None:
+    """Put the run's settings back over what a checkpoint restored: the collection and the optimizers
+    each keep their own copy of a learning rate, and a resume with `--allow-changes` must train with what
+    config.json says, not with the checkpoint's copy. (A callback puts back its own in `on_start`.)"""
+    config, model = run.config, run.model
+    if hasattr(model.embeddings, "lr"):
+        model.embeddings.lr = config.lr
+    for group in run.dense_opt.param_groups:
+        group["lr"] = config.dense_lr or config.lr
+    for group in run.emb_opt.param_groups if run.emb_opt is not None else []:
+        group["lr"] = config.lr

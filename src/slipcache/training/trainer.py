@@ -24,7 +24,6 @@ import dataclasses
 import math
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +52,9 @@ from slipcache.training.datasets import (
 from slipcache.training.features import run_callbacks
 from slipcache.training.metrics import evaluate_predictions
 from slipcache.training.run import Progress, Run
-from slipcache.training.run_state import checkpoint_state, restore
-from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, warn
-from slipcache.training.tensorboard import embedding_event_fields
+from slipcache.training.run_state import apply_settings, checkpoint_state, restore
+from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, run_record, warn
+from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 
 # Re-exported: bench/train.py and benchmarks/runner.py (one seam for a fake trainer in the tests) read
 # these as trainer.<name>; `Run`/`Progress` lived here before `training/run.py`.
@@ -164,10 +163,12 @@ def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, A
                 run.tick_cpu = time.process_time()
             else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
                 end_epoch(run)
+        save_checkpoint(run)
+        return finish_run(run)
     finally:
         run.bar.close()
-    save_checkpoint(run)
-    return finish_run(run)
+        if run.lock is not None:
+            run.lock.release()
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
@@ -186,8 +187,6 @@ def start_run(config: TrainConfig, backend: RunBackend) -> Run:
         run_dir = Path(config.out or "")
     else:
         run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
-    for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
-        ckpt.remove_partial_writes(directory)
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
         config.data = str(Path(config.data).expanduser().resolve())
 
@@ -196,12 +195,32 @@ def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     config.split_order = config.split_order or dataset.meta.get("split_order")
     config = resolve_schedule(config, dataset.splits["train"])
     config.out = str(run_dir)
-    config_dict = {**asdict(config), "dataset": str(dataset_dir)}
-    history = list(saved.get("changed_on_resume", []))
-    if changes:
-        history.append({"samples": state["progress"]["samples"] if state else 0, "changes": changes})
-    if history:
-        config_dict["changed_on_resume"] = history
+    config.tensorboard = resolve_setting(config.tensorboard, run_dir)
+    config_dict = run_record(config, dataset, dataset_dir, saved, changes, state)
+    lock = backend.claim_run_dir(run_dir, config_dict)  # one writer per run directory from here on
+    try:
+        run = _build_run(config, config_dict, run_dir, dataset, state, changes, backend)
+    except BaseException:
+        lock.release()
+        raise
+    run.lock = lock
+    return run
+
+
+def _build_run(
+    config: TrainConfig,
+    config_dict: dict[str, Any],
+    run_dir: Path,
+    dataset: Any,
+    state: dict[str, Any] | None,
+    changes: dict[str, list[Any]],
+    backend: RunBackend,
+) -> Run:
+    """The model, optimizers, callbacks and state of a run whose directory this process holds."""
+    dataset_dir = Path(config_dict["dataset"])
+    if backend.writes_files:
+        for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
+            ckpt.remove_partial_writes(directory)
     quality = data_quality(dataset)
     if quality is not None and quality["malformed_lines"]:
         warn(malformed_message(quality, config.data))
@@ -231,11 +250,13 @@ def start_run(config: TrainConfig, backend: RunBackend) -> Run:
         max_epochs=math.ceil(total_steps / batches_per_epoch),
         batches_per_epoch=batches_per_epoch,
         data_quality=quality,
+        changed=frozenset(changes),
     )
     run.callbacks = run_callbacks(run)
     if state is not None:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(state, run)
+        apply_settings(run)  # config.json is what runs (callbacks apply theirs in on_start)
     run.callbacks.on_start(run)
     run.bar = tqdm(
         total=run.budget,
