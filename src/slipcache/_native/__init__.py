@@ -289,12 +289,17 @@ def lookup(
     return slots
 
 
-def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> None:
-    """weights[slots[i]] -= lr * grad[i], for repeated slots too (in batch order, on any thread count)."""
+def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> bool:
+    """weights[slots[i]] -= lr * grad[i], for repeated slots too (in batch order, on any thread count).
+
+    Returns whether every value it wrote is finite (False: an update overflowed to inf or NaN)."""
     library = native()
     assert library is not None
     slots, grad = slots.contiguous(), grad.contiguous().float()  # a read-only input may be converted
-    _run_sgd(library.sgd_update, weights, slots, grad, lr, threads)
+    return _run_sgd(library.sgd_update, weights, slots, grad, lr, threads) != _OVERFLOWED
+
+
+_NOT_FINITE, _OVERFLOWED = -2, -3  # the SGD loops' codes: gradient not finite (nothing written); overflow
 
 
 def _run_sgd(loop: Callable[..., int], weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None) -> int:
@@ -451,12 +456,15 @@ def assign_slots(
     return slots, victim_slots[:victims], victim_rows[:victims]
 
 
-def sgd_update_finite(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> bool:
+def sgd_update_finite(
+    weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None
+) -> tuple[bool, bool]:
     """`sgd_update` for the lookups with a slot (-1: skipped), applied only if every value of `grad` is
-    finite; returns whether it was."""
+    finite; returns (whether it was applied, whether every value it wrote is finite)."""
     library = native()
     assert library is not None
-    return _run_sgd(library.sgd_update_finite, weights, slots, grad, lr, threads) == -1
+    code = _run_sgd(library.sgd_update_finite, weights, slots, grad, lr, threads)
+    return code != _NOT_FINITE, code != _OVERFLOWED
 
 
 def classify_inputs(

@@ -388,12 +388,24 @@ int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const i
 
 typedef struct {
     float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
-    int64_t part, parts;
+    int64_t part, parts; int nonfinite;
 } sgd_args;
+
+/* Whether any of the n floats at v is inf or NaN (exponent all ones). */
+static inline int any_nonfinite(const float *v, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t d = 0; d < n; d++) {
+        uint32_t bits;
+        __builtin_memcpy(&bits, v + d, sizeof bits);
+        bad |= (bits & 0x7f800000u) == 0x7f800000u;
+    }
+    return bad != 0;
+}
 
 ROW_LOOPS static void *sgd_part(void *p) {
     sgd_args *a = (sgd_args *)p;
     size_t row_bytes = (size_t)a->dim * sizeof(float);
+    int nonfinite = 0;
     for (int64_t i = 0; i < a->n; i++) {
         if (i + AHEAD < a->n && a->slots[i + AHEAD] >= 0)  /* a later row on its way while this one is updated */
             prefetch_span(a->weights + a->slots[i + AHEAD] * a->dim, row_bytes, 1);
@@ -402,28 +414,40 @@ ROW_LOOPS static void *sgd_part(void *p) {
         float *w = a->weights + s * a->dim;
         const float *g = a->grad + i * a->dim;
         for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
+        /* A value that overflowed stays inf or NaN through later updates: checking each write finds it. */
+        nonfinite |= any_nonfinite(w, a->dim);
     }
+    a->nonfinite = nonfinite;
     return 0;
 }
 
-/* weights[slots[i]] -= lr * grad[i] in batch order per slot. Returns -1, or the index of the first slot
-   outside [0, num_slots) (then nothing is written). */
+static int run_sgd(float *weights, int64_t dim, const int64_t *slots, const float *grad, int64_t n, float lr,
+                   int64_t threads) {
+    sgd_args args[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads, 0};
+    run_parts(sgd_part, args, sizeof(sgd_args), threads);
+    int nonfinite = 0;
+    for (int64_t t = 0; t < threads; t++) nonfinite |= args[t].nonfinite;
+    return nonfinite;
+}
+
+/* weights[slots[i]] -= lr * grad[i] in batch order per slot. Returns -1, -3 when an updated value is inf or
+   NaN (an overflow: the caller clamps), or the index of the first slot outside [0, num_slots) (then nothing
+   is written). */
 int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
                    int64_t n, float lr, int64_t threads) {
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) return i;
     }
-    sgd_args args[MAX_THREADS];
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
-    run_parts(sgd_part, args, sizeof(sgd_args), threads);
-    return -1;
+    return run_sgd(weights, dim, slots, grad, n, lr, threads) ? -3 : -1;
 }
 
 /* The fused SGD step of one backward: nothing is written unless every value of grad [n, dim] is finite
-   (returns -2), and lookups with slot -1 (rows outside the cache) are left to the caller. Returns -1, or
-   the index of the first slot >= num_slots (then nothing is written). */
+   (returns -2), and lookups with slot -1 (rows outside the cache) are left to the caller. Returns -1, -3
+   when an updated value is inf or NaN (the caller clamps), or the index of the first slot >= num_slots
+   (then nothing is written). */
 int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots,
                           const float *grad, int64_t n, float lr, int64_t threads) {
     for (int64_t i = 0; i < n; i++) {
@@ -432,10 +456,7 @@ int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const 
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (!all_finite(grad, n * dim, threads)) return -2;
-    sgd_args args[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
-    run_parts(sgd_part, args, sizeof(sgd_args), threads);
-    return -1;
+    return run_sgd(weights, dim, slots, grad, n, lr, threads) ? -3 : -1;
 }
 
 /* ------------------------------------------------------------------ quantize: fp32 rows -> storage rows

@@ -14,7 +14,7 @@ are counted per row and reported by the collection's `stats()`. No byte is added
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -179,13 +179,15 @@ class RowStorage(nn.Module):
     """Every embedding row in its storage precision; reads return fp32, writes round.
 
     Reads gather the compact bytes on the storage device and dequantize on the compute device, so only
-    stored bytes cross between host and accelerator.
+    stored bytes cross between host and accelerator. `version` changes with every write (and with a loaded
+    state or a device move): a copy of rows read at one version is still current while it is the same.
     """
 
     def __init__(self, num_rows: int, dim: int, precision: str, device: torch.device | str = "cpu") -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.version = 0
         self.num_rows, self.dim, self.precision = num_rows, dim, precision
         device = torch.device(device)
         if precision in FLOAT_DTYPES:
@@ -197,6 +199,14 @@ class RowStorage(nn.Module):
             self.register_buffer("payload", torch.zeros(num_rows, width, dtype=torch.uint8, device=device))
             self.register_buffer("bias", torch.zeros(num_rows, dtype=torch.float16, device=device))
             self.register_buffer("scale_code", torch.zeros(num_rows, dtype=torch.uint8, device=device))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RowStorage:
+        self.version += 1
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.version += 1
+        super()._load_from_state_dict(*args, **kwargs)
 
     @property
     def bytes_per_row(self) -> int:
@@ -290,6 +300,7 @@ class RowStorage(nn.Module):
     def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
         """Round fp32 `values` [n, D] into storage at unique `rows`; returns the per-row saturation counts."""
         rows = rows.to(self.payload.device)
+        self.version += 1
         done = self._write_compiled(values, rounding, generator, rows.contiguous(), 0)
         if done is not None:
             return done
@@ -303,6 +314,7 @@ class RowStorage(nn.Module):
     ) -> Fitted:
         """Contiguous write, for initialization and loading whole tables."""
         end = start + values.shape[0]
+        self.version += 1
         done = self._write_compiled(values, rounding, generator, None, start)
         if done is not None:
             return done
@@ -338,6 +350,11 @@ class TableRowStorage(nn.Module):
         )
         self.register_buffer("_local_start", torch.tensor(local_start, device=device), persistent=False)
         self.num_rows = int(offsets[-1])
+
+    @property
+    def version(self) -> int:
+        """Changes whenever a part's rows change."""
+        return sum(part.version for part in self.parts.values())
 
     def _locate(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """(part index, row within the part) of global rows."""

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from slipcache.errors import SlipcacheError
-from slipcache.experiments.bench_peers import (
+from slipcache.bench.peers import (
     BenchConfig,
     Built,
     _build_fbgemm,
@@ -25,7 +24,8 @@ from slipcache.experiments.bench_peers import (
     estimate_bytes,
     fbgemm_available,
 )
-from slipcache.experiments.bench_workload import Workload, prefill_batches
+from slipcache.bench.workload import Workload, prefill_batches
+from slipcache.errors import SlipcacheError
 
 GB = 1e9
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from slipcache.errors import SlipcacheError
-from slipcache.experiments.bench_peers import CONFIGS, BenchConfig
-from slipcache.experiments.bench_report import (
+from slipcache.bench.machine import describe_machine, physical_memory_bytes, probe_memory
+from slipcache.bench.peers import CONFIGS, BenchConfig
+from slipcache.bench.report import (
     _attach_ratios,
     _markdown,
     evaluate_targets,
@@ -33,7 +33,7 @@ from slipcache.experiments.bench_report import (
     format_targets,
     progress,
 )
-from slipcache.experiments.bench_timing import (
+from slipcache.bench.timing import (
     GB,
     PREFILL_OVERSUBSCRIPTION,
     PROFILE_STEPS,
@@ -41,8 +41,8 @@ from slipcache.experiments.bench_timing import (
     combine_rounds,
     measure,
 )
-from slipcache.experiments.bench_workload import make_workload, scaled_table_sizes
-from slipcache.experiments.machine import describe_machine, physical_memory_bytes, probe_memory
+from slipcache.bench.workload import make_workload, scaled_table_sizes
+from slipcache.errors import SlipcacheError
 from slipcache.memory import RUNTIME_BYTES, available_bytes
 
 __all__ = ["add_bench_arguments", "run_bench", "run_embedding_bench"]
@@ -72,12 +72,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_embedding_arguments(
         targets.add_parser("embedding", help="embedding step throughput: ours against torch and FBGEMM")
     )
-    from slipcache.experiments.bench_cache import add_cache_arguments
+    from slipcache.bench.cache import add_cache_arguments
 
     add_cache_arguments(
         targets.add_parser("cache", help="cache hit rate against size: LRU, LFU, lookahead and offline OPT")
     )
-    from slipcache.experiments.bench_train import add_train_bench_arguments
+    from slipcache.bench.train import add_train_bench_arguments
 
     add_train_bench_arguments(
         targets.add_parser("train", help="the DLRM trainer (fp32, INT8 + 5 %% cache) against TorchRec + FBGEMM")
@@ -219,11 +219,11 @@ def _command(args: argparse.Namespace, dims: list[int], configs: list[BenchConfi
 def run_bench(args: argparse.Namespace) -> int:
     """`slipcache bench TARGET`."""
     if args.target == "cache":
-        from slipcache.experiments.bench_cache import run_cache_bench
+        from slipcache.bench.cache import run_cache_bench
 
         return run_cache_bench(args)
     if args.target == "train":
-        from slipcache.experiments.bench_train import run_train_bench
+        from slipcache.bench.train import run_train_bench
 
         return run_train_bench(args)
     return run_embedding_bench(args)
@@ -416,7 +416,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m slipcache.experiments.bench embedding ...`: the subcommand without the rest of the CLI."""
+    """`python -m slipcache.bench.cli embedding ...`: the subcommand without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="slipcache bench")
     add_bench_arguments(parser)
     args = parser.parse_args(argv)
