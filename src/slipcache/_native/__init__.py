@@ -189,8 +189,12 @@ def _declare(library: ctypes.CDLL) -> None:
     library.sgd_update_finite.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, i64]
     library.sgd_update_finite.restype = i64
     f32 = ctypes.c_float
-    library.quantize_rows.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64]
+    library.quantize_rows.argtypes = [
+        ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64, ptr,
+    ]
     library.quantize_rows.restype = i64
+    library.torch_uniform.argtypes = [ptr, ptr, i64]
+    library.torch_uniform.restype = i64
 
 
 def native() -> ctypes.CDLL | None:

@@ -189,7 +189,7 @@ class StepPlanner:
             clock.lap("lookup")
             assignment = cache.assign(missing, self.pin_since(), window)
             if assignment.victim_slots.numel():
-                victim_tables = self.writer.write(assignment.victim_rows, cache.weights[assignment.victim_slots])
+                victim_tables = self.writer.write(assignment.victim_rows, cache.weights, source=assignment.victim_slots)
                 self.counters.count_tables("evictions", victim_tables)
             clock.lap("evict")
             admitted = assignment.slots >= 0

@@ -126,7 +126,7 @@ class Prefetcher:
         assignment = cache.assign(missing, pin_since, window)
         if assignment.victim_slots.numel():
             writer = RowWriter(self.storage, self.counters, self.rounding, self.generator)
-            tables = writer.write(assignment.victim_rows, cache.weights[assignment.victim_slots], counts)
+            tables = writer.write(assignment.victim_rows, cache.weights, counts, assignment.victim_slots)
             self.counters.count_tables("evictions", tables, counts)
         admitted = assignment.slots >= 0
         rows_in = missing[admitted]

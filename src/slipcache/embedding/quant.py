@@ -250,11 +250,19 @@ class RowStorage(nn.Module):
         return [codes, bias, scale_code], fitted
 
     def _write_compiled(
-        self, values: Tensor, rounding: str, generator: torch.Generator | None, rows: Tensor | None, start: int
+        self,
+        values: Tensor,
+        rounding: str,
+        generator: torch.Generator | None,
+        rows: Tensor | None,
+        start: int,
+        source: Tensor | None = None,
     ) -> Fitted | None:
         """`write` (at `rows`) or `write_range` (from `start`) in the compiled pass; None where it cannot run.
 
-        Draws the same noise as `encode` and fits the same rows, so the stored bytes are the same."""
+        Draws the same noise as `encode` (compiled too, from the same generator stream) and fits the same
+        rows, so the stored bytes and the generator's state after are the same. With `source`, row i is
+        `values[source[i]]` (read in place)."""
         if not (
             self.dim
             and (self.precision in INT_BITS or rounding == "stochastic")  # torch's own casts round to nearest fast
@@ -265,25 +273,28 @@ class RowStorage(nn.Module):
         ):
             return None
         values = values.contiguous()
-        n = values.shape[0]
+        n = values.shape[0] if source is None else source.numel()
         bits = INT_BITS.get(self.precision)
         buffers = list(self.buffers())
         if rows is None:
             buffers = [buf[start : start + n] for buf in buffers]
         noise = None
         if rounding == "stochastic" and self.precision != "fp32":
-            noise = random_uniform(tuple(values.shape), generator, values.device)
+            shape = (n, self.dim)
+            noise = quantize.uniform(shape, generator)
+            if noise is None:
+                noise = random_uniform(shape, generator, values.device)
         bad = torch.empty(n, dtype=torch.uint8)
         limit, max_span = VALUE_LIMIT[self.precision], INT_MAX_SPAN[bits] if bits else None
         kwargs = {"scales": _SCALES}
         count = quantize.quantize_rows(
             values, self.precision, *buffers, noise=noise, rows=rows, bad=bad, limit=limit, max_span=max_span,
-            **kwargs,
+            source=source, **kwargs,
         )
         if not count:
             return Fitted(values, None, None)
         fix = torch.nonzero(bad).squeeze(1)
-        fitted = fit_to_range(values[fix], limit, max_span)
+        fitted = fit_to_range(values[fix if source is None else source[fix]], limit, max_span)
         # Fitted rows are stored as they are (a window's float rounding may exceed max_span by an ulp).
         quantize.quantize_rows(
             fitted.values.contiguous(), self.precision, *buffers, noise=None if noise is None else noise[fix],
@@ -297,13 +308,25 @@ class RowStorage(nn.Module):
             counts.append(full)
         return Fitted(values, counts[0], counts[1])
 
-    def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
-        """Round fp32 `values` [n, D] into storage at unique `rows`; returns the per-row saturation counts."""
+    def write(
+        self,
+        rows: Tensor,
+        values: Tensor,
+        rounding: str,
+        generator: torch.Generator | None,
+        source: Tensor | None = None,
+    ) -> Fitted:
+        """Round fp32 `values` [n, D] into storage at unique `rows`; returns the per-row saturation counts.
+
+        With `source` [n], row i is `values[source[i]]` (evicted rows read from their cache slots): the
+        compiled pass reads them in place, the torch path gathers them first."""
         rows = rows.to(self.payload.device)
         self.version += 1
-        done = self._write_compiled(values, rounding, generator, rows.contiguous(), 0)
+        done = self._write_compiled(values, rounding, generator, rows.contiguous(), 0, source)
         if done is not None:
             return done
+        if source is not None:
+            values = values.index_select(0, source.to(values.device))
         encoded, fitted = self.encode(values, rounding, generator)
         for buf, tensor in zip(self.buffers(), encoded, strict=True):
             buf.index_copy_(0, rows, tensor.to(buf.device, non_blocking=True))
@@ -379,7 +402,16 @@ class TableRowStorage(nn.Module):
                 out[mine.to(device)] = self.parts[kind].read(local[mine], device)
         return out
 
-    def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
+    def write(
+        self,
+        rows: Tensor,
+        values: Tensor,
+        rounding: str,
+        generator: torch.Generator | None,
+        source: Tensor | None = None,
+    ) -> Fitted:
+        if source is not None:
+            values = values.index_select(0, source.to(values.device))
         part_of, local = self._locate(rows)
         part_of = part_of.to(values.device)
         totals: dict[str, Tensor | None] = {"saturated": None, "nonfinite": None}

@@ -28,10 +28,11 @@ class RowWriter:
     ) -> None:
         self.storage, self.counters, self.rounding, self.generator = storage, counters, rounding, generator
 
-    def write(self, rows: Tensor, values: Tensor, into: Tensor | None = None) -> Tensor:
-        """Round `values` of unique `rows` into storage, count rows out and saturated values (into the
-        collection's counters, or `into`); returns the table of each row."""
-        fitted = self.storage.write(rows, values, self.rounding, self.generator)
+    def write(self, rows: Tensor, values: Tensor, into: Tensor | None = None, source: Tensor | None = None) -> Tensor:
+        """Round `values` of unique `rows` (with `source`: `values[source]`, e.g. the cache's rows at the
+        evicted slots) into storage, count rows out and saturated values (into the collection's counters, or
+        `into`); returns the table of each row."""
+        fitted = self.storage.write(rows, values, self.rounding, self.generator, source)
         tables = self.counters.tables_of(rows)
         self.counters.count_tables("rows_out", tables, into)
         self.counters.count_fitted(tables, fitted, into)
