@@ -63,7 +63,7 @@ def load_tables(checkpoint: str | Path) -> list[torch.Tensor]:
     else:
         if path.is_dir() and (path / "checkpoints").is_dir():
             path = path / "checkpoints"
-        state = ckpt.load_checkpoint(path)
+        state = ckpt.load_checkpoint(path, lazy=True)  # tables read straight into the model below
     check_checkpoint(state, path)
     config = TrainConfig(**{k: v for k, v in state["config"].items() if k in CONFIG_FIELDS})
     model = trainer.build_model(config, state["table_sizes"], num_dense=1)  # the dense part is not loaded
@@ -71,6 +71,7 @@ def load_tables(checkpoint: str | Path) -> list[torch.Tensor]:
         if sharded is not None:  # every rank's shards gathered into this process's tables
             sharded_ckpt.unshard_into(model.embeddings, sharded)
         else:
+            ckpt.materialize(state["embeddings"], model.embeddings.state_dict())
             model.embeddings.load_state_dict(state["embeddings"])
     except (RuntimeError, KeyError, ValueError) as exc:
         raise SlipcacheError(f"{path}: embeddings do not load: {str(exc).splitlines()[0]}") from exc

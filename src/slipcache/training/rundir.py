@@ -195,7 +195,7 @@ def load_training_checkpoint(path: Path) -> dict[str, Any]:
     """A verified training checkpoint; when it is damaged or missing, the error names the complete older
     checkpoints beside it and how to resume from one."""
     try:
-        state = ckpt.load_checkpoint(path)
+        state = ckpt.load_checkpoint(path, lazy=True)  # the tables are read into the model (load_model_state)
     except ckpt.CorruptCheckpointError as exc:
         older = [p for p in ckpt.complete_checkpoints(path.parent) if p.name != path.name]
         if not older:
