@@ -13,7 +13,7 @@ import torch
 
 from slipcache.distributed.planner import Shard, ShardingPlan, TableSpec
 from slipcache.distributed.sharded import ShardedEmbeddingCollection
-from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig, SparseFeatures
 from slipcache.errors import InvalidInputError
 from tests.ranks import run_ranks
 
@@ -68,6 +68,48 @@ def _check_against_one_process(rank: int, world_size: int, config: EmbeddingConf
         torch.testing.assert_close(sharded(ids[rank : rank + 1]), reference.eval()(ids)[rank : rank + 1])
 
 
+def _bags(generator: torch.Generator, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-hot bags (0 to 3 ids, some empty): values and lengths [tables, batch]."""
+    lengths = torch.randint(0, 4, (len(SIZES), batch), generator=generator)
+    values = [torch.randint(0, n, (int(lengths[t].sum()),), generator=generator) for t, n in enumerate(SIZES)]
+    return torch.cat(values), lengths
+
+
+def _slice_bags(values: torch.Tensor, lengths: torch.Tensor, start: int, end: int) -> SparseFeatures:
+    """The bags of samples [start, end) of every table."""
+    per_table = torch.split(values, lengths.sum(dim=1).tolist())
+    mine = []
+    for t, table_values in enumerate(per_table):
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[t].cumsum(0)])
+        mine.append(table_values[int(offsets[start]) : int(offsets[end])])
+    return SparseFeatures.from_lengths(torch.cat(mine), lengths[:, start:end])
+
+
+def _check_multi_hot_against_one_process(rank: int, world_size: int, pooling: str) -> None:
+    config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="fp32", cache_size=0.25, lr=0.1, pooling=pooling)
+    reference = CachedEmbeddingBagCollection(config)
+    sharded = ShardedEmbeddingCollection(dataclasses.replace(config), _split_plan(world_size), rank)
+    generator = torch.Generator().manual_seed(2)
+    for batch, slices in ((9, [4, 5]), (6, [6, 0]), (5, [0, 5])):
+        values, lengths = _bags(generator, batch)
+        weights = torch.randn(batch, len(SIZES), config.dim, generator=generator)
+        start = sum(slices[:rank])
+        want = reference(SparseFeatures.from_lengths(values, lengths))
+        (want * weights).sum().backward()
+        got = sharded(_slice_bags(values, lengths, start, start + slices[rank]))
+        assert got.shape == (slices[rank], len(SIZES), config.dim)
+        torch.testing.assert_close(got, want[start : start + slices[rank]].detach(), rtol=0, atol=1e-6)
+        (got * weights[start : start + slices[rank]]).sum().backward()
+    for got, want in zip(sharded.export_tables(), reference.export_tables(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_multi_hot_bags_equal_one_process(pooling: str) -> None:
+    """Bags of several ids, empty bags, bags cut over two owners (row-wise split tables)."""
+    run_ranks(_check_multi_hot_against_one_process, pooling)
+
+
 def _all_on_rank_0(world_size: int) -> ShardingPlan:
     tables = [TableSpec(f"t{i}", n, 4, 16.0) for i, n in enumerate(SIZES)]
     return ShardingPlan(world_size, tables, [Shard(t, 0, 0, n) for t, n in enumerate(SIZES)])
@@ -118,6 +160,32 @@ def _check_int8_initial_rows_and_traffic(rank: int, world_size: int) -> None:
     assert sharded.traffic["samples"] == mine.shape[0]
     with pytest.raises(InvalidInputError, match="outside"):
         sharded(torch.tensor([[0, 0, 500, 0]]))
+    _check_half_precision_wire(rank, world_size, ids[rank * 4 : rank * 4 + 4 + 2 * rank])
+
+
+def _check_half_precision_wire(rank: int, world_size: int, mine: torch.Tensor) -> None:
+    """Rows and gradients sent as fp16 / bf16: half the bytes; rows arrive rounded to the wire's precision
+    and the owners' updates use the rounded gradients (close to the fp32 wire's)."""
+    config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="fp32", lr=0.5)
+    plan = _split_plan(world_size)
+    full = ShardedEmbeddingCollection(config, plan, rank)
+    weights = torch.randn(mine.shape[0], len(SIZES), 4, generator=torch.Generator().manual_seed(rank)) * 1e-2
+    want = full(mine)
+    (want * weights).sum().backward()
+    for wire, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        half = ShardedEmbeddingCollection(dataclasses.replace(config), plan, rank, wire_precision=wire)
+        got = half(mine)
+        # every row is rounded, the ones served locally too: results do not depend on the placement
+        torch.testing.assert_close(got, want.detach().to(dtype).float(), rtol=0, atol=0)
+        (got * weights).sum().backward()
+        for name in ("embedding_bytes", "gradient_bytes"):
+            assert half.traffic[name] * 2 == full.traffic[name]
+        # lr x the largest gradient a row can sum (over both ranks' lookups) x the wire's relative rounding
+        tolerance = 0.5 * 2 * float(weights.abs().sum(0).max()) * (2**-8 if wire == "bf16" else 2**-11)
+        for a, b in zip(half.export_tables(), full.export_tables(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
+    with pytest.raises(InvalidInputError, match="wire precision"):
+        ShardedEmbeddingCollection(config, plan, rank, wire_precision="int8")
 
 
 def test_int8_shards_start_from_the_single_process_rows_and_count_their_traffic() -> None:

@@ -388,12 +388,24 @@ int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const i
 
 typedef struct {
     float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
-    int64_t part, parts;
+    int64_t part, parts; int nonfinite;
 } sgd_args;
+
+/* Whether any of the n floats at v is inf or NaN (exponent all ones). */
+static inline int any_nonfinite(const float *v, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t d = 0; d < n; d++) {
+        uint32_t bits;
+        __builtin_memcpy(&bits, v + d, sizeof bits);
+        bad |= (bits & 0x7f800000u) == 0x7f800000u;
+    }
+    return bad != 0;
+}
 
 ROW_LOOPS static void *sgd_part(void *p) {
     sgd_args *a = (sgd_args *)p;
     size_t row_bytes = (size_t)a->dim * sizeof(float);
+    int nonfinite = 0;
     for (int64_t i = 0; i < a->n; i++) {
         if (i + AHEAD < a->n && a->slots[i + AHEAD] >= 0)  /* a later row on its way while this one is updated */
             prefetch_span(a->weights + a->slots[i + AHEAD] * a->dim, row_bytes, 1);
@@ -402,28 +414,40 @@ ROW_LOOPS static void *sgd_part(void *p) {
         float *w = a->weights + s * a->dim;
         const float *g = a->grad + i * a->dim;
         for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
+        /* A value that overflowed stays inf or NaN through later updates: checking each write finds it. */
+        nonfinite |= any_nonfinite(w, a->dim);
     }
+    a->nonfinite = nonfinite;
     return 0;
 }
 
-/* weights[slots[i]] -= lr * grad[i] in batch order per slot. Returns -1, or the index of the first slot
-   outside [0, num_slots) (then nothing is written). */
+static int run_sgd(float *weights, int64_t dim, const int64_t *slots, const float *grad, int64_t n, float lr,
+                   int64_t threads) {
+    sgd_args args[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads, 0};
+    run_parts(sgd_part, args, sizeof(sgd_args), threads);
+    int nonfinite = 0;
+    for (int64_t t = 0; t < threads; t++) nonfinite |= args[t].nonfinite;
+    return nonfinite;
+}
+
+/* weights[slots[i]] -= lr * grad[i] in batch order per slot. Returns -1, -3 when an updated value is inf or
+   NaN (an overflow: the caller clamps), or the index of the first slot outside [0, num_slots) (then nothing
+   is written). */
 int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
                    int64_t n, float lr, int64_t threads) {
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) return i;
     }
-    sgd_args args[MAX_THREADS];
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
-    run_parts(sgd_part, args, sizeof(sgd_args), threads);
-    return -1;
+    return run_sgd(weights, dim, slots, grad, n, lr, threads) ? -3 : -1;
 }
 
 /* The fused SGD step of one backward: nothing is written unless every value of grad [n, dim] is finite
-   (returns -2), and lookups with slot -1 (rows outside the cache) are left to the caller. Returns -1, or
-   the index of the first slot >= num_slots (then nothing is written). */
+   (returns -2), and lookups with slot -1 (rows outside the cache) are left to the caller. Returns -1, -3
+   when an updated value is inf or NaN (the caller clamps), or the index of the first slot >= num_slots
+   (then nothing is written). */
 int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots,
                           const float *grad, int64_t n, float lr, int64_t threads) {
     for (int64_t i = 0; i < n; i++) {
@@ -432,10 +456,7 @@ int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const 
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (!all_finite(grad, n * dim, threads)) return -2;
-    sgd_args args[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads};
-    run_parts(sgd_part, args, sizeof(sgd_args), threads);
-    return -1;
+    return run_sgd(weights, dim, slots, grad, n, lr, threads) ? -3 : -1;
 }
 
 /* ------------------------------------------------------------------ quantize: fp32 rows -> storage rows
@@ -586,7 +607,7 @@ static inline int row_range(const float *x, int64_t dim, float *lo_out, float *h
 typedef struct {
     const float *values; int64_t n, dim; int kind; const float *noise, *scales; float limit, max_span;
     const int64_t *rows; void *payload; uint16_t *bias; uint8_t *scale_code; uint8_t *bad;
-    int64_t start, stop, bad_count;
+    int64_t start, stop, bad_count; const int64_t *source;
 } quantize_args;
 
 ROW_LOOPS static void *quantize_part(void *p) {
@@ -595,7 +616,7 @@ ROW_LOOPS static void *quantize_part(void *p) {
     const int64_t width = a->kind == Q_INT4 ? (dim + 1) / 2 : dim;
     const int levels = a->kind == Q_INT8 ? 255 : 15;
     for (int64_t i = a->start; i < a->stop; i++) {
-        const float *x = a->values + i * dim;
+        const float *x = a->values + (a->source ? a->source[i] : i) * dim;  /* e.g. an evicted row's slot */
         const float *u = a->noise ? a->noise + i * dim : 0;
         float lo, hi;
         int special = row_range(x, dim, &lo, &hi);
@@ -640,10 +661,12 @@ ROW_LOOPS static void *quantize_part(void *p) {
    of `payload` (uint8 [*, dim] int8, [*, (dim+1)/2] int4 low nibble first, uint16 bits fp16/bf16, float
    fp32), `bias` (fp16 bits) and `scale_code` (int kinds only). `noise` (uniform [n, dim], or NULL for
    nearest) drives stochastic rounding. A row with inf/NaN, a value beyond +-limit or (max_span >= 0) a
-   span beyond max_span is not written: bad[i] = 1 (when given) and it is counted in the return value. */
+   span beyond max_span is not written: bad[i] = 1 (when given) and it is counted in the return value.
+   With `source` (non-NULL), row i is read from values[source[i]] instead (evicted rows from their cache
+   slots, without a gathered copy). */
 int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, const float *noise,
                       const float *scales, float limit, float max_span, const int64_t *rows, void *payload,
-                      uint16_t *bias, uint8_t *scale_code, uint8_t *bad, int64_t threads) {
+                      uint16_t *bias, uint8_t *scale_code, uint8_t *bad, int64_t threads, const int64_t *source) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
@@ -651,10 +674,54 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
     quantize_args args[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++) {
         args[t] = (quantize_args){values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias,
-                                  scale_code, bad, n * t / threads, n * (t + 1) / threads, 0};
+                                  scale_code, bad, n * t / threads, n * (t + 1) / threads, 0, source};
     }
     run_parts(quantize_part, args, sizeof(quantize_args), threads);
     int64_t bad_count = 0;
     for (int64_t t = 0; t < threads; t++) bad_count += args[t].bad_count;
     return bad_count;
+}
+
+/* ------------------------------------------------------------------ torch's CPU random stream
+   torch.rand(..., generator=g) on CPU: g's mt19937 draws 32 bits per value, in order, and the value is
+   (bits & 0xffffff) * 2^-24. `state` is the generator's saved state (Generator.get_state(): seed u64, left
+   i32, seeded i32, next u64, state u64[624], ...), advanced in place so that set_state continues the stream
+   exactly where torch would. The loader checks the draws against torch.rand before using them. */
+#define MT_N 624
+#define MT_M 397
+
+static inline uint32_t mt_twist(uint32_t u, uint32_t v) {
+    return (((u & 0x80000000u) | (v & 0x7fffffffu)) >> 1) ^ ((v & 1u) ? 0x9908b0dfu : 0u);
+}
+
+int64_t torch_uniform(uint8_t *state, float *out, int64_t n) {
+    int32_t left;
+    uint64_t next, words[MT_N];
+    uint32_t mt[MT_N];
+    __builtin_memcpy(&left, state + 8, sizeof left);
+    __builtin_memcpy(&next, state + 16, sizeof next);
+    __builtin_memcpy(words, state + 24, sizeof words);
+    if (left < 1 || left > MT_N || next > MT_N) return -1;
+    for (int k = 0; k < MT_N; k++) mt[k] = (uint32_t)words[k];
+    for (int64_t i = 0; i < n; i++) {
+        if (--left == 0) {
+            int k = 0;
+            for (; k < MT_N - MT_M; k++) mt[k] = mt[k + MT_M] ^ mt_twist(mt[k], mt[k + 1]);
+            for (; k < MT_N - 1; k++) mt[k] = mt[k + MT_M - MT_N] ^ mt_twist(mt[k], mt[k + 1]);
+            mt[MT_N - 1] = mt[MT_M - 1] ^ mt_twist(mt[MT_N - 1], mt[0]);
+            left = MT_N;
+            next = 0;
+        }
+        uint32_t y = mt[next++];
+        y ^= y >> 11;
+        y ^= (y << 7) & 0x9d2c5680u;
+        y ^= (y << 15) & 0xefc60000u;
+        y ^= y >> 18;
+        out[i] = (float)(y & 0xffffffu) * 5.9604644775390625e-8f;  /* 2^-24 */
+    }
+    for (int k = 0; k < MT_N; k++) words[k] = mt[k];
+    __builtin_memcpy(state + 8, &left, sizeof left);
+    __builtin_memcpy(state + 16, &next, sizeof next);
+    __builtin_memcpy(state + 24, words, sizeof words);
+    return 0;
 }

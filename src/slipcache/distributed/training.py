@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slipcache.distributed import checkpoint as dckpt
-from slipcache.distributed.launch import DistributedContext, redirect_output, shutdown
+from slipcache.distributed.launch import DistributedContext, announce_stop, redirect_output, shutdown
 from slipcache.distributed.planner import ShardingPlan, plan_sharding, table_specs
 from slipcache.distributed.sharded import RESHARD_FROM, ShardedEmbeddingCollection
 from slipcache.errors import SlipcacheError
@@ -255,9 +255,10 @@ def lost_rank_error(exc: BaseException, rank: int) -> SlipcacheError:
     """One line for a collective that failed because another rank died or stopped answering."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # gloo prefixes its source file and line
     first = text.splitlines()[0].split(". ")[0] if text else type(exc).__name__
-    return SlipcacheError(
-        f"rank {rank}: another rank stopped ({first[:160]}); resume from the last complete checkpoint with --resume"
-    )
+    first = re.sub(r"\s*\[[^\]]*\](:\d+)?:?\s*", ": ", first).strip(": ")  # no peer address or port
+    line = f"rank {rank}: another rank stopped ({first[:160]}); resume from the last complete checkpoint with --resume"
+    announce_stop(line)  # the console sees it too, and torchrun's SIGTERM that follows adds no second line
+    return SlipcacheError(line)
 
 
 def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:

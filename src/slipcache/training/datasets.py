@@ -120,11 +120,45 @@ def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
     try:
         if config is None:
             return open_any(path)
-        return open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
+        dataset = open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
     except SlipcacheError:
         raise
     except (OSError, ValueError, KeyError) as exc:
         raise SlipcacheError(f"cannot open dataset {path}: {exc}") from exc
+    require_inferred_sizes_fit(
+        dataset,
+        config.embedding_dim,
+        embeddings=config.embeddings,
+        precision=config.precision,
+        cache_size=config.cache_size,
+        cache_rows=config.cache_rows,
+        optimizer=config.optimizer,
+        policy=config.policy,
+    )
+    return dataset
+
+
+HASHED_IDS_HINT = (
+    "pass --table-sizes N to take the ids modulo N rows per table (one N, or 26); TorchRec's DLRM example "
+    "hashes with --num_embeddings 100000 by default, and Criteo 1TB runs cap every table at 40 M rows "
+    "(--table-sizes 40000000)"
+)
+
+
+def require_inferred_sizes_fit(dataset: Any, dim: int, **table_options: Any) -> None:
+    """Tables sized by the data's max id + 1 (hashed ids can reach 2^31 per table): check them against the
+    memory before anything is allocated, and say how to size them instead (one line).
+
+    `table_options` are `slipcache.memory.require_tables_fit`'s (embeddings, precision, cache_size, ...).
+    """
+    from slipcache.memory import MemoryShortError, require_tables_fit
+
+    if dataset.meta.get("table_sizes_from") != "max id + 1":
+        return
+    try:
+        require_tables_fit(dataset.table_sizes, dim, what="tables sized by the ids' max + 1", **table_options)
+    except MemoryShortError as exc:
+        raise MemoryShortError(f"{exc}; the ids look hashed: {HASHED_IDS_HINT}") from exc
 
 
 def check_table_sizes(expected: list[int], actual: list[int], what: str) -> None:
