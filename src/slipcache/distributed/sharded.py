@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +37,6 @@ from slipcache.embedding.collection import (
 )
 from slipcache.errors import InvalidInputError
 
-RESHARD_FROM = "reshard_from"  # a state dict naming a checkpoint to re-shard from (see load_state_dict)
 ID_BYTES = 8  # one int64 per routed lookup
 TRAFFIC_KEYS = ("steps", "samples", "id_bytes", "embedding_bytes", "gradient_bytes")
 _SUMMED_STATS = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "overflow_rows")
@@ -400,16 +398,6 @@ class ShardedEmbeddingCollection(nn.Module):
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Also takes {RESHARD_FROM: checkpoint dir}: the shards of a checkpoint written under another plan."""
-        if RESHARD_FROM in state_dict:
-            from slipcache.distributed import checkpoint as dckpt
-
-            step_dir = Path(state_dict[RESHARD_FROM])
-            dckpt.reshard_into(self, step_dir, dckpt.read_manifest(step_dir))
-            return None
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def export_tables(self) -> list[Tensor]:
         """Global fp32 tables gathered on every rank (for tests and small tables only)."""

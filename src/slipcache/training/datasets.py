@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.cache_dir import default_cache_root
+from slipcache.data.dataset import BatchIterator, SampleFilter
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import TrainConfig
 
@@ -175,3 +176,33 @@ def malformed_message(quality: dict[str, Any], data: str | None) -> str:
         "(--strict stops at the first); the first:"
     ]
     return "\n  ".join(lines + quality["examples"])
+
+
+def training_batches(
+    dataset: Any,
+    batch_size: int,
+    *,
+    seed: int,
+    epoch: int,
+    start_batch: int = 0,
+    sample_filter: SampleFilter | None = None,
+    lookahead: int = 0,
+) -> BatchIterator:
+    """One epoch of a dataset's training batches in the training order: the one source of that order for
+    the trainer and every benchmark that claims to replay it (`bench cache`, `bench train`).
+
+    Shuffled from (seed, epoch); time-ordered data (meta "time_ordered": synthetic v3, Criteo days) keeps
+    its windows in order and shuffles within them. Full batches only; `start_batch` resumes mid-epoch.
+    """
+    return BatchIterator(
+        dataset.split("train"),
+        batch_size,
+        shuffle=True,
+        in_order=bool(dataset.meta.get("time_ordered")),
+        seed=seed,
+        epoch=epoch,
+        drop_last=True,
+        lookahead=lookahead,
+        sample_filter=sample_filter,
+        start_batch=start_batch,
+    )
