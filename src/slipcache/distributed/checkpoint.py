@@ -29,6 +29,10 @@ from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint as ckpt
 
 MANIFEST = "manifest.json"
+RESHARDED = (
+    "each rank copied the rows it now holds from the saved shards (their caches flushed into storage first; "
+    "rows and optimizer state exact); caches start empty"
+)
 MANIFEST_FORMAT = "slipcache-sharded-checkpoint"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -188,17 +192,6 @@ def _row_buffers(
     if hasattr(new, "optimizer_state"):
         pairs.append((new.optimizer_state, old.optimizer_state))
     return pairs
-
-
-def refuse_sharded(path: Path) -> None:
-    """One process resuming a checkpoint written by N: say how to resume it instead of "not found"."""
-    step_dir = latest_sharded(Path(path))
-    if step_dir is not None:
-        world_size = read_manifest(step_dir)["world_size"]
-        raise SlipcacheError(
-            f"{step_dir} was written by {world_size} processes; resume it with "
-            f"torchrun --nproc-per-node {world_size} --no-python slipcache train --resume ..."
-        )
 
 
 def unshard_into(collection: CachedEmbeddingBagCollection, step_dir: Path) -> None:
