@@ -149,6 +149,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "taken modulo them (TorchRec's hashes). Default: the files' counts, else max id + 1",
     )
     add(
+        "--wire-precision",
+        choices=("fp32", "fp16", "bf16"),
+        default=s,
+        help="torchrun runs: rows and gradients between ranks as fp32 (default) or fp16/bf16 (half the bytes)",
+    )
+    add(
         "--split-order",
         choices=("val-test", "test-val"),
         default=s,

@@ -57,6 +57,7 @@ class TrainConfig:
     optimizer: str = "sgd"  # embedding optimizer
     lr: float = 0.3  # embedding learning rate (SGD; tuned on synthetic data at batch 256)
     dense_lr: float | None = None  # MLP learning rate (plain SGD); None = lr
+    wire_precision: str = "fp32"  # N processes: rows and gradients between ranks as fp32, fp16 or bf16
     # model
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
@@ -131,6 +132,7 @@ class TrainConfig:
             "optimizer": OPTIMIZERS,
             "vocab": VOCABS,
             "synthetic_generator": tuple(GENERATOR_VERSIONS),
+            "wire_precision": ("fp32", "fp16", "bf16"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
