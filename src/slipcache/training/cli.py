@@ -15,7 +15,13 @@ from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import EMBEDDING_KINDS
 from slipcache.training.config import CONFIG_FIELDS, VOCABS, load_config_file, make_config
-from slipcache.training.datasets import check_table_sizes, open_dataset, prepare_data, run_dataset_dir
+from slipcache.training.datasets import (
+    check_table_sizes,
+    open_dataset,
+    prepare_data,
+    resolve_data,
+    run_dataset_dir,
+)
 from slipcache.training.saved_run import find_checkpoint, load_saved_model, saved_config
 from slipcache.training.trainer import evaluate, train
 
@@ -139,6 +145,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=s,
         help="TorchRec/DLRM/MLPerf files: rows per table, one for all or 26 comma-separated; ids are "
         "taken modulo them (TorchRec's hashes). Default: the files' counts, else max id + 1",
+    )
+    add(
+        "--wire-precision",
+        choices=("fp32", "fp16", "bf16"),
+        default=s,
+        help="torchrun runs: rows and gradients between ranks as fp32 (default) or fp16/bf16 (half the bytes)",
     )
     add(
         "--split-order",
@@ -268,7 +280,7 @@ def evaluate_checkpoint(
     path = saved.path
     config = saved_config(saved, state)
     if data is not None:
-        config.data = str(Path(data).expanduser().resolve())
+        config.data = str(resolve_data(data))
         dataset_dir = prepare_data(config)
     else:
         saved_dataset = state["config"].get("dataset")
