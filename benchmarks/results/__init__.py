@@ -26,9 +26,11 @@ Adding a section (e.g. the scale study, the embedding bench's bound fractions, s
        Verdict: {{ run.ratio | x }} against 3.0x: {{ verdict(run.ratio >= 3.0) }}.
 
    In a template: load(path) reads docs/PATH; provenance(...) the standard lines; machine(dict) a bench
-   JSON's machine in words; table(t, without=[...]) a record's table, or table(columns, rows); cell(t, row, column) one of
-   its cells; bench_row(bench, name, dim) a bench JSON's row; setup(results, name) a study's setup; verdict(ok). Filters: n (thousands separators), f(d) (d decimals), sgn(d) (signed), x(d) (a ratio, "0.40x"),
-   pct(d) (a fraction as %), k (thousands as "572k"); each renders null as a dash.
+   JSON's machine in words; table(t, without=[...]) a record's table (or table(columns, rows));
+   cell(t, row, column) one of its cells; bench_row(bench, name, dim) a bench JSON's row; setup(results,
+   name) a study's setup; verdict(ok). Filters: n (thousands separators), f(d) (d decimals), sgn(d)
+   (signed), x(d) (a ratio, "0.40x"), pct(d) (a fraction as %), k (thousands as "572k"); each renders
+   null as a dash.
 3. `python -m benchmarks.results` rewrites docs/results.md; commit both.
 """
 
