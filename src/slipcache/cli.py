@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(getattr(module, f"run_{args.command}")(args) or 0)
     except SlipcacheError as exc:
         print(f"slipcache {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except OSError as exc:  # a full disk, a missing or unwritable path: the OS says which
         where = f": {exc.filename}" if exc.filename else ""
         print(f"slipcache {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
