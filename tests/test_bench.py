@@ -137,7 +137,7 @@ def test_over_budget_configurations_are_skipped_not_allocated(tmp_path: Path) ->
     for r in result["rows"]:
         if r["impl"] == "fbgemm" and r["status"] == "not installed":
             continue
-        assert r["status"].startswith("skipped: needs "), r
+        assert r["status"].startswith("does not fit: needs "), r
         assert r["samples_per_s"] is None
         if r["impl"] != "slipcache":
             assert _positive(r["bytes"])

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from slipcache import _native
-from slipcache._native import _check, threads_for
+from slipcache._native import _check
 
 KINDS = {"int8": 0, "int4": 1, "fp16": 2, "bf16": 3, "fp32": 4}
 _PAYLOAD_DTYPES = {
@@ -37,20 +37,26 @@ def quantize_rows(
     noise: Tensor | None = None,
     rows: Tensor | None = None,
     bad: Tensor | None = None,
-    threads: int | None = None,
+    source: Tensor | None = None,
 ) -> int:
     """Round fp32 `values` [n, D] into storage row `rows[i]` (row i when `rows` is None) of `payload`
     ([R, D] or [R, ceil(D / 2)] for int4), `bias` (fp16 [R]) and `scale_code` (uint8 [R]; int precisions).
 
     `scales` is the 256-entry float table of scale codes; `noise` (uniform [n, D]) makes the rounding
     stochastic. Rows holding inf/NaN, a value beyond ±`limit` or (int) a span beyond `max_span` are left
-    unwritten and flagged in `bad` (uint8 [n], when given); returns how many there were.
+    unwritten and flagged in `bad` (uint8 [n], when given); returns how many there were. With `source`
+    (int64 [n]), row i is read from `values[source[i]]` (`values` then [any, D]: e.g. the cache's rows, read
+    at the evicted slots without a gathered copy).
     """
     library = _native.native()
     assert library is not None
-    n, dim = values.shape
+    dim = values.shape[1]
+    n = values.shape[0] if source is None else source.numel()
     width = (dim + 1) // 2 if precision == "int4" else dim
-    _check("values", values, (torch.float32,), (n, dim))
+    _check("values", values, (torch.float32,), (values.shape[0] if source is not None else n, dim))
+    _check("source", source, (torch.int64,), (n,))
+    if source is not None and n and (int(source.min()) < 0 or int(source.max()) >= values.shape[0]):
+        raise ValueError(f"compiled loop: a source row is outside [0, {values.shape[0]})")
     _check("payload", payload, (_PAYLOAD_DTYPES[precision],), (None, width))
     _check("noise", noise, (torch.float32,), (n, dim))
     _check("rows", rows, (torch.int64,), (n,))
@@ -77,8 +83,50 @@ def quantize_rows(
         bias.data_ptr() if bias is not None else None,
         scale_code.data_ptr() if scale_code is not None else None,
         bad.data_ptr() if bad is not None else None,
-        threads_for(n, threads),
+        source.data_ptr() if source is not None else None,
     )
     if count < 0:
         raise ValueError(f"compiled loop: cannot quantize to {precision} at dim {dim}")
     return int(count)
+
+
+def uniform(shape: tuple[int, ...], generator: torch.Generator | None) -> Tensor | None:
+    """`torch.rand(shape, generator=generator)` on CPU, drawn by the compiled loop: the same values, and the
+    generator left in the same state. None where it cannot (no library, not a CPU generator, or the check
+    against torch.rand at first use failed): the caller draws with torch then."""
+    generator = torch.default_generator if generator is None else generator
+    if generator.device.type != "cpu" or not _uniform_checked():
+        return None
+    return _draw(shape, generator)
+
+
+def _draw(shape: tuple[int, ...], generator: torch.Generator) -> Tensor | None:
+    library = _native.native()
+    assert library is not None
+    state = generator.get_state()
+    out = torch.empty(shape)
+    if library.torch_uniform(state.data_ptr(), out.data_ptr(), out.numel()) != 0:
+        return None
+    generator.set_state(state)
+    return out
+
+
+_uniform_ok: bool | None = None
+
+
+def _uniform_checked() -> bool:
+    """Whether the compiled draws equal torch.rand here (values and the state after), checked once."""
+    global _uniform_ok
+    if _uniform_ok is None:
+        _uniform_ok = False
+        if available():
+            ours, theirs = torch.Generator().manual_seed(20261201), torch.Generator().manual_seed(20261201)
+            torch.rand(5, generator=ours), torch.rand(5, generator=theirs)
+            drawn = _draw((1500, 3), ours)  # crosses the generator's refills of 624 words
+            expected = torch.rand((1500, 3), generator=theirs)
+            _uniform_ok = (
+                drawn is not None
+                and torch.equal(drawn, expected)
+                and torch.equal(ours.get_state(), theirs.get_state())
+            )
+    return _uniform_ok

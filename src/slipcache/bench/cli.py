@@ -42,7 +42,9 @@ from slipcache.bench.timing import (
     measure,
 )
 from slipcache.bench.workload import make_workload, scaled_table_sizes
+from slipcache.cli import float_in, seed_arg
 from slipcache.errors import SlipcacheError
+from slipcache.memory import RUNTIME_BYTES, available_bytes
 
 __all__ = ["add_bench_arguments", "run_bench", "run_embedding_bench"]
 
@@ -55,6 +57,14 @@ DEFAULT_DIMS = (16, 64, 128)
 # hits one round of every configuration rather than every round of one.
 FULL = {"scale": 1.0, "warmup": 20, "cache_warmup": 150, "steps": 200, "min_seconds": 2.0, "rounds": 3}
 QUICK = {"scale": 0.01, "warmup": 3, "cache_warmup": 20, "steps": 8, "min_seconds": 0.25, "rounds": 3}
+
+
+def default_budget_gb() -> float:
+    """What the machine has available now, less the runtime's share (60 % of physical memory where unknown)."""
+    available = available_bytes()
+    if available is None:
+        return 0.6 * (physical_memory_bytes() or 16 * 1024**3) / GB
+    return max(available - RUNTIME_BYTES, 0) / GB
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +113,7 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-budget-gb",
         type=float,
         default=None,
-        help="skip configurations estimated above this (default 60%% of physical memory)",
+        help="report configurations estimated above this as not fitting (default: the memory available now)",
     )
     parser.add_argument(
         "--prefill",
@@ -112,14 +122,14 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
         help="fill each cache with the most probable rows before its warm-up, so timing sees steady-state "
         "evictions, as in a long run (default on; --no-prefill: caches start empty)",
     )
-    parser.add_argument("--zipf", type=float, default=1.05, help="power-law exponent of the ids")
+    parser.add_argument("--zipf", type=float_in(0, 100), default=1.05, help="power-law exponent of the ids")
     parser.add_argument(
         "--threads",
         type=int,
         default=None,
         help="torch intra-op threads (default: torch's choice, one per core); 1 is steadier on a busy machine",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_arg, default=0)
     parser.add_argument(
         "--rounds", type=int, default=None, help="rounds over all configurations, interleaved (default 3)"
     )
@@ -257,8 +267,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     min_seconds = shape["min_seconds"] if args.min_seconds is None else args.min_seconds
     if rounds < 1 or min_seconds < 0 or args.profile_steps < 0:
         raise SlipcacheError("--rounds must be >= 1, --min-seconds and --profile-steps >= 0")
-    physical = physical_memory_bytes() or 16 * 1024**3
-    budget_gb = args.memory_budget_gb if args.memory_budget_gb is not None else 0.6 * physical / GB
+    budget_gb = args.memory_budget_gb if args.memory_budget_gb is not None else default_budget_gb()
     if budget_gb <= 0:
         raise SlipcacheError(f"--memory-budget-gb must be positive, got {budget_gb}")
     out_dir = str(args.out)

@@ -122,7 +122,7 @@ def measure(
         row["bytes"] = int(static["total_bytes"])
         row["memory_ratio"] = _finite(static.get("memory_ratio"))
     if need > budget_bytes:
-        row["status"] = f"skipped: needs {need / GB:.1f} GB > budget {budget_bytes / GB:.1f} GB"
+        row["status"] = f"does not fit: needs {need / GB:.1f} GB (budget {budget_bytes / GB:.1f} GB)"
         return row
 
     built: Built | None = None

@@ -16,7 +16,13 @@ from slipcache.errors import SlipcacheError
 from slipcache.model import EMBEDDING_KINDS
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.config import CONFIG_FIELDS, VOCABS, config_from_saved, load_config_file, make_config
-from slipcache.training.datasets import check_table_sizes, open_dataset, prepare_data, run_dataset_dir
+from slipcache.training.datasets import (
+    check_table_sizes,
+    open_dataset,
+    prepare_data,
+    resolve_data,
+    run_dataset_dir,
+)
 from slipcache.training.run_state import load_model_state
 from slipcache.training.rundir import load_training_checkpoint
 from slipcache.training.trainer import build_model, evaluate, train
@@ -141,6 +147,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=s,
         help="TorchRec/DLRM/MLPerf files: rows per table, one for all or 26 comma-separated; ids are "
         "taken modulo them (TorchRec's hashes). Default: the files' counts, else max id + 1",
+    )
+    add(
+        "--wire-precision",
+        choices=("fp32", "fp16", "bf16"),
+        default=s,
+        help="torchrun runs: rows and gradients between ranks as fp32 (default) or fp16/bf16 (half the bytes)",
     )
     add(
         "--split-order",
@@ -275,7 +287,7 @@ def evaluate_checkpoint(
     config = config_from_saved(state["config"], f"checkpoint {path}")
     config.progress = False
     if data is not None:
-        config.data = str(Path(data).expanduser().resolve())
+        config.data = str(resolve_data(data))
         dataset_dir = prepare_data(config)
     else:
         saved_dataset = state["config"].get("dataset")

@@ -4,11 +4,15 @@ files preprocessed once into the cache (keyed by the files and every preprocessi
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import stat
+import sys
 from pathlib import Path
 from typing import Any
 
 from slipcache.cache_dir import default_cache_root
+from slipcache.data.dataset import BatchIterator, SampleFilter
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import TrainConfig
 
@@ -28,14 +32,35 @@ def _synthetic_dataset(config: TrainConfig) -> Path:
 
 
 def _raw_inputs(path: Path) -> list[Path]:
-    files = (
-        sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-        if path.is_dir()
-        else [path]
-    )
+    """The raw files of `--data`: the file, or a directory's files. Subdirectories are not read: named."""
+    if not path.is_dir():
+        return [path]
+    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
+    files = sorted(p for p in entries if p.is_file())
+    nested = sorted(p.name for p in entries if p.is_dir())
+    if nested:
+        warn_line(f"--data {path}: subdirectories are not read ({', '.join(nested[:3])}{', ...' if len(nested) > 3 else ''})")
     if not files:
         raise SlipcacheError(f"no data files in {path}")
     return files
+
+
+def resolve_data(text: str) -> Path:
+    """`--data` as an absolute path, so the run can be resumed and evaluated from anywhere; a symlink
+    loop or a pipe (`--data <(zcat ...)`: data is read more than once and memory-mapped) is one line."""
+    path = Path(text).expanduser()
+    try:
+        if stat.S_ISFIFO(path.stat().st_mode):
+            raise SlipcacheError(
+                f"--data {text} is a pipe; slipcache reads its data more than once: write it to a file first"
+            )
+        return path.resolve()
+    except (RuntimeError, OSError) as exc:  # resolve() raises RuntimeError on a loop (Python 3.11)
+        if isinstance(exc, FileNotFoundError):
+            return path.absolute()  # named as not found where it is read
+        if isinstance(exc, RuntimeError) or getattr(exc, "errno", None) == errno.ELOOP:
+            raise SlipcacheError(f"--data {text}: symlink loop") from exc
+        raise SlipcacheError(f"--data {text}: {exc.strerror or exc}") from exc
 
 
 def preprocessed_root() -> Path:
@@ -52,7 +77,7 @@ def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     """
     if config.data is None:
         return _synthetic_dataset(config)
-    path = Path(config.data).expanduser().resolve()
+    path = resolve_data(config.data)
     if not path.exists():
         raise SlipcacheError(f"data not found: {path}")
     from slipcache.data.formats import detect_format
@@ -96,11 +121,45 @@ def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
     try:
         if config is None:
             return open_any(path)
-        return open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
+        dataset = open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
     except SlipcacheError:
         raise
     except (OSError, ValueError, KeyError) as exc:
         raise SlipcacheError(f"cannot open dataset {path}: {exc}") from exc
+    require_inferred_sizes_fit(
+        dataset,
+        config.embedding_dim,
+        embeddings=config.embeddings,
+        precision=config.precision,
+        cache_size=config.cache_size,
+        cache_rows=config.cache_rows,
+        optimizer=config.optimizer,
+        policy=config.policy,
+    )
+    return dataset
+
+
+HASHED_IDS_HINT = (
+    "pass --table-sizes N to take the ids modulo N rows per table (one N, or 26); TorchRec's DLRM example "
+    "hashes with --num_embeddings 100000 by default, and Criteo 1TB runs cap every table at 40 M rows "
+    "(--table-sizes 40000000)"
+)
+
+
+def require_inferred_sizes_fit(dataset: Any, dim: int, **table_options: Any) -> None:
+    """Tables sized by the data's max id + 1 (hashed ids can reach 2^31 per table): check them against the
+    memory before anything is allocated, and say how to size them instead (one line).
+
+    `table_options` are `slipcache.memory.require_tables_fit`'s (embeddings, precision, cache_size, ...).
+    """
+    from slipcache.memory import MemoryShortError, require_tables_fit
+
+    if dataset.meta.get("table_sizes_from") != "max id + 1":
+        return
+    try:
+        require_tables_fit(dataset.table_sizes, dim, what="tables sized by the ids' max + 1", **table_options)
+    except MemoryShortError as exc:
+        raise MemoryShortError(f"{exc}; the ids look hashed: {HASHED_IDS_HINT}") from exc
 
 
 def check_table_sizes(expected: list[int], actual: list[int], what: str) -> None:
@@ -141,3 +200,38 @@ def malformed_message(quality: dict[str, Any], data: str | None) -> str:
         "(--strict stops at the first); the first:"
     ]
     return "\n  ".join(lines + quality["examples"])
+
+
+def warn_line(message: str) -> None:
+    """A warning on stderr that does not stop the run."""
+    print(f"slipcache: warning: {message}", file=sys.stderr)
+
+
+def training_batches(
+    dataset: Any,
+    batch_size: int,
+    *,
+    seed: int,
+    epoch: int,
+    start_batch: int = 0,
+    sample_filter: SampleFilter | None = None,
+    lookahead: int = 0,
+) -> BatchIterator:
+    """One epoch of a dataset's training batches in the training order: the one source of that order for
+    the trainer and every benchmark that claims to replay it (`bench cache`, `bench train`).
+
+    Shuffled from (seed, epoch); time-ordered data (meta "time_ordered": synthetic v3, Criteo days) keeps
+    its windows in order and shuffles within them. Full batches only; `start_batch` resumes mid-epoch.
+    """
+    return BatchIterator(
+        dataset.split("train"),
+        batch_size,
+        shuffle=True,
+        in_order=bool(dataset.meta.get("time_ordered")),
+        seed=seed,
+        epoch=epoch,
+        drop_last=True,
+        lookahead=lookahead,
+        sample_filter=sample_filter,
+        start_batch=start_batch,
+    )
