@@ -23,6 +23,7 @@ import torch
 
 from slipcache.bench.report import progress
 from slipcache.bench.workload import make_workload, scaled_table_sizes
+from slipcache.cli import float_in, positive_int, seed_arg
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.embedding.lookahead import belady_hits
@@ -328,9 +329,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale", type=float, default=0.05, help="Zipf trace: Kaggle table sizes times this (default: the trainer's)"
     )
-    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf trace: the power-law exponent")
-    parser.add_argument("--ways", type=int, default=16, help="cache associativity")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--zipf", type=float_in(0, 100), default=1.05, help="Zipf trace: the power-law exponent")
+    parser.add_argument("--ways", type=positive_int, default=16, help="cache associativity")
+    parser.add_argument("--seed", type=seed_arg, default=0)
 
 
 def _command(args: argparse.Namespace) -> str:

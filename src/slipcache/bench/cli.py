@@ -42,6 +42,7 @@ from slipcache.bench.timing import (
     measure,
 )
 from slipcache.bench.workload import make_workload, scaled_table_sizes
+from slipcache.cli import float_in, seed_arg
 from slipcache.errors import SlipcacheError
 from slipcache.memory import RUNTIME_BYTES, available_bytes
 
@@ -121,14 +122,14 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
         help="fill each cache with the most probable rows before its warm-up, so timing sees steady-state "
         "evictions, as in a long run (default on; --no-prefill: caches start empty)",
     )
-    parser.add_argument("--zipf", type=float, default=1.05, help="power-law exponent of the ids")
+    parser.add_argument("--zipf", type=float_in(0, 100), default=1.05, help="power-law exponent of the ids")
     parser.add_argument(
         "--threads",
         type=int,
         default=None,
         help="torch intra-op threads (default: torch's choice, one per core); 1 is steadier on a busy machine",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_arg, default=0)
     parser.add_argument(
         "--rounds", type=int, default=None, help="rounds over all configurations, interleaved (default 3)"
     )

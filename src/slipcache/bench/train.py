@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from slipcache.bench.machine import describe_machine
 from slipcache.bench.report import progress
+from slipcache.cli import seed_arg
 from slipcache.errors import SlipcacheError
 
 IMPLS = ("torch-fp32", "slipcache-int8-lru5", "torchrec-fbgemm")
@@ -236,4 +237,4 @@ def add_train_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--impls", default=None, help=f"comma-separated subset of {','.join(IMPLS)}")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_arg, default=0)

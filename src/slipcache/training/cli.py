@@ -16,7 +16,13 @@ from slipcache.errors import SlipcacheError
 from slipcache.model import EMBEDDING_KINDS
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.config import CONFIG_FIELDS, VOCABS, config_from_saved, load_config_file, make_config
-from slipcache.training.datasets import check_table_sizes, open_dataset, prepare_data, run_dataset_dir
+from slipcache.training.datasets import (
+    check_table_sizes,
+    open_dataset,
+    prepare_data,
+    resolve_data,
+    run_dataset_dir,
+)
 from slipcache.training.run_state import load_model_state
 from slipcache.training.rundir import load_training_checkpoint
 from slipcache.training.trainer import build_model, evaluate, train
@@ -281,7 +287,7 @@ def evaluate_checkpoint(
     config = config_from_saved(state["config"], f"checkpoint {path}")
     config.progress = False
     if data is not None:
-        config.data = str(Path(data).expanduser().resolve())
+        config.data = str(resolve_data(data))
         dataset_dir = prepare_data(config)
     else:
         saved_dataset = state["config"].get("dataset")

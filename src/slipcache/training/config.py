@@ -23,6 +23,7 @@ from slipcache.staleness.config import StalenessConfig
 _STALE = StalenessConfig()  # the stale_* defaults below are the detector's: one set of defaults
 
 VOCABS = ("hash", "frequency")
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -152,6 +153,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        for name in ("lr", "dense_lr"):  # the update multiplies float32 parameters by it
+            value = getattr(self, name)
+            if value is not None and value > FLOAT32_MAX:
+                raise SlipcacheError(f"{name} must fit a float32 (at most {FLOAT32_MAX:.3g}), got {value}")
         if self.split_order not in (None, "val-test", "test-val"):
             raise SlipcacheError(f"split_order must be val-test or test-val, got {self.split_order!r}")
         if self.table_sizes is not None and (not self.table_sizes or min(self.table_sizes) < 1):
