@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from slipcache.cli import add_progress_flag
+from slipcache.cli import add_progress_flag, float_in, seed_arg
 from slipcache.data.dataset import check_output_dir
 from slipcache.data.presets import parse_table_sizes
 from slipcache.data.synthetic.compare import COMPARE_ROWS, compare_with_real, format_comparison
@@ -18,6 +18,9 @@ from slipcache.data.synthetic.generate import (
 from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, NEW_ENTITY_RATE
 from slipcache.errors import SlipcacheError
 
+# Terabyte's vocabulary is about 8x Kaggle's; a larger scale only asks for tables no machine holds.
+MAX_SCALE = 8.0
+
 
 def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="output dataset directory (required unless --compare)")
@@ -25,7 +28,10 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         "--samples", type=int, default=DEFAULT_SAMPLES, help="total rows (default %(default)s)"
     )
     parser.add_argument(
-        "--scale", type=float, default=1.0, help="multiplier of the Kaggle table sizes (default %(default)s)"
+        "--scale",
+        type=float_in(0, MAX_SCALE),
+        default=1.0,
+        help=f"multiplier of the Kaggle table sizes, at most {MAX_SCALE:g} (default %(default)s)",
     )
     parser.add_argument(
         "--table-sizes",
@@ -41,7 +47,7 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         default="slipcache",
         help="slipcache's dataset files (default) or TorchRec's day_{i}_{dense,sparse,labels}.npy",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="random seed (default 0)")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="share of rows in val (default 0.1)")
     parser.add_argument("--test-fraction", type=float, default=0.1, help="share of rows in test (default 0.1)")
     parser.add_argument(
