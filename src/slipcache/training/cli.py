@@ -283,7 +283,7 @@ def evaluate_checkpoint(
     sharded = sharded_ckpt.latest_sharded(path) if path.is_dir() else None  # written by N processes
     if path.is_dir():
         path = path / "checkpoints" / ckpt.LATEST if (path / "checkpoints").is_dir() else path / ckpt.LATEST
-    state = sharded_ckpt.load_rank_state(sharded, 0) if sharded else load_training_checkpoint(path)
+    state = sharded_ckpt.load_rank_state(sharded, 0) if sharded else load_training_checkpoint(path, use="--checkpoint")
     config = config_from_saved(state["config"], f"checkpoint {path}")
     config.progress = False
     if data is not None:
