@@ -233,6 +233,9 @@ def run_record(
     record = {
         **asdict(config),
         "dataset": str(dataset_dir),
+        # how the dense values were transformed (files read in place: on read, or not at all when they hold
+        # TorchRec's transformed values), so a run records what its inputs were
+        "dense_transform": dataset.meta.get("dense_transform"),
         "data_fingerprint": current,
         "run_id": saved.get("run_id") or uuid.uuid4().hex[:16],
     }
