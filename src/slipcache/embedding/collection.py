@@ -21,6 +21,7 @@ write-backs. The configuration is in `config`.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -85,9 +86,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         num_rows = config.num_rows
         precisions = config.precisions
         self.storage: RowStorage | TableRowStorage = (
-            RowStorage(num_rows, config.dim, precisions[0], self.storage_device)
+            RowStorage(num_rows, config.dim, precisions[0], self.storage_device, empty=not meta)
             if len(set(precisions)) == 1
-            else TableRowStorage(self.table_sizes, config.dim, precisions, self.storage_device)
+            else TableRowStorage(self.table_sizes, config.dim, precisions, self.storage_device, empty=not meta)
         )
         per_table = config.cache_per_table
         self.cache = RowCache(
@@ -233,7 +234,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         total = sum(self.table_sizes)
         with tqdm(
             total=total, unit="rows", unit_scale=True, desc="creating tables", leave=False,
-            disable=total * self.dim < PROGRESS_VALUES,
+            disable=total * self.dim < PROGRESS_VALUES or not sys.stderr.isatty(),
         ) as bar:
             start = 0
             for size in self.table_sizes:
