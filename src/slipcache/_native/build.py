@@ -205,3 +205,5 @@ def _declare(library: ctypes.CDLL) -> None:
     library.quantize_rows.restype = i64
     library.torch_uniform.argtypes = [ptr, ptr, i64]
     library.torch_uniform.restype = i64
+    library.pool_bags.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64]
+    library.pool_bags.restype = i64
