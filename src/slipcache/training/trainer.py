@@ -310,10 +310,10 @@ def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
     emb_opt = embedding_optimizer(config, model)
     batches_per_epoch = dataset.splits["train"] // config.batch_size
     skipper = None
-    if config.skip_stale:
-        from slipcache.staleness.skipping import StaleSkipper
+    if config.skip_rule is not None:
+        from slipcache.staleness.factory import make_skipper
 
-        skipper = StaleSkipper(config, model, dataset.split("train"), batches_per_epoch)
+        skipper = make_skipper(config, model, dataset.split("train"), batches_per_epoch, run_dir)
     progress = Progress()
     if state is not None:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
@@ -432,7 +432,7 @@ def record_step(run: Run, batch: Any, loss_value: float, batches: Any) -> bool:
     last = False
     if run.skipper is not None:
         run.skipper.after_batch(batch, run.logits, loss_value)  # warm-up, counting, snapshots, fits, guard
-        progress.skipped = run.skipper.detector.total.skipped
+        progress.skipped = run.skipper.skipped_inputs
         # A skipping epoch has fewer batches: the run's last one is known when none follows.
         last = progress.epoch == run.max_epochs - 1 and not batches.peek(1)
     elapsed = time.perf_counter() - run.tick
