@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from benchmarks import accuracy, runner, studies
 from slipcache.errors import SlipcacheError
-from slipcache.experiments import accuracy, runner, studies
 
 RAN = re.compile(r"^\[\d+/\d+\] ")
 PROBE = ["--probe-seconds", "0.05", "--probe-table-bytes", "8000000"]

@@ -11,8 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from slipcache.bench import cli as bench
+from slipcache.bench import peers as bench_peers
+from slipcache.bench import timing as bench_timing
+from slipcache.bench import workload as bench_workload
 from slipcache.errors import SlipcacheError
-from slipcache.experiments import bench, bench_peers, bench_timing, bench_workload
 from slipcache.training.config import make_config
 
 ROW_KEYS = {
@@ -134,7 +137,7 @@ def test_over_budget_configurations_are_skipped_not_allocated(tmp_path: Path) ->
     for r in result["rows"]:
         if r["impl"] == "fbgemm" and r["status"] == "not installed":
             continue
-        assert r["status"].startswith("skipped: needs "), r
+        assert r["status"].startswith("does not fit: needs "), r
         assert r["samples_per_s"] is None
         if r["impl"] != "slipcache":
             assert _positive(r["bytes"])
@@ -230,7 +233,7 @@ def test_busy_machine_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_bench_train_runs_each_implementation_on_the_same_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from slipcache.experiments import bench_train
+    from slipcache.bench import train as bench_train
     from tests.helpers import make_dataset
 
     data = make_dataset(tmp_path / "data", n=800, sizes=[300] * 26)
@@ -251,7 +254,7 @@ def test_bench_train_runs_each_implementation_on_the_same_data(tmp_path: Path, m
 
 
 def test_torchrec_peer_trains(tmp_path: Path) -> None:
-    from slipcache.experiments import bench_train
+    from slipcache.bench import train as bench_train
     from tests.helpers import make_dataset
 
     if bench_train.torchrec_available() is not None:

@@ -30,7 +30,7 @@ def test_synth_out_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     (tmp_path / "notes").write_text("mine")
     assert main(["synth", "--out", str(tmp_path / "notes"), "--samples", "1000", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"slipcache synth: error: {tmp_path / 'notes'}: cannot create output directory: File exists"
+    assert err == f"slipcache synth: error: --out {tmp_path / 'notes'} is a file, not a directory"
 
 
 def test_every_long_job_takes_quiet_and_no_progress() -> None:

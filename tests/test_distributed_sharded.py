@@ -118,6 +118,32 @@ def _check_int8_initial_rows_and_traffic(rank: int, world_size: int) -> None:
     assert sharded.traffic["samples"] == mine.shape[0]
     with pytest.raises(InvalidInputError, match="outside"):
         sharded(torch.tensor([[0, 0, 500, 0]]))
+    _check_half_precision_wire(rank, world_size, ids[rank * 4 : rank * 4 + 4 + 2 * rank])
+
+
+def _check_half_precision_wire(rank: int, world_size: int, mine: torch.Tensor) -> None:
+    """Rows and gradients sent as fp16 / bf16: half the bytes; rows arrive rounded to the wire's precision
+    and the owners' updates use the rounded gradients (close to the fp32 wire's)."""
+    config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="fp32", lr=0.5)
+    plan = _split_plan(world_size)
+    full = ShardedEmbeddingCollection(config, plan, rank)
+    weights = torch.randn(mine.shape[0], len(SIZES), 4, generator=torch.Generator().manual_seed(rank)) * 1e-2
+    want = full(mine)
+    (want * weights).sum().backward()
+    for wire, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        half = ShardedEmbeddingCollection(dataclasses.replace(config), plan, rank, wire_precision=wire)
+        got = half(mine)
+        # every row is rounded, the ones served locally too: results do not depend on the placement
+        torch.testing.assert_close(got, want.detach().to(dtype).float(), rtol=0, atol=0)
+        (got * weights).sum().backward()
+        for name in ("embedding_bytes", "gradient_bytes"):
+            assert half.traffic[name] * 2 == full.traffic[name]
+        # lr x the largest gradient a row can sum (over both ranks' lookups) x the wire's relative rounding
+        tolerance = 0.5 * 2 * float(weights.abs().sum(0).max()) * (2**-8 if wire == "bf16" else 2**-11)
+        for a, b in zip(half.export_tables(), full.export_tables(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
+    with pytest.raises(InvalidInputError, match="wire precision"):
+        ShardedEmbeddingCollection(config, plan, rank, wire_precision="int8")
 
 
 def test_int8_shards_start_from_the_single_process_rows_and_count_their_traffic() -> None:

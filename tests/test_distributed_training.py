@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from slipcache import export
 from slipcache.distributed import checkpoint as dckpt
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer
@@ -82,6 +83,9 @@ def test_two_processes_train_like_one_step_by_step(data_dir: Path, tmp_path: Pat
     # `slipcache eval` reads the 2-rank checkpoint in one process (fp32: flushing the caches is exact)
     again = evaluate_checkpoint(tmp_path / "two")
     assert again["auc"] == pytest.approx(two["auc"], abs=1e-9)
+    # `slipcache export` reads it too: the tables of the 2-process run equal the 1-process run's
+    for got, want in zip(export.load_tables(tmp_path / "two"), export.load_tables(tmp_path / "one"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_path: Path) -> None:

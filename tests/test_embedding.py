@@ -246,7 +246,7 @@ def test_memory_report_counts_every_buffer() -> None:
     coll = CachedEmbeddingBagCollection(config)
     report = coll.memory_report()
     buffer_bytes = sum(b.numel() * b.element_size() for b in coll.buffers())
-    generator_bytes = coll._generator.get_state().numel()
+    generator_bytes = coll.writer.generator.get_state().numel()
     assert report["total_bytes"] == buffer_bytes + generator_bytes
     parts = report["components"]
     assert parts["storage_payload"] == 15_000 * 16

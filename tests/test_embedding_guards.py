@@ -76,11 +76,11 @@ def test_to_device_moves_every_piece_of_state() -> None:
     assert {b.device.type for b in coll.buffers()} == {"meta"}
     assert coll.device.type == coll.storage_device.type == coll._anchor.device.type == "meta"
     assert coll.config.cache_device == coll.config.storage_device == "meta"
-    assert coll._generator is None
+    assert coll.writer.generator is None
     coll = small("int8", cache_size=0.1)
-    state = coll._generator.get_state()
+    state = coll.writer.generator.get_state()
     coll.to("cpu")  # same device: the generator is kept as it is
-    assert torch.equal(coll._generator.get_state(), state)
+    assert torch.equal(coll.writer.generator.get_state(), state)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4", "fp16", "bf16", "fp32"])
@@ -170,8 +170,10 @@ def test_one_seed_starts_every_precision_from_the_rounding_of_the_same_rows(prec
 def test_initialization_chunks_are_bounded() -> None:
     from slipcache.embedding.collection import _init_chunk_rows
 
-    assert _init_chunk_rows(16) == 1 << 20  # the draws of dim <= 16 are those of earlier versions
-    assert _init_chunk_rows(128) * 128 * 4 <= 64 << 20
+    # The draw is one generator stream, so chunking does not change it (test_quantize_native checks the
+    # created tables against one whole draw); chunks only bound the fp32 held at once.
+    for dim in (1, 16, 128, 4096):
+        assert _init_chunk_rows(dim) * dim * 4 <= max(1 << 20, dim * 4)
 
 
 def test_a_state_dict_from_before_the_saturation_counters_loads() -> None:
@@ -189,3 +191,70 @@ def test_a_state_dict_from_before_the_saturation_counters_loads() -> None:
     fresh.load_state_dict(state)
     assert torch.equal(torch.cat(fresh.export_tables()), torch.cat(coll.export_tables()))
     assert fresh.stats()["lookups"] == coll.stats()["lookups"] and fresh.stats()["saturated_values"] == 0
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_an_update_that_overflows_is_fitted_in_the_cache_as_in_storage(
+    compiled: bool, optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finite gradient times lr beyond fp32's range: cached rows end like stored ones (±largest float, counted)."""
+    if compiled and _native.native() is None:
+        pytest.skip("no C compiler: only the torch path exists")
+    if not compiled:
+        monkeypatch.setattr(_native, "native", lambda: None)
+    largest = torch.finfo(torch.float32).max
+    ends = []
+    for cache_rows in (0, 8):  # every row in storage, every row in the cache
+        config = EmbeddingConfig([4, 4], dim=4, precision="fp32", cache_rows=cache_rows, optimizer=optimizer, lr=1e38)
+        coll = CachedEmbeddingBagCollection(config)
+        coll.load_tables([torch.full((4, 4), 3e38), torch.full((4, 4), -3e38)])
+        out = coll(torch.tensor([[0, 1], [2, 1]]))
+        grad = torch.ones(out.shape)
+        grad[:, 0] = -1.0  # table 0 grows past +max, table 1 past -max
+        out.backward(grad)
+        rows = coll.read_rows(torch.arange(8))
+        assert torch.isfinite(rows).all()
+        assert torch.equal(rows[[0, 2]], torch.full((2, 4), largest))
+        assert torch.equal(rows[5], torch.full((4,), -largest))
+        assert torch.equal(rows[[1, 3, 4, 6, 7]], torch.tensor([3e38, 3e38, -3e38, -3e38, -3e38])[:, None].expand(5, 4))
+        ends.append((rows, coll.stats()["nonfinite_values"]))
+    assert torch.equal(ends[0][0], ends[1][0]) and ends[0][1] == ends[1][1] == 12
+
+
+def test_optimizer_and_cache_settings_are_checked_at_the_boundary() -> None:
+    for bad in (0.0, -1e-8, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps"):
+            EmbeddingConfig(SIZES, optimizer="adagrad", eps=bad)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="lfu_halving_interval"):
+            EmbeddingConfig(SIZES, policy="lfu", lfu_halving_interval=bad)
+    with pytest.raises(ValueError, match="lr must be"):
+        EmbeddingConfig(SIZES, lr=1e308)  # inf once in fp32, where the update computes
+    coll = small()
+    for bad in (0.0, float("inf"), 1e39, "0.1"):
+        with pytest.raises(SlipcacheError, match="lr must be"):
+            coll.lr = bad
+    assert coll.lr == 0.1
+
+
+def test_requires_grad_false_freezes_the_tables() -> None:
+    coll = small(cache_rows=40, ways=4)
+    before = coll.export_tables()
+    coll.requires_grad_(False)
+    out = coll(ids())
+    assert not out.requires_grad and coll.step == 0 and coll.stats()["lookups"] == 0
+    (out.sum() * torch.ones(1, requires_grad=True)).backward()  # a loss downstream still trains the rest
+    assert all(torch.equal(a, b) for a, b in zip(before, coll.export_tables(), strict=True))
+    coll.requires_grad_(True)
+    out = coll(ids())
+    out.sum().backward()
+    assert coll.step == 1 and not all(torch.equal(a, b) for a, b in zip(before, coll.export_tables(), strict=True))
+
+
+def test_a_loaded_state_keeps_the_collections_own_lr() -> None:
+    a = small(lr=0.5)
+    a.lr = 0.25
+    b = small(lr=0.01)
+    b.load_state_dict(a.state_dict())
+    assert b.lr == 0.01 and a.state_dict()["_extra_state"]["lr"] == 0.25

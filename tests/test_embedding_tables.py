@@ -75,7 +75,7 @@ def test_memory_report_per_table_is_exact() -> None:
     coll = CachedEmbeddingBagCollection(config)
     report = coll.memory_report()
     assert report["total_bytes"] == sum(b.numel() * b.element_size() for b in coll.buffers()) + (
-        coll._generator.get_state().numel()
+        coll.writer.generator.get_state().numel()
     )
     int8, fp16 = report["per_table"]
     assert (int8["storage_payload"], int8["quantization_params"]) == (1000 * 16, 1000 * 3)

@@ -1,4 +1,4 @@
-"""`slipcache experiment` at a tiny size: the files it writes, resumability, and the grids it builds."""
+"""Studies at a tiny size: the files they write, resumability, and the grids they build."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import re
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from benchmarks import mixed_precision, runner, slipstream, studies
 from slipcache.errors import SlipcacheError
-from slipcache.experiments import mixed_precision, runner, slipstream, studies
 
 # Far below --quick: ~35k embedding rows, 8 steps per run; still every setup of the quick grid.
 TINY = [
@@ -334,3 +335,17 @@ def test_bad_repeats_is_refused_before_any_data_is_prepared(tmp_path: Path) -> N
     with pytest.raises(SlipcacheError, match="--repeats must be at least 1"):
         studies.run_experiment(_args("slipstream", "--out", str(tmp_path / "out"), "--data", str(tmp_path / "none"),
                                      "--repeats", "0", *TINY))
+
+
+def test_experiment_command_says_where_the_studies_are_when_they_are_not_installed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slipcache import cli
+    from slipcache.bench import experiment
+
+    monkeypatch.setitem(sys.modules, "benchmarks.studies", None)  # as in an installed wheel
+    monkeypatch.setattr(experiment.import_studies, "__defaults__", (tmp_path,))
+    assert cli.main(["experiment", "mixed-precision", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "python -m benchmarks.studies" in err[0]
+    assert not (tmp_path / "out").exists()

@@ -75,6 +75,40 @@ def test_int8_layout_is_fbgemms() -> None:
     assert int((ours[:, :-8].int() - reference[:, :-8].int()).abs().max()) <= 1
 
 
+def test_tbe_int8_export_loads_into_fbgemms_inference_tables(run_dir: Path, tmp_path: Path) -> None:
+    """Lookups through `IntNBitTableBatchedEmbeddingBagsCodegen` built from the file equal the trained
+    lookups within half a quantization step per pooled row."""
+    pytest.importorskip("fbgemm_gpu", reason="fbgemm-gpu-cpu not installed")
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        IntNBitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    out = tmp_path / "exported"
+    assert cli.main(["export", "--checkpoint", str(run_dir), "--out", str(out), "--format", "tbe-int8"]) == 0
+    info = json.loads((out / "tables.json").read_text())
+    specs = [(t["name"], t["num_embeddings"], t["embedding_dim"], SparseType.INT8, EmbeddingLocation.HOST) for t in info]
+    tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+        specs,
+        weight_lists=torch.load(out / "fbgemm_tbe_int8.pt"),
+        device="cpu",
+        output_dtype=SparseType.FP32,
+        pooling_mode=PoolingMode.SUM,
+    )
+    sizes = [t["num_embeddings"] for t in info]
+    ids = _ids(sizes, n=32)
+    bags = torch.cat([ids, torch.flip(ids, [0])], dim=0).view(2, 32, -1)  # bags of 2 ids per table
+    values = bags.permute(2, 1, 0).reshape(-1).to(torch.int32)  # table-major, then sample, then the 2 ids
+    offsets = torch.arange(0, values.numel() + 1, 2, dtype=torch.int32)
+    got = tbe(values, offsets).view(32, len(info), -1)
+    expected = _trained_lookups(run_dir, ids) + _trained_lookups(run_dir, torch.flip(ids, [0]))
+    tables = export.load_tables(run_dir)
+    tolerance = max(float((w.amax(1) - w.amin(1)).max()) for w in tables) / 255  # two halves of a step
+    assert float((got - expected).abs().max()) <= tolerance * 1.01 + 1e-6
+    assert float((got - expected).abs().max()) > 0  # quantized, not the fp32 rows
+
+
 def test_torchrec_state_dict_loads_into_an_embedding_bag_collection(run_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("torchrec", reason="torchrec not installed (pip install 'slipcache[torchrec]')")
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor

@@ -199,9 +199,9 @@ def test_step_buffers_are_reused_only_once_nothing_holds_them() -> None:
     copy = kept.detach().clone()
     later = coll(third)  # the caller still holds `kept`: a new buffer, `kept` untouched
     assert later.data_ptr() != kept.data_ptr() and torch.equal(kept, copy)
-    plan_rows = coll._scratch_buffers["rows"]
+    plan_rows = coll.scratch.buffers["rows"]
     coll(first)  # a second forward before the first's backward: its plan keeps its rows
-    assert coll._scratch_buffers["rows"] is not plan_rows
+    assert coll.scratch.buffers["rows"] is not plan_rows
 
 
 def test_compiled_finite_check() -> None:

@@ -74,10 +74,12 @@ def test_built_from_configs_and_plain_inputs_still_work() -> None:
     assert keyed.table_sizes == SIZES and keyed.table_names == ["t0", "t1", "t2"]
     assert [c.name for c in keyed.embedding_bag_configs()] == ["t0", "t1", "t2"]
     assert keyed(torch.zeros(5, 3, dtype=torch.int64)).shape == (5, 3, 8)
-    with pytest.raises(SlipcacheError, match="embedding_dim"):
-        KeyedCachedEmbeddingBagCollection(
-            [*_tables(), EmbeddingBagConfig(name="x", embedding_dim=4, num_embeddings=3, feature_names=["x"])]
-        )
+    mixed = KeyedCachedEmbeddingBagCollection(
+        [*_tables(), EmbeddingBagConfig(name="x", embedding_dim=4, num_embeddings=3, feature_names=["x"])]
+    )
+    assert len(mixed.collections) == 2  # one per dim
+    with pytest.raises(ValueError, match="several dims"):
+        mixed(torch.zeros(5, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="no feature 'f1'"):
         keyed(
             KeyedJaggedTensor.from_lengths_sync(
@@ -137,3 +139,112 @@ def test_shared_table_trains_as_torchrecs_collection(cache_size: float) -> None:
         optimizer.step()
     for name, weight in zip(("t0", "t1"), ours.export_tables(), strict=True):
         torch.testing.assert_close(weight, theirs.embedding_bags[name].weight.detach(), rtol=0, atol=1e-6)
+
+
+def _train_against_torchrec(tables: list[EmbeddingBagConfig], weighted: bool, cache_size: float) -> None:
+    """3 SGD steps of ours and TorchRec's collection on the same KJTs: equal outputs and equal tables."""
+    from torchrec import EmbeddingBagCollection
+
+    ours = KeyedCachedEmbeddingBagCollection(
+        tables, is_weighted=weighted, precision="fp32", cache_size=cache_size, lr=0.2, seed=1
+    )
+    theirs = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=torch.device("cpu"))
+    assert ours.is_weighted() == theirs.is_weighted() == weighted
+    with torch.no_grad():
+        for config, weight in zip(tables, ours.export_tables(), strict=True):
+            theirs.embedding_bags[config.name].weight.copy_(weight)
+    optimizer = torch.optim.SGD(theirs.parameters(), lr=0.2)
+    features = [(f, t.num_embeddings) for t in tables for f in t.feature_names]
+    width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        lengths = torch.randint(0, 4, (len(features), 8), generator=gen)
+        values = torch.cat(
+            [torch.randint(0, n, (int(lengths[i].sum()),), generator=gen) for i, (_, n) in enumerate(features)]
+        )
+        weights = torch.rand(values.numel(), generator=gen) if weighted else None
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f for f, _ in features], values=values, lengths=lengths.reshape(-1), weights=weights
+        )
+        grad = torch.randn(8, width, generator=gen)
+        out, expected = ours(kjt), theirs(kjt)
+        assert out.keys() == expected.keys() and out.length_per_key() == expected.length_per_key()
+        torch.testing.assert_close(out.values(), expected.values(), rtol=0, atol=1e-6)
+        (out.values() * grad).sum().backward()
+        optimizer.zero_grad()
+        (expected.values() * grad).sum().backward()
+        optimizer.step()
+    for config, weight in zip(tables, ours.export_tables(), strict=True):
+        torch.testing.assert_close(weight, theirs.embedding_bags[config.name].weight.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_size", [0.0, 0.5])
+def test_per_table_dims_and_poolings_train_as_torchrecs_collection(cache_size: float) -> None:
+    tables = [
+        EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=30, feature_names=["fa", "ga"]),
+        EmbeddingBagConfig(
+            name="b", embedding_dim=8, num_embeddings=7, feature_names=["fb"], pooling=PoolingType.MEAN
+        ),
+        EmbeddingBagConfig(
+            name="c", embedding_dim=4, num_embeddings=11, feature_names=["fc"], pooling=PoolingType.MEAN
+        ),
+        EmbeddingBagConfig(name="d", embedding_dim=4, num_embeddings=5, feature_names=["fd"]),
+    ]
+    _train_against_torchrec(tables, weighted=False, cache_size=cache_size)
+
+
+def test_weighted_kjt_trains_as_torchrecs_weighted_collection() -> None:
+    tables = [
+        EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=30, feature_names=["fa", "ga"]),
+        EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=7, feature_names=["fb"]),
+    ]
+    _train_against_torchrec(tables, weighted=True, cache_size=0.3)
+    with pytest.raises(SlipcacheError, match="sum pooling"):
+        KeyedCachedEmbeddingBagCollection(_tables(PoolingType.MEAN), is_weighted=True)
+    unweighted = KeyedCachedEmbeddingBagCollection(_tables())
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1", "f2"], values=torch.zeros(3, dtype=torch.int64), lengths=torch.ones(3, dtype=torch.int64),
+        weights=torch.ones(3),
+    )
+    with pytest.raises(ValueError, match="is_weighted=True"):
+        unweighted(kjt)
+
+
+def test_an_extra_kjt_key_warns_once() -> None:
+    keyed = KeyedCachedEmbeddingBagCollection(_tables())
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "extra", "f1", "f2"],
+        values=torch.tensor([1, 99, 2, 3]),
+        lengths=torch.ones(4, dtype=torch.int64),
+    )
+    with pytest.warns(UserWarning, match=r"\['extra'\] are read by no table"):
+        first = keyed(kjt)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second batch with the same key says nothing
+        second = keyed(kjt)
+    assert first.keys() == ["f0", "f1", "f2"]
+    torch.testing.assert_close(first.values(), second.values())
+
+
+def test_torchrec_fx_traces_a_dlrm_holding_our_tables() -> None:
+    from torchrec.fx import symbolic_trace
+    from torchrec.models.dlrm import DLRM
+
+    tables = _tables()
+    model = DLRM(
+        embedding_bag_collection=KeyedCachedEmbeddingBagCollection(tables, precision="int8"),
+        dense_in_features=4,
+        dense_arch_layer_sizes=[8, 8],
+        over_arch_layer_sizes=[8, 1],
+    )
+    traced = symbolic_trace(model)
+    values, lengths = _bags(6, 0)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2"], values=values, lengths=lengths.reshape(-1))
+    dense = torch.randn(6, 4)
+    model.eval()
+    traced.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(traced(dense, kjt), model(dense, kjt), rtol=0, atol=0)
+    assert "_keyed_lookup" in str(traced.graph)  # the lookup is one node, not unrolled

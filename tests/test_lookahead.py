@@ -54,7 +54,7 @@ def test_never_evicts_a_row_of_the_batch_in_flight_or_the_next(batches, capacity
     )
 
     def check(i: int, before: set[int]) -> None:
-        coll._join_prefetch()  # the prefetch started by this step must obey the rule too
+        coll.prefetcher.join()  # the prefetch started by this step must obey the rule too
         evicted = before - _resident(coll)
         needed = set(batches[i]) | (set(batches[i + 1]) if i + 1 < len(batches) else set())
         assert not evicted & needed, (i, evicted & needed)
@@ -159,7 +159,7 @@ def test_a_window_serves_one_step_only() -> None:
     coll = CachedEmbeddingBagCollection(_config(policy="lookahead"))
     coll.set_lookahead([torch.zeros(4, 2, dtype=torch.long)], prefetch=True)
     coll(torch.ones(4, 2, dtype=torch.long)).sum().backward()
-    assert coll._window is None and not coll._prefetch_next
+    assert coll.prefetcher.window is None and not coll.prefetcher.prefetch_next
     assert coll.stats()["prefetched_rows"] == 2  # rows 0 of both tables
 
 

@@ -23,7 +23,7 @@ PY=${PYTHON:-python3}
   timeout 120 "$PY" - <<'PYEOF'
 import time, torch
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
-from slipcache.experiments.bench_workload import make_workload
+from slipcache.bench.workload import make_workload
 
 work = make_workload([200_000] * 26, batch_size=2048, warmup_steps=0, timed_steps=120, seed=0)
 grad64 = torch.randn(2048, 26, 64) * 0.01

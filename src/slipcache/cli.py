@@ -16,8 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("slipcache.data.synthetic.cli", "generate a synthetic Criteo-shaped dataset"),
     "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
     "stats": ("slipcache.data.stats.cli", "access-pattern statistics of raw Criteo files or a dataset"),
-    "bench": ("slipcache.experiments.bench", "benchmark embedding implementations"),
-    "experiment": ("slipcache.experiments.studies", "run the papers' experiments and write a report"),
+    "bench": ("slipcache.bench.cli", "benchmark embedding implementations"),
+    "experiment": ("slipcache.bench.experiment", "run the papers' experiments and write a report"),
     "plan": ("slipcache.planning.cli", "choose per-table precision and cache rows for a memory budget"),
     "export": ("slipcache.export", "write a checkpoint's tables for serving (nn.EmbeddingBag, TorchRec, FBGEMM INT8)"),
 }
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(getattr(module, f"run_{args.command}")(args) or 0)
     except SlipcacheError as exc:
         print(f"slipcache {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except OSError as exc:  # a full disk, a missing or unwritable path: the OS says which
         where = f": {exc.filename}" if exc.filename else ""
         print(f"slipcache {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)

@@ -7,6 +7,10 @@ Written into `--out DIR`:
     fbgemm_int8.pt      {"t_cat_0": uint8 [rows, dim + 8], ...}: FBGEMM's row-wise INT8 layout, each row
                         its codes then fp32 scale and fp32 bias (little endian), as
                         torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat reads it
+    fbgemm_tbe_int8.pt  [(codes uint8 [rows, dim], scale_bias uint8 [rows, 4]), ...] per table: the
+                        `weight_lists` that FBGEMM's inference tables
+                        (`IntNBitTableBatchedEmbeddingBagsCodegen`, SparseType.INT8) take, fp16 scale
+                        and bias per row (they keep them in front of the codes)
     tables.json         names, features, rows and dim of each table, to rebuild the modules
 
 The values are the trained fp32 rows: cached rows overlaid on storage, exactly what the model reads.
@@ -25,8 +29,13 @@ import torch
 
 from slipcache.errors import SlipcacheError
 
-FORMATS = ("fp32", "torchrec", "int8")
-FILES = {"fp32": "embedding_bags.pt", "torchrec": "torchrec_ebc.pt", "int8": "fbgemm_int8.pt"}
+FORMATS = ("fp32", "torchrec", "int8", "tbe-int8")
+FILES = {
+    "fp32": "embedding_bags.pt",
+    "torchrec": "torchrec_ebc.pt",
+    "int8": "fbgemm_int8.pt",
+    "tbe-int8": "fbgemm_tbe_int8.pt",
+}
 
 
 def table_name(t: int) -> str:
@@ -38,21 +47,31 @@ def feature_name(t: int) -> str:
 
 
 def load_tables(checkpoint: str | Path) -> list[torch.Tensor]:
-    """The fp32 tables of a training checkpoint (file, checkpoints dir or run dir)."""
+    """The fp32 tables of a training checkpoint (file, checkpoints dir or run dir; one process or many:
+    a run of N processes is read from its newest complete checkpoint, every rank's shards)."""
+    from slipcache.distributed import checkpoint as sharded_ckpt
     from slipcache.training import checkpoint as ckpt
     from slipcache.training import trainer
     from slipcache.training.config import CONFIG_FIELDS, TrainConfig
     from slipcache.training.rundir import check_checkpoint
 
     path = Path(checkpoint)
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    state = ckpt.load_checkpoint(path)
+    sharded = sharded_ckpt.latest_sharded(path) if path.is_dir() else None  # written by N processes
+    if sharded is not None:
+        path = sharded
+        state = sharded_ckpt.load_rank_state(sharded, 0)  # rank 0's file: the config and the table sizes
+    else:
+        if path.is_dir() and (path / "checkpoints").is_dir():
+            path = path / "checkpoints"
+        state = ckpt.load_checkpoint(path)
     check_checkpoint(state, path)
     config = TrainConfig(**{k: v for k, v in state["config"].items() if k in CONFIG_FIELDS})
     model = trainer.build_model(config, state["table_sizes"], num_dense=1)  # the dense part is not loaded
     try:
-        model.embeddings.load_state_dict(state["embeddings"])
+        if sharded is not None:  # every rank's shards gathered into this process's tables
+            sharded_ckpt.unshard_into(model.embeddings, sharded)
+        else:
+            model.embeddings.load_state_dict(state["embeddings"])
     except (RuntimeError, KeyError, ValueError) as exc:
         raise SlipcacheError(f"{path}: embeddings do not load: {str(exc).splitlines()[0]}") from exc
     embeddings = model.embeddings
@@ -80,6 +99,28 @@ def dequantize_rowwise_int8(fused: torch.Tensor) -> torch.Tensor:
     return fused[:, :-8].float() * params[:, :1] + params[:, 1:]
 
 
+def _fp16_toward(values: torch.Tensor, direction: float) -> torch.Tensor:
+    """`values` in fp16, rounded toward `direction` (-inf or +inf) so the fp16 grid still spans the row."""
+    half = values.half()
+    outside = half.float() > values if direction < 0 else half.float() < values
+    return torch.where(outside, torch.nextafter(half, torch.full_like(half, direction)), half)
+
+
+def quantize_tbe_int8(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FBGEMM inference INT8 rows: codes [rows, dim] and per row fp16 scale then fp16 bias, as bytes [rows, 4].
+
+    The bias is the row minimum rounded down in fp16 and the scale the span / 255 rounded up, so every value
+    lies on the grid's span; codes round to nearest (error at most half a step).
+    """
+    table = table.float()
+    bias = _fp16_toward(table.min(dim=1, keepdim=True).values, float("-inf"))
+    scale = _fp16_toward((table.max(dim=1, keepdim=True).values - bias.float()) / 255.0, float("inf"))
+    inverse = torch.where(scale.float() > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+    codes = torch.round((table - bias.float()) * inverse).clamp_(0, 255).to(torch.uint8)
+    scale_bias = torch.cat([scale, bias], dim=1).contiguous().view(torch.uint8)
+    return codes.contiguous(), scale_bias
+
+
 def export_tables(
     tables: list[torch.Tensor], out: str | Path, formats: tuple[str, ...] = FORMATS
 ) -> dict[str, Path]:
@@ -97,6 +138,8 @@ def export_tables(
             value = {f"embedding_bags.{table_name(t)}.weight": w.contiguous() for t, w in enumerate(tables)}
         elif fmt == "int8":
             value = {table_name(t): quantize_rowwise_int8(w) for t, w in enumerate(tables)}
+        elif fmt == "tbe-int8":
+            value = [quantize_tbe_int8(w) for w in tables]
         else:
             raise SlipcacheError(f"export format must be one of {', '.join(FORMATS)}, got {fmt!r}")
         written[fmt] = out / FILES[fmt]
@@ -122,7 +165,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         dest="formats",
         action="append",
         choices=FORMATS,
-        help="fp32 (nn.EmbeddingBag), torchrec (EmbeddingBagCollection) or int8 (FBGEMM row-wise); "
+        help="fp32 (nn.EmbeddingBag), torchrec (EmbeddingBagCollection), int8 (FBGEMM fused row-wise) or "
+        "tbe-int8 (FBGEMM's IntNBitTableBatchedEmbeddingBagsCodegen weight_lists); "
         "repeat for several (default: all)",
     )
 

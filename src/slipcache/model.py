@@ -163,7 +163,10 @@ def build_embeddings(
     embeddings="torch": the fp32 `nn.EmbeddingBag` baseline (precision/cache/policy/rounding ignored).
     embeddings="cached": mixed-precision storage with an fp32 cache (`slipcache.embedding.collection`).
     """
+    from slipcache.memory import require_config_fits, require_tables_fit
+
     if embeddings == "torch":
+        require_tables_fit(table_sizes, dim, what="embedding tables", embeddings="torch")
         return TorchEmbeddingBagCollection(table_sizes, dim, lr=lr, seed=seed)
     if embeddings != "cached":
         raise SlipcacheError(f"unknown embeddings {embeddings!r}; choose one of {', '.join(EMBEDDING_KINDS)}")
@@ -181,6 +184,7 @@ def build_embeddings(
         lr=lr,
         seed=seed,
     )
+    require_config_fits(config, "embedding tables")
     return CachedEmbeddingBagCollection(config)
 
 

@@ -188,6 +188,13 @@ def _declare(library: ctypes.CDLL) -> None:
     library.assign_slots.restype = i64
     library.sgd_update_finite.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, i64]
     library.sgd_update_finite.restype = i64
+    f32 = ctypes.c_float
+    library.quantize_rows.argtypes = [
+        ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64, ptr,
+    ]
+    library.quantize_rows.restype = i64
+    library.torch_uniform.argtypes = [ptr, ptr, i64]
+    library.torch_uniform.restype = i64
 
 
 def native() -> ctypes.CDLL | None:
@@ -286,12 +293,17 @@ def lookup(
     return slots
 
 
-def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> None:
-    """weights[slots[i]] -= lr * grad[i], for repeated slots too (in batch order, on any thread count)."""
+def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> bool:
+    """weights[slots[i]] -= lr * grad[i], for repeated slots too (in batch order, on any thread count).
+
+    Returns whether every value it wrote is finite (False: an update overflowed to inf or NaN)."""
     library = native()
     assert library is not None
     slots, grad = slots.contiguous(), grad.contiguous().float()  # a read-only input may be converted
-    _run_sgd(library.sgd_update, weights, slots, grad, lr, threads)
+    return _run_sgd(library.sgd_update, weights, slots, grad, lr, threads) != _OVERFLOWED
+
+
+_NOT_FINITE, _OVERFLOWED = -2, -3  # the SGD loops' codes: gradient not finite (nothing written); overflow
 
 
 def _run_sgd(loop: Callable[..., int], weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None) -> int:
@@ -448,12 +460,15 @@ def assign_slots(
     return slots, victim_slots[:victims], victim_rows[:victims]
 
 
-def sgd_update_finite(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> bool:
+def sgd_update_finite(
+    weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None
+) -> tuple[bool, bool]:
     """`sgd_update` for the lookups with a slot (-1: skipped), applied only if every value of `grad` is
-    finite; returns whether it was."""
+    finite; returns (whether it was applied, whether every value it wrote is finite)."""
     library = native()
     assert library is not None
-    return _run_sgd(library.sgd_update_finite, weights, slots, grad, lr, threads) == -1
+    code = _run_sgd(library.sgd_update_finite, weights, slots, grad, lr, threads)
+    return code != _NOT_FINITE, code != _OVERFLOWED
 
 
 def classify_inputs(

@@ -2,7 +2,7 @@
 
 Three families, recognised by their file names in a directory:
 
-- ``torchrec``: ``day_{i}_dense.npy`` (float32 [n, 13], already log(1 + x)), ``day_{i}_sparse.npy``
+- ``torchrec``: ``day_{i}_dense.npy`` (float32 [n, 13], already log(x - m + 2), m the file's smallest raw value: TorchRec's ``tsv_to_npys``), ``day_{i}_sparse.npy``
   (int [n, 26]) and ``day_{i}_labels.npy`` (int [n] or [n, 1]). Days 0..N-2 train; the last day is split
   in halves, validation then test (TorchRec's convention).
 - ``dlrm``: ``kaggleAdDisplayChallenge_processed.npz`` (7 days), ``terabyte_processed.npz`` (24 days) or
@@ -14,8 +14,9 @@ Three families, recognised by their file names in a directory:
 Arrays are memory-mapped and converted batch by batch as they are read (`LazyColumn`), so nothing is
 copied: labels to float32, raw counts through `dense_transform` (values TorchRec already transformed are
 left alone; `meta["dense_transform"]` says which), ids to int32, taken modulo the table sizes when those
-are given. Compressed ``.npz`` files cannot be memory-mapped: they are converted once into the binary
-dataset format under the cache directory (``$SLIPCACHE_CACHE_DIR`` or ``~/.cache/slipcache``,
+are given. Compressed ``.npz`` files cannot be memory-mapped, and Fortran-ordered ones (the DLRM
+reference stores ``X_cat`` as the transpose of a float64 array) would read one page per column for every
+shuffled row: both are converted once into the binary dataset format under the cache directory (``$SLIPCACHE_CACHE_DIR`` or ``~/.cache/slipcache``,
 ``converted/``) and read from there.
 
 Table sizes: given (``table_sizes``; ids are taken modulo them, as TorchRec's ``hashes`` do), else the
@@ -25,10 +26,11 @@ over the files (remembered in the cache directory, keyed by the files' size and 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
-import re
+import sys
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,21 +41,25 @@ import numpy as np
 
 from slipcache.cache_dir import default_cache_root
 from slipcache.data.dataset import NUM_DENSE, NUM_TABLES, CriteoDataset, DatasetWriter, SplitArrays
-from slipcache.data.mapped import LazyColumn, Piece, load_npy, npz_arrays, npz_compressed, npz_members
+from slipcache.data.layouts import Layout, detect_format
+from slipcache.data.mapped import (
+    LazyColumn,
+    Piece,
+    load_npy,
+    npz_arrays,
+    npz_compressed,
+    npz_fortran_members,
+    npz_members,
+)
 from slipcache.data.preprocess import dense_transform
 from slipcache.errors import SlipcacheError
 
 FORMATS = ("torchrec", "dlrm", "mlperf")
 SPLIT_ORDERS = ("val-test", "test-val")
 DEFAULT_SPLIT_ORDER = {"torchrec": "val-test", "dlrm": "test-val", "mlperf": "test-val"}
-SINGLE_FILE_DAYS = {"kaggleAdDisplayChallenge_processed.npz": 7, "terabyte_processed.npz": 24}
 MLPERF_COLUMNS = 1 + NUM_DENSE + NUM_TABLES
 READ_ROWS = 1 << 20  # rows per block when scanning or converting
 LABEL_PROBE_ROWS = 1 << 16  # labels checked when a file is opened (all are checked as they are read)
-_TORCHREC = re.compile(r"^day_(\d+)_(dense|sparse|labels)\.npy$")
-_DLRM_DAY = re.compile(r"^(.+)_(\d+)_processed\.npz$")
-_MLPERF = re.compile(r"^(.+)_(train|test|val)\.bin$")
-_COUNTS = re.compile(r"^.+_fea_count\.npz$")
 
 
 # ------------------------------------------------------------------------------------- one "day"
@@ -95,90 +101,6 @@ def check_labels(labels: np.ndarray, where: Any) -> np.ndarray:
     return values.astype(np.float32)
 
 
-# --------------------------------------------------------------------------------------- detection
-@dataclass
-class Layout:
-    """What a directory holds: the format, its files in day order, and the side files."""
-
-    format: str
-    files: list[Path]  # torchrec: one dir entry per day (the dense file); dlrm: npz per day; mlperf: bins
-    counts_file: Path | None = None
-    days: int = 0  # dlrm single file: days it holds
-
-
-def detect_format(path: str | os.PathLike[str]) -> Layout | None:
-    """The external format of a directory, None if it holds none of them; mixed or incomplete: error."""
-    path = Path(path)
-    if not path.is_dir():
-        return None
-    names = sorted(p.name for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-    found: dict[str, list[str]] = {}
-    for name in names:
-        if _TORCHREC.match(name):
-            found.setdefault("torchrec", []).append(name)
-        elif name in SINGLE_FILE_DAYS or (_DLRM_DAY.match(name) and not _COUNTS.match(name)):
-            found.setdefault("dlrm", []).append(name)
-        elif _MLPERF.match(name):
-            found.setdefault("mlperf", []).append(name)
-    if not found:
-        return None
-    if len(found) > 1:
-        (a, fa), (b, fb) = list(found.items())[:2]
-        raise SlipcacheError(
-            f"{path}: mixed data formats: {fa[0]} ({a}) and {fb[0]} ({b}); keep one per directory"
-        )
-    fmt, files = next(iter(found.items()))
-    counts = next((path / n for n in names if _COUNTS.match(n)), None)
-    if fmt == "torchrec":
-        days = sorted({int(_TORCHREC.match(n).group(1)) for n in files})  # type: ignore[union-attr]
-        for i in range(max(days) + 1):
-            for part in ("dense", "sparse", "labels"):
-                if f"day_{i}_{part}.npy" not in files:
-                    raise SlipcacheError(
-                        f"{path / f'day_{i}_{part}.npy'}: missing file of the TorchRec layout"
-                    )
-        if len(days) < 2:
-            raise SlipcacheError(f"{path}: TorchRec layout needs at least 2 days (train days, then val/test)")
-        return Layout("torchrec", [path / f"day_{i}_dense.npy" for i in days], counts)
-    if fmt == "dlrm":
-        single = [n for n in files if n in SINGLE_FILE_DAYS]
-        if single:
-            if len(files) > 1:
-                raise SlipcacheError(
-                    f"{path}: {single[0]} beside {[n for n in files if n != single[0]][0]}; keep one"
-                )
-            return Layout("dlrm", [path / single[0]], counts, SINGLE_FILE_DAYS[single[0]])
-        by_prefix: dict[str, dict[int, str]] = {}
-        for n in files:
-            m = _DLRM_DAY.match(n)
-            by_prefix.setdefault(m.group(1), {})[int(m.group(2))] = n  # type: ignore[union-attr]
-        if len(by_prefix) > 1:
-            raise SlipcacheError(
-                f"{path}: per-day files of several prefixes ({', '.join(sorted(by_prefix))})"
-            )
-        prefix, days_found = next(iter(by_prefix.items()))
-        for i in range(max(days_found) + 1):
-            if i not in days_found:
-                raise SlipcacheError(
-                    f"{path / f'{prefix}_{i}_processed.npz'}: missing day of the DLRM layout"
-                )
-        if len(days_found) < 2:
-            raise SlipcacheError(f"{path}: per-day DLRM layout needs at least 2 days")
-        return Layout("dlrm", [path / days_found[i] for i in sorted(days_found)], counts, len(days_found))
-    by_kind: dict[str, list[str]] = {}
-    for n in files:
-        m = _MLPERF.match(n)
-        by_kind.setdefault(m.group(2), []).append(n)  # type: ignore[union-attr]
-    for kind in ("train", "test"):
-        if kind not in by_kind:
-            other = files[0]
-            raise SlipcacheError(f"{path}: {other} has no matching *_{kind}.bin (MLPerf layout)")
-    if any(len(v) > 1 for v in by_kind.values()):
-        raise SlipcacheError(f"{path}: several MLPerf file sets ({', '.join(files)})")
-    ordered = [path / by_kind[k][0] for k in ("train", "test", "val") if k in by_kind]
-    return Layout("mlperf", ordered, counts)
-
-
 # ------------------------------------------------------------------------------------- the dataset
 class ExternalDataset:
     """The `CriteoDataset` interface (table_sizes, splits, split(name), meta) over external files."""
@@ -211,7 +133,7 @@ class ExternalDataset:
             "dense_transform": "log(1 + max(x, 0)), applied on read"
             if transform_dense
             else "none: the files hold log-transformed values already (not applied twice)",
-            "source": {"files": [str(f) for f in layout.files]},
+            "source": {"files": [str(f) for f in layout.files], "ignored": [str(f) for f in layout.ignored]},
         }
         self._cache: dict[str, SplitArrays] = {}
 
@@ -289,20 +211,35 @@ def _split_ranges(layout: Layout, days: list[_Day], order: str) -> dict[str, lis
             }
         held, train_parts = test, [(train, 0, len(train))]
     elif layout.format == "dlrm" and len(days) == 1:
-        # One file holding `layout.days` days of equal size (the remainder goes to the last), as the DLRM
-        # reference splits it.
-        n = len(days[0])
-        first_held = (n // layout.days) * (layout.days - 1)
+        # One file holding `layout.days` days, cut where the reference's loader cuts it: at its
+        # `*_day_count.npz` when present, else in equal days with the remainder on the first days.
         held = days[0]
+        per_day = _rows_per_day(layout, len(held))
+        first_held = sum(per_day[:-1])
         train_parts = [(held, 0, first_held)]
-        half = first_held + (n - first_held) // 2
-        first, second = (held, first_held, half), (held, half, n)
-        return _name_halves(train_parts, first, second, order)
+        half = first_held + (len(held) - first_held + 1) // 2
+        return _name_halves(train_parts, (held, first_held, half), (held, half, len(held)), order)
     else:
         held = days[-1]
         train_parts = [(d, 0, len(d)) for d in days[:-1]]
-    half = len(held) // 2
+    half = (len(held) + 1) // 2  # the first half takes the odd row, as TorchRec's and the DLRM reference's do
     return _name_halves(train_parts, (held, 0, half), (held, half, len(held)), order)
+
+
+def _rows_per_day(layout: Layout, rows: int) -> list[int]:
+    """Rows of each day of a combined DLRM file: its day counts file, else rows / days, extras first."""
+    if layout.day_counts_file is not None:
+        if "total_per_file" not in npz_members(layout.day_counts_file):
+            raise SlipcacheError(f"{layout.day_counts_file}: no total_per_file array (rows per day)")
+        per_day = [int(n) for n in np.load(layout.day_counts_file)["total_per_file"].reshape(-1)]
+        if sum(per_day) != rows or len(per_day) < 2 or min(per_day) < 0:
+            raise SlipcacheError(
+                f"{layout.day_counts_file}: rows per day {per_day[:4]}... add up to {sum(per_day)}, "
+                f"the data holds {rows}"
+            )
+        return per_day
+    base, extra = divmod(rows, layout.days)
+    return [base + (1 if d < extra else 0) for d in range(layout.days)]
 
 
 def _name_halves(
@@ -390,21 +327,36 @@ def _max_ids(layout: Layout, days: list[_Day]) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------- compressed npz
-def _convert_compressed(
-    path: Path, layout: Layout, table_sizes: Sequence[int] | None, split_order: str | None
+def _needs_conversion(layout: Layout) -> str | None:
+    """Why DLRM files cannot be read in place, or None: compressed members cannot be mapped, and a
+    Fortran-ordered ``X_cat`` (the reference's) would cost a page per column for every shuffled row."""
+    if layout.format != "dlrm":
+        return None
+    if any(npz_compressed(f) for f in layout.files):
+        return "compressed DLRM .npz"
+    if any(npz_fortran_members(f) for f in layout.files):
+        return "DLRM .npz with Fortran-ordered arrays"
+    return None
+
+
+def _convert_to_cache(
+    path: Path, layout: Layout, table_sizes: Sequence[int] | None, split_order: str | None, reason: str
 ) -> Path:
-    """Decompress DLRM .npz files once into the binary dataset format under the cache directory."""
+    """Convert DLRM .npz files once into the binary dataset format under the cache directory."""
     order = split_order or DEFAULT_SPLIT_ORDER["dlrm"]
     given = ",".join(str(s) for s in table_sizes) if table_sizes else ""
-    key = _files_key(_all_files(layout) + ([layout.counts_file] if layout.counts_file else []), given, order)
+    sides = [f for f in (layout.counts_file, layout.day_counts_file) if f is not None]
+    key = _files_key(_all_files(layout) + sides, given, order)
     out = default_cache_root() / "converted" / f"{path.resolve().name}-dlrm-{key}"
     if (out / "meta.json").is_file():
         return out
     scratch = out.with_name(out.name + ".decompressed")
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        decompressed = [_decompress_npz(f, scratch / f"{i}") for i, f in enumerate(layout.files)]
-        plain = Layout("dlrm", decompressed, layout.counts_file, layout.days)
+        readable = [
+            _decompress_npz(f, scratch / f"{i}") if npz_compressed(f) else f for i, f in enumerate(layout.files)
+        ]
+        plain = dataclasses.replace(layout, files=readable)
         source = ExternalDataset(path, plain, table_sizes, order)
         with DatasetWriter(out, source.splits) as writer:
             for name in source.splits:
@@ -420,10 +372,7 @@ def _convert_compressed(
                 if k not in ("format", "num_dense", "num_tables", "splits")
             }
             meta["dense_transform"] = "log(1 + max(x, 0)), applied when converting"
-            meta["source"] = {
-                "files": [str(f) for f in layout.files],
-                "converted_from": "compressed DLRM .npz",
-            }
+            meta["source"] = {**source.meta["source"], "files": [str(f) for f in layout.files], "converted_from": reason}
             writer.commit(meta)
     finally:
         for file in scratch.glob("*/*"):
@@ -463,6 +412,13 @@ def open_any(
     layout = detect_format(path)
     if layout is None:
         return CriteoDataset(path)  # its error says what is missing
-    if layout.format == "dlrm" and any(npz_compressed(f) for f in layout.files):
-        return CriteoDataset(_convert_compressed(path, layout, table_sizes, split_order))
+    if layout.ignored:
+        print(
+            f"{path}: reading {layout.files[0].name}, the DLRM reference's combined file (what its loader reads); "
+            f"the {len(layout.ignored)} per-day files beside it are not read",
+            file=sys.stderr,
+        )
+    reason = _needs_conversion(layout)
+    if reason is not None:
+        return CriteoDataset(_convert_to_cache(path, layout, table_sizes, split_order, reason))
     return ExternalDataset(path, layout, table_sizes, split_order)

@@ -107,8 +107,8 @@ def npz_compressed(path: Path) -> bool:
     return any(info.compress_type != zipfile.ZIP_STORED for info in npz_members(path).values())
 
 
-def mmap_npz_member(path: Path, info: zipfile.ZipInfo) -> np.ndarray:
-    """Memory-map an uncompressed member of an .npz (np.savez) without reading it."""
+def _member_header(path: Path, info: zipfile.ZipInfo) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """Shape, Fortran order, dtype and data offset of an uncompressed .npz member."""
     with open(path, "rb") as f:
         f.seek(info.header_offset)
         local = f.read(30)
@@ -122,10 +122,25 @@ def mmap_npz_member(path: Path, info: zipfile.ZipInfo) -> np.ndarray:
             np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         )
         shape, fortran, dtype = read_header(f)
-        if fortran or dtype.hasobject:
-            raise SlipcacheError(f"{path}: {info.filename} is not a plain C-ordered array")
-        offset = f.tell()
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+        return shape, fortran, dtype, f.tell()
+
+
+def npz_fortran_members(path: Path) -> list[str]:
+    """Members of an uncompressed .npz stored in Fortran (column-major) order, as the DLRM reference
+    stores ``X_cat``: mappable, but a row read from them touches one page per column."""
+    return [
+        name
+        for name, info in npz_members(path).items()
+        if info.compress_type == zipfile.ZIP_STORED and _member_header(path, info)[1]
+    ]
+
+
+def mmap_npz_member(path: Path, info: zipfile.ZipInfo) -> np.ndarray:
+    """Memory-map an uncompressed member of an .npz (np.savez) without reading it (C or Fortran order)."""
+    shape, fortran, dtype, offset = _member_header(path, info)
+    if dtype.hasobject:
+        raise SlipcacheError(f"{path}: {info.filename} holds Python objects, not numbers")
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
 
 
 def npz_arrays(path: Path, names: Sequence[str]) -> dict[str, np.ndarray]:

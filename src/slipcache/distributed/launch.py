@@ -4,11 +4,17 @@
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; multi-node launches
 add `--nnodes` and `--rdzv-endpoint`, and nothing here changes. Without those variables (or with
 WORLD_SIZE=1) `init_from_env` returns None and the caller runs as a single process, exactly as before.
+
+When a rank dies, torchrun stops the others with SIGTERM and then prints its own report. A rank busy
+computing (not inside a collective that would fail on the lost connection) would die silently: the handler
+installed here prints one line first, on the console and in the rank's log, and exits at once. A rank
+whose collective failed reports that instead (`announce_stop`), once.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,6 +72,46 @@ def threads_per_rank(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
+STOP_COMMAND = "slipcache train"
+_stop_reported = False  # this process already said why it stops
+
+
+def stop_message(rank: int) -> str:
+    return (
+        f"rank {rank}: stopped by torchrun because another rank exited; resume from the last complete "
+        "checkpoint with --resume"
+    )
+
+
+def announce_stop(line: str) -> None:
+    """Mark that this process said why it stops; repeat `line` on the console when its output goes to
+    its rank log (the caller prints it to sys.stderr, the log)."""
+    global _stop_reported
+    _stop_reported = True
+    console = sys.__stderr__
+    if console is not None and sys.stderr is not console:
+        print(f"{STOP_COMMAND}: error: {line}", file=console, flush=True)
+
+
+def _on_terminate(rank: int, signum: int, _frame: object) -> None:
+    """torchrun's SIGTERM after another rank exited: one line (unless already said), then exit now.
+
+    Exiting at once (no unwinding): a collective with a dead peer could block the shutdown until torchrun's
+    SIGKILL; checkpoints stay whole because each file is renamed into place and the manifest comes last.
+    """
+    if not _stop_reported:
+        line = stop_message(rank)
+        print(f"{STOP_COMMAND}: error: {line}", file=sys.stderr, flush=True)
+        announce_stop(line)
+    os._exit(128 + signum)
+
+
+def install_stop_handler(rank: int) -> None:
+    """Under torchrun (TORCHELASTIC_RUN_ID set), report torchrun's SIGTERM in one line."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        signal.signal(signal.SIGTERM, lambda signum, frame: _on_terminate(rank, signum, frame))
+
+
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedContext | None:
     """Join the process group torchrun described; None for a single process (nothing to join)."""
     world_size = launched_ranks()
@@ -77,6 +123,7 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedContext | 
             f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: start many processes with torchrun"
         )
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    install_stop_handler(rank)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend = default_backend()
     if backend == "nccl":

@@ -45,8 +45,15 @@ _SUMMED_STATS = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out"
 _SUMMED_STATS += ("bytes_in", "bytes_out", "cache_rows")
 
 
+WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 class _AllToAll(torch.autograd.Function):
-    """Rows [sum(send_counts), D] out, rows [sum(recv_counts), D] in; backward is the reverse route."""
+    """Rows [sum(send_counts), D] out, rows [sum(recv_counts), D] in; backward is the reverse route.
+
+    Rows and gradients travel as `wire` (fp32, or fp16 / bf16 to halve the bytes) and arrive as fp32; the
+    chunk a rank keeps is rounded too, so results do not depend on which rank holds a row.
+    """
 
     @staticmethod
     def forward(
@@ -57,16 +64,19 @@ class _AllToAll(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         traffic: dict[str, int],
         rank: int,
+        wire: torch.dtype = torch.float32,
     ) -> Tensor:
-        ctx.counts, ctx.group, ctx.traffic, ctx.rank = (send_counts, recv_counts), group, traffic, rank
-        traffic["embedding_bytes"] += _remote(send_counts, rank) * values.shape[1] * values.element_size()
-        return _exchange(values, send_counts, recv_counts, group)
+        ctx.counts, ctx.group, ctx.traffic, ctx.rank, ctx.wire = (send_counts, recv_counts), group, traffic, rank, wire
+        sent = values.to(wire)
+        traffic["embedding_bytes"] += _remote(send_counts, rank) * values.shape[1] * sent.element_size()
+        return _exchange(sent, send_counts, recv_counts, group).to(values.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         send_counts, recv_counts = ctx.counts
-        ctx.traffic["gradient_bytes"] += _remote(recv_counts, ctx.rank) * grad.shape[1] * grad.element_size()
-        return _exchange(grad, recv_counts, send_counts, ctx.group), None, None, None, None, None
+        sent = grad.to(ctx.wire)
+        ctx.traffic["gradient_bytes"] += _remote(recv_counts, ctx.rank) * grad.shape[1] * sent.element_size()
+        return _exchange(sent, recv_counts, send_counts, ctx.group).to(grad.dtype), None, None, None, None, None, None
 
 
 def _remote(counts: list[int], rank: int) -> int:
@@ -99,8 +109,12 @@ class ShardedEmbeddingCollection(nn.Module):
         plan: ShardingPlan,
         rank: int,
         group: dist.ProcessGroup | None = None,
+        wire_precision: str = "fp32",
     ) -> None:
         super().__init__()
+        if wire_precision not in WIRE_DTYPES:
+            raise InvalidInputError(f"wire precision must be one of {', '.join(WIRE_DTYPES)}, got {wire_precision!r}")
+        self.wire_precision = wire_precision
         if [t.rows for t in plan.tables] != list(config.table_sizes):
             raise InvalidInputError("the sharding plan was made for other tables than this collection's")
         self.config, self.plan, self.rank, self.group = config, plan, rank, group
@@ -114,6 +128,7 @@ class ShardedEmbeddingCollection(nn.Module):
             local_config = shard_config(config, self.shards, rank)
             local_config.table_names = [_shard_name(names[s.table], s, plan) for s in self.shards]
             self.local = CachedEmbeddingBagCollection(local_config)
+            self.local.sharded_by_slipcache = True  # its rows differ by rank by design, under DDP
             if torch.device(config.storage_device).type != "meta":
                 self._replay_initialization()
         device = torch.device(config.cache_device)
@@ -210,7 +225,7 @@ class ShardedEmbeddingCollection(nn.Module):
         served = self._serve(received, recv_list, slice_sizes)
         # 4. send the rows back; autograd sends their gradients the reverse route
         traffic = self.traffic if training else dict.fromkeys(TRAFFIC_KEYS, 0)
-        returned = _AllToAll.apply(served, recv_list, send_list, group, traffic, rank)
+        returned = _AllToAll.apply(served, recv_list, send_list, group, traffic, rank, WIRE_DTYPES[self.wire_precision])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return returned[inverse].view(batch, num_tables, self.dim)

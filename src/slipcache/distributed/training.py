@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +34,16 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slipcache.distributed import checkpoint as dckpt
-from slipcache.distributed.launch import DistributedContext, redirect_output, shutdown
+from slipcache.distributed.launch import DistributedContext, announce_stop, redirect_output, shutdown
 from slipcache.distributed.planner import ShardingPlan, plan_sharding, table_specs
 from slipcache.distributed.sharded import RESHARD_FROM, ShardedEmbeddingCollection
 from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM, ModelConfig, embedding_config
 
 PLAN_FILE = "plan.json"
+# Settings that may differ by rank: who shows progress, where each node reads its data (the fingerprint
+# says whether it is the same), and the run id each rank drew before rank 0's was agreed on.
+_PER_RANK_SETTINGS = ("progress", "tensorboard", "data", "dataset", "run_id")
 
 
 def slice_bounds(batch: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -133,6 +137,26 @@ class DistributedRun:
             raise SlipcacheError(
                 f"--embeddings {config.embeddings} is not supported with {n} > 1 processes (only cached tables are sharded)"
             )
+
+    def check_same_settings(self, record: dict[str, Any], *, ignore: tuple[str, ...] = ()) -> None:
+        """Every rank must run the same settings on the same data: a rank started with another --lr or
+        --batch-size would train silently apart or break a collective later. Every rank sees every rank's
+        settings and stops with the same line naming the first difference. Agrees on rank 0's run id."""
+        compared = {k: v for k, v in record.items() if k not in _PER_RANK_SETTINGS + ignore}
+        everyone: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, compared)
+        mine = everyone[0]
+        for rank, theirs in enumerate(everyone[1:], start=1):
+            if theirs == mine:
+                continue
+            name = next(k for k in [*mine, *theirs] if mine.get(k, "(unset)") != theirs.get(k, "(unset)"))
+            if name == "data_fingerprint":
+                detail = "the data differ (their dataset fingerprints)"
+            else:
+                detail = f"{name} is {mine.get(name, '(unset)')!r} on rank 0 but {theirs.get(name, '(unset)')!r} on rank {rank}"
+            raise SlipcacheError(f"the ranks were started with different settings: {detail}; start every rank with the same command and data")
+        if "run_id" in record:
+            record["run_id"] = self.agree(record["run_id"])
 
     def agree(self, value: Any) -> Any:
         """Rank 0's value on every rank (e.g. a run directory named after the clock)."""
@@ -231,9 +255,10 @@ def lost_rank_error(exc: BaseException, rank: int) -> SlipcacheError:
     """One line for a collective that failed because another rank died or stopped answering."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # gloo prefixes its source file and line
     first = text.splitlines()[0].split(". ")[0] if text else type(exc).__name__
-    return SlipcacheError(
-        f"rank {rank}: another rank stopped ({first[:160]}); resume from the last complete checkpoint with --resume"
-    )
+    first = re.sub(r"\s*\[[^\]]*\](:\d+)?:?\s*", ": ", first).strip(": ")  # no peer address or port
+    line = f"rank {rank}: another rank stopped ({first[:160]}); resume from the last complete checkpoint with --resume"
+    announce_stop(line)  # the console sees it too, and torchrun's SIGTERM that follows adds no second line
+    return SlipcacheError(line)
 
 
 def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
@@ -244,6 +269,9 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
 
     run = DistributedRun(ctx)
     try:
+        # The flags as given first (a rank with other flags fails here, before anything it would do apart
+        # from the others); the resolved settings and the data's fingerprint when the run starts.
+        run.check_same_settings(asdict(config), ignore=("out", "resume"))
         run.check_config(config)
         if config.out is None and config.resume is None:
             config.out = run.agree(str(new_run_dir()))

@@ -14,6 +14,7 @@ this step). Without a window they are LRU and LFU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +43,10 @@ class RowCache(nn.Module):
 
     Rows used by a batch in flight are pinned: their last-use step is at least `pin_since`, and they
     are never chosen as victims.
+
+    `version` is the one record of residency: it changes whenever a row enters or leaves the cache
+    (`install`, `evict`, a loaded state, a device move), so a step plan that located its rows at one
+    version knows its slots still hold them while the version is the same.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class RowCache(nn.Module):
         """One cache over `num_rows` rows, or, with lists, one part of `capacity[p]` slots per consecutive
         range of `num_rows[p]` rows (a per-table cache: a table's rows only compete among themselves)."""
         super().__init__()
+        self.version = 0
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.partitioned = isinstance(capacity, list)
@@ -261,7 +267,28 @@ class RowCache(nn.Module):
         evicting = resident != EMPTY
         return Assignment(slots, chosen[evicting], resident[evicting])
 
-    def install(self, slots: Tensor, rows: Tensor, values: Tensor, step: int, uses: Tensor) -> None:
+    def invalidate(self) -> None:
+        """Declare every slot moved: plans made before locate their rows again."""
+        self.version += 1
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RowCache:
+        self.invalidate()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.invalidate()
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def install(
+        self, slots: Tensor, rows: Tensor, values: Tensor, step: int, uses: Tensor, quiet: bool = False
+    ) -> None:
+        """Put `rows` with `values` into `slots` (replacing their residents).
+
+        `quiet` leaves `version` as it is: for a caller that moves no row any plan located (the prefetch
+        keeps to unpinned slots and to rows no plan serves from storage) and calls `invalidate` once done.
+        """
+        if not quiet:
+            self.version += 1
         self.weights[slots] = values
         self.slot_rows[slots] = rows.to(self.slot_rows.dtype)
         self.last_used[slots] = step
@@ -274,6 +301,7 @@ class RowCache(nn.Module):
         return slots, self.slot_rows[slots].long()
 
     def evict(self, slots: Tensor) -> None:
+        self.version += 1
         self.slot_rows[slots] = EMPTY
         self.last_used[slots] = 0
         if self.policy in _COUNTING_POLICIES:

@@ -10,43 +10,54 @@ vectorized operations whatever the number of tables. A training step:
 3. backward applies the optimizer update itself (SGD, Adagrad or row-wise Adagrad): cached rows in
    fp32 in the cache, the others in storage.
 
-The class is assembled from parts in their own modules: input validation and pooling (`inputs`), the
-step plan of a training forward (`plan`), the fused optimizer (`update`), lookahead and prefetch (`prefetch`), counters and memory accounting
-(`accounting`); the configuration is in `config`.
+The collection wires parts that each own one thing: `RowStorage` the quantized rows (and its version),
+`RowCache` the cached rows and their residency (and its version), `LookupInputs` the input boundary and
+pooling, `StepPlanner` the step count, the plans in flight and their pins, `FusedOptimizer` the learning
+rate, the optimizer state and the gradients pending until the end of backward, `Prefetcher` the lookahead
+window and the background prefetch, `TrafficCounters` the counts, `RowWriter` the rounding stream of
+write-backs. The configuration is in `config`.
 """
 
 from __future__ import annotations
 
 import math
-import sys
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
-from slipcache.embedding.accounting import COUNTERS, Accounting, PhaseClock
+from slipcache.embedding.accounting import COUNTERS, PhaseClock, TrafficCounters, memory_report, row_bytes
 from slipcache.embedding.cache import RowCache
-from slipcache.embedding.config import OPTIMIZERS, EmbeddingConfig
+from slipcache.embedding.config import FLOAT32_MAX, OPTIMIZERS, EmbeddingConfig
 from slipcache.embedding.inputs import LookupInputs, SparseFeatures
-from slipcache.embedding.lookahead import Window
-from slipcache.embedding.plan import StepPlanner, _FusedLookup, _StepPlan
+from slipcache.embedding.plan import StepPlanner, _FusedLookup
 from slipcache.embedding.prefetch import Prefetcher
 from slipcache.embedding.quant import RowStorage, TableRowStorage
+from slipcache.embedding.replicas import refuse_replicated_training
+from slipcache.embedding.scratch import Scratch
 from slipcache.embedding.update import FusedOptimizer
+from slipcache.embedding.writeback import RowWriter
 from slipcache.errors import InvalidInputError, SlipcacheError
 
 # OPTIMIZERS: still imported from here by slipcache.training.
 __all__ = ["OPTIMIZERS", "CachedEmbeddingBagCollection", "EmbeddingConfig", "SparseFeatures"]
 
 _INIT_CHUNK_ROWS = 1 << 20
-def _init_chunk_rows(dim: int) -> int:
-    """Rows drawn at once at initialization: 2^20 up to dim 16 (as always), 64 MB of fp32 beyond."""
-    return max(1, min(_INIT_CHUNK_ROWS, (1 << 24) // dim))
+# Rows are drawn and rounded a chunk of about 1 MB of fp32 at a time: it stays in the core's cache between
+# the draw and the rounding, and bounds what creation holds in fp32 whatever the table sizes.
+_INIT_CHUNK_VALUES = 1 << 18
+# A progress bar when creation rounds at least this many values (a few seconds).
+PROGRESS_VALUES = 1 << 30
 
-class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Prefetcher, Accounting, nn.Module):
+
+def _init_chunk_rows(dim: int) -> int:
+    """Rows drawn at once at initialization (the draw is one generator stream: chunking changes nothing)."""
+    return max(1, _INIT_CHUNK_VALUES // max(dim, 1))
+
+
+class CachedEmbeddingBagCollection(nn.Module):
     """Embedding bags over many tables: low-precision storage, an fp32 cache, a fused optimizer.
 
     forward(ids [B, T] or SparseFeatures) -> pooled [B, T, D]. In training mode with gradients enabled,
@@ -54,6 +65,8 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
     """
 
     fused_update = True
+    # True for one rank's shards inside slipcache's sharded collection: meant to differ by rank (replicas.py)
+    sharded_by_slipcache = False
 
     def __init__(self, config: EmbeddingConfig) -> None:
         super().__init__()
@@ -61,18 +74,6 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
         self.dim = config.dim
         self.table_sizes = list(config.table_sizes)
         self.table_names = config.table_names or [f"table {t}" for t in range(len(self.table_sizes))]
-        self.lr = config.lr
-        self.step = 0
-        # Forwards whose gradient has not arrived yet (weak: a graph that is freed unpins its rows).
-        self._in_flight: dict[int, weakref.ref[_StepPlan]] = {}
-        self._pending: list[tuple[_StepPlan, Tensor]] = []  # gradients of the running backward pass
-        self._pending_task = -1  # the autograd graph task they belong to
-        self._residency_version = 0  # bumped whenever a row enters or leaves the cache
-        self._storage_version = 0  # bumped whenever storage is written
-        self.skipped_updates = 0  # backward passes whose gradient held inf or NaN (update dropped)
-        # With mixed precision, set to the torch.amp.GradScaler that scales the loss: the fused update then
-        # divides by its current scale (and, like scaler.step, skips a step whose gradient is not finite).
-        self.grad_scaler: Any = None
         meta = torch.device(config.storage_device).type == "meta"
         self.storage_device = torch.device(config.storage_device)
         self.device = torch.device(config.cache_device)
@@ -98,34 +99,91 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
             config.lfu_halving_interval,
             self.device,
         )
-        state_shape = {"sgd": None, "adagrad": (num_rows, config.dim), "rowwise_adagrad": (num_rows,)}[
-            config.optimizer
-        ]
-        if state_shape is not None:
-            self.register_buffer("optimizer_state", torch.zeros(state_shape, device=self.storage_device))
-        self.register_buffer(
-            "counters",
-            torch.zeros(len(self.table_sizes), len(COUNTERS), dtype=torch.int64, device=self.device),
-        )
+        # The parts' tensors are registered here, under the names checkpoints know (`optimizer_state`,
+        # `counters`); `_bind_parts` hands them over again whenever they are replaced (moves, loads).
+        state = FusedOptimizer.new_state(config, self.storage_device)
+        if state is not None:
+            self.register_buffer("optimizer_state", state)
+        self.register_buffer("counters", TrafficCounters.new(len(self.table_sizes), self.device))
         self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
-        self._generator: torch.Generator | None = None
-        # Lookahead (set_lookahead): the window for the next step, its rows per batch, the prefetch in flight.
-        self._window: Window | None = None
-        self._upcoming_rows: list[tuple[object, Tensor]] = []
-        self._prefetch_next = False
-        self._prefetching: Future | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._side_stream: Any = None
-        # The prefetch thread's own rounding generator (made on first use): draws never interleave by timing.
-        self._prefetch_generator: torch.Generator | None = None
-        self.prefetched_rows = 0
+        self.frozen = False  # requires_grad_(False): training forwards read rows only
         self.clock = PhaseClock()
-        self._scratch_buffers: dict[str, Tensor] = {}  # see _scratch
+        self.scratch = Scratch(self.device)
+        self.traffic = TrafficCounters(self.table_offsets, self.counters)
+        generator = None if meta else torch.Generator(device=self.device).manual_seed(config.seed)
+        self.writer = RowWriter(self.storage, self.traffic, config.rounding, generator)
+        self.inputs = LookupInputs(
+            self.table_sizes, self.table_names, config.dim, config.pooling, self.scratch, self.table_offsets, self._table_sizes
+        )
+        order_free = config.rounding == "nearest" or all(p == "fp32" for p in precisions)
+        self.planner = StepPlanner(
+            self.cache, self.storage, self.writer, self.traffic, self.clock, self.scratch, config.dim, order_free
+        )
+        self.optimizer = FusedOptimizer(config, self.cache, self.storage, self.writer, self.traffic, self.clock, state)
+        self.prefetcher = Prefetcher(
+            self.inputs, self.planner, self.cache, self.storage, self.traffic, config.rounding, config.seed
+        )
         if not meta:
-            self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
             self._initialize_rows()
             if self.storage_device.type == "cpu" and self.device.type == "cuda":
                 self.storage.pin_memory_()
+
+    def _bind_parts(self) -> None:
+        """Hand the parts the tensors registered here, after a move or a load replaced them."""
+        self.traffic.bind(self.table_offsets, self.counters)
+        self.inputs.bind(self.table_offsets, self._table_sizes)
+        self.optimizer.state = getattr(self, "optimizer_state", None)
+
+    # ----------------------------------------------------------------------------- state of the parts
+    @property
+    def lr(self) -> float:
+        """The fused optimizer's learning rate (schedules set it)."""
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT32_MAX:
+            raise InvalidInputError(f"lr must be a positive number within fp32's range, got {value!r}")
+        self.optimizer.lr = float(value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> CachedEmbeddingBagCollection:
+        """`requires_grad_(False)` freezes the tables: training forwards then read rows as evaluation does
+        (no update, the cache left as it is); `requires_grad_(True)` trains them again.
+
+        The rows are not parameters (the update runs inside backward), so a freeze of a module that holds
+        this collection does not reach it: `nn.Module.requires_grad_` sets only parameters. Call it here.
+        """
+        super().requires_grad_(requires_grad)
+        self.frozen = not requires_grad
+        return self
+
+    @property
+    def step(self) -> int:
+        """Training forwards run so far."""
+        return self.planner.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.planner.step = value
+
+    @property
+    def skipped_updates(self) -> int:
+        """Backward passes whose gradient held inf or NaN (their update was dropped)."""
+        return self.optimizer.skipped_updates
+
+    @property
+    def grad_scaler(self) -> Any:
+        """With mixed precision, the torch.amp.GradScaler that scales the loss: the fused update divides by
+        its current scale (and, like scaler.step, skips a step whose gradient is not finite)."""
+        return self.optimizer.grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler: Any) -> None:
+        self.optimizer.grad_scaler = scaler
+
+    @property
+    def prefetched_rows(self) -> int:
+        return self.prefetcher.prefetched_rows
 
     # ------------------------------------------------------------------------------ device and dtype
     def _apply(self, fn: Any, recurse: bool = True) -> CachedEmbeddingBagCollection:
@@ -143,31 +201,22 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
                     f"fp32 cache): converting {dtype} buffers to {converted.dtype} is refused; choose the storage "
                     "precision with EmbeddingConfig(precision=...) and convert only the dense layers"
                 )
-        self._join_prefetch()
-        super()._apply(fn, recurse)
+        self.prefetcher.join()
+        super()._apply(fn, recurse)  # the cache's and the storage's versions change with their move
         self._follow_buffers()
         return self
 
     def _follow_buffers(self) -> None:
-        """After the buffers moved: devices, the gradient anchor and the rounding generator follow them."""
+        """After the buffers moved: devices, the parts, the gradient anchor and the generators follow them."""
         self.device, self.storage_device = self.counters.device, next(self.storage.buffers()).device
         self.config.cache_device, self.config.storage_device = str(self.device), str(self.storage_device)
         self._anchor = torch.zeros(0, device=self.device, requires_grad=True)
-        generator = self._generator
-        if generator is not None and generator.device != self.device:
-            # Generator states do not carry across device types: continue from a seed drawn from the old one.
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
-            self._generator = None
-            if self.device.type != "meta":
-                self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        if self._prefetch_generator is not None and self._prefetch_generator.device != self.device:
-            self._prefetch_generator = None  # made again, from the seed, on the new device
-        self._side_stream = None
-        self._scratch_buffers.clear()
-        self._in_flight.clear()  # plans hold tensors on the old device
-        self._pending.clear()
-        self._residency_version += 1
-        self._storage_version += 1
+        self._bind_parts()
+        self.writer.follow(self.device)
+        self.prefetcher.follow(self.device)
+        self.scratch.follow(self.device)
+        self.planner.forget()  # plans hold tensors on the old device
+        self.optimizer.forget()
 
     # ----------------------------------------------------------------------------------------- set-up
     def _initialize_rows(self) -> None:
@@ -175,22 +224,31 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
 
         The draw depends on the seed and the table shapes only, never on the precision: a seed's INT8, INT4
         or FP16 run starts from the rounding of the very rows its FP32 run starts from, so paired runs
-        measure precision alone. Chunks of at most 64 MB of fp32 bound the memory it takes.
+        measure precision alone. One reused chunk of about 1 MB of fp32 at a time: the compiled quantize
+        pass rounds it while it is still in cache, and creation never holds more than that in fp32.
         """
-        generator = torch.Generator().manual_seed(self.config.seed)
+        generator = torch.Generator().manual_seed(self.config.seed)  # not the write-back stream: a fresh one
         chunk_rows = _init_chunk_rows(self.dim)
-        start = 0
-        for size in self.table_sizes:
-            bound = 1.0 / math.sqrt(size)
-            for chunk_start in range(0, size, chunk_rows):
-                count = min(chunk_rows, size - chunk_start)
-                values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
-                self.storage.write_range(start + chunk_start, values.to(self.storage_device), "nearest", None)
-            start += size
+        chunk = torch.empty(chunk_rows, self.dim)
+        total = sum(self.table_sizes)
+        with tqdm(
+            total=total, unit="rows", unit_scale=True, desc="creating tables", leave=False,
+            disable=total * self.dim < PROGRESS_VALUES,
+        ) as bar:
+            start = 0
+            for size in self.table_sizes:
+                bound = 1.0 / math.sqrt(size)
+                for chunk_start in range(0, size, chunk_rows):
+                    count = min(chunk_rows, size - chunk_start)
+                    # In place, the same float operations as (rand * 2 - 1) * bound: the same values.
+                    values = chunk[:count].uniform_(generator=generator).mul_(2).sub_(1).mul_(bound)
+                    self.storage.write_range(start + chunk_start, values.to(self.storage_device), "nearest", None)
+                    bar.update(count)
+                start += size
 
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""
-        self._join_prefetch()
+        self.prefetcher.join()
         if len(tables) != len(self.table_sizes):
             raise InvalidInputError(f"expected {len(self.table_sizes)} tables, got {len(tables)}")
         for t, (table, size) in enumerate(zip(tables, self.table_sizes, strict=True)):
@@ -207,11 +265,9 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
                     .to(self.storage_device)
                 )
                 fitted = self.storage.write_range(start + chunk_start, chunk, "nearest", None)
-                self._count_fitted(torch.full((chunk.shape[0],), t, device=self.device), fitted)
+                self.traffic.count_fitted(torch.full((chunk.shape[0],), t, device=self.device), fitted)
         slots, _ = self.cache.cached()
         self.cache.evict(slots)
-        self._residency_version += 1
-        self._storage_version += 1
 
     def export_tables(self) -> list[Tensor]:
         """Current fp32 values of every table (cached rows overlaid on storage)."""
@@ -229,34 +285,36 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
 
     # ------------------------------------------------------------------------------------- forward
     def forward(self, features: Tensor | SparseFeatures) -> Tensor:
-        lookup = self._prepare(features)
-        if self.training and torch.is_grad_enabled():
-            plan = self._plan_step(lookup)
-            return _FusedLookup.apply(self._anchor, self, lookup, plan)
-        return self._pool(self._read_rows(lookup.rows), lookup)
+        lookup = self.inputs.prepare(features)
+        if self.training and torch.is_grad_enabled() and not self.frozen:
+            refuse_replicated_training(self)
+            self.prefetcher.join()
+            window, prefetch = self.prefetcher.take_window()
+            plan = self.planner.plan(lookup, window)
+            if self.cache.capacity:
+                if prefetch and window is not None and len(window):
+                    self.prefetcher.start(window)
+                self.clock.lap("other")
+            return _FusedLookup.apply(self._anchor, (self.inputs, self.planner, self.optimizer), lookup, plan)
+        return self.inputs.pool(self._read_rows(lookup.rows), lookup)
 
-    def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        """A buffer reused from step to step while nothing else holds it (the last step's output, plan or
-        rows are gone): a fresh megabytes-large tensor costs its page faults every step."""
-        buffer = self._scratch_buffers.get(name)
-        # References to the Python tensor: the dict, `buffer` and getrefcount's argument; any more is a holder.
-        if (
-            buffer is None
-            or buffer.shape != shape
-            or buffer.dtype != dtype
-            or sys.getrefcount(buffer) > 3
-            or not _storage_alone(buffer)
-        ):
-            buffer = self._scratch_buffers[name] = torch.empty(shape, dtype=dtype, device=self.device)
-        return buffer
+    def set_lookahead(self, upcoming: list[Tensor | SparseFeatures], prefetch: bool = False) -> None:
+        """The ids of the batches after the next training step's (e.g. `BatchIterator.peek(k)`), for that
+        step only: the lookahead policies evict by their use, and with `prefetch` the first one's missing
+        rows are brought into the cache in the background while that step computes (a thread on CPU, a
+        side stream on GPU), never in place of a row of a batch in flight or of the next one.
+
+        Why per step: a window left over from an earlier step would be off by one batch.
+        """
+        self.prefetcher.set_lookahead(upcoming, prefetch)
 
     # -------------------------------------------------------------------------------- cache traffic
     def read_rows(self, rows: Tensor) -> Tensor:
         """fp32 values of global `rows` (cache overlaid on storage); changes nothing."""
-        return self._read_rows(self._check_rows(rows, "read_rows"))
+        return self._read_rows(self.inputs.check_rows(rows, "read_rows"))
 
     def _read_rows(self, rows: Tensor) -> Tensor:
-        self._join_prefetch()
+        self.prefetcher.join()
         slots = self.cache.lookup(rows)
         hit = slots >= 0
         if self.cache.capacity and bool(hit.all()):
@@ -266,51 +324,63 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
             values[hit] = self.cache.weights[slots[hit]]
         return values
 
-    # -------------------------------------------------------------------------------- storage writes
-    def _write_storage(self, rows: Tensor, values: Tensor) -> Tensor:
-        """Round fp32 `values` of unique `rows` into storage and count the traffic; returns their tables."""
-        fitted = self.storage.write(rows, values, self.config.rounding, self._generator)
-        self._storage_version += 1
-        tables = self._tables_of(rows)
-        self._count_tables("rows_out", tables)
-        self._count_fitted(tables, fitted)
-        return tables
-
     def flush(self) -> None:
         """Round every cached row back into storage; the cache keeps its contents."""
-        self._join_prefetch()
+        self.prefetcher.join()
         slots, rows = self.cache.cached()
         for start in range(0, slots.numel(), _INIT_CHUNK_ROWS):
             chunk = slice(start, start + _INIT_CHUNK_ROWS)
-            self._write_storage(rows[chunk], self.cache.weights[slots[chunk]])
+            self.writer.write(rows[chunk], self.cache.weights[slots[chunk]])
 
     def release_rows(self, rows: Tensor) -> int:
         """Write cached `rows` back and free their slots (e.g. rows found stale); returns how many.
 
         Safe between a forward and its backward: the update then lands on the row in storage.
         """
-        self._join_prefetch()
-        slots = self.cache.lookup(self._check_rows(rows, "release_rows"))
+        self.prefetcher.join()
+        slots = self.cache.lookup(self.inputs.check_rows(rows, "release_rows"))
         slots = torch.unique(slots[slots >= 0])
         if slots.numel():
-            self._write_storage(self.cache.slot_rows[slots].long(), self.cache.weights[slots])
+            self.writer.write(self.cache.slot_rows[slots].long(), self.cache.weights[slots])
             self.cache.evict(slots)
-            self._residency_version += 1
         return int(slots.numel())
+
+    # ----------------------------------------------------------------------------------- accounting
+    def reset_stats(self) -> None:
+        self.prefetcher.join()
+        self.traffic.reset()
+        self.prefetcher.prefetched_rows = 0
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative lookups, hits, misses, evictions and traffic, in total and per table."""
+        self.prefetcher.join()
+        totals = self.traffic.summary(self.table_names, row_bytes(self.storage, self.config.precisions))
+        totals["cache_rows"] = self.cache.capacity
+        totals["skipped_updates"] = self.skipped_updates  # backward passes dropped for inf/NaN gradients
+        totals["prefetched_rows"] = self.prefetched_rows  # rows the prefetch brought in (also in rows_in)
+        return totals
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes of every tensor this module holds, by component, against plain fp32 tables."""
+        generators = int(self.writer.generator is not None or self.device.type == "meta")  # meta: as if built
+        generators += int(self.prefetcher.generator is not None)
+        state = getattr(self, "optimizer_state", None)
+        return memory_report(self, self.config, self.cache, self.storage, state, generators)
 
     # ----------------------------------------------------------------------------------- state dict
     def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self._join_prefetch()  # the saved cache includes the prefetched rows, so a resumed run matches
+        self.prefetcher.join()  # the saved cache includes the prefetched rows, so a resumed run matches
         super()._save_to_state_dict(*args, **kwargs)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Checkpoints written before the saturation counters existed hold fewer counter columns."""
-        self._join_prefetch()
+        self.prefetcher.join()
         counters = state_dict.get(prefix + "counters")
         if isinstance(counters, Tensor) and counters.dim() == 2 and counters.shape[1] < len(COUNTERS):
             padding = counters.new_zeros(counters.shape[0], len(COUNTERS) - counters.shape[1])
             state_dict[prefix + "counters"] = torch.cat([counters, padding], dim=1)
         super()._load_from_state_dict(state_dict, prefix, *args)
+        self._bind_parts()  # load_state_dict(assign=True) replaces the tensors
 
     def get_extra_state(self) -> dict[str, Any]:
         config = asdict(self.config)
@@ -318,54 +388,41 @@ class CachedEmbeddingBagCollection(LookupInputs, StepPlanner, FusedOptimizer, Pr
             "step": self.step,
             "skipped_updates": self.skipped_updates,
             "lr": self.lr,
-            "generator": self._generator.get_state() if self._generator is not None else None,
+            "generator": self.writer.generator.get_state() if self.writer.generator is not None else None,
             "prefetch_generator": (
-                self._prefetch_generator.get_state() if self._prefetch_generator is not None else None
+                self.prefetcher.generator.get_state() if self.prefetcher.generator is not None else None
             ),
             "config": {k: config[k] for k in _STATE_KEYS},
         }
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        """Restores the step, the rounding generators and the counts; the learning rate stays this
+        collection's own (the one it was built with, or set since): a run resumed with another lr trains with
+        it. The saved lr stays in the state for reference."""
         config = asdict(self.config)
         saved = state["config"]
         mismatched = [k for k in _STATE_KEYS if saved.get(k) != config[k]]
         if mismatched:
             details = ", ".join(f"{k}: saved {saved.get(k)!r}, here {config[k]!r}" for k in mismatched)
             raise InvalidInputError(f"embedding state does not match this collection ({details})")
-        self.step, self.lr = state["step"], state["lr"]
-        self.skipped_updates = state.get("skipped_updates", 0)
-        self._in_flight.clear()
-        self._pending.clear()
-        self._residency_version += 1  # plans made before the load must locate their rows again
-        self._storage_version += 1
-        if self._generator is not None and state["generator"] is not None:
-            self._generator.set_state(state["generator"])
-        if self._generator is not None and state.get("prefetch_generator") is not None:
-            self._prefetch_generator = self._new_prefetch_generator()
-            self._prefetch_generator.set_state(state["prefetch_generator"])
+        self.planner.step = state["step"]
+        self.optimizer.skipped_updates = state.get("skipped_updates", 0)
+        self.planner.forget()
+        self.optimizer.forget()
+        # Plans made before the load locate their rows again: the cache and storage bumped their versions.
+        self.cache.invalidate()
+        generator = self.writer.generator
+        if generator is not None and state["generator"] is not None:
+            generator.set_state(state["generator"])
+        if generator is not None and state.get("prefetch_generator") is not None:
+            self.prefetcher.generator = self.prefetcher.new_generator()
+            self.prefetcher.generator.set_state(state["prefetch_generator"])
 
     @classmethod
     def estimate_memory(cls, config: EmbeddingConfig) -> dict[str, Any]:
         """The memory report of a collection with this config, without allocating it."""
         meta = EmbeddingConfig(**{**asdict(config), "storage_device": "meta", "cache_device": "meta"})
         return cls(meta).memory_report()
-
-
-def _use_count(tensor: Tensor) -> int | None:
-    """How many tensors share `tensor`'s storage (plus the temporary that asks); None where torch cannot say."""
-    try:
-        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_ALONE = _use_count(torch.empty(1))  # the count of a tensor nothing else shares
-
-
-def _storage_alone(tensor: Tensor) -> bool:
-    """Whether no other tensor (an output the caller kept, a view of it) shares `tensor`'s storage."""
-    count = _use_count(tensor)
-    return _ALONE is not None and count is not None and count <= _ALONE
 
 
 _STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "cache_rows", "policy", "optimizer", "ways")

@@ -12,6 +12,7 @@ from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+FLOAT32_MAX = 3.4028234663852886e38  # the fused optimizer computes in fp32: a larger lr would be inf
 POOLINGS = ("sum", "mean")
 @dataclass
 class EmbeddingConfig:
@@ -82,10 +83,18 @@ class EmbeddingConfig:
                 or count < 0
             ):
                 raise ValueError(f"cache_rows must be a whole number of rows >= 0, got {count!r}")
-        if self.lr <= 0 or not math.isfinite(self.lr):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if not 0 < self.lr <= FLOAT32_MAX:
+            raise ValueError(f"lr must be a positive number within fp32's range (<= {FLOAT32_MAX:.4g}), got {self.lr}")
+        if not 0 < self.eps < math.inf:
+            raise ValueError(f"eps (Adagrad's denominator term) must be a positive finite number, got {self.eps}")
         if self.ways <= 0:
             raise ValueError(f"ways must be positive, got {self.ways}")
+        if isinstance(self.lfu_halving_interval, bool) or not isinstance(self.lfu_halving_interval, int) or (
+            self.lfu_halving_interval < 0
+        ):
+            raise ValueError(
+                f"lfu_halving_interval must be a whole number of steps >= 0 (0: never), got {self.lfu_halving_interval!r}"
+            )
         if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
             raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")
         if self.table_names is not None and len(self.table_names) != len(self.table_sizes):

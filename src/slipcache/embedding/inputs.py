@@ -1,7 +1,5 @@
 """The collection's input boundary: ids or `SparseFeatures` validated once and turned into global rows
-(`_Lookup`), and the pooling of looked-up rows into bags and its gradient back.
-
-`LookupInputs` is a part of `CachedEmbeddingBagCollection` (it reads the collection's tables and device).
+(`_Lookup`), and the pooling of looked-up rows into bags and its gradient back (`LookupInputs`).
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ import torch
 from torch import Tensor
 
 from slipcache import _native
+from slipcache.embedding.scratch import Scratch
 from slipcache.errors import InvalidInputError
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -55,13 +54,36 @@ class _Lookup:
 
 
 class LookupInputs:
-    """Input validation and pooling of `CachedEmbeddingBagCollection`."""
+    """Input validation and pooling over tables of `table_sizes` rows of `dim` values.
 
-    def _prepare(self, features: Tensor | SparseFeatures) -> _Lookup:
+    `table_offsets` [T + 1] and `table_sizes` [T] are the collection's buffers, handed over again with
+    `bind` after they moved; lookups are made on their device.
+    """
+
+    def __init__(
+        self,
+        table_sizes: list[int],
+        table_names: list[str],
+        dim: int,
+        pooling: str,
+        scratch: Scratch,
+        table_offsets: Tensor,
+        size_tensor: Tensor,
+    ) -> None:
+        self.table_sizes, self.table_names, self.dim, self.pooling = table_sizes, table_names, dim, pooling
+        self.num_rows = sum(table_sizes)
+        self.scratch = scratch
+        self.bind(table_offsets, size_tensor)
+
+    def bind(self, table_offsets: Tensor, size_tensor: Tensor) -> None:
+        self.table_offsets, self._table_sizes = table_offsets, size_tensor
+        self.device = table_offsets.device
+
+    def prepare(self, features: Tensor | SparseFeatures) -> _Lookup:
         """Validate input once, at the boundary, and turn it into global rows."""
         num_tables = len(self.table_sizes)
         if isinstance(features, SparseFeatures):
-            return self._prepare_sparse(features)
+            return self.prepare_sparse(features)
         if not isinstance(features, Tensor):
             raise InvalidInputError(
                 f"expected ids as a LongTensor [batch, {num_tables}] or SparseFeatures, got {type(features).__name__}"
@@ -75,7 +97,7 @@ class LookupInputs:
             )
         ids = features.to(self.device, torch.int64)
         if ids.numel() and _native.usable(ids, self.table_offsets):
-            scratch = self._scratch("rows", (ids.numel(),), torch.int64)
+            scratch = self.scratch.get("rows", (ids.numel(),), torch.int64)
             rows, bad = _native.global_rows(ids.contiguous(), self.table_offsets, scratch)
             if bad >= 0:
                 self._raise_out_of_range(bad % num_tables, int(ids.reshape(-1)[bad]))
@@ -89,7 +111,7 @@ class LookupInputs:
                 self._raise_out_of_range(t, value)
         return _Lookup((ids + self.table_offsets[:-1]).reshape(-1), ids.shape[0], None, None)
 
-    def _prepare_sparse(self, features: SparseFeatures) -> _Lookup:
+    def prepare_sparse(self, features: SparseFeatures) -> _Lookup:
         values, offsets, num_tables = features.values, features.offsets, len(self.table_sizes)
         if features.num_tables != num_tables:
             raise InvalidInputError(
@@ -120,7 +142,7 @@ class LookupInputs:
             i = int(torch.nonzero(bad)[0])
             self._raise_out_of_range(int(table_of_value[i]), int(values[i]))
         weight = None
-        if self.config.pooling == "mean":
+        if self.pooling == "mean":
             weight = 1.0 / lengths.clamp_min(1).float()[bag_of_value]
         return _Lookup(values + self.table_offsets[table_of_value], batch_size, bag_of_value, weight)
 
@@ -128,7 +150,7 @@ class LookupInputs:
         size = self.table_sizes[table]
         raise InvalidInputError(f"{self.table_names[table]} (size {size}): id {value} is outside [0, {size})")
 
-    def _check_rows(self, rows: Tensor, caller: str) -> Tensor:
+    def check_rows(self, rows: Tensor, caller: str) -> Tensor:
         """Global rows as int64 on the cache device; anything but a 1-D integer tensor in range is refused."""
         if not isinstance(rows, Tensor) or rows.dtype not in _INTEGER_DTYPES or rows.dim() != 1:
             shape = tuple(rows.shape) if isinstance(rows, Tensor) else type(rows).__name__
@@ -136,14 +158,14 @@ class LookupInputs:
             raise InvalidInputError(f"{caller}: rows must be a 1-D integer tensor, got {dtype} {shape}")
         rows = rows.to(self.device, torch.int64)
         lo, hi = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
-        if lo < 0 or hi >= self.config.num_rows:
+        if lo < 0 or hi >= self.num_rows:
             bad = lo if lo < 0 else hi
             raise InvalidInputError(
-                f"{caller}: row {bad} is outside [0, {self.config.num_rows}) (global rows of all tables)"
+                f"{caller}: row {bad} is outside [0, {self.num_rows}) (global rows of all tables)"
             )
         return rows
 
-    def _pool(self, values: Tensor, lookup: _Lookup) -> Tensor:
+    def pool(self, values: Tensor, lookup: _Lookup) -> Tensor:
         num_tables = len(self.table_sizes)
         if lookup.bag_of_value is None:
             return values.view(lookup.batch_size, num_tables, self.dim)
@@ -154,7 +176,7 @@ class LookupInputs:
         )
         return pooled.view(num_tables, lookup.batch_size, self.dim).transpose(0, 1)
 
-    def _unpool(self, grad_out: Tensor, lookup: _Lookup) -> Tensor:
+    def unpool(self, grad_out: Tensor, lookup: _Lookup) -> Tensor:
         """Gradient of the pooled output [B, T, D] -> gradient of each looked-up value [L, D]."""
         if lookup.bag_of_value is None:
             return grad_out.reshape(-1, self.dim)

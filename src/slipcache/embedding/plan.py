@@ -1,9 +1,7 @@
-"""The step plan of `CachedEmbeddingBagCollection`: a training forward looks its rows up in the cache, evicts
-and fills what it misses (or reads storage when nothing fits), and records where every lookup lived
-(`_StepPlan`) for its backward; `_FusedLookup` is the autograd node that gathers, pools and hands the
-gradient to the fused optimizer.
-
-`StepPlanner` is a part of the collection (it reads its cache, storage, counters and versions).
+"""The step plan of a training forward: the rows are looked up in the cache, what is missed is evicted
+for and filled (or read from storage when nothing fits), and where every lookup lived is recorded
+(`_StepPlan`) for its backward. `StepPlanner` owns the step count and the pins (forwards whose gradient has
+not arrived); `_FusedLookup` is the autograd node that gathers, pools and hands the gradient on.
 """
 
 from __future__ import annotations
@@ -16,12 +14,17 @@ import torch
 from torch import Tensor
 
 from slipcache import _native
-from slipcache.embedding.accounting import COUNTERS
+from slipcache.embedding.accounting import COUNTERS, PhaseClock, TrafficCounters
+from slipcache.embedding.cache import RowCache
+from slipcache.embedding.quant import RowStorage, TableRowStorage
+from slipcache.embedding.scratch import Scratch
+from slipcache.embedding.writeback import RowWriter
 from slipcache.errors import SlipcacheError
 
 if TYPE_CHECKING:
-    from slipcache.embedding.collection import CachedEmbeddingBagCollection
-    from slipcache.embedding.inputs import _Lookup
+    from slipcache.embedding.inputs import LookupInputs, _Lookup
+    from slipcache.embedding.lookahead import Window
+    from slipcache.embedding.update import FusedOptimizer
 
 # Counter columns the fused forward adds to in its compiled pass.
 _FUSED_COLUMNS = (COUNTERS.index("lookups"), COUNTERS.index("hits"), COUNTERS.index("misses"))
@@ -47,7 +50,7 @@ class _StepPlan:
     storage_rows: Tensor  # [m] unique rows served from storage
     storage_index: Tensor  # index into storage_rows of each lookup with slot -1, in lookup order
     storage_values: Tensor  # [m, D] fp32 copy of those rows as read in the forward
-    residency_version: int  # the collection's versions when the plan was made
+    residency_version: int  # the cache's and the storage's versions when the plan was made
     storage_version: int
     gathered: Tensor | None = None  # [L, D] values the fused forward already gathered (taken by the forward)
 
@@ -62,35 +65,69 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, anchor: Tensor, coll: CachedEmbeddingBagCollection, lookup: _Lookup, plan: _StepPlan
+        ctx: Any,
+        anchor: Tensor,
+        parts: tuple[LookupInputs, StepPlanner, FusedOptimizer],
+        lookup: _Lookup,
+        plan: _StepPlan,
     ) -> Tensor:
-        ctx.coll, ctx.lookup, ctx.plan = coll, lookup, plan
-        coll.clock.mark()
-        values, plan.gathered = (plan.gathered if plan.gathered is not None else coll._gather(plan)), None
-        pooled = coll._pool(values, lookup)
-        coll.clock.lap("forward")
+        inputs, planner, _ = parts
+        ctx.parts, ctx.lookup, ctx.plan = parts, lookup, plan
+        planner.clock.mark()
+        values, plan.gathered = (plan.gathered if plan.gathered is not None else planner.gather(plan)), None
+        pooled = inputs.pool(values, lookup)
+        planner.clock.lap("forward")
         return pooled
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        coll, lookup, plan = ctx.coll, ctx.lookup, ctx.plan
+        parts, lookup, plan = ctx.parts, ctx.lookup, ctx.plan
         if plan is None:
             raise SlipcacheError(
                 "a second backward through the same embedding lookup (retain_graph=True): its update was "
                 "applied by the first; run the forward again for another update"
             )
-        ctx.coll = ctx.lookup = ctx.plan = None
-        coll.clock.mark()
-        grad = coll._unpool(grad_out, lookup)
-        coll.clock.lap("backward")
-        coll._receive_gradient(plan, grad)
+        ctx.parts = ctx.lookup = ctx.plan = None
+        inputs, planner, optimizer = parts
+        planner.clock.mark()
+        grad = inputs.unpool(grad_out, lookup)
+        planner.clock.lap("backward")
+        planner.landed(plan)
+        optimizer.receive(plan, grad)
         return None, None, None, None
 
 
 class StepPlanner:
-    """Cache lookup, eviction and fill of `CachedEmbeddingBagCollection`'s training forward."""
+    """Cache lookup, eviction and fill of a training forward, over the given cache, storage and counters.
 
-    def _pin_since(self) -> int:
+    Owns the step count and the pins: a forward's plan is in flight from its forward until its gradient
+    arrives (`landed`), its graph is freed, or `PIN_STEPS` later forwards have run; the cache rows of
+    plans in flight are never chosen as victims.
+    """
+
+    def __init__(
+        self,
+        cache: RowCache,
+        storage: RowStorage | TableRowStorage,
+        writer: RowWriter,
+        counters: TrafficCounters,
+        clock: PhaseClock,
+        scratch: Scratch,
+        dim: int,
+        order_free: bool,
+    ) -> None:
+        """`order_free`: writing rows back does not depend on their order (no random draws)."""
+        self.cache, self.storage, self.writer, self.counters = cache, storage, writer, counters
+        self.clock, self.scratch, self.dim, self.order_free = clock, scratch, dim, order_free
+        self.step = 0
+        # Forwards whose gradient has not arrived yet (weak: a graph that is freed unpins its rows).
+        self._in_flight: dict[int, weakref.ref[_StepPlan]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.scratch.device
+
+    def pin_since(self) -> int:
         """Oldest step whose cache rows are still pinned: in-flight forwards within `PIN_STEPS`."""
         oldest = self.step
         for step, ref in list(self._in_flight.items()):
@@ -100,11 +137,23 @@ class StepPlanner:
                 oldest = min(oldest, step)
         return oldest
 
-    def _plan_step(self, lookup: _Lookup) -> _StepPlan:
-        """Bring the batch's rows into the cache where they fit; read the rest from storage."""
-        self._join_prefetch()
-        window, self._window = self._window, None  # a window describes the batches after this one only
-        prefetch, self._prefetch_next = self._prefetch_next, False
+    def landed(self, plan: _StepPlan) -> None:
+        """The plan's gradient arrived: its rows are no longer pinned."""
+        self._in_flight.pop(plan.step, None)
+
+    def forget(self) -> None:
+        """Drop every plan in flight (their tensors moved away, or the state was replaced)."""
+        self._in_flight.clear()
+
+    def storage_rows_in_flight(self) -> Tensor | None:
+        """Rows the plans in flight serve from storage (their backward writes them there), or None."""
+        live = [ref() for ref in self._in_flight.values()]
+        rows = [plan.storage_rows for plan in live if plan is not None and plan.storage_rows.numel()]
+        return torch.cat(rows) if rows else None
+
+    def plan(self, lookup: _Lookup, window: Window | None) -> _StepPlan:
+        """Bring the batch's rows into the cache where they fit (evicting for the policy, with the
+        lookahead `window` of the batches after this one); read the rest from storage."""
         self.step += 1
         step, rows, cache, clock = self.step, lookup.rows, self.cache, self.clock
         clock.mark()
@@ -114,11 +163,10 @@ class StepPlanner:
         # forward's output; only the missed positions are filled below. Multi-hot bags pool in torch.
         gathered = fused = None
         if lookup.bag_of_value is None and not cache.partitioned:
-            gathered = self._scratch("gathered", (rows.numel(), self.dim), torch.float32)
-            slots = self._scratch("slots", (rows.numel(),), torch.int64)
-            fused = cache.gather_and_touch(
-                rows, len(self.table_sizes), gathered, self.counters, _FUSED_COLUMNS, step, slots
-            )
+            gathered = self.scratch.get("gathered", (rows.numel(), self.dim), torch.float32)
+            slots = self.scratch.get("slots", (rows.numel(),), torch.int64)
+            counts = self.counters.counts
+            fused = cache.gather_and_touch(rows, counts.shape[0], gathered, counts, _FUSED_COLUMNS, step, slots)
         if fused is not None:
             slots, hits = fused
             any_miss = hits < rows.numel()
@@ -127,8 +175,8 @@ class StepPlanner:
             gathered = None
             slots = cache.lookup_and_touch(rows, step)
             hit = slots >= 0
-            self._count("lookups", None, lookup)
-            self._count("hits", hit, lookup)
+            self.counters.count_lookups("lookups", None, lookup)
+            self.counters.count_lookups("hits", hit, lookup)
             miss = ~hit
             any_miss = bool(miss.any())
         clock.lap("lookup")
@@ -139,10 +187,10 @@ class StepPlanner:
                 rows.index_select(0, positions), return_inverse=True, return_counts=True
             )
             clock.lap("lookup")
-            assignment = cache.assign(missing, self._pin_since(), window)
+            assignment = cache.assign(missing, self.pin_since(), window)
             if assignment.victim_slots.numel():
-                victim_tables = self._write_storage(assignment.victim_rows, cache.weights[assignment.victim_slots])
-                self._count_tables("evictions", victim_tables)
+                victim_tables = self.writer.write(assignment.victim_rows, cache.weights, source=assignment.victim_slots)
+                self.counters.count_tables("evictions", victim_tables)
             clock.lap("evict")
             admitted = assignment.slots >= 0
             if bool(admitted.any()):
@@ -154,13 +202,12 @@ class StepPlanner:
                     step,
                     uses[admitted],
                 )
-                self._residency_version += 1
             clock.lap("fill")
             slots.index_copy_(0, positions, assignment.slots[miss_inverse])
             if fused is None:
-                self._count("misses", miss, lookup)
-            missing_tables = self._tables_of(missing)
-            self._count_tables("rows_in", missing_tables)
+                self.counters.count_lookups("misses", miss, lookup)
+            missing_tables = self.counters.tables_of(missing)
+            self.counters.count_tables("rows_in", missing_tables)
             if not bool(admitted.all()):
                 left_out = ~admitted
                 storage_rows = missing[left_out]
@@ -169,7 +216,7 @@ class StepPlanner:
                 else:
                     position = torch.cumsum(left_out, 0) - 1
                     storage_index = position[miss_inverse][assignment.slots[miss_inverse] < 0]
-                self._count_tables("overflow_rows", missing_tables[left_out])
+                self.counters.count_tables("overflow_rows", missing_tables[left_out])
         clock.lap("other")
         storage_values = (
             self.storage.read(storage_rows, self.device)
@@ -183,36 +230,32 @@ class StepPlanner:
             storage_rows,
             storage_index,
             storage_values,
-            self._residency_version,
-            self._storage_version,
+            cache.version,
+            self.storage.version,
         )
         if gathered is not None and miss is not None:
             self._fill_positions(gathered, plan, positions)
         plan.gathered = gathered
         clock.lap("fill")
         self._in_flight[step] = weakref.ref(plan)
-        if prefetch and window is not None and len(window):
-            self._start_prefetch(window)
-        clock.lap("other")
         return plan
 
     def _plan_uncached(self, lookup: _Lookup, step: int) -> _StepPlan:
         """Without a cache every lookup reads storage, each distinct row once (the general plan's outcome,
         without its cache bookkeeping). When writing rows back does not depend on their order (fp32 storage
         or nearest rounding: no random draws), they are found by hashing instead of sorting."""
-        rows, clock = lookup.rows, self.clock
-        self._pin_since()  # drops forwards whose graph is gone, as every training forward does
-        self._count("lookups", None, lookup)
-        self._count("misses", None, lookup)
-        order_free = self.config.rounding == "nearest" or all(p == "fp32" for p in self.config.precisions)
-        if order_free and _native.usable(rows):
+        rows, clock, counters = lookup.rows, self.clock, self.counters
+        self.pin_since()  # drops forwards whose graph is gone, as every training forward does
+        counters.count_lookups("lookups", None, lookup)
+        counters.count_lookups("misses", None, lookup)
+        if self.order_free and _native.usable(rows):
             storage_rows, storage_index = _native.unique_rows(rows)
         else:
             storage_rows, storage_index = torch.unique(rows, return_inverse=True)
         clock.lap("lookup")
-        tables = self._tables_of(storage_rows)
-        self._count_tables("rows_in", tables)
-        self._count_tables("overflow_rows", tables)
+        tables = counters.tables_of(storage_rows)
+        counters.count_tables("rows_in", tables)
+        counters.count_tables("overflow_rows", tables)
         clock.lap("other")
         plan = _StepPlan(
             step,
@@ -221,8 +264,8 @@ class StepPlanner:
             storage_rows,
             storage_index,
             self.storage.read(storage_rows, self.device),
-            self._residency_version,
-            self._storage_version,
+            self.cache.version,
+            self.storage.version,
         )
         clock.lap("fill")
         self._in_flight[step] = weakref.ref(plan)
@@ -239,7 +282,8 @@ class StepPlanner:
         values[positions[cached]] = self.cache.weights[slots[cached]]
         values[positions[~cached]] = plan.storage_values[plan.storage_index]
 
-    def _gather(self, plan: _StepPlan) -> Tensor:
+    def gather(self, plan: _StepPlan) -> Tensor:
+        """The row of every lookup of `plan`, [L, D]."""
         if not plan.storage_rows.numel():
             return self.cache.weights.index_select(0, plan.slots)
         if plan.storage_index.numel() == plan.slots.numel():

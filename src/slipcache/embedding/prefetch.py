@@ -1,56 +1,97 @@
-"""Prefetch of `CachedEmbeddingBagCollection`: the next batches' rows (`set_lookahead`) feed the lookahead
-eviction policies, and the next batch's missing rows are brought into the cache in the background.
-
-`Prefetcher` is a part of the collection (it reads its cache, storage, counters and in-flight plans).
+"""Lookahead and prefetch: the next batches' rows (`set_lookahead`) feed the lookahead eviction policies,
+and the next batch's missing rows are brought into the cache in the background.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from slipcache.embedding.accounting import TrafficCounters
+from slipcache.embedding.cache import RowCache
 from slipcache.embedding.lookahead import Window
+from slipcache.embedding.quant import RowStorage, TableRowStorage
+from slipcache.embedding.writeback import RowWriter
 
 if TYPE_CHECKING:
-    from slipcache.embedding.inputs import SparseFeatures
+    from slipcache.embedding.inputs import LookupInputs, SparseFeatures
+    from slipcache.embedding.plan import StepPlanner
 
 
 class Prefetcher:
-    """Lookahead windows and the background prefetch of `CachedEmbeddingBagCollection`."""
+    """The lookahead window of the next training step and the background prefetch it may start.
+
+    Owns the window, the prefetch in flight (on a thread of its own, or a side stream on GPU), its rounding
+    generator (draws never interleave with the main thread's by timing) and the count of prefetched rows.
+    Every other part calls `join` before it reads or changes the cache or storage.
+    """
+
+    def __init__(
+        self,
+        inputs: LookupInputs,
+        planner: StepPlanner,
+        cache: RowCache,
+        storage: RowStorage | TableRowStorage,
+        counters: TrafficCounters,
+        rounding: str,
+        seed: int,
+    ) -> None:
+        self.inputs, self.planner, self.cache, self.storage, self.counters = inputs, planner, cache, storage, counters
+        self.rounding, self.seed = rounding, seed
+        self.window: Window | None = None  # for the next step only
+        self.prefetch_next = False
+        self._upcoming_rows: list[tuple[object, Tensor]] = []
+        self._prefetching: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._side_stream: Any = None
+        self.generator: torch.Generator | None = None  # made on first use, from the seed
+        self.prefetched_rows = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.inputs.device
 
     def set_lookahead(self, upcoming: list[Tensor | SparseFeatures], prefetch: bool = False) -> None:
-        """The ids of the batches after the next training step's (e.g. `BatchIterator.peek(k)`), for that
-        step only: the lookahead policies evict by their use, and with `prefetch` the first one's missing
-        rows are brought into the cache in the background while that step computes (a thread on CPU, a
-        side stream on GPU), never in place of a row of a batch in flight or of the next one.
-
-        Why per step: a window left over from an earlier step would be off by one batch.
-        """
+        """See `CachedEmbeddingBagCollection.set_lookahead`."""
         known = {id(features): rows for features, rows in self._upcoming_rows}
         self._upcoming_rows = [
-            (features, known[id(features)] if id(features) in known else torch.unique(self._prepare(features).rows))
+            (features, known[id(features)] if id(features) in known else torch.unique(self.inputs.prepare(features).rows))
             for features in upcoming
         ]
-        self._window = Window([rows for _, rows in self._upcoming_rows])
-        self._prefetch_next = prefetch
+        self.window = Window([rows for _, rows in self._upcoming_rows])
+        self.prefetch_next = prefetch
 
-    def _start_prefetch(self, window: Window) -> None:
-        """Run `_prefetch` for the window's first batch in the background; `_join_prefetch` waits for it.
+    def take_window(self) -> tuple[Window | None, bool]:
+        """The window for the step about to run and whether to prefetch; a window describes the batches
+        after that step only, so it is handed out once."""
+        window, self.window = self.window, None
+        prefetch, self.prefetch_next = self.prefetch_next, False
+        return window, prefetch
+
+    def new_generator(self) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.seed + 1)
+
+    def follow(self, device: torch.device) -> None:
+        """After a move: the generator is made again, from the seed, on the new device."""
+        if self.generator is not None and self.generator.device != device:
+            self.generator = None
+        self._side_stream = None
+
+    def start(self, window: Window) -> None:
+        """Run `_prefetch` for the window's first batch in the background; `join` waits for it.
 
         Rows every in-flight forward read from storage are left alone: their backward writes them there
         (with the shortcut of the values it read), so they must not be copied into the cache meanwhile.
         """
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipcache-prefetch")
-        if self._prefetch_generator is None:
-            self._prefetch_generator = self._new_prefetch_generator()
-        pin_since = self._pin_since()
-        live = [ref() for ref in self._in_flight.values()]
-        in_storage = [plan.storage_rows for plan in live if plan is not None and plan.storage_rows.numel()]
-        args = (window, torch.cat(in_storage) if in_storage else None, pin_since, self.step)
+        if self.generator is None:
+            self.generator = self.new_generator()
+        pin_since = self.planner.pin_since()
+        args = (window, self.planner.storage_rows_in_flight(), pin_since, self.planner.step)
         if self.device.type == "cuda":
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(self.device)
@@ -71,10 +112,10 @@ class Prefetcher:
 
         Touches only what the running steps do not: slots of rows outside every in-flight batch (pinned
         from `pin_since`) and outside the next one, and rows none of them serves from storage. Counts go to
-        a tensor of their own and the residency and storage versions are bumped on join, so a backward
-        running meanwhile keeps the shortcuts its plan recorded (still valid: none of its rows moved).
+        a tensor of their own and the cache's version is bumped on join, so a backward running meanwhile
+        keeps the shortcuts its plan recorded (still valid: none of its rows moved).
         """
-        cache, counts = self.cache, torch.zeros_like(self.counters)
+        cache, counts = self.cache, torch.zeros_like(self.counters.counts)
         rows = window.batches[0]
         slots = cache.lookup(rows)
         hit = slots >= 0
@@ -84,14 +125,9 @@ class Prefetcher:
             missing = missing[~torch.isin(missing, in_storage)]
         assignment = cache.assign(missing, pin_since, window)
         if assignment.victim_slots.numel():
-            victims = assignment.victim_rows
-            fitted = self.storage.write(
-                victims, cache.weights[assignment.victim_slots], self.config.rounding, self._prefetch_generator
-            )
-            tables = self._tables_of(victims)
-            self._count_tables("evictions", tables, counts)
-            self._count_tables("rows_out", tables, counts)
-            self._count_fitted(tables, fitted, counts)
+            writer = RowWriter(self.storage, self.counters, self.rounding, self.generator)
+            tables = writer.write(assignment.victim_rows, cache.weights, counts, assignment.victim_slots)
+            self.counters.count_tables("evictions", tables, counts)
         admitted = assignment.slots >= 0
         rows_in = missing[admitted]
         if rows_in.numel():
@@ -101,11 +137,12 @@ class Prefetcher:
                 self.storage.read(rows_in, self.device),
                 step + 1,
                 torch.zeros_like(rows_in),  # LFU: the next step's lookup counts the uses
+                quiet=True,  # published on join
             )
-            self._count_rows("rows_in", rows_in, counts)
+            self.counters.count_rows("rows_in", rows_in, counts)
         return counts, int(rows_in.numel())
 
-    def _join_prefetch(self) -> None:
+    def join(self) -> None:
         """Wait for the prefetch in flight, if any, and take in its counts (its errors surface here)."""
         pending, self._prefetching = self._prefetching, None
         if pending is None:
@@ -113,11 +150,6 @@ class Prefetcher:
         counts, admitted = pending.result()
         if self._side_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
-        self.counters += counts
+        self.counters.add(counts)
         self.prefetched_rows += admitted
-        self._residency_version += 1
-        self._storage_version += 1
-
-    def _new_prefetch_generator(self) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(self.config.seed + 1)
-
+        self.cache.invalidate()

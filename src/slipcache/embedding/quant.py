@@ -14,10 +14,12 @@ are counted per row and reported by the collection's `stats()`. No byte is added
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+
+from slipcache._native import quantize
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 ROUNDINGS = ("stochastic", "nearest")
@@ -99,13 +101,13 @@ def decode_scale(code: Tensor) -> Tensor:
 
 
 def encode_scale(needed: Tensor) -> Tensor:
-    """Smallest code whose scale is at least `needed` (clamped to the grid)."""
+    """Smallest code whose scale is at least `needed` (clamped to the grid): a search of the decoded table,
+    so the code is exact (a log2 of `needed` can land one step high on a grid value) and the compiled pass
+    finds the same one."""
     tiny = torch.finfo(torch.float32).tiny
-    code = torch.ceil(torch.log2(needed.clamp_min(tiny)) * SCALE_STEPS_PER_OCTAVE) + SCALE_CODE_ZERO
-    code = code.clamp_(0, 255)
-    # log2 is not exact: step up where the decoded scale fell short.
-    code = torch.where(decode_scale(code) < needed, (code + 1).clamp_(max=255), code)
-    return code.to(torch.uint8)
+    table = decode_scale(torch.arange(256, dtype=torch.uint8, device=needed.device))
+    code = torch.searchsorted(table, needed.clamp_min(tiny).contiguous())
+    return code.clamp_(max=255).to(torch.uint8)
 
 
 def round_down_fp16(x: Tensor) -> Tensor:
@@ -177,13 +179,15 @@ class RowStorage(nn.Module):
     """Every embedding row in its storage precision; reads return fp32, writes round.
 
     Reads gather the compact bytes on the storage device and dequantize on the compute device, so only
-    stored bytes cross between host and accelerator.
+    stored bytes cross between host and accelerator. `version` changes with every write (and with a loaded
+    state or a device move): a copy of rows read at one version is still current while it is the same.
     """
 
     def __init__(self, num_rows: int, dim: int, precision: str, device: torch.device | str = "cpu") -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.version = 0
         self.num_rows, self.dim, self.precision = num_rows, dim, precision
         device = torch.device(device)
         if precision in FLOAT_DTYPES:
@@ -195,6 +199,14 @@ class RowStorage(nn.Module):
             self.register_buffer("payload", torch.zeros(num_rows, width, dtype=torch.uint8, device=device))
             self.register_buffer("bias", torch.zeros(num_rows, dtype=torch.float16, device=device))
             self.register_buffer("scale_code", torch.zeros(num_rows, dtype=torch.uint8, device=device))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RowStorage:
+        self.version += 1
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.version += 1
+        super()._load_from_state_dict(*args, **kwargs)
 
     @property
     def bytes_per_row(self) -> int:
@@ -237,9 +249,84 @@ class RowStorage(nn.Module):
             codes = pack_int4(codes)
         return [codes, bias, scale_code], fitted
 
-    def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
-        """Round fp32 `values` [n, D] into storage at unique `rows`; returns the per-row saturation counts."""
+    def _write_compiled(
+        self,
+        values: Tensor,
+        rounding: str,
+        generator: torch.Generator | None,
+        rows: Tensor | None,
+        start: int,
+        source: Tensor | None = None,
+    ) -> Fitted | None:
+        """`write` (at `rows`) or `write_range` (from `start`) in the compiled pass; None where it cannot run.
+
+        Draws the same noise as `encode` (compiled too, from the same generator stream) and fits the same
+        rows, so the stored bytes and the generator's state after are the same. With `source`, row i is
+        `values[source[i]]` (read in place)."""
+        if not (
+            self.dim
+            and (self.precision in INT_BITS or rounding == "stochastic")  # torch's own casts round to nearest fast
+            and values.device.type == "cpu"
+            and self.payload.device.type == "cpu"
+            and values.dtype == torch.float32
+            and quantize.available()
+        ):
+            return None
+        values = values.contiguous()
+        n = values.shape[0] if source is None else source.numel()
+        bits = INT_BITS.get(self.precision)
+        buffers = list(self.buffers())
+        if rows is None:
+            buffers = [buf[start : start + n] for buf in buffers]
+        noise = None
+        if rounding == "stochastic" and self.precision != "fp32":
+            shape = (n, self.dim)
+            noise = quantize.uniform(shape, generator)
+            if noise is None:
+                noise = random_uniform(shape, generator, values.device)
+        bad = torch.empty(n, dtype=torch.uint8)
+        limit, max_span = VALUE_LIMIT[self.precision], INT_MAX_SPAN[bits] if bits else None
+        kwargs = {"scales": _SCALES}
+        count = quantize.quantize_rows(
+            values, self.precision, *buffers, noise=noise, rows=rows, bad=bad, limit=limit, max_span=max_span,
+            source=source, **kwargs,
+        )
+        if not count:
+            return Fitted(values, None, None)
+        fix = torch.nonzero(bad).squeeze(1)
+        fitted = fit_to_range(values[fix if source is None else source[fix]], limit, max_span)
+        # Fitted rows are stored as they are (a window's float rounding may exceed max_span by an ulp).
+        quantize.quantize_rows(
+            fitted.values.contiguous(), self.precision, *buffers, noise=None if noise is None else noise[fix],
+            rows=fix if rows is None else rows[fix], limit=float("inf"), **kwargs,
+        )
+        counts = []
+        for part in (fitted.saturated, fitted.nonfinite):
+            full = torch.zeros(n, dtype=torch.int64)
+            if part is not None:
+                full[fix] = part
+            counts.append(full)
+        return Fitted(values, counts[0], counts[1])
+
+    def write(
+        self,
+        rows: Tensor,
+        values: Tensor,
+        rounding: str,
+        generator: torch.Generator | None,
+        source: Tensor | None = None,
+    ) -> Fitted:
+        """Round fp32 `values` [n, D] into storage at unique `rows`; returns the per-row saturation counts.
+
+        With `source` [n], row i is `values[source[i]]` (evicted rows read from their cache slots): the
+        compiled pass reads them in place, the torch path gathers them first."""
         rows = rows.to(self.payload.device)
+        self.version += 1
+        done = self._write_compiled(values, rounding, generator, rows.contiguous(), 0, source)
+        if done is not None:
+            return done
+        if source is not None:
+            values = values.index_select(0, source.to(values.device))
         encoded, fitted = self.encode(values, rounding, generator)
         for buf, tensor in zip(self.buffers(), encoded, strict=True):
             buf.index_copy_(0, rows, tensor.to(buf.device, non_blocking=True))
@@ -250,6 +337,10 @@ class RowStorage(nn.Module):
     ) -> Fitted:
         """Contiguous write, for initialization and loading whole tables."""
         end = start + values.shape[0]
+        self.version += 1
+        done = self._write_compiled(values, rounding, generator, None, start)
+        if done is not None:
+            return done
         encoded, fitted = self.encode(values, rounding, generator)
         for buf, tensor in zip(self.buffers(), encoded, strict=True):
             buf[start:end].copy_(tensor)
@@ -283,6 +374,11 @@ class TableRowStorage(nn.Module):
         self.register_buffer("_local_start", torch.tensor(local_start, device=device), persistent=False)
         self.num_rows = int(offsets[-1])
 
+    @property
+    def version(self) -> int:
+        """Changes whenever a part's rows change."""
+        return sum(part.version for part in self.parts.values())
+
     def _locate(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """(part index, row within the part) of global rows."""
         rows = rows.to(self._offsets.device)
@@ -306,7 +402,16 @@ class TableRowStorage(nn.Module):
                 out[mine.to(device)] = self.parts[kind].read(local[mine], device)
         return out
 
-    def write(self, rows: Tensor, values: Tensor, rounding: str, generator: torch.Generator | None) -> Fitted:
+    def write(
+        self,
+        rows: Tensor,
+        values: Tensor,
+        rounding: str,
+        generator: torch.Generator | None,
+        source: Tensor | None = None,
+    ) -> Fitted:
+        if source is not None:
+            values = values.index_select(0, source.to(values.device))
         part_of, local = self._locate(rows)
         part_of = part_of.to(values.device)
         totals: dict[str, Tensor | None] = {"saturated": None, "nonfinite": None}

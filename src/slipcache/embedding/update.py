@@ -1,29 +1,74 @@
 """The fused optimizer of `CachedEmbeddingBagCollection`: gradients collected as backward runs, then one
 SGD, Adagrad or row-wise Adagrad step per row, applied where the row lives (cache slot in fp32, or storage:
 read, updated in fp32, rounded back).
-
-`FusedOptimizer` is a part of the collection (it reads its cache, storage, counters and versions).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from slipcache import _native
+from slipcache.embedding.accounting import PhaseClock, TrafficCounters
+from slipcache.embedding.cache import RowCache
+from slipcache.embedding.config import EmbeddingConfig
+from slipcache.embedding.quant import VALUE_LIMIT, RowStorage, TableRowStorage, fit_to_range
+from slipcache.embedding.writeback import RowWriter
 
 if TYPE_CHECKING:
     from slipcache.embedding.plan import _StepPlan
 
 
 class FusedOptimizer:
-    """The optimizer update of `CachedEmbeddingBagCollection`, run at the end of each backward pass."""
+    """The optimizer update, run once at the end of each backward pass, over the given cache and storage.
 
-    def _receive_gradient(self, plan: _StepPlan, grad: Tensor) -> None:
+    Owns the learning rate, the optimizer state (`state`: Adagrad's squared-gradient sums, None for SGD),
+    the count of skipped updates and the gradients of the running backward pass: they are applied together
+    when the pass ends, so a row read several times in one step takes one step.
+    """
+
+    def __init__(
+        self,
+        config: EmbeddingConfig,
+        cache: RowCache,
+        storage: RowStorage | TableRowStorage,
+        writer: RowWriter,
+        counters: TrafficCounters,
+        clock: PhaseClock,
+        state: Tensor | None,
+    ) -> None:
+        self.config, self.cache, self.storage, self.writer, self.clock = config, cache, storage, writer, clock
+        self.counters = counters
+        self.state = state
+        self.lr = config.lr
+        self.dim = config.dim
+        self.skipped_updates = 0  # backward passes whose gradient held inf or NaN (update dropped)
+        # With mixed precision, set to the torch.amp.GradScaler that scales the loss: the update then
+        # divides by its current scale (and, like scaler.step, skips a step whose gradient is not finite).
+        self.grad_scaler: Any = None
+        self._pending: list[tuple[_StepPlan, Tensor]] = []  # gradients of the running backward pass
+        self._pending_task = -1  # the autograd graph task they belong to
+
+    @staticmethod
+    def new_state(config: EmbeddingConfig, device: torch.device) -> Tensor | None:
+        """The optimizer's zero state for `config`'s rows: per value (Adagrad), per row (row-wise), or None."""
+        shape = {"sgd": None, "adagrad": (config.num_rows, config.dim), "rowwise_adagrad": (config.num_rows,)}[
+            config.optimizer
+        ]
+        return None if shape is None else torch.zeros(shape, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.weights.device
+
+    def forget(self) -> None:
+        """Drop the gradients collected so far (their plans moved away, or the state was replaced)."""
+        self._pending.clear()
+
+    def receive(self, plan: _StepPlan, grad: Tensor) -> None:
         """Collect one forward's gradient; the first one of a backward pass schedules the update."""
-        self._in_flight.pop(plan.step, None)
         task = torch._C._current_graph_task_id()
         if self._pending and task != self._pending_task:
             # A backward pass that failed before its end: like a torch optimizer never stepped, its
@@ -34,11 +79,11 @@ class FusedOptimizer:
         if first:
             self._pending_task = task
             try:
-                torch.autograd.Variable._execution_engine.queue_callback(self._apply_pending)
+                torch.autograd.Variable._execution_engine.queue_callback(self.apply_pending)
             except RuntimeError:  # not inside the autograd engine: apply now
-                self._apply_pending()
+                self.apply_pending()
 
-    def _apply_pending(self) -> None:
+    def apply_pending(self) -> None:
         """The fused optimizer over every gradient of the backward pass, summed per row: one step per row."""
         entries, self._pending = self._pending, []
         if not entries:
@@ -57,7 +102,7 @@ class FusedOptimizer:
         storage_parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]] = []  # (plan, rows, index, gradient)
         for plan, grad in entries:
             slots, storage_rows, storage_index = plan.slots, plan.storage_rows, plan.storage_index
-            if plan.residency_version != self._residency_version:  # rows moved since the forward
+            if plan.residency_version != self.cache.version:  # rows moved since the forward
                 slots = self.cache.lookup(plan.rows)
                 storage_rows, storage_index = torch.unique(plan.rows[slots < 0], return_inverse=True)
             on_storage = slots < 0 if storage_rows.numel() else None
@@ -85,15 +130,18 @@ class FusedOptimizer:
             self.config.optimizer != "sgd"
             or (scaler is not None and scaler.is_enabled())
             or self.config.max_grad_norm is not None
-            or plan.residency_version != self._residency_version
+            or plan.residency_version != self.cache.version
             or not self.cache.capacity
             or grad.dtype != torch.float32
             or not _native.usable(weights, plan.slots, grad)
         ):
             return False
-        if not _native.sgd_update_finite(weights, plan.slots, grad, self.lr):
+        applied, finite = _native.sgd_update_finite(weights, plan.slots, grad, self.lr)
+        if not applied:
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return True
+        if not finite:
+            self._fit_cached(plan.slots)
         if plan.storage_rows.numel():
             self._update_storage([(plan, plan.storage_rows, plan.storage_index, grad[plan.slots < 0])])
         return True
@@ -118,10 +166,13 @@ class FusedOptimizer:
                 if not slots.numel():
                     continue
                 if _native.usable(weights, slots):
-                    _native.sgd_update(weights, slots, grad, self.lr)
+                    finite = _native.sgd_update(weights, slots, grad, self.lr)
                 else:
                     # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
                     weights.index_put_((slots,), grad * -self.lr, accumulate=True)
+                    finite = _finite(weights.index_select(0, slots))
+                if not finite:
+                    self._fit_cached(slots)
             return
         parts = [part for part in parts if part[0].numel()]
         if not parts:
@@ -132,6 +183,17 @@ class FusedOptimizer:
         summed = self._sum_rows(inverse, grad, unique_slots.numel())
         rows = self.cache.slot_rows[unique_slots].long()
         weights.index_add_(0, unique_slots, self._adagrad_step(rows, summed))
+        if not _finite(weights.index_select(0, unique_slots)):
+            self._fit_cached(unique_slots)
+
+    def _fit_cached(self, slots: Tensor) -> None:
+        """After an update that overflowed: the cached rows at `slots` fitted to fp32's range as storage
+        fits what it stores (±inf -> ±largest float, NaN -> 0), the values replaced counted as non-finite."""
+        slots = torch.unique(slots[slots >= 0])
+        fitted = fit_to_range(self.cache.weights.index_select(0, slots), VALUE_LIMIT["fp32"])
+        if fitted.nonfinite is not None:
+            self.cache.weights.index_copy_(0, slots, fitted.values)
+            self.counters.count_fitted(self.counters.tables_of(self.cache.slot_rows[slots].long()), fitted)
 
     def _update_storage(self, parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]]) -> None:
         """Rows outside the cache: read, update in fp32, round back, once per row."""
@@ -140,8 +202,7 @@ class FusedOptimizer:
         if len(parts) == 1:
             plan, rows, index, grad = parts[0]
             current = (
-                plan.storage_version == self._storage_version
-                and plan.residency_version == self._residency_version
+                plan.storage_version == self.storage.version and plan.residency_version == self.cache.version
             )
             values = plan.storage_values if current else self.storage.read(rows, self.device)
         else:
@@ -153,7 +214,7 @@ class FusedOptimizer:
             updated = values.add_(summed, alpha=-self.lr)
         else:
             updated = values.add_(self._adagrad_step(rows, summed))
-        self._write_storage(rows, updated)
+        self.writer.write(rows, updated)
 
     def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
         """Rows of `values` summed by `index` into [count, D]."""
@@ -166,7 +227,7 @@ class FusedOptimizer:
 
     def _adagrad_step(self, rows: Tensor, grad: Tensor) -> Tensor:
         """Accumulate squared gradients of unique `rows` and return the update to add."""
-        state = self.optimizer_state
+        state = self.state
         state_rows = rows.to(state.device)
         if self.config.optimizer == "adagrad":
             accumulated = state[state_rows].to(self.device) + grad * grad

@@ -110,13 +110,25 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
     return path
 
 
+# Temporary names of our own writes: checkpoints (`save_checkpoint`'s mkstemp), the `latest.pt` link
+# staging file, and the run directory's JSON files (`rundir.write_json`). A user's `.notes.tmp` is not ours.
+_OUR_TEMP = re.compile(
+    r"^\.(?:(?:ckpt-\d+|latest|rank-\d+)\.pt\.[A-Za-z0-9_]+\.tmp|latest\.pt\.link|(?:config|summary|manifest)\.json\.tmp)$"
+)
+
+
+def is_partial_write(name: str) -> bool:
+    """Whether a file name is the temporary file of one of our atomic writes."""
+    return _OUR_TEMP.match(name) is not None
+
+
 def remove_partial_writes(directory: str | os.PathLike[str]) -> list[Path]:
-    """Delete the temporary files of writes that a killed process never finished (`.<name>.*.tmp` and
-    the link staging file); call only while no other process writes into `directory`."""
+    """Delete the temporary files of our writes that a killed process never finished (`.<name>.*.tmp`
+    and the link staging file; nobody else's files); call only while holding the run's lock."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    stale = [p for p in directory.iterdir() if p.name.startswith(".") and p.name.endswith((".tmp", ".link"))]
+    stale = [p for p in directory.iterdir() if is_partial_write(p.name)]
     for path in stale:
         path.unlink(missing_ok=True)
     return stale

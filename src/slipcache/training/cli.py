@@ -257,12 +257,23 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
     parser.add_argument("--split", default="test", choices=("train", "val", "test"), help="split to evaluate (default test)")
     parser.add_argument("--samples", type=int, default=None, help="evaluate only the first N samples")
+    parser.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="evaluate even when the run's dataset is no longer the data it trained on (its fingerprint differs)",
+    )
 
 
 def evaluate_checkpoint(
-    checkpoint_path: str | Path, *, data: str | None = None, split: str = "test", samples: int | None = None
+    checkpoint_path: str | Path,
+    *,
+    data: str | None = None,
+    split: str = "test",
+    samples: int | None = None,
+    allow_changes: bool = False,
 ) -> dict[str, float]:
-    """Metrics of a saved model on a dataset split."""
+    """Metrics of a saved model on a dataset split. On the run's own dataset (no `data`), that dataset must
+    still be the data the run trained on (its fingerprint), unless `allow_changes`."""
     if samples is not None and samples < 1:
         raise SlipcacheError(f"--samples must be at least 1, got {samples}")
     path = Path(checkpoint_path).expanduser().resolve()
@@ -282,6 +293,13 @@ def evaluate_checkpoint(
         dataset_dir = run_dataset_dir(config, saved_dataset if isinstance(saved_dataset, str) else None)
     dataset = open_dataset(dataset_dir, config)
     check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
+    if data is None:
+        from slipcache.data.fingerprint import check_same_data, fingerprint
+
+        what = f"dataset {dataset_dir} of checkpoint {path}"
+        diff = check_same_data(state["config"].get("data_fingerprint"), fingerprint(dataset), allow=allow_changes, what=what)
+        if diff is not None:
+            print(f"slipcache eval: warning: {what} is not the data the run trained on ({diff})", file=sys.stderr)
     if split not in dataset.splits or not dataset.splits[split]:
         raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
     model = build_model(config, dataset.table_sizes, dataset.num_dense)
@@ -293,7 +311,9 @@ def evaluate_checkpoint(
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    scores = evaluate_checkpoint(args.checkpoint, data=args.data, split=args.split, samples=args.samples)
+    scores = evaluate_checkpoint(
+        args.checkpoint, data=args.data, split=args.split, samples=args.samples, allow_changes=args.allow_changes
+    )
     print(f"{args.split}: {scores['samples']:,} samples")
     for name in ("auc", "logloss", "accuracy", "normalized_entropy"):
         print(f"  {name:<20} {scores[name]:.4f}")

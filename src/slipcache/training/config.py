@@ -326,6 +326,9 @@ def make_config(
         given["bottom_mlp"] = [*base[:-1], user["embedding_dim"]]
     config = TrainConfig(**given)
     config.validate()
+    # What was set on purpose (flags, the file, --quick), whatever the value: a resume compares these
+    # with the run's settings, so `--lr 0.3` given on resume counts even though 0.3 is the default.
+    config.given_fields = frozenset(given)  # type: ignore[attr-defined]
     return config
 
 

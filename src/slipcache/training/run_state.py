@@ -110,3 +110,26 @@ def check_checkpoint(state: dict[str, Any], path: Path) -> None:
         or not all(isinstance(state.get(k), dict) for k in parts)
     ):
         raise SlipcacheError(f"checkpoint {path} is incomplete or malformed (table sizes or state missing)")
+
+
+def apply_settings(
+    config: Any,
+    model: Any,
+    dense_opt: torch.optim.Optimizer,
+    emb_opt: torch.optim.Optimizer | None,
+    skipper: StaleSkipper | None,
+    changed: typing.Collection[str],
+) -> None:
+    """Put the run's settings back over what a checkpoint restored: the collection, the optimizers and
+    the skipping guard each keep their own copy of a learning rate or target, and a resume with
+    `--allow-changes` must train with what config.json says, not with the checkpoint's copy (`changed`:
+    the settings changed on this resume)."""
+    if hasattr(model.embeddings, "lr"):
+        model.embeddings.lr = config.lr
+    for group in dense_opt.param_groups:
+        group["lr"] = config.dense_lr or config.lr
+    for group in emb_opt.param_groups if emb_opt is not None else []:
+        group["lr"] = config.lr
+    if skipper is not None and "stale_target" in changed:  # the guard's backed-off target restarts from it
+        skipper.guard.base_target = skipper.guard.target = config.stale_target
+        skipper.detector.retarget(config.stale_target, skipper.detector.active)  # refits T for the new D

@@ -9,14 +9,18 @@ from __future__ import annotations
 import json
 import sys
 import typing
+import uuid
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from slipcache.errors import SlipcacheError
+from slipcache.errors import RunLockedError, SlipcacheError
 from slipcache.training import checkpoint as ckpt
+from slipcache.training import runlock
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig, config_from_saved
 from slipcache.training.run_state import check_checkpoint
+from slipcache.training.runlock import LOCK_NAME, RunLock
 
 if typing.TYPE_CHECKING:
     from slipcache.distributed.training import DistributedRun
@@ -52,7 +56,7 @@ _STATE_DEFINING = {
     "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
     "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
     "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "skip_rule", "table_sizes", "split_order",
-    "lookahead", "prefetch",
+    "lookahead", "prefetch", "stale_rule",
 }  # fmt: skip
 
 
@@ -82,8 +86,13 @@ def prepare_out_dir(path: Path, *, restart_ok: bool) -> Path:
     path = path.expanduser().resolve()
     if path.exists() and not path.is_dir():
         raise SlipcacheError(f"--out {path} is a file, not a directory")
-    # Temp files of a write killed midway (before config.json existed) do not make a directory anyone's.
-    entries = [p for p in path.iterdir() if not p.name.endswith(".tmp")] if path.is_dir() else []
+    # Our temp files of a write killed midway (before config.json existed) and the lock of a run that is
+    # starting do not make a directory anyone's (the lock then decides who writes it).
+    entries = (
+        [p for p in path.iterdir() if not (ckpt.is_partial_write(p.name) or p.name == LOCK_NAME)]
+        if path.is_dir()
+        else []
+    )
     if entries:
         if not _is_run_dir(path):
             raise SlipcacheError(
@@ -164,18 +173,24 @@ def load_resume(
         if "epochs" in changes and "samples" not in changes:
             resumed.samples = None  # derive the budget from the new epoch count
     resumed.resume, resumed.progress, resumed.allow_changes = config.resume, config.progress, config.allow_changes
+    if "tensorboard" in (getattr(config, "given_fields", None) or ()):  # where to report: free to change
+        resumed.tensorboard = config.tensorboard
     resumed.out = str(run_dir)
     return state, saved, resumed, {k: list(v) for k, v in changes.items()}
 
 
 def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
-    """Settings given for the resume that differ from the run's (a value equal to the default counts as
-    not given: the run's own value stands)."""
+    """Settings given for the resume that differ from the run's. Given means set on the command line or
+    in the config file (`make_config` records which), whatever the value; a TrainConfig built directly
+    has no such record, and then a value equal to the default counts as not given."""
+    given = getattr(config, "given_fields", None)
     defaults = TrainConfig()
     changes = {}
     for name in CONFIG_FIELDS:
         value, old = getattr(config, name), getattr(saved, name)
-        if name in _RUN_INDEPENDENT or value == getattr(defaults, name):
+        if name in _RUN_INDEPENDENT:
+            continue
+        if name not in given if given is not None else value == getattr(defaults, name):
             continue
         if name == "data" and value is not None and old is not None:
             value = str(Path(value).expanduser().resolve())
@@ -199,3 +214,57 @@ def load_training_checkpoint(path: Path) -> dict[str, Any]:
         ) from exc
     check_checkpoint(state, path)
     return state
+
+
+def run_record(
+    config: TrainConfig,
+    dataset: Any,
+    dataset_dir: Path,
+    saved: dict[str, Any],
+    changes: dict[str, list[Any]],
+    state: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What config.json and every checkpoint record: the resolved config, the dataset and its fingerprint,
+    the run's id, and the settings changed on each resume. Data other than the run's is refused here
+    (`--allow-changes` proceeds and records it); a run of an older slipcache had no fingerprint: it
+    gets one now."""
+    from slipcache.data.fingerprint import check_same_data, fingerprint
+
+    current = fingerprint(dataset)
+    diff = check_same_data(
+        saved.get("data_fingerprint"), current, allow=config.allow_changes, what=f"dataset {dataset_dir}"
+    )
+    if diff is not None:
+        changes["data_fingerprint"] = [saved["data_fingerprint"].get("digest"), current["digest"]]
+        warn(f"dataset {dataset_dir} is not the data the run trained on ({diff}); continuing (--allow-changes)")
+    record = {
+        **asdict(config),
+        "dataset": str(dataset_dir),
+        "data_fingerprint": current,
+        "run_id": saved.get("run_id") or uuid.uuid4().hex[:16],
+    }
+    history = list(saved.get("changed_on_resume", []))
+    if changes:
+        history.append({"samples": state["progress"]["samples"] if state else 0, "changes": changes})
+    if history:
+        record["changed_on_resume"] = history
+    return record
+
+
+def claim_run_dir(run_dir: Path, record: dict[str, Any], dist: DistributedRun | None) -> RunLock:
+    """Take the run directory for this run: N ranks first agree on their settings and data (one line
+    naming the first difference, on every rank), then rank 0 takes `run.lock` and tells the others
+    whether it could; one process just takes the lock."""
+    if dist is None:
+        return runlock.acquire(run_dir, record["run_id"])
+    dist.check_same_settings(record)
+    lock, refusal = None, None
+    if dist.is_main:
+        try:
+            lock = runlock.acquire(run_dir, record["run_id"])
+        except RunLockedError as exc:
+            refusal = str(exc)
+    refusal = dist.agree(refusal)
+    if refusal is not None:
+        raise RunLockedError(refusal)
+    return lock if lock is not None else runlock.RunLock(run_dir / LOCK_NAME, -1, {})

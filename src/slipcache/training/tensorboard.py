@@ -84,8 +84,28 @@ class TensorBoardWriter:
         self._writer.close()
 
 
+def resolve_setting(setting: str | None, run_dir: Path) -> str | None:
+    """`--tensorboard DIR` as the run records it, once, at its start: a relative DIR (or an absolute one
+    inside the run) is kept relative to the run directory, so a resumed or copied run writes into its own
+    directory whatever the working directory; only an absolute DIR outside the run stays absolute."""
+    if not setting:
+        return setting
+    path = Path(setting).expanduser()
+    run_dir = run_dir.resolve()
+    if path.is_absolute():
+        resolved = path.resolve()
+        return str(resolved.relative_to(run_dir)) if resolved.is_relative_to(run_dir) else str(resolved)
+    inside = (run_dir / path).resolve()
+    if not inside.is_relative_to(run_dir):
+        raise SlipcacheError(
+            f"--tensorboard {setting}: a relative DIR is taken inside the run directory; give an absolute path "
+            "to write elsewhere"
+        )
+    return str(inside.relative_to(run_dir))
+
+
 def open_writer(setting: str | None, run_dir: Path) -> TensorBoardWriter | None:
-    """None when not asked for; "" means `<run dir>/tensorboard`."""
+    """None when not asked for; "" means `<run dir>/tensorboard`; a relative DIR lies in the run directory."""
     if setting is None:
         return None
-    return TensorBoardWriter(Path(setting) if setting else run_dir / "tensorboard")
+    return TensorBoardWriter(run_dir / (setting or "tensorboard"))

@@ -26,7 +26,7 @@ import math
 import random
 import time
 import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,22 +48,25 @@ from slipcache.training.datasets import (
     run_dataset_dir,
 )
 from slipcache.training.metrics import evaluate_predictions
-from slipcache.training.run_state import checkpoint_state, restore
+from slipcache.training.run_state import apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import (
+    claim_run_dir,
     load_resume,
     new_run_dir,
     prepare_out_dir,
+    run_record,
     warn,
     write_events,
     write_json,
 )
-from slipcache.training.tensorboard import embedding_event_fields, open_writer
+from slipcache.training.runlock import RunLock
+from slipcache.training.tensorboard import embedding_event_fields, open_writer, resolve_setting
 
 if typing.TYPE_CHECKING:
     from slipcache.distributed.training import DistributedRun
     from slipcache.staleness.skipping import StaleSkipper
 
-# Re-exported: experiments/bench_train.py and experiments/runner.py (one seam for a fake trainer in the
+# Re-exported: bench/train.py and benchmarks/runner.py (one seam for a fake trainer in the
 # tests) read these as trainer.<name>.
 from slipcache.training.config import make_config as make_config  # noqa: E402
 from slipcache.training.datasets import prepare_data as prepare_data  # noqa: E402
@@ -210,6 +213,7 @@ class Run:
     finished: bool = False  # set by the run's last batch
     logits: torch.Tensor | None = None  # the last step's (detached) logits, kept only for stale skipping
     dist: DistributedRun | None = None  # N processes (slipcache.distributed.training); None: this one alone
+    lock: RunLock | None = None  # run.lock of the run directory (rank 0 of N holds it), released at the end
 
     @property
     def writes_files(self) -> bool:
@@ -256,10 +260,12 @@ def train(config: TrainConfig, dist: DistributedRun | None = None) -> dict[str, 
                 run.tick_cpu = time.process_time()
             else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
                 end_epoch(run)
+        save_checkpoint(run)
+        return finish_run(run)
     finally:
         run.bar.close()
-    save_checkpoint(run)
-    return finish_run(run)
+        if run.lock is not None:
+            run.lock.release()
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
@@ -278,8 +284,6 @@ def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
         run_dir = Path(config.out or "")
     else:
         run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
-    for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
-        ckpt.remove_partial_writes(directory)
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
         config.data = str(Path(config.data).expanduser().resolve())
 
@@ -288,12 +292,31 @@ def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
     config.split_order = config.split_order or dataset.meta.get("split_order")
     config = resolve_schedule(config, dataset.splits["train"])
     config.out = str(run_dir)
-    config_dict = {**asdict(config), "dataset": str(dataset_dir)}
-    history = list(saved.get("changed_on_resume", []))
-    if changes:
-        history.append({"samples": state["progress"]["samples"] if state else 0, "changes": changes})
-    if history:
-        config_dict["changed_on_resume"] = history
+    config.tensorboard = resolve_setting(config.tensorboard, run_dir)
+    config_dict = run_record(config, dataset, dataset_dir, saved, changes, state)
+    lock = claim_run_dir(run_dir, config_dict, dist)  # one writer per run directory from here on
+    try:
+        return _build_run(config, config_dict, run_dir, dataset, state, changes, lock, dist)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _build_run(
+    config: TrainConfig,
+    config_dict: dict[str, Any],
+    run_dir: Path,
+    dataset: Any,
+    state: dict[str, Any] | None,
+    changes: dict[str, list[Any]],
+    lock: RunLock,
+    dist: DistributedRun | None,
+) -> Run:
+    """The model, optimizers and state of a run whose directory this process holds."""
+    dataset_dir = Path(config_dict["dataset"])
+    if dist is None or dist.is_main:
+        for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
+            ckpt.remove_partial_writes(directory)
     quality = data_quality(dataset)
     if quality is not None and quality["malformed_lines"]:
         warn(malformed_message(quality, config.data))
@@ -318,6 +341,7 @@ def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
     if state is not None:
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(state, model, dense_opt, emb_opt, progress, skipper)
+        apply_settings(config, model, dense_opt, emb_opt, skipper, changes)  # config.json is what runs
     if dist is None or dist.is_main:
         write_json(run_dir / "config.json", config_dict)
         write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops later events
@@ -350,6 +374,7 @@ def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
         bar=bar,
         tensorboard=open_writer(config.tensorboard, run_dir) if dist is None or dist.is_main else None,
         dist=dist,
+        lock=lock,
     )
     # The collection's counters may or may not come back with its state; count relative to what it says now.
     run.base_lookups, run.base_hits = _stats_totals(model)

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from slipcache.errors import SlipcacheError
-from slipcache.experiments.bench_peers import (
+from slipcache.bench.peers import (
     BenchConfig,
     Built,
     _build_fbgemm,
@@ -25,7 +24,8 @@ from slipcache.experiments.bench_peers import (
     estimate_bytes,
     fbgemm_available,
 )
-from slipcache.experiments.bench_workload import Workload, prefill_batches
+from slipcache.bench.workload import Workload, prefill_batches
+from slipcache.errors import SlipcacheError
 
 GB = 1e9
 
@@ -122,7 +122,7 @@ def measure(
         row["bytes"] = int(static["total_bytes"])
         row["memory_ratio"] = _finite(static.get("memory_ratio"))
     if need > budget_bytes:
-        row["status"] = f"skipped: needs {need / GB:.1f} GB > budget {budget_bytes / GB:.1f} GB"
+        row["status"] = f"does not fit: needs {need / GB:.1f} GB (budget {budget_bytes / GB:.1f} GB)"
         return row
 
     built: Built | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from slipcache.experiments.bench_timing import GB
+from slipcache.bench.timing import GB
 
 
 def _attach_ratios(rows: list[dict[str, Any]]) -> None:
@@ -36,7 +36,7 @@ def evaluate_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         add(f"{name} memory ratio at dim 64 >= 3.0x", r and r["memory_ratio"], 3.0, "x")
     r = by.get(("slipcache-int4-lru1", 128))
     add("slipcache-int4-lru1 memory ratio at dim 128 >= 7.0x", r and r["memory_ratio"], 7.0, "x")
-    # Throughput against FBGEMM fp32 at the same dim (issue 13's goals).
+    # Throughput against FBGEMM fp32 at the same dim (the targets).
     dims = sorted({r["dim"] for r in rows})
     for dim in dims:
         for name, threshold in (("slipcache-int8-lru5", 1.0), ("slipcache-fp32", 1.0), ("slipcache-int4-lru1", 0.8)):

@@ -9,9 +9,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from slipcache.experiments.paired import MIN_EFFECT
-from slipcache.experiments.render import fmt_mean_std, fmt_value, markdown_table, metric, save_figure
-from slipcache.experiments.runner import PAPER, Preset, Setup
+from benchmarks.paired import MIN_EFFECT
+from benchmarks.render import fmt_mean_std, fmt_value, markdown_table, metric, save_figure
+from benchmarks.runner import PAPER, Preset, Setup
 from slipcache.plotting import pyplot, samples_axis
 
 STALE_STORAGES = {

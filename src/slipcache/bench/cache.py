@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from slipcache.bench.report import progress
+from slipcache.bench.workload import make_workload, scaled_table_sizes
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.embedding.lookahead import belady_hits
 from slipcache.errors import SlipcacheError
-from slipcache.experiments.bench_report import progress
-from slipcache.experiments.bench_workload import make_workload, scaled_table_sizes
 
 DEFAULT_SIZES = (0.005, 0.01, 0.02, 0.05, 0.10, 0.20)
 DEFAULT_POLICIES = (

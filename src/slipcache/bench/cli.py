@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from slipcache.errors import SlipcacheError
-from slipcache.experiments.bench_peers import CONFIGS, BenchConfig
-from slipcache.experiments.bench_report import (
+from slipcache.bench.machine import describe_machine, physical_memory_bytes, probe_memory
+from slipcache.bench.peers import CONFIGS, BenchConfig
+from slipcache.bench.report import (
     _attach_ratios,
     _markdown,
     evaluate_targets,
@@ -33,7 +33,7 @@ from slipcache.experiments.bench_report import (
     format_targets,
     progress,
 )
-from slipcache.experiments.bench_timing import (
+from slipcache.bench.timing import (
     GB,
     PREFILL_OVERSUBSCRIPTION,
     PROFILE_STEPS,
@@ -41,8 +41,9 @@ from slipcache.experiments.bench_timing import (
     combine_rounds,
     measure,
 )
-from slipcache.experiments.bench_workload import make_workload, scaled_table_sizes
-from slipcache.experiments.machine import describe_machine, physical_memory_bytes, probe_memory
+from slipcache.bench.workload import make_workload, scaled_table_sizes
+from slipcache.errors import SlipcacheError
+from slipcache.memory import RUNTIME_BYTES, available_bytes
 
 __all__ = ["add_bench_arguments", "run_bench", "run_embedding_bench"]
 
@@ -57,18 +58,26 @@ FULL = {"scale": 1.0, "warmup": 20, "cache_warmup": 150, "steps": 200, "min_seco
 QUICK = {"scale": 0.01, "warmup": 3, "cache_warmup": 20, "steps": 8, "min_seconds": 0.25, "rounds": 3}
 
 
+def default_budget_gb() -> float:
+    """What the machine has available now, less the runtime's share (60 % of physical memory where unknown)."""
+    available = available_bytes()
+    if available is None:
+        return 0.6 * (physical_memory_bytes() or 16 * 1024**3) / GB
+    return max(available - RUNTIME_BYTES, 0) / GB
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `slipcache bench`: one sub-command per target."""
     targets = parser.add_subparsers(dest="target", metavar="TARGET", required=True)
     add_embedding_arguments(
         targets.add_parser("embedding", help="embedding step throughput: ours against torch and FBGEMM")
     )
-    from slipcache.experiments.bench_cache import add_cache_arguments
+    from slipcache.bench.cache import add_cache_arguments
 
     add_cache_arguments(
         targets.add_parser("cache", help="cache hit rate against size: LRU, LFU, lookahead and offline OPT")
     )
-    from slipcache.experiments.bench_train import add_train_bench_arguments
+    from slipcache.bench.train import add_train_bench_arguments
 
     add_train_bench_arguments(
         targets.add_parser("train", help="the DLRM trainer (fp32, INT8 + 5 %% cache) against TorchRec + FBGEMM")
@@ -103,7 +112,7 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-budget-gb",
         type=float,
         default=None,
-        help="skip configurations estimated above this (default 60%% of physical memory)",
+        help="report configurations estimated above this as not fitting (default: the memory available now)",
     )
     parser.add_argument(
         "--prefill",
@@ -210,11 +219,11 @@ def _command(args: argparse.Namespace, dims: list[int], configs: list[BenchConfi
 def run_bench(args: argparse.Namespace) -> int:
     """`slipcache bench TARGET`."""
     if args.target == "cache":
-        from slipcache.experiments.bench_cache import run_cache_bench
+        from slipcache.bench.cache import run_cache_bench
 
         return run_cache_bench(args)
     if args.target == "train":
-        from slipcache.experiments.bench_train import run_train_bench
+        from slipcache.bench.train import run_train_bench
 
         return run_train_bench(args)
     return run_embedding_bench(args)
@@ -257,8 +266,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     min_seconds = shape["min_seconds"] if args.min_seconds is None else args.min_seconds
     if rounds < 1 or min_seconds < 0 or args.profile_steps < 0:
         raise SlipcacheError("--rounds must be >= 1, --min-seconds and --profile-steps >= 0")
-    physical = physical_memory_bytes() or 16 * 1024**3
-    budget_gb = args.memory_budget_gb if args.memory_budget_gb is not None else 0.6 * physical / GB
+    budget_gb = args.memory_budget_gb if args.memory_budget_gb is not None else default_budget_gb()
     if budget_gb <= 0:
         raise SlipcacheError(f"--memory-budget-gb must be positive, got {budget_gb}")
     out_dir = str(args.out)
@@ -408,7 +416,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m slipcache.experiments.bench embedding ...`: the subcommand without the rest of the CLI."""
+    """`python -m slipcache.bench.cli embedding ...`: the subcommand without the rest of the CLI."""
     parser = argparse.ArgumentParser(prog="slipcache bench")
     add_bench_arguments(parser)
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ from slipcache.training import trainer
 from slipcache.training.rundir import write_json
 
 EXPERIMENTS = ("mixed-precision", "slipstream")
-ACCURACY = "accuracy"  # the settled accuracy claim (issue 9): a few setups, many paired seeds, whole epochs
+ACCURACY = "accuracy"  # the settled accuracy claim: a few setups, many paired seeds, whole epochs
 NAMES = (*EXPERIMENTS, ACCURACY, "all")  # "all" runs EXPERIMENTS; the accuracy study is run on its own
 # Headline numbers of the papers, compared against in the report.
 PAPER = {

@@ -28,10 +28,8 @@ from typing import Any
 
 import torch
 
-from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
-from slipcache.errors import SlipcacheError
-from slipcache.experiments.accuracy import ACCURACY_SEEDS, accuracy_grid, accuracy_intervals, accuracy_section
-from slipcache.experiments.mixed_precision import (
+from benchmarks.accuracy import ACCURACY_SEEDS, accuracy_grid, accuracy_intervals, accuracy_section
+from benchmarks.mixed_precision import (
     BASELINE,
     derived_metrics,
     mixed_precision_grid,
@@ -41,9 +39,9 @@ from slipcache.experiments.mixed_precision import (
     plot_rounding,
     plot_traffic,
 )
-from slipcache.experiments.paired import PER_SEED, mean_std, on_seeds
-from slipcache.experiments.render import fmt_value, markdown_table
-from slipcache.experiments.runner import (
+from benchmarks.paired import PER_SEED, mean_std, on_seeds
+from benchmarks.render import fmt_value, markdown_table
+from benchmarks.runner import (
     ACCURACY,
     EXPERIMENTS,
     NAMES,
@@ -56,7 +54,7 @@ from slipcache.experiments.runner import (
     prepare_experiment_data,
     run_cells,
 )
-from slipcache.experiments.slipstream import (
+from benchmarks.slipstream import (
     add_timing,
     plot_skip_speedup,
     plot_stale_rows,
@@ -64,6 +62,8 @@ from slipcache.experiments.slipstream import (
     slipstream_section,
     stale_name,
 )
+from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
+from slipcache.errors import SlipcacheError
 from slipcache.plotting import STYLE, pyplot
 from slipcache.training.rundir import write_json
 
@@ -271,7 +271,7 @@ def run_experiment(args: argparse.Namespace, log: Callable[[str], None] | None =
 
 def _run(args: argparse.Namespace, preset: Preset, seeds: int, repeats: int, names: list[str], out: Path,
          log: Callable[[str], None]) -> int:
-    from slipcache.experiments.machine import describe_machine, probe_memory
+    from slipcache.bench.machine import describe_machine, probe_memory
 
     start = time.perf_counter()
     data, table_sizes = prepare_experiment_data(args.data, out)
@@ -328,3 +328,20 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, repeats: int, nam
     report = write_report(out, results)
     log(f"wrote {out / 'results.json'} and {report} in {fmt_duration(time.perf_counter() - start)}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.studies STUDY --out DIR` (the same as `slipcache experiment` in a checkout)."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies", description=__doc__.splitlines()[0])
+    add_experiment_arguments(parser)
+    try:
+        return run_experiment(parser.parse_args(argv))
+    except SlipcacheError as exc:
+        print(f"benchmarks.studies: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

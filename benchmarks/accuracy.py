@@ -1,4 +1,4 @@
-"""The accuracy study (issue 9): a few setups, many paired seeds, whole epochs, 95 % t-intervals."""
+"""The accuracy study: a few setups, many paired seeds, whole epochs, 95 % t-intervals."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from slipcache.errors import SlipcacheError
-from slipcache.experiments.mixed_precision import BASELINE, mp_name
-from slipcache.experiments.render import (
+from benchmarks.mixed_precision import BASELINE, mp_name
+from benchmarks.render import (
     CACHE_MARKERS,
     PRECISION_COLORS,
     fmt_mean_std,
@@ -19,7 +18,8 @@ from slipcache.experiments.render import (
     metric,
     save_figure,
 )
-from slipcache.experiments.runner import ACCURACY, Preset, Setup
+from benchmarks.runner import ACCURACY, Preset, Setup
+from slipcache.errors import SlipcacheError
 from slipcache.plotting import STYLE, pyplot
 
 ACCURACY_SEEDS = 5

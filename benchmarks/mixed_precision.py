@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from slipcache.experiments.paired import MIN_EFFECT, exceeds_noise, on_seeds, paired_difference
-from slipcache.experiments.render import (
+from benchmarks.paired import MIN_EFFECT, exceeds_noise, on_seeds, paired_difference
+from benchmarks.render import (
     CACHE_MARKERS,
     PRECISION_COLORS,
     fmt_mean_std,
@@ -21,7 +21,7 @@ from slipcache.experiments.render import (
     mib,
     save_figure,
 )
-from slipcache.experiments.runner import PAPER, Preset, Setup
+from benchmarks.runner import PAPER, Preset, Setup
 from slipcache.plotting import pyplot
 
 BASELINE = "fp32 no cache"  # the mixed-precision reference setup

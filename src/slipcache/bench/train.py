@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from slipcache.bench.machine import describe_machine
+from slipcache.bench.report import progress
 from slipcache.errors import SlipcacheError
-from slipcache.experiments.bench_report import progress
-from slipcache.experiments.machine import describe_machine
 
 IMPLS = ("torch-fp32", "slipcache-int8-lru5", "torchrec-fbgemm")
 _OURS = {

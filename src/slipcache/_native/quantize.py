@@ -1,0 +1,134 @@
+"""The compiled quantize pass: fp32 rows into storage rows (int8/int4 with row-wise parameters, fp16, bf16,
+fp32), nearest or stochastic, written straight into the storage buffers at given rows.
+
+One pass per row instead of torch's dozen passes over [n, D] temporaries: table creation, loading and
+eviction all round through it when the library is there. Results are bit-identical to the torch path in
+`slipcache.embedding.quant` (tests compare every precision and both roundings).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slipcache import _native
+from slipcache._native import _check, threads_for
+
+KINDS = {"int8": 0, "int4": 1, "fp16": 2, "bf16": 3, "fp32": 4}
+_PAYLOAD_DTYPES = {
+    "int8": torch.uint8, "int4": torch.uint8, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+}
+
+
+def available() -> bool:
+    return _native.native() is not None
+
+
+def quantize_rows(
+    values: Tensor,
+    precision: str,
+    payload: Tensor,
+    bias: Tensor | None = None,
+    scale_code: Tensor | None = None,
+    *,
+    scales: Tensor,
+    limit: float,
+    max_span: float | None = None,
+    noise: Tensor | None = None,
+    rows: Tensor | None = None,
+    bad: Tensor | None = None,
+    threads: int | None = None,
+    source: Tensor | None = None,
+) -> int:
+    """Round fp32 `values` [n, D] into storage row `rows[i]` (row i when `rows` is None) of `payload`
+    ([R, D] or [R, ceil(D / 2)] for int4), `bias` (fp16 [R]) and `scale_code` (uint8 [R]; int precisions).
+
+    `scales` is the 256-entry float table of scale codes; `noise` (uniform [n, D]) makes the rounding
+    stochastic. Rows holding inf/NaN, a value beyond ±`limit` or (int) a span beyond `max_span` are left
+    unwritten and flagged in `bad` (uint8 [n], when given); returns how many there were. With `source`
+    (int64 [n]), row i is read from `values[source[i]]` (`values` then [any, D]: e.g. the cache's rows, read
+    at the evicted slots without a gathered copy).
+    """
+    library = _native.native()
+    assert library is not None
+    dim = values.shape[1]
+    n = values.shape[0] if source is None else source.numel()
+    width = (dim + 1) // 2 if precision == "int4" else dim
+    _check("values", values, (torch.float32,), (values.shape[0] if source is not None else n, dim))
+    _check("source", source, (torch.int64,), (n,))
+    if source is not None and n and (int(source.min()) < 0 or int(source.max()) >= values.shape[0]):
+        raise ValueError(f"compiled loop: a source row is outside [0, {values.shape[0]})")
+    _check("payload", payload, (_PAYLOAD_DTYPES[precision],), (None, width))
+    _check("noise", noise, (torch.float32,), (n, dim))
+    _check("rows", rows, (torch.int64,), (n,))
+    _check("bad", bad, (torch.uint8,), (n,))
+    _check("scales", scales, (torch.float32,), (256,))
+    if precision in ("int8", "int4"):
+        if bias is None or scale_code is None:
+            raise ValueError("compiled loop: int precisions need bias and scale_code")
+        _check("bias", bias, (torch.float16,), (payload.shape[0],))
+        _check("scale_code", scale_code, (torch.uint8,), (payload.shape[0],))
+    if rows is not None and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= payload.shape[0]):
+        raise ValueError(f"compiled loop: a row is outside [0, {payload.shape[0]})")
+    if rows is None and n > payload.shape[0]:
+        raise ValueError(f"compiled loop: {n} rows do not fit {payload.shape[0]} storage rows")
+    if n == 0:
+        return 0
+    count = library.quantize_rows(
+        values.data_ptr(), n, dim, KINDS[precision],
+        noise.data_ptr() if noise is not None else None,
+        scales.data_ptr(), float(min(limit, torch.finfo(torch.float32).max)),
+        -1.0 if max_span is None else float(max_span),
+        rows.data_ptr() if rows is not None else None,
+        payload.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        scale_code.data_ptr() if scale_code is not None else None,
+        bad.data_ptr() if bad is not None else None,
+        threads_for(n, threads),
+        source.data_ptr() if source is not None else None,
+    )
+    if count < 0:
+        raise ValueError(f"compiled loop: cannot quantize to {precision} at dim {dim}")
+    return int(count)
+
+
+def uniform(shape: tuple[int, ...], generator: torch.Generator | None) -> Tensor | None:
+    """`torch.rand(shape, generator=generator)` on CPU, drawn by the compiled loop: the same values, and the
+    generator left in the same state. None where it cannot (no library, not a CPU generator, or the check
+    against torch.rand at first use failed): the caller draws with torch then."""
+    generator = torch.default_generator if generator is None else generator
+    if generator.device.type != "cpu" or not _uniform_checked():
+        return None
+    return _draw(shape, generator)
+
+
+def _draw(shape: tuple[int, ...], generator: torch.Generator) -> Tensor | None:
+    library = _native.native()
+    assert library is not None
+    state = generator.get_state()
+    out = torch.empty(shape)
+    if library.torch_uniform(state.data_ptr(), out.data_ptr(), out.numel()) != 0:
+        return None
+    generator.set_state(state)
+    return out
+
+
+_uniform_ok: bool | None = None
+
+
+def _uniform_checked() -> bool:
+    """Whether the compiled draws equal torch.rand here (values and the state after), checked once."""
+    global _uniform_ok
+    if _uniform_ok is None:
+        _uniform_ok = False
+        if available():
+            ours, theirs = torch.Generator().manual_seed(20261201), torch.Generator().manual_seed(20261201)
+            torch.rand(5, generator=ours), torch.rand(5, generator=theirs)
+            drawn = _draw((1500, 3), ours)  # crosses the generator's refills of 624 words
+            expected = torch.rand((1500, 3), generator=theirs)
+            _uniform_ok = (
+                drawn is not None
+                and torch.equal(drawn, expected)
+                and torch.equal(ours.get_state(), theirs.get_state())
+            )
+    return _uniform_ok

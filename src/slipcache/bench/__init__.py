@@ -1,0 +1,1 @@
+"""`slipcache bench`: the embedding, cache and training benchmarks, and the machine probes they report."""

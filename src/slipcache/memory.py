@@ -1,0 +1,184 @@
+"""Know before allocating: the bytes a command's tables need, against what the machine can give.
+
+Every command that builds embedding tables (train, eval, export, bench, plan, the TorchRec path) asks
+`require_tables_fit` first. Tables that cannot fit stop the command with one line that says what they
+need, what is available and what would fit, instead of an allocation that the kernel kills half-way
+(or that swaps the machine to a halt).
+
+Available memory is the smaller of the kernel's MemAvailable and what the process's cgroup still allows
+(its limit less its usage); `SLIPCACHE_MEMORY_AVAILABLE_GB` overrides both (to leave room for something
+else, or to try the check).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from slipcache.errors import SlipcacheError
+
+if TYPE_CHECKING:
+    from slipcache.embedding.config import EmbeddingConfig
+
+GB = 1e9
+# The process beside its tables: torch itself, the dense layers, batches in flight, evaluation's scores.
+RUNTIME_BYTES = int(1.0 * GB)
+ENV_AVAILABLE = "SLIPCACHE_MEMORY_AVAILABLE_GB"
+# Precision and cache share, best first: what the error suggests when the asked-for tables do not fit.
+FALLBACKS = (("fp16", 0.05), ("int8", 0.05), ("int8", 0.01), ("int4", 0.05), ("int4", 0.01))
+
+
+class MemoryShortError(SlipcacheError):
+    """Tables that cannot fit in the memory this machine (or cgroup) has available."""
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_headroom(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What this process's cgroup still allows (limit less usage); None without a limit."""
+    limits = [(root / "memory.max", root / "memory.current"),  # cgroup v2
+              (root / "memory" / "memory.limit_in_bytes", root / "memory" / "memory.usage_in_bytes")]  # v1
+    for limit_path, usage_path in limits:
+        limit = _read_int(limit_path)  # "max" (no limit) reads as None
+        if limit is not None and limit < 1 << 60:
+            return max(0, limit - (_read_int(usage_path) or 0))
+    return None
+
+
+def available_bytes() -> int | None:
+    """Bytes this process can still allocate without swapping or being killed; None where unknown."""
+    override = os.environ.get(ENV_AVAILABLE)
+    if override:
+        try:
+            return int(float(override) * GB)
+        except ValueError as exc:
+            raise SlipcacheError(f"{ENV_AVAILABLE} must be a number of GB, got {override!r}") from exc
+    known = [b for b in (_meminfo_available(), _cgroup_headroom()) if b is not None]
+    return min(known) if known else None
+
+
+def table_bytes(
+    table_sizes: Sequence[int],
+    dim: int,
+    *,
+    embeddings: str = "cached",
+    precision: str | list[str] = "fp32",
+    cache_size: float | list[float] = 0.0,
+    cache_rows: int | list[int] | None = None,
+    optimizer: str = "sgd",
+    policy: str = "lru",
+) -> int:
+    """Bytes the tables will hold once built: the module's own accounting (storage, parameters, cache,
+    bookkeeping, optimizer state), computed on the meta device; fp32 rows (+ Adagrad's state) for torch."""
+    rows = sum(int(s) for s in table_sizes)
+    if embeddings != "cached":
+        return rows * dim * 4 * (2 if optimizer == "adagrad" else 1)
+    from slipcache.embedding.config import EmbeddingConfig
+
+    return config_bytes(EmbeddingConfig(
+        table_sizes=[int(s) for s in table_sizes], dim=dim, precision=precision, cache_size=cache_size,
+        cache_rows=cache_rows, optimizer=optimizer, policy=policy,
+    ))
+
+
+def config_bytes(config: EmbeddingConfig) -> int:
+    """Bytes a `CachedEmbeddingBagCollection` of `config` will hold (computed on the meta device)."""
+    from slipcache.embedding.collection import CachedEmbeddingBagCollection
+
+    return int(CachedEmbeddingBagCollection.estimate_memory(config)["total_bytes"])
+
+
+def what_fits(table_sizes: Sequence[int], dim: int, available: int, optimizer: str = "sgd") -> str:
+    """The best precision and cache share whose tables fit `available` (with the runtime's share), as flags."""
+    budget = available - RUNTIME_BYTES
+    for precision, share in FALLBACKS:
+        need = table_bytes(table_sizes, dim, precision=precision, cache_size=share, optimizer=optimizer)
+        if need <= budget:
+            return (
+                f"would fit: --precision {precision} --cache-size {share:g} ({need / GB:.1f} GB), or per table: "
+                f"slipcache plan --budget-gb {max(budget / GB, 0.1):.1f}"
+            )
+    smallest = table_bytes(table_sizes, dim, precision="int4", cache_size=0.01, optimizer=optimizer)
+    return f"nothing fits: even --precision int4 --cache-size 0.01 needs {smallest / GB:.1f} GB"
+
+
+def require_tables_fit(
+    table_sizes: Sequence[int],
+    dim: int,
+    *,
+    what: str,
+    embeddings: str = "cached",
+    precision: str | list[str] = "fp32",
+    cache_size: float | list[float] = 0.0,
+    cache_rows: int | list[int] | None = None,
+    optimizer: str = "sgd",
+    policy: str = "lru",
+    extra_bytes: int = 0,
+    available: int | None = None,
+) -> int:
+    """Stop with one line (MemoryShortError) unless these tables, `extra_bytes` and the runtime fit the
+    available memory; returns the tables' bytes. `what` names the command or path for the message (the
+    TorchRec path passes its hashed sizes, max id + 1, with precision="fp32")."""
+    if dim < 1:
+        raise SlipcacheError(f"{what}: the embedding dim must be positive, got {dim}")
+    if not table_sizes or any(int(s) < 1 for s in table_sizes):
+        raise SlipcacheError(f"{what}: every table needs at least one row, got sizes {list(table_sizes)}")
+    need = table_bytes(
+        table_sizes, dim, embeddings=embeddings, precision=precision, cache_size=cache_size,
+        cache_rows=cache_rows, optimizer=optimizer, policy=policy,
+    )
+    choice = "fp32 torch tables" if embeddings != "cached" else _describe(precision, cache_size, cache_rows)
+    require_bytes(need, what=what, table_sizes=table_sizes, dim=dim, choice=choice, optimizer=optimizer,
+                  extra_bytes=extra_bytes, available=available)
+    return need
+
+
+def require_config_fits(config: EmbeddingConfig, what: str, extra_bytes: int = 0) -> int:
+    """`require_tables_fit` for a built config (the collection's own accounting); returns its bytes."""
+    need = config_bytes(config)
+    require_bytes(need, what=what, table_sizes=config.table_sizes, dim=config.dim, optimizer=config.optimizer,
+                  choice=_describe(config.precision, config.cache_size, config.cache_rows), extra_bytes=extra_bytes)
+    return need
+
+
+def require_bytes(
+    need: int, *, what: str, table_sizes: Sequence[int], dim: int, choice: str, optimizer: str = "sgd",
+    extra_bytes: int = 0, available: int | None = None,
+) -> None:
+    """Raise MemoryShortError when `need` bytes of tables (+ extra + runtime) exceed what is available."""
+    available = available_bytes() if available is None else available
+    total = need + extra_bytes + RUNTIME_BYTES
+    if available is not None and total > available:
+        raise MemoryShortError(
+            f"{what}: {sum(int(s) for s in table_sizes):,} rows at dim {dim} in {choice} need "
+            f"{total / GB:.1f} GB (tables {need / GB:.1f} GB + {(total - need) / GB:.1f} GB runtime), "
+            f"available {available / GB:.1f} GB; {what_fits(table_sizes, dim, available, optimizer)}"
+        )
+
+
+def _describe(precision: object, cache_size: object, cache_rows: object) -> str:
+    text = precision if isinstance(precision, str) else "per-table precisions"
+    if cache_rows:
+        return f"{text} + cache of {cache_rows if isinstance(cache_rows, int) else 'per-table'} rows"
+    if isinstance(cache_size, (int, float)):
+        return f"{text} + {cache_size:g} cache" if cache_size else text
+    return f"{text} + per-table caches"

@@ -1,0 +1,106 @@
+"""The compiled quantize pass stores exactly the bytes of the torch path, and table creation is unchanged."""
+
+import math
+
+import pytest
+import torch
+
+from slipcache import _native
+from slipcache._native import quantize
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.embedding.quant import _SCALES, RowStorage, encode_scale
+
+pytestmark = pytest.mark.skipif(_native.native() is None, reason="no C compiler: only the torch path exists")
+
+
+def _awkward_rows(n: int, dim: int) -> torch.Tensor:
+    """Rows of every scale, with the edge cases fitting and rounding must treat alike."""
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(n, dim, generator=g) * torch.exp(torch.randn(n, 1, generator=g) * 4)
+    x[0, 0], x[1, 0], x[2, :], x[3, 0] = float("nan"), float("inf"), 1e6, -1e5
+    x[4, :], x[5, :], x[6, 0], x[7, 0] = 0.0, -0.0, 1e-30, -1e-30
+    x[8, 0], x[8, -1] = 5e4, -5e4
+    x[9, :] = 0.1
+    x[9, -1] = 0.1 + float(_SCALES[100]) * 15  # a span exactly on the scale grid
+    return x
+
+
+def _bytes(storage: RowStorage) -> list[torch.Tensor]:
+    return [b.view(torch.uint8) for b in storage.buffers()]
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("dim", [1, 7, 16, 128, 300])
+def test_compiled_writes_match_torch(
+    precision: str, rounding: str, dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = 600
+    x = _awkward_rows(n, dim)
+    rows = torch.randperm(n + 10, generator=torch.Generator().manual_seed(1))[:n]
+    results = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(_native, "native", lambda: None)
+        storage = RowStorage(n + 10, dim, precision)
+        g = torch.Generator().manual_seed(7)
+        fitted = [storage.write_range(3, x[: n - 3], rounding, g), storage.write(rows, x, rounding, g)]
+        results.append((_bytes(storage), [(f.saturated, f.nonfinite) for f in fitted]))
+    (ours, our_fit), (theirs, their_fit) = results
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+    for (sat_a, bad_a), (sat_b, bad_b) in zip(our_fit, their_fit, strict=True):
+        assert (sat_a is None) == (sat_b is None)
+        if sat_a is not None:
+            assert torch.equal(sat_a, sat_b) and torch.equal(bad_a, bad_b)
+    if precision != "fp32":  # the awkward rows were fitted, and counted
+        assert our_fit[1][1] is not None and int(our_fit[1][1].sum()) >= 2
+
+
+def test_scale_code_is_the_smallest_that_covers_on_the_grid() -> None:
+    grid = _SCALES[1:255]
+    for needed in (grid, torch.nextafter(grid, torch.zeros_like(grid))):
+        codes = encode_scale(needed).long()
+        assert bool((_SCALES[codes] >= needed).all())
+        assert bool((_SCALES[codes - 1] < needed).all())
+
+
+def test_rows_outside_the_storage_are_refused() -> None:
+    storage = RowStorage(4, 8, "int8")
+    with pytest.raises(ValueError, match="outside"):
+        quantize.quantize_rows(
+            torch.zeros(1, 8), "int8", *storage.buffers(), scales=_SCALES, limit=1e4, rows=torch.tensor([4])
+        )
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp16"])
+def test_created_tables_are_the_rounded_uniform_draw(precision: str) -> None:
+    """Same seed, same tables: each table's rows are (rand * 2 - 1) / sqrt(rows), drawn in table order from
+    one generator, rounded to nearest, whatever the chunking of the draw."""
+    sizes, dim = [5, 70_000, 3], 8
+    collection = CachedEmbeddingBagCollection(
+        EmbeddingConfig(table_sizes=sizes, dim=dim, precision=precision, cache_size=0.0, seed=11)
+    )
+    g = torch.Generator().manual_seed(11)
+    expected = RowStorage(sum(sizes), dim, precision)
+    start = 0
+    for size in sizes:
+        values = (torch.rand(size, dim, generator=g) * 2 - 1) * (1.0 / math.sqrt(size))
+        for buf, part in zip(expected.buffers(), expected.encode(values, "nearest", None)[0], strict=True):
+            buf[start : start + size] = part
+        start += size
+    for a, b in zip(_bytes(collection.storage), _bytes(expected), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_compiled_float_nearest_matches_torch_casts(precision: str) -> None:
+    """Storage rounds fp16/bf16 to nearest with torch's own cast; the compiled pass, called directly (as
+    eviction may), gives the same bits."""
+    x = _awkward_rows(300, 16)[10:]
+    x = x.clamp(-60000, 60000) if precision == "fp16" else x
+    storage = RowStorage(x.shape[0], 16, precision)
+    bad = quantize.quantize_rows(x, precision, storage.payload, scales=_SCALES, limit=65504.0)
+    assert bad == 0
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    assert torch.equal(storage.payload.view(torch.int16), x.to(dtype).view(torch.int16))
