@@ -165,6 +165,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip stale inputs (Slipstream; docs/skipping.md); the same as --skip-rule stale",
     )
     add("--skip-rule", choices=SKIP_RULES, default=s, help=SKIP_RULE_HELP)
+    add("--time-order", choices=("first", "every"), default=s,
+        help="time-ordered data: first (default): the first epoch through time, later ones shuffled across "
+             "days (validation AUC does not saw at epoch boundaries); every: every epoch through time")
     add("--stale-preset", choices=tuple(STALE_PRESETS), default=s,
         help="a set of --stale-* settings (flags you give still win): " + preset_help())
     add("--stale-hot-set", choices=HOT_SETS, default=s,

@@ -43,6 +43,7 @@ class TrainConfig:
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
     table_sizes: list[int] | None = None  # external formats: rows per table (one for all, or 26); ids modulo
     split_order: str | None = None  # external formats: "val-test" or "test-val" halves of the last day
+    time_order: str = "first"  # time-ordered data: "first" epoch through time, later ones shuffled across days; "every"
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
     # precision, cache_size, cache_rows: one value, or (config files) a list with one value per table
@@ -156,6 +157,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        if self.time_order not in ("first", "every"):
+            raise SlipcacheError(f"time_order must be first or every, got {self.time_order!r}")
         if self.split_order not in (None, "val-test", "test-val"):
             raise SlipcacheError(f"split_order must be val-test or test-val, got {self.split_order!r}")
         if self.table_sizes is not None and (not self.table_sizes or min(self.table_sizes) < 1):

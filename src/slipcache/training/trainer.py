@@ -395,7 +395,10 @@ def epoch_batches(run: Run) -> Any:
         run.dataset.split("train"),
         run.config.batch_size,
         shuffle=True,
-        in_order=bool(run.dataset.meta.get("time_ordered")),  # time-ordered data: shuffle within windows
+        # Time-ordered data: the first epoch goes through time (shuffled within windows); later ones are
+        # shuffled across days, so validation AUC does not saw at each epoch boundary (docs/skipping.md).
+        in_order=bool(run.dataset.meta.get("time_ordered"))
+        and (run.config.time_order == "every" or run.progress.epoch == 0),
         seed=run.config.seed,
         epoch=run.progress.epoch,
         drop_last=True,
