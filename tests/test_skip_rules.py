@@ -183,3 +183,27 @@ def test_batch_iterator_passes_positions_to_filters_that_want_them(data_dir: Pat
     assert torch.equal(batches[0].sparse, first.sparse)
     assert torch.equal(batches[0].sparse, torch.from_numpy(np.asarray(split.sparse)[order[:64]].astype(np.int64)))
     assert isinstance(batches[0], Batch)
+
+
+@pytest.mark.parametrize("order, expected", [("first", [True, False, False]), ("every", [True, True, True])])
+def test_time_ordered_data_goes_through_time_in_the_first_epoch_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str, expected: list[bool]
+) -> None:
+    """From the second epoch on, time-ordered data is shuffled across days, so validation AUC does not saw
+    at epoch boundaries; `time_order="every"` keeps every epoch in time order."""
+    from slipcache.data import dataset as dataset_module
+    from slipcache.data.synthetic import generate_synthetic
+
+    data = tmp_path / "data"
+    generate_synthetic(data, num_samples=4000, scale=0.001, seed=0, progress=False)
+    seen: list[bool] = []
+    real = dataset_module.BatchIterator
+
+    def recording(*args: object, **kwargs: object) -> object:
+        if kwargs.get("drop_last"):  # training batches, not evaluation
+            seen.append(bool(kwargs["in_order"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dataset_module, "BatchIterator", recording)
+    train.train(tiny_config(data, tmp_path / "run", epochs=3, time_order=order))
+    assert seen == expected
