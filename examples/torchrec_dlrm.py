@@ -2,6 +2,7 @@
 
     python examples/torchrec_dlrm.py                       # synthetic Criteo-shaped batches
     python examples/torchrec_dlrm.py --data DIR --steps 200  # any dataset `slipcache train --data` reads
+    python examples/torchrec_dlrm.py --data DIR --table-sizes 100000  # hashed ids: rows per table
 
 Needs the torchrec extra (see the README, "Using slipcache with TorchRec"). The only change to a TorchRec
 training script: the `EmbeddingBagCollection` becomes a `KeyedCachedEmbeddingBagCollection` built from the
@@ -34,10 +35,25 @@ def synthetic_batches(table_sizes: list[int], batch_size: int, steps: int, seed:
         yield dense, ids, labels
 
 
-def dataset_batches(data: str, batch_size: int, steps: int):
+def open_data(data: str, table_sizes: list[int] | None, dim: int, precision: str):
+    """The dataset, its tables checked against the memory first when sized by the ids' max + 1 (hashed
+    ids would ask for billions of rows): one line saying to pass --table-sizes instead of a crash."""
+    from slipcache.data.formats import open_any
+    from slipcache.errors import SlipcacheError
+    from slipcache.training.datasets import require_inferred_sizes_fit
+
+    try:
+        dataset = open_any(data, table_sizes=table_sizes)
+        require_inferred_sizes_fit(dataset, dim, precision=precision, cache_size=0.05)
+    except SlipcacheError as exc:
+        raise SystemExit(f"torchrec_dlrm.py: error: {exc}") from None
+    return dataset
+
+
+def dataset_batches(data: str, batch_size: int, steps: int, table_sizes: list[int] | None = None):
     from slipcache.data.formats import open_any
 
-    dataset = open_any(data)
+    dataset = open_any(data, table_sizes=table_sizes)
     for step, batch in enumerate(
         BatchIterator(dataset.split("train"), batch_size, shuffle=True, drop_last=True)
     ):
@@ -81,13 +97,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--precision", default="int8")
+    parser.add_argument(
+        "--table-sizes",
+        type=lambda text: [int(v) for v in text.split(",")],
+        help="rows per table (one for all, or 26): ids are taken modulo them, as TorchRec's hashing does; "
+        "default: the data's own counts, else max id + 1",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.data:
-        from slipcache.data.formats import open_any
-
-        table_sizes = open_any(args.data).table_sizes
-        batches = dataset_batches(args.data, args.batch_size, args.steps)
+        table_sizes = open_data(args.data, args.table_sizes, args.dim, args.precision).table_sizes
+        batches = dataset_batches(args.data, args.batch_size, args.steps, args.table_sizes)
     else:
         table_sizes = [1000, 500, 20000] + [100] * 23
         batches = synthetic_batches(table_sizes, args.batch_size, args.steps)

@@ -9,7 +9,7 @@ import torch
 
 from slipcache.distributed import checkpoint as dckpt
 from slipcache.distributed.planner import TableSpec, plan_sharding
-from slipcache.distributed.sharded import RESHARD_FROM, ShardedEmbeddingCollection
+from slipcache.distributed.sharded import ShardedEmbeddingCollection
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.errors import SlipcacheError
 from tests.ranks import run_ranks
@@ -53,7 +53,7 @@ def _resume_and_continue(rank: int, world_size: int, directory: str) -> None:
     manifest = dckpt.read_manifest(step_dir)
     assert manifest["world_size"] == 2
     sharded = ShardedEmbeddingCollection(CONFIG, _plan(world_size), rank)
-    sharded.load_state_dict({RESHARD_FROM: str(step_dir)})  # how a resumed run loads it: re-shard
+    dckpt.reshard_into(sharded, step_dir, manifest)  # how a resumed run's backend loads it: re-shard
     reference = CachedEmbeddingBagCollection(CONFIG)
     for batch in _batches():
         reference(batch).pow(2).sum().backward()

@@ -13,7 +13,7 @@ import torch
 
 from slipcache.distributed.planner import Shard, ShardingPlan, TableSpec
 from slipcache.distributed.sharded import ShardedEmbeddingCollection
-from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig, SparseFeatures
 from slipcache.errors import InvalidInputError
 from tests.ranks import run_ranks
 
@@ -66,6 +66,48 @@ def _check_against_one_process(rank: int, world_size: int, config: EmbeddingConf
     with torch.no_grad():
         ids = torch.tensor([[1, 2, 60, 3], [29, 6, 119, 10]])
         torch.testing.assert_close(sharded(ids[rank : rank + 1]), reference.eval()(ids)[rank : rank + 1])
+
+
+def _bags(generator: torch.Generator, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-hot bags (0 to 3 ids, some empty): values and lengths [tables, batch]."""
+    lengths = torch.randint(0, 4, (len(SIZES), batch), generator=generator)
+    values = [torch.randint(0, n, (int(lengths[t].sum()),), generator=generator) for t, n in enumerate(SIZES)]
+    return torch.cat(values), lengths
+
+
+def _slice_bags(values: torch.Tensor, lengths: torch.Tensor, start: int, end: int) -> SparseFeatures:
+    """The bags of samples [start, end) of every table."""
+    per_table = torch.split(values, lengths.sum(dim=1).tolist())
+    mine = []
+    for t, table_values in enumerate(per_table):
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[t].cumsum(0)])
+        mine.append(table_values[int(offsets[start]) : int(offsets[end])])
+    return SparseFeatures.from_lengths(torch.cat(mine), lengths[:, start:end])
+
+
+def _check_multi_hot_against_one_process(rank: int, world_size: int, pooling: str) -> None:
+    config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="fp32", cache_size=0.25, lr=0.1, pooling=pooling)
+    reference = CachedEmbeddingBagCollection(config)
+    sharded = ShardedEmbeddingCollection(dataclasses.replace(config), _split_plan(world_size), rank)
+    generator = torch.Generator().manual_seed(2)
+    for batch, slices in ((9, [4, 5]), (6, [6, 0]), (5, [0, 5])):
+        values, lengths = _bags(generator, batch)
+        weights = torch.randn(batch, len(SIZES), config.dim, generator=generator)
+        start = sum(slices[:rank])
+        want = reference(SparseFeatures.from_lengths(values, lengths))
+        (want * weights).sum().backward()
+        got = sharded(_slice_bags(values, lengths, start, start + slices[rank]))
+        assert got.shape == (slices[rank], len(SIZES), config.dim)
+        torch.testing.assert_close(got, want[start : start + slices[rank]].detach(), rtol=0, atol=1e-6)
+        (got * weights[start : start + slices[rank]]).sum().backward()
+    for got, want in zip(sharded.export_tables(), reference.export_tables(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_multi_hot_bags_equal_one_process(pooling: str) -> None:
+    """Bags of several ids, empty bags, bags cut over two owners (row-wise split tables)."""
+    run_ranks(_check_multi_hot_against_one_process, pooling)
 
 
 def _all_on_rank_0(world_size: int) -> ShardingPlan:

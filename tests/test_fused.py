@@ -105,18 +105,6 @@ def test_fused_backward_of_multi_hot_bags_equals_the_reference(monkeypatch: pyte
     assert_same(fused, reference)
 
 
-@pytest.mark.parametrize("threads", [2, 3])
-def test_fused_step_is_the_same_on_any_thread_count(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Duplicate rows and slots spread over every thread's share: the same slots, rows and counters."""
-    inputs = batches(5, batch=400)
-    one = make("int8")
-    train(one, inputs)
-    monkeypatch.setattr(_native, "threads_for", lambda n, threads_=None: threads)
-    many = make("int8")
-    train(many, inputs)
-    assert_same(one, many)
-
-
 def test_a_nonfinite_gradient_leaves_every_row_unchanged() -> None:
     coll = make("int8")
     train(coll, batches(3))
@@ -205,13 +193,13 @@ def test_step_buffers_are_reused_only_once_nothing_holds_them() -> None:
 
 
 def test_compiled_finite_check() -> None:
-    values = torch.zeros(40_000)  # with threads=3 each thread checks a chunk
-    assert _native.all_finite(values) and _native.all_finite(values, threads=3)
+    values = torch.zeros(40_000)
+    assert _native.all_finite(values)
     for bad in (float("nan"), float("inf"), float("-inf")):
         for where in (0, 20_000, 39_999):
             poisoned = values.clone()
             poisoned[where] = bad
-            assert not _native.all_finite(poisoned) and not _native.all_finite(poisoned, threads=3)
+            assert not _native.all_finite(poisoned)
     assert _native.all_finite(torch.tensor([torch.finfo(torch.float32).max, -1e-45]))
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from slipcache import _native
+from slipcache._native import build
 
-pytestmark = pytest.mark.skipif(_native._compiler() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(build._compiler() is None, reason="no C compiler")
 
 
 def mode(path: Path) -> int:
@@ -75,12 +76,14 @@ def test_a_planted_or_corrupt_library_is_replaced_by_a_fresh_build(tmp_path: Pat
 
 
 def test_cache_key_follows_compiler_flags_and_source(monkeypatch: pytest.MonkeyPatch) -> None:
-    compiler = _native._compiler()
+    compiler = build._compiler()
     key = _native.cache_key(compiler)
     assert _native.cache_key(compiler) == key
     assert _native.cache_key(compiler, ("-O2", "-shared", "-fPIC")) != key
-    monkeypatch.setattr(_native, "_SOURCE", _native._SOURCE + "\n/* changed */\n")
+    monkeypatch.setattr(build, "_SOURCE", build._SOURCE + "\n/* changed */\n")
     assert _native.cache_key(compiler) != key
+    monkeypatch.setenv("SLIPCACHE_NATIVE_SANITIZE", "1")  # the sanitized build is a library of its own
+    assert "-fsanitize=address,undefined" in build.build_flags() and _native.cache_key(compiler) != key
 
 
 def test_a_hanging_compiler_times_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,13 +91,13 @@ def test_a_hanging_compiler_times_out(tmp_path: Path, monkeypatch: pytest.Monkey
     fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\nsleep 5\n")
     fake.chmod(0o700)
     monkeypatch.setenv("CC", str(fake))
-    monkeypatch.setattr(_native, "BUILD_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(build, "BUILD_TIMEOUT_S", 0.3)
     with pytest.raises(OSError, match="took over 0.3 s"):
         _native.load_library(tmp_path / "native")
 
 
 def test_a_compiler_without_target_clones_still_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = _native._compiler()
+    real = build._compiler()
     fake = tmp_path / "oldcc"  # rejects the AVX2 clones (no ifunc), as old compilers or musl do
     fake.write_text(f'#!/bin/sh\ncase " $* " in *" -DSLIPCACHE_NO_CLONES "*) ;; *) [ "$1" = --version ] || exit 1;; esac\n'
                     f'exec {real} "$@"\n')
@@ -120,7 +123,7 @@ def test_no_compiler_is_quiet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     import warnings
 
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_native, "_compiler", lambda: None)
+    monkeypatch.setattr(build, "_compiler", lambda: None)
     monkeypatch.setattr(_native, "_tried", False)
     monkeypatch.setattr(_native, "_library", None)
     with warnings.catch_warnings():

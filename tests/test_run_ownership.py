@@ -179,7 +179,8 @@ def test_changed_settings_on_resume_are_what_trains(
     # The copies each part keeps of a setting follow it, not the checkpoint:
     assert r.model.embeddings.lr == 0.11
     assert [g["lr"] for g in r.dense_opt.param_groups] == [0.07]
-    assert r.skipper.guard.base_target == 0.2 and r.skipper.detector.target <= 0.2
+    skipper = next(c.skipper for c in r.callbacks if c.state_key == "skipping")
+    assert skipper.guard.base_target == 0.2 and skipper.detector.target <= 0.2
     assert r.budget == 2560 and r.consumed >= 2560  # trained + skipped reach the new budget
     final = checkpoint.load_checkpoint(run / "checkpoints")
     assert final["dense_optimizer"]["param_groups"][0]["lr"] == 0.07

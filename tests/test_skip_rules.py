@@ -191,8 +191,8 @@ def test_time_ordered_data_goes_through_time_in_the_first_epoch_only(
 ) -> None:
     """From the second epoch on, time-ordered data is shuffled across days, so validation AUC does not saw
     at epoch boundaries; `time_order="every"` keeps every epoch in time order."""
-    from slipcache.data import dataset as dataset_module
     from slipcache.data.synthetic import generate_synthetic
+    from slipcache.training import datasets as dataset_module
 
     data = tmp_path / "data"
     generate_synthetic(data, num_samples=4000, scale=0.001, seed=0, progress=False)

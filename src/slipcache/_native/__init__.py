@@ -1,201 +1,36 @@
-"""Optional compiled loops for the CPU hot path: cache lookup, the fused SGD update, the stale-input filter.
+"""Optional compiled loops for the CPU hot path: cache lookup, the fused SGD update, the quantize pass,
+the stale-input filter.
 
-Each is a plain loop over the lookups of a batch. In torch they take several passes over
-[lookups, ways] temporaries; in C they are one pass. The lookup and the update run on
-`torch.get_num_threads()` threads for large batches: thread t takes the lookups whose cache set (lookup)
-or slot (update) is t modulo the thread count, in batch order, so no two threads write one slot and
-every slot sees its updates in the same order whatever the thread count: results do not depend on it. The C source is compiled with the system's C
-compiler on first use (about a second) into a per-user cache and loaded with ctypes; without a
-compiler, or with SLIPCACHE_NATIVE=0, the pure-torch path runs. Tests check the two agree.
-
-The cache (`$SLIPCACHE_CACHE_DIR/native`, default `~/.cache/slipcache/native`) is a directory of mode 0700;
-a directory or library that another user owns or could write is refused (the torch path runs, with a
-warning), builds are renamed into place whole, the file name keys the source, compiler, flags and CPU
-architecture, and a cached library that fails to load is rebuilt once.
+Each is a plain loop over the lookups of a batch, on the calling thread. In torch they take several passes
+over [lookups, ways] temporaries; in C they are one pass. The C source (`loops.c`) is compiled with the
+system's C compiler on first use (about a second) into a per-user cache and loaded with ctypes (`build`: build flags, cache, safety checks, ctypes signatures);
+without a compiler, or with SLIPCACHE_NATIVE=0, the pure-torch path runs. Tests check the two agree.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import stat
-import subprocess
-import sys
-import tempfile
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-# The loops themselves: plain C beside this file, shipped as package data and compiled on first use.
-_SOURCE = (Path(__file__).with_name("loops.c")).read_text()
+from slipcache._native.build import (
+    NoCompilerError,
+    UnsafeCacheError,
+    build_flags,
+    cache_key,
+    load_library,
+    private_directory,
+)
+
+__all__ = ["NoCompilerError", "UnsafeCacheError", "build_flags", "cache_key", "load_library", "private_directory"]
 
 _library: ctypes.CDLL | None = None
 _tried = False
-
-
-_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
-# A compiler or C library without ifunc support (target_clones) builds the same source once more without it.
-_FALLBACK_FLAGS = ("-DSLIPCACHE_NO_CLONES",)
-BUILD_TIMEOUT_S = 120.0  # a compiler that hangs must not hang training: the torch path runs instead
-
-
-class UnsafeCacheError(OSError):
-    """A cache path that another user could have written: never load from it."""
-
-
-class NoCompilerError(OSError):
-    """No C compiler: the documented torch-only setup, not worth a warning."""
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-
-
-def cache_key(compiler: str, flags: tuple[str, ...] = _FLAGS) -> str:
-    """Source, compiler (its resolved path and version), flags and CPU architecture: any change rebuilds."""
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    parts = (_SOURCE, os.path.realpath(compiler), version, " ".join(flags), platform.machine(), sys.platform)
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
-def _check_private(path: Path, st: os.stat_result) -> None:
-    if st.st_uid != os.getuid():
-        raise UnsafeCacheError(f"{path} belongs to another user (uid {st.st_uid})")
-    if st.st_mode & 0o022:
-        raise UnsafeCacheError(f"{path} is writable by its group or by everyone (mode {st.st_mode & 0o777:o})")
-
-
-def private_directory(path: Path) -> Path:
-    """`path` created with mode 0700, or checked: a real directory of ours that no one else can write."""
-    root = path.parent
-    root.mkdir(parents=True, exist_ok=True)
-    root_st = os.stat(root)
-    sticky = bool(root_st.st_mode & stat.S_ISVTX)
-    if root_st.st_mode & 0o002 and not sticky:  # anyone could swap our directory for theirs
-        raise UnsafeCacheError(f"{root} is writable by everyone")
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeCacheError(f"{path} is not a directory (a link or a file)")
-    _check_private(path, st)
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)  # ours and not writable by others: make it private as well
-    return path
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile into a private temporary directory beside `target`, then rename: never half-written."""
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "native.c"
-        source.write_text(_SOURCE)
-        built = Path(tmp) / target.name
-        for extra in ((), _FALLBACK_FLAGS):
-            try:
-                result = subprocess.run(
-                    [compiler, *_FLAGS, *extra, "-o", str(built), str(source)],
-                    capture_output=True,
-                    text=True,
-                    timeout=BUILD_TIMEOUT_S,
-                )
-            except subprocess.TimeoutExpired as exc:
-                raise OSError(f"the C compiler took over {BUILD_TIMEOUT_S:g} s") from exc
-            if result.returncode == 0:
-                break
-        if result.returncode != 0:
-            raise OSError(f"the C compiler failed: {(result.stderr or '').strip().splitlines()[:1]}")
-        os.chmod(built, 0o700)
-        os.replace(built, target)
-
-
-def _open_checked(target: Path) -> ctypes.CDLL:
-    """Load `target` once checked to be our own regular file that no one else can write.
-
-    It lies in our 0700 directory, so no one else can swap it between the check and the load.
-    """
-    st = os.lstat(target)
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafeCacheError(f"{target} is not a regular file")
-    _check_private(target, st)
-    return ctypes.CDLL(str(target))
-
-
-def load_library(cache_dir: Path) -> ctypes.CDLL:
-    """The compiled library from `cache_dir`, built there first if needed; OSError says why not.
-
-    A cached file that is not safe to load (not ours, writable by others, a link) or that fails to load
-    is removed and built again, once.
-    """
-    compiler = _compiler()
-    if compiler is None:
-        raise NoCompilerError("no C compiler found (set CC)")
-    directory = private_directory(cache_dir)
-    target = directory / f"slipcache_native_{cache_key(compiler)}.so"
-    for attempt in range(2):
-        if not os.path.lexists(target):
-            _build(compiler, target)
-        try:
-            library = _open_checked(target)
-            _declare(library)
-            return library
-        except (OSError, AttributeError) as exc:  # unsafe, corrupt, or missing a symbol
-            if attempt:
-                raise OSError(f"{target} does not load after a rebuild: {exc}") from exc
-            target.unlink(missing_ok=True)  # our private directory: the file can be replaced
-    raise AssertionError("unreachable")
-
-
-def _declare(library: ctypes.CDLL) -> None:
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.lookup.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int32, i64]
-    library.lookup.restype = i64
-    library.sgd_update.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, i64]
-    library.sgd_update.restype = i64
-    library.classify_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr]
-    library.classify_inputs.restype = i64
-    library.filter_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ctypes.c_double, ctypes.c_uint64,
-                                      ctypes.c_uint64, ptr, ptr, ptr]
-    library.filter_inputs.restype = i64
-    library.count_hot_updates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr]
-    library.count_hot_updates.restype = i64
-    library.global_rows.argtypes = [ptr, i64, i64, ptr, ptr]
-    library.global_rows.restype = i64
-    library.lookup_gather.argtypes = [
-        ptr, ctypes.c_int, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int32, ptr, i64, ptr, ptr,
-        i64, i64, i64, i64, i64,
-    ]
-    library.lookup_gather.restype = i64
-    library.unique_rows.argtypes = [ptr, i64, ptr, ptr]
-    library.unique_rows.restype = i64
-    library.finite_values.argtypes = [ptr, i64, i64]
-    library.finite_values.restype = i64
-    library.assign_slots.argtypes = [
-        ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ctypes.c_int32, ptr, i64, ptr, ptr, ptr,
-    ]
-    library.assign_slots.restype = i64
-    library.sgd_update_finite.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, i64]
-    library.sgd_update_finite.restype = i64
-    f32 = ctypes.c_float
-    library.quantize_rows.argtypes = [
-        ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, i64, ptr,
-    ]
-    library.quantize_rows.restype = i64
-    library.torch_uniform.argtypes = [ptr, ptr, i64]
-    library.torch_uniform.restype = i64
-
 
 def native() -> ctypes.CDLL | None:
     """The compiled library, or None when disabled or unavailable (then a warning says why, once)."""
@@ -215,17 +50,6 @@ def native() -> ctypes.CDLL | None:
     return _library
 
 
-
-
-def threads_for(n: int, threads: int | None = None) -> int:
-    """Threads for a loop over `n` lookups: `threads` if given, else 1.
-
-    Why not torch's count: the loops split their work by cache set or slot, so every thread scans all `n`
-    lookups, and threads start per call. On the 2-core machine two threads made the fused step slower
-    (INT8 + 5 %, dim 16: lookup + gather 0.60 -> 1.46 µs, backward 0.24 -> 0.78 µs per sample;
-    docs/results.md §1d), so more threads are for callers who measured that they help.
-    """
-    return 1 if threads is None else max(1, threads)
 
 
 def usable(*tensors: Tensor) -> bool:
@@ -267,7 +91,6 @@ def lookup(
     last_used: Tensor | None,
     use_count: Tensor | None,
     step: int,
-    threads: int | None = None,
 ) -> Tensor:
     """Slot per row (-1 on a miss); hits get last_used = step and use_count += 1 when given."""
     library = native()
@@ -288,25 +111,24 @@ def lookup(
         last_used.data_ptr() if last_used is not None else None,
         use_count.data_ptr() if use_count is not None else None,
         step,
-        threads_for(rows.numel(), threads),
     )
     return slots
 
 
-def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None) -> bool:
-    """weights[slots[i]] -= lr * grad[i], for repeated slots too (in batch order, on any thread count).
+def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> bool:
+    """weights[slots[i]] -= lr * grad[i], for repeated slots too (in batch order).
 
     Returns whether every value it wrote is finite (False: an update overflowed to inf or NaN)."""
     library = native()
     assert library is not None
     slots, grad = slots.contiguous(), grad.contiguous().float()  # a read-only input may be converted
-    return _run_sgd(library.sgd_update, weights, slots, grad, lr, threads) != _OVERFLOWED
+    return _run_sgd(library.sgd_update, weights, slots, grad, lr) != _OVERFLOWED
 
 
 _NOT_FINITE, _OVERFLOWED = -2, -3  # the SGD loops' codes: gradient not finite (nothing written); overflow
 
 
-def _run_sgd(loop: Callable[..., int], weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None) -> int:
+def _run_sgd(loop: Callable[..., int], weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> int:
     """Check the arguments of an SGD loop, run it and return its code; a slot out of range raises."""
     _check("weights", weights, (torch.float32,), (None, None))
     _check("slots", slots, (torch.int64,), (None,))
@@ -319,7 +141,6 @@ def _run_sgd(loop: Callable[..., int], weights: Tensor, slots: Tensor, grad: Ten
         grad.data_ptr(),
         slots.numel(),
         lr,
-        threads_for(slots.numel(), threads),
     )
     if code >= 0:
         raise ValueError(f"compiled loop: slot {int(slots[code])} is outside [0, {weights.shape[0]})")
@@ -353,7 +174,6 @@ def lookup_gather(
     out: Tensor,
     counters: Tensor,
     columns: tuple[int, int, int],
-    threads: int | None = None,
     slots: Tensor | None = None,
 ) -> tuple[Tensor, int]:
     """The forward's one pass over single-hot lookups `rows` [B * T] (table = position mod T): `lookup`'s
@@ -393,7 +213,6 @@ def lookup_gather(
         counters.data_ptr(),
         counters.shape[1],
         *columns,
-        threads_for(rows.numel(), threads),
     )
     if hits < 0:
         raise MemoryError("compiled loop: no memory for the per-table hit counts")
@@ -413,13 +232,13 @@ def unique_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
     return unique[:count], inverse
 
 
-def all_finite(values: Tensor, threads: int | None = None) -> bool:
+def all_finite(values: Tensor) -> bool:
     """Whether every value of a contiguous fp32 CPU tensor is finite, in one pass (torch.isfinite(x).all()
     takes several, with a temporary as large as x)."""
     library = native()
     assert library is not None
     _check("values", values, (torch.float32,), (None,) * values.dim())
-    return bool(library.finite_values(values.data_ptr(), values.numel(), threads_for(values.numel(), threads)))
+    return bool(library.finite_values(values.data_ptr(), values.numel()))
 
 
 def assign_slots(
@@ -460,14 +279,12 @@ def assign_slots(
     return slots, victim_slots[:victims], victim_rows[:victims]
 
 
-def sgd_update_finite(
-    weights: Tensor, slots: Tensor, grad: Tensor, lr: float, threads: int | None = None
-) -> tuple[bool, bool]:
+def sgd_update_finite(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> tuple[bool, bool]:
     """`sgd_update` for the lookups with a slot (-1: skipped), applied only if every value of `grad` is
     finite; returns (whether it was applied, whether every value it wrote is finite)."""
     library = native()
     assert library is not None
-    code = _run_sgd(library.sgd_update_finite, weights, slots, grad, lr, threads)
+    code = _run_sgd(library.sgd_update_finite, weights, slots, grad, lr)
     return code != _NOT_FINITE, code != _OVERFLOWED
 
 

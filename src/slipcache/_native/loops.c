@@ -1,5 +1,4 @@
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -15,21 +14,6 @@
 #define ROW_LOOPS
 #endif
 
-/* Run part(arg_t) for t = 0..threads-1: threads-1 new threads and the caller; joined before returning. */
-#define MAX_THREADS 64
-static void run_parts(void *(*part)(void *), void *args, size_t arg_size, int64_t threads) {
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    for (int64_t t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], 0, part, (char *)args + t * arg_size) == 0;
-    part(args);
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], 0);
-        else part((char *)args + t * arg_size);  /* no thread to be had: do its share here */
-    }
-}
-
 /* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64;
    M = 0 marks a cache that holds every row: set r / ways (-1 for a row beyond the last set). */
 static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, int64_t ways) {
@@ -42,16 +26,14 @@ static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, in
 typedef struct {
     const void *slot_rows; int wide; int64_t num_sets, ways, multiplier;
     const int64_t *rows; int64_t n; int64_t *out_slots; int32_t *last_used, *use_count; int32_t step;
-    int64_t part, parts, hits;
+    int64_t hits;
 } lookup_args;
 
-static void *lookup_part(void *p) {
-    lookup_args *a = (lookup_args *)p;
+static void lookup_all(lookup_args *a) {
     int64_t hits = 0;
     for (int64_t i = 0; i < a->n; i++) {
         int64_t r = a->rows[i];
         int64_t set = set_of(r, a->multiplier, a->num_sets, a->ways);
-        if (a->parts > 1 && (set < 0 ? 0 : set) % a->parts != a->part) continue;
         int64_t first = set * a->ways, slot = -1;
         for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
             int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
@@ -66,23 +48,16 @@ static void *lookup_part(void *p) {
         }
     }
     a->hits = hits;
-    return 0;
 }
 
 /* Slot of each row (-1 on a miss); hits get last_used = step and use_count += 1. Returns the hits. */
 int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
                const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used, int32_t *use_count,
-               int32_t step, int64_t threads) {
-    lookup_args args[MAX_THREADS];
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    for (int64_t t = 0; t < threads; t++)
-        args[t] = (lookup_args){slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used,
-                                use_count, step, t, threads, 0};
-    run_parts(lookup_part, args, sizeof(lookup_args), threads);
-    int64_t hits = 0;
-    for (int64_t t = 0; t < threads; t++) hits += args[t].hits;
-    return hits;
+               int32_t step) {
+    lookup_args args = {slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
+                        step, 0};
+    lookup_all(&args);
+    return args.hits;
 }
 
 /* Global row of each single-hot id: rows[i] = offsets[i % tables] + ids[i] for ids [batch, tables].
@@ -116,8 +91,7 @@ static inline void prefetch_span(const void *p, size_t bytes, int write) {
    waiting one after another. */
 #define AHEAD 16
 #define RING 64 /* > 2 * AHEAD, a power of two */
-ROW_LOOPS static void *lookup_gather_part(void *p) {
-    gather_args *g = (gather_args *)p;
+ROW_LOOPS static void lookup_gather_all(gather_args *g) {
     lookup_args *a = &g->probe;
     int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = 0;
     size_t row_bytes = (size_t)dim * sizeof(float), way_bytes = (size_t)a->ways * (a->wide ? 8 : 4);
@@ -127,7 +101,6 @@ ROW_LOOPS static void *lookup_gather_part(void *p) {
         int64_t next = j + AHEAD;
         if (next < n) {
             int64_t set = set_of(a->rows[next], a->multiplier, a->num_sets, a->ways);
-            if (a->parts > 1 && (set < 0 ? 0 : set) % a->parts != a->part) set = -2;  /* another thread's */
             sets[next & (RING - 1)] = set;
             if (set >= 0)
                 prefetch_span((const char *)a->slot_rows + set * way_bytes, way_bytes, 0);
@@ -151,7 +124,6 @@ ROW_LOOPS static void *lookup_gather_part(void *p) {
         if (i >= 0) {
             int64_t table = next_table;  /* i % tables, without a division */
             if (++next_table == tables) next_table = 0;
-            if (sets[i & (RING - 1)] == -2) continue;
             int64_t slot = slots[i & (RING - 1)];
             a->out_slots[i] = slot;
             if (slot >= 0) {
@@ -166,7 +138,6 @@ ROW_LOOPS static void *lookup_gather_part(void *p) {
         }
     }
     a->hits = hits;
-    return 0;
 }
 
 /* `lookup` over single-hot lookups [batch, tables] that also copies each hit's cached row into out[i]
@@ -177,22 +148,16 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
                       const int64_t *rows, int64_t batch, int64_t tables, int64_t *out_slots,
                       int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
                       float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
-                      int64_t misses_col, int64_t threads) {
-    gather_args args[MAX_THREADS];
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    int64_t *table_hits = calloc((size_t)(threads * tables), sizeof(int64_t));
+                      int64_t misses_col) {
+    int64_t *table_hits = calloc((size_t)tables, sizeof(int64_t));
     if (!table_hits) return -1;
-    for (int64_t t = 0; t < threads; t++)
-        args[t] = (gather_args){{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots,
-                                 last_used, use_count, step, t, threads, 0},
-                                weights, dim, out, tables, table_hits + t * tables};
-    run_parts(lookup_gather_part, args, sizeof(gather_args), threads);
-    int64_t hits = 0;
-    for (int64_t t = 0; t < threads; t++) hits += args[t].probe.hits;
+    gather_args args = {{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
+                         use_count, step, 0},
+                        weights, dim, out, tables, table_hits};
+    lookup_gather_all(&args);
+    int64_t hits = args.probe.hits;
     for (int64_t k = 0; k < tables; k++) {
-        int64_t table = 0;
-        for (int64_t t = 0; t < threads; t++) table += table_hits[t * tables + k];
+        int64_t table = table_hits[k];
         counters[k * stride + lookups_col] += batch;
         counters[k * stride + hits_col] += table;
         counters[k * stride + misses_col] += batch - table;
@@ -201,27 +166,12 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
     return hits;
 }
 
-typedef struct { const uint32_t *bits; int64_t n; int bad; } finite_args;
-
-ROW_LOOPS static void *finite_part(void *p) {
-    finite_args *a = (finite_args *)p;
+/* Whether all n floats are finite (no exponent of all ones: inf or NaN). */
+ROW_LOOPS static int all_finite(const float *values, int64_t n) {
+    const uint32_t *bits = (const uint32_t *)values;
     uint32_t bad = 0;
-    for (int64_t i = 0; i < a->n; i++) bad |= (a->bits[i] & 0x7f800000u) == 0x7f800000u;  /* inf or NaN */
-    a->bad = bad != 0;
-    return 0;
-}
-
-/* Whether all n floats are finite, on `threads` threads over contiguous chunks. */
-static int all_finite(const float *values, int64_t n, int64_t threads) {
-    finite_args args[MAX_THREADS];
-    int64_t chunk = (n + threads - 1) / threads;
-    for (int64_t t = 0; t < threads; t++) {
-        int64_t start = t * chunk < n ? t * chunk : n, stop = (t + 1) * chunk < n ? (t + 1) * chunk : n;
-        args[t] = (finite_args){(const uint32_t *)values + start, stop - start, 0};
-    }
-    run_parts(finite_part, args, sizeof(finite_args), threads);
-    for (int64_t t = 0; t < threads; t++) if (args[t].bad) return 0;
-    return 1;
+    for (int64_t i = 0; i < n; i++) bad |= (bits[i] & 0x7f800000u) == 0x7f800000u;
+    return bad == 0;
 }
 
 /* The distinct values of rows[0..n) in order of first occurrence into `unique`, and for each i the index of
@@ -245,10 +195,8 @@ int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *in
 }
 
 /* Whether all n floats are finite (exported: the general update's check). */
-int64_t finite_values(const float *values, int64_t n, int64_t threads) {
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    return all_finite(values, n, threads);
+int64_t finite_values(const float *values, int64_t n) {
+    return all_finite(values, n);
 }
 
 /* RowCache.assign for LRU and LFU (no lookahead window), unpartitioned: slots for the unique missing `rows`.
@@ -388,7 +336,6 @@ int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const i
 
 typedef struct {
     float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
-    int64_t part, parts; int nonfinite;
 } sgd_args;
 
 /* Whether any of the n floats at v is inf or NaN (exponent all ones). */
@@ -402,32 +349,21 @@ static inline int any_nonfinite(const float *v, int64_t n) {
     return bad != 0;
 }
 
-ROW_LOOPS static void *sgd_part(void *p) {
-    sgd_args *a = (sgd_args *)p;
+/* The updates in batch order; returns whether an updated value is inf or NaN. */
+ROW_LOOPS static int sgd_all(const sgd_args *a) {
     size_t row_bytes = (size_t)a->dim * sizeof(float);
     int nonfinite = 0;
     for (int64_t i = 0; i < a->n; i++) {
         if (i + AHEAD < a->n && a->slots[i + AHEAD] >= 0)  /* a later row on its way while this one is updated */
             prefetch_span(a->weights + a->slots[i + AHEAD] * a->dim, row_bytes, 1);
         int64_t s = a->slots[i];
-        if (s < 0 || (a->parts > 1 && s % a->parts != a->part)) continue;  /* -1: the row is not cached */
+        if (s < 0) continue;  /* -1: the row is not cached */
         float *w = a->weights + s * a->dim;
         const float *g = a->grad + i * a->dim;
         for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
         /* A value that overflowed stays inf or NaN through later updates: checking each write finds it. */
         nonfinite |= any_nonfinite(w, a->dim);
     }
-    a->nonfinite = nonfinite;
-    return 0;
-}
-
-static int run_sgd(float *weights, int64_t dim, const int64_t *slots, const float *grad, int64_t n, float lr,
-                   int64_t threads) {
-    sgd_args args[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) args[t] = (sgd_args){weights, dim, slots, grad, n, lr, t, threads, 0};
-    run_parts(sgd_part, args, sizeof(sgd_args), threads);
-    int nonfinite = 0;
-    for (int64_t t = 0; t < threads; t++) nonfinite |= args[t].nonfinite;
     return nonfinite;
 }
 
@@ -435,13 +371,12 @@ static int run_sgd(float *weights, int64_t dim, const int64_t *slots, const floa
    NaN (an overflow: the caller clamps), or the index of the first slot outside [0, num_slots) (then nothing
    is written). */
 int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
-                   int64_t n, float lr, int64_t threads) {
+                   int64_t n, float lr) {
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) return i;
     }
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    return run_sgd(weights, dim, slots, grad, n, lr, threads) ? -3 : -1;
+    sgd_args args = {weights, dim, slots, grad, n, lr};
+    return sgd_all(&args) ? -3 : -1;
 }
 
 /* The fused SGD step of one backward: nothing is written unless every value of grad [n, dim] is finite
@@ -449,14 +384,13 @@ int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t
    when an updated value is inf or NaN (the caller clamps), or the index of the first slot >= num_slots
    (then nothing is written). */
 int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots,
-                          const float *grad, int64_t n, float lr, int64_t threads) {
+                          const float *grad, int64_t n, float lr) {
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] >= num_slots) return i;
     }
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (!all_finite(grad, n * dim, threads)) return -2;
-    return run_sgd(weights, dim, slots, grad, n, lr, threads) ? -3 : -1;
+    if (!all_finite(grad, n * dim)) return -2;
+    sgd_args args = {weights, dim, slots, grad, n, lr};
+    return sgd_all(&args) ? -3 : -1;
 }
 
 /* ------------------------------------------------------------------ quantize: fp32 rows -> storage rows
@@ -610,8 +544,7 @@ typedef struct {
     int64_t start, stop, bad_count; const int64_t *source;
 } quantize_args;
 
-ROW_LOOPS static void *quantize_part(void *p) {
-    quantize_args *a = (quantize_args *)p;
+ROW_LOOPS static void quantize_all(quantize_args *a) {
     const int64_t dim = a->dim;
     const int64_t width = a->kind == Q_INT4 ? (dim + 1) / 2 : dim;
     const int levels = a->kind == Q_INT8 ? 255 : 15;
@@ -654,7 +587,6 @@ ROW_LOOPS static void *quantize_part(void *p) {
             }
         }
     }
-    return 0;
 }
 
 /* Quantize fp32 rows values[n, dim] into storage: row i goes to storage row rows[i] (i when rows is NULL)
@@ -666,20 +598,12 @@ ROW_LOOPS static void *quantize_part(void *p) {
    slots, without a gathered copy). */
 int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, const float *noise,
                       const float *scales, float limit, float max_span, const int64_t *rows, void *payload,
-                      uint16_t *bias, uint8_t *scale_code, uint8_t *bad, int64_t threads, const int64_t *source) {
+                      uint16_t *bias, uint8_t *scale_code, uint8_t *bad, const int64_t *source) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n) threads = n > 0 ? n : 1;
-    quantize_args args[MAX_THREADS];
-    for (int64_t t = 0; t < threads; t++) {
-        args[t] = (quantize_args){values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias,
-                                  scale_code, bad, n * t / threads, n * (t + 1) / threads, 0, source};
-    }
-    run_parts(quantize_part, args, sizeof(quantize_args), threads);
-    int64_t bad_count = 0;
-    for (int64_t t = 0; t < threads; t++) bad_count += args[t].bad_count;
-    return bad_count;
+    quantize_args args = {values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code,
+                          bad, 0, n, 0, source};
+    quantize_all(&args);
+    return args.bad_count;
 }
 
 /* ------------------------------------------------------------------ torch's CPU random stream

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from slipcache import _native
-from slipcache._native import _check, threads_for
+from slipcache._native import _check
 
 KINDS = {"int8": 0, "int4": 1, "fp16": 2, "bf16": 3, "fp32": 4}
 _PAYLOAD_DTYPES = {
@@ -37,7 +37,6 @@ def quantize_rows(
     noise: Tensor | None = None,
     rows: Tensor | None = None,
     bad: Tensor | None = None,
-    threads: int | None = None,
     source: Tensor | None = None,
 ) -> int:
     """Round fp32 `values` [n, D] into storage row `rows[i]` (row i when `rows` is None) of `payload`
@@ -84,7 +83,6 @@ def quantize_rows(
         bias.data_ptr() if bias is not None else None,
         scale_code.data_ptr() if scale_code is not None else None,
         bad.data_ptr() if bad is not None else None,
-        threads_for(n, threads),
         source.data_ptr() if source is not None else None,
     )
     if count < 0:

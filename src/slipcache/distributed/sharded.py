@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +37,6 @@ from slipcache.embedding.collection import (
 )
 from slipcache.errors import InvalidInputError
 
-RESHARD_FROM = "reshard_from"  # a state dict naming a checkpoint to re-shard from (see load_state_dict)
 ID_BYTES = 8  # one int64 per routed lookup
 TRAFFIC_KEYS = ("steps", "samples", "id_bytes", "embedding_bytes", "gradient_bytes")
 _SUMMED_STATS = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "overflow_rows")
@@ -197,19 +195,27 @@ class ShardedEmbeddingCollection(nn.Module):
         if self.local is not None:
             self.local.lr = value
 
-    def forward(self, ids: Tensor) -> Tensor:
-        ids = self._validate(ids)
-        batch, num_tables = ids.shape
+    def forward(self, features: Tensor | SparseFeatures) -> Tensor:
+        """Pooled [b, T, D] of this rank's slice: ids [b, T] or multi-hot `SparseFeatures` bags."""
+        values, lengths = self._validate(features)
+        num_tables, batch = lengths.shape
         world, rank, group = self.world_size, self.rank, self.group
-        # 1. route: owner rank and code of every lookup, in sample-major order
-        rows = (ids + self.table_offsets[:-1]).reshape(-1)
+        device = values.device
+        # 1. route: owner rank and code of every lookup; a lookup's position names its bag at the owner
+        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths.reshape(-1))
+        table, sample = bag_of_value // max(batch, 1), bag_of_value % max(batch, 1)
+        rows = values + self.table_offsets[table]
         shard = torch.searchsorted(self._shard_starts, rows, right=True) - 1
         owner = self._shard_rank[shard]
-        sample = torch.arange(batch, device=ids.device).repeat_interleave(num_tables)
         position = sample * self._local_tables_of_rank[owner] + self._shard_local_table[shard]
         codes = position * self._row_code + (rows - self._shard_starts[shard])
-        order = torch.argsort(owner, stable=True)
+        key = owner * (batch * int(self._local_tables_of_rank.max()) + 1) + position
+        order = torch.argsort(key, stable=True)  # by owner, then by bag: each owner's bags in one order
+        bags, bag_index = torch.unique_consecutive(key[order], return_inverse=True)
+        first = torch.zeros(bags.numel(), dtype=torch.int64, device=device)
+        first[bag_index] = order  # one lookup of each bag (all of a bag share its owner, sample and table)
         send_counts = torch.bincount(owner, minlength=world)
+        bags_per_owner = torch.bincount(owner[first], minlength=world).tolist()
         # 2. exchange split sizes (and slice sizes), then the lookups
         meta = torch.stack([send_counts, torch.full_like(send_counts, batch)], dim=1).reshape(-1)
         meta = _exchange(meta, [2] * world, [2] * world, group).view(world, 2).cpu()
@@ -221,21 +227,28 @@ class ShardedEmbeddingCollection(nn.Module):
             self.traffic["id_bytes"] += (_remote(send_list, rank) + 2 * (world - 1)) * ID_BYTES
             self.traffic["steps"] += 1
             self.traffic["samples"] += batch
-        # 3. serve the received lookups from the local shards
-        served = self._serve(received, recv_list, slice_sizes)
+        # 3. serve the received bags from the local shards: one pooled row per (sender, bag)
+        served, bags_per_sender = self._serve(received, recv_list, slice_sizes)
         # 4. send the rows back; autograd sends their gradients the reverse route
         traffic = self.traffic if training else dict.fromkeys(TRAFFIC_KEYS, 0)
-        returned = _AllToAll.apply(served, recv_list, send_list, group, traffic, rank, WIRE_DTYPES[self.wire_precision])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return returned[inverse].view(batch, num_tables, self.dim)
+        wire = WIRE_DTYPES[self.wire_precision]
+        returned = _AllToAll.apply(served, bags_per_sender, bags_per_owner, group, traffic, rank, wire)
+        # a bag cut over several owners (a row-wise split table) comes back as partial sums: add them up
+        slot = sample[first] * num_tables + table[first]
+        pooled = returned.new_zeros(batch * num_tables, self.dim).index_add(0, slot, returned)
+        pooled = pooled.view(batch, num_tables, self.dim)
+        if self.config.pooling == "mean":
+            pooled = pooled / lengths.t().clamp_min(1).unsqueeze(-1).to(pooled.dtype)
+        return pooled
 
-    def _serve(self, received: Tensor, recv_counts: list[int], slice_sizes: Tensor) -> Tensor:
-        """Rows [n, D] of the received lookups, in the order received (differentiable when training)."""
+    def _serve(self, received: Tensor, recv_counts: list[int], slice_sizes: Tensor) -> tuple[Tensor, list[int]]:
+        """Summed rows [bags, D] of the received bags in the order received (differentiable when training),
+        and how many bags came from each sender."""
         if self.local is None:
             if received.numel():
                 raise RuntimeError(f"rank {self.rank} holds no shards but received lookups")
-            return self._anchor if self.training and torch.is_grad_enabled() else self._anchor.detach()
+            anchor = self._anchor if self.training and torch.is_grad_enabled() else self._anchor.detach()
+            return anchor, [0] * self.world_size
         device = received.device
         local_tables = len(self.shards)
         global_batch = int(slice_sizes.sum())
@@ -249,35 +262,54 @@ class ShardedEmbeddingCollection(nn.Module):
         table = position % local_tables
         bag = table * global_batch + sample
         lengths = torch.bincount(bag, minlength=local_tables * global_batch).view(local_tables, global_batch)
-        values = (received % self._row_code)[torch.argsort(bag)]
+        values = (received % self._row_code)[torch.argsort(bag, stable=True)]
         pooled = self.local(SparseFeatures.from_lengths(values, lengths))  # [global batch, local tables, D]
-        return pooled.reshape(-1, self.dim)[sample * local_tables + table]
+        # senders sent each bag's lookups together: one row per run of equal (sender, bag)
+        _, runs = torch.unique_consecutive(bag, return_counts=True)
+        heads = torch.cumsum(runs, 0) - runs
+        per_sender = torch.bincount(source[heads], minlength=self.world_size).tolist()
+        return pooled.reshape(-1, self.dim)[sample[heads] * local_tables + table[heads]], per_sender
 
-    def _validate(self, ids: Tensor) -> Tensor:
+    def _validate(self, features: Tensor | SparseFeatures) -> tuple[Tensor, Tensor]:
+        """Ids as (values, lengths [tables, batch]) on the tables' device, checked against the table sizes."""
         num_tables = len(self.table_sizes)
-        if isinstance(ids, SparseFeatures):
-            raise InvalidInputError(
-                "the sharded collection takes one id per table ([batch, tables]); multi-hot bags are not supported yet"
-            )
-        if (
-            not isinstance(ids, Tensor)
-            or ids.dtype.is_floating_point
-            or ids.dim() != 2
-            or ids.shape[1] != num_tables
+        device = self.table_offsets.device
+        if isinstance(features, SparseFeatures):
+            if features.num_tables != num_tables:
+                raise InvalidInputError(f"SparseFeatures has {features.num_tables} tables, the collection {num_tables}")
+            offsets = features.offsets.to(device, torch.int64)
+            values = features.values.to(device, torch.int64)
+            lengths = offsets.diff()
+            if offsets.numel() < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != values.numel() or bool(
+                (lengths < 0).any()
+            ):
+                raise InvalidInputError("offsets must start at 0, never decrease and end at len(values)")
+            lengths = lengths.view(num_tables, features.batch_size)
+        elif (
+            not isinstance(features, Tensor)
+            or features.dtype.is_floating_point
+            or features.dim() != 2
+            or features.shape[1] != num_tables
         ):
             raise InvalidInputError(
-                f"ids must be an integer tensor [batch, {num_tables}], got {getattr(ids, 'shape', type(ids))}"
+                f"ids must be an integer tensor [batch, {num_tables}] or SparseFeatures, "
+                f"got {getattr(features, 'shape', type(features))}"
             )
-        ids = ids.to(self.table_offsets.device, torch.int64)
-        sizes = torch.tensor(self.table_sizes, device=ids.device)
-        if ids.numel() and bool(((ids < 0) | (ids >= sizes)).any()):
-            table = int(torch.nonzero(((ids < 0) | (ids >= sizes)).any(dim=0))[0])
+        else:
+            ids = features.to(device, torch.int64)
+            values = ids.t().reshape(-1)
+            lengths = torch.ones(num_tables, ids.shape[0], dtype=torch.int64, device=device)
+        table = torch.repeat_interleave(torch.arange(num_tables, device=device), lengths.sum(dim=1))
+        sizes = torch.tensor(self.table_sizes, device=device)
+        bad = (values < 0) | (values >= sizes[table])
+        if bool(bad.any()):
+            t = int(table[torch.nonzero(bad)[0]])
             raise InvalidInputError(
-                f"table {table} (size {self.table_sizes[table]}): an id is outside [0, {self.table_sizes[table]})"
+                f"table {t} (size {self.table_sizes[t]}): an id is outside [0, {self.table_sizes[t]})"
             )
-        if ids.shape[0] * int(self._local_tables_of_rank.max()) * self._row_code >= 2**62:
+        if lengths.shape[1] * int(self._local_tables_of_rank.max()) * self._row_code >= 2**62:
             raise InvalidInputError("batch too large to encode its lookups in int64; use smaller batches")
-        return ids
+        return values, lengths
 
     # ------------------------------------------------------------------------------ rows by id
     def _owned(self, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -367,16 +399,6 @@ class ShardedEmbeddingCollection(nn.Module):
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Also takes {RESHARD_FROM: checkpoint dir}: the shards of a checkpoint written under another plan."""
-        if RESHARD_FROM in state_dict:
-            from slipcache.distributed import checkpoint as dckpt
-
-            step_dir = Path(state_dict[RESHARD_FROM])
-            dckpt.reshard_into(self, step_dir, dckpt.read_manifest(step_dir))
-            return None
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
     def export_tables(self) -> list[Tensor]:
         """Global fp32 tables gathered on every rank (for tests and small tables only)."""
         pieces = self.local.export_tables() if self.local is not None else []
@@ -402,6 +424,7 @@ def shard_config(config: EmbeddingConfig, shards: list[Shard], rank: int) -> Emb
         table_names=None,
         cache_rows=cache_rows,
         seed=config.seed + rank,
+        pooling="sum",  # a bag cut over several owners returns partial sums; the sender takes the mean
     )
 
 

@@ -36,9 +36,13 @@ from torch.nn.parallel import DistributedDataParallel
 from slipcache.distributed import checkpoint as dckpt
 from slipcache.distributed.launch import DistributedContext, announce_stop, redirect_output, shutdown
 from slipcache.distributed.planner import ShardingPlan, plan_sharding, table_specs
-from slipcache.distributed.sharded import RESHARD_FROM, ShardedEmbeddingCollection
-from slipcache.errors import SlipcacheError
+from slipcache.distributed.sharded import ShardedEmbeddingCollection
+from slipcache.errors import RunLockedError, SlipcacheError
 from slipcache.model import DLRM, ModelConfig, embedding_config
+from slipcache.training import runlock
+from slipcache.training.backend import RunBackend
+from slipcache.training.run_state import load_model_state
+from slipcache.training.runlock import RunLock
 
 PLAN_FILE = "plan.json"
 # Settings that may differ by rank: who shows progress, where each node reads its data (the fingerprint
@@ -118,16 +122,23 @@ class DistributedDLRM(nn.Module):
         return self.inner.load_state_dict(state, strict=strict, assign=assign)
 
 
-class DistributedRun:
-    """The launch, the plan, and the N-process versions of what the loop does with files."""
+class DistributedBackend(RunBackend):
+    """One rank of N: the launch, the plan, sharded checkpoints (re-sharded on another world size), and
+    rank 0 alone writing the run directory."""
 
     def __init__(self, ctx: DistributedContext) -> None:
         self.ctx = ctx
         self.plan: ShardingPlan | None = None  # from the checkpoint on resume, else made at model build
+        # Resuming with another world size: (checkpoint dir, its manifest) to re-shard the tables from.
+        self._reshard_from: tuple[Path, dict[str, Any]] | None = None
 
     @property
     def is_main(self) -> bool:
         return self.ctx.rank == 0
+
+    @property
+    def writes_files(self) -> bool:
+        return self.is_main
 
     # ------------------------------------------------------------------------------------- set-up
     def check_config(self, config: Any) -> None:
@@ -157,6 +168,21 @@ class DistributedRun:
             raise SlipcacheError(f"the ranks were started with different settings: {detail}; start every rank with the same command and data")
         if "run_id" in record:
             record["run_id"] = self.agree(record["run_id"])
+
+    def claim_run_dir(self, run_dir: Path, record: dict[str, Any]) -> RunLock:
+        """The ranks first agree on their settings and data (one line naming the first difference, on every
+        rank), then rank 0 takes `run.lock` and tells the others whether it could."""
+        self.check_same_settings(record)
+        lock, refusal = None, None
+        if self.is_main:
+            try:
+                lock = runlock.acquire(run_dir, record["run_id"])
+            except RunLockedError as exc:
+                refusal = str(exc)
+        refusal = self.agree(refusal)
+        if refusal is not None:
+            raise RunLockedError(refusal)
+        return lock if lock is not None else runlock.RunLock(run_dir / runlock.LOCK_NAME, -1, {})
 
     def agree(self, value: Any) -> Any:
         """Rank 0's value on every rank (e.g. a run directory named after the clock)."""
@@ -196,8 +222,9 @@ class DistributedRun:
         return DistributedDLRM(DLRM(config.model_config(table_sizes, num_dense), tables).to(self.ctx.device), self.ctx)
 
     # ---------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, directory: Path, state: dict[str, Any], samples: int, keep: int) -> None:
+    def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> None:
         """Rank 0's file holds the full trainer state; the others only their shards."""
+        directory = run_dir / "checkpoints"
         mine = state if self.is_main else {"embeddings": state["embeddings"]}
         assert self.plan is not None
         dckpt.save_sharded(
@@ -211,13 +238,13 @@ class DistributedRun:
             group=self.ctx.embedding_group,
         )
 
-    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+    def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any]:
         """The trainer state to resume from: rank 0's file, with this rank's shards as "embeddings".
 
         With the world size it was written with, the plan and the shards are taken as saved (exact
-        resume); with another, a new plan is made and the shards are re-sharded when the model loads
-        its state (`ShardedEmbeddingCollection.load_state_dict`).
+        resume); with another, a new plan is made and `load_model_state` re-shards the tables.
         """
+        path = home or path
         step_dir = dckpt.latest_sharded(path)
         if step_dir is None:
             if (Path(path) / "checkpoints" / "latest.pt").is_file() or Path(path).name.endswith(".pt"):
@@ -234,8 +261,16 @@ class DistributedRun:
             if self.ctx.rank != 0:
                 state["embeddings"] = dckpt.load_rank_state(step_dir, self.ctx.rank)["embeddings"]
         else:
-            state["embeddings"] = {RESHARD_FROM: str(step_dir)}
+            del state["embeddings"]  # rank 0's shards under the old plan: re-sharded instead
+            self._reshard_from = (step_dir, manifest)
         return state
+
+    def load_model_state(self, state: dict[str, Any], model: DistributedDLRM) -> None:
+        if self._reshard_from is None:
+            load_model_state(state, model)
+            return
+        load_model_state(state, model, embeddings=False)
+        dckpt.reshard_into(model.embeddings, *self._reshard_from)
 
     # ------------------------------------------------------------------------------------- summary
     def summary(self, model: DistributedDLRM) -> dict[str, Any]:
@@ -267,7 +302,7 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
     from slipcache.training.datasets import prepare_data
     from slipcache.training.rundir import new_run_dir
 
-    run = DistributedRun(ctx)
+    run = DistributedBackend(ctx)
     try:
         # The flags as given first (a rank with other flags fails here, before anything it would do apart
         # from the others); the resolved settings and the data's fingerprint when the run starts.
@@ -287,3 +322,6 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
         raise
     finally:
         shutdown()
+
+
+DistributedRun = DistributedBackend  # the name before the run backend; kept for code that imports it

@@ -1,6 +1,6 @@
 """Stale-input skipping inside the training loop: warm-up, the Slipstream cycle and the guard.
 
-The trainer calls `StaleSkipper` through these hooks (see `slipcache.training.trainer.train`):
+The training loop calls `StaleSkipper` through its callback (`staleness/callback.py`), at these hooks:
 
     skipper.start_epoch(epoch, batch_in_epoch)   before the epoch's BatchIterator is built
     BatchIterator(..., sample_filter=skipper.sample_filter)

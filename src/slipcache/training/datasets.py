@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.cache_dir import default_cache_root
+from slipcache.data.dataset import BatchIterator, SampleFilter
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import TrainConfig
 
@@ -96,11 +97,45 @@ def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
     try:
         if config is None:
             return open_any(path)
-        return open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
+        dataset = open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
     except SlipcacheError:
         raise
     except (OSError, ValueError, KeyError) as exc:
         raise SlipcacheError(f"cannot open dataset {path}: {exc}") from exc
+    require_inferred_sizes_fit(
+        dataset,
+        config.embedding_dim,
+        embeddings=config.embeddings,
+        precision=config.precision,
+        cache_size=config.cache_size,
+        cache_rows=config.cache_rows,
+        optimizer=config.optimizer,
+        policy=config.policy,
+    )
+    return dataset
+
+
+HASHED_IDS_HINT = (
+    "pass --table-sizes N to take the ids modulo N rows per table (one N, or 26); TorchRec's DLRM example "
+    "hashes with --num_embeddings 100000 by default, and Criteo 1TB runs cap every table at 40 M rows "
+    "(--table-sizes 40000000)"
+)
+
+
+def require_inferred_sizes_fit(dataset: Any, dim: int, **table_options: Any) -> None:
+    """Tables sized by the data's max id + 1 (hashed ids can reach 2^31 per table): check them against the
+    memory before anything is allocated, and say how to size them instead (one line).
+
+    `table_options` are `slipcache.memory.require_tables_fit`'s (embeddings, precision, cache_size, ...).
+    """
+    from slipcache.memory import MemoryShortError, require_tables_fit
+
+    if dataset.meta.get("table_sizes_from") != "max id + 1":
+        return
+    try:
+        require_tables_fit(dataset.table_sizes, dim, what="tables sized by the ids' max + 1", **table_options)
+    except MemoryShortError as exc:
+        raise MemoryShortError(f"{exc}; the ids look hashed: {HASHED_IDS_HINT}") from exc
 
 
 def check_table_sizes(expected: list[int], actual: list[int], what: str) -> None:
@@ -141,3 +176,37 @@ def malformed_message(quality: dict[str, Any], data: str | None) -> str:
         "(--strict stops at the first); the first:"
     ]
     return "\n  ".join(lines + quality["examples"])
+
+
+def training_batches(
+    dataset: Any,
+    batch_size: int,
+    *,
+    seed: int,
+    epoch: int,
+    start_batch: int = 0,
+    sample_filter: SampleFilter | None = None,
+    lookahead: int = 0,
+    time_order: str = "first",
+) -> BatchIterator:
+    """One epoch of a dataset's training batches in the training order: the one source of that order for
+    the trainer and every benchmark that claims to replay it (`bench cache`, `bench train`).
+
+    Shuffled from (seed, epoch); time-ordered data (meta "time_ordered": synthetic v3/v4, Criteo days)
+    keeps its windows in order and shuffles within them in the first epoch, and is shuffled across days
+    from the second epoch on (`time_order="first"`, the trainer's default), so validation AUC does not saw
+    at epoch boundaries; `time_order="every"` keeps every epoch in time order. Full batches only;
+    `start_batch` resumes mid-epoch.
+    """
+    return BatchIterator(
+        dataset.split("train"),
+        batch_size,
+        shuffle=True,
+        in_order=bool(dataset.meta.get("time_ordered")) and (time_order == "every" or epoch == 0),
+        seed=seed,
+        epoch=epoch,
+        drop_last=True,
+        lookahead=lookahead,
+        sample_filter=sample_filter,
+        start_batch=start_batch,
+    )

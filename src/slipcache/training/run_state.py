@@ -18,8 +18,7 @@ from slipcache.model import DLRM
 from slipcache.training import checkpoint as ckpt
 
 if typing.TYPE_CHECKING:
-    from slipcache.staleness.skipping import StaleSkipper
-    from slipcache.training.trainer import Progress, Run
+    from slipcache.training.run import Run
 
 CHECKPOINT_FORMAT = ckpt.MAGIC
 
@@ -58,41 +57,34 @@ def checkpoint_state(run: Run) -> dict[str, Any]:
         "embedding_optimizer": run.emb_opt.state_dict() if run.emb_opt is not None else None,
         "progress": asdict(run.progress),
         "rng": _rng_state(),
-        "skipping": run.skipper.state_dict() if run.skipper is not None else None,
+        **run.callbacks.state_dict(),  # e.g. "skipping"
     }
 
 
-def restore(
-    state: dict[str, Any],
-    model: DLRM,
-    dense_opt: torch.optim.Optimizer,
-    emb_opt: torch.optim.Optimizer | None,
-    progress: Progress,
-    skipper: StaleSkipper | None,
-) -> None:
-    """Load what `checkpoint_state` saved into freshly built objects."""
-    load_model_state(state, model)
-    dense_opt.load_state_dict(state["dense_optimizer"])
-    if emb_opt is not None and state["embedding_optimizer"] is not None:
-        emb_opt.load_state_dict(state["embedding_optimizer"])
+def restore(state: dict[str, Any], run: Run) -> None:
+    """Load what `checkpoint_state` saved into the run's freshly built objects."""
+    run.backend.load_model_state(state, run.model)
+    run.dense_opt.load_state_dict(state["dense_optimizer"])
+    if run.emb_opt is not None and state["embedding_optimizer"] is not None:
+        run.emb_opt.load_state_dict(state["embedding_optimizer"])
     for name, value in state["progress"].items():
-        setattr(progress, name, value)
+        setattr(run.progress, name, value)
     _set_rng_state(state["rng"])
-    if skipper is not None:
-        skipper.load_state_dict(state["skipping"])
+    run.callbacks.load_state_dict(state)
 
 
-def load_model_state(state: dict[str, Any], model: DLRM) -> None:
-    """Dense and embedding state into `model`; a checkpoint of another shape is named as such."""
+def load_model_state(state: dict[str, Any], model: DLRM, *, embeddings: bool = True) -> None:
+    """Dense and (unless told not to) embedding state into `model`; a checkpoint of another shape is
+    named as such."""
     try:
         missing, unexpected = model.load_state_dict(state["dense"], strict=False)
         missing = [k for k in missing if not k.startswith("embeddings.")]
         if missing or unexpected:
             raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-        model.embeddings.load_state_dict(state["embeddings"])
+        if embeddings:
+            model.embeddings.load_state_dict(state["embeddings"])
     except (RuntimeError, KeyError, ValueError) as exc:
         raise SlipcacheError(f"checkpoint does not fit the model: {str(exc).splitlines()[0]}") from exc
-
 
 
 def check_checkpoint(state: dict[str, Any], path: Path) -> None:
@@ -112,24 +104,14 @@ def check_checkpoint(state: dict[str, Any], path: Path) -> None:
         raise SlipcacheError(f"checkpoint {path} is incomplete or malformed (table sizes or state missing)")
 
 
-def apply_settings(
-    config: Any,
-    model: Any,
-    dense_opt: torch.optim.Optimizer,
-    emb_opt: torch.optim.Optimizer | None,
-    skipper: StaleSkipper | None,
-    changed: typing.Collection[str],
-) -> None:
-    """Put the run's settings back over what a checkpoint restored: the collection, the optimizers and
-    the skipping guard each keep their own copy of a learning rate or target, and a resume with
-    `--allow-changes` must train with what config.json says, not with the checkpoint's copy (`changed`:
-    the settings changed on this resume)."""
+def apply_settings(run: Run) -> None:
+    """Put the run's settings back over what a checkpoint restored: the collection and the optimizers
+    each keep their own copy of a learning rate, and a resume with `--allow-changes` must train with what
+    config.json says, not with the checkpoint's copy. (A callback puts back its own in `on_start`.)"""
+    config, model = run.config, run.model
     if hasattr(model.embeddings, "lr"):
         model.embeddings.lr = config.lr
-    for group in dense_opt.param_groups:
+    for group in run.dense_opt.param_groups:
         group["lr"] = config.dense_lr or config.lr
-    for group in emb_opt.param_groups if emb_opt is not None else []:
+    for group in run.emb_opt.param_groups if run.emb_opt is not None else []:
         group["lr"] = config.lr
-    if skipper is not None and "stale_target" in changed:  # the guard's backed-off target restarts from it
-        skipper.guard.base_target = skipper.guard.target = config.stale_target
-        skipper.detector.retarget(config.stale_target, skipper.detector.active)  # refits T for the new D

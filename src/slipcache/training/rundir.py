@@ -15,15 +15,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from slipcache.errors import RunLockedError, SlipcacheError
+from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint as ckpt
-from slipcache.training import runlock
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig, config_from_saved
 from slipcache.training.run_state import check_checkpoint
-from slipcache.training.runlock import LOCK_NAME, RunLock
+from slipcache.training.runlock import LOCK_NAME
 
 if typing.TYPE_CHECKING:
-    from slipcache.distributed.training import DistributedRun
+    from slipcache.training.backend import RunBackend
 
 
 def new_run_dir() -> Path:
@@ -124,7 +123,7 @@ def _resume_location(resume: str) -> tuple[Path, Path | None]:
 
 
 def load_resume(
-    config: TrainConfig, dist: DistributedRun | None = None
+    config: TrainConfig, backend: RunBackend
 ) -> tuple[dict[str, Any] | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
     """(checkpoint state or None, the run's saved config, the config to continue with, changed settings).
 
@@ -139,19 +138,12 @@ def load_resume(
         raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
     else:
         run_dir = home
-    if dist is None and home is not None:
-        from slipcache.distributed.checkpoint import refuse_sharded
-
-        refuse_sharded(home)  # written by N processes: say how to resume it
-    if dist is not None:
-        state = dist.load_checkpoint(home or path)  # every rank's file and the manifest
-        saved, where = state["config"], f"checkpoint {path.parent}"
-    elif home is not None and path.name == ckpt.LATEST and not has_checkpoint(home):
+    state = backend.read_resume_checkpoint(path, home)
+    if state is None:
+        assert home is not None
         warn(f"{home} has no checkpoint (it stopped before the first one); starting it again from the beginning")
-        state, saved = None, json.loads((home / "config.json").read_text())
-        where = f"{home / 'config.json'}"
+        saved, where = json.loads((home / "config.json").read_text()), f"{home / 'config.json'}"
     else:
-        state = load_training_checkpoint(path)
         saved, where = state["config"], f"checkpoint {path}"
     resumed = config_from_saved(saved, where)
     changes = _resume_changes(config, resumed)
@@ -249,22 +241,3 @@ def run_record(
     if history:
         record["changed_on_resume"] = history
     return record
-
-
-def claim_run_dir(run_dir: Path, record: dict[str, Any], dist: DistributedRun | None) -> RunLock:
-    """Take the run directory for this run: N ranks first agree on their settings and data (one line
-    naming the first difference, on every rank), then rank 0 takes `run.lock` and tells the others
-    whether it could; one process just takes the lock."""
-    if dist is None:
-        return runlock.acquire(run_dir, record["run_id"])
-    dist.check_same_settings(record)
-    lock, refusal = None, None
-    if dist.is_main:
-        try:
-            lock = runlock.acquire(run_dir, record["run_id"])
-        except RunLockedError as exc:
-            refusal = str(exc)
-    refusal = dist.agree(refusal)
-    if refusal is not None:
-        raise RunLockedError(refusal)
-    return lock if lock is not None else runlock.RunLock(run_dir / LOCK_NAME, -1, {})

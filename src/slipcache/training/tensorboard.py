@@ -16,10 +16,15 @@ when a run asks for it.
 from __future__ import annotations
 
 import math
+import typing
 from pathlib import Path
 from typing import Any
 
 from slipcache.errors import SlipcacheError
+from slipcache.training.callbacks import Callback
+
+if typing.TYPE_CHECKING:
+    from slipcache.training.run import Run
 
 NESTED_PREFIX = {"hit_rate_per_table": "hit_rate", "memory_bytes": "memory"}
 
@@ -109,3 +114,17 @@ def open_writer(setting: str | None, run_dir: Path) -> TensorBoardWriter | None:
     if setting is None:
         return None
     return TensorBoardWriter(run_dir / (setting or "tensorboard"))
+
+
+class TensorBoardLog(Callback):
+    """`--tensorboard`: every metrics.jsonl event and the final test metrics as scalars."""
+
+    def __init__(self, writer: TensorBoardWriter) -> None:
+        self.writer = writer
+
+    def on_event(self, run: Run, event: dict[str, Any]) -> None:
+        self.writer.write_event(event)
+
+    def on_finish(self, run: Run, summary: dict[str, Any]) -> None:
+        self.writer.write_summary(summary)
+        self.writer.close()

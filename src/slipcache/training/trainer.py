@@ -21,12 +21,9 @@ interrupted run resumed with `--resume` ends exactly where the uninterrupted run
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
 import time
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,62 +34,34 @@ from tqdm import tqdm
 
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.errors import SlipcacheError
-from slipcache.model import DLRM, build_embeddings
+from slipcache.model import DLRM
 from slipcache.training import checkpoint as ckpt
+from slipcache.training.backend import LocalBackend, RunBackend, embedding_optimizer
+from slipcache.training.backend import build_model as build_model  # re-exported: eval, export, tests
 from slipcache.training.config import TrainConfig
+from slipcache.training.config import make_config as make_config  # re-exported (bench_train, runner)
 from slipcache.training.datasets import (
     check_table_sizes,
     data_quality,
     malformed_message,
     open_dataset,
+    prepare_data,
     run_dataset_dir,
+    training_batches,
 )
+from slipcache.training.features import run_callbacks
 from slipcache.training.metrics import evaluate_predictions
+from slipcache.training.run import Progress, Run
 from slipcache.training.run_state import apply_settings, checkpoint_state, restore
-from slipcache.training.rundir import (
-    claim_run_dir,
-    load_resume,
-    new_run_dir,
-    prepare_out_dir,
-    run_record,
-    warn,
-    write_events,
-    write_json,
-)
-from slipcache.training.runlock import RunLock
-from slipcache.training.tensorboard import embedding_event_fields, open_writer, resolve_setting
+from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, run_record, warn
+from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 
-if typing.TYPE_CHECKING:
-    from slipcache.distributed.training import DistributedRun
-    from slipcache.staleness.skipping import StaleSkipper
-
-# Re-exported: bench/train.py and benchmarks/runner.py (one seam for a fake trainer in the
-# tests) read these as trainer.<name>.
-from slipcache.training.config import make_config as make_config  # noqa: E402
-from slipcache.training.datasets import prepare_data as prepare_data  # noqa: E402
+# Re-exported: bench/train.py and benchmarks/runner.py (one seam for a fake trainer in the tests) read
+# these as trainer.<name>; `Run`/`Progress` lived here before `training/run.py`.
+__all__ = ["Progress", "Run", "build_model", "embedding_optimizer", "evaluate", "make_config", "prepare_data", "train"]
 
 # ----------------------------------------------------------------------------------------------------
 # Model, evaluation
-
-
-def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> DLRM:
-    """The DLRM of `config` on these tables; the sharded model builds its own (distributed.training)."""
-    embeddings = build_embeddings(
-        list(table_sizes), config.embedding_dim, embeddings=config.embeddings, **config.embedding_options()
-    )
-    return DLRM(config.model_config(table_sizes, num_dense), embeddings)
-
-
-def embedding_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer | None:
-    """A torch optimizer for embeddings without a fused update (the baseline); sparse gradients."""
-    if model.embeddings.fused_update:
-        return None
-    params = list(model.embeddings.parameters())
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr)
-    if config.optimizer == "adagrad":
-        return torch.optim.Adagrad(params, lr=config.lr)
-    raise SlipcacheError(f"optimizer {config.optimizer!r} needs the cached embeddings (--embeddings cached)")
 
 
 @torch.no_grad()
@@ -126,31 +95,7 @@ def evaluate(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Run state: what a checkpoint must hold besides the model
-
-
-@dataclass
-class Progress:
-    """Position in the schedule and the running sums of the current logging window."""
-
-    step: int = 0
-    samples: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    train_wall_s: float = (
-        0.0  # wall time of the loop: data, skip filter and guard, steps (no eval, no checkpoints)
-    )
-    compute_s: float = 0.0  # forward, backward and optimizer steps only
-    train_cpu_s: float = 0.0  # process CPU time of the same span as train_wall_s: robust to a shared machine
-    skipped: int = 0  # inputs dropped as stale; they count against the sample budget like trained ones
-    window_loss: float = 0.0  # sum of per-batch mean loss * batch size since the last log event
-    window_samples: int = 0
-    window_wall_s: float = 0.0
-    window_lookups: int = 0
-    window_hits: int = 0
-    train_lookups: int = 0
-    train_hits: int = 0
-    events: list[dict[str, Any]] = field(default_factory=list)
+# Schedule
 
 
 def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
@@ -188,72 +133,30 @@ def _stats_totals(model: DLRM) -> tuple[int, int]:
 # Training: the loop first, then its steps in the order they run.
 
 
-@dataclass
-class Run:
-    """Everything the training loop reads and writes. `start_run` builds it; a checkpoint saves it."""
-
-    config: TrainConfig  # resolved: sample budget and intervals filled in
-    config_dict: dict[str, Any]  # what config.json and every checkpoint record
-    run_dir: Path
-    dataset: Any
-    model: DLRM
-    dense_opt: torch.optim.Optimizer
-    emb_opt: torch.optim.Optimizer | None
-    progress: Progress
-    skipper: StaleSkipper | None
-    budget: int  # samples to consume (trained + skipped), a whole number of batches
-    max_epochs: int
-    bar: Any  # tqdm progress bar
-    data_quality: dict[str, Any] | None  # malformed lines skipped while preprocessing raw input
-    base_lookups: int = 0  # the collection's cumulative counters when the open logging window began
-    base_hits: int = 0
-    tensorboard: Any = None  # TensorBoardWriter when config.tensorboard is set
-    tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
-    tick_cpu: float = 0.0  # process CPU time at `tick`
-    finished: bool = False  # set by the run's last batch
-    logits: torch.Tensor | None = None  # the last step's (detached) logits, kept only for stale skipping
-    dist: DistributedRun | None = None  # N processes (slipcache.distributed.training); None: this one alone
-    lock: RunLock | None = None  # run.lock of the run directory (rank 0 of N holds it), released at the end
-
-    @property
-    def writes_files(self) -> bool:
-        """Whether this process writes the run directory's files (rank 0 of N, or the only process)."""
-        return self.dist is None or self.dist.is_main
-
-    @property
-    def consumed(self) -> int:
-        """Samples trained or skipped: the position in the data that the budget and eval schedule count."""
-        return self.progress.samples + self.progress.skipped
-
-    def more_epochs(self) -> bool:
-        return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs
-
-
-def train(config: TrainConfig, dist: DistributedRun | None = None) -> dict[str, Any]:
+def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, Any]:
     """Train DLRM as configured, writing the run directory; returns the summary dict.
 
-    Hook points for features that join the loop: `epoch_batches` (per-epoch setup, the batch source),
-    `train_step` (one optimization step), `record_step` (per-batch bookkeeping after the step), and
-    `Run`/`checkpoint_state`/`restore` for state that must survive a resume. Training time
-    (`progress.train_wall_s`) runs from `run.tick` to the end of `record_step`; evaluation and checkpoints
-    fall outside it.
+    `backend`: where the run executes (default: this process alone; `distributed.training` passes one
+    rank of N). Features join the loop as callbacks (`callbacks.py`, chosen in `features.py`), state that
+    must survive a resume goes into `Run` / `checkpoint_state`. Training time (`progress.train_wall_s`)
+    runs from `run.tick` to the end of `record_step`; evaluation and checkpoints fall outside it.
     """
-    run = start_run(config, dist)
+    run = start_run(config, backend or LocalBackend())
     try:
         while run.more_epochs():
             batches = epoch_batches(run)
             for batch in batches:
-                loss = train_step(run, batch, batches)
+                loss, logits = train_step(run, batch, batches)
                 consumed_before = run.consumed
-                last = record_step(run, batch, loss, batches)
+                last = record_step(run, batch, loss, logits, batches)
                 eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
                 if run.progress.samples % run.config.log_every == 0 or eval_due:
                     log_event(run, evaluate_now=eval_due)
                 if run.progress.samples % run.config.checkpoint_every == 0 and not last:
                     save_checkpoint(run)
                 if last:
-                    # A skipping run's last epoch can end with trained + skipped just under the budget (the
-                    # tail that fills no batch is dropped); it must not restart the epoch to look for more.
+                    # A filtered (skipping) run's last epoch can end with trained + skipped just under the
+                    # budget (the tail that fills no batch is dropped); it must not restart the epoch.
                     run.finished = True
                     break
                 run.tick = time.perf_counter()  # the training clock restarts: eval and checkpoints excluded
@@ -273,14 +176,14 @@ def _crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
+def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
     if config.resume is not None:
-        state, saved, config, changes = load_resume(config, dist)
+        state, saved, config, changes = load_resume(config, backend)
         run_dir = Path(config.out or "")
     else:
         run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
@@ -294,12 +197,14 @@ def start_run(config: TrainConfig, dist: DistributedRun | None = None) -> Run:
     config.out = str(run_dir)
     config.tensorboard = resolve_setting(config.tensorboard, run_dir)
     config_dict = run_record(config, dataset, dataset_dir, saved, changes, state)
-    lock = claim_run_dir(run_dir, config_dict, dist)  # one writer per run directory from here on
+    lock = backend.claim_run_dir(run_dir, config_dict)  # one writer per run directory from here on
     try:
-        return _build_run(config, config_dict, run_dir, dataset, state, changes, lock, dist)
+        run = _build_run(config, config_dict, run_dir, dataset, state, changes, backend)
     except BaseException:
         lock.release()
         raise
+    run.lock = lock
+    return run
 
 
 def _build_run(
@@ -309,12 +214,11 @@ def _build_run(
     dataset: Any,
     state: dict[str, Any] | None,
     changes: dict[str, list[Any]],
-    lock: RunLock,
-    dist: DistributedRun | None,
+    backend: RunBackend,
 ) -> Run:
-    """The model, optimizers and state of a run whose directory this process holds."""
+    """The model, optimizers, callbacks and state of a run whose directory this process holds."""
     dataset_dir = Path(config_dict["dataset"])
-    if dist is None or dist.is_main:
+    if backend.writes_files:
         for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
             ckpt.remove_partial_writes(directory)
     quality = data_quality(dataset)
@@ -325,100 +229,78 @@ def _build_run(
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
-    if dist is None:
-        model = build_model(config, dataset.table_sizes, dataset.num_dense)
-    else:
-        model = dist.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir)
+    model = backend.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir)
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
-    emb_opt = embedding_optimizer(config, model)
-    batches_per_epoch = dataset.splits["train"] // config.batch_size
-    skipper = None
-    if config.skip_rule is not None:
-        from slipcache.staleness.factory import make_skipper
-
-        skipper = make_skipper(config, model, dataset.split("train"), batches_per_epoch, run_dir)
-    progress = Progress()
-    if state is not None:
-        check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
-        restore(state, model, dense_opt, emb_opt, progress, skipper)
-        apply_settings(config, model, dense_opt, emb_opt, skipper, changes)  # config.json is what runs
-    if dist is None or dist.is_main:
-        write_json(run_dir / "config.json", config_dict)
-        write_events(run_dir / "metrics.jsonl", progress.events)  # a resumed run drops later events
-
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
+    batches_per_epoch = dataset.splits["train"] // config.batch_size
     total_steps = math.ceil(config.samples / config.batch_size)
-    budget = total_steps * config.batch_size
-    bar = tqdm(
-        total=budget,
-        initial=progress.samples,
-        unit=" samples",
-        unit_scale=True,
-        disable=not config.progress,
-        dynamic_ncols=True,
-    )
     run = Run(
-        data_quality=quality,
         config=config,
         config_dict=config_dict,
         run_dir=run_dir,
         dataset=dataset,
         model=model,
         dense_opt=dense_opt,
-        emb_opt=emb_opt,
-        progress=progress,
-        skipper=skipper,
-        budget=budget,
+        emb_opt=embedding_optimizer(config, model),
+        progress=Progress(),
+        backend=backend,
+        callbacks=None,  # type: ignore[arg-type]  # built next: callbacks may read the run
+        budget=total_steps * config.batch_size,
         max_epochs=math.ceil(total_steps / batches_per_epoch),
-        bar=bar,
-        tensorboard=open_writer(config.tensorboard, run_dir) if dist is None or dist.is_main else None,
-        dist=dist,
-        lock=lock,
+        batches_per_epoch=batches_per_epoch,
+        data_quality=quality,
+        changed=frozenset(changes),
+    )
+    run.callbacks = run_callbacks(run)
+    if state is not None:
+        check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
+        restore(state, run)
+        apply_settings(run)  # config.json is what runs (callbacks apply theirs in on_start)
+    run.callbacks.on_start(run)
+    run.bar = tqdm(
+        total=run.budget,
+        initial=run.progress.samples,
+        unit=" samples",
+        unit_scale=True,
+        disable=not config.progress,
+        dynamic_ncols=True,
     )
     # The collection's counters may or may not come back with its state; count relative to what it says now.
     run.base_lookups, run.base_hits = _stats_totals(model)
-    run.base_lookups -= progress.window_lookups
-    run.base_hits -= progress.window_hits
+    run.base_lookups -= run.progress.window_lookups
+    run.base_hits -= run.progress.window_hits
     return run
 
 
 def epoch_batches(run: Run) -> Any:
     """The current epoch's training batches from where the run stands; starts the training clock."""
-    from slipcache.data.dataset import BatchIterator
-
     run.tick = time.perf_counter()  # wall time includes reading and filtering batches, not eval or checkpoints
     run.tick_cpu = time.process_time()
-    if run.skipper is not None:
-        run.skipper.start_epoch(run.progress.epoch, run.progress.batch_in_epoch)  # profile, open the window
-    return BatchIterator(
-        run.dataset.split("train"),
+    run.callbacks.start_epoch(run)
+    return training_batches(
+        run.dataset,
         run.config.batch_size,
-        shuffle=True,
-        # Time-ordered data: the first epoch goes through time (shuffled within windows); later ones are
-        # shuffled across days, so validation AUC does not saw at each epoch boundary (docs/skipping.md).
-        in_order=bool(run.dataset.meta.get("time_ordered"))
-        and (run.config.time_order == "every" or run.progress.epoch == 0),
         seed=run.config.seed,
         epoch=run.progress.epoch,
-        drop_last=True,
-        sample_filter=run.skipper.sample_filter if run.skipper is not None else None,
         start_batch=run.progress.batch_in_epoch,
+        sample_filter=run.callbacks.sample_filter(run),
+        time_order=run.config.time_order,
     )
 
 
-def train_step(run: Run, batch: Any, batches: Any = None) -> float:
-    """Forward, backward and optimizer steps on one batch; returns its mean loss.
+def train_step(run: Run, batch: Any, batches: Any = None) -> tuple[float, torch.Tensor]:
+    """Forward, backward and optimizer steps on one batch; returns its mean loss and (detached) logits.
 
     `batches` (the iterator `batch` came from) lets a lookahead policy or the prefetch see the batches
-    that follow, after the skip filter: those that will be trained.
+    that follow, after the sample filter: those that will be trained.
     """
     t0 = time.perf_counter()
     ahead = lookahead_batches(run.config)
     if ahead and batches is not None:
         run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], run.config.prefetch)
     logits = run.model(batch.dense, batch.sparse)
-    weights = run.skipper.loss_weights(batch.labels.shape[0]) if run.skipper is not None else None
+    weights = run.callbacks.loss_weights(run, batch.labels.shape[0])
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, weight=weights)
     loss_value = loss.item()
     if not math.isfinite(loss_value):
@@ -432,9 +314,7 @@ def train_step(run: Run, batch: Any, batches: Any = None) -> float:
     if run.emb_opt is not None:
         run.emb_opt.step()
     run.progress.compute_s += time.perf_counter() - t0
-    if run.skipper is not None:
-        run.logits = logits.detach()  # the skipping guard follows the loss of its control inputs
-    return loss_value
+    return loss_value, logits.detach()
 
 
 def lookahead_batches(config: TrainConfig) -> int:
@@ -454,15 +334,14 @@ def _non_finite_loss(run: Run, loss_value: float) -> SlipcacheError:
     )
 
 
-def record_step(run: Run, batch: Any, loss_value: float, batches: Any) -> bool:
-    """Per-batch bookkeeping after a step (skipping, counters, clock); returns whether it was the last."""
+def record_step(run: Run, batch: Any, loss_value: float, logits: torch.Tensor, batches: Any) -> bool:
+    """Per-batch bookkeeping after a step (callbacks, counters, clock); returns whether it was the last."""
     progress = run.progress
-    last = False
-    if run.skipper is not None:
-        run.skipper.after_batch(batch, run.logits, loss_value)  # warm-up, counting, snapshots, fits, guard
-        progress.skipped = run.skipper.skipped_inputs
-        # A skipping epoch has fewer batches: the run's last one is known when none follows.
-        last = progress.epoch == run.max_epochs - 1 and not batches.peek(1)
+    run.callbacks.after_step(run, batch, logits, loss_value)
+    # A filtered epoch has fewer batches: the run's last one is known when none follows.
+    last = (
+        batches.sample_filter is not None and progress.epoch == run.max_epochs - 1 and not batches.peek(1)
+    )
     elapsed = time.perf_counter() - run.tick
     n = batch.labels.shape[0]
     progress.step += 1
@@ -483,20 +362,14 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
     _sync_window_counts(run)
     event = _close_window(progress)
     event.update(embedding_event_fields(run.model.embeddings, progress.samples, progress.skipped))
-    if run.skipper is not None:
-        event.update(run.skipper.event_fields(progress.compute_s / progress.samples))
+    event.update(run.callbacks.event_fields(run))
     run.bar.set_postfix(_postfix(event), refresh=False)
     if evaluate_now:
         scores = evaluate(run.model, run.dataset.split("val"), max_samples=run.config.eval_samples)
         event.update({f"val_{k}": v for k, v in scores.items()})
-        if run.skipper is not None:
-            run.skipper.after_eval(scores)  # warm-up ends on a flat validation loss; the guard watches AUC
+        run.callbacks.after_eval(run, scores)
     progress.events.append(event)
-    if run.writes_files:
-        with open(run.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(event) + "\n")
-    if run.tensorboard is not None:
-        run.tensorboard.write_event(event)
+    run.callbacks.on_event(run, event)
     run.base_lookups, run.base_hits = _stats_totals(run.model)  # evaluation lookups do not count
 
 
@@ -539,23 +412,11 @@ def _postfix(event: dict[str, Any]) -> dict[str, str]:
 
 
 def save_checkpoint(run: Run) -> None:
-    """`checkpoints/ckpt-<samples>.pt` and `latest.pt`; the open window's cache counts travel with it."""
+    """A checkpoint of the whole run (`run_state.checkpoint_state`), written by the backend; the open
+    window's cache counts travel with it."""
     _sync_window_counts(run)
     state = checkpoint_state(run)
-    directory = run.run_dir / "checkpoints"
-    if run.dist is not None:
-        run.dist.save_checkpoint(directory, state, run.progress.samples, keep=run.config.keep_checkpoints)
-        return
-    try:
-        ckpt.save_run_checkpoint(directory, state, run.progress.samples, keep=run.config.keep_checkpoints)
-    except OSError as exc:  # a full disk, a quota: the previous checkpoint is intact (atomic writes)
-        complete = ckpt.complete_checkpoints(directory)
-        then = (
-            f"the last complete checkpoint is {complete[0]}; free space, then --resume {run.run_dir}"
-            if complete
-            else f"no checkpoint was written yet; free space, then --resume {run.run_dir} starts it again"
-        )
-        raise SlipcacheError(f"cannot write a checkpoint into {directory}: {exc.strerror or exc}; {then}") from exc
+    run.backend.save_checkpoint(run.run_dir, state, run.progress.samples, keep=run.config.keep_checkpoints)
 
 
 def end_epoch(run: Run) -> None:
@@ -570,11 +431,10 @@ def end_epoch(run: Run) -> None:
 
 
 def finish_run(run: Run) -> dict[str, Any]:
-    """Test-set evaluation, summary.json and report.md."""
+    """Test-set evaluation and the summary; the callbacks write it (summary.json, report.md, ...)."""
     progress, model = run.progress, run.model
     test = evaluate(model, run.dataset.split("test"))
     memory = model.embeddings.memory_report()
-    skipper = run.skipper
     summary: dict[str, Any] = {
         "auc": test["auc"],
         "logloss": test["logloss"],
@@ -594,19 +454,12 @@ def finish_run(run: Run) -> dict[str, Any]:
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
         "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
-        "staleness": skipper.summary(progress.compute_s / progress.samples) if skipper is not None else None,
+        "staleness": None,  # a skipping run's callback fills it
         "data_quality": run.data_quality,
         "run_dir": str(run.run_dir),
         "config": run.config_dict,
-        "distributed": run.dist.summary(model) if run.dist is not None else None,
+        "distributed": run.backend.summary(model),
     }
-    if not run.writes_files:
-        return summary
-    write_json(run.run_dir / "summary.json", summary)
-    from slipcache.training.report import write_report
-
-    write_report(run.run_dir, progress.events, summary)
-    if run.tensorboard is not None:
-        run.tensorboard.write_summary(summary)
-        run.tensorboard.close()
+    summary.update(run.callbacks.summary_fields(run))
+    run.callbacks.on_finish(run, summary)
     return summary

@@ -1,0 +1,125 @@
+"""Where a run executes: one process (`LocalBackend`) or N (`distributed.training.DistributedBackend`).
+
+The backend is everything the training loop does differently across processes: building the model,
+reading the checkpoint to resume from and putting it back (re-sharding included), writing checkpoints,
+which process writes the run directory, and what the summary adds. The loop calls it and never asks
+which one it has.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipcache.errors import SlipcacheError
+from slipcache.model import DLRM, build_embeddings
+from slipcache.training import checkpoint as ckpt
+from slipcache.training import runlock
+from slipcache.training.run_state import load_model_state
+from slipcache.training.rundir import has_checkpoint, load_training_checkpoint
+from slipcache.training.runlock import RunLock
+
+if typing.TYPE_CHECKING:
+    from torch import nn
+
+    from slipcache.training.config import TrainConfig
+
+
+def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> DLRM:
+    """The DLRM of `config` on these tables; the sharded model builds its own (distributed.training)."""
+    embeddings = build_embeddings(
+        list(table_sizes), config.embedding_dim, embeddings=config.embeddings, **config.embedding_options()
+    )
+    return DLRM(config.model_config(table_sizes, num_dense), embeddings)
+
+
+def embedding_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer | None:
+    """A torch optimizer for embeddings without a fused update (the baseline); sparse gradients."""
+    if model.embeddings.fused_update:
+        return None
+    params = list(model.embeddings.parameters())
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr)
+    if config.optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=config.lr)
+    raise SlipcacheError(f"optimizer {config.optimizer!r} needs the cached embeddings (--embeddings cached)")
+
+
+class RunBackend:
+    """What the loop needs from where it runs; `LocalBackend` is the one-process answer to each."""
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this process writes the run directory's files (config, metrics, summary, report)."""
+        raise NotImplementedError
+
+    def claim_run_dir(self, run_dir: Path, record: dict[str, Any]) -> RunLock:
+        """Take the run directory for this run (`run.lock`): one writer per run directory."""
+        raise NotImplementedError
+
+    def build_model(self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path) -> Any:
+        raise NotImplementedError
+
+    def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any] | None:
+        """The state to resume from (`path`: the checkpoint `--resume` names, inside run dir `home`), or
+        None when the run stopped before its first checkpoint (it starts again from its config.json)."""
+        raise NotImplementedError
+
+    def load_model_state(self, state: dict[str, Any], model: Any) -> None:
+        """Dense and embedding state of `read_resume_checkpoint`'s state into the freshly built model."""
+        raise NotImplementedError
+
+    def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> None:
+        raise NotImplementedError
+
+    def summary(self, model: Any) -> dict[str, Any] | None:
+        """summary.json's "distributed" block (None for one process)."""
+        raise NotImplementedError
+
+
+class LocalBackend(RunBackend):
+    """One process: it builds the whole model and writes every file."""
+
+    @property
+    def writes_files(self) -> bool:
+        return True
+
+    def claim_run_dir(self, run_dir: Path, record: dict[str, Any]) -> RunLock:
+        return runlock.acquire(run_dir, record["run_id"])
+
+    def build_model(self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path) -> DLRM:
+        return build_model(config, table_sizes, num_dense)
+
+    def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any] | None:
+        if home is not None:
+            from slipcache.distributed.checkpoint import refuse_sharded
+
+            refuse_sharded(home)  # written by N processes: say how to resume it
+            if path.name == ckpt.LATEST and not has_checkpoint(home):
+                return None
+        return load_training_checkpoint(path)
+
+    def load_model_state(self, state: dict[str, Any], model: DLRM) -> None:
+        load_model_state(state, model)
+
+    def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> None:
+        """`checkpoints/ckpt-<samples>.pt` and `latest.pt`; a failed write names what is left to resume."""
+        directory = run_dir / "checkpoints"
+        try:
+            ckpt.save_run_checkpoint(directory, state, samples, keep=keep)
+        except OSError as exc:  # a full disk, a quota: the previous checkpoint is intact (atomic writes)
+            complete = ckpt.complete_checkpoints(directory)
+            then = (
+                f"the last complete checkpoint is {complete[0]}; free space, then --resume {run_dir}"
+                if complete
+                else f"no checkpoint was written yet; free space, then --resume {run_dir} starts it again"
+            )
+            raise SlipcacheError(
+                f"cannot write a checkpoint into {directory}: {exc.strerror or exc}; {then}"
+            ) from exc
+
+    def summary(self, model: DLRM) -> dict[str, Any] | None:
+        return None

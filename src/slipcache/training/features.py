@@ -1,0 +1,30 @@
+"""Which callbacks a run has: the one place a feature joins the training loop (see `callbacks.py`)."""
+
+from __future__ import annotations
+
+import typing
+
+from slipcache.training.callbacks import Callback, Callbacks, MetricsLog
+
+if typing.TYPE_CHECKING:
+    from slipcache.training.run import Run
+
+
+def run_callbacks(run: Run) -> Callbacks:
+    """The run's callbacks in the order they are called: features that change training first, then the
+    writers of the run directory (only in the process that writes it)."""
+    config = run.config
+    callbacks: list[Callback] = []
+    if config.skip_rule is not None:  # --skip-rule stale|random|loss (--skip-stale is stale)
+        from slipcache.staleness.callback import SkipStaleInputs
+
+        callbacks.append(SkipStaleInputs(run))
+    if run.backend.writes_files:
+        callbacks.append(MetricsLog())
+        if config.tensorboard is not None:
+            from slipcache.training.tensorboard import TensorBoardLog, open_writer
+
+            writer = open_writer(config.tensorboard, run.run_dir)
+            assert writer is not None
+            callbacks.append(TensorBoardLog(writer))
+    return Callbacks(callbacks)

@@ -1,0 +1,83 @@
+"""The state of a training run: `Run` (everything the loop reads and writes) and `Progress` (the position
+in the schedule and the open logging window). A checkpoint saves both (`run_state.py`).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if typing.TYPE_CHECKING:
+    import torch
+
+    from slipcache.model import DLRM
+    from slipcache.training.backend import RunBackend
+    from slipcache.training.callbacks import Callbacks
+    from slipcache.training.config import TrainConfig
+    from slipcache.training.runlock import RunLock
+
+
+@dataclass
+class Progress:
+    """Position in the schedule and the running sums of the current logging window."""
+
+    step: int = 0
+    samples: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    train_wall_s: float = (
+        0.0  # wall time of the loop: data, skip filter and guard, steps (no eval, no checkpoints)
+    )
+    compute_s: float = 0.0  # forward, backward and optimizer steps only
+    train_cpu_s: float = 0.0  # process CPU time of the same span as train_wall_s: robust to a shared machine
+    skipped: int = 0  # inputs dropped as stale; they count against the sample budget like trained ones
+    window_loss: float = 0.0  # sum of per-batch mean loss * batch size since the last log event
+    window_samples: int = 0
+    window_wall_s: float = 0.0
+    window_lookups: int = 0
+    window_hits: int = 0
+    train_lookups: int = 0
+    train_hits: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """Everything the training loop reads and writes. `trainer.start_run` builds it; a checkpoint saves it.
+
+    What differs between one process and N lives in `backend`; what a feature adds to the loop lives in
+    `callbacks` (skipping, the metrics log, TensorBoard), called at fixed hooks.
+    """
+
+    config: TrainConfig  # resolved: sample budget and intervals filled in
+    config_dict: dict[str, Any]  # what config.json and every checkpoint record
+    run_dir: Path
+    dataset: Any
+    model: DLRM
+    dense_opt: torch.optim.Optimizer
+    emb_opt: torch.optim.Optimizer | None
+    progress: Progress
+    backend: RunBackend
+    callbacks: Callbacks
+    budget: int  # samples to consume (trained + skipped), a whole number of batches
+    max_epochs: int
+    batches_per_epoch: int
+    data_quality: dict[str, Any] | None  # malformed lines skipped while preprocessing raw input
+    bar: Any = None  # tqdm progress bar
+    base_lookups: int = 0  # the collection's cumulative counters when the open logging window began
+    base_hits: int = 0
+    tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
+    tick_cpu: float = 0.0  # process CPU time at `tick`
+    finished: bool = False  # set by the run's last batch
+    changed: frozenset[str] = frozenset()  # settings this resume changed (--allow-changes)
+    lock: RunLock | None = None  # run.lock of the run directory (rank 0 of N holds it), released at the end
+
+    @property
+    def consumed(self) -> int:
+        """Samples trained or skipped: the position in the data that the budget and eval schedule count."""
+        return self.progress.samples + self.progress.skipped
+
+    def more_epochs(self) -> bool:
+        return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs
