@@ -6,7 +6,7 @@ without skipping stopped early at the same trained samples, paired by seed.
 
 `run` trains, per seed, the baseline (no skipping), each rule, and for each rule the random control at
 the share that rule skipped (so a rule's control starts once the rule's run has finished); up to
-`--workers` runs at a time, each one torch thread, under `nice`. Every run evaluates on the whole
+`--workers` runs at a time, each one torch thread, at the driver's niceness (run it under `nice`). Every run evaluates on the whole
 validation split at one fixed schedule (every `--eval-every` consumed inputs, trained or skipped).
 `report` writes results.json (the raw figures of every run), report.md and auc.png beside them.
 """
@@ -46,7 +46,7 @@ def common_flags(args: argparse.Namespace, config: Path) -> list[str]:
 def launch(args: argparse.Namespace, name: str, seed: int, flags: list[str], config: Path) -> subprocess.Popen:
     run = Path(args.out) / "runs" / f"{slug(name)}-s{seed}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "slipcache.cli", "train", *common_flags(args, config),
+    cmd = [sys.executable, "-m", "slipcache.cli", "train", *common_flags(args, config),  # niceness: the driver's
            "--seed", str(seed), "--out", str(run), *flags]
     (Path(args.out) / "runs").mkdir(parents=True, exist_ok=True)
     log = open(Path(args.out) / "runs" / f"{slug(name)}-s{seed}.log", "w")  # noqa: SIM115 - closed by the OS at exit
@@ -78,6 +78,9 @@ def run(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     config = out / "data.toml"
     config.write_text(f"synthetic_samples = {args.rows}\n")
+    from slipcache.data.synthetic import default_synthetic_path
+
+    default_synthetic_path(None, args.rows, 0.05, 0, progress=False)  # once, before runs race to make it
     tasks: list[tuple[str, int, list[str] | None, str | None]] = []  # name, seed, flags, depends on rule
     for seed in range(args.seeds):
         tasks.append(("baseline", seed, [], None))
