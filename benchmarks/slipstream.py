@@ -1,5 +1,10 @@
 """The Slipstream study (Maboud et al., arXiv 2404.04270): stale-input skipping against the same storage
 without skipping, judged by time to a validation-AUC target from interleaved, timed repeats.
+
+Layout, top to bottom: the grid (STALE_STORAGES x the settings dicts WARMUP_SETTINGS / KEEP_SETTINGS, named
+by `stale_name`, built by `slipstream_grid`); time to target and timing over the repeats (`add_timing`);
+plots; the report section (`slipstream_section`, `answer_skip`). A new control or setting is one entry in a
+settings dict plus its variant in `slipstream_grid`; its name pairs it with the storage's run without skipping.
 """
 
 from __future__ import annotations

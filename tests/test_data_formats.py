@@ -1,5 +1,6 @@
 """External preprocessed Criteo formats (TorchRec .npy days, DLRM .npz, MLPerf .bin) read in place."""
 
+import json
 import zipfile
 from pathlib import Path
 
@@ -185,6 +186,10 @@ def test_a_run_trains_on_each_format(tmp_path: Path, kind: str) -> None:
     assert summary["auc"] > 0.6  # table 0's parity and dense 0 carry the signal
     expected_order = "val-test" if kind == "torchrec" else "test-val"
     assert summary["config"]["split_order"] == expected_order
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["dense_transform"]
+    assert recorded == summary["config"]["dense_transform"]
+    assert ("not applied twice" in recorded) == (kind == "torchrec")  # TorchRec's values: left as they are
+    assert kind == "torchrec" or recorded.startswith("log(1 + max(x, 0))")
     scores = evaluate_checkpoint(tmp_path / "run", split="val")
     assert scores["samples"] > 0
 

@@ -109,8 +109,31 @@ def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_pat
         for name, tensor in saved.items():
             if isinstance(tensor, torch.Tensor):
                 assert torch.equal(tensor, again[name]), (rank, name)
-    with pytest.raises(SlipcacheError, match="written by 2 processes"):
-        trainer.train(make_config({}, {"resume": str(tmp_path / "part"), "progress": False}))
+
+
+def test_runs_resume_on_another_number_of_processes(
+    data_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """2 -> 1 and 1 -> 2 processes: the tables are re-sharded (fp32: exactly), the run continues as the
+    uninterrupted one does, and the resume says what it did."""
+    settings = {"precision": "fp32", "cache_size": 0.25, "samples": 640}
+    full = trainer.train(make_config({}, _settings(str(data_dir), str(tmp_path / "full"), settings)))
+    resume = {"samples": 640, "allow_changes": True, "progress": False}
+    # 2 processes, then 1
+    run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "two"), {**settings, "samples": 320}))
+    capfd.readouterr()
+    one = trainer.train(make_config({}, {**resume, "resume": str(tmp_path / "two")}))
+    assert "written by 2 processes, into 1: each rank copied" in capfd.readouterr().out
+    # 1 process, then 2
+    trainer.train(make_config({}, _settings(str(data_dir), str(tmp_path / "one"), {**settings, "samples": 320})))
+    capfd.readouterr()
+    run_ranks(_train_rank, {**resume, "resume": str(tmp_path / "one")})
+    assert "written by 1 process, over 2 processes" in capfd.readouterr().out
+    two = json.loads((tmp_path / "one" / "summary.json").read_text())
+    for resumed in (one, two):
+        assert resumed["train_samples"] == full["train_samples"]
+        assert resumed["auc"] == pytest.approx(full["auc"], abs=1e-5)
+        assert resumed["logloss"] == pytest.approx(full["logloss"], abs=1e-5)
 
 
 def _die_midway(rank: int, world_size: int, data: str, out: str, result: str) -> None:

@@ -349,3 +349,10 @@ def test_experiment_command_says_where_the_studies_are_when_they_are_not_install
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "python -m benchmarks.studies" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_studies_module_entry_point_reports_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert studies.main(["mixed-precision", "--out", str(tmp_path / "out"), "--threads", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "benchmarks.studies: error: --threads must be at least 1, got 0"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks import results
@@ -23,3 +25,24 @@ def test_a_record_cell_is_found_by_its_row_and_column() -> None:
     with pytest.raises(KeyError):
         results.cell(t, "INT4", "ΔAUC")
     assert results.table(t).splitlines()[1] == "|---|---|"
+
+
+def test_a_new_section_is_a_json_file_and_a_template(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs, sections = tmp_path / "docs", tmp_path / "sections"
+    (docs / "scale").mkdir(parents=True)
+    sections.mkdir()
+    (docs / "scale" / "scale.json").write_text('{"command": "slipcache train --scale 1", "ratio": 3.19}')
+    (sections / "00-head.md").write_text("# Results")
+    (sections / "80-scale.md").write_text(
+        '{% set run = load("scale/scale.json") %}\n## Scale\n\n{{ provenance(command=run.command) }}\n\n'
+        "Memory {{ run.ratio | x }}: {{ verdict(run.ratio >= 3.0) }}.\n"
+    )
+    monkeypatch.setattr(results, "DOCS", docs)
+    monkeypatch.setattr(results, "SECTIONS", sections)
+    results.load.cache_clear()
+    try:
+        page = results.render()
+    finally:
+        results.load.cache_clear()
+    assert page == (results.HEADER + "# Results\n\n## Scale\n\n- **Command**: `slipcache train --scale 1`\n\n"
+                    "Memory 3.19x: **met**.\n")

@@ -26,9 +26,11 @@ Adding a section (e.g. the scale study, the embedding bench's bound fractions, s
        Verdict: {{ run.ratio | x }} against 3.0x: {{ verdict(run.ratio >= 3.0) }}.
 
    In a template: load(path) reads docs/PATH; provenance(...) the standard lines; machine(dict) a bench
-   JSON's machine in words; table(t) a record's table, or table(columns, rows); cell(t, row, column) one of
-   its cells; bench_row(bench, name, dim) a bench JSON's row; setup(results, name) a study's setup; verdict(ok). Filters: n (thousands separators), f(d) (d decimals), sgn(d) (signed), x(d) (a ratio, "0.40x"),
-   pct(d) (a fraction as %), k (thousands as "572k"); each renders null as a dash.
+   JSON's machine in words; table(t, without=[...]) a record's table (or table(columns, rows));
+   cell(t, row, column) one of its cells; bench_row(bench, name, dim) a bench JSON's row; setup(results,
+   name) a study's setup; verdict(ok). Filters: n (thousands separators), f(d) (d decimals), sgn(d)
+   (signed), x(d) (a ratio, "0.40x"), pct(d) (a fraction as %), k (thousands as "572k"); each renders
+   null as a dash.
 3. `python -m benchmarks.results` rewrites docs/results.md; commit both.
 """
 
@@ -100,10 +102,14 @@ def verdict(ok: bool) -> str:
     return "**met**" if ok else "**missed**"
 
 
-def table(columns: Sequence[str] | Mapping[str, Any], rows: Iterable[Sequence[Any]] | None = None) -> str:
-    """A Markdown table from a record's {"columns", "rows"} or from columns and rows."""
+def table(columns: Sequence[str] | Mapping[str, Any], rows: Iterable[Sequence[Any]] | None = None,
+          without: Sequence[str] = ()) -> str:
+    """A Markdown table from a record's {"columns", "rows"} or from columns and rows, less the columns named
+    in `without` (e.g. wall-clock figures of a run on a loaded machine)."""
     if isinstance(columns, Mapping):
         columns, rows = columns["columns"], columns["rows"]
+    keep = [i for i, name in enumerate(columns) if name not in without]
+    columns, rows = [columns[i] for i in keep], [[row[i] for i in keep] for row in rows or ()]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows or ()]
     return "\n".join(lines)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from slipcache import __version__
 from slipcache.errors import SlipcacheError
@@ -28,6 +30,54 @@ def add_progress_flag(parser: argparse.ArgumentParser, default: object = True) -
     users who learnt one spelling on one command tried it on the others."""
     parser.add_argument("--no-progress", "--quiet", dest="progress", action="store_false", default=default,
                         help="no progress bar")
+
+
+def seed_arg(text: str) -> int:
+    """A random seed for argparse: numpy and torch take [0, 2**32); anything else is a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"a seed must be in [0, 2**32), got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 for argparse (counts, ways, sizes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def float_in(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type for a finite float in (low, high] (nan and inf refused)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not low < value <= high:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be in ({low:g}, {high:g}], got {text}")
+        return value
+
+    return parse
+
+
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+
+
+def image_file(text: str) -> str:
+    """A plot's file name for argparse: matplotlib picks the format by suffix, so an unknown one is refused
+    here, before the work, instead of after it with a traceback."""
+    if Path(text).suffix.lower() not in IMAGE_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"expected a {', '.join(IMAGE_SUFFIXES)} file name, got {text!r}")
+    return text
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

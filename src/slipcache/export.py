@@ -49,31 +49,11 @@ def feature_name(t: int) -> str:
 def load_tables(checkpoint: str | Path) -> list[torch.Tensor]:
     """The fp32 tables of a training checkpoint (file, checkpoints dir or run dir; one process or many:
     a run of N processes is read from its newest complete checkpoint, every rank's shards)."""
-    from slipcache.distributed import checkpoint as sharded_ckpt
-    from slipcache.training import checkpoint as ckpt
-    from slipcache.training import trainer
-    from slipcache.training.config import CONFIG_FIELDS, TrainConfig
-    from slipcache.training.rundir import check_checkpoint
+    from slipcache.training.saved_run import find_checkpoint, load_saved_model
 
-    path = Path(checkpoint)
-    sharded = sharded_ckpt.latest_sharded(path) if path.is_dir() else None  # written by N processes
-    if sharded is not None:
-        path = sharded
-        state = sharded_ckpt.load_rank_state(sharded, 0)  # rank 0's file: the config and the table sizes
-    else:
-        if path.is_dir() and (path / "checkpoints").is_dir():
-            path = path / "checkpoints"
-        state = ckpt.load_checkpoint(path)
-    check_checkpoint(state, path)
-    config = TrainConfig(**{k: v for k, v in state["config"].items() if k in CONFIG_FIELDS})
-    model = trainer.build_model(config, state["table_sizes"], num_dense=1)  # the dense part is not loaded
-    try:
-        if sharded is not None:  # every rank's shards gathered into this process's tables
-            sharded_ckpt.unshard_into(model.embeddings, sharded)
-        else:
-            model.embeddings.load_state_dict(state["embeddings"])
-    except (RuntimeError, KeyError, ValueError) as exc:
-        raise SlipcacheError(f"{path}: embeddings do not load: {str(exc).splitlines()[0]}") from exc
+    saved = find_checkpoint(checkpoint, "--checkpoint")
+    state = saved.read()
+    model = load_saved_model(saved, state, num_dense=1, dense=False)  # the dense part is not exported
     embeddings = model.embeddings
     with torch.no_grad():
         if hasattr(embeddings, "export_tables"):

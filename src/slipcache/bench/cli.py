@@ -41,7 +41,9 @@ from slipcache.bench.timing import (
     combine_rounds,
     measure,
 )
-from slipcache.bench.workload import make_workload, scaled_table_sizes
+from slipcache.bench.workload import make_workload
+from slipcache.cli import float_in, seed_arg
+from slipcache.data.kaggle import SMALL_TABLE, kaggle_table_sizes
 from slipcache.errors import SlipcacheError
 from slipcache.memory import RUNTIME_BYTES, available_bytes
 
@@ -121,14 +123,14 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
         help="fill each cache with the most probable rows before its warm-up, so timing sees steady-state "
         "evictions, as in a long run (default on; --no-prefill: caches start empty)",
     )
-    parser.add_argument("--zipf", type=float, default=1.05, help="power-law exponent of the ids")
+    parser.add_argument("--zipf", type=float_in(0, 100), default=1.05, help="power-law exponent of the ids")
     parser.add_argument(
         "--threads",
         type=int,
         default=None,
         help="torch intra-op threads (default: torch's choice, one per core); 1 is steadier on a busy machine",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_arg, default=0)
     parser.add_argument(
         "--rounds", type=int, default=None, help="rounds over all configurations, interleaved (default 3)"
     )
@@ -146,7 +148,7 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # Hidden knobs for tests and experiments.
     parser.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--min-rows", type=int, default=10_000, help=argparse.SUPPRESS)
+    parser.add_argument("--min-rows", type=int, default=SMALL_TABLE, help=argparse.SUPPRESS)
     parser.add_argument("--skip-probes", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -208,7 +210,7 @@ def _command(args: argparse.Namespace, dims: list[int], configs: list[BenchConfi
             parts += [flag, str(value)]
     if not args.prefill:
         parts.append("--no-prefill")
-    if args.min_rows != 10_000:
+    if args.min_rows != SMALL_TABLE:
         parts += ["--min-rows", str(args.min_rows)]
     if args.skip_probes:
         parts.append("--skip-probes")
@@ -290,7 +292,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             f"  copy {probes['sequential_copy']['copy_gb_s']:.1f} GB/s, "
             f"gather {probes['random_gather']['rows_per_s'] / 1e6:.1f} M rows/s"
         )
-    sizes = scaled_table_sizes(scale, args.min_rows)
+    sizes = kaggle_table_sizes(scale, min_rows=args.min_rows)
     progress(
         f"generating ids: {len(sizes)} tables, {sum(sizes):,} rows, {max(warmup, cache_warmup)}+{steps} steps "
         f"of {args.batch_size}"

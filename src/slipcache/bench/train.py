@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from slipcache.bench.machine import describe_machine
 from slipcache.bench.report import progress
+from slipcache.cli import seed_arg
 from slipcache.errors import SlipcacheError
 
 IMPLS = ("torch-fp32", "slipcache-int8-lru5", "torchrec-fbgemm")
@@ -84,8 +85,8 @@ class _TorchRecDLRM(nn.Module):
 
 def _run_torchrec(config: Any, out: Path) -> dict[str, Any]:
     """The plain loop: the trainer's batches (same order), BCE loss, SGD on the MLPs, fused SGD on tables."""
-    from slipcache.data.dataset import BatchIterator
     from slipcache.training import trainer
+    from slipcache.training.datasets import training_batches
 
     dataset = trainer.open_dataset(trainer.prepare_data(config, out / "data-cache"))
     config = trainer.resolve_schedule(config, dataset.splits["train"])
@@ -95,9 +96,7 @@ def _run_torchrec(config: Any, out: Path) -> dict[str, Any]:
     samples, wall, epoch = 0, 0.0, 0
     while samples < config.samples:
         start = time.perf_counter()
-        for batch in BatchIterator(
-            dataset.split("train"), config.batch_size, shuffle=True, seed=config.seed, epoch=epoch, drop_last=True
-        ):
+        for batch in training_batches(dataset, config.batch_size, seed=config.seed, epoch=epoch):
             loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
             dense_opt.zero_grad(set_to_none=True)
             loss.backward()  # the table update runs inside backward (fused)
@@ -236,4 +235,4 @@ def add_train_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--impls", default=None, help=f"comma-separated subset of {','.join(IMPLS)}")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_arg, default=0)

@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import zipfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ SPLIT_ORDERS = ("val-test", "test-val")
 DEFAULT_SPLIT_ORDER = {"torchrec": "val-test", "dlrm": "test-val", "mlperf": "test-val"}
 MLPERF_COLUMNS = 1 + NUM_DENSE + NUM_TABLES
 READ_ROWS = 1 << 20  # rows per block when scanning or converting
+MAX_TABLE_ROWS = 2**31  # ids are int32 once read
 LABEL_PROBE_ROWS = 1 << 16  # labels checked when a file is opened (all are checked as they are read)
 
 
@@ -151,7 +153,9 @@ class ExternalDataset:
 
             def sparse(a: np.ndarray) -> np.ndarray:
                 a = np.asarray(a)
-                return (a % sizes if modulo else a).astype(np.int32)
+                if modulo:  # unsigned ids modulo unsigned sizes: int64 sizes would turn them into floats
+                    a = a % (sizes.astype(np.uint64) if a.dtype.kind == "u" else sizes)
+                return a.astype(np.int32)
 
             def dense(a: np.ndarray) -> np.ndarray:
                 return dense_transform(np.asarray(a)) if self.transform_dense else np.asarray(a, np.float32)
@@ -257,8 +261,10 @@ def _table_sizes(layout: Layout, days: list[_Day], given: Sequence[int] | None) 
         sizes = [int(s) for s in given]
         if len(sizes) == 1:
             sizes = sizes * NUM_TABLES
-        if len(sizes) != NUM_TABLES or min(sizes) < 1:
-            raise SlipcacheError(f"table sizes: give one positive size or {NUM_TABLES}, got {list(given)}")
+        if len(sizes) != NUM_TABLES or min(sizes) < 1 or max(sizes) > MAX_TABLE_ROWS:
+            raise SlipcacheError(
+                f"table sizes: give one size in [1, 2**31] or {NUM_TABLES}, got {list(given)}"
+            )
         return sizes, "given"
     counts = _read_counts(layout)
     if counts is not None:
@@ -274,7 +280,10 @@ def _read_counts(layout: Layout) -> list[int] | None:
         assert file is not None
         if "counts" not in npz_members(file):
             continue
-        counts = np.load(file)["counts"].reshape(-1)
+        try:
+            counts = np.load(file)["counts"].reshape(-1)
+        except (zlib.error, zipfile.BadZipFile, EOFError, ValueError) as exc:
+            raise SlipcacheError(f"{file}: damaged .npz ({str(exc).splitlines()[0]})") from exc
         if counts.size != NUM_TABLES or (counts < 1).any():
             raise SlipcacheError(
                 f"{file}: counts must be {NUM_TABLES} positive sizes, got shape {counts.shape}"
@@ -298,6 +307,23 @@ def _all_files(layout: Layout) -> list[Path]:
     ]
 
 
+def _check_ids(block: np.ndarray, where: str) -> None:
+    """Ids that can size a table: integers (integral floats pass), not negative, below 2**31."""
+    if block.dtype.kind == "f" and not np.array_equal(block, np.floor(block)):
+        bad = block[block != np.floor(block)][0]
+        raise SlipcacheError(f"{where}: ids must be integers, found {float(bad):g}")
+    if block.dtype.kind not in "iuf":
+        raise SlipcacheError(f"{where}: ids must be integers, found {block.dtype} values")
+    low, high = block.min(), block.max()
+    if low < 0:
+        raise SlipcacheError(f"{where}: negative id {low}; give --table-sizes to hash ids")
+    if high > MAX_TABLE_ROWS - 1:
+        raise SlipcacheError(
+            f"{where}: id {int(high)} is beyond {MAX_TABLE_ROWS - 1}, the largest a table holds; "
+            "give --table-sizes to take ids modulo a table size"
+        )
+
+
 def _max_ids(layout: Layout, days: list[_Day]) -> list[int]:
     """Max id + 1 per table in one pass over every file, remembered in the cache directory."""
     record = default_cache_root() / "formats" / f"max-ids-{_files_key(_all_files(layout))}.json"
@@ -307,17 +333,14 @@ def _max_ids(layout: Layout, days: list[_Day]) -> list[int]:
             return [int(s) for s in sizes]
     except (OSError, ValueError):
         pass
-    top = np.zeros(NUM_TABLES, dtype=np.int64)
+    top = [0] * NUM_TABLES
     for day in days:
         for start in range(0, len(day), READ_ROWS):
             block = np.asarray(day.sparse[start : start + READ_ROWS])
             if block.size:
-                if int(block.min()) < 0:
-                    raise SlipcacheError(
-                        f"{day.name}: negative id {int(block.min())}; give --table-sizes to hash ids"
-                    )
-                np.maximum(top, block.max(axis=0), out=top)
-    sizes = [int(t) + 1 for t in top]
+                _check_ids(block, day.name)
+                top = [max(t, int(m)) for t, m in zip(top, block.max(axis=0).tolist(), strict=True)]
+    sizes = [t + 1 for t in top]
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(sizes))
@@ -387,14 +410,17 @@ def _decompress_npz(file: Path, folder: Path) -> Path:
     """Re-write a compressed .npz uncompressed (streamed member by member) so it can be memory-mapped."""
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / file.name
-    with (
-        zipfile.ZipFile(file) as src,
-        zipfile.ZipFile(target, "w", zipfile.ZIP_STORED, allowZip64=True) as dst,
-    ):
-        for info in src.infolist():
-            with src.open(info) as reader, dst.open(info.filename, "w", force_zip64=True) as writer:
-                while chunk := reader.read(1 << 24):
-                    writer.write(chunk)
+    try:
+        with (
+            zipfile.ZipFile(file) as src,
+            zipfile.ZipFile(target, "w", zipfile.ZIP_STORED, allowZip64=True) as dst,
+        ):
+            for info in src.infolist():
+                with src.open(info) as reader, dst.open(info.filename, "w", force_zip64=True) as writer:
+                    while chunk := reader.read(1 << 24):
+                        writer.write(chunk)
+    except (zlib.error, zipfile.BadZipFile, EOFError) as exc:  # damaged deflate stream, CRC, truncation
+        raise SlipcacheError(f"{file}: damaged compressed .npz ({str(exc).splitlines()[0]})") from exc
     return target
 
 

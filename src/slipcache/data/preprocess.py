@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from slipcache.cli import add_progress_flag
+from slipcache.cli import add_progress_flag, seed_arg
 from slipcache.data.criteo import MISSING, NUM_CATEGORICAL, NUM_DENSE, ReadStats, read_chunks
 from slipcache.data.dataset import DatasetWriter, check_output_dir, remove_dead_staging
 from slipcache.errors import SlipcacheError
@@ -314,7 +314,7 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
         "(one file per day; the last one is halved into val and test) (default %(default)s)",
     )
     parser.add_argument("--strict", action="store_true", help="stop at the first malformed line")
-    parser.add_argument("--seed", type=int, default=0, help="salt of the hash vocabulary")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="salt of the hash vocabulary")
     parser.add_argument("--force", action="store_true", help="overwrite the dataset already in --out")
     add_progress_flag(parser)
 

@@ -22,13 +22,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from slipcache.distributed.planner import ShardingPlan
+from slipcache.distributed.planner import Shard, ShardingPlan
 from slipcache.distributed.sharded import ShardedEmbeddingCollection, shard_config
 from slipcache.embedding.collection import CachedEmbeddingBagCollection
 from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint as ckpt
 
 MANIFEST = "manifest.json"
+RESHARDED = (
+    "each rank copied the rows it now holds from the saved shards (their caches flushed into storage first; "
+    "rows and optimizer state exact); caches start empty"
+)
 MANIFEST_FORMAT = "slipcache-sharded-checkpoint"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -133,31 +137,51 @@ def reshard_into(collection: ShardedEmbeddingCollection, step_dir: Path, manifes
     old_plan = ShardingPlan.from_dict(manifest["plan"])
     if [t.rows for t in old_plan.tables] != collection.table_sizes:
         raise SlipcacheError(f"checkpoint {step_dir} holds other tables than this model's")
-    local = collection.local
-    if local is None:
+    if collection.local is None:
         return
-    local.cache.evict(local.cache.cached()[0])  # the new shards start with empty caches
-    targets = local.table_offsets.tolist()
+    collection.local.cache.evict(collection.local.cache.cached()[0])  # the new shards start with empty caches
     for old_rank in range(old_plan.world_size):
         old_shards = old_plan.shards_of(old_rank)
-        overlaps = [
-            (i, j, max(a.row_start, b.row_start), min(a.row_end, b.row_end))
-            for i, a in enumerate(old_shards)
-            for j, b in enumerate(collection.shards)
-            if a.table == b.table and max(a.row_start, b.row_start) < min(a.row_end, b.row_end)
-        ]
-        if not overlaps:
-            continue
-        old = CachedEmbeddingBagCollection(shard_config(collection.config, old_shards, old_rank))
-        saved = load_rank_state(step_dir, old_rank)["embeddings"]  # the sharded collection's state dict
-        old.load_state_dict({k.removeprefix("local."): v for k, v in saved.items()})
-        old.flush()
-        sources = old.table_offsets.tolist()
-        for i, j, lo, hi in overlaps:
-            src = sources[i] + lo - old_shards[i].row_start
-            dst = targets[j] + lo - collection.shards[j].row_start
-            for target, source in _row_buffers(local, old):
-                target[dst : dst + hi - lo].copy_(source[src : src + hi - lo])
+        if _overlaps(old_shards, collection.shards):
+            saved = load_rank_state(step_dir, old_rank)["embeddings"]  # the sharded collection's state dict
+            _copy_rows(collection, old_shards, old_rank, {k.removeprefix("local."): v for k, v in saved.items()})
+
+
+def reshard_from_single(collection: ShardedEmbeddingCollection, embeddings: dict[str, Any]) -> None:
+    """Fill `collection`'s shards from a one-process checkpoint's tables (its "embeddings" state dict)."""
+    if collection.local is None:
+        return
+    collection.local.cache.evict(collection.local.cache.cached()[0])
+    whole = [Shard(t, 0, 0, n) for t, n in enumerate(collection.table_sizes)]
+    _copy_rows(collection, whole, 0, embeddings)
+
+
+def _overlaps(old_shards: list[Shard], new_shards: list[Shard]) -> list[tuple[int, int, int, int]]:
+    """(old shard, new shard, first row, end row) of every row range both hold."""
+    return [
+        (i, j, max(a.row_start, b.row_start), min(a.row_end, b.row_end))
+        for i, a in enumerate(old_shards)
+        for j, b in enumerate(new_shards)
+        if a.table == b.table and max(a.row_start, b.row_start) < min(a.row_end, b.row_end)
+    ]
+
+
+def _copy_rows(
+    collection: ShardedEmbeddingCollection, old_shards: list[Shard], old_rank: int, saved: dict[str, Any]
+) -> None:
+    """Load one old rank's shards (`saved`, a collection state dict), flush its cache into storage and copy
+    the rows this rank now holds: storage bytes and optimizer state, exactly."""
+    local = collection.local
+    assert local is not None
+    old = CachedEmbeddingBagCollection(shard_config(collection.config, old_shards, old_rank))
+    old.load_state_dict(saved)
+    old.flush()
+    sources, targets = old.table_offsets.tolist(), local.table_offsets.tolist()
+    for i, j, lo, hi in _overlaps(old_shards, collection.shards):
+        src = sources[i] + lo - old_shards[i].row_start
+        dst = targets[j] + lo - collection.shards[j].row_start
+        for target, source in _row_buffers(local, old):
+            target[dst : dst + hi - lo].copy_(source[src : src + hi - lo])
 
 
 def _row_buffers(
@@ -168,17 +192,6 @@ def _row_buffers(
     if hasattr(new, "optimizer_state"):
         pairs.append((new.optimizer_state, old.optimizer_state))
     return pairs
-
-
-def refuse_sharded(path: Path) -> None:
-    """One process resuming a checkpoint written by N: say how to resume it instead of "not found"."""
-    step_dir = latest_sharded(Path(path))
-    if step_dir is not None:
-        world_size = read_manifest(step_dir)["world_size"]
-        raise SlipcacheError(
-            f"{step_dir} was written by {world_size} processes; resume it with "
-            f"torchrun --nproc-per-node {world_size} --no-python slipcache train --resume ..."
-        )
 
 
 def unshard_into(collection: CachedEmbeddingBagCollection, step_dir: Path) -> None:

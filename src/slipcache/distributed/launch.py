@@ -50,7 +50,21 @@ class DistributedContext:
 
 def launched_ranks() -> int:
     """The world size torchrun announced, 1 when not launched by it."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_int("WORLD_SIZE", 1)
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer launch variable (WORLD_SIZE, RANK, ...); anything else is one line naming it."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise SlipcacheError(f"{name} must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise SlipcacheError(f"{name} must be a non-negative integer, got {text!r}")
+    return value
 
 
 def default_backend() -> str:
@@ -58,6 +72,8 @@ def default_backend() -> str:
     chosen = os.environ.get("SLIPCACHE_DIST_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     if chosen not in BACKENDS:
         raise SlipcacheError(f"SLIPCACHE_DIST_BACKEND must be one of {', '.join(BACKENDS)}, got {chosen!r}")
+    if chosen == "nccl" and not torch.cuda.is_available():
+        raise SlipcacheError("SLIPCACHE_DIST_BACKEND=nccl needs a CUDA GPU, and none is available; use gloo")
     return chosen
 
 
@@ -122,9 +138,9 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedContext | 
         raise SlipcacheError(
             f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: start many processes with torchrun"
         )
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    rank, local_rank = env_int("RANK", 0), env_int("LOCAL_RANK", 0)
     install_stop_handler(rank)
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
     backend = default_backend()
     if backend == "nccl":
         torch.cuda.set_device(local_rank)

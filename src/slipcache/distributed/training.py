@@ -42,6 +42,7 @@ from slipcache.model import DLRM, ModelConfig, embedding_config
 from slipcache.training import runlock
 from slipcache.training.backend import RunBackend
 from slipcache.training.run_state import load_model_state
+from slipcache.training.rundir import load_training_checkpoint
 from slipcache.training.runlock import RunLock
 
 PLAN_FILE = "plan.json"
@@ -131,6 +132,7 @@ class DistributedBackend(RunBackend):
         self.plan: ShardingPlan | None = None  # from the checkpoint on resume, else made at model build
         # Resuming with another world size: (checkpoint dir, its manifest) to re-shard the tables from.
         self._reshard_from: tuple[Path, dict[str, Any]] | None = None
+        self._reshard_single: dict[str, Any] | None = None  # a one-process checkpoint's tables
 
     @property
     def is_main(self) -> bool:
@@ -217,7 +219,7 @@ class DistributedBackend(RunBackend):
         else:
             redirect_output(run_dir, self.ctx.rank)
         tables = ShardedEmbeddingCollection(
-            tables_config, self.plan, self.ctx.rank, self.ctx.embedding_group
+            tables_config, self.plan, self.ctx.rank, self.ctx.embedding_group, wire_precision=config.wire_precision
         )
         return DistributedDLRM(DLRM(config.model_config(table_sizes, num_dense), tables).to(self.ctx.device), self.ctx)
 
@@ -242,18 +244,21 @@ class DistributedBackend(RunBackend):
         """The trainer state to resume from: rank 0's file, with this rank's shards as "embeddings".
 
         With the world size it was written with, the plan and the shards are taken as saved (exact
-        resume); with another, a new plan is made and `load_model_state` re-shards the tables.
+        resume); with another (a one-process checkpoint included), a new plan is made and
+        `load_model_state` re-shards the tables; rank 0 prints what it did.
         """
         path = home or path
         step_dir = dckpt.latest_sharded(path)
         if step_dir is None:
-            if (Path(path) / "checkpoints" / "latest.pt").is_file() or Path(path).name.endswith(".pt"):
+            single = Path(path) / "checkpoints" / "latest.pt" if Path(path).is_dir() else Path(path)
+            if not single.is_file():
                 raise SlipcacheError(
-                    f"{path} was written by 1 process; resuming it with {self.ctx.world_size} processes is not supported"
+                    f"no complete checkpoint (with its {dckpt.MANIFEST}) under {path}; start the run again with its --out"
                 )
-            raise SlipcacheError(
-                f"no complete checkpoint (with its {dckpt.MANIFEST}) under {path}; start the run again with its --out"
-            )
+            state = load_training_checkpoint(single)
+            self._reshard_single = state.pop("embeddings")
+            self._say(f"re-sharding {single}, written by 1 process, over {self.ctx.world_size} processes: {dckpt.RESHARDED}")
+            return state
         manifest = dckpt.read_manifest(step_dir)
         state = dckpt.load_rank_state(step_dir, 0)
         if manifest["world_size"] == self.ctx.world_size:
@@ -263,14 +268,25 @@ class DistributedBackend(RunBackend):
         else:
             del state["embeddings"]  # rank 0's shards under the old plan: re-sharded instead
             self._reshard_from = (step_dir, manifest)
+            self._say(
+                f"re-sharding {step_dir}, written by {manifest['world_size']} processes, over "
+                f"{self.ctx.world_size}: {dckpt.RESHARDED}"
+            )
         return state
 
+    def _say(self, line: str) -> None:
+        if self.is_main:
+            print(line, flush=True)
+
     def load_model_state(self, state: dict[str, Any], model: DistributedDLRM) -> None:
-        if self._reshard_from is None:
+        if self._reshard_from is None and self._reshard_single is None:
             load_model_state(state, model)
             return
         load_model_state(state, model, embeddings=False)
-        dckpt.reshard_into(model.embeddings, *self._reshard_from)
+        if self._reshard_from is not None:
+            dckpt.reshard_into(model.embeddings, *self._reshard_from)
+        else:
+            dckpt.reshard_from_single(model.embeddings, self._reshard_single)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------- summary
     def summary(self, model: DistributedDLRM) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from slipcache.cli import add_progress_flag
+from slipcache.cli import add_progress_flag, image_file, seed_arg
 from slipcache.distributed.planner import TableSpec, plan_sharding
 from slipcache.errors import SlipcacheError
 from slipcache.planning.planner import GB, PLAN_PRECISIONS, ROUNDING_STEP, Plan, make_plan, uniform_choice
@@ -142,7 +142,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", default=None, help="write the plan as a TOML config for `slipcache train --config`"
     )
-    parser.add_argument("--plot", default=None, help="PNG of the hit-rate curves (default: beside --out)")
+    parser.add_argument("--plot", type=image_file, default=None, help="PNG of the hit-rate curves (default: beside --out)")
     parser.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="cache policy (default lru)")
     parser.add_argument("--optimizer", choices=("sgd", "adagrad", "rowwise_adagrad"), default="sgd")
     parser.add_argument(
@@ -153,7 +153,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sample-rows", type=int, default=1_000_000, help="training rows profiled (default 1,000,000)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="sampling seed")
     parser.add_argument(
         "--world-size", type=int, default=None, help="also preview table placement on N ranks"
     )

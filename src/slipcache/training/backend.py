@@ -93,17 +93,33 @@ class LocalBackend(RunBackend):
     def build_model(self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path) -> DLRM:
         return build_model(config, table_sizes, num_dense)
 
+    def __init__(self) -> None:
+        self._unshard_from: Path | None = None  # a checkpoint of N processes, gathered into one
+
     def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any] | None:
         if home is not None:
-            from slipcache.distributed.checkpoint import refuse_sharded
+            from slipcache.distributed import checkpoint as dckpt
 
-            refuse_sharded(home)  # written by N processes: say how to resume it
+            step_dir = dckpt.latest_sharded(home)
+            if step_dir is not None:  # written by N processes: rank 0's trainer state, every rank's tables
+                world_size = dckpt.read_manifest(step_dir)["world_size"]
+                state = dckpt.load_rank_state(step_dir, 0)
+                del state["embeddings"]
+                self._unshard_from = step_dir
+                print(f"re-sharding {step_dir}, written by {world_size} processes, into 1: {dckpt.RESHARDED}")
+                return state
             if path.name == ckpt.LATEST and not has_checkpoint(home):
                 return None
         return load_training_checkpoint(path)
 
     def load_model_state(self, state: dict[str, Any], model: DLRM) -> None:
-        load_model_state(state, model)
+        if self._unshard_from is None:
+            load_model_state(state, model)
+            return
+        from slipcache.distributed import checkpoint as dckpt
+
+        load_model_state(state, model, embeddings=False)
+        dckpt.unshard_into(model.embeddings, self._unshard_from)
 
     def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> None:
         """`checkpoints/ckpt-<samples>.pt` and `latest.pt`; a failed write names what is left to resume."""

@@ -15,12 +15,16 @@ from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import EMBEDDING_KINDS
 from slipcache.staleness.config import HOT_SETS, RULES, SKIP_RULE_HELP, SKIP_RULES, STALE_PRESETS, preset_help
-from slipcache.training import checkpoint as ckpt
-from slipcache.training.config import CONFIG_FIELDS, VOCABS, config_from_saved, load_config_file, make_config
-from slipcache.training.datasets import check_table_sizes, open_dataset, prepare_data, run_dataset_dir
-from slipcache.training.run_state import load_model_state
-from slipcache.training.rundir import load_training_checkpoint
-from slipcache.training.trainer import build_model, evaluate, train
+from slipcache.training.config import CONFIG_FIELDS, VOCABS, load_config_file, make_config
+from slipcache.training.datasets import (
+    check_table_sizes,
+    open_dataset,
+    prepare_data,
+    resolve_data,
+    run_dataset_dir,
+)
+from slipcache.training.saved_run import find_checkpoint, load_saved_model, saved_config
+from slipcache.training.trainer import evaluate, train
 
 
 def fmt_bytes(n: float) -> str:
@@ -142,6 +146,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=s,
         help="TorchRec/DLRM/MLPerf files: rows per table, one for all or 26 comma-separated; ids are "
         "taken modulo them (TorchRec's hashes). Default: the files' counts, else max id + 1",
+    )
+    add(
+        "--wire-precision",
+        choices=("fp32", "fp16", "bf16"),
+        default=s,
+        help="torchrun runs: rows and gradients between ranks as fp32 (default) or fp16/bf16 (half the bytes)",
     )
     add(
         "--split-order",
@@ -279,17 +289,12 @@ def evaluate_checkpoint(
     still be the data the run trained on (its fingerprint), unless `allow_changes`."""
     if samples is not None and samples < 1:
         raise SlipcacheError(f"--samples must be at least 1, got {samples}")
-    path = Path(checkpoint_path).expanduser().resolve()
-    from slipcache.distributed import checkpoint as sharded_ckpt
-
-    sharded = sharded_ckpt.latest_sharded(path) if path.is_dir() else None  # written by N processes
-    if path.is_dir():
-        path = path / "checkpoints" / ckpt.LATEST if (path / "checkpoints").is_dir() else path / ckpt.LATEST
-    state = sharded_ckpt.load_rank_state(sharded, 0) if sharded else load_training_checkpoint(path)
-    config = config_from_saved(state["config"], f"checkpoint {path}")
-    config.progress = False
+    saved = find_checkpoint(checkpoint_path, "--checkpoint")
+    state = saved.read()
+    path = saved.path
+    config = saved_config(saved, state)
     if data is not None:
-        config.data = str(Path(data).expanduser().resolve())
+        config.data = str(resolve_data(data))
         dataset_dir = prepare_data(config)
     else:
         saved_dataset = state["config"].get("dataset")
@@ -305,11 +310,7 @@ def evaluate_checkpoint(
             print(f"slipcache eval: warning: {what} is not the data the run trained on ({diff})", file=sys.stderr)
     if split not in dataset.splits or not dataset.splits[split]:
         raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
-    model = build_model(config, dataset.table_sizes, dataset.num_dense)
-    if sharded is not None:  # gather the ranks' shards into this process's tables
-        sharded_ckpt.unshard_into(model.embeddings, sharded)
-        state["embeddings"] = model.embeddings.state_dict()
-    load_model_state(state, model)
+    model = load_saved_model(saved, state, dataset.num_dense)
     return evaluate(model, dataset.split(split), max_samples=samples)
 
 

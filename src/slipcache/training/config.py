@@ -23,6 +23,7 @@ from slipcache.staleness.config import StalenessConfig
 _STALE = StalenessConfig()  # the stale_* defaults below are the detector's: one set of defaults
 
 VOCABS = ("hash", "frequency")
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -57,6 +58,7 @@ class TrainConfig:
     optimizer: str = "sgd"  # embedding optimizer
     lr: float = 0.3  # embedding learning rate (SGD; tuned on synthetic data at batch 256)
     dense_lr: float | None = None  # MLP learning rate (plain SGD); None = lr
+    wire_precision: str = "fp32"  # N processes: rows and gradients between ranks as fp32, fp16 or bf16
     # model
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
@@ -137,6 +139,7 @@ class TrainConfig:
             "optimizer": OPTIMIZERS,
             "vocab": VOCABS,
             "synthetic_generator": tuple(GENERATOR_VERSIONS),
+            "wire_precision": ("fp32", "fp16", "bf16"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -159,6 +162,10 @@ class TrainConfig:
                 raise SlipcacheError(f"{name} must be positive, got {value}")
         if self.time_order not in ("first", "every"):
             raise SlipcacheError(f"time_order must be first or every, got {self.time_order!r}")
+        for name in ("lr", "dense_lr"):  # the update multiplies float32 parameters by it
+            value = getattr(self, name)
+            if value is not None and value > FLOAT32_MAX:
+                raise SlipcacheError(f"{name} must fit a float32 (at most {FLOAT32_MAX:.3g}), got {value}")
         if self.split_order not in (None, "val-test", "test-val"):
             raise SlipcacheError(f"split_order must be val-test or test-val, got {self.split_order!r}")
         if self.table_sizes is not None and (not self.table_sizes or min(self.table_sizes) < 1):

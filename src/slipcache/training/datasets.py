@@ -4,7 +4,10 @@ files preprocessed once into the cache (keyed by the files and every preprocessi
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +32,35 @@ def _synthetic_dataset(config: TrainConfig) -> Path:
 
 
 def _raw_inputs(path: Path) -> list[Path]:
-    files = (
-        sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-        if path.is_dir()
-        else [path]
-    )
+    """The raw files of `--data`: the file, or a directory's files. Subdirectories are not read: named."""
+    if not path.is_dir():
+        return [path]
+    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
+    files = sorted(p for p in entries if p.is_file())
+    nested = sorted(p.name for p in entries if p.is_dir())
+    if nested:
+        warn_line(f"--data {path}: subdirectories are not read ({', '.join(nested[:3])}{', ...' if len(nested) > 3 else ''})")
     if not files:
         raise SlipcacheError(f"no data files in {path}")
     return files
+
+
+def resolve_data(text: str) -> Path:
+    """`--data` as an absolute path, so the run can be resumed and evaluated from anywhere; a symlink
+    loop or a pipe (`--data <(zcat ...)`: data is read more than once and memory-mapped) is one line."""
+    path = Path(text).expanduser()
+    try:
+        if stat.S_ISFIFO(path.stat().st_mode):
+            raise SlipcacheError(
+                f"--data {text} is a pipe; slipcache reads its data more than once: write it to a file first"
+            )
+        return path.resolve()
+    except (RuntimeError, OSError) as exc:  # resolve() raises RuntimeError on a loop (Python 3.11)
+        if isinstance(exc, FileNotFoundError):
+            return path.absolute()  # named as not found where it is read
+        if isinstance(exc, RuntimeError) or getattr(exc, "errno", None) == errno.ELOOP:
+            raise SlipcacheError(f"--data {text}: symlink loop") from exc
+        raise SlipcacheError(f"--data {text}: {exc.strerror or exc}") from exc
 
 
 def preprocessed_root() -> Path:
@@ -53,7 +77,7 @@ def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     """
     if config.data is None:
         return _synthetic_dataset(config)
-    path = Path(config.data).expanduser().resolve()
+    path = resolve_data(config.data)
     if not path.exists():
         raise SlipcacheError(f"data not found: {path}")
     from slipcache.data.formats import detect_format
@@ -176,6 +200,11 @@ def malformed_message(quality: dict[str, Any], data: str | None) -> str:
         "(--strict stops at the first); the first:"
     ]
     return "\n  ".join(lines + quality["examples"])
+
+
+def warn_line(message: str) -> None:
+    """A warning on stderr that does not stop the run."""
+    print(f"slipcache: warning: {message}", file=sys.stderr)
 
 
 def training_batches(

@@ -106,20 +106,25 @@ def prepare_out_dir(path: Path, *, restart_ok: bool) -> Path:
     return path
 
 
-def _resume_location(resume: str) -> tuple[Path, Path | None]:
-    """(checkpoint file, the run directory holding it or None for a loose file) named by `--resume`."""
-    path = Path(resume).expanduser().resolve()
+def locate_checkpoint(name: str | Path, flag: str = "--checkpoint") -> tuple[Path, Path | None]:
+    """(checkpoint file, the run directory holding it or None for a loose file) that `name` designates:
+    a run directory, its checkpoints directory (or any directory holding latest.pt), or a checkpoint file.
+    The one way `--resume`, `slipcache eval` and `slipcache export` find a run's checkpoint; `flag` names
+    the option in errors. A run of N processes has no such file: see `saved_run.find_checkpoint`."""
+    path = Path(name).expanduser().resolve()
     if path.is_dir():
-        if path.name == "checkpoints" and _is_run_dir(path.parent):
-            return path / ckpt.LATEST, path.parent
+        if path.name == "checkpoints" or (path / ckpt.LATEST).is_file():
+            return path / ckpt.LATEST, path.parent if _is_run_dir(path.parent) else None
         if _is_run_dir(path) or (path / "checkpoints").is_dir():
             return path / "checkpoints" / ckpt.LATEST, path
-        raise SlipcacheError(f"--resume {path}: not a slipcache run directory or checkpoint file")
+        if path.parent.name == "checkpoints" and _is_run_dir(path.parent.parent):  # a step of N processes
+            return path / ckpt.LATEST, path.parent.parent
+        raise SlipcacheError(f"{flag} {path}: not a slipcache run directory or checkpoint file")
     if path.is_file():
         if path.parent.name == "checkpoints" and _is_run_dir(path.parent.parent):
             return path, path.parent.parent
         return path, None
-    raise SlipcacheError(f"--resume {path}: no such run directory or checkpoint file")
+    raise SlipcacheError(f"{flag} {path}: no such run directory or checkpoint file")
 
 
 def load_resume(
@@ -131,7 +136,7 @@ def load_resume(
     run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
     stopped before its first checkpoint (a full disk) starts again from its config.json.
     """
-    path, home = _resume_location(config.resume or "")
+    path, home = locate_checkpoint(config.resume or "", "--resume")
     if config.out is not None and (home is None or Path(config.out).expanduser().resolve() != home):
         run_dir = prepare_out_dir(Path(config.out), restart_ok=False)
     elif home is None:
@@ -232,6 +237,9 @@ def run_record(
     record = {
         **asdict(config),
         "dataset": str(dataset_dir),
+        # how the dense values were transformed (files read in place: on read, or not at all when they hold
+        # TorchRec's transformed values), so a run records what its inputs were
+        "dense_transform": dataset.meta.get("dense_transform"),
         "data_fingerprint": current,
         "run_id": saved.get("run_id") or uuid.uuid4().hex[:16],
     }

@@ -46,6 +46,7 @@ from slipcache.training.datasets import (
     malformed_message,
     open_dataset,
     prepare_data,
+    resolve_data,
     run_dataset_dir,
     training_batches,
 )
@@ -188,7 +189,7 @@ def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     else:
         run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
-        config.data = str(Path(config.data).expanduser().resolve())
+        config.data = str(resolve_data(config.data))
 
     dataset_dir = run_dataset_dir(config, saved.get("dataset"))
     dataset = open_dataset(dataset_dir, config)

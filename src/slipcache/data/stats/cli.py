@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from slipcache.cli import add_progress_flag
+from slipcache.cli import add_progress_flag, image_file, seed_arg
 from slipcache.data.stats.compute import (
     DEFAULT_BUDGETS_MB,
     DEFAULT_CHUNK_ROWS,
@@ -39,7 +39,7 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-rows", type=int, default=None, help="measure only the first N rows")
     parser.add_argument("--json", metavar="FILE", help="also write the statistics as JSON ('-': stdout only)")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw them into a PNG")
+    parser.add_argument("--plot", metavar="FILE.png", type=image_file, help="also draw them into a PNG")
     parser.add_argument(
         "--budgets-mb", type=_positive_list, default=list(DEFAULT_BUDGETS_MB),
         help="hot-row budgets in MB for the hot-input share (default 64,256,1024)",
@@ -61,7 +61,7 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
         help="distinct values counted exactly before counts are sampled (default %(default)s)",
     )  # fmt: skip
     parser.add_argument("--split", action="append", help="dataset split to read (repeatable; default all)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the row sample")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the row sample")
     parser.add_argument(
         "--signal-rows", type=int, default=DEFAULT_SIGNAL_ROWS,
         help="first rows kept for target AUC, dense shapes and table links (default %(default)s)",

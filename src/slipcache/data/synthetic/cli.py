@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from slipcache.cli import add_progress_flag
+from slipcache.cli import add_progress_flag, float_in, seed_arg
 from slipcache.data.dataset import check_output_dir
 from slipcache.data.synthetic.compare import COMPARE_ROWS, compare_with_real, format_comparison
 from slipcache.data.synthetic.generate import (
@@ -16,6 +16,9 @@ from slipcache.data.synthetic.generate import (
 from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, NEW_ENTITY_RATE
 from slipcache.errors import SlipcacheError
 
+# Terabyte's vocabulary is about 8x Kaggle's; a larger scale only asks for tables no machine holds.
+MAX_SCALE = 8.0
+
 
 def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="output dataset directory (required unless --compare)")
@@ -23,9 +26,12 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         "--samples", type=int, default=DEFAULT_SAMPLES, help="total rows (default %(default)s)"
     )
     parser.add_argument(
-        "--scale", type=float, default=1.0, help="multiplier of the Kaggle table sizes (default %(default)s)"
+        "--scale",
+        type=float_in(0, MAX_SCALE),
+        default=1.0,
+        help=f"multiplier of the Kaggle table sizes, at most {MAX_SCALE:g} (default %(default)s)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="random seed (default 0)")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="share of rows in val (default 0.1)")
     parser.add_argument("--test-fraction", type=float, default=0.1, help="share of rows in test (default 0.1)")
     parser.add_argument(

@@ -9,15 +9,12 @@ import math
 import numpy as np
 
 from slipcache.data.dataset import NUM_DENSE
-from slipcache.errors import SlipcacheError
+from slipcache.data.kaggle import KAGGLE_CARDINALITIES as KAGGLE_CARDINALITIES
+from slipcache.data.kaggle import SMALL_TABLE as SMALL_TABLE
+from slipcache.data.kaggle import kaggle_table_sizes
 
-KAGGLE_CARDINALITIES = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
-    5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-]  # fmt: skip
 TARGET_POSITIVE_RATE = 0.256
 TARGET_TEACHER_AUC = 0.80
-SMALL_TABLE = 100  # tables up to this size keep their size under --scale; bigger ones never shrink below it
 HOT_ROWS = 20_000  # rows (by popularity rank) per table that carry teacher signal
 TEACHER_DIM = 8
 CHUNK_ROWS = 32_768
@@ -29,10 +26,8 @@ VARIANCE_SHARES = (0.3, 0.3, 0.4)
 
 
 def synthetic_table_sizes(scale: float) -> list[int]:
-    """Kaggle cardinalities times `scale`; small tables (<= SMALL_TABLE rows) keep their size."""
-    if not scale > 0:
-        raise SlipcacheError(f"scale must be positive, got {scale}")
-    return [max(min(c, SMALL_TABLE), int(round(c * scale))) for c in KAGGLE_CARDINALITIES]
+    """The generators' tables: `kaggle_table_sizes(scale)` (the name the generators have always used)."""
+    return kaggle_table_sizes(scale)
 
 
 class Teacher:
