@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> None:
     tasks: list[tuple[str, int, list[str] | None, str | None]] = []  # name, seed, flags, depends on rule
     for seed in range(args.seeds):
         tasks.append(("baseline", seed, [], None))
-        for rule, flags in RULES.items():
+        for i, (rule, flags) in enumerate(RULES.items()):
+            if seed >= args.rule_seeds[i]:
+                continue  # fewer seeds for this rule (time)
             tasks.append((rule, seed, flags, None))
             tasks.append((f"random at {rule}", seed, None, rule))
     running: list[tuple[subprocess.Popen, str, int]] = []
@@ -100,6 +102,8 @@ def run(args: argparse.Namespace) -> None:
             if summary_of(args, name, seed) is not None:
                 tasks.remove(task)
                 continue
+            if (Path(args.out) / "runs" / f"{slug(name)}-s{seed}").exists():
+                continue  # started by an earlier driver and still running: wait for its summary
             if depends is not None:
                 base = summary_of(args, depends, seed)
                 if base is None:
@@ -155,7 +159,7 @@ def report(args: argparse.Namespace) -> None:
         summary = json.loads(summary_path.read_text())
         runs.setdefault(name, {})[int(seed)] = {
             "summary": {k: summary.get(k) for k in ("auc", "logloss", "train_samples", "skipped_fraction",
-                                                    "train_cpu_s", "train_seconds")},
+                                                    "train_cpu_s", "train_wall_s")},
             "val_final": curve(run_dir)[-1]["auc"] if curve(run_dir) else None,
             "curve": curve(run_dir),
             "staleness": summary.get("staleness"),
@@ -207,6 +211,18 @@ def report(args: argparse.Namespace) -> None:
         lines.append(f"| {r['rule']} | {r['skipped_fraction']['mean']:.3f} / {r['random_skipped_fraction']['mean']:.3f} "
                      f"| {fmt(r['val_auc_minus_random'])} | {fmt(r['test_auc_minus_random'])} "
                      f"| {fmt(r['val_auc_minus_early_stop'])} | {fmt(r['val_auc_minus_baseline'])} | {sp} |")
+    lines += ["", "| run | hot inputs / inputs seen while classifying | skip bookkeeping, share of the loop's wall time |",
+              "|---|---|---|"]
+    for name, by_seed in sorted(runs.items()):
+        blocks = [r["staleness"] for r in by_seed.values() if r["staleness"]]
+        if not blocks:
+            continue
+        hot = [b["hot_inputs_seen"] / b["inputs_seen"] for b in blocks if b.get("hot_inputs_seen") is not None
+               and b.get("inputs_seen")]
+        over = [b["skip_overhead_s"] / r["summary"]["train_wall_s"] for b, r in
+                zip(blocks, by_seed.values(), strict=False) if r["summary"].get("train_wall_s")]
+        lines.append(f"| {name} | {np.mean(hot):.3f} |" if hot else f"| {name} | – |")
+        lines[-1] += f" {np.mean(over):.3f} |" if over else " – |"
     (out / "table.md").write_text("\n".join(lines) + "\n")
     plot(runs, out / "auc.png")
     print("\n".join(lines))
@@ -244,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=60_000)
     parser.add_argument("--eval-samples", type=int, default=60_000, help="validation samples per evaluation")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rule-seeds", type=lambda v: [int(x) for x in v.split(",")], default=[99, 99, 99],
+                        help="seeds per rule, in the order of RULES (default: all)")
     args = parser.parse_args(argv)
     run(args) if args.command == "run" else report(args)
     return 0
