@@ -85,6 +85,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_train_bench_arguments(
         targets.add_parser("train", help="the DLRM trainer (fp32, INT8 + 5 %% cache) against TorchRec + FBGEMM")
     )
+    from slipcache.bench.quantize import add_quantize_arguments
+
+    add_quantize_arguments(
+        targets.add_parser("quantize", help="the compiled quantize pass and table creation, in M values/s")
+    )
 
 
 def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -229,6 +234,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from slipcache.bench.train import run_train_bench
 
         return run_train_bench(args)
+    if args.target == "quantize":
+        from slipcache.bench.quantize import run_quantize_bench
+
+        return run_quantize_bench(args)
     return run_embedding_bench(args)
 
 

@@ -20,8 +20,10 @@ write-backs. The configuration is in `config`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -46,6 +48,18 @@ from slipcache.errors import InvalidInputError, SlipcacheError
 __all__ = ["OPTIMIZERS", "CachedEmbeddingBagCollection", "EmbeddingConfig", "SparseFeatures"]
 
 _INIT_CHUNK_ROWS = 1 << 20
+_LOAD_FOLLOWS = [False]  # set by `rows_loaded_next`
+
+
+@contextlib.contextmanager
+def rows_loaded_next() -> Iterator[None]:
+    """Collections built inside skip drawing their initial rows (minutes for the MLPerf tables): the caller
+    loads every row from a checkpoint right after (its storage is left uninitialized until then)."""
+    _LOAD_FOLLOWS[0] = True
+    try:
+        yield
+    finally:
+        _LOAD_FOLLOWS[0] = False
 # Rows are drawn and rounded a chunk of about 1 MB of fp32 at a time: it stays in the core's cache between
 # the draw and the rounding, and bounds what creation holds in fp32 whatever the table sizes.
 _INIT_CHUNK_VALUES = 1 << 18
@@ -125,7 +139,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.inputs, self.planner, self.cache, self.storage, self.traffic, config.rounding, config.seed
         )
         if not meta:
-            self._initialize_rows()
+            if not _LOAD_FOLLOWS[0]:
+                self._initialize_rows()
             if self.storage_device.type == "cpu" and self.device.type == "cuda":
                 self.storage.pin_memory_()
 

@@ -134,6 +134,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="validation samples per evaluation, the first N of the split (default 100000)",
     )
     add("--checkpoint-every", type=int, default=s, help="samples between checkpoints (default: 4 per run)")
+    add(
+        "--keep-checkpoints",
+        type=int,
+        default=s,
+        help="periodic checkpoints kept on disk, newest first (default 2; the MLPerf tables take 15 GB each)",
+    )
     add("--dim", dest="embedding_dim", type=int, default=s, help="embedding dimension (default 16)")
     add("--seed", type=int, default=s, help="random seed (default 0)")
     add("--vocab", choices=VOCABS, default=s, help="raw data vocabulary: hash (default) or frequency")

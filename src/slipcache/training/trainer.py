@@ -425,8 +425,15 @@ def save_checkpoint(run: Run) -> None:
     """A checkpoint of the whole run (`run_state.checkpoint_state`), written by the backend; the open
     window's cache counts travel with it."""
     _sync_window_counts(run)
+    start = time.perf_counter()
     state = checkpoint_state(run)
     run.backend.save_checkpoint(run.run_dir, state, run.progress.samples, keep=run.config.keep_checkpoints)
+    latest = run.run_dir / "checkpoints" / "latest.pt"
+    run.last_checkpoint = {
+        "samples": run.progress.samples,
+        "bytes": latest.stat().st_size if latest.is_file() else None,
+        "write_s": time.perf_counter() - start,
+    }
 
 
 def end_epoch(run: Run) -> None:
@@ -463,6 +470,7 @@ def finish_run(run: Run) -> dict[str, Any]:
         "startup_s": run.startup_s,
         # The OS's peak resident set of this process so far: tables, data loading, evaluation, checkpoints.
         "peak_rss_bytes": peak_rss_bytes(),
+        "last_checkpoint": run.last_checkpoint,  # samples, bytes and write time of the final checkpoint
         "memory_components": memory["components"],
         "memory_per_rank": memory.get("per_rank"),  # N processes: each rank's own report
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
