@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from slipcache.bench.bound import AccessCosts, Popularity, attach_bounds, unique_share
 from slipcache.bench.machine import describe_machine, physical_memory_bytes, probe_memory
 from slipcache.bench.peers import CONFIGS, BenchConfig
 from slipcache.bench.report import (
@@ -83,6 +84,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_train_bench_arguments(
         targets.add_parser("train", help="the DLRM trainer (fp32, INT8 + 5 %% cache) against TorchRec + FBGEMM")
+    )
+    from slipcache.bench.quantize import add_quantize_arguments
+
+    add_quantize_arguments(
+        targets.add_parser("quantize", help="the compiled quantize pass and table creation, in M values/s")
     )
 
 
@@ -228,6 +234,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from slipcache.bench.train import run_train_bench
 
         return run_train_bench(args)
+    if args.target == "quantize":
+        from slipcache.bench.quantize import run_quantize_bench
+
+        return run_quantize_bench(args)
     return run_embedding_bench(args)
 
 
@@ -329,6 +339,14 @@ def _run_bench(args: argparse.Namespace) -> int:
                 progress(f"    {row['status']}")
     rows = [combine_rounds(per_key[(dim, cfg.name)]) for dim, cfg in keys]
     _attach_ratios(rows)
+    share = unique_share(work.batches[work.first_timed :], sizes)
+    if probes is not None:
+        progress("probing random accesses at each configuration's working-set sizes (the bound) ...")
+        costs = AccessCosts(0.2 if args.quick else 0.5, int(min(2 * GB, budget / 4)))
+        popularity = Popularity(work.batches[work.first_timed :], sizes)
+        attach_bounds(rows, sizes, share, costs, popularity)
+        probes["access_costs"] = costs.describe()
+        probes["last_level_cache_bytes"] = costs.cache_bytes
     targets = evaluate_targets(rows)
     warnings = []
     loads = [
@@ -392,6 +410,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "rows": rows,
         "probes": probes,
+        "unique_share": share,
         "workload": work.describe(),
         "memory_budget_gb": budget_gb,
         "targets": targets,

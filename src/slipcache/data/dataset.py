@@ -131,6 +131,7 @@ class DatasetWriter:
         num_tables: int = NUM_TABLES,
     ) -> None:
         self.out_dir = Path(out_dir)
+        self._made_out_dir = not self.out_dir.exists()  # removed again if the write fails
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -146,7 +147,7 @@ class DatasetWriter:
         for name, n in self.split_sizes.items():
             self.arrays[name] = SplitArrays(
                 *(
-                    np.lib.format.open_memmap(self.staging / f"{name}.{part}.npy", "w+", dtype, shape)
+                    self._open_array(self.staging / f"{name}.{part}.npy", dtype, shape)
                     for part, dtype, shape in (
                         ("labels", np.float32, (n,)),
                         ("dense", np.float32, (n, num_dense)),
@@ -154,6 +155,10 @@ class DatasetWriter:
                     )
                 )
             )
+
+    def _open_array(self, path: Path, dtype: Any, shape: tuple[int, ...]) -> Any:
+        """A writable array of the final shape (a memory map: rows may come in any order)."""
+        return np.lib.format.open_memmap(path, "w+", dtype, shape)
 
     def write(
         self, split: str, start: int, labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray
@@ -189,8 +194,12 @@ class DatasetWriter:
         return full
 
     def abort(self) -> None:
+        """Remove the staging directory, and `out_dir` when this writer made it and it stayed empty."""
         self.arrays.clear()
         shutil.rmtree(self.staging, ignore_errors=True)
+        if self._made_out_dir:
+            with contextlib.suppress(OSError):  # not empty: someone else's files now, keep it
+                self.out_dir.rmdir()
 
     def __enter__(self) -> DatasetWriter:
         return self

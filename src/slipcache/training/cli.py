@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.cli import add_progress_flag
+from slipcache.data.presets import parse_table_sizes
 from slipcache.data.synthetic import GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
@@ -134,6 +135,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="validation samples per evaluation, the first N of the split (default 100000)",
     )
     add("--checkpoint-every", type=int, default=s, help="samples between checkpoints (default: 4 per run)")
+    add(
+        "--keep-checkpoints",
+        type=int,
+        default=s,
+        help="periodic checkpoints kept on disk, newest first (default 2; the MLPerf tables take 15 GB each)",
+    )
     add("--dim", dest="embedding_dim", type=int, default=s, help="embedding dimension (default 16)")
     add("--seed", type=int, default=s, help="random seed (default 0)")
     add("--vocab", choices=VOCABS, default=s, help="raw data vocabulary: hash (default) or frequency")
@@ -142,10 +149,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
     add(
         "--table-sizes",
-        type=int_list,
+        type=parse_table_sizes,
         default=s,
-        help="TorchRec/DLRM/MLPerf files: rows per table, one for all or 26 comma-separated; ids are "
-        "taken modulo them (TorchRec's hashes). Default: the files' counts, else max id + 1",
+        help="TorchRec/DLRM/MLPerf files: rows per table, one for all, 26 comma-separated or a preset "
+        "(mlperf, kaggle); ids are taken modulo them (TorchRec's hashes). Default: the files' counts, else "
+        "max id + 1. A slipcache dataset must match its own sizes",
     )
     add(
         "--wire-precision",

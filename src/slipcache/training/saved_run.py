@@ -27,7 +27,7 @@ class SavedCheckpoint:
     def read(self) -> dict[str, Any]:
         """The verified training state (for N processes: rank 0's, which holds the config and sizes)."""
         if not self.sharded:
-            return load_training_checkpoint(self.path)
+            return load_training_checkpoint(self.path, use="--checkpoint")  # eval and export take it so
         from slipcache.distributed import checkpoint as sharded_ckpt
 
         sharded_ckpt.read_manifest(self.path)  # every rank's file present, with its recorded size
@@ -58,7 +58,13 @@ def load_saved_model(
     saved: SavedCheckpoint, state: dict[str, Any], num_dense: int, *, dense: bool = True
 ) -> DLRM:
     """The run's model with the checkpoint's tables (and, with `dense`, its MLPs) in one process."""
-    model = build_model(saved_config(saved, state), state["table_sizes"], num_dense)
+    if saved.sharded:
+        model = build_model(saved_config(saved, state), state["table_sizes"], num_dense)
+    else:
+        from slipcache.embedding.collection import rows_loaded_next
+
+        with rows_loaded_next():  # every row comes from the checkpoint: no initial draw to overwrite
+            model = build_model(saved_config(saved, state), state["table_sizes"], num_dense)
     if saved.sharded:  # gather the ranks' shards into this process's tables
         from slipcache.distributed.checkpoint import unshard_into
 

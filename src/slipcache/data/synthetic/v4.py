@@ -161,6 +161,10 @@ class GeneratorV4(GeneratorV3):
         for (tables, rate), mu in zip(MISSING_GROUPS, missing_u, strict=True):
             ids[np.ix_(mu < rate, tables)] = MISSING_ROW
         dense = self.draw_dense(rng, n)
+        if self.columns is not None:  # given table sizes: each role's ids go back to its table's column
+            out = np.empty_like(ids)
+            out[:, self.columns] = ids
+            ids = out
         self._source_weights = np.array(weights)
         return dense, ids.astype(np.int32), self.terms(dense, np.stack(params, axis=1))
 
