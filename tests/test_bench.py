@@ -15,6 +15,8 @@ from slipcache.bench import cli as bench
 from slipcache.bench import peers as bench_peers
 from slipcache.bench import timing as bench_timing
 from slipcache.bench import workload as bench_workload
+from slipcache.data.kaggle import KAGGLE_CARDINALITIES, kaggle_table_sizes
+from slipcache.data.synthetic import synthetic_table_sizes
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import make_config
 
@@ -109,7 +111,7 @@ def test_peer_memory_ratios_and_fbgemm_ratio(result: dict[str, Any]) -> None:
 def test_memory_ratios_match_memory_report(result: dict[str, Any]) -> None:
     from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
-    sizes = bench_workload.scaled_table_sizes(0.0001, 50)
+    sizes = kaggle_table_sizes(0.0001, min_rows=50)
     for r in result["rows"]:
         if r["impl"] != "slipcache":
             continue
@@ -186,12 +188,15 @@ def test_workload_shape_and_skew() -> None:
     assert torch.equal(work.batches, again.batches)
 
 
-def test_scaled_table_sizes() -> None:
-    full = bench_workload.scaled_table_sizes(1.0)
-    assert full == bench_workload.KAGGLE_TABLE_SIZES and sum(full) == 33_762_577
-    quick = bench_workload.scaled_table_sizes(0.01)
-    assert max(quick) == math.ceil(10_131_227 * 0.01)
-    assert all(q == n for q, n in zip(quick, full, strict=True) if n <= 10_000)
+def test_one_scale_for_the_generator_and_the_benchmarks() -> None:
+    # "scale 0.05" is the same tables in `bench embedding`, `bench cache` and the synthetic data.
+    full = kaggle_table_sizes(1.0)
+    assert full == KAGGLE_CARDINALITIES and sum(full) == 33_762_577
+    assert sum(kaggle_table_sizes(0.05)) == 1_688_571 and kaggle_table_sizes(0.05) == synthetic_table_sizes(0.05)
+    quick = kaggle_table_sizes(0.01)
+    assert max(quick) == round(10_131_227 * 0.01)
+    assert all(q == n for q, n in zip(quick, full, strict=True) if n <= 100)  # small tables keep their size
+    assert min(q for q, n in zip(quick, full, strict=True) if n > 100) == 100  # bigger ones stop at 100
 
 
 def test_rounds_are_combined_and_ours_is_profiled(result: dict[str, Any]) -> None:

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from slipcache.bench.report import progress
-from slipcache.bench.workload import make_workload, scaled_table_sizes
+from slipcache.bench.workload import make_workload
 from slipcache.cli import float_in, positive_int, seed_arg
+from slipcache.data.kaggle import kaggle_table_sizes
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.embedding.lookahead import belady_hits
@@ -54,7 +55,7 @@ class Trace:
 
 
 def zipf_trace(scale: float, batch_size: int, batches: int, warmup: int, exponent: float, seed: int) -> Trace:
-    sizes = scaled_table_sizes(scale)
+    sizes = kaggle_table_sizes(scale)
     work = make_workload(sizes, batch_size, warmup_steps=0, timed_steps=batches, exponent=exponent, seed=seed)
     source = (
         f"Zipf({exponent}) ids, independent per table and sample, over the Kaggle tables x{scale:g} "
@@ -65,11 +66,10 @@ def zipf_trace(scale: float, batch_size: int, batches: int, warmup: int, exponen
 
 def dataset_trace(path: str, batch_size: int, batches: int, warmup: int, seed: int) -> Trace:
     """The first `batches` training batches of a binary dataset, in the trainer's (shuffled) order."""
-    from slipcache.data.dataset import BatchIterator
-    from slipcache.training.datasets import open_dataset
+    from slipcache.training.datasets import open_dataset, training_batches
 
     dataset = open_dataset(Path(path))
-    iterator = BatchIterator(dataset.split("train"), batch_size, shuffle=True, seed=seed, drop_last=True)
+    iterator = training_batches(dataset, batch_size, seed=seed, epoch=0)
     taken = [batch.sparse for _, batch in zip(range(batches), iterator, strict=False)]
     if len(taken) < batches:
         raise SlipcacheError(f"{path}: only {len(taken)} training batches of {batch_size}, asked for {batches}")
@@ -77,7 +77,7 @@ def dataset_trace(path: str, batch_size: int, batches: int, warmup: int, seed: i
     source = (
         f"dataset {path} (vocabulary {meta.get('vocabulary', '?')}, generator "
         f"{(meta.get('generator') or {}).get('version', '-')}), {sum(dataset.table_sizes):,} rows, "
-        f"train split in the trainer's shuffled order (seed {seed}), batch {batch_size}"
+        f"train split in the training order (seed {seed}, training_batches), batch {batch_size}"
     )
     return Trace(torch.stack(taken), list(dataset.table_sizes), warmup, source)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from slipcache.bench.bound import AccessCosts, Popularity, attach_bounds, unique_share
 from slipcache.bench.machine import describe_machine, physical_memory_bytes, probe_memory
 from slipcache.bench.peers import CONFIGS, BenchConfig
 from slipcache.bench.report import (
@@ -41,8 +42,9 @@ from slipcache.bench.timing import (
     combine_rounds,
     measure,
 )
-from slipcache.bench.workload import make_workload, scaled_table_sizes
+from slipcache.bench.workload import make_workload
 from slipcache.cli import float_in, seed_arg
+from slipcache.data.kaggle import SMALL_TABLE, kaggle_table_sizes
 from slipcache.errors import SlipcacheError
 from slipcache.memory import RUNTIME_BYTES, available_bytes
 
@@ -82,6 +84,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_train_bench_arguments(
         targets.add_parser("train", help="the DLRM trainer (fp32, INT8 + 5 %% cache) against TorchRec + FBGEMM")
+    )
+    from slipcache.bench.quantize import add_quantize_arguments
+
+    add_quantize_arguments(
+        targets.add_parser("quantize", help="the compiled quantize pass and table creation, in M values/s")
     )
 
 
@@ -147,7 +154,7 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # Hidden knobs for tests and experiments.
     parser.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--min-rows", type=int, default=10_000, help=argparse.SUPPRESS)
+    parser.add_argument("--min-rows", type=int, default=SMALL_TABLE, help=argparse.SUPPRESS)
     parser.add_argument("--skip-probes", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -209,7 +216,7 @@ def _command(args: argparse.Namespace, dims: list[int], configs: list[BenchConfi
             parts += [flag, str(value)]
     if not args.prefill:
         parts.append("--no-prefill")
-    if args.min_rows != 10_000:
+    if args.min_rows != SMALL_TABLE:
         parts += ["--min-rows", str(args.min_rows)]
     if args.skip_probes:
         parts.append("--skip-probes")
@@ -227,6 +234,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from slipcache.bench.train import run_train_bench
 
         return run_train_bench(args)
+    if args.target == "quantize":
+        from slipcache.bench.quantize import run_quantize_bench
+
+        return run_quantize_bench(args)
     return run_embedding_bench(args)
 
 
@@ -291,7 +302,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             f"  copy {probes['sequential_copy']['copy_gb_s']:.1f} GB/s, "
             f"gather {probes['random_gather']['rows_per_s'] / 1e6:.1f} M rows/s"
         )
-    sizes = scaled_table_sizes(scale, args.min_rows)
+    sizes = kaggle_table_sizes(scale, min_rows=args.min_rows)
     progress(
         f"generating ids: {len(sizes)} tables, {sum(sizes):,} rows, {max(warmup, cache_warmup)}+{steps} steps "
         f"of {args.batch_size}"
@@ -328,6 +339,14 @@ def _run_bench(args: argparse.Namespace) -> int:
                 progress(f"    {row['status']}")
     rows = [combine_rounds(per_key[(dim, cfg.name)]) for dim, cfg in keys]
     _attach_ratios(rows)
+    share = unique_share(work.batches[work.first_timed :], sizes)
+    if probes is not None:
+        progress("probing random accesses at each configuration's working-set sizes (the bound) ...")
+        costs = AccessCosts(0.2 if args.quick else 0.5, int(min(2 * GB, budget / 4)))
+        popularity = Popularity(work.batches[work.first_timed :], sizes)
+        attach_bounds(rows, sizes, share, costs, popularity)
+        probes["access_costs"] = costs.describe()
+        probes["last_level_cache_bytes"] = costs.cache_bytes
     targets = evaluate_targets(rows)
     warnings = []
     loads = [
@@ -391,6 +410,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "rows": rows,
         "probes": probes,
+        "unique_share": share,
         "workload": work.describe(),
         "memory_budget_gb": budget_gb,
         "targets": targets,

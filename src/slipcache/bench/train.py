@@ -85,8 +85,8 @@ class _TorchRecDLRM(nn.Module):
 
 def _run_torchrec(config: Any, out: Path) -> dict[str, Any]:
     """The plain loop: the trainer's batches (same order), BCE loss, SGD on the MLPs, fused SGD on tables."""
-    from slipcache.data.dataset import BatchIterator
     from slipcache.training import trainer
+    from slipcache.training.datasets import training_batches
 
     dataset = trainer.open_dataset(trainer.prepare_data(config, out / "data-cache"))
     config = trainer.resolve_schedule(config, dataset.splits["train"])
@@ -96,9 +96,7 @@ def _run_torchrec(config: Any, out: Path) -> dict[str, Any]:
     samples, wall, epoch = 0, 0.0, 0
     while samples < config.samples:
         start = time.perf_counter()
-        for batch in BatchIterator(
-            dataset.split("train"), config.batch_size, shuffle=True, seed=config.seed, epoch=epoch, drop_last=True
-        ):
+        for batch in training_batches(dataset, config.batch_size, seed=config.seed, epoch=epoch):
             loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
             dense_opt.zero_grad(set_to_none=True)
             loss.backward()  # the table update runs inside backward (fused)

@@ -1,4 +1,4 @@
-"""The workload of `slipcache bench embedding`: Criteo-Kaggle-shaped tables (optionally scaled down) and
+"""The workload of `slipcache bench embedding`: Criteo-Kaggle-shaped tables (`data.kaggle`) and
 power-law id batches with their gradients, the same for every implementation (also `bench cache`'s trace).
 """
 
@@ -12,22 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-
-# Criteo Kaggle categorical cardinalities, C1..C26 (33,762,577 rows in all).
-KAGGLE_TABLE_SIZES: list[int] = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-]  # fmt: skip
-
-def scaled_table_sizes(scale: float, min_rows: int = 10_000, sizes: list[int] | None = None) -> list[int]:
-    """Shrink the big tables by `scale`; tables at or under `min_rows` keep their size.
-
-    Why a floor: scaling a 24-row table by 0.01 would leave a table of one row, a different workload.
-    """
-    sizes = KAGGLE_TABLE_SIZES if sizes is None else sizes
-    if scale >= 1.0:
-        return list(sizes)
-    return [min(n, max(math.ceil(n * scale), min_rows, 1)) for n in sizes]
 
 
 def zipf_cdf(num_rows: int, exponent: float) -> np.ndarray:

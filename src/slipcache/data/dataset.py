@@ -131,6 +131,7 @@ class DatasetWriter:
         num_tables: int = NUM_TABLES,
     ) -> None:
         self.out_dir = Path(out_dir)
+        self._made_out_dir = not self.out_dir.exists()  # removed again if the write fails
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -146,7 +147,7 @@ class DatasetWriter:
         for name, n in self.split_sizes.items():
             self.arrays[name] = SplitArrays(
                 *(
-                    np.lib.format.open_memmap(self.staging / f"{name}.{part}.npy", "w+", dtype, shape)
+                    self._open_array(self.staging / f"{name}.{part}.npy", dtype, shape)
                     for part, dtype, shape in (
                         ("labels", np.float32, (n,)),
                         ("dense", np.float32, (n, num_dense)),
@@ -154,6 +155,10 @@ class DatasetWriter:
                     )
                 )
             )
+
+    def _open_array(self, path: Path, dtype: Any, shape: tuple[int, ...]) -> Any:
+        """A writable array of the final shape (a memory map: rows may come in any order)."""
+        return np.lib.format.open_memmap(path, "w+", dtype, shape)
 
     def write(
         self, split: str, start: int, labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray
@@ -189,8 +194,12 @@ class DatasetWriter:
         return full
 
     def abort(self) -> None:
+        """Remove the staging directory, and `out_dir` when this writer made it and it stayed empty."""
         self.arrays.clear()
         shutil.rmtree(self.staging, ignore_errors=True)
+        if self._made_out_dir:
+            with contextlib.suppress(OSError):  # not empty: someone else's files now, keep it
+                self.out_dir.rmdir()
 
     def __enter__(self) -> DatasetWriter:
         return self
@@ -358,15 +367,17 @@ class BatchIterator:
                 return
             self._buffer.append(item)
 
-    def _read_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _read_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(labels, dense, sparse, positions in the split) of one chunk, in the epoch's order."""
         start, end = self._chunks[chunk]
         labels = np.array(self.split.labels[start:end])
         dense = np.array(self.split.dense[start:end])
         sparse = np.array(self.split.sparse[start:end])
+        positions = np.arange(start, end, dtype=np.int64)
         if self.shuffle:
             perm = np.random.default_rng([self.seed, self.epoch, chunk]).permutation(end - start)
-            labels, dense, sparse = labels[perm], dense[perm], sparse[perm]
-        return labels, dense, sparse
+            labels, dense, sparse, positions = labels[perm], dense[perm], sparse[perm], positions[perm]
+        return labels, dense, sparse, positions
 
     def _generate(self, start_batch: int) -> Iterator[tuple[Batch, int]]:
         """Yield (batch, samples dropped by the filter since the previous batch)."""
@@ -386,20 +397,24 @@ class BatchIterator:
         carry: tuple[np.ndarray, ...] | None = None
         dropped = 0
         for chunk in self._order[first_chunk:]:
-            labels, dense, sparse = self._read_chunk(chunk)
+            labels, dense, sparse, positions = self._read_chunk(chunk)
             if offset:
-                labels, dense, sparse = labels[offset:], dense[offset:], sparse[offset:]
+                labels, dense, sparse, positions = labels[offset:], dense[offset:], sparse[offset:], positions[offset:]
                 offset = 0
-            pieces = [(labels, dense, sparse)]
+            pieces = [(labels, dense, sparse, positions)]
             if self.sample_filter is not None:
                 # Filter a batch-sized piece at a time, as late as possible: a stateful filter (stale-input
                 # skipping) then decides with its state as of the batches consumed so far.
                 pieces = [
-                    (labels[i : i + B], dense[i : i + B], sparse[i : i + B]) for i in range(0, len(labels), B)
+                    (labels[i : i + B], dense[i : i + B], sparse[i : i + B], positions[i : i + B])
+                    for i in range(0, len(labels), B)
                 ]
-            for labels, dense, sparse in pieces:
+            for labels, dense, sparse, positions in pieces:
                 if self.sample_filter is not None:
-                    mask = np.asarray(self.sample_filter(sparse), dtype=bool)
+                    # A filter that keeps per-input state (loss pruning) also gets the split positions.
+                    wants = getattr(self.sample_filter, "wants_positions", False)
+                    mask = self.sample_filter(sparse, positions) if wants else self.sample_filter(sparse)
+                    mask = np.asarray(mask, dtype=bool)
                     if mask.shape != labels.shape:
                         raise SlipcacheError(
                             f"sample_filter returned shape {mask.shape}, expected {labels.shape}"

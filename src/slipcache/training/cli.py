@@ -8,14 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.cli import add_progress_flag
+from slipcache.data.presets import parse_table_sizes
 from slipcache.data.synthetic import GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import EMBEDDING_KINDS
-from slipcache.training import checkpoint as ckpt
-from slipcache.training.config import CONFIG_FIELDS, VOCABS, config_from_saved, load_config_file, make_config
+from slipcache.staleness.config import HOT_SETS, RULES, SKIP_RULE_HELP, SKIP_RULES, STALE_PRESETS, preset_help
+from slipcache.training.config import CONFIG_FIELDS, VOCABS, load_config_file, make_config
 from slipcache.training.datasets import (
     check_table_sizes,
     open_dataset,
@@ -23,9 +24,8 @@ from slipcache.training.datasets import (
     resolve_data,
     run_dataset_dir,
 )
-from slipcache.training.run_state import load_model_state
-from slipcache.training.rundir import load_training_checkpoint
-from slipcache.training.trainer import build_model, evaluate, train
+from slipcache.training.saved_run import find_checkpoint, load_saved_model, saved_config
+from slipcache.training.trainer import evaluate, train
 
 
 def fmt_bytes(n: float) -> str:
@@ -80,7 +80,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         dest="synthetic_generator",
         choices=tuple(GENERATOR_VERSIONS),
         default=s,
-        help="synthetic data generator: v3 (default; entities, time order) or v2 (earlier figures)",
+        help="synthetic data generator: v4 (default; v3 with real signal, dense shapes and links), v3 or v2 (earlier figures)",
     )
     add(
         "--resume",
@@ -135,6 +135,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="validation samples per evaluation, the first N of the split (default 100000)",
     )
     add("--checkpoint-every", type=int, default=s, help="samples between checkpoints (default: 4 per run)")
+    add(
+        "--keep-checkpoints",
+        type=int,
+        default=s,
+        help="periodic checkpoints kept on disk, newest first (default 2; the MLPerf tables take 15 GB each)",
+    )
     add("--dim", dest="embedding_dim", type=int, default=s, help="embedding dimension (default 16)")
     add("--seed", type=int, default=s, help="random seed (default 0)")
     add("--vocab", choices=VOCABS, default=s, help="raw data vocabulary: hash (default) or frequency")
@@ -143,10 +149,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--strict", action="store_true", default=s, help="raw data: stop at the first malformed line")
     add(
         "--table-sizes",
-        type=int_list,
+        type=parse_table_sizes,
         default=s,
-        help="TorchRec/DLRM/MLPerf files: rows per table, one for all or 26 comma-separated; ids are "
-        "taken modulo them (TorchRec's hashes). Default: the files' counts, else max id + 1",
+        help="TorchRec/DLRM/MLPerf files: rows per table, one for all, 26 comma-separated or a preset "
+        "(mlperf, kaggle); ids are taken modulo them (TorchRec's hashes). Default: the files' counts, else "
+        "max id + 1. A slipcache dataset must match its own sizes",
     )
     add(
         "--wire-precision",
@@ -173,8 +180,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-stale",
         action="store_true",
         default=s,
-        help="skip stale inputs (Slipstream; docs/skipping.md)",
+        help="skip stale inputs (Slipstream; docs/skipping.md); the same as --skip-rule stale",
     )
+    add("--skip-rule", choices=SKIP_RULES, default=s, help=SKIP_RULE_HELP)
+    add("--time-order", choices=("first", "every"), default=s,
+        help="time-ordered data: first (default): the first epoch through time, later ones shuffled across "
+             "days (validation AUC does not saw at epoch boundaries); every: every epoch through time")
+    add("--stale-preset", choices=tuple(STALE_PRESETS), default=s,
+        help="a set of --stale-* settings (flags you give still win): " + preset_help())
+    add("--stale-hot-set", choices=HOT_SETS, default=s,
+        help="budget (default): most accessed rows that fit --stale-budget-mb; frequency: FAE's threshold")
+    add("--stale-hot-rate", type=float, default=s,
+        help="frequency hot set: share of profiled inputs a hot row is looked up by (default 1e-4)")
+    add("--prune-share", type=float, default=s,
+        help="loss rule: r, share of below-mean-loss inputs pruned; kept ones weigh 1/(1-r) (default 0.5)")
+    add("--prune-final", type=float, default=s, help="loss rule: last share of the run on all data (0.125)")
     add("--stale-target", type=float, default=s, help="D: share of hot inputs to skip (default 0.3)")
     add("--no-stale-guard", dest="stale_guard", action="store_false", default=s, help="no accuracy guard")
     add("--stale-guard-every", type=int, default=s, help="batches between guard checks (default 100)")
@@ -199,7 +219,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="hot rows must expect this many accesses per window (default 0 = budget only, as the paper)",
     )
     add("--stale-release-cache", action="store_true", default=s, help="stale rows give up their cache slots")
-    add("--stale-rule", choices=("convergence", "paper"), default=s,
+    add("--stale-rule", choices=RULES, default=s,
         help="convergence (default): change per update of rows updated >= k times; paper: L-inf change")
     add("--stale-min-updates", type=int, default=s, help="k: updates before a row is judged (default 4)")
     add("--stale-count-share", type=float, default=s,
@@ -277,15 +297,10 @@ def evaluate_checkpoint(
     still be the data the run trained on (its fingerprint), unless `allow_changes`."""
     if samples is not None and samples < 1:
         raise SlipcacheError(f"--samples must be at least 1, got {samples}")
-    path = Path(checkpoint_path).expanduser().resolve()
-    from slipcache.distributed import checkpoint as sharded_ckpt
-
-    sharded = sharded_ckpt.latest_sharded(path) if path.is_dir() else None  # written by N processes
-    if path.is_dir():
-        path = path / "checkpoints" / ckpt.LATEST if (path / "checkpoints").is_dir() else path / ckpt.LATEST
-    state = sharded_ckpt.load_rank_state(sharded, 0) if sharded else load_training_checkpoint(path)
-    config = config_from_saved(state["config"], f"checkpoint {path}")
-    config.progress = False
+    saved = find_checkpoint(checkpoint_path, "--checkpoint")
+    state = saved.read()
+    path = saved.path
+    config = saved_config(saved, state)
     if data is not None:
         config.data = str(resolve_data(data))
         dataset_dir = prepare_data(config)
@@ -303,11 +318,7 @@ def evaluate_checkpoint(
             print(f"slipcache eval: warning: {what} is not the data the run trained on ({diff})", file=sys.stderr)
     if split not in dataset.splits or not dataset.splits[split]:
         raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
-    model = build_model(config, dataset.table_sizes, dataset.num_dense)
-    if sharded is not None:  # gather the ranks' shards into this process's tables
-        sharded_ckpt.unshard_into(model.embeddings, sharded)
-        state["embeddings"] = model.embeddings.state_dict()
-    load_model_state(state, model)
+    model = load_saved_model(saved, state, dataset.num_dense)
     return evaluate(model, dataset.split(split), max_samples=samples)
 
 

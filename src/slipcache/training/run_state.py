@@ -73,14 +73,16 @@ def restore(state: dict[str, Any], run: Run) -> None:
     run.callbacks.load_state_dict(state)
 
 
-def load_model_state(state: dict[str, Any], model: DLRM, *, embeddings: bool = True) -> None:
-    """Dense and (unless told not to) embedding state into `model`; a checkpoint of another shape is
-    named as such."""
+def load_model_state(state: dict[str, Any], model: DLRM, *, dense: bool = True, embeddings: bool = True) -> None:
+    """Dense and embedding state (each unless told not to) into `model`; a checkpoint of another shape is
+    named as such. Tables a lazy checkpoint left on disk are read straight into the model's buffers."""
+    ckpt.materialize(state, {"embeddings": model.embeddings.state_dict()} if embeddings else None)
     try:
-        missing, unexpected = model.load_state_dict(state["dense"], strict=False)
-        missing = [k for k in missing if not k.startswith("embeddings.")]
-        if missing or unexpected:
-            raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if dense:
+            missing, unexpected = model.load_state_dict(state["dense"], strict=False)
+            missing = [k for k in missing if not k.startswith("embeddings.")]
+            if missing or unexpected:
+                raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
         if embeddings:
             model.embeddings.load_state_dict(state["embeddings"])
     except (RuntimeError, KeyError, ValueError) as exc:

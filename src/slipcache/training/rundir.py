@@ -54,8 +54,8 @@ _RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard"}
 _STATE_DEFINING = {
     "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
     "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
-    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "table_sizes", "split_order",
-    "lookahead", "prefetch", "stale_rule",
+    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "skip_rule", "table_sizes", "split_order",
+    "lookahead", "prefetch", "stale_rule", "time_order",
 }  # fmt: skip
 
 
@@ -106,20 +106,25 @@ def prepare_out_dir(path: Path, *, restart_ok: bool) -> Path:
     return path
 
 
-def _resume_location(resume: str) -> tuple[Path, Path | None]:
-    """(checkpoint file, the run directory holding it or None for a loose file) named by `--resume`."""
-    path = Path(resume).expanduser().resolve()
+def locate_checkpoint(name: str | Path, flag: str = "--checkpoint") -> tuple[Path, Path | None]:
+    """(checkpoint file, the run directory holding it or None for a loose file) that `name` designates:
+    a run directory, its checkpoints directory (or any directory holding latest.pt), or a checkpoint file.
+    The one way `--resume`, `slipcache eval` and `slipcache export` find a run's checkpoint; `flag` names
+    the option in errors. A run of N processes has no such file: see `saved_run.find_checkpoint`."""
+    path = Path(name).expanduser().resolve()
     if path.is_dir():
-        if path.name == "checkpoints" and _is_run_dir(path.parent):
-            return path / ckpt.LATEST, path.parent
+        if path.name == "checkpoints" or (path / ckpt.LATEST).is_file():
+            return path / ckpt.LATEST, path.parent if _is_run_dir(path.parent) else None
         if _is_run_dir(path) or (path / "checkpoints").is_dir():
             return path / "checkpoints" / ckpt.LATEST, path
-        raise SlipcacheError(f"--resume {path}: not a slipcache run directory or checkpoint file")
+        if path.parent.name == "checkpoints" and _is_run_dir(path.parent.parent):  # a step of N processes
+            return path / ckpt.LATEST, path.parent.parent
+        raise SlipcacheError(f"{flag} {path}: not a slipcache run directory or checkpoint file")
     if path.is_file():
         if path.parent.name == "checkpoints" and _is_run_dir(path.parent.parent):
             return path, path.parent.parent
         return path, None
-    raise SlipcacheError(f"--resume {path}: no such run directory or checkpoint file")
+    raise SlipcacheError(f"{flag} {path}: no such run directory or checkpoint file")
 
 
 def load_resume(
@@ -131,7 +136,7 @@ def load_resume(
     run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
     stopped before its first checkpoint (a full disk) starts again from its config.json.
     """
-    path, home = _resume_location(config.resume or "")
+    path, home = locate_checkpoint(config.resume or "", "--resume")
     if config.out is not None and (home is None or Path(config.out).expanduser().resolve() != home):
         run_dir = prepare_out_dir(Path(config.out), restart_ok=False)
     elif home is None:
@@ -191,18 +196,19 @@ def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[
     return changes
 
 
-def load_training_checkpoint(path: Path) -> dict[str, Any]:
+def load_training_checkpoint(path: Path, *, use: str = "--resume") -> dict[str, Any]:
     """A verified training checkpoint; when it is damaged or missing, the error names the complete older
-    checkpoints beside it and how to resume from one."""
+    checkpoints beside it and how to go on from the newest (`use`: the flag that takes it, e.g.
+    `--checkpoint` for eval)."""
     try:
-        state = ckpt.load_checkpoint(path)
+        state = ckpt.load_checkpoint(path, lazy=True)  # the tables are read into the model (load_model_state)
     except ckpt.CorruptCheckpointError as exc:
         older = [p for p in ckpt.complete_checkpoints(path.parent) if p.name != path.name]
         if not older:
             raise
         names = ", ".join(p.name for p in older)
         raise SlipcacheError(
-            f"{exc}; complete older checkpoints: {names}; to continue from the newest: --resume {older[0]}"
+            f"{exc}; complete older checkpoints: {names}; to use the newest: {use} {older[0]}"
         ) from exc
     check_checkpoint(state, path)
     return state
