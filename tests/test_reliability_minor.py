@@ -205,3 +205,14 @@ def test_crafted_cache_state_with_a_valid_checksum(tmp_path: Path, capsys: pytes
     latest.unlink()
     checkpoint.save_checkpoint(latest, state)  # a valid checksum over inconsistent content
     one_line(["eval", "--checkpoint", str(latest)], capsys, expected)
+
+
+def test_plan_out_replaces_only_a_plan(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data = make_dataset(tmp_path / "d", n=400)
+    notes = tmp_path / "notes.toml"
+    notes.write_text("mine = 1\n")
+    argv = ["plan", "--data", str(data), "--budget-gb", "0.001", "--no-progress", "--out"]
+    one_line([*argv, str(notes)], capsys, "exists and is not a plan written by slipcache plan")
+    assert notes.read_text() == "mine = 1\n"
+    assert main([*argv, str(tmp_path / "plan.toml")]) == 0
+    assert main([*argv, str(tmp_path / "plan.toml")]) == 0  # its own plan: replaced

@@ -15,6 +15,7 @@ from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import EMBEDDING_KINDS
+from slipcache.staleness.config import HOT_SETS, RULES, SKIP_RULE_HELP, SKIP_RULES, STALE_PRESETS, preset_help
 from slipcache.training.config import CONFIG_FIELDS, VOCABS, load_config_file, make_config
 from slipcache.training.datasets import (
     check_table_sizes,
@@ -79,7 +80,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         dest="synthetic_generator",
         choices=tuple(GENERATOR_VERSIONS),
         default=s,
-        help="synthetic data generator: v3 (default; entities, time order) or v2 (earlier figures)",
+        help="synthetic data generator: v4 (default; v3 with real signal, dense shapes and links), v3 or v2 (earlier figures)",
     )
     add(
         "--resume",
@@ -179,8 +180,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-stale",
         action="store_true",
         default=s,
-        help="skip stale inputs (Slipstream; docs/skipping.md)",
+        help="skip stale inputs (Slipstream; docs/skipping.md); the same as --skip-rule stale",
     )
+    add("--skip-rule", choices=SKIP_RULES, default=s, help=SKIP_RULE_HELP)
+    add("--time-order", choices=("first", "every"), default=s,
+        help="time-ordered data: first (default): the first epoch through time, later ones shuffled across "
+             "days (validation AUC does not saw at epoch boundaries); every: every epoch through time")
+    add("--stale-preset", choices=tuple(STALE_PRESETS), default=s,
+        help="a set of --stale-* settings (flags you give still win): " + preset_help())
+    add("--stale-hot-set", choices=HOT_SETS, default=s,
+        help="budget (default): most accessed rows that fit --stale-budget-mb; frequency: FAE's threshold")
+    add("--stale-hot-rate", type=float, default=s,
+        help="frequency hot set: share of profiled inputs a hot row is looked up by (default 1e-4)")
+    add("--prune-share", type=float, default=s,
+        help="loss rule: r, share of below-mean-loss inputs pruned; kept ones weigh 1/(1-r) (default 0.5)")
+    add("--prune-final", type=float, default=s, help="loss rule: last share of the run on all data (0.125)")
     add("--stale-target", type=float, default=s, help="D: share of hot inputs to skip (default 0.3)")
     add("--no-stale-guard", dest="stale_guard", action="store_false", default=s, help="no accuracy guard")
     add("--stale-guard-every", type=int, default=s, help="batches between guard checks (default 100)")
@@ -205,7 +219,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="hot rows must expect this many accesses per window (default 0 = budget only, as the paper)",
     )
     add("--stale-release-cache", action="store_true", default=s, help="stale rows give up their cache slots")
-    add("--stale-rule", choices=("convergence", "paper"), default=s,
+    add("--stale-rule", choices=RULES, default=s,
         help="convergence (default): change per update of rows updated >= k times; paper: L-inf change")
     add("--stale-min-updates", type=int, default=s, help="k: updates before a row is judged (default 4)")
     add("--stale-count-share", type=float, default=s,

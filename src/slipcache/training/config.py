@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slipcache.data.synthetic import GENERATOR_VERSIONS
+from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.collection import OPTIMIZERS
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
@@ -41,10 +41,11 @@ class TrainConfig:
     min_count: int = 1  # raw data, frequency vocabulary: rarer values map to row 0 ("unknown")
     synthetic_samples: int = 4_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle
-    synthetic_generator: str = "v3"  # synthetic data: "v3" (entities, time order) or "v2" (earlier figures)
+    synthetic_generator: str = DEFAULT_GENERATOR  # "v4" (default), "v3" (entities, time order) or "v2"
     strict: bool = False  # raw data: a malformed line is an error instead of being skipped
     table_sizes: list[int] | None = None  # external formats: rows per table (one for all, or 26); ids modulo
     split_order: str | None = None  # external formats: "val-test" or "test-val" halves of the last day
+    time_order: str = "first"  # time-ordered data: "first" epoch through time, later ones shuffled across days; "every"
     # embeddings (see slipcache.embedding.collection / docs/design.md)
     embeddings: str = "cached"  # "cached" (ours) or "torch" (fp32 nn.EmbeddingBag baseline)
     # precision, cache_size, cache_rows: one value, or (config files) a list with one value per table
@@ -78,6 +79,12 @@ class TrainConfig:
     tensorboard: str | None = None  # also write metrics as TensorBoard events here; "" = <out>/tensorboard
     # Slipstream stale-input skipping (slipcache.staleness.skipping, docs/skipping.md)
     skip_stale: bool = False  # drop stale inputs while batches are assembled: no forward, no backward
+    skip_rule: str | None = None  # "stale" (= skip_stale), "random" (the equal-share control) or "loss"
+    stale_preset: str | None = None  # "paper" or "tuned": a set of stale_* values (STALE_PRESETS)
+    stale_hot_set: str = _STALE.hot_set  # "budget" (most accessed rows that fit) or "frequency" (FAE)
+    stale_hot_rate: float = _STALE.hot_min_rate  # "frequency": share of profiled inputs a hot row is read by
+    prune_share: float = 0.5  # loss rule: r, share of the below-mean-loss inputs pruned (kept ones weigh 1/(1-r))
+    prune_final: float = 0.125  # loss rule: the last share of the run trains on all data
     stale_target: float = _STALE.target_drop  # D: share of hot inputs to skip, fitted anew each epoch
     stale_guard: bool = True  # back off D (or stop) when skipped inputs' loss drifts above trained ones'
     stale_guard_every: int = 100  # batches between guard checks (each evaluates 2048 inputs, forward only)
@@ -154,6 +161,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        if self.time_order not in ("first", "every"):
+            raise SlipcacheError(f"time_order must be first or every, got {self.time_order!r}")
         if self.max_rows > 2**31:  # rows are int32 ids
             raise SlipcacheError(f"max_rows must be at most 2**31, got {self.max_rows}")
         if self.out == "" or self.resume == "":
@@ -191,7 +200,18 @@ class TrainConfig:
             raise SlipcacheError(
                 "stale_window must be in (0, 1], stale_guard_every >= 1, stale_budget_mb > 0"
             )
-        from slipcache.staleness.config import RULES
+        from slipcache.staleness.config import HOT_SETS, RULES, SKIP_RULES, STALE_PRESETS
+
+        if self.skip_rule is not None and self.skip_rule not in SKIP_RULES:
+            raise SlipcacheError(f"skip_rule must be one of {', '.join(SKIP_RULES)}, got {self.skip_rule!r}")
+        if self.skip_stale and self.skip_rule not in (None, "stale"):
+            raise SlipcacheError(f"--skip-stale means --skip-rule stale; it cannot go with {self.skip_rule!r}")
+        if self.stale_preset is not None and self.stale_preset not in STALE_PRESETS:
+            raise SlipcacheError(f"stale_preset must be one of {', '.join(STALE_PRESETS)}, got {self.stale_preset!r}")
+        if self.stale_hot_set not in HOT_SETS or not 0.0 < self.stale_hot_rate <= 1.0:
+            raise SlipcacheError(f"stale_hot_set must be one of {', '.join(HOT_SETS)}, stale_hot_rate in (0, 1]")
+        if not 0.0 < self.prune_share < 1.0 or not 0.0 <= self.prune_final < 1.0:
+            raise SlipcacheError("prune_share must be in (0, 1) and prune_final in [0, 1)")
         from slipcache.staleness.skipping import DECISIONS, WARMUPS
 
         for name, allowed in (("stale_rule", RULES), ("stale_warmup", WARMUPS), ("stale_decision", DECISIONS)):
@@ -304,6 +324,17 @@ def make_config(
     """Defaults, then the config file, then command-line flags; `--quick` fills only what neither set."""
     user = {**(file_values or {}), **(flag_values or {})}
     given = {**QUICK, **user} if user.get("quick") else dict(user)
+    preset = given.get("stale_preset")
+    if preset is not None:  # a preset fills only what the user did not set, as --quick does
+        from slipcache.staleness.config import STALE_PRESETS
+
+        if preset not in STALE_PRESETS:
+            raise SlipcacheError(f"stale_preset must be one of {', '.join(STALE_PRESETS)}, got {preset!r}")
+        given = {**STALE_PRESETS[preset], **given}
+    if given.get("skip_stale") and given.get("skip_rule") is None:
+        given["skip_rule"] = "stale"  # one switch: --skip-stale is --skip-rule stale
+    if given.get("skip_rule") == "stale":
+        given["skip_stale"] = True
     if "embedding_dim" in user and "bottom_mlp" not in user:
         # The bottom MLP's output meets the embeddings, so its last layer follows --dim.
         base = given.get("bottom_mlp", TrainConfig().bottom_mlp)
