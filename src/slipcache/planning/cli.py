@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from slipcache.cli import add_progress_flag, image_file, seed_arg
+from slipcache.cli import add_progress_flag, add_threads_flag, image_file, seed_arg
 from slipcache.distributed.planner import TableSpec, plan_sharding
 from slipcache.errors import SlipcacheError
 from slipcache.planning.planner import GB, PLAN_PRECISIONS, ROUNDING_STEP, Plan, make_plan, uniform_choice
@@ -139,6 +139,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="the --quick synthetic dataset of slipcache train"
     )
     parser.add_argument("--dim", type=int, default=16, help="embedding dimension (default 16)")
+    add_threads_flag(parser)
     parser.add_argument(
         "--out", default=None, help="write the plan as a TOML config for `slipcache train --config`"
     )
