@@ -29,10 +29,6 @@ class HotSet:
         np.minimum(pos, self.rows.size - 1, out=pos)
         return pos, self.rows[pos] == global_rows
 
-    def contains(self, global_rows: np.ndarray) -> np.ndarray:
-        """Boolean mask: which global rows are hot."""
-        return self.positions(np.asarray(global_rows, dtype=np.int64))[1]
-
 
 def most_accessed(global_rows: np.ndarray, max_rows: int, table_offsets: np.ndarray) -> HotSet:
     """FAE's hot set: the ``max_rows`` rows most accessed in a sample (any shape of global rows)."""

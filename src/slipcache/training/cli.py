@@ -117,7 +117,7 @@ def evaluate_checkpoint(
     """Metrics of a saved model on a dataset split. On the run's own dataset (no `data`), that dataset must
     still be the data the run trained on (its fingerprint), unless `allow_changes`."""
     if samples is not None and samples < 1:
-        raise SlipcacheError(f"--eval-samples must be at least 1, got {samples}")
+        raise SlipcacheError(f"--eval-samples / --samples must be at least 1, got {samples}")
     saved = find_checkpoint(checkpoint_path, "--checkpoint")
     state = saved.read()
     path = saved.path
