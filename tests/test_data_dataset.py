@@ -54,7 +54,11 @@ def test_writer_and_dataset_roundtrip(tmp_path: Path) -> None:
 def test_writer_failure_leaves_no_dataset(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError), DatasetWriter(tmp_path / "ds", {"train": 5}):
         raise RuntimeError("crash")
-    assert list((tmp_path / "ds").iterdir()) == []
+    assert not (tmp_path / "ds").exists()  # the directory the writer made goes with it
+    (tmp_path / "ds").mkdir()
+    with pytest.raises(RuntimeError), DatasetWriter(tmp_path / "ds", {"train": 5}):
+        raise RuntimeError("crash")
+    assert list((tmp_path / "ds").iterdir()) == []  # one it did not make stays
     with pytest.raises(SlipcacheError, match="no meta.json"):
         CriteoDataset(tmp_path / "ds")
 

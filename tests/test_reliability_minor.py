@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from slipcache.cli import main
+from tests.helpers import make_dataset
 from tests.test_data_formats import write_dlrm, write_torchrec
 
 
@@ -115,3 +116,71 @@ def test_subdirectories_of_raw_data_are_named(tmp_path: Path, capsys: pytest.Cap
     (raw / "day_0.tsv").write_text(line * 700)
     main(_train(raw, tmp_path))
     assert "subdirectories are not read (day_2)" in capsys.readouterr().err
+
+
+def test_hash_rows_beyond_int32_and_an_empty_out(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    raw = tmp_path / "raw.tsv"
+    raw.write_text(("1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["0a0b0c0d"] * 26) + "\n") * 10)
+    one_line(["preprocess", str(raw), "--out", str(tmp_path / "o"), "--vocab", "hash", "--max-rows", "3000000000"],
+             capsys, "--max-rows must be in [2, 2**31], got 3000000000")
+    one_line(["train", "--out", ""], capsys, "need a directory name, got an empty one")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_failed_preprocessing_leaves_no_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    raw = tmp_path / "raw.tsv"
+    raw.write_text("1\tnot a line\n")
+    one_line(["preprocess", str(raw), "--out", str(tmp_path / "o"), "--strict"], capsys, "raw.tsv:1")
+    assert not (tmp_path / "o").exists()
+
+
+def test_bom_and_unknown_formats_are_named_without_echoing_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    header = "label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + ",".join(f"C{i}" for i in range(1, 27))
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + header.encode() + b"\n")
+    one_line(["train", "--data", str(tmp_path / "bom.csv"), "--out", str(tmp_path / "r")], capsys, "byte-order mark")
+    (tmp_path / "secret.txt").write_text("password=hunter2\n")
+    one_line(["train", "--data", str(tmp_path / "secret.txt"), "--out", str(tmp_path / "r")], capsys, "unrecognized format")
+    assert "hunter2" not in capsys.readouterr().err
+
+
+def test_settings_that_are_ignored_are_said(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from slipcache.training.config import make_config
+
+    make_config({}, {"policy": "none", "cache_size": 0.5, "prefetch": True, "table_sizes": [10]})
+    err = capsys.readouterr().err
+    assert "--cache-size/--cache-rows are ignored" in err and "--prefetch reads rows" in err
+    assert "synthetic data ignores it" in err
+    make_config({}, {"policy": "lru", "cache_size": 0.5})
+    assert capsys.readouterr().err == ""
+
+
+def test_nan_dense_values_in_the_test_split_stop_eval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    data = make_dataset(tmp_path / "d", n=640)
+    assert main(_train(data, tmp_path)) == 0
+    dense = np.load(data / "test.dense.npy")
+    dense[3, 0] = np.nan
+    np.save(data / "test.dense.npy", dense)
+    one_line(["eval", "--checkpoint", str(tmp_path / "run"), "--allow-changes"], capsys,
+             "1 of 160 predictions are not finite")
+
+
+def test_eval_of_a_damaged_checkpoint_names_the_older_one_for_eval(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data = make_dataset(tmp_path / "d", n=640)
+    assert main(_train(data, tmp_path, "--checkpoint-every", "128")) == 0
+    latest = tmp_path / "run" / "checkpoints" / "latest.pt"
+    raw = bytearray(latest.read_bytes())
+    latest.unlink()
+    raw[-10] ^= 0xFF
+    latest.write_bytes(bytes(raw))
+    one_line(["eval", "--checkpoint", str(tmp_path / "run")], capsys, "to use the newest: --checkpoint ")
+
+
+def test_plan_toml_parses_with_a_newline_in_the_data_path(tmp_path: Path) -> None:
+    import tomllib
+
+    data = make_dataset(tmp_path / "odd\nname", n=400)
+    out = tmp_path / "plan.toml"
+    assert main(["plan", "--data", str(data), "--budget-gb", "0.001", "--out", str(out), "--no-progress"]) == 0
+    parsed = tomllib.loads(out.read_text())
+    assert parsed.get("train", parsed)["data"] == str(data)

@@ -16,6 +16,10 @@ Not part of CI (it takes minutes). Usage:
    first checkpoint, then for the second; after the one-line error, the tmpfs grows and `--resume`
    must finish with the reference's results.
 5. Bad input: a list of known bad inputs through the CLI; each must exit 2 with one line on stderr.
+6. Ownership (tools/stress_runs.py): two writers on one run directory (the second refused in one line, the
+   first identical to the reference); each resumable setting changed with --allow-changes (refused
+   without it; the final checkpoint holds the new value); the data regenerated or bytes flipped under a
+   run (eval and --resume refuse in one line what the fingerprint sees).
 
 A failure is any mismatch, traceback or multi-line error; the tool prints a JSON summary and exits 1
 when there was one.
@@ -37,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import stress_runs  # tools/, beside this file
 import torch
 
 from slipcache.cli import main as cli_main
@@ -336,6 +341,8 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/slipcache-stress"))
     parser.add_argument("--kills", type=int, default=20, help="kill/resume trials (default 20)")
     parser.add_argument("--flips", type=int, default=20, help="byte-flip trials (each: eval and resume)")
+    parser.add_argument("--concurrent", type=int, default=6, help="two-writer trials (default 6)")
+    parser.add_argument("--data-trials", type=int, default=9, help="data changed under a run (default 9)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the JSON summary here too")
     args = parser.parse_args()
@@ -381,6 +388,15 @@ def main() -> int:
         if trial["verdict"] != "FAILURE":
             shutil.rmtree(run)
 
+    owners = stress_runs.concurrent_trials(runner, workdir, expected, args.concurrent, outcome, differences)
+    print(f"concurrent writers: {[t['verdict'] for t in owners]}", flush=True)
+    skipping = workdir / "reference-skipping"
+    runner.run(stress_runs.train_command(runner, skipping, "--skip-stale", "--stale-warmup", "none"),
+               workdir / "reference-skipping.log")  # fmt: skip
+    changes = stress_runs.changed_setting_trials(cli, workdir, reference, skipping)
+    print(f"changed settings: {[t['verdict'] for t in changes]}", flush=True)
+    data_changes = stress_runs.changed_data_trials(cli, runner, workdir, args.data_trials, rng)
+    print(f"changed data: {[t['verdict'] for t in data_changes]}", flush=True)
     flips = flip_trials(reference, workdir, args.flips, rng)
     disk = full_disk_trials(runner, workdir, reference, expected)
     bad = bad_input_trials(workdir, reference)
@@ -397,12 +413,22 @@ def main() -> int:
         "flip_trials": len(flips),
         "flip_failures": sum(r["verdict"] == "FAILURE" for r in flips),
         "flip_verdicts": {v: sum(r["verdict"] == v for r in flips) for v in {r["verdict"] for r in flips}},
+        "concurrent_trials": len(owners),
+        "concurrent_failures": sum(t["verdict"] == "FAILURE" for t in owners),
+        "changed_setting_trials": len(changes),
+        "changed_setting_failures": sum(t["verdict"] == "FAILURE" for t in changes),
+        "changed_data_trials": len(data_changes),
+        "changed_data_verdicts": {v: sum(t["verdict"] == v for t in data_changes) for v in {t["verdict"] for t in data_changes}},
         "disk": disk,
         "bad_input": bad,
+        "concurrent_details": owners,
+        "changed_setting_details": changes,
+        "changed_data_details": data_changes,
         "kill_details": kills,
         "flip_details": flips,
     }
-    failures = report["kill_failures"] + report["flip_failures"]
+    failures = report["kill_failures"] + report["flip_failures"] + report["concurrent_failures"]
+    failures += report["changed_setting_failures"] + sum(t["verdict"] == "FAILURE" for t in data_changes)
     failures += sum(d.get("verdict") == "FAILURE" for d in disk) + sum(b["verdict"] == "FAILURE" for b in bad)
     report["failures"] = failures
     text = json.dumps(report, indent=1, default=str)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from slipcache.bench.bound import AccessCosts, Popularity, attach_bounds, unique_share
 from slipcache.bench.machine import describe_machine, physical_memory_bytes, probe_memory
 from slipcache.bench.peers import CONFIGS, BenchConfig
 from slipcache.bench.report import (
@@ -324,6 +325,14 @@ def _run_bench(args: argparse.Namespace) -> int:
                 progress(f"    {row['status']}")
     rows = [combine_rounds(per_key[(dim, cfg.name)]) for dim, cfg in keys]
     _attach_ratios(rows)
+    share = unique_share(work.batches[work.first_timed :], sizes)
+    if probes is not None:
+        progress("probing random accesses at each configuration's working-set sizes (the bound) ...")
+        costs = AccessCosts(0.2 if args.quick else 0.5, int(min(2 * GB, budget / 4)))
+        popularity = Popularity(work.batches[work.first_timed :], sizes)
+        attach_bounds(rows, sizes, share, costs, popularity)
+        probes["access_costs"] = costs.describe()
+        probes["last_level_cache_bytes"] = costs.cache_bytes
     targets = evaluate_targets(rows)
     warnings = []
     loads = [
@@ -387,6 +396,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "rows": rows,
         "probes": probes,
+        "unique_share": share,
         "workload": work.describe(),
         "memory_budget_gb": budget_gb,
         "targets": targets,

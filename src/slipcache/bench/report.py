@@ -64,6 +64,7 @@ def format_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
         "samples/s",
         "min-max",
         "x fbgemm fp32",
+        "of bound",
         "GB",
         "mem ratio",
         "hit rate",
@@ -80,6 +81,7 @@ def format_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
                 _fmt(r["samples_per_s"], ",.0f"),
                 _spread(r),
                 _fmt(r["ratio_vs_fbgemm_fp32"], ".2f"),
+                _fmt(r.get("fraction_of_bound"), ".2f"),
                 _fmt(None if r["bytes"] is None else r["bytes"] / GB, ".3f"),
                 _fmt(r["memory_ratio"], ".2f"),
                 _fmt(r["hit_rate"], ".3f"),
@@ -95,7 +97,7 @@ def format_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     widths = [max(len(h), *(len(c[i]) for c in lines)) if lines else len(h) for i, h in enumerate(header)]
 
     def fmt_line(cells: list[str]) -> str:
-        numeric = range(2, 10)  # right-align the number columns
+        numeric = range(2, 11)  # right-align the number columns
         return "  ".join(
             c.rjust(w) if i in numeric else c.ljust(w)
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))
@@ -128,6 +130,38 @@ def format_profile(rows: list[dict[str, Any]], markdown: bool = False) -> str:
         "  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
         for cells in [header, *lines]
     )
+
+
+def format_bound(result: dict[str, Any]) -> list[str]:
+    """Markdown lines: the access costs the probes measured, and each configuration's bound by term."""
+    costs = (result.get("probes") or {}).get("access_costs")
+    bounded = [r for r in result["rows"] if r.get("bound_ns_per_lookup")]
+    if not costs or not bounded:
+        return []
+    lines = ["## Bound (ns per lookup, by access)", ""]
+    lines.append(
+        "Access costs measured: "
+        + "; ".join(
+            f"{c['row_bytes']} B rows in {_binary(c['working_set_bytes'])}: {c['ns_per_access']:.1f} ns"
+            for c in costs
+        )
+        + f" (share of first lookups of a row in a step u = {result.get('unique_share', 0):.3f})."
+    )
+    lines.append("")
+    for r in bounded:
+        terms = ", ".join(f"{k} {v:.1f}" for k, v in r["bound_ns_per_lookup"].items())
+        lines.append(
+            f"- dim {r['dim']} {r['name']}: {terms}; bound {r['bound_samples_per_s']:,.0f} samples/s, "
+            f"measured {r['fraction_of_bound']:.2f} of it"
+        )
+    return [*lines, ""]
+
+
+def _binary(size: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:,.0f} {unit}"
+    return f"{size:,.0f} B"
 
 
 def format_targets(targets: list[dict[str, Any]]) -> str:
@@ -179,6 +213,11 @@ def _markdown(result: dict[str, Any]) -> str:
         f"`samples/s` is the median of {result['rounds']} interleaved rounds (each timed for at least "
         f"{result['min_seconds']:g} s), `min-max` their range.",
         "",
+        "`of bound` = samples/s over the configuration's own bound: the samples/s at which its random memory "
+        "accesses alone, priced by the random-gather probe at their working-set and row sizes, would take the "
+        "whole step (the model: `slipcache.bench.bound`, docs/design.md).",
+        "",
+        *format_bound(result),
         "## Phase profile (µs per sample)",
         "",
         format_profile(result["rows"], markdown=True) or "(not profiled)",

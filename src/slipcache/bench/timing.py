@@ -174,7 +174,7 @@ def measure(
             row["hit_rate"] = _finite(stats.get("hit_rate"))
             moved = (stats.get("bytes_in") or 0) + (stats.get("bytes_out") or 0)
             row["bytes_moved_per_sample"] = moved / samples if samples else None
-            for key in ("lookups", "misses", "rows_in", "overflow_rows", "evictions"):
+            for key in ("lookups", "misses", "rows_in", "rows_out", "overflow_rows", "evictions"):
                 row[key] = stats.get(key)
             if row["evictions"] is not None:
                 row["evictions_per_step"] = row["evictions"] / steps

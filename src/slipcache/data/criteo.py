@@ -100,6 +100,11 @@ LAYOUTS = {
 
 def detect_format(first_line: bytes) -> str:
     """Name of the format whose first line this is (see the module docstring)."""
+    if first_line.startswith(b"\xef\xbb\xbf"):
+        raise SlipcacheError(
+            "starts with a UTF-8 byte-order mark (BOM), which is not part of the Criteo formats; remove it: "
+            "sed -i '1s/^\\xEF\\xBB\\xBF//' FILE"
+        )
     head = first_line.strip().lower()
     if head.startswith(b"id,label,i1,"):
         return "kaggle_csv"
@@ -107,9 +112,11 @@ def detect_format(first_line: bytes) -> str:
         return "csv"
     if b"\t" in first_line:
         return "tsv"
+    # The file's content is not echoed: a crafted run config can point --data at any file.
+    fields = len(first_line.split(b","))
     raise SlipcacheError(
         "unrecognized format: expected tab-separated Criteo lines or a CSV header "
-        f"'Id,Label,I1,...' or 'label,I1,...', got {first_line[:60].decode('utf-8', 'replace')!r}"
+        f"'Id,Label,I1,...' or 'label,I1,...'; its first line has no tab and {fields} comma-separated fields"
     )
 
 

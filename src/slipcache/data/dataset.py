@@ -131,6 +131,7 @@ class DatasetWriter:
         num_tables: int = NUM_TABLES,
     ) -> None:
         self.out_dir = Path(out_dir)
+        self._made_out_dir = not self.out_dir.exists()  # removed again if the write fails
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -189,8 +190,12 @@ class DatasetWriter:
         return full
 
     def abort(self) -> None:
+        """Remove the staging directory, and `out_dir` when this writer made it and it stayed empty."""
         self.arrays.clear()
         shutil.rmtree(self.staging, ignore_errors=True)
+        if self._made_out_dir:
+            with contextlib.suppress(OSError):  # not empty: someone else's files now, keep it
+                self.out_dir.rmdir()
 
     def __enter__(self) -> DatasetWriter:
         return self

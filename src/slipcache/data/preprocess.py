@@ -18,6 +18,7 @@ Choices (documented here because the dataset depends on them):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import tempfile
@@ -143,8 +144,8 @@ def preprocess(
         raise SlipcacheError(f"--vocab must be 'frequency' or 'hash', got {vocab!r}")
     if min_count < 1:
         raise SlipcacheError(f"--min-count must be at least 1, got {min_count}")
-    if max_rows < 2:
-        raise SlipcacheError(f"--max-rows must be at least 2, got {max_rows}")
+    if not 2 <= max_rows <= 2**31:  # rows are int32 ids
+        raise SlipcacheError(f"--max-rows must be in [2, 2**31], got {max_rows}")
     spec = parse_split(split)
     if spec == "days" and len(inputs) < 2:
         raise SlipcacheError(
@@ -154,6 +155,7 @@ def preprocess(
     if missing:  # before the output directory is created, so a typo leaves nothing behind
         raise SlipcacheError(f"{missing[0]}: no such file")
     out = Path(out_dir)
+    made = not out.exists()  # a failed run removes the directory it made (the cache keeps no empty ones)
     try:
         out.mkdir(parents=True, exist_ok=True)
         remove_dead_staging(out)  # scratch space of a preprocess that was killed (its pid is gone)
@@ -162,6 +164,12 @@ def preprocess(
         raise SlipcacheError(f"{out}: cannot create output directory: {exc}") from exc
     try:
         return _preprocess(inputs, out, scratch, vocab, min_count, max_rows, spec, strict, progress, seed)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if made:
+            with contextlib.suppress(OSError):  # only if nothing else is in it
+                out.rmdir()
+        raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

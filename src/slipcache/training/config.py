@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -196,6 +197,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        if self.max_rows > 2**31:  # rows are int32 ids
+            raise SlipcacheError(f"max_rows must be at most 2**31, got {self.max_rows}")
+        if self.out == "" or self.resume == "":
+            raise SlipcacheError("--out and --resume need a directory name, got an empty one")
         for name in ("lr", "dense_lr"):  # the update multiplies float32 parameters by it
             value = getattr(self, name)
             if value is not None and value > FLOAT32_MAX:
@@ -344,7 +349,22 @@ def make_config(
     # What was set on purpose (flags, the file, --quick), whatever the value: a resume compares these
     # with the run's settings, so `--lr 0.3` given on resume counts even though 0.3 is the default.
     config.given_fields = frozenset(given)  # type: ignore[attr-defined]
+    for message in ignored_settings(config, set(user)):
+        print(f"slipcache train: warning: {message}", file=sys.stderr)
     return config
+
+
+def ignored_settings(config: TrainConfig, given: set[str]) -> list[str]:
+    """Settings the user gave that this combination does not use: said once instead of silently dropped."""
+    notes = []
+    if "table_sizes" in given and config.data is None:
+        notes.append("--table-sizes applies to TorchRec/DLRM/MLPerf files; synthetic data ignores it")
+    cached = config.embeddings == "cached" and config.policy != "none"
+    if not cached and given & {"cache_size", "cache_rows"}:
+        notes.append("no cache (--policy none or --embeddings torch): --cache-size/--cache-rows are ignored")
+    if config.prefetch and not cached:
+        notes.append("--prefetch reads rows into the cache, and there is none: ignored")
+    return notes
 
 
 def config_from_saved(saved: Any, where: str) -> TrainConfig:

@@ -197,9 +197,10 @@ def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[
     return changes
 
 
-def load_training_checkpoint(path: Path) -> dict[str, Any]:
+def load_training_checkpoint(path: Path, *, use: str = "--resume") -> dict[str, Any]:
     """A verified training checkpoint; when it is damaged or missing, the error names the complete older
-    checkpoints beside it and how to resume from one."""
+    checkpoints beside it and how to go on from the newest (`use`: the flag that takes it, e.g.
+    `--checkpoint` for eval)."""
     try:
         state = ckpt.load_checkpoint(path)
     except ckpt.CorruptCheckpointError as exc:
@@ -208,7 +209,7 @@ def load_training_checkpoint(path: Path) -> dict[str, Any]:
             raise
         names = ", ".join(p.name for p in older)
         raise SlipcacheError(
-            f"{exc}; complete older checkpoints: {names}; to continue from the newest: --resume {older[0]}"
+            f"{exc}; complete older checkpoints: {names}; to use the newest: {use} {older[0]}"
         ) from exc
     check_checkpoint(state, path)
     return state

@@ -27,7 +27,7 @@ class SavedCheckpoint:
     def read(self) -> dict[str, Any]:
         """The verified training state (for N processes: rank 0's, which holds the config and sizes)."""
         if not self.sharded:
-            return load_training_checkpoint(self.path)
+            return load_training_checkpoint(self.path, use="--checkpoint")  # eval and export take it so
         from slipcache.distributed import checkpoint as sharded_ckpt
 
         sharded_ckpt.read_manifest(self.path)  # every rank's file present, with its recorded size

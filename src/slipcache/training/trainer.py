@@ -90,7 +90,14 @@ def evaluate(
     model.train(was_training)
     if not labels:
         raise SlipcacheError("cannot evaluate on an empty split")
-    result = evaluate_predictions(np.concatenate(labels), np.concatenate(probs))
+    scores = np.concatenate(probs)
+    if not np.isfinite(scores).all():  # an AUC over NaN scores means nothing
+        bad = int((~np.isfinite(scores)).sum())
+        raise SlipcacheError(
+            f"{bad} of {scores.size} predictions are not finite: the split holds non-finite dense values "
+            "(NaN or inf) or the model diverged"
+        )
+    result = evaluate_predictions(np.concatenate(labels), scores)
     result["samples"] = seen
     return result
 

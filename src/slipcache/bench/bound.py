@@ -1,0 +1,173 @@
+"""The bound each configuration of `slipcache bench embedding` is measured against: a per-access cost model.
+
+An embedding step on a CPU is random memory accesses. The model lists those of one lookup for each kind of
+configuration and prices each by the random-gather probe at its working-set size and row size (seconds per
+access = 1 / rows per second of `probe_random_gather`), so the machine's caches, DRAM latency and TLB
+reach enter through measurement, not assumptions. The ids are skewed: the share `hot` of accesses that go to
+the rows that fit in half the last-level cache (L3; the other half for everything else) is priced at a
+working set of that size, the rest at the structure's full size; `hot` is read from the workload's own
+lookups (rows ranked by use). Cached rows are the hottest, so a cached structure gets the hot share of the
+hits, and storage (read for misses, written for evictions) gets none. The bound is the samples/s at which
+these accesses alone would take the whole step; a configuration's `fraction_of_bound` says how much of the
+step is anything else (Python, autograd, arithmetic, accesses the model leaves out). Per lookup, with u the
+share of lookups that are a step's first of their row (repeats of a row within a step find it in the CPU's
+caches):
+
+- a table without a cache (torch, FBGEMM): the forward gathers the row, the backward updates each row once:
+  (1 + u) x row(table bytes, row bytes);
+- ours without a cache: each distinct row is read from storage and written back: 2u x storage access;
+- ours with a cache: the probe reads the set's tags and touches the slot's bookkeeping (last use, and the
+  use count for LFU), the forward gathers the cached fp32 row, the backward updates it (once per distinct
+  row); a missed row is read from storage (rows in), an evicted one read from the cache and written to
+  storage (rows out): tags + bookkeeping + (1 + u) x cached row + rows_in x storage access
+  + rows_out x (cached row + storage access), rows_in and rows_out per lookup as the run counted them.
+
+A storage access of an int8/int4 row is three: its payload, its fp16 bias and its scale code live in three
+arrays. Working sets above `max_probe_bytes` are probed at that size (what it leaves out is the page walks
+of larger sets, so the bound is optimistic there).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipcache.bench.machine import probe_random_gather
+
+_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5}
+_PARAM_BYTES = {"int8": (2, 1), "int4": (2, 1)}  # fp16 bias, uint8 scale code
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (L3 on most machines) from sysfs; 32 MiB where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else 32 << 20
+
+
+class Popularity:
+    """Share of a workload's lookups that go to its k most used rows (the rows ranked by use)."""
+
+    def __init__(self, batches: torch.Tensor, table_sizes: list[int]) -> None:
+        offsets = torch.tensor([0, *torch.tensor(table_sizes).cumsum(0).tolist()[:-1]])
+        _, counts = torch.unique((batches + offsets).reshape(-1), return_counts=True)
+        cumulative = torch.sort(counts, descending=True).values.cumsum(0).double()
+        self.shares = cumulative / max(1.0, float(cumulative[-1])) if cumulative.numel() else cumulative
+
+    def top(self, rows: float) -> float:
+        """Share of lookups to the `rows` most used rows."""
+        k = int(rows)
+        if k <= 0 or not self.shares.numel():
+            return 0.0
+        return float(self.shares[min(k, self.shares.numel()) - 1])
+
+
+def unique_share(batches: torch.Tensor, table_sizes: list[int]) -> float:
+    """Share of a step's lookups that are the first of their row in that step (u), over `batches` [S, B, T]."""
+    offsets = torch.tensor([0, *torch.tensor(table_sizes).cumsum(0).tolist()[:-1]])
+    shares = [torch.unique(b + offsets).numel() / b.numel() for b in batches]
+    return sum(shares) / len(shares) if shares else 1.0
+
+
+class AccessCosts:
+    """Seconds per random access, probed once per (working-set size, row size) and reused."""
+
+    def __init__(
+        self,
+        seconds: float,
+        max_probe_bytes: int,
+        probe: Callable[..., dict[str, float]] = probe_random_gather,
+        cache_bytes: int | None = None,
+    ):
+        self.seconds, self.max_probe_bytes, self.probe = seconds, max_probe_bytes, probe
+        self.cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+        self.measured: dict[tuple[int, int], float] = {}
+
+    def skewed(self, working_set: float, row_bytes: float, hot: float) -> float:
+        """Cost of an access that goes to the hottest rows (those in half the L3) with probability `hot`."""
+        near = min(working_set, self.cache_bytes / 2)
+        return hot * self(near, row_bytes) + (1 - hot) * self(working_set, row_bytes)
+
+    def __call__(self, working_set: float, row_bytes: float) -> float:
+        row = max(4, 4 * math.ceil(row_bytes / 4))  # the probe gathers fp32 rows
+        size = min(self.max_probe_bytes, max(row, 1 << round(math.log2(max(working_set, row)))))
+        key = (size, row)
+        if key not in self.measured:
+            result = self.probe(table_bytes=size, row_bytes=row, batch_rows=1 << 18, seconds=self.seconds)
+            self.measured[key] = 1.0 / result["rows_per_s"]
+        return self.measured[key]
+
+    def describe(self) -> list[dict[str, float]]:
+        return [
+            {"working_set_bytes": size, "row_bytes": row, "ns_per_access": seconds * 1e9}
+            for (size, row), seconds in sorted(self.measured.items())
+        ]
+
+
+def lookup_terms(
+    row: dict[str, Any], rows: int, u: float, costs: AccessCosts, popularity: Popularity
+) -> dict[str, float] | None:
+    """Seconds per lookup of each access the model counts for this measured configuration (None: no model)."""
+    dim, precision = row["dim"], row["precision"]
+    near = costs.cache_bytes / 2
+
+    def hot(row_bytes: float) -> float:  # share of lookups to the rows that fit in half the L3
+        return popularity.top(near / max(row_bytes, 64))
+
+    if row["impl"] in ("torch", "fbgemm"):
+        width = dim * _ELEMENT_BYTES[precision]
+        return {"table row": (1 + u) * costs.skewed(rows * width, width, hot(width))}
+    if row["impl"] != "slipcache" or precision not in _ELEMENT_BYTES:
+        return None
+    payload = math.ceil(dim * _ELEMENT_BYTES[precision])
+    storage = costs(rows * payload, payload)  # misses and evictions: cold rows
+    for param in _PARAM_BYTES.get(precision, ()):
+        storage += costs(rows * param, param)
+    lookups = row.get("lookups") or 0
+    rows_in = (row.get("rows_in") or 0) / lookups if lookups else u
+    rows_out = (row.get("rows_out") or 0) / lookups if lookups else u
+    if not row["cache_fraction"]:
+        return {"storage read": rows_in * storage, "storage write": rows_out * storage}
+    slots = max(1, round(row["cache_fraction"] * rows))
+    hits = row.get("hit_rate") or 0.0
+    cached_hot = min(hot(dim * 4), hits) / hits if hits else 0.0
+    cached = costs.skewed(slots * dim * 4, dim * 4, cached_hot)
+    line = hot(64)  # tags (one 64-byte set) and bookkeeping lines of the hottest rows
+    bookkeeping = costs.skewed(slots * 4, 4, line) * (2 if row.get("policy") == "lfu" else 1)
+    return {
+        "tags": costs.skewed(slots * 4, 64, line),
+        "bookkeeping": bookkeeping,
+        "cached row": (1 + u) * cached,
+        "miss fill": rows_in * storage,
+        "write-back": rows_out * (costs(slots * dim * 4, dim * 4) + storage),
+    }
+
+
+def attach_bounds(
+    rows: list[dict[str, Any]], table_sizes: list[int], u: float, costs: AccessCosts, popularity: Popularity
+) -> None:
+    """Add `bound_samples_per_s`, `fraction_of_bound` and `bound_ns_per_lookup` (by term) to measured rows."""
+    lookups_per_sample = len(table_sizes)
+    for row in rows:
+        row["bound_samples_per_s"] = row["fraction_of_bound"] = row["bound_ns_per_lookup"] = None
+        if not str(row.get("status", "")).startswith("ok") or not row.get("samples_per_s"):
+            continue
+        terms = lookup_terms(row, sum(table_sizes), u, costs, popularity)
+        if not terms:
+            continue
+        per_lookup = sum(terms.values())
+        row["bound_ns_per_lookup"] = {name: seconds * 1e9 for name, seconds in terms.items()}
+        row["bound_samples_per_s"] = 1.0 / (lookups_per_sample * per_lookup)
+        row["fraction_of_bound"] = row["samples_per_s"] / row["bound_samples_per_s"]
