@@ -167,7 +167,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from slipcache.training.cli import int_list
+    from slipcache.training.flags import int_list
     from slipcache.training.config import make_config
     from slipcache.training.datasets import open_dataset, prepare_data
 
