@@ -1,3 +1,4 @@
+import io
 from pathlib import Path
 
 import pytest
@@ -87,12 +88,12 @@ def test_flipped_payload_byte_is_caught_by_the_checksum(tmp_path: Path) -> None:
 def test_old_newer_and_foreign_files_name_both_versions(tmp_path: Path) -> None:
     old = tmp_path / "old.pt"
     torch.save({"format": "slipcache-checkpoint", "version": 1, "w": torch.ones(2)}, old)  # as v1 wrote them
-    with pytest.raises(SlipcacheError, match="format version 1 .*reads format version 2"):
+    with pytest.raises(SlipcacheError, match="format version 1 .*reads format version 3"):
         checkpoint.load_checkpoint(old)
     newer = tmp_path / "new.pt"
     checkpoint.save_checkpoint(newer, {"w": torch.ones(2)})
-    newer.write_bytes(newer.read_bytes().replace(b"slipcache-checkpoint 2 ", b"slipcache-checkpoint 9 ", 1))
-    with pytest.raises(SlipcacheError, match="format version 9 \\(written by a newer slipcache\\).*version 2"):
+    newer.write_bytes(newer.read_bytes().replace(b"slipcache-checkpoint 3 ", b"slipcache-checkpoint 9 ", 1))
+    with pytest.raises(SlipcacheError, match="format version 9 \\(written by a newer slipcache\\).*version 3"):
         checkpoint.load_checkpoint(newer)
     foreign = tmp_path / "model.pt"
     torch.save({"state_dict": {"w": torch.ones(2)}}, foreign)
@@ -109,3 +110,102 @@ def test_complete_checkpoints_skips_damaged_ones(tmp_path: Path) -> None:
         "ckpt-000000000200.pt",
         "ckpt-000000000100.pt",
     ]
+
+
+def _write_v2(path: Path, state: dict) -> None:
+    """A file as layout version 2 wrote it: header, then one torch payload."""
+    import hashlib
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    header = f"slipcache-checkpoint 2 sha256 {hashlib.sha256(data).hexdigest()} {len(data)}".encode()
+    path.write_bytes(header.ljust(checkpoint.HEADER_BYTES - 1) + b"\n" + data)
+
+
+def test_layout_2_files_still_load(tmp_path: Path) -> None:
+    _write_v2(tmp_path / "old.pt", {"w": torch.arange(4.0), "step": 7})
+    loaded = checkpoint.load_checkpoint(tmp_path / "old.pt")
+    assert loaded["step"] == 7 and torch.equal(loaded["w"], torch.arange(4.0))
+    assert checkpoint.is_complete(tmp_path / "old.pt")
+
+
+@pytest.fixture
+def small_raw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors of 1 KB and more stored raw, in 256-byte chunks: the large-table path at a small size."""
+    monkeypatch.setattr(checkpoint, "RAW_MIN_BYTES", 1024)
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 256)
+
+
+def _big_state() -> dict:
+    return {
+        "embeddings": {"payload": torch.randint(0, 255, (300, 7), dtype=torch.uint8),
+                       "bias": torch.randn(600).half(), "weights": torch.randn(40, 16), "step": 3},
+        "small": torch.ones(3),
+        "list": [torch.arange(1000, dtype=torch.int64), 5],
+    }
+
+
+def test_large_tensors_stream_raw_and_load_into_the_given_buffers(tmp_path: Path, small_raw: None) -> None:
+    state = _big_state()
+    path = checkpoint.save_checkpoint(tmp_path / "a.pt", state)
+    lazy = checkpoint.load_checkpoint(path, lazy=True)
+    assert isinstance(lazy["embeddings"]["payload"], checkpoint.RawTensor)  # stored raw, not read yet
+    assert isinstance(lazy["small"], torch.Tensor)
+    assert checkpoint.raw_bytes(lazy) == 2100 + 1200 + 2560 + 8000
+    targets = {"embeddings": {k: torch.empty_like(v) for k, v in state["embeddings"].items() if k != "step"}}
+    loaded = checkpoint.materialize(lazy, targets)
+    for key in ("payload", "bias", "weights"):
+        assert loaded["embeddings"][key] is targets["embeddings"][key]  # read straight into the buffer
+        assert torch.equal(loaded["embeddings"][key], state["embeddings"][key])
+    assert torch.equal(loaded["list"][0], state["list"][0]) and loaded["list"][1] == 5
+    eager = checkpoint.load_checkpoint(path)
+    assert torch.equal(eager["embeddings"]["weights"], state["embeddings"]["weights"])
+    assert checkpoint.is_complete(path)
+
+
+def test_saving_holds_no_second_copy_of_a_large_tensor(
+    tmp_path: Path, small_raw: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What torch.save pickles holds only the small tensors; the large ones pass in chunks of CHUNK_BYTES."""
+    pickled: list[object] = []
+    real_save = torch.save
+
+    def recording_save(obj: object, f: object) -> None:
+        pickled.append(obj)
+        real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", recording_save)
+    checkpoint.save_checkpoint(tmp_path / "a.pt", _big_state())
+    (small,) = pickled
+    assert not any(isinstance(v, torch.Tensor) for v in small["embeddings"].values())
+    assert isinstance(small["small"], torch.Tensor)
+
+    class Recorder(io.BytesIO):
+        sizes: list[int] = []
+
+        def write(self, data: object) -> int:
+            self.sizes.append(len(memoryview(data).cast("B")))  # type: ignore[arg-type]
+            return super().write(data)  # type: ignore[arg-type]
+
+    raw: list = []
+    checkpoint._split_raw(_big_state(), raw)
+    checkpoint._write_raw(Recorder(), raw)
+    assert len(raw) == 4 and max(Recorder.sizes) == 256  # straight from each tensor, a chunk at a time
+    assert sum(Recorder.sizes) == 2100 + 1200 + 2560 + 8000
+
+
+def test_a_flipped_byte_in_a_large_tensor_is_caught(tmp_path: Path, small_raw: None) -> None:
+    path = checkpoint.save_checkpoint(tmp_path / "a.pt", _big_state())
+    lazy = checkpoint.load_checkpoint(path, lazy=True)
+    offset = lazy["embeddings"]["weights"].offset
+    data = bytearray(path.read_bytes())
+    data[offset + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="checksum mismatch in a tensor of shape \\[40, 16\\]"):
+        checkpoint.load_checkpoint(path)
+    assert not checkpoint.is_complete(path)
+    path.write_bytes(bytes(data[: offset + 50]))  # cut inside the tensors
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="corrupt"):
+        checkpoint.load_checkpoint(path)

@@ -258,3 +258,12 @@ def test_a_loaded_state_keeps_the_collections_own_lr() -> None:
     b = small(lr=0.01)
     b.load_state_dict(a.state_dict())
     assert b.lr == 0.01 and a.state_dict()["_extra_state"]["lr"] == 0.25
+
+
+def test_the_collection_is_composed_not_inherited() -> None:
+    """Its parts are attributes with one owner each; its class hierarchy holds no other slipcache class."""
+    ours = [c for c in CachedEmbeddingBagCollection.__mro__ if c.__module__.startswith("slipcache")]
+    assert ours == [CachedEmbeddingBagCollection]
+    coll = small(cache_rows=40, ways=4)
+    assert {"storage", "cache"} <= set(dict(coll.named_children()))
+    assert all(hasattr(coll, part) for part in ("inputs", "planner", "optimizer", "prefetcher", "traffic", "writer"))

@@ -134,3 +134,22 @@ def test_torchrec_state_dict_loads_into_an_embedding_bag_collection(run_dir: Pat
     )
     pooled = ebc(kjt).values().view(ids.shape[0], len(info), -1)
     torch.testing.assert_close(pooled, _trained_lookups(run_dir, ids), rtol=0, atol=1e-6)
+
+
+def test_export_refuses_in_one_line_when_disk_or_memory_is_short(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+    from collections import namedtuple
+
+    from slipcache import export, memory
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
+    with pytest.raises(memory.SlipcacheError, match=r"^export: fp32 of .* rows at dim .* need .* GB on disk, .* free"):
+        export.check_room(run_dir, tmp_path / "new" / "dir", ("fp32",))
+    assert not (tmp_path / "new").exists()  # nothing written
+    monkeypatch.undo()
+    monkeypatch.setenv(memory.ENV_AVAILABLE, "0.5")
+    with pytest.raises(memory.MemoryShortError, match=r"^export: .* need .* available 0.5 GB"):
+        export.check_room(run_dir, tmp_path, ("int8",))

@@ -84,3 +84,19 @@ def test_stale_input_filter_rejects_an_id_outside_its_table() -> None:
         det.count(np.array([[1, 1], [5, 0]], dtype=np.int32))  # id 5 of a 5-row table
     with pytest.raises(InvalidInputError, match="out of range"):
         det.count(np.array([[1, -1]], dtype=np.int32))
+
+
+@pytest.mark.parametrize("dim", [1, 7, 64])
+def test_compiled_pooling_is_index_add(dim: int) -> None:
+    """Sum and mean (weighted) bags: the compiled pass adds in value order, as index_add_ does."""
+    if _native.native() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(dim)
+    values = torch.randn(3000, dim, generator=g) * 10
+    bags = torch.randint(0, 200, (3000,), generator=g)
+    weights = torch.rand(3000, generator=g)
+    for weight in (None, weights):
+        weighted = values if weight is None else values * weight[:, None]
+        assert torch.equal(_native.pool_bags(values, bags, weight, 200), torch.zeros(200, dim).index_add_(0, bags, weighted))
+    with pytest.raises(ValueError, match="bag 200 is outside"):
+        _native.pool_bags(values[:2], torch.tensor([0, 200]), None, 200)

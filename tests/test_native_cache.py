@@ -2,6 +2,7 @@
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,18 @@ def test_no_compiler_is_quiet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _native.native() is None
+
+
+def test_a_foreign_library_without_our_symbols_is_rebuilt_and_the_rebuild_loads(tmp_path: Path) -> None:
+    """The foreign file loads (and stays loaded in this process) but lacks our loops: the rebuild must not
+    be answered with the foreign handle."""
+    directory = tmp_path / "native"
+    directory.mkdir(mode=0o700)
+    target = directory / f"slipcache_native_{_native.cache_key(build._compiler())}.so"
+    foreign = tmp_path / "foreign.c"
+    foreign.write_text("int foreign_symbol(void) { return 1; }\n")
+    subprocess.run([build._compiler(), "-shared", "-fPIC", "-o", str(target), str(foreign)], check=True)
+    target.chmod(0o700)
+    library = _native.load_library(directory)
+    assert library.sgd_update is not None
+    assert sorted(p.name for p in directory.iterdir()) == [target.name]  # the loading link is gone

@@ -104,3 +104,17 @@ def test_compiled_float_nearest_matches_torch_casts(precision: str) -> None:
     assert bad == 0
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     assert torch.equal(storage.payload.view(torch.int16), x.to(dtype).view(torch.int16))
+
+
+def test_bench_quantize_prints_rates_with_the_load(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from slipcache import cli
+
+    assert cli.main(["bench", "quantize", "--rows", "5000", "--dim", "16", "--rounds", "1",
+                     "--json", str(tmp_path / "q.json")]) == 0
+    out = capsys.readouterr().out
+    assert "load average" in out and "create a 5,000-row table" in out
+    figures = json.loads((tmp_path / "q.json").read_text())
+    for name in ("compiled", "torch", "create"):
+        assert figures[name]["wall_mvalues_s"][0] > 0 and figures[name]["cpu_mvalues_s"][0] > 0

@@ -184,3 +184,35 @@ def test_plan_toml_parses_with_a_newline_in_the_data_path(tmp_path: Path) -> Non
     assert main(["plan", "--data", str(data), "--budget-gb", "0.001", "--out", str(out), "--no-progress"]) == 0
     parsed = tomllib.loads(out.read_text())
     assert parsed.get("train", parsed)["data"] == str(data)
+
+
+@pytest.mark.parametrize(
+    ("craft", "expected"),
+    [
+        (lambda rows: rows.__setitem__(0, 10**8), "cache state holds row 100000000 outside [0, 192)"),
+        (lambda rows: rows.__setitem__(slice(0, 2), int(rows.max())), "cache state holds a row in two slots"),
+    ],
+    ids=["row out of range", "row twice"],
+)
+def test_crafted_cache_state_with_a_valid_checksum(tmp_path: Path, capsys: pytest.CaptureFixture, craft, expected) -> None:  # noqa: ANN001
+    from slipcache.training import checkpoint
+
+    data = make_dataset(tmp_path / "d", n=640)
+    assert main(_train(data, tmp_path, "--embeddings", "cached", "--cache-size", "1")) == 0
+    latest = tmp_path / "run" / "checkpoints" / "latest.pt"
+    state = checkpoint.load_checkpoint(latest)
+    craft(state["embeddings"]["cache.slot_rows"])
+    latest.unlink()
+    checkpoint.save_checkpoint(latest, state)  # a valid checksum over inconsistent content
+    one_line(["eval", "--checkpoint", str(latest)], capsys, expected)
+
+
+def test_plan_out_replaces_only_a_plan(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data = make_dataset(tmp_path / "d", n=400)
+    notes = tmp_path / "notes.toml"
+    notes.write_text("mine = 1\n")
+    argv = ["plan", "--data", str(data), "--budget-gb", "0.001", "--no-progress", "--out"]
+    one_line([*argv, str(notes)], capsys, "exists and is not a plan written by slipcache plan")
+    assert notes.read_text() == "mine = 1\n"
+    assert main([*argv, str(tmp_path / "plan.toml")]) == 0
+    assert main([*argv, str(tmp_path / "plan.toml")]) == 0  # its own plan: replaced

@@ -308,3 +308,35 @@ def test_ranks_stop_together_on_different_settings_or_a_held_run(
         message = (tmp_path / f"rank-{rank}.txt").read_text()
         assert message.startswith(expected.format(out=out)) and "\n" not in message, (rank, message)
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def _train_pair(rank: int, world_size: int, data: str, out: str, extra: dict[str, Any], result: str) -> None:
+    from slipcache.errors import SlipcacheError
+    from tests.test_distributed_training import _settings, _train_rank
+
+    try:
+        _train_rank(rank, world_size, _settings(data, out, extra))
+    except SlipcacheError as exc:
+        Path(result, f"rank-{rank}.txt").write_text(str(exc))
+
+
+def test_a_damaged_newest_step_of_n_ranks_can_be_skipped(data_dir: Path, tmp_path: Path) -> None:
+    from tests.ranks import exit_codes
+
+    run = tmp_path / "run"
+    assert exit_codes(_train_pair, str(data_dir), str(run), {}, str(tmp_path)) == [0, 0]
+    steps = sorted((run / "checkpoints").glob("step-*"))
+    newest = steps[-1] / "rank-1.pt"
+    raw = bytearray(newest.read_bytes())
+    raw[-5] ^= 0xFF
+    newest.write_bytes(bytes(raw))
+    resume = {"resume": str(run), "allow_changes": True, "samples": 2560}
+    assert exit_codes(_train_pair, str(data_dir), str(run), resume, str(tmp_path)) == [0, 0]
+    for rank in range(2):  # every rank stops with the same line, naming the older step to resume from
+        message = (tmp_path / f"rank-{rank}.txt").read_text()
+        assert f"checkpoint {steps[-1]} is damaged (rank-1.pt" in message and f"--resume {steps[-2]}" in message
+        (tmp_path / f"rank-{rank}.txt").unlink()
+    resume["resume"] = str(steps[-2])
+    assert exit_codes(_train_pair, str(data_dir), str(run), resume, str(tmp_path)) == [0, 0]
+    assert not list(tmp_path.glob("rank-*.txt"))
+    assert json.loads((run / "summary.json").read_text())["train_samples"] == 2560

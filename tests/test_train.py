@@ -85,8 +85,20 @@ def test_cached_embeddings_end_to_end(data_dir: Path, tmp_path: Path) -> None:
     assert (run / "hit_rate.png").is_file()
 
 
-@pytest.mark.parametrize("embeddings", ["torch", "cached"])
+@pytest.mark.parametrize("embeddings", ["torch", "cached", "cached-streamed"])
 def test_resume_matches_uninterrupted(
+    embeddings: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    streamed = embeddings == "cached-streamed"
+    with pytest.MonkeyPatch.context() as raw:
+        if streamed:  # every tensor of 256 bytes and more written and read raw, as the tables of a big run
+            raw.setattr(checkpoint, "RAW_MIN_BYTES", 256)
+        _resume_matches_uninterrupted("cached" if streamed else embeddings, data_dir, tmp_path, monkeypatch)
+        lazy = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints", lazy=True)
+        assert checkpoint.raw_bytes(lazy) > 0 if streamed else checkpoint.raw_bytes(lazy) == 0
+
+
+def _resume_matches_uninterrupted(
     embeddings: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = {"embeddings": embeddings, "cache_size": 0.25}

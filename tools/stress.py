@@ -325,6 +325,11 @@ def bad_input_trials(workdir: Path, reference: Path) -> list[dict[str, Any]]:
         ("--strict with a 44-digit dense value", ["train", "--out", fresh, "--data", str(huge_dense), "--strict"]),
         ("a stray file in a data directory", ["train", "--out", fresh, "--data", str(strays)]),
         ("--strict with a 50 MB line", ["train", "--out", fresh, "--data", str(long_line), "--strict"]),
+        ("--lr 1e308", ["train", "--out", fresh, "--lr", "1e308"]),
+        ('--out ""', ["train", "--out", ""]),
+        ("synth --out a non-empty non-dataset directory", ["synth", "--out", str(bad), "--samples", "100"]),
+        ("preprocess --max-rows 3000000000", ["preprocess", str(huge_dense), "--out", fresh, "--vocab", "hash",
+                                              "--max-rows", "3000000000"]),
     ]  # fmt: skip
     results = []
     for name, argv in cases:

@@ -153,7 +153,45 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Bytes per row of each format's file, beside the fp32 row (dim * 4) that every format starts from.
+_ROW_BYTES = {"fp32": lambda d: 4 * d, "torchrec": lambda d: 4 * d, "int8": lambda d: d + 8, "tbe-int8": lambda d: d + 4}
+
+
+def check_room(checkpoint: str | Path, out: str | Path, formats: tuple[str, ...]) -> None:
+    """Before reading a table: refuse in one line when the export cannot fit the memory (the model and
+    every table in fp32) or the disk under `out` (every file)."""
+    import shutil
+
+    from slipcache.memory import GB, require_tables_fit
+    from slipcache.training.saved_run import find_checkpoint
+
+    state = find_checkpoint(checkpoint, "--checkpoint").read()  # the small part: sizes and config
+    sizes, dim = [int(n) for n in state["table_sizes"]], int(state["config"].get("embedding_dim", 16))
+    rows = sum(sizes)
+    config = state["config"]
+    if config.get("embeddings", "cached") == "cached":  # the trained model, then every table in fp32 beside it
+        require_tables_fit(
+            sizes, dim, what="export", precision=config.get("precision", "int8"),
+            cache_size=config.get("cache_size", 0.05), cache_rows=config.get("cache_rows"),
+            optimizer=config.get("optimizer", "sgd"), extra_bytes=rows * dim * 4,
+        )
+    else:
+        require_tables_fit(sizes, dim, what="export", embeddings="torch", extra_bytes=rows * dim * 4)
+    need = sum(rows * _ROW_BYTES[f](dim) for f in formats)
+    target = Path(out)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    free = shutil.disk_usage(target).free
+    if need > free:
+        raise SlipcacheError(
+            f"export: {', '.join(formats)} of {rows:,} rows at dim {dim} need {need / GB:.1f} GB on disk, "
+            f"{target} has {free / GB:.1f} GB free; export fewer formats (--format int8 takes "
+            f"{rows * _ROW_BYTES['int8'](dim) / GB:.1f} GB) or choose another --out"
+        )
+
+
 def run_export(args: argparse.Namespace) -> int:
+    check_room(args.checkpoint, args.out, tuple(args.formats or FORMATS))
     tables = load_tables(args.checkpoint)
     written = export_tables(tables, args.out, tuple(args.formats or FORMATS))
     rows = sum(t.shape[0] for t in tables)

@@ -13,6 +13,9 @@ else, or to try the check).
 from __future__ import annotations
 
 import os
+import resource
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -182,3 +185,23 @@ def _describe(precision: object, cache_size: object, cache_rows: object) -> str:
     if isinstance(cache_size, (int, float)):
         return f"{text} + {cache_size:g} cache" if cache_size else text
     return f"{text} + per-table caches"
+
+
+def peak_rss_bytes() -> int:
+    """The OS's figure for this process's peak resident memory (ru_maxrss: KB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (from /proc; since slipcache was imported where there is none)."""
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # noqa: SIM115
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+_IMPORTED = time.monotonic()

@@ -219,6 +219,29 @@ def lookup_gather(
     return slots, int(hits)
 
 
+def pool_bags(values: Tensor, bags: Tensor, weights: Tensor | None, num_bags: int) -> Tensor:
+    """Pooled bags [num_bags, D]: out[bags[i]] += values[i] (* weights[i]), in value order: torch's
+    `zeros.index_add_(0, bags, values * weights[:, None])` in one pass, without the weighted copy."""
+    library = native()
+    assert library is not None
+    _check("values", values, (torch.float32,), (None, None))
+    _check("bags", bags, (torch.int64,), (values.shape[0],))
+    _check("weights", weights, (torch.float32,), (values.shape[0],))
+    out = values.new_zeros(num_bags, values.shape[1])
+    bad = library.pool_bags(
+        values.data_ptr(),
+        bags.data_ptr(),
+        weights.data_ptr() if weights is not None else None,
+        values.shape[0],
+        values.shape[1],
+        out.data_ptr(),
+        num_bags,
+    )
+    if bad >= 0:
+        raise ValueError(f"compiled loop: bag {int(bags[bad])} is outside [0, {num_bags})")
+    return out
+
+
 def unique_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
     """(distinct rows in order of first occurrence, index of each row there): `torch.unique(rows,
     return_inverse=True)` by hashing instead of sorting, for callers that do not need the rows sorted."""

@@ -19,6 +19,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # The loops themselves: plain C beside this file, shipped as package data and compiled on first use.
@@ -114,15 +115,19 @@ def _build(compiler: str, target: Path) -> None:
         os.replace(built, target)
 
 
+def _open_checked_stat(target: Path) -> None:
+    st = os.lstat(target)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeCacheError(f"{target} is not a regular file")
+    _check_private(target, st)
+
+
 def _open_checked(target: Path) -> ctypes.CDLL:
     """Load `target` once checked to be our own regular file that no one else can write.
 
     It lies in our 0700 directory, so no one else can swap it between the check and the load.
     """
-    st = os.lstat(target)
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafeCacheError(f"{target} is not a regular file")
-    _check_private(target, st)
+    _open_checked_stat(target)
     return ctypes.CDLL(str(target))
 
 
@@ -130,7 +135,8 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
     """The compiled library from `cache_dir`, built there first if needed; OSError says why not.
 
     A cached file that is not safe to load (not ours, writable by others, a link) or that fails to load
-    is removed and built again, once.
+    is removed and built again, once. The rebuild is loaded under a name of its own: a file that loaded but
+    lacked our symbols stays loaded in this process, and loading the same path again would return it.
     """
     compiler = _compiler()
     if compiler is None:
@@ -141,7 +147,7 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
         if not os.path.lexists(target):
             _build(compiler, target)
         try:
-            library = _open_checked(target)
+            library = _open_checked(target) if not attempt else _open_fresh(target)
             _declare(library)
             return library
         except (OSError, AttributeError) as exc:  # unsafe, corrupt, or missing a symbol
@@ -149,6 +155,17 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
                 raise OSError(f"{target} does not load after a rebuild: {exc}") from exc
             target.unlink(missing_ok=True)  # our private directory: the file can be replaced
     raise AssertionError("unreachable")
+
+
+def _open_fresh(target: Path) -> ctypes.CDLL:
+    """Load `target` through a hard link of a name this process never loaded; the link goes once loaded."""
+    _open_checked_stat(target)
+    link = target.with_name(f"{target.stem}.{os.getpid()}.{time.monotonic_ns()}.so")
+    os.link(target, link)
+    try:
+        return _open_checked(link)
+    finally:
+        link.unlink(missing_ok=True)
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -188,3 +205,5 @@ def _declare(library: ctypes.CDLL) -> None:
     library.quantize_rows.restype = i64
     library.torch_uniform.argtypes = [ptr, ptr, i64]
     library.torch_uniform.restype = i64
+    library.pool_bags.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64]
+    library.pool_bags.restype = i64

@@ -649,3 +649,24 @@ int64_t torch_uniform(uint8_t *state, float *out, int64_t n) {
     __builtin_memcpy(state + 24, words, sizeof words);
     return 0;
 }
+
+/* Multi-hot pooling: out[bags[i]] += values[i] (times weights[i] when given), in value order, as torch's
+   index_add_ of the (weighted) values does. `out` [num_bags, dim] starts zeroed by the caller. Returns -1,
+   or the index of the first bag outside [0, num_bags) (nothing is written then). */
+ROW_LOOPS int64_t pool_bags(const float *values, const int64_t *bags, const float *weights, int64_t n,
+                            int64_t dim, float *out, int64_t num_bags) {
+    for (int64_t i = 0; i < n; i++) {
+        if (bags[i] < 0 || bags[i] >= num_bags) return i;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float *v = values + i * dim;
+        float *o = out + bags[i] * dim;
+        if (weights) {
+            float w = weights[i];
+            for (int64_t d = 0; d < dim; d++) o[d] += v[d] * w;
+        } else {
+            for (int64_t d = 0; d < dim; d++) o[d] += v[d];
+        }
+    }
+    return -1;
+}

@@ -85,6 +85,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     train = targets.add_parser("train", help="the DLRM trainer (fp32, INT8 + 5 %% cache) against TorchRec + FBGEMM")
     add_train_bench_arguments(train)
     add_threads_flag(train)
+    from slipcache.bench.quantize import add_quantize_arguments
+
+    quantize = targets.add_parser("quantize", help="the compiled quantize pass and table creation, in M values/s")
+    add_quantize_arguments(quantize)
+    add_threads_flag(quantize)
 
 
 def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -224,6 +229,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from slipcache.bench.train import run_train_bench
 
         return run_train_bench(args)
+    if args.target == "quantize":
+        from slipcache.bench.quantize import run_quantize_bench
+
+        return run_quantize_bench(args)
     return run_embedding_bench(args)
 
 

@@ -147,7 +147,7 @@ class DatasetWriter:
         for name, n in self.split_sizes.items():
             self.arrays[name] = SplitArrays(
                 *(
-                    np.lib.format.open_memmap(self.staging / f"{name}.{part}.npy", "w+", dtype, shape)
+                    self._open_array(self.staging / f"{name}.{part}.npy", dtype, shape)
                     for part, dtype, shape in (
                         ("labels", np.float32, (n,)),
                         ("dense", np.float32, (n, num_dense)),
@@ -155,6 +155,10 @@ class DatasetWriter:
                     )
                 )
             )
+
+    def _open_array(self, path: Path, dtype: Any, shape: tuple[int, ...]) -> Any:
+        """A writable array of the final shape (a memory map: rows may come in any order)."""
+        return np.lib.format.open_memmap(path, "w+", dtype, shape)
 
     def write(
         self, split: str, start: int, labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray

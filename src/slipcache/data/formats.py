@@ -434,7 +434,13 @@ def open_any(
     """Open a slipcache dataset directory or a directory of one of the external formats."""
     path = Path(path)
     if (path / "meta.json").is_file():
-        return CriteoDataset(path)
+        dataset = CriteoDataset(path)
+        if table_sizes and list(table_sizes) != list(dataset.table_sizes):
+            raise SlipcacheError(
+                f"{path}: the dataset's tables have {dataset.table_sizes[:4]}... rows, not the given "
+                f"{list(table_sizes)[:4]}... (a slipcache dataset keeps its own sizes: drop --table-sizes)"
+            )
+        return dataset
     layout = detect_format(path)
     if layout is None:
         return CriteoDataset(path)  # its error says what is missing

@@ -39,6 +39,7 @@ from slipcache.distributed.planner import ShardingPlan, plan_sharding, table_spe
 from slipcache.distributed.sharded import ShardedEmbeddingCollection
 from slipcache.errors import RunLockedError, SlipcacheError
 from slipcache.model import DLRM, ModelConfig, embedding_config
+from slipcache.training import checkpoint as ckpt
 from slipcache.training import runlock
 from slipcache.training.backend import RunBackend
 from slipcache.training.run_state import load_model_state
@@ -247,8 +248,11 @@ class DistributedBackend(RunBackend):
         resume); with another (a one-process checkpoint included), a new plan is made and
         `load_model_state` re-shards the tables; rank 0 prints what it did.
         """
+        named = Path(path).parent if (Path(path).parent / dckpt.MANIFEST).is_file() else None  # --resume STEP
         path = home or path
-        step_dir = dckpt.latest_sharded(path)
+        step_dir = named or dckpt.latest_sharded(path)
+        if step_dir is not None:
+            _check_step_complete(step_dir)
         if step_dir is None:
             single = Path(path) / "checkpoints" / "latest.pt" if Path(path).is_dir() else Path(path)
             if not single.is_file():
@@ -300,6 +304,22 @@ class DistributedBackend(RunBackend):
             "plan_lookups_per_rank": self.plan.lookups_per_rank(),
             "traffic": model.embeddings.combined_traffic(),
         }
+
+
+def _check_step_complete(step_dir: Path) -> None:
+    """Every rank file of a step verifies (each rank checks all of them, so all stop with the same line);
+    a damaged one names the complete older steps and how to resume from the newest of them."""
+    manifest = dckpt.read_manifest(step_dir)
+    damaged = [name for name in manifest["files"] if not ckpt.is_complete(step_dir / name)]
+    if not damaged:
+        return
+    older = [
+        step for step in sorted(step_dir.parent.glob("step-*"), reverse=True)
+        if step.name < step_dir.name and (step / dckpt.MANIFEST).is_file()
+        and all(ckpt.is_complete(f) for f in step.glob("rank-*.pt"))
+    ]  # fmt: skip
+    then = f"to continue from the newest complete one: --resume {older[0]}" if older else "no older complete checkpoint"
+    raise SlipcacheError(f"checkpoint {step_dir} is damaged ({', '.join(damaged)} fails its checksum); {then}")
 
 
 def lost_rank_error(exc: BaseException, rank: int) -> SlipcacheError:

@@ -84,6 +84,7 @@ class RowCache(nn.Module):
         self.holds_every_row = all(identity)
         self.multiplier = 0 if self.holds_every_row else _HASH_MULTIPLIER
         slots = self.num_sets * self.ways
+        self.total_rows = sum(part_rows)
         row_dtype = torch.int32 if sum(part_rows) < 2**31 - 1 else torch.int64
         device = torch.device(device)
         self.register_buffer("weights", torch.zeros(slots, dim, device=device))
@@ -278,6 +279,22 @@ class RowCache(nn.Module):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self.invalidate()
         super()._load_from_state_dict(*args, **kwargs)
+        self._check_residents()
+
+    def _check_residents(self) -> None:
+        """A loaded state (a crafted checkpoint's, say) must place each resident row once, inside the
+        table and in its own set: lookups and write-backs index storage with these rows."""
+        slots = torch.nonzero(self.slot_rows != EMPTY).squeeze(1)
+        rows = self.slot_rows[slots].long()
+        if not rows.numel():
+            return
+        low, high = int(rows.min()), int(rows.max())
+        if low < 0 or high >= self.total_rows:
+            raise ValueError(f"cache state holds row {low if low < 0 else high} outside [0, {self.total_rows})")
+        if rows.unique().numel() != rows.numel():
+            raise ValueError("cache state holds a row in two slots")
+        if not torch.equal(self.set_of(rows), slots // self.ways):
+            raise ValueError("cache state holds a row outside its set")
 
     def install(
         self, slots: Tensor, rows: Tensor, values: Tensor, step: int, uses: Tensor, quiet: bool = False

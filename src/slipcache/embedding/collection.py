@@ -20,7 +20,10 @@ write-backs. The configuration is in `config`.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -45,6 +48,18 @@ from slipcache.errors import InvalidInputError, SlipcacheError
 __all__ = ["OPTIMIZERS", "CachedEmbeddingBagCollection", "EmbeddingConfig", "SparseFeatures"]
 
 _INIT_CHUNK_ROWS = 1 << 20
+_LOAD_FOLLOWS = [False]  # set by `rows_loaded_next`
+
+
+@contextlib.contextmanager
+def rows_loaded_next() -> Iterator[None]:
+    """Collections built inside skip drawing their initial rows (minutes for the MLPerf tables): the caller
+    loads every row from a checkpoint right after (its storage is left uninitialized until then)."""
+    _LOAD_FOLLOWS[0] = True
+    try:
+        yield
+    finally:
+        _LOAD_FOLLOWS[0] = False
 # Rows are drawn and rounded a chunk of about 1 MB of fp32 at a time: it stays in the core's cache between
 # the draw and the rounding, and bounds what creation holds in fp32 whatever the table sizes.
 _INIT_CHUNK_VALUES = 1 << 18
@@ -85,9 +100,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         num_rows = config.num_rows
         precisions = config.precisions
         self.storage: RowStorage | TableRowStorage = (
-            RowStorage(num_rows, config.dim, precisions[0], self.storage_device)
+            RowStorage(num_rows, config.dim, precisions[0], self.storage_device, empty=not meta)
             if len(set(precisions)) == 1
-            else TableRowStorage(self.table_sizes, config.dim, precisions, self.storage_device)
+            else TableRowStorage(self.table_sizes, config.dim, precisions, self.storage_device, empty=not meta)
         )
         per_table = config.cache_per_table
         self.cache = RowCache(
@@ -124,7 +139,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.inputs, self.planner, self.cache, self.storage, self.traffic, config.rounding, config.seed
         )
         if not meta:
-            self._initialize_rows()
+            if not _LOAD_FOLLOWS[0]:
+                self._initialize_rows()
             if self.storage_device.type == "cpu" and self.device.type == "cuda":
                 self.storage.pin_memory_()
 
@@ -233,7 +249,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         total = sum(self.table_sizes)
         with tqdm(
             total=total, unit="rows", unit_scale=True, desc="creating tables", leave=False,
-            disable=total * self.dim < PROGRESS_VALUES,
+            disable=total * self.dim < PROGRESS_VALUES or not sys.stderr.isatty(),
         ) as bar:
             start = 0
             for size in self.table_sizes:

@@ -169,11 +169,13 @@ class LookupInputs:
         num_tables = len(self.table_sizes)
         if lookup.bag_of_value is None:
             return values.view(lookup.batch_size, num_tables, self.dim)
-        if lookup.value_weight is not None:
-            values = values * lookup.value_weight[:, None]
-        pooled = values.new_zeros(num_tables * lookup.batch_size, self.dim).index_add_(
-            0, lookup.bag_of_value, values
-        )
+        bags, weight = lookup.bag_of_value, lookup.value_weight
+        if values.dtype == torch.float32 and _native.usable(values, bags, *([] if weight is None else [weight])):
+            pooled = _native.pool_bags(values, bags, weight, num_tables * lookup.batch_size)  # one pass
+        else:
+            if weight is not None:
+                values = values * weight[:, None]
+            pooled = values.new_zeros(num_tables * lookup.batch_size, self.dim).index_add_(0, bags, values)
         return pooled.view(num_tables, lookup.batch_size, self.dim).transpose(0, 1)
 
     def unpool(self, grad_out: Tensor, lookup: _Lookup) -> Tensor:

@@ -274,13 +274,14 @@ class StepPlanner:
     def _fill_positions(self, values: Tensor, plan: _StepPlan, positions: Tensor) -> None:
         """Write the rows of the lookups at `positions` (those the fused gather missed, or all) into `values`:
         from their cache slot, or from the storage copy when they have none."""
-        slots = plan.slots[positions]
+        slots = plan.slots.index_select(0, positions)
         if not plan.storage_rows.numel():
-            values[positions] = self.cache.weights[slots]
+            values.index_copy_(0, positions, self.cache.weights.index_select(0, slots))
             return
-        cached = slots >= 0
-        values[positions[cached]] = self.cache.weights[slots[cached]]
-        values[positions[~cached]] = plan.storage_values[plan.storage_index]
+        # Every position from the cache first (slot 0 standing in for the rows it lacks), then the rows served
+        # from storage over them, in lookup order: two dense copies instead of masked assignments.
+        values.index_copy_(0, positions, self.cache.weights.index_select(0, slots.clamp(min=0)))
+        values.index_copy_(0, positions[slots < 0], plan.storage_values.index_select(0, plan.storage_index))
 
     def gather(self, plan: _StepPlan) -> Tensor:
         """The row of every lookup of `plan`, [L, D]."""

@@ -183,8 +183,12 @@ class RowStorage(nn.Module):
     state or a device move): a copy of rows read at one version is still current while it is the same.
     """
 
-    def __init__(self, num_rows: int, dim: int, precision: str, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, num_rows: int, dim: int, precision: str, device: torch.device | str = "cpu", *, empty: bool = False
+    ) -> None:
+        """`empty`: leave the rows unset (the caller writes every one): no pass that zeroes gigabytes first."""
         super().__init__()
+        new = torch.empty if empty else torch.zeros
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.version = 0
@@ -192,13 +196,13 @@ class RowStorage(nn.Module):
         device = torch.device(device)
         if precision in FLOAT_DTYPES:
             self.register_buffer(
-                "payload", torch.zeros(num_rows, dim, dtype=FLOAT_DTYPES[precision], device=device)
+                "payload", new(num_rows, dim, dtype=FLOAT_DTYPES[precision], device=device)
             )
         else:
             width = dim if precision == "int8" else (dim + 1) // 2
-            self.register_buffer("payload", torch.zeros(num_rows, width, dtype=torch.uint8, device=device))
-            self.register_buffer("bias", torch.zeros(num_rows, dtype=torch.float16, device=device))
-            self.register_buffer("scale_code", torch.zeros(num_rows, dtype=torch.uint8, device=device))
+            self.register_buffer("payload", new(num_rows, width, dtype=torch.uint8, device=device))
+            self.register_buffer("bias", new(num_rows, dtype=torch.float16, device=device))
+            self.register_buffer("scale_code", new(num_rows, dtype=torch.uint8, device=device))
 
     def _apply(self, fn: Any, recurse: bool = True) -> RowStorage:
         self.version += 1
@@ -355,7 +359,9 @@ class TableRowStorage(nn.Module):
     `RowStorage`, as before.
     """
 
-    def __init__(self, table_sizes: list[int], dim: int, precisions: list[str], device: torch.device | str) -> None:
+    def __init__(
+        self, table_sizes: list[int], dim: int, precisions: list[str], device: torch.device | str, *, empty: bool = False
+    ) -> None:
         super().__init__()
         self.dim = dim
         kinds = [p for p in PRECISIONS if p in precisions]
@@ -363,7 +369,7 @@ class TableRowStorage(nn.Module):
         for size, precision in zip(table_sizes, precisions, strict=True):
             local_start.append(rows_in[precision])
             rows_in[precision] += size
-        self.parts = nn.ModuleDict({p: RowStorage(rows_in[p], dim, p, device) for p in kinds})
+        self.parts = nn.ModuleDict({p: RowStorage(rows_in[p], dim, p, device, empty=empty) for p in kinds})
         self._kinds = kinds
         offsets = torch.zeros(len(table_sizes) + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor(table_sizes, dtype=torch.int64), 0, out=offsets[1:])

@@ -68,6 +68,9 @@ def plot_curves(plan: Plan, path: Path) -> None:
     plt.close(fig)
 
 
+PLAN_HEADER = "# written by `slipcache plan`"
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -85,7 +88,7 @@ def _toml_value(value: Any) -> str:
 def to_toml(plan: Plan, train_values: dict[str, Any], sharding: dict[str, Any] | None = None) -> str:
     """`[train]` (what `slipcache train --config` reads), then the plan's figures for people."""
     lines = [
-        "# written by `slipcache plan`; `slipcache train --config FILE` reads the [train] table",
+        f"{PLAN_HEADER}; `slipcache train --config FILE` reads the [train] table",
         "[train]",
     ]
     lines += [
@@ -166,11 +169,24 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_progress_flag(parser)
 
 
+def check_plan_out(out: Path) -> None:
+    """`--out` may replace a plan `slipcache plan` wrote (its first line says so), never another file."""
+    if out.is_dir():
+        raise SlipcacheError(f"--out {out} is a directory; name the plan's TOML file")
+    if out.exists():
+        with open(out, "rb") as f:
+            ours = f.readline().startswith(PLAN_HEADER.encode())
+        if not ours:
+            raise SlipcacheError(f"--out {out} exists and is not a plan written by slipcache plan; choose another name")
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    from slipcache.training.flags import int_list
     from slipcache.training.config import make_config
     from slipcache.training.datasets import open_dataset, prepare_data
+    from slipcache.training.flags import int_list
 
+    if args.out:
+        check_plan_out(Path(args.out))
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     unknown = [p for p in precisions if p not in ROUNDING_STEP]
     if unknown or not precisions:
@@ -225,7 +241,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(to_toml(plan, train_values, sharding))
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(to_toml(plan, train_values, sharding))
+        tmp.replace(out)  # atomic: a reader never sees half a plan
         print(f"config: {out}  (slipcache train --config {out})")
     plot = Path(args.plot) if args.plot else (Path(args.out).with_suffix(".png") if args.out else None)
     if plot is not None:

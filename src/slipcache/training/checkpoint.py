@@ -1,16 +1,21 @@
-"""Atomic, checksummed, versioned checkpoint files.
+"""Atomic, checksummed, versioned checkpoint files, written and read streaming.
 
 A crash (or a full disk, or Ctrl-C) in the middle of writing must never destroy the last good
 checkpoint, because that is what `--resume` needs. So every file is written to a temporary name in the
 same directory, flushed and fsynced, and only then renamed over the target with `os.replace`, which is
 atomic on POSIX and Windows filesystems.
 
-A file is a fixed-size text header, then the `torch.save` payload:
+A file (layout version 3) is a fixed-size text header, the bytes of every large tensor as they lie in
+memory, then the `torch.save` payload of everything else, where each large tensor is a small record (dtype,
+shape, offset, its own sha256):
 
-    slipcache-checkpoint <format version> sha256 <hex digest of the payload> <payload bytes>
+    slipcache-checkpoint 3 sha256 <hex digest of the payload> <payload bytes> <payload offset>
 
-so flipped or lost bytes are found before anything is unpickled, and a file from another version of
-slipcache (or from elsewhere) is named as such instead of failing somewhere inside the loader.
+Large tensors (the tables: gigabytes) are hashed while they are written and while they are read, a chunk at
+a time, straight between the tensor's memory and the file: neither saving nor loading holds a second copy.
+`load_checkpoint(lazy=True)` leaves them as `RawTensor` records that `materialize` reads into the model's
+own buffers. Flipped or lost bytes are found before anything is used; a file from another version of
+slipcache (or from elsewhere) is named as such. Layout version 2 (one checksummed torch payload) still loads.
 """
 
 from __future__ import annotations
@@ -21,19 +26,28 @@ import io
 import os
 import re
 import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from torch import Tensor
 
 from slipcache.errors import SlipcacheError
 
 LATEST = "latest.pt"
 _PERIODIC = re.compile(r"^ckpt-(\d+)\.pt$")
 MAGIC = "slipcache-checkpoint"
-# Bumped whenever what a checkpoint holds changes (v2: the checksum header); readers accept only their own.
+# Bumped whenever what a training state holds changes (run_state records it; readers accept only their own).
 FORMAT_VERSION = 2
+# The file layout: 2, one checksummed torch payload; 3, large tensors stored raw before it (read: both).
+FILE_VERSION = 3
+READABLE_FILE_VERSIONS = (2, 3)
 HEADER_BYTES = 128
+RAW_MIN_BYTES = 1 << 24  # tensors at least this large are stored raw (streamed, hashed on their own)
+CHUNK_BYTES = 1 << 26  # what passes between a tensor and the file at once
+_RAW_KEY = "__slipcache_raw_tensor__"
 
 
 class CorruptCheckpointError(SlipcacheError):
@@ -62,9 +76,60 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _header(digest: str, size: int) -> bytes:
-    text = f"{MAGIC} {FORMAT_VERSION} sha256 {digest} {size}"
+def _header(digest: str, size: int, offset: int = HEADER_BYTES) -> bytes:
+    text = f"{MAGIC} {FILE_VERSION} sha256 {digest} {size} {offset}"
     return text.encode().ljust(HEADER_BYTES - 1) + b"\n"
+
+
+@dataclass
+class RawTensor:
+    """A large tensor of a checkpoint file, not read yet: `materialize` reads it (and checks its digest)."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    sha256: str
+
+
+def _bytes_of(tensor: Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _split_raw(obj: Any, raw: list[tuple[Tensor, dict[str, Any]]]) -> Any:
+    """`obj` with every large CPU tensor replaced by a record (filled in once its bytes are written)."""
+    if isinstance(obj, Tensor):
+        if obj.device.type == "cpu" and obj.numel() * obj.element_size() >= RAW_MIN_BYTES and obj.layout == torch.strided:
+            record: dict[str, Any] = {_RAW_KEY: True, "dtype": str(obj.dtype).removeprefix("torch."),
+                                      "shape": list(obj.shape)}
+            raw.append((obj, record))
+            return record
+        return obj
+    if isinstance(obj, dict):
+        out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for key, value in obj.items():
+            out[key] = _split_raw(value, raw)
+        if hasattr(obj, "_metadata"):  # a module state_dict's per-module versions
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_split_raw(v, raw) for v in obj)
+    return obj
+
+
+def _write_raw(f: BinaryIO, raw: list[tuple[Tensor, dict[str, Any]]]) -> None:
+    """Each large tensor's bytes, a chunk at a time, hashed on the way; its record gets offset and digest."""
+    for tensor, record in raw:
+        data = _bytes_of(tensor.detach().contiguous())
+        sha = hashlib.sha256()
+        record["offset"] = f.tell()
+        for start in range(0, len(data), CHUNK_BYTES):
+            chunk = data[start : start + CHUNK_BYTES]
+            sha.update(chunk)
+            f.write(chunk)
+        record["nbytes"], record["sha256"] = len(data), sha.hexdigest()
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -89,15 +154,19 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(_header("0" * 64, 0))  # placeholder until the payload's digest is known
+            raw: list[tuple[Tensor, dict[str, Any]]] = []
+            small = _split_raw(state, raw)
+            _write_raw(f, raw)
+            offset = f.tell()
             payload = _HashingWriter(f)
             try:
-                torch.save(state, payload)
+                torch.save(small, payload)
             except RuntimeError:
                 if payload.error is not None:  # e.g. ENOSPC, which torch's zip writer turns into a RuntimeError
                     raise payload.error from None
                 raise
             f.seek(0)
-            f.write(_header(payload.sha.hexdigest(), payload.size))
+            f.write(_header(payload.sha.hexdigest(), payload.size, offset))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
@@ -160,28 +229,127 @@ def save_run_checkpoint(
     return latest
 
 
-def _payload(path: Path, data: bytes) -> memoryview:
-    """The verified payload of a checkpoint file's bytes; errors name the versions involved."""
-    if not data.startswith(MAGIC.encode()):
-        raise SlipcacheError(_foreign(path, data))
-    fields = data[:HEADER_BYTES].decode("ascii", "replace").split()
-    if len(fields) != 5 or fields[2] != "sha256" or not fields[1].isdigit() or not fields[4].isdigit():
+def _read_header(path: Path, f: BinaryIO) -> tuple[str, int, int]:
+    """(payload digest, payload bytes, payload offset) from a file's header; errors name the versions."""
+    head = f.read(HEADER_BYTES)
+    if not head.startswith(MAGIC.encode()):
+        raise SlipcacheError(_foreign(path, head + f.read()))
+    fields = head.decode("ascii", "replace").split()
+    if len(fields) not in (5, 6) or fields[2] != "sha256" or not all(x.isdigit() for x in (fields[1], *fields[4:])):
         raise CorruptCheckpointError(f"checkpoint {path} is corrupt (damaged header)")
     version = int(fields[1])
-    if version != FORMAT_VERSION:
-        newer = "a newer" if version > FORMAT_VERSION else "an older"
+    if version not in READABLE_FILE_VERSIONS:
+        newer = "a newer" if version > FILE_VERSION else "an older"
         raise SlipcacheError(
             f"checkpoint {path} has format version {version} (written by {newer} slipcache); "
-            f"this slipcache reads format version {FORMAT_VERSION}"
+            f"this slipcache reads format version {FILE_VERSION} (and {READABLE_FILE_VERSIONS[0]})"
         )
-    payload = memoryview(data)[HEADER_BYTES:]
-    if len(payload) != int(fields[4]):
+    if (version == 2) != (len(fields) == 5):
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupt (damaged header)")
+    return fields[3], int(fields[4]), int(fields[5]) if len(fields) == 6 else HEADER_BYTES
+
+
+def _read_state(path: Path, f: BinaryIO) -> Any:
+    """The verified torch payload of an open checkpoint file, unpickled, large tensors as `RawTensor`s."""
+    digest, size, offset = _read_header(path, f)
+    file_size = os.fstat(f.fileno()).st_size
+    if file_size != offset + size:
         raise CorruptCheckpointError(
-            f"checkpoint {path} is corrupt (truncated: {len(payload)} of {fields[4]} payload bytes)"
+            f"checkpoint {path} is corrupt (truncated: {max(file_size - offset, 0)} of {size} payload bytes)"
         )
-    if hashlib.sha256(payload).hexdigest() != fields[3]:
+    f.seek(offset)
+    data = f.read(size)
+    if hashlib.sha256(data).hexdigest() != digest:
         raise CorruptCheckpointError(f"checkpoint {path} is corrupt (checksum mismatch)")
-    return payload
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # the unpickler raises many types (IndexError, EOFError, ...) on bad bytes
+        raise CorruptCheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(exc).__name__})") from exc
+    return _attach_raw(state, path, offset)
+
+
+def _attach_raw(obj: Any, path: Path, limit: int) -> Any:
+    """Records of large tensors -> `RawTensor`s of `path` (their bytes lie before `limit`)."""
+    if isinstance(obj, dict):
+        if obj.get(_RAW_KEY) is True:
+            try:
+                raw = RawTensor(path, int(obj["offset"]), int(obj["nbytes"]), getattr(torch, obj["dtype"]),
+                                tuple(int(n) for n in obj["shape"]), str(obj["sha256"]))
+            except (KeyError, AttributeError, TypeError, ValueError) as exc:
+                raise CorruptCheckpointError(f"checkpoint {path} is corrupt (a tensor record is damaged)") from exc
+            itemsize = torch.empty(0, dtype=raw.dtype).element_size()
+            if raw.offset < HEADER_BYTES or raw.offset + raw.nbytes > limit or raw.nbytes != itemsize * _count(raw.shape):
+                raise CorruptCheckpointError(f"checkpoint {path} is corrupt (a tensor lies outside the file)")
+            return raw
+        for key in list(obj):
+            obj[key] = _attach_raw(obj[key], path, limit)
+        return obj
+    if isinstance(obj, list):
+        return [_attach_raw(v, path, limit) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_attach_raw(v, path, limit) for v in obj)
+    return obj
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _stream_raw(raw: RawTensor, into: memoryview | None) -> None:
+    """Read a large tensor's bytes into `into` (or only hash them), a chunk at a time; check its digest."""
+    sha = hashlib.sha256()
+    scratch = None if into is not None else bytearray(min(CHUNK_BYTES, raw.nbytes))
+    with open(raw.path, "rb") as f:
+        f.seek(raw.offset)
+        for start in range(0, raw.nbytes, CHUNK_BYTES):
+            stop = min(start + CHUNK_BYTES, raw.nbytes)
+            target = into[start:stop] if into is not None else memoryview(scratch)[: stop - start]  # type: ignore[arg-type]
+            got = f.readinto(target)
+            if got != stop - start:
+                raise CorruptCheckpointError(f"checkpoint {raw.path} is corrupt (truncated tensor bytes)")
+            sha.update(target)
+    if sha.hexdigest() != raw.sha256:
+        raise CorruptCheckpointError(f"checkpoint {raw.path} is corrupt (checksum mismatch in a tensor of shape {list(raw.shape)})")
+
+
+def materialize(obj: Any, targets: Any = None) -> Any:
+    """`obj` with every `RawTensor` read (in place for dicts and lists); where `targets` (a structure of
+    the same keys, e.g. a model's state_dict) holds a CPU tensor of the same dtype and shape, the bytes go
+    straight into it, so loading the tables needs no second copy. Digests are checked as they are read."""
+    if isinstance(obj, RawTensor):
+        target = targets if isinstance(targets, Tensor) else None
+        if not (
+            target is not None and target.dtype == obj.dtype and tuple(target.shape) == obj.shape
+            and target.device.type == "cpu" and target.is_contiguous()
+        ):
+            target = torch.empty(obj.shape, dtype=obj.dtype)
+        with torch.no_grad():
+            _stream_raw(obj, _bytes_of(target) if target.numel() else None)
+        return target
+    if isinstance(obj, dict):
+        for key in list(obj):
+            obj[key] = materialize(obj[key], targets.get(key) if isinstance(targets, dict) else None)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [materialize(v) for v in obj]
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(materialize(v) for v in obj)
+    return obj
+
+
+def raw_bytes(obj: Any) -> int:
+    """Bytes of the `RawTensor`s in `obj` (what `materialize` will read)."""
+    if isinstance(obj, RawTensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(raw_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(raw_bytes(v) for v in obj)
+    return 0
 
 
 def _foreign(path: Path, data: bytes) -> str:
@@ -189,21 +357,22 @@ def _foreign(path: Path, data: bytes) -> str:
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception:  # not a torch file at all
-        return f"{path} is not a slipcache checkpoint (format version {FORMAT_VERSION} expected)"
+        return f"{path} is not a slipcache checkpoint (format version {FILE_VERSION} expected)"
     if isinstance(state, dict) and state.get("format") == MAGIC:
         return (
             f"checkpoint {path} has format version {state.get('version', 1)} (written by an older slipcache); "
-            f"this slipcache reads format version {FORMAT_VERSION}"
+            f"this slipcache reads format version {FILE_VERSION}"
         )
-    return f"{path} is a torch file but not a slipcache checkpoint (format version {FORMAT_VERSION} expected)"
+    return f"{path} is a torch file but not a slipcache checkpoint (format version {FILE_VERSION} expected)"
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike[str], *, lazy: bool = False) -> dict[str, Any]:
     """Read a checkpoint written by `save_checkpoint`; a missing or damaged file is a SlipcacheError.
 
     The checksum is verified before anything is unpickled, and unpickling uses `weights_only=True`:
     checkpoints hold only tensors and plain Python values, so opening a file from elsewhere cannot
-    execute code.
+    execute code. Large tensors are read after, each checked against its own digest; with `lazy` they are
+    left as `RawTensor`s for `materialize` to read into the tensors that will hold them.
     """
     path = Path(path)
     if path.is_dir():
@@ -212,26 +381,34 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CorruptCheckpointError(f"checkpoint not found: {path}")
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            state = _read_state(path, f)
     except OSError as exc:
         raise CorruptCheckpointError(f"checkpoint {path} is unreadable: {exc.strerror or exc}") from exc
-    payload = _payload(path, data)
-    try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as exc:  # the unpickler raises many types (IndexError, EOFError, ...) on bad bytes
-        raise CorruptCheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(exc).__name__})") from exc
     if not isinstance(state, dict):
         raise SlipcacheError(f"checkpoint {path} does not hold a slipcache state dict")
-    return state
+    return state if lazy else materialize(state)
 
 
 def is_complete(path: Path) -> bool:
-    """Whether a checkpoint file is whole and matches its checksum (without unpickling it)."""
+    """Whether a checkpoint file is whole and matches its checksums (streaming through it, no copy kept)."""
     try:
-        _payload(path, path.read_bytes())
+        with open(path, "rb") as f:
+            state = _read_state(path, f)
+        _verify_all(state)
     except (SlipcacheError, OSError):
         return False
     return True
+
+
+def _verify_all(obj: Any) -> None:
+    if isinstance(obj, RawTensor):
+        _stream_raw(obj, None)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _verify_all(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _verify_all(value)
 
 
 def complete_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:

@@ -68,8 +68,9 @@ class TrainConfig:
                                      "(earlier figures)", flag=("--generator",), choices=tuple(GENERATOR_VERSIONS))
     strict: bool = _flag(False, "raw data: stop at the first malformed line instead of skipping it")
     table_sizes: list[int] | None = _flag(
-        None, "TorchRec/DLRM/MLPerf files: rows per table, one for all or 26 comma-separated; ids are taken "
-        "modulo them (TorchRec's hashes)", type="int_list", default_text="the files' counts, else max id + 1")
+        None, "TorchRec/DLRM/MLPerf files: rows per table, one for all, 26 comma-separated or a preset (mlperf, "
+        "kaggle); ids are taken modulo them (TorchRec's hashes). A slipcache dataset must match its own sizes",
+        type="table_sizes", default_text="the files' counts, else max id + 1")
     split_order: str | None = _flag(None, "which half of the last day is validation", choices=SPLIT_ORDERS,
                                     default_text="the format's convention")
     # embeddings (see slipcache.embedding.collection / docs/design.md); defaults are EmbeddingConfig's
@@ -108,7 +109,8 @@ class TrainConfig:
     eval_samples: int | None = _flag(100_000, "validation samples per evaluation, the first N of the split "
                                      "(a config file's null: all)", metavar="N")
     checkpoint_every: int | None = _flag(None, "samples between checkpoints", default_text="4 per run")
-    keep_checkpoints: int = 2  # periodic checkpoints kept besides latest.pt
+    keep_checkpoints: int = _flag(2, "periodic checkpoints kept on disk, newest first (the MLPerf tables take "
+                                  "15 GB each)")
     seed: int = _flag(0, "random seed (model init, shuffling, stochastic rounding)")
     quick: bool = _flag(False, "small synthetic run, well under a minute")
     progress: bool = True  # tqdm progress bar (--no-progress / --quiet, as on every long command)

@@ -11,6 +11,7 @@ import typing
 from typing import Any
 
 from slipcache.cli import positive_int
+from slipcache.data.presets import parse_table_sizes
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig
 
 _TYPES = typing.get_type_hints(TrainConfig)
@@ -24,7 +25,7 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
 
 
-_NAMED_TYPES = {"int_list": int_list, "positive_int": positive_int}
+_NAMED_TYPES = {"int_list": int_list, "positive_int": positive_int, "table_sizes": parse_table_sizes}
 
 
 def _scalar_type(name: str) -> type:

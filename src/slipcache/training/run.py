@@ -73,6 +73,8 @@ class Run:
     finished: bool = False  # set by the run's last batch
     changed: frozenset[str] = frozenset()  # settings this resume changed (--allow-changes)
     lock: RunLock | None = None  # run.lock of the run directory (rank 0 of N holds it), released at the end
+    startup_s: float | None = None  # process start to the first training step (memory.process_age_s)
+    last_checkpoint: dict[str, Any] | None = None  # bytes and write time of the newest checkpoint written
 
     @property
     def consumed(self) -> int:

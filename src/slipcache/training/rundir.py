@@ -202,7 +202,7 @@ def load_training_checkpoint(path: Path, *, use: str = "--resume") -> dict[str, 
     checkpoints beside it and how to go on from the newest (`use`: the flag that takes it, e.g.
     `--checkpoint` for eval)."""
     try:
-        state = ckpt.load_checkpoint(path)
+        state = ckpt.load_checkpoint(path, lazy=True)  # the tables are read into the model (load_model_state)
     except ckpt.CorruptCheckpointError as exc:
         older = [p for p in ckpt.complete_checkpoints(path.parent) if p.name != path.name]
         if not older:

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.errors import SlipcacheError
+from slipcache.memory import peak_rss_bytes, process_age_s
 from slipcache.model import DLRM
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.backend import LocalBackend, RunBackend, embedding_optimizer
@@ -154,6 +155,8 @@ def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, A
         while run.more_epochs():
             batches = epoch_batches(run)
             for batch in batches:
+                if run.startup_s is None:
+                    run.startup_s = process_age_s()
                 loss, logits = train_step(run, batch, batches)
                 consumed_before = run.consumed
                 last = record_step(run, batch, loss, logits, batches)
@@ -424,8 +427,15 @@ def save_checkpoint(run: Run) -> None:
     """A checkpoint of the whole run (`run_state.checkpoint_state`), written by the backend; the open
     window's cache counts travel with it."""
     _sync_window_counts(run)
+    start = time.perf_counter()
     state = checkpoint_state(run)
     run.backend.save_checkpoint(run.run_dir, state, run.progress.samples, keep=run.config.keep_checkpoints)
+    latest = run.run_dir / "checkpoints" / "latest.pt"
+    run.last_checkpoint = {
+        "samples": run.progress.samples,
+        "bytes": latest.stat().st_size if latest.is_file() else None,
+        "write_s": time.perf_counter() - start,
+    }
 
 
 def end_epoch(run: Run) -> None:
@@ -458,6 +468,11 @@ def finish_run(run: Run) -> dict[str, Any]:
         "embedding_bytes": int(memory["total_bytes"]),
         "fp32_embedding_bytes": int(memory["fp32_bytes"]),
         "memory_ratio": float(memory["memory_ratio"]),
+        "table_sizes": [int(n) for n in run.dataset.table_sizes],
+        "startup_s": run.startup_s,
+        # The OS's peak resident set of this process so far: tables, data loading, evaluation, checkpoints.
+        "peak_rss_bytes": peak_rss_bytes(),
+        "last_checkpoint": run.last_checkpoint,  # samples, bytes and write time of the final checkpoint
         "memory_components": memory["components"],
         "memory_per_rank": memory.get("per_rank"),  # N processes: each rank's own report
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},

@@ -6,11 +6,13 @@ import argparse
 
 from slipcache.cli import add_progress_flag, float_in, seed_arg
 from slipcache.data.dataset import check_output_dir
+from slipcache.data.presets import parse_table_sizes
 from slipcache.data.synthetic.compare import COMPARE_ROWS, compare_with_real, format_comparison
 from slipcache.data.synthetic.generate import (
     DEFAULT_GENERATOR,
     DEFAULT_SAMPLES,
     GENERATOR_VERSIONS,
+    LAYOUTS,
     generate_synthetic,
 )
 from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, NEW_ENTITY_RATE
@@ -30,6 +32,20 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         type=float_in(0, MAX_SCALE),
         default=1.0,
         help=f"multiplier of the Kaggle table sizes, at most {MAX_SCALE:g} (default %(default)s)",
+    )
+    parser.add_argument(
+        "--table-sizes",
+        type=parse_table_sizes,
+        default=None,
+        help="v3: rows per table instead of --scale: a preset (mlperf: the MLPerf DLRM tables, 204 M rows; "
+        "kaggle) or 26 comma-separated counts; the tables take v3's roles by size",
+    )
+    parser.add_argument(
+        "--format",
+        dest="layout",
+        choices=LAYOUTS,
+        default="slipcache",
+        help="slipcache's dataset files (default) or TorchRec's day_{i}_{dense,sparse,labels}.npy",
     )
     parser.add_argument("--seed", type=seed_arg, default=0, help="random seed (default 0)")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="share of rows in val (default 0.1)")
@@ -104,8 +120,12 @@ def run_synth(args: argparse.Namespace) -> int:
         new_entity_rate=args.new_entity_rate,
         drift_rate=args.drift_rate,
         progress=args.progress,
+        table_sizes=args.table_sizes,
+        layout=args.layout,
     )
     splits = ", ".join(f"{k} {v}" for k, v in meta["splits"].items())
+    if args.layout == "torchrec":
+        splits += " (TorchRec day files: the last day holds val then test)"
     print(
         f"wrote {args.out} ({args.generator}): {splits}; {sum(meta['table_sizes'])} embedding rows; "
         f"positive rate {meta['positive_rate']:.4f}; teacher AUC {meta['teacher_auc']}"

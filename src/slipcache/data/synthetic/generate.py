@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from slipcache.cache_dir import default_cache_root
-from slipcache.data.dataset import DatasetWriter
+from slipcache.data.streaming import StreamingDatasetWriter, TorchRecWriter, torchrec_day_rows
 from slipcache.data.synthetic.teacher import (
     CHUNK_ROWS,
     DENSE_MISSING,
@@ -32,6 +32,8 @@ from slipcache.training.metrics import auc
 
 GENERATOR_VERSIONS = {"v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
 DEFAULT_GENERATOR = "v3"
+LAYOUTS = ("slipcache", "torchrec")  # `synth --format`: our dataset files, or TorchRec's day files
+TEACHER_AUC_ROWS = 1 << 22  # test rows the teacher's AUC is computed on (bounds the memory it takes)
 DEFAULT_SAMPLES = 2_500_000  # 2M train + 250k val + 250k test with the default fractions
 
 
@@ -44,9 +46,13 @@ def make_generator(
     days: int = DAYS,
     new_entity_rate: float = NEW_ENTITY_RATE,
     drift_rate: float = DRIFT_RATE,
+    table_sizes: list[int] | None = None,
 ) -> Teacher:
-    """The (uncalibrated) generator `generator` ("v3" or "v2") of a dataset of `num_samples` rows."""
+    """The (uncalibrated) generator `generator` ("v3" or "v2") of a dataset of `num_samples` rows; v3 also
+    takes explicit `table_sizes` (26, in column order) instead of a scale of Kaggle's."""
     if generator == "v2":
+        if table_sizes is not None:
+            raise SlipcacheError("--table-sizes needs generator v3 (v2 scales Kaggle's sizes only)")
         return GeneratorV2(scale, seed)
     if generator != "v3":
         raise SlipcacheError(f"generator must be one of {', '.join(GENERATOR_VERSIONS)}, got {generator!r}")
@@ -61,6 +67,7 @@ def make_generator(
         days=days,
         new_entity_rate=new_entity_rate,
         drift_rate=drift_rate,
+        table_sizes=table_sizes,
     )
 
 
@@ -77,12 +84,20 @@ def generate_synthetic(
     new_entity_rate: float = NEW_ENTITY_RATE,
     drift_rate: float = DRIFT_RATE,
     progress: bool = True,
+    table_sizes: list[int] | None = None,
+    layout: str = "slipcache",
 ) -> dict[str, Any]:
     """Write a synthetic dataset to `out_dir` (atomically) and return its meta. Deterministic per seed.
 
     Rows are written in log order and the splits are contiguous: with v3 (time-ordered over `days` days)
     train holds the earlier days, validation and test the last ones, as in the standard Criteo split.
-    `days` and the two rates apply to v3 only."""
+    `days` and the two rates apply to v3 only.
+
+    Memory is bounded whatever `num_samples`: rows are generated a chunk at a time and appended to the
+    files (`slipcache.data.streaming`); the teacher's AUC is taken on the first TEACHER_AUC_ROWS test rows.
+    `layout="torchrec"` writes TorchRec's day files instead (v3's days, the last one held out)."""
+    if layout not in LAYOUTS:
+        raise SlipcacheError(f"format must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if num_samples < 1:
         raise SlipcacheError(f"number of samples must be at least 1, got {num_samples}")
     if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
@@ -95,10 +110,13 @@ def generate_synthetic(
         days=days,
         new_entity_rate=new_entity_rate,
         drift_rate=drift_rate,
+        table_sizes=table_sizes,
     )
     gen.calibrate()
     n_val = int(num_samples * val_fraction)
     n_test = int(num_samples * test_fraction)
+    if layout == "torchrec":  # its reader halves the held-out day: validation first, taking the odd row
+        n_val, n_test = (n_val + n_test + 1) // 2, (n_val + n_test) // 2
     n_train = num_samples - n_val - n_test
     bounds = {
         "train": (0, n_train),
@@ -106,41 +124,51 @@ def generate_synthetic(
         "test": (n_train + n_val, num_samples),
     }
     positives = dict.fromkeys(bounds, 0)
-    test_logits = np.empty(n_test)
-    test_labels = np.empty(n_test, dtype=np.float32)
-    with (
-        DatasetWriter(out_dir, {k: b - a for k, (a, b) in bounds.items()}) as writer,
-        tqdm(total=num_samples, unit="rows", unit_scale=True, desc="synth", disable=not progress) as bar,
-    ):
+    scored = min(n_test, TEACHER_AUC_ROWS)
+    test_logits = np.empty(scored)
+    test_labels = np.empty(scored, dtype=np.float32)
+    split_rows = {k: b - a for k, (a, b) in bounds.items()}
+    if layout == "torchrec":
+        days_rows = torchrec_day_rows(n_train, n_val + n_test, getattr(gen, "days", DAYS))
+        writer: Any = TorchRecWriter(out_dir, days_rows)
+    else:
+        writer = StreamingDatasetWriter(out_dir, split_rows)
+    with writer, tqdm(total=num_samples, unit="rows", unit_scale=True, desc="synth", disable=not progress) as bar:
         for chunk, start in enumerate(range(0, num_samples, CHUNK_ROWS)):
             end = min(start + CHUNK_ROWS, num_samples)
             rng = _chunk_rng(seed, chunk)
             dense, ids, terms = gen.sample(rng, start, end - start)
             logits = gen.logits(terms)
             labels = (rng.random(end - start) < sigmoid(logits)).astype(np.float32)
+            if layout == "torchrec":
+                writer.append(labels.astype(np.int32), dense, ids)
             for name, (a, b) in bounds.items():
                 lo, hi = max(a, start), min(b, end)
                 if lo >= hi:
                     continue
                 part = slice(lo - start, hi - start)
-                writer.write(name, lo - a, labels[part], dense[part], ids[part])
+                if layout != "torchrec":
+                    writer.write(name, lo - a, labels[part], dense[part], ids[part])
                 positives[name] += int(labels[part].sum())
-                if name == "test":
-                    test_logits[lo - a : hi - a] = logits[part]
-                    test_labels[lo - a : hi - a] = labels[part]
+                if name == "test" and lo - a < scored:
+                    keep = slice(lo - a, min(hi - a, scored))
+                    test_logits[keep] = logits[part][: keep.stop - keep.start]
+                    test_labels[keep] = labels[part][: keep.stop - keep.start]
             bar.update(end - start)
-        sizes = {k: b - a for k, (a, b) in bounds.items()}
+        sizes = split_rows
         meta = writer.commit(
             {
-                "table_sizes": [int(s) for s in gen.sizes],
+                **({"splits": sizes} if layout == "torchrec" else {}),
+                "table_sizes": gen.output_sizes if isinstance(gen, GeneratorV3) else [int(s) for s in gen.sizes],
                 "positive_rate": sum(positives.values()) / num_samples,
                 "split_positive_rate": {k: (positives[k] / sizes[k] if sizes[k] else None) for k in sizes},
                 "vocabulary": "synthetic",
-                "teacher_auc": auc(test_labels, test_logits) if n_test else None,
-                "teacher_expected_auc": expected_auc(test_logits) if n_test else None,
+                "teacher_auc": auc(test_labels, test_logits) if scored else None,
+                "teacher_expected_auc": expected_auc(test_logits) if scored else None,
                 "source": {"generator": "slipcache.data.synthetic"},
                 "time_ordered": isinstance(gen, GeneratorV3),
                 **({"missing_row": MISSING_ROW} if isinstance(gen, GeneratorV3) else {}),
+                **({"layout": layout, "teacher_auc_rows": scored} if layout == "torchrec" or scored < n_test else {}),
                 "generator": {
                     "version": GENERATOR_VERSIONS[generator],
                     "num_samples": num_samples,

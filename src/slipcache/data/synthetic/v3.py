@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 
 from slipcache.data.dataset import NUM_TABLES
-from slipcache.data.synthetic.teacher import HOT_ROWS, TEACHER_DIM, Teacher, synthetic_table_sizes
+from slipcache.data.synthetic.teacher import (
+    HOT_ROWS,
+    KAGGLE_CARDINALITIES,
+    TEACHER_DIM,
+    Teacher,
+    synthetic_table_sizes,
+)
+from slipcache.errors import SlipcacheError
 
 # Latent entities (table indices are 0-based: C3 is 2). Each is drawn by rank from a bounded Zipf law
 # over as many ranks as its finest table has rows, and seen through one or more tables.
@@ -103,6 +110,22 @@ def _zipf_rank(u: np.ndarray, size: int, exponent: float) -> np.ndarray:
     return np.minimum(x.astype(np.int64) - 1, size - 1)
 
 
+def roles_by_size(table_sizes: list[int]) -> np.ndarray:
+    """columns[r]: the table that plays v3's role r (Kaggle's column r), matched by size rank: the largest
+    given table is the user entity's root (Kaggle's largest, C3), the next its views, and so on; ties keep
+    the column order. Kaggle's own sizes map every table to itself."""
+    if len(table_sizes) != NUM_TABLES or min(table_sizes) < 2:
+        raise SlipcacheError(
+            f"table sizes: v3 needs {NUM_TABLES} sizes of at least 2 rows (row 0 is the missing value), "
+            f"got {len(table_sizes)} sizes, smallest {min(table_sizes, default=0)}"
+        )
+    role_order = np.argsort(-np.array(KAGGLE_CARDINALITIES), kind="stable")
+    column_order = np.argsort(-np.array(table_sizes, dtype=np.int64), kind="stable")
+    columns = np.empty(NUM_TABLES, dtype=np.int64)
+    columns[role_order] = column_order
+    return columns
+
+
 class GeneratorV3(Teacher):
     """v3: each table is a view of a latent entity (user, ad, site) or drawn on its own; time-ordered.
 
@@ -119,9 +142,15 @@ class GeneratorV3(Teacher):
         days: int = DAYS,
         new_entity_rate: float = NEW_ENTITY_RATE,
         drift_rate: float = DRIFT_RATE,
+        table_sizes: list[int] | None = None,
     ) -> None:
         super().__init__(seed)
-        self.sizes = np.array(synthetic_table_sizes(scale), dtype=np.int64)
+        # Given sizes: the tables take v3's roles by size (see `roles_by_size`); sizes are in role order
+        # inside the generator and `sample` puts each role's ids back in its table's column.
+        self.table_sizes = None if table_sizes is None else [int(n) for n in table_sizes]
+        self.columns = roles_by_size(self.table_sizes) if self.table_sizes is not None else None
+        given = None if self.table_sizes is None else np.array(self.table_sizes, dtype=np.int64)[self.columns]
+        self.sizes = np.array(synthetic_table_sizes(scale), dtype=np.int64) if given is None else given
         self.days = days
         self.rows_per_day = num_samples / days
         self.new_entity_rate = new_entity_rate
@@ -162,8 +191,18 @@ class GeneratorV3(Teacher):
         ).astype(np.float32)
         self.init_dense(rng)
 
+    @property
+    def output_sizes(self) -> list[int]:
+        """Rows per table in the dataset's column order."""
+        return list(self.table_sizes) if self.table_sizes is not None else [int(n) for n in self.sizes]
+
     def describe(self) -> dict[str, Any]:
+        given = {} if self.table_sizes is None else {
+            "table_sizes": self.table_sizes,
+            "roles": {f"C{int(c) + 1}": f"C{r + 1}" for r, c in enumerate(self.columns)},
+        }
         return {
+            **given,
             "days": self.days,
             "rows_per_day": self.rows_per_day,
             "new_entity_rate": self.new_entity_rate,
@@ -275,4 +314,8 @@ class GeneratorV3(Teacher):
         for (tables, rate), mu in zip(MISSING_GROUPS, missing_u, strict=True):
             ids[np.ix_(mu < rate, tables)] = MISSING_ROW
         dense = self.draw_dense(rng, n)
+        if self.columns is not None:
+            out = np.empty_like(ids)
+            out[:, self.columns] = ids
+            ids = out
         return dense, ids.astype(np.int32), self.terms(dense, np.stack(params, axis=1))
