@@ -13,13 +13,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slipcache.data.synthetic import GENERATOR_VERSIONS
+from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.collection import OPTIMIZERS, EmbeddingConfig
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import EMBEDDING_KINDS, ModelConfig
-from slipcache.staleness.config import RULES, StalenessConfig
+from slipcache.staleness.config import (
+    HOT_SETS,
+    RULES,
+    SKIP_RULE_HELP,
+    SKIP_RULES,
+    STALE_PRESETS,
+    StalenessConfig,
+    preset_help,
+)
 from slipcache.staleness.skipping import DECISIONS, WARMUPS
 
 _STALE = StalenessConfig()  # the stale_* defaults below are the detector's: one set of defaults
@@ -28,6 +36,7 @@ _EMB = {f.name: f.default for f in dataclasses.fields(EmbeddingConfig)}  # and t
 VOCABS = ("hash", "frequency")
 SPLIT_ORDERS = ("val-test", "test-val")
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
+TIME_ORDERS = ("first", "every")
 FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -64,8 +73,9 @@ class TrainConfig:
     min_count: int = _flag(1, "raw data, frequency vocabulary: rarer values map to row 0 (unknown)")
     synthetic_samples: int = 4_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
     synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle (data.kaggle)
-    synthetic_generator: str = _flag("v3", "synthetic data generator: v3 (entities, time order) or v2 "
-                                     "(earlier figures)", flag=("--generator",), choices=tuple(GENERATOR_VERSIONS))
+    synthetic_generator: str = _flag(DEFAULT_GENERATOR, "synthetic data generator: v4 (v3 with real signal, dense "
+                                     "shapes and links), v3 (entities, time order) or v2 (earlier figures)",
+                                     flag=("--generator",), choices=tuple(GENERATOR_VERSIONS))
     strict: bool = _flag(False, "raw data: stop at the first malformed line instead of skipping it")
     table_sizes: list[int] | None = _flag(
         None, "TorchRec/DLRM/MLPerf files: rows per table, one for all, 26 comma-separated or a preset (mlperf, "
@@ -73,6 +83,9 @@ class TrainConfig:
         type="table_sizes", default_text="the files' counts, else max id + 1")
     split_order: str | None = _flag(None, "which half of the last day is validation", choices=SPLIT_ORDERS,
                                     default_text="the format's convention")
+    time_order: str = _flag("first", "time-ordered data: first: the first epoch through time, later ones shuffled "
+                            "across days (validation AUC does not saw at epoch boundaries); every: every epoch "
+                            "through time", choices=TIME_ORDERS)
     # embeddings (see slipcache.embedding.collection / docs/design.md); defaults are EmbeddingConfig's
     embeddings: str = _flag("cached", "cached = mixed-precision + fp32 cache; torch = fp32 nn.EmbeddingBag "
                             "baseline", choices=EMBEDDING_KINDS)
@@ -118,7 +131,17 @@ class TrainConfig:
                                     nargs="?", const="", default_text="none; DIR alone: <out>/tensorboard")
     # Slipstream stale-input skipping (slipcache.staleness.skipping, docs/skipping.md); the detector's
     # settings take StalenessConfig's defaults
-    skip_stale: bool = _flag(False, "skip stale inputs (Slipstream; docs/skipping.md): no forward, no backward")
+    skip_stale: bool = _flag(False, "skip stale inputs (Slipstream; docs/skipping.md): no forward, no backward; "
+                             "the same as --skip-rule stale")
+    skip_rule: str | None = _flag(None, SKIP_RULE_HELP, choices=SKIP_RULES, default_text="none: train on every input")
+    stale_preset: str | None = _flag(None, "a set of --stale-* settings (flags you give still win): " + preset_help(),
+                                     choices=tuple(STALE_PRESETS))
+    stale_hot_set: str = _flag(_STALE.hot_set, "budget: most accessed rows that fit --stale-budget-mb; frequency: "
+                               "FAE's threshold", choices=HOT_SETS)
+    stale_hot_rate: float = _flag(_STALE.hot_min_rate, "frequency hot set: share of profiled inputs a hot row is "
+                                  "looked up by")
+    prune_share: float = _flag(0.5, "loss rule: r, share of below-mean-loss inputs pruned; kept ones weigh 1/(1-r)")
+    prune_final: float = _flag(0.125, "loss rule: last share of the run on all data")
     stale_target: float = _flag(_STALE.target_drop, "D: share of hot inputs to skip, fitted anew each epoch")
     stale_guard: bool = _flag(True, "no accuracy guard (by default D is backed off, or skipping stopped, when "
                               "skipped inputs' loss drifts above trained ones')", flag=("--no-stale-guard",))
@@ -234,6 +257,12 @@ class TrainConfig:
             raise SlipcacheError(
                 "stale_window must be in (0, 1], stale_guard_every >= 1, stale_budget_mb > 0"
             )
+        if self.skip_stale and self.skip_rule not in (None, "stale"):
+            raise SlipcacheError(f"--skip-stale means --skip-rule stale; it cannot go with {self.skip_rule!r}")
+        if not 0.0 < self.stale_hot_rate <= 1.0:
+            raise SlipcacheError(f"stale_hot_rate must be in (0, 1], got {self.stale_hot_rate}")
+        if not 0.0 < self.prune_share < 1.0 or not 0.0 <= self.prune_final < 1.0:
+            raise SlipcacheError("prune_share must be in (0, 1) and prune_final in [0, 1)")
         if self.stale_min_updates < 1 or self.stale_warmup_epoch < 0 or not 0.0 <= self.stale_warmup_min < 1.0:
             raise SlipcacheError("stale_min_updates must be >= 1, stale_warmup_epoch >= 0, stale_warmup_min in [0, 1)")
         if not 0.0 < self.stale_count_share <= 1.0:
@@ -342,6 +371,17 @@ def make_config(
     """Defaults, then the config file, then command-line flags; `--quick` fills only what neither set."""
     user = {**(file_values or {}), **(flag_values or {})}
     given = {**QUICK, **user} if user.get("quick") else dict(user)
+    preset = given.get("stale_preset")
+    if preset is not None:  # a preset fills only what the user did not set, as --quick does
+        from slipcache.staleness.config import STALE_PRESETS
+
+        if preset not in STALE_PRESETS:
+            raise SlipcacheError(f"stale_preset must be one of {', '.join(STALE_PRESETS)}, got {preset!r}")
+        given = {**STALE_PRESETS[preset], **given}
+    if given.get("skip_stale") and given.get("skip_rule") is None:
+        given["skip_rule"] = "stale"  # one switch: --skip-stale is --skip-rule stale
+    if given.get("skip_rule") == "stale":
+        given["skip_stale"] = True
     if "embedding_dim" in user and "bottom_mlp" not in user:
         # The bottom MLP's output meets the embeddings, so its last layer follows --dim.
         base = given.get("bottom_mlp", TrainConfig().bottom_mlp)

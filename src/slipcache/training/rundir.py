@@ -54,8 +54,8 @@ _RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard",
 _STATE_DEFINING = {
     "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
     "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
-    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "table_sizes", "split_order",
-    "lookahead", "prefetch", "stale_rule",
+    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "skip_rule", "table_sizes", "split_order",
+    "lookahead", "prefetch", "stale_rule", "time_order",
 }  # fmt: skip
 
 

@@ -298,6 +298,7 @@ def epoch_batches(run: Run) -> Any:
         epoch=run.progress.epoch,
         start_batch=run.progress.batch_in_epoch,
         sample_filter=run.callbacks.sample_filter(run),
+        time_order=run.config.time_order,
     )
 
 
