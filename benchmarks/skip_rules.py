@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -195,8 +196,23 @@ def report(args: argparse.Namespace) -> None:
             "val_auc_minus_random": ci(d_random), "test_auc_minus_random": ci(d_random_test),
             "val_auc_minus_early_stop": ci(d_early), "val_auc_minus_baseline": ci(d_base),
             "cpu_speedup_to_target": speed,
+            "cpu_speedup_median": {k: (None if all(math.isnan(v) for v in vals) else float(np.nanmedian(vals)))
+                                   for k, vals in speed.items()},
         })
-    results = {"command": " ".join(sys.argv), "rows": rows, "runs": runs, "settings": vars(args)}
+    stamps = sorted(p.stat().st_mtime for p in (out / "runs").glob("*/summary.json"))
+    when = " to ".join(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t)) for t in (stamps[0], stamps[-1]))
+    first = next(iter(next(iter(runs.values())).values()))
+    provenance = {
+        "command": "nice -n 10 python -m benchmarks.skip_rules run --out DIR " + " ".join(args.run_flags or []),
+        "machine": f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), one torch thread per "
+                   f"run at niceness 10, shared with other jobs (load average {args.load or 'not recorded'})",
+        "date": when + " (last run finished)",
+        "data": f"synthetic generator v4, scale 0.05, {args.rows:,} rows, {args.epochs} epochs, dataset seed 0",
+        "source": "docs/experiments/skip-rules/ (results.json, report.md, auc.png)",
+    }
+    del first
+    results = {"command": " ".join(sys.argv), "provenance": provenance, "rows": rows, "runs": runs,
+               "settings": vars(args)}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     lines = ["| rule | skipped (rule / random) | val AUC − random | test AUC − random | val AUC − baseline stopped "
              "at the same trained samples | val AUC − full baseline | CPU-time speedup to baseline − 0.0005 / − 0.001 / − 0.002 |",
@@ -260,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=60_000)
     parser.add_argument("--eval-samples", type=int, default=60_000, help="validation samples per evaluation")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--run-flags", nargs="*", help="report: the flags `run` was given (for the provenance)")
+    parser.add_argument("--load", help="report: the load average during the runs (for the provenance)")
     parser.add_argument("--rule-seeds", type=lambda v: [int(x) for x in v.split(",")], default=[99, 99, 99],
                         help="seeds per rule, in the order of RULES (default: all)")
     args = parser.parse_args(argv)
