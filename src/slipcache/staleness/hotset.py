@@ -32,10 +32,6 @@ class HotSet:
         np.minimum(pos, self.rows.size - 1, out=pos)
         return pos, self.rows[pos] == global_rows
 
-    def contains(self, global_rows: np.ndarray) -> np.ndarray:
-        """Boolean mask: which global rows are hot."""
-        return self.positions(np.asarray(global_rows, dtype=np.int64))[1]
-
 
 PROFILE_CHUNK = 65_536  # inputs counted at a time by the frequency hot set
 
