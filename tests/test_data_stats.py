@@ -374,3 +374,40 @@ def test_other_real_files(name: str) -> None:
     assert stats["rows"] == rows and stats["source"]["bad_lines"] == read.bad
     assert stats["exact"]["per_table"] and len(stats["over_time"]["chunks"]) == -(-rows // 100)
     assert MISSING == -1 and stats["tables"][21]["missing_rate"] > 0.5  # C22 is mostly empty in Kaggle
+
+
+def test_target_auc_follows_its_definition() -> None:
+    """Means over the first 5/6, unseen values scored by the first part's rate, ties at average rank."""
+    from slipcache.data.stats.signal import auc_with_ties, target_auc
+
+    values = np.array([1, 1, 2, 2, 3, 3, 1, 2, 3, 4, 9, 9])  # 12 rows: first 10 fit, last 2 scored
+    labels = np.array([1, 0, 0, 0, 1, 1, 1, 0, 1, 0, 1, 0], dtype=np.float32)
+    # value 9 unseen in the first part: both later rows get the first part's rate -> one tie -> AUC 0.5
+    assert target_auc(values, labels) == pytest.approx(0.5)
+    assert auc_with_ties(np.array([0.1, 0.4, 0.4, 0.9]), np.array([0, 0, 1, 1])) == pytest.approx(0.875)
+    rng = np.random.default_rng(0)
+    value = rng.integers(0, 50, 6000)
+    p = (value % 2) * 0.6 + 0.2  # odd values click at 0.8, even at 0.2: memorisable signal
+    assert target_auc(value, (rng.random(6000) < p).astype(np.float32)) > 0.75
+
+
+def test_stats_report_dense_shapes_count_bands_and_links() -> None:
+    from slipcache.data.stats import compute_stats_arrays
+
+    rng = np.random.default_rng(1)
+    cats = rng.integers(0, 30, (3000, 26))
+    cats[:, 12] = cats[:, 10] % 7  # C11 determines C13
+    dense = rng.integers(-1, 5, (3000, 13)).astype(np.float32)
+    dense[:100, 0] = np.nan
+    stats = compute_stats_arrays(cats, dense, rng.integers(0, 2, 3000).astype(np.float32))
+    d0 = stats["dense"][0]
+    assert d0["missing_rate"] == pytest.approx(100 / 3000, abs=1e-6)
+    assert d0["zero_share"] == pytest.approx(float(np.mean(dense[100:, 0] == 0)), abs=1e-6)
+    assert d0["negative_share"] == pytest.approx(float(np.mean(dense[100:, 0] < 0)), abs=1e-6)
+    bands = stats["tables"][0]["lookup_share_by_count"]
+    counts = np.bincount(cats[:, 0])[cats[:, 0]]  # per lookup, how often its value was seen
+    assert bands[">=100"] == pytest.approx(float(np.mean(counts >= 100)), abs=1e-6)
+    assert bands["10-99"] == pytest.approx(float(np.mean((counts >= 10) & (counts <= 99))), abs=1e-6)
+    assert sum(bands.values()) == pytest.approx(1.0, abs=1e-5)
+    link = next(lk for lk in stats["links"] if lk["from"] == "C11")
+    assert link["purity"] == pytest.approx(1.0) and link["determined"] == pytest.approx(1.0) and link["chance"] < 0.5

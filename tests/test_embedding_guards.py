@@ -194,7 +194,7 @@ def test_a_state_dict_from_before_the_saturation_counters_loads() -> None:
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
 def test_an_update_that_overflows_is_fitted_in_the_cache_as_in_storage(
     compiled: bool, optimizer: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

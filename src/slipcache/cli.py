@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from slipcache import __version__
@@ -30,6 +31,43 @@ def add_progress_flag(parser: argparse.ArgumentParser, default: object = True) -
     users who learnt one spelling on one command tried it on the others."""
     parser.add_argument("--no-progress", "--quiet", dest="progress", action="store_false", default=default,
                         help="no progress bar")
+
+
+def add_threads_flag(parser: argparse.ArgumentParser, default: object = None, help: str | None = None) -> None:
+    """`--threads N`: torch threads for the command, the same flag on every command that computes with torch
+    (`main` applies it for the command's duration)."""
+    parser.add_argument("--threads", type=positive_int, default=default, metavar="N",
+                        help=help or "torch threads (default: torch's choice, one per core; 1 is steadier on a "
+                        "busy machine)")
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run with `threads` torch threads (None: leave torch's setting), then put the previous setting back."""
+    if threads is None:
+        yield
+        return
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+class DeprecatedFlag(argparse.Action):
+    """An old spelling kept working: stores into the new flag's `dest` and says so in one line."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs: object) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def seed_arg(text: str) -> int:
@@ -112,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     module = importlib.import_module(args._module)
     try:
-        return int(getattr(module, f"run_{args.command}")(args) or 0)
+        with torch_threads(getattr(args, "threads", None)):
+            return int(getattr(module, f"run_{args.command}")(args) or 0)
     except SlipcacheError as exc:
         print(f"slipcache {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code

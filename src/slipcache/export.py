@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slipcache.cli import add_threads_flag
 from slipcache.errors import SlipcacheError
 
 FORMATS = ("fp32", "torchrec", "int8", "tbe-int8")
@@ -140,6 +141,7 @@ def export_tables(
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     parser.add_argument("--out", required=True, help="directory to write the exported tables into")
+    add_threads_flag(parser)
     parser.add_argument(
         "--format",
         dest="formats",

@@ -15,6 +15,7 @@ docs/design.md, so the model and the training loop do not care which one they ge
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -144,46 +145,28 @@ def embedding_config(table_sizes: list[int], dim: int, **options: Any) -> Embedd
         raise SlipcacheError(f"embedding configuration: {exc}") from exc
 
 
-def build_embeddings(
-    table_sizes: list[int],
-    dim: int,
-    *,
-    embeddings: str = "cached",
-    precision: str | list[str] = "int8",
-    cache_size: float | list[float] = 0.05,
-    cache_rows: int | list[int] | None = None,
-    policy: str = "lru",
-    rounding: str = "stochastic",
-    optimizer: str = "sgd",
-    lr: float = 0.1,
-    seed: int = 0,
-) -> nn.Module:
+def build_embeddings(table_sizes: list[int], dim: int, *, embeddings: str = "cached", **options: Any) -> nn.Module:
     """The one place that picks an embedding implementation.
 
-    embeddings="torch": the fp32 `nn.EmbeddingBag` baseline (precision/cache/policy/rounding ignored).
+    `options`: `EmbeddingConfig` fields (precision, cache_size, cache_rows, policy, rounding, optimizer, lr,
+    seed, ...); what is not given takes `EmbeddingConfig`'s default, the one place the defaults live.
+    embeddings="torch": the fp32 `nn.EmbeddingBag` baseline (only lr and seed apply).
     embeddings="cached": mixed-precision storage with an fp32 cache (`slipcache.embedding.collection`).
     """
+    from slipcache.embedding.config import EmbeddingConfig
     from slipcache.memory import require_config_fits, require_tables_fit
 
     if embeddings == "torch":
         require_tables_fit(table_sizes, dim, what="embedding tables", embeddings="torch")
-        return TorchEmbeddingBagCollection(table_sizes, dim, lr=lr, seed=seed)
+        defaults = {f.name: f.default for f in dataclasses.fields(EmbeddingConfig)}
+        return TorchEmbeddingBagCollection(
+            table_sizes, dim, lr=options.get("lr", defaults["lr"]), seed=options.get("seed", defaults["seed"])
+        )
     if embeddings != "cached":
         raise SlipcacheError(f"unknown embeddings {embeddings!r}; choose one of {', '.join(EMBEDDING_KINDS)}")
     from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
-    config = embedding_config(
-        table_sizes,
-        dim,
-        precision=precision,
-        cache_size=cache_size,
-        cache_rows=cache_rows,
-        policy=policy,
-        rounding=rounding,
-        optimizer=optimizer,
-        lr=lr,
-        seed=seed,
-    )
+    config = embedding_config(table_sizes, dim, **options)
     require_config_fits(config, "embedding tables")
     return CachedEmbeddingBagCollection(config)
 

@@ -1,4 +1,4 @@
-"""Optional compiled loops for the CPU hot path: cache lookup, the fused SGD update, the quantize pass,
+"""Optional compiled loops for the CPU hot path: cache lookup, the fused SGD and Adagrad updates, the quantize pass,
 the stale-input filter.
 
 Each is a plain loop over the lookups of a batch, on the calling thread. In torch they take several passes
@@ -309,6 +309,47 @@ def sgd_update_finite(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -
     assert library is not None
     code = _run_sgd(library.sgd_update_finite, weights, slots, grad, lr)
     return code != _NOT_FINITE, code != _OVERFLOWED
+
+
+def adagrad_update(
+    weights: Tensor, slots: Tensor | None, state: Tensor, state_rows: Tensor, grad: Tensor, lr: float, eps: float
+) -> bool:
+    """The Adagrad step of unique rows in one pass: per row, the squared gradient is added to its state
+    (`state` [rows, D] per value, or [rows] row-wise: the row's mean square) and `weights[slots[i]]` (row i
+    when `slots` is None) takes `grad[i] / (sqrt(state) + eps) * -lr`. Slots must be distinct.
+
+    Not bit-identical to the torch step in every case (row-wise, torch sums the squares in fp32 in its own
+    order; here they are summed in double), so tests compare both with a float64 reference within a stated
+    tolerance. Returns whether every weight it wrote is finite (False: an update overflowed)."""
+    library = native()
+    assert library is not None
+    _check("weights", weights, (torch.float32,), (None, None))
+    dim = weights.shape[1]
+    rowwise = state.dim() == 1
+    _check("state", state, (torch.float32,), (None,) if rowwise else (None, dim))
+    _check("state_rows", state_rows, (torch.int64,), (None,))
+    count = state_rows.numel()
+    _check("slots", slots, (torch.int64,), (count,))
+    _check("grad", grad, (torch.float32,), (count, dim))
+    if slots is None and count > weights.shape[0]:
+        raise ValueError(f"compiled loop: {count} rows of gradient for {weights.shape[0]} weight rows")
+    code = library.adagrad_update(
+        weights.data_ptr(),
+        weights.shape[0],
+        dim,
+        slots.data_ptr() if slots is not None else None,
+        state.data_ptr(),
+        state.shape[0],
+        state_rows.data_ptr(),
+        grad.data_ptr(),
+        count,
+        int(rowwise),
+        lr,
+        eps,
+    )
+    if code >= 0:
+        raise ValueError(f"compiled loop: Adagrad row {code} has a slot or state row out of range")
+    return code != _OVERFLOWED
 
 
 def classify_inputs(

@@ -198,6 +198,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.assign_slots.restype = i64
     library.sgd_update_finite.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float]
     library.sgd_update_finite.restype = i64
+    library.adagrad_update.argtypes = [
+        ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_float, ctypes.c_float,
+    ]
+    library.adagrad_update.restype = i64
     f32 = ctypes.c_float
     library.quantize_rows.argtypes = [
         ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr,

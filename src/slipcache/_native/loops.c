@@ -393,6 +393,58 @@ int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const 
     return sgd_all(&args) ? -3 : -1;
 }
 
+/* ------------------------------------------------------------------ Adagrad: one pass per unique row
+   For each unique row i (its gradient already summed, grad [n, dim]): target row t = slots ? slots[i] : i,
+   state row r = state_rows[i]. Per value (rowwise = 0): state[r][d] += g*g; w[d] += g / (sqrt(state) + eps)
+   * -lr. Row-wise (rowwise = 1): state[r] += mean of g*g over the row (summed in double, torch sums fp32 in
+   its own order: the one value that can differ); then every value takes g / (sqrt(state) + eps) * -lr. The
+   same fp32 operations as the torch step otherwise (no contraction), so results agree within a few ulp. */
+typedef struct {
+    float *weights; int64_t dim; const int64_t *slots; float *state; const int64_t *state_rows;
+    const float *grad; int64_t n; int rowwise; float lr, eps;
+} adagrad_args;
+
+ROW_LOOPS static int adagrad_all(const adagrad_args *a) {
+    int nonfinite = 0;
+    for (int64_t i = 0; i < a->n; i++) {
+        int64_t t = a->slots ? a->slots[i] : i;
+        float *w = a->weights + t * a->dim;
+        const float *g = a->grad + i * a->dim;
+        if (a->rowwise) {
+            double squares = 0.0;
+            for (int64_t d = 0; d < a->dim; d++) squares += (double)g[d] * (double)g[d];
+            float *s = a->state + a->state_rows[i];
+            float accumulated = *s + (float)(squares / (double)a->dim);
+            *s = accumulated;
+            float denominator = sqrtf(accumulated) + a->eps;
+            for (int64_t d = 0; d < a->dim; d++) w[d] += g[d] / denominator * -a->lr;
+        } else {
+            float *s = a->state + a->state_rows[i] * a->dim;
+            for (int64_t d = 0; d < a->dim; d++) {
+                float accumulated = s[d] + g[d] * g[d];
+                s[d] = accumulated;
+                w[d] += g[d] / (sqrtf(accumulated) + a->eps) * -a->lr;
+            }
+        }
+        nonfinite |= any_nonfinite(w, a->dim);
+    }
+    return nonfinite;
+}
+
+/* The Adagrad or row-wise Adagrad step of n unique rows. Returns -1, -3 when an updated weight is inf or NaN
+   (an overflow: the caller fits the rows to fp32's range, as after SGD), or the index of the first target
+   slot outside [0, num_slots) or state row outside [0, num_state_rows) (then nothing is written). */
+int64_t adagrad_update(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, float *state,
+                       int64_t num_state_rows, const int64_t *state_rows, const float *grad, int64_t n,
+                       int rowwise, float lr, float eps) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t t = slots ? slots[i] : i;
+        if (t < 0 || t >= num_slots || state_rows[i] < 0 || state_rows[i] >= num_state_rows) return i;
+    }
+    adagrad_args args = {weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps};
+    return adagrad_all(&args) ? -3 : -1;
+}
+
 /* ------------------------------------------------------------------ quantize: fp32 rows -> storage rows
    The same arithmetic as slipcache.embedding.quant, in one pass per row (bit-identical; tests compare):
    int8/int4 rows get bias = the row minimum rounded down to fp16 and scale code = the smallest code whose

@@ -43,7 +43,7 @@ from slipcache.bench.timing import (
     measure,
 )
 from slipcache.bench.workload import make_workload
-from slipcache.cli import float_in, seed_arg
+from slipcache.cli import add_threads_flag, float_in, seed_arg
 from slipcache.data.kaggle import SMALL_TABLE, kaggle_table_sizes
 from slipcache.errors import SlipcacheError
 from slipcache.memory import RUNTIME_BYTES, available_bytes
@@ -77,19 +77,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     from slipcache.bench.cache import add_cache_arguments
 
-    add_cache_arguments(
-        targets.add_parser("cache", help="cache hit rate against size: LRU, LFU, lookahead and offline OPT")
-    )
+    cache = targets.add_parser("cache", help="cache hit rate against size: LRU, LFU, lookahead and offline OPT")
+    add_cache_arguments(cache)
+    add_threads_flag(cache)
     from slipcache.bench.train import add_train_bench_arguments
 
-    add_train_bench_arguments(
-        targets.add_parser("train", help="the DLRM trainer (fp32, INT8 + 5 %% cache) against TorchRec + FBGEMM")
-    )
+    train = targets.add_parser("train", help="the DLRM trainer (fp32, INT8 + 5 %% cache) against TorchRec + FBGEMM")
+    add_train_bench_arguments(train)
+    add_threads_flag(train)
     from slipcache.bench.quantize import add_quantize_arguments
 
-    add_quantize_arguments(
-        targets.add_parser("quantize", help="the compiled quantize pass and table creation, in M values/s")
-    )
+    quantize = targets.add_parser("quantize", help="the compiled quantize pass and table creation, in M values/s")
+    add_quantize_arguments(quantize)
+    add_threads_flag(quantize)
 
 
 def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,12 +130,7 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
         "evictions, as in a long run (default on; --no-prefill: caches start empty)",
     )
     parser.add_argument("--zipf", type=float_in(0, 100), default=1.05, help="power-law exponent of the ids")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads (default: torch's choice, one per core); 1 is steadier on a busy machine",
-    )
+    add_threads_flag(parser)
     parser.add_argument("--seed", type=seed_arg, default=0)
     parser.add_argument(
         "--rounds", type=int, default=None, help="rounds over all configurations, interleaved (default 3)"

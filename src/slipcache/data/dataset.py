@@ -367,15 +367,17 @@ class BatchIterator:
                 return
             self._buffer.append(item)
 
-    def _read_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _read_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(labels, dense, sparse, positions in the split) of one chunk, in the epoch's order."""
         start, end = self._chunks[chunk]
         labels = np.array(self.split.labels[start:end])
         dense = np.array(self.split.dense[start:end])
         sparse = np.array(self.split.sparse[start:end])
+        positions = np.arange(start, end, dtype=np.int64)
         if self.shuffle:
             perm = np.random.default_rng([self.seed, self.epoch, chunk]).permutation(end - start)
-            labels, dense, sparse = labels[perm], dense[perm], sparse[perm]
-        return labels, dense, sparse
+            labels, dense, sparse, positions = labels[perm], dense[perm], sparse[perm], positions[perm]
+        return labels, dense, sparse, positions
 
     def _generate(self, start_batch: int) -> Iterator[tuple[Batch, int]]:
         """Yield (batch, samples dropped by the filter since the previous batch)."""
@@ -395,20 +397,24 @@ class BatchIterator:
         carry: tuple[np.ndarray, ...] | None = None
         dropped = 0
         for chunk in self._order[first_chunk:]:
-            labels, dense, sparse = self._read_chunk(chunk)
+            labels, dense, sparse, positions = self._read_chunk(chunk)
             if offset:
-                labels, dense, sparse = labels[offset:], dense[offset:], sparse[offset:]
+                labels, dense, sparse, positions = labels[offset:], dense[offset:], sparse[offset:], positions[offset:]
                 offset = 0
-            pieces = [(labels, dense, sparse)]
+            pieces = [(labels, dense, sparse, positions)]
             if self.sample_filter is not None:
                 # Filter a batch-sized piece at a time, as late as possible: a stateful filter (stale-input
                 # skipping) then decides with its state as of the batches consumed so far.
                 pieces = [
-                    (labels[i : i + B], dense[i : i + B], sparse[i : i + B]) for i in range(0, len(labels), B)
+                    (labels[i : i + B], dense[i : i + B], sparse[i : i + B], positions[i : i + B])
+                    for i in range(0, len(labels), B)
                 ]
-            for labels, dense, sparse in pieces:
+            for labels, dense, sparse, positions in pieces:
                 if self.sample_filter is not None:
-                    mask = np.asarray(self.sample_filter(sparse), dtype=bool)
+                    # A filter that keeps per-input state (loss pruning) also gets the split positions.
+                    wants = getattr(self.sample_filter, "wants_positions", False)
+                    mask = self.sample_filter(sparse, positions) if wants else self.sample_filter(sparse)
+                    mask = np.asarray(mask, dtype=bool)
                     if mask.shape != labels.shape:
                         raise SlipcacheError(
                             f"sample_filter returned shape {mask.shape}, expected {labels.shape}"

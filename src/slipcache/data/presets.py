@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from slipcache.data.synthetic.teacher import KAGGLE_CARDINALITIES
+from slipcache.data.kaggle import KAGGLE_CARDINALITIES
 
 # MLPerf's DLRM (Criteo 1 TB, each table capped at 40 M rows), as TorchRec's, NVIDIA's and Intel's recipes
 # pass it: 204,184,588 rows.

@@ -179,11 +179,13 @@ class FusedOptimizer:
             return
         slots = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
         grad = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        unique_slots, inverse = torch.unique(slots, return_inverse=True)
+        if _native.usable(slots):  # hashing, not sorting: each row's sum is in batch order either way
+            unique_slots, inverse = _native.unique_rows(slots)
+        else:
+            unique_slots, inverse = torch.unique(slots, return_inverse=True)
         summed = self._sum_rows(inverse, grad, unique_slots.numel())
         rows = self.cache.slot_rows[unique_slots].long()
-        weights.index_add_(0, unique_slots, self._adagrad_step(rows, summed))
-        if not _finite(weights.index_select(0, unique_slots)):
+        if not self._adagrad_apply(weights, unique_slots, rows, summed):
             self._fit_cached(unique_slots)
 
     def _fit_cached(self, slots: Tensor) -> None:
@@ -213,7 +215,8 @@ class FusedOptimizer:
         if self.config.optimizer == "sgd":
             updated = values.add_(summed, alpha=-self.lr)
         else:
-            updated = values.add_(self._adagrad_step(rows, summed))
+            self._adagrad_apply(values, None, rows, summed)  # the writer fits what it stores
+            updated = values
         self.writer.write(rows, updated)
 
     def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
@@ -224,6 +227,23 @@ class FusedOptimizer:
         else:
             summed.index_put_((index,), values, accumulate=True)
         return summed
+
+    def _adagrad_apply(self, target: Tensor, slots: Tensor | None, rows: Tensor, grad: Tensor) -> bool:
+        """Adagrad's step of unique `rows` (gradient summed per row) added in place to `target`'s rows at
+        `slots` (row i of `target` when None). In one compiled pass per row where the library is there and
+        everything is CPU fp32 (within a few ulp of the torch step, not bit for bit: see
+        `_native.adagrad_update`), else in torch. Returns False after an overflow at `slots` (the caller
+        fits those rows); with `slots` None nothing is checked (storage fits what it writes)."""
+        state = self.state
+        tensors = (target, state, grad) if slots is None else (target, state, grad, slots)
+        if all(t.dtype == torch.float32 for t in (target, state, grad)) and _native.usable(*tensors, rows):
+            return _native.adagrad_update(target, slots, state, rows, grad, self.lr, self.config.eps) or slots is None
+        step = self._adagrad_step(rows, grad)
+        if slots is None:
+            target.add_(step)
+            return True
+        target.index_add_(0, slots, step)
+        return _finite(target.index_select(0, slots))
 
     def _adagrad_step(self, rows: Tensor, grad: Tensor) -> Tensor:
         """Accumulate squared gradients of unique `rows` and return the update to add."""
@@ -237,7 +257,6 @@ class FusedOptimizer:
             denominator = (accumulated.sqrt() + self.config.eps)[:, None]
         state[state_rows] = accumulated.to(state.device)
         return grad / denominator * -self.lr
-
 
 
 def _finite(values: Tensor) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from slipcache.cli import add_progress_flag, image_file, seed_arg
+from slipcache.cli import add_progress_flag, add_threads_flag, image_file, seed_arg
 from slipcache.distributed.planner import TableSpec, plan_sharding
 from slipcache.errors import SlipcacheError
 from slipcache.planning.planner import GB, PLAN_PRECISIONS, ROUNDING_STEP, Plan, make_plan, uniform_choice
@@ -143,6 +143,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="the --quick synthetic dataset of slipcache train"
     )
     parser.add_argument("--dim", type=int, default=16, help="embedding dimension (default 16)")
+    add_threads_flag(parser)
     parser.add_argument(
         "--out", default=None, help="write the plan as a TOML config for `slipcache train --config`"
     )
@@ -180,9 +181,9 @@ def check_plan_out(out: Path) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from slipcache.training.cli import int_list
     from slipcache.training.config import make_config
     from slipcache.training.datasets import open_dataset, prepare_data
+    from slipcache.training.flags import int_list
 
     if args.out:
         check_plan_out(Path(args.out))

@@ -1,4 +1,5 @@
-"""`--skip-stale` in the training loop: `StaleSkipper`'s hooks as a training callback."""
+"""`--skip-rule` (and `--skip-stale`) in the training loop: the skipper's hooks as a training callback
+(`StaleSkipper` for the stale and random rules, `LossPruner` for loss pruning)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import torch
 
-from slipcache.staleness.skipping import StaleSkipper
+from slipcache.staleness.factory import make_skipper
 from slipcache.training.callbacks import Callback
 
 if typing.TYPE_CHECKING:
@@ -16,7 +17,7 @@ if typing.TYPE_CHECKING:
 
 
 class SkipStaleInputs(Callback):
-    """Drops stale inputs from the epoch's batches; its counts go to the run's progress and reports.
+    """Drops the skip rule's inputs from the epoch's batches; its counts go to the run's progress and reports.
 
     Skipped inputs count against the sample budget (`progress.skipped`), so a skipping run covers the same
     data as one without. The checkpoint key stays "skipping".
@@ -25,11 +26,12 @@ class SkipStaleInputs(Callback):
     state_key = "skipping"
 
     def __init__(self, run: Run) -> None:
-        self.skipper = StaleSkipper(run.config, run.model, run.dataset.split("train"), run.batches_per_epoch)
+        self.skipper = make_skipper(run.config, run.model, run.dataset.split("train"), run.batches_per_epoch,
+                                    run.run_dir if run.backend.writes_files else None)
 
     def on_start(self, run: Run) -> None:
-        if "stale_target" in run.changed:  # resumed with another D: the guard's backed-off target restarts
-            skipper = self.skipper
+        if "stale_target" in run.changed and hasattr(self.skipper, "guard"):  # resumed with another D: the
+            skipper = self.skipper  # guard's backed-off target restarts from it
             skipper.guard.base_target = skipper.guard.target = run.config.stale_target
             skipper.detector.retarget(run.config.stale_target, skipper.detector.active)  # refits T for it
 
@@ -44,7 +46,7 @@ class SkipStaleInputs(Callback):
 
     def after_step(self, run: Run, batch: Batch, logits: torch.Tensor, loss: float) -> None:
         self.skipper.after_batch(batch, logits, loss)  # warm-up, counting, snapshots, fits, guard
-        run.progress.skipped = self.skipper.detector.total.skipped
+        run.progress.skipped = self.skipper.skipped_inputs
 
     def event_fields(self, run: Run) -> dict[str, Any]:
         return self.skipper.event_fields(_seconds_per_trained_sample(run))

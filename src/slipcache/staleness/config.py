@@ -8,9 +8,12 @@ from dataclasses import dataclass
 
 from slipcache.errors import InvalidInputError
 
-__all__ = ["RULES", "GuardConfig", "StalenessConfig"]
+__all__ = ["DETECTOR_RULES", "HOT_SETS", "RULES", "SKIP_RULES", "SKIP_RULE_HELP", "STALE_PRESETS", "GuardConfig", "StalenessConfig",
+           "preset_help"]
 
-RULES = ("paper", "convergence")
+RULES = ("paper", "convergence")  # staleness rules a user picks (`--stale-rule`)
+DETECTOR_RULES = (*RULES, "random")  # and the random control (`--skip-rule random`)
+HOT_SETS = ("budget", "frequency")  # the most accessed rows fitting the budget, or an access-count threshold
 
 
 @dataclass
@@ -38,6 +41,8 @@ class StalenessConfig:
     rule: str = "convergence"  # "convergence" (change per update, measured rows) or "paper" (L-inf change)
     min_updates: int = 4  # convergence rule: updates a row needs before its change is judged
     count_share: float = 0.25  # convergence rule: share of each trained batch whose lookups are counted
+    hot_set: str = "budget"  # "budget": most accessed rows that fit; "frequency": FAE's access-count threshold
+    hot_min_rate: float = 1e-4  # "frequency": hot rows are looked up by at least this share of sampled inputs
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -67,8 +72,10 @@ class StalenessConfig:
             raise InvalidInputError("memory_budget_bytes must be >= 0")
         if self.recheck_interval is not None and self.recheck_interval < 0:
             raise InvalidInputError("recheck_interval must be None (off), 0 (window length) or positive")
-        if self.rule not in RULES:
-            raise InvalidInputError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if self.rule not in DETECTOR_RULES:
+            raise InvalidInputError(f"rule must be one of {', '.join(DETECTOR_RULES)}, got {self.rule!r}")
+        if self.hot_set not in HOT_SETS or not 0.0 < self.hot_min_rate <= 1.0:
+            raise InvalidInputError(f"hot_set must be one of {', '.join(HOT_SETS)} and hot_min_rate in (0, 1]")
         if isinstance(self.min_updates, bool) or self.min_updates < 1:
             raise InvalidInputError(f"min_updates must be a positive int, got {self.min_updates}")
         if not 0.0 < self.count_share <= 1.0:
@@ -82,6 +89,50 @@ class StalenessConfig:
             return self.alpha_count
         # The epsilon keeps 0.5 * 26 at 13 despite float rounding.
         return max(1, math.ceil(self.alpha * num_tables - 1e-9))
+
+
+SKIP_RULES = ("stale", "random", "loss")  # `--skip-rule`: what decides which inputs are not trained
+SKIP_RULE_HELP = (
+    "turn skipping on (off by default): stale = Slipstream's stale inputs (--skip-stale); random = the same "
+    "share of hot inputs (--stale-target) skipped at random, the equal-compute control; loss = prune "
+    "--prune-share of the below-mean-loss inputs, the kept ones weighted up. Measured on generator v4: no "
+    "staleness rule beats random skipping at the same share, and no rule reaches 1.25x time to target "
+    "(docs/skipping.md)"
+)
+# `--stale-preset`: complete sets of the stale rule's settings (TrainConfig field -> value); flags and config
+# files the user sets still win, as over `--quick`. "paper" is Slipstream as published; "tuned" is ours.
+STALE_PRESETS: dict[str, dict[str, object]] = {
+    "paper": {
+        "stale_rule": "paper",  # L-inf change of each hot row between two snapshots
+        "stale_hot_set": "frequency",  # FAE: rows looked up by >= stale_hot_rate of the profiled inputs
+        "stale_decision": "epoch",  # one threshold per window: fitted once, no re-checks
+        "stale_keep": 0.0,  # no control group
+        "stale_guard": False,  # no guard
+        "stale_reweight": False,
+        "stale_warmup": "none",  # the window opens at once, as the authors' one-epoch scripts
+        "stale_warmup_min": 0.0,
+        "stale_alpha": 1.0,
+    },
+    "tuned": {
+        "stale_rule": "convergence",  # change per counted update of rows updated >= k times
+        "stale_hot_set": "budget",  # the most accessed rows that fit the budget
+        "stale_decision": "rolling",  # re-check and refit every window length
+        "stale_keep": 0.05,  # a control group, trained anyway
+        "stale_guard": True,  # control-loss and validation-AUC guard
+        "stale_reweight": False,
+        "stale_warmup": "val",  # after validation loss flattened
+        "stale_warmup_min": 0.1,
+        "stale_alpha": 1.0,
+    },
+}
+
+
+def preset_help() -> str:
+    """Each preset's settings, for `train --help` (one source: STALE_PRESETS)."""
+    return "; ".join(
+        f"{name}: " + ", ".join(f"{k.removeprefix('stale_').replace('_', '-')}={v}" for k, v in values.items())
+        for name, values in STALE_PRESETS.items()
+    )
 
 
 @dataclass

@@ -35,7 +35,7 @@ from slipcache.staleness.config import RULES, StalenessConfig
 from slipcache.staleness.filtering import Counters as _Counters
 from slipcache.staleness.filtering import classify, filter_inputs, lookup_flags
 from slipcache.staleness.guard import GuardDecision, SkipGuard
-from slipcache.staleness.hotset import HotIndex, HotSet, _check_ids, _global_rows, _to_numpy, most_accessed
+from slipcache.staleness.hotset import HotIndex, HotSet, _check_ids, _global_rows, _to_numpy, select_hot
 from slipcache.staleness.rules import EmbeddingRowSource, make_rule
 from slipcache.staleness.threshold import ThresholdResult, fit_threshold
 
@@ -137,9 +137,11 @@ class StaleInputDetector:
         return np.random.default_rng([self.config.seed, self.epoch, zlib.crc32(purpose.encode())])
 
     def profile(self, sparse_sample: np.ndarray | torch.Tensor) -> HotSet:
-        """Count accesses on a sample of inputs and keep the most-accessed rows that fit the budget."""
-        max_rows = self.config.memory_budget_bytes // (self.dim * 4)
-        self.set_hot(most_accessed(_global_rows(sparse_sample, self.table_offsets), max_rows, self.table_offsets))
+        """The hot set of a sample of inputs (``slipcache.staleness.hotset.select_hot``: the budget's most
+        accessed rows, or FAE's access-count threshold)."""
+        cfg = self.config
+        self.set_hot(select_hot(sparse_sample, self.table_offsets, cfg.memory_budget_bytes // (self.dim * 4),
+                                cfg.hot_set, cfg.hot_min_rate, cfg.seed))
         return self.hot
 
     def set_hot(self, hot: HotSet) -> None:
@@ -310,9 +312,14 @@ class StaleInputDetector:
     def _fit(self, target: float) -> ThresholdResult:
         cfg = self.config
         sample = self._fit_sample if self._fit_sample is not None else np.zeros((0, self.num_tables), np.int32)
-        keys = self._input_keys(sample) if sample.shape[0] else np.zeros(0)
-        self.threshold_result = fit_threshold(keys, target, cfg.tolerance, cfg.threshold_low, cfg.threshold_high,
-                                              cfg.max_bisection_steps, relative=self.rule.relative)
+        fixed = getattr(self.rule, "fixed_threshold", None)
+        if fixed is not None:  # the random control: every hot input is a candidate, no bisection
+            self.threshold_result = ThresholdResult(fixed, 1.0, 0, True, target, int(sample.shape[0]), "fixed")
+        else:
+            keys = self._input_keys(sample)
+            self.threshold_result = fit_threshold(keys, target, cfg.tolerance, cfg.threshold_low,
+                                                  cfg.threshold_high, cfg.max_bisection_steps,
+                                                  relative=self.rule.relative)
         self._threshold = self.threshold_result.threshold
         self._refresh_flags()
         return self.threshold_result

@@ -3,6 +3,9 @@ id checks the detector applies to every input."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
@@ -29,9 +32,20 @@ class HotSet:
         np.minimum(pos, self.rows.size - 1, out=pos)
         return pos, self.rows[pos] == global_rows
 
-    def contains(self, global_rows: np.ndarray) -> np.ndarray:
-        """Boolean mask: which global rows are hot."""
-        return self.positions(np.asarray(global_rows, dtype=np.int64))[1]
+
+PROFILE_CHUNK = 65_536  # inputs counted at a time by the frequency hot set
+
+
+def select_hot(sparse_sample: np.ndarray | torch.Tensor, table_offsets: np.ndarray, max_rows: int, hot_set: str,
+               min_rate: float, seed: int) -> HotSet:
+    """``budget``: the ``max_rows`` most accessed rows of the sample; ``frequency`` (FAE): rows looked up by
+    at least ``min_rate`` of the sampled inputs (at least twice), counted in bounded memory, capped too."""
+    if hot_set == "frequency":
+        min_count = max(2, math.ceil(min_rate * len(sparse_sample)))
+        chunks = (_global_rows(sparse_sample[i : i + PROFILE_CHUNK], table_offsets)
+                  for i in range(0, len(sparse_sample), PROFILE_CHUNK))
+        return frequent_rows(chunks, min_count, max_rows, table_offsets, seed=seed)
+    return most_accessed(_global_rows(sparse_sample, table_offsets), max_rows, table_offsets)
 
 
 def most_accessed(global_rows: np.ndarray, max_rows: int, table_offsets: np.ndarray) -> HotSet:
@@ -42,6 +56,41 @@ def most_accessed(global_rows: np.ndarray, max_rows: int, table_offsets: np.ndar
         keep = np.lexsort((rows, -counts))[:max_rows]
         rows, counts = rows[keep], counts[keep]
     return HotSet(rows, counts, table_offsets)
+
+
+def frequent_rows(chunks: Iterable[np.ndarray], min_count: int, max_rows: int, table_offsets: np.ndarray, *,
+                  width_bits: int = 20, depth: int = 4, seed: int = 0) -> HotSet:
+    """FAE's hot set: rows looked up at least ``min_count`` times, counted in bounded memory.
+
+    A count-min sketch (``depth`` x 2^``width_bits`` uint32 counters: 16 MiB by default) counts the chunks of
+    global rows; a row becomes a candidate once its estimate reaches ``min_count``. Estimates only err
+    upwards (collisions add), so no row that reaches the count is missed; at most lookups / min_count
+    rows can reach it, which bounds the candidates. Beyond ``max_rows`` the highest estimates are kept.
+    """
+    width = 1 << width_bits
+    table = np.zeros((depth, width), dtype=np.uint32)
+    salts = np.random.default_rng([seed, 7]).integers(1, 2**62, depth, dtype=np.int64).astype(np.uint64)
+    candidates = np.zeros(0, dtype=np.int64)
+
+    def buckets(rows: np.ndarray, d: int) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return ((rows.astype(np.uint64) * HotIndex._MULTIPLIER + salts[d]) >> np.uint64(64 - width_bits)).astype(
+                np.int64)
+
+    def estimate(rows: np.ndarray) -> np.ndarray:
+        return np.min([table[d][buckets(rows, d)] for d in range(depth)], axis=0)
+
+    for chunk in chunks:
+        rows = np.asarray(chunk, dtype=np.int64).reshape(-1)
+        for d in range(depth):
+            table[d] += np.bincount(buckets(rows, d), minlength=width).astype(np.uint32)
+        seen = np.unique(rows)
+        candidates = np.union1d(candidates, seen[estimate(seen) >= min_count])
+    counts = estimate(candidates).astype(np.int64)
+    if candidates.size > max_rows:
+        keep = np.lexsort((candidates, -counts))[:max_rows]
+        candidates, counts = candidates[keep], counts[keep]
+    return HotSet(candidates, counts, table_offsets)
 
 
 class HotIndex:

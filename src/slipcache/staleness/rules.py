@@ -28,7 +28,7 @@ from slipcache.errors import InvalidInputError
 from slipcache.staleness.config import StalenessConfig
 from slipcache.staleness.hotset import HotIndex, HotSet, _to_numpy
 
-__all__ = ["ConvergenceRule", "EmbeddingRowSource", "PaperRule", "StalenessRule", "make_rule"]
+__all__ = ["ConvergenceRule", "EmbeddingRowSource", "PaperRule", "RandomRule", "StalenessRule", "make_rule"]
 
 
 
@@ -213,6 +213,50 @@ class ConvergenceRule:
         self._pending = []
 
 
-def make_rule(config: StalenessConfig) -> PaperRule | ConvergenceRule:
+class RandomRule:
+    """The equal-compute control: every hot row counts as stale, so every hot input is a candidate, and the
+    skipper keeps a random share of them (``slipcache.staleness.skipping``). Measures nothing."""
+
+    name = "random"
+    relative = False
+    fixed_threshold = 1.0  # every score (0) is below it: no bisection
+
+    def __init__(self, config: StalenessConfig) -> None:
+        self.config = config
+        self.reset(None)
+
+    def reset(self, hot: HotSet | None) -> None:
+        self._size = 0 if hot is None else len(hot)
+        self._open = False
+
+    def begin_window(self, read: Reader, hot: HotSet) -> None:
+        self._open = True
+
+    def end_window(self, read: Reader, hot: HotSet) -> None:
+        self._open = False
+
+    def recheck(self, read: Reader, hot: HotSet) -> None:
+        """Nothing to re-measure."""
+
+    def measured(self) -> bool:
+        return True
+
+    def record_updates(self, sparse: np.ndarray | torch.Tensor, offsets: np.ndarray, flags: np.ndarray) -> None:
+        """Nothing to count."""
+
+    def score(self) -> np.ndarray:
+        return np.zeros(self._size, dtype=np.float32)
+
+    def stats(self) -> dict[str, Any]:
+        return {"unknown_rows": None, "index_bytes": 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Stateless."""
+
+
+def make_rule(config: StalenessConfig) -> PaperRule | ConvergenceRule | RandomRule:
     """The strategy object for ``config.rule``."""
-    return {"paper": PaperRule, "convergence": ConvergenceRule}[config.rule](config)
+    return {"paper": PaperRule, "convergence": ConvergenceRule, "random": RandomRule}[config.rule](config)

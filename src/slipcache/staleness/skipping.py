@@ -82,9 +82,11 @@ class StaleSkipper:
                 window_fraction=config.stale_window,
                 recheck_interval=None if config.stale_decision == "epoch" else config.stale_recheck,
                 memory_budget_bytes=int(config.stale_budget_mb * 2**20),
-                rule=config.stale_rule,
+                rule="random" if getattr(config, "skip_rule", None) == "random" else config.stale_rule,
                 min_updates=config.stale_min_updates,
                 count_share=config.stale_count_share,
+                hot_set=getattr(config, "stale_hot_set", "budget"),
+                hot_min_rate=getattr(config, "stale_hot_rate", 1e-4),
                 seed=config.seed,
             ),
         )
@@ -97,6 +99,10 @@ class StaleSkipper:
         self.control_weight = 1.0 / self.control_share if config.stale_reweight and self.control_share > 0 else 1.0
         if config.stale_weight_max is not None:  # a clipped weight: less variance, part of the bias back
             self.control_weight = min(self.control_weight, float(config.stale_weight_max))
+        if self.detector.config.rule == "random":
+            # The equal-share control: every hot input is a candidate and D of them are skipped at random (the
+            # kept share, 1 - D, reuses the stateless control draw); no guard, no weights, same schedule.
+            self.control_share, self.control_weight, self.guard_every = 1.0 - float(config.stale_target), 1.0, 0
         self.release_cache = bool(config.stale_release_cache) and hasattr(self.coll, "release_rows")
         self.min_accesses = float(config.stale_min_accesses)
         self.refit = bool(config.stale_refit) and config.stale_decision == "rolling"
@@ -245,6 +251,11 @@ class StaleSkipper:
             self.best_val_auc = auc  # the next step needs a new drop below this
         else:
             self.best_val_auc = auc if self.best_val_auc is None else max(auc, self.best_val_auc)
+
+    @property
+    def skipped_inputs(self) -> int:
+        """Inputs not trained so far in the run: they count against the sample budget like trained ones."""
+        return self.detector.total.skipped
 
     @property
     def overhead_s(self) -> float:

@@ -216,18 +216,22 @@ def training_batches(
     start_batch: int = 0,
     sample_filter: SampleFilter | None = None,
     lookahead: int = 0,
+    time_order: str = "first",
 ) -> BatchIterator:
     """One epoch of a dataset's training batches in the training order: the one source of that order for
     the trainer and every benchmark that claims to replay it (`bench cache`, `bench train`).
 
-    Shuffled from (seed, epoch); time-ordered data (meta "time_ordered": synthetic v3, Criteo days) keeps
-    its windows in order and shuffles within them. Full batches only; `start_batch` resumes mid-epoch.
+    Shuffled from (seed, epoch); time-ordered data (meta "time_ordered": synthetic v3/v4, Criteo days)
+    keeps its windows in order and shuffles within them in the first epoch, and is shuffled across days
+    from the second epoch on (`time_order="first"`, the trainer's default), so validation AUC does not saw
+    at epoch boundaries; `time_order="every"` keeps every epoch in time order. Full batches only;
+    `start_batch` resumes mid-epoch.
     """
     return BatchIterator(
         dataset.split("train"),
         batch_size,
         shuffle=True,
-        in_order=bool(dataset.meta.get("time_ordered")),
+        in_order=bool(dataset.meta.get("time_ordered")) and (time_order == "every" or epoch == 0),
         seed=seed,
         epoch=epoch,
         drop_last=True,

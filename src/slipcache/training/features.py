@@ -15,7 +15,7 @@ def run_callbacks(run: Run) -> Callbacks:
     writers of the run directory (only in the process that writes it)."""
     config = run.config
     callbacks: list[Callback] = []
-    if config.skip_stale:
+    if config.skip_rule is not None:  # --skip-rule stale|random|loss (--skip-stale is stale)
         from slipcache.staleness.callback import SkipStaleInputs
 
         callbacks.append(SkipStaleInputs(run))

@@ -190,6 +190,8 @@ def _crossed(before: int, after: int, every: int) -> bool:
 def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
+    if config.threads is not None:  # --threads: this process's torch threads for the run
+        torch.set_num_threads(config.threads)
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
@@ -296,6 +298,7 @@ def epoch_batches(run: Run) -> Any:
         epoch=run.progress.epoch,
         start_batch=run.progress.batch_in_epoch,
         sample_filter=run.callbacks.sample_filter(run),
+        time_order=run.config.time_order,
     )
 
 

@@ -17,6 +17,7 @@ from slipcache.data.stats.compute import (
     compute_stats,
 )
 from slipcache.data.stats.report import format_stats, plot_stats
+from slipcache.data.stats.signal import DEFAULT_SIGNAL_ROWS
 
 
 def _positive_list(text: str) -> list[float]:
@@ -61,6 +62,10 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--split", action="append", help="dataset split to read (repeatable; default all)")
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the row sample")
+    parser.add_argument(
+        "--signal-rows", type=int, default=DEFAULT_SIGNAL_ROWS,
+        help="first rows kept for target AUC, dense shapes and table links (default %(default)s)",
+    )  # fmt: skip
     add_progress_flag(parser)
 
 
@@ -76,6 +81,7 @@ def run_stats(args: argparse.Namespace) -> int:
         max_values=args.max_values,
         splits=args.split,
         seed=args.seed,
+        signal_rows=args.signal_rows,
     )
     if args.plot:
         plot_stats(stats, args.plot)

@@ -19,6 +19,7 @@ from slipcache.data.stats.figures import (
     pearson,
     table_figures,
 )
+from slipcache.data.stats.signal import DEFAULT_SIGNAL_ROWS, lookup_share_by_count, signal_figures
 from slipcache.data.stats.sources import READ_ROWS, Chunk, Source, open_source, rechunk
 from slipcache.errors import InvalidInputError, SlipcacheError
 
@@ -65,6 +66,7 @@ class _Scan:
     label_rows: int
     dense_missing: np.ndarray | None  # per dense feature: NaN count
     dense_rows: int
+    kept: list[Chunk]  # the first `signal_rows` rows, for the signal figures (`stats.signal`)
 
 
 def _scan(
@@ -77,6 +79,7 @@ def _scan(
     top_k: int,
     seed: int,
     progress: bool,
+    signal_rows: int = DEFAULT_SIGNAL_ROWS,
 ) -> _Scan:
     """One pass in row order: counts within `max_values` (coarsening the biggest table when over), the
     reservoir sample and the per-chunk figures."""
@@ -92,6 +95,8 @@ def _scan(
     reservoir = np.empty((0, 0), dtype=np.int64)
     reservoir_keys = np.empty(0)
     chunks_out: list[dict[str, Any]] = []
+    kept: list[Chunk] = []
+    kept_rows = 0
     previous_top: list[np.ndarray | None] = []
     with tqdm(total=total, unit="rows", unit_scale=True, desc="stats", disable=not progress) as bar:
         for cats, dense, labels in rechunk(source.chunks(), chunk_rows, max_rows):
@@ -134,6 +139,11 @@ def _scan(
                 keep = np.argpartition(pool_keys, sample_rows - 1)[:sample_rows]
                 pool, pool_keys = pool[keep], pool_keys[keep]
             reservoir, reservoir_keys = pool, pool_keys
+            if kept_rows < signal_rows:
+                take = min(n, signal_rows - kept_rows)
+                kept.append((cats[:take].copy(), None if dense is None else dense[:take].copy(),
+                             None if labels is None else labels[:take].copy()))
+                kept_rows += take
             if labels is not None:
                 positives += float(labels.sum())
                 label_rows += n
@@ -152,7 +162,7 @@ def _scan(
         )
         raise SlipcacheError(f"no rows to measure ({bad} malformed lines{first})")
     return _Scan(counters, missing_counts, reservoir, chunks_out, rows, positives, label_rows, dense_missing,
-                 dense_rows)
+                 dense_rows, kept)
 
 
 def _compute(
@@ -168,18 +178,19 @@ def _compute(
     big_tables: Sequence[int] | None,
     seed: int,
     progress: bool,
+    signal_rows: int = DEFAULT_SIGNAL_ROWS,
 ) -> dict[str, Any]:
     """Arguments checked before any row is read, one `_scan`, then every figure from what it collected."""
     if max_rows is not None and max_rows < 1:
         raise SlipcacheError(f"--max-rows must be at least 1, got {max_rows}")
-    if chunk_rows < 1 or sample_rows < 1 or max_values < 1 or top_k < 1:
-        raise SlipcacheError("chunk_rows, sample_rows, max_values and top_k must be at least 1")
+    if chunk_rows < 1 or sample_rows < 1 or max_values < 1 or top_k < 1 or signal_rows < 1:
+        raise SlipcacheError("chunk_rows, sample_rows, max_values, top_k and signal_rows must be at least 1")
     if not budgets_mb or any(not b > 0 for b in budgets_mb):
         raise SlipcacheError(f"budgets must be positive megabytes, got {list(budgets_mb)}")
     if any(not 0 < f <= 1 for f in hot_fractions):
         raise SlipcacheError(f"hot fractions must be in (0, 1], got {list(hot_fractions)}")
     scan = _scan(source, max_rows=max_rows, chunk_rows=chunk_rows, sample_rows=sample_rows, max_values=max_values,
-                 top_k=top_k, seed=seed, progress=progress)
+                 top_k=top_k, seed=seed, progress=progress, signal_rows=signal_rows)
     counters, reservoir, missing_counts, rows = scan.counters, scan.reservoir, scan.missing_counts, scan.rows
 
     num_tables = len(counters)
@@ -198,6 +209,13 @@ def _compute(
         else size_biased_histogram(sample_counts[:, t], rows)
         for t, c in enumerate(counters)
     ]
+    kept = scan.kept
+    signal = signal_figures(
+        np.concatenate([c for c, _, _ in kept]),
+        None if any(d is None for _, d, _ in kept) else np.concatenate([d for _, d, _ in kept]),
+        None if any(y is None for _, _, y in kept) else np.concatenate([y for _, _, y in kept]),
+        seed=seed,
+    )
     tables = []
     for t, (counter, histogram) in enumerate(zip(counters, histograms, strict=True)):
         figures = table_figures(
@@ -207,7 +225,9 @@ def _compute(
             None if missing_counts is None or source.missing_value is None else int(missing_counts[t]),
         )
         tables.append(
-            {"name": names[t], **figures, "exact": counter.level == 0, "sampling_level": counter.level}
+            {"name": names[t], **figures, "exact": counter.level == 0, "sampling_level": counter.level,
+             "lookup_share_by_count": lookup_share_by_count(histogram.counts, histogram.weights),
+             "target_auc": None if signal["target_auc"] is None else signal["target_auc"][t]}
         )
 
     recurs = sample_counts >= 2
@@ -270,6 +290,9 @@ def _compute(
         "positive_rate": scan.positives / scan.label_rows if scan.label_rows else None,
         "dense_missing_rate": None if scan.dense_missing is None else scan.dense_missing / scan.dense_rows,
         "tables": tables,
+        "dense": signal["dense"],
+        "links": signal["links"],
+        "signal_rows": signal["rows"],
         "big_tables": [names[t] for t in big],
         "co_recurrence": {
             "all_recur": together,
@@ -343,6 +366,7 @@ def compute_stats(
     big_tables: Sequence[int] | None = None,
     splits: Sequence[str] | None = None,
     seed: int = 0,
+    signal_rows: int = DEFAULT_SIGNAL_ROWS,
 ) -> dict[str, Any]:
     """Statistics (see the module docstring) of a raw Criteo file or directory, or a dataset directory
     (all of its splits in the order train, val, test unless `splits` names some). JSON-serializable."""
@@ -358,6 +382,7 @@ def compute_stats(
         big_tables=big_tables,
         seed=seed,
         progress=progress,
+        signal_rows=signal_rows,
     )
 
 
@@ -377,6 +402,7 @@ def compute_stats_arrays(
     top_k: int = DEFAULT_TOP_K,
     big_tables: Sequence[int] | None = None,
     seed: int = 0,
+    signal_rows: int = DEFAULT_SIGNAL_ROWS,
 ) -> dict[str, Any]:
     """Statistics of in-memory rows: categorical integer ids [n, tables] in time order; `missing_value`
     is the id that stands for an empty field (None: no field is empty); dense NaN = missing."""
@@ -421,4 +447,5 @@ def compute_stats_arrays(
         big_tables=big_tables,
         seed=seed,
         progress=progress,
+        signal_rows=signal_rows,
     )

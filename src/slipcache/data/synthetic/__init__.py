@@ -26,6 +26,7 @@ from slipcache.data.synthetic.generate import (
     default_synthetic_path,
     generate_synthetic,
     make_generator,
+    synthetic_rows,
     synthetic_window,
 )
 from slipcache.data.synthetic.teacher import KAGGLE_CARDINALITIES, expected_auc, synthetic_table_sizes
@@ -34,5 +35,5 @@ from slipcache.data.synthetic.v3 import MISSING_ROW
 __all__ = [
     "DEFAULT_GENERATOR", "DEFAULT_SAMPLES", "GENERATOR_VERSIONS", "KAGGLE_CARDINALITIES", "MISSING_ROW",
     "compare_with_real", "default_synthetic_path", "expected_auc", "format_comparison",
-    "generate_synthetic", "make_generator", "synthetic_table_sizes", "synthetic_window",
+    "generate_synthetic", "make_generator", "synthetic_rows", "synthetic_table_sizes", "synthetic_window",
 ]  # fmt: skip

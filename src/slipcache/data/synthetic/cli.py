@@ -54,20 +54,20 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         "--generator",
         choices=tuple(GENERATOR_VERSIONS),
         default=DEFAULT_GENERATOR,
-        help="v3 (default): latent entities, time order; v2: independent tables (earlier figures)",
+        help="v4 (default): v3 with the label signal, dense shapes and links of real rows; v3: latent entities, time order; v2: independent tables",
     )
-    parser.add_argument("--days", type=int, default=DAYS, help="v3: days the log spans (default %(default)s)")
+    parser.add_argument("--days", type=int, default=DAYS, help="v3/v4: days the log spans (default %(default)s)")
     parser.add_argument(
         "--new-entity-rate",
         type=float,
         default=NEW_ENTITY_RATE,
-        help="v3: share of each entity's popularity ranks taken by new entities per day (default %(default)s)",
+        help="v3/v4: share of each entity's popularity ranks taken by new entities per day (default %(default)s)",
     )
     parser.add_argument(
         "--drift-rate",
         type=float,
         default=DRIFT_RATE,
-        help="v3: share of ranks passed to another existing entity per day (default %(default)s)",
+        help="v3/v4: share of ranks passed to another existing entity per day (default %(default)s)",
     )
     parser.add_argument(
         "--compare",

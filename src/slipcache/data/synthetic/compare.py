@@ -8,13 +8,21 @@ import math
 import os
 from typing import Any
 
-from slipcache.data.synthetic.generate import DEFAULT_SAMPLES, GENERATOR_VERSIONS, synthetic_window
+from slipcache.data.synthetic.generate import DEFAULT_SAMPLES, GENERATOR_VERSIONS, synthetic_rows
 from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, MISSING_ROW, NEW_ENTITY_RATE
 from slipcache.errors import SlipcacheError
 
 # `synth --compare`: how far each statistic of a synthetic window may be from the real one (missing rates:
 # at least three binomial standard errors at the sample's size).
-COMPARE_TOLERANCE = {"co_recurrence": 0.10, "correlation": 0.15, "recur_share": 0.10, "missing_rate": 0.03}
+COMPARE_TOLERANCE = {
+    "co_recurrence": 0.10, "correlation": 0.15, "recur_share": 0.10, "missing_rate": 0.03,
+    # Signal figures (slipcache.data.stats.signal). Target AUC on 1/6 of ~2,000 rows has a standard error
+    # of about 0.035: +-0.06 is shape (signal or none), not value. Shares of rows: as missing rates.
+    "target_auc": 0.06, "zero_share": 0.05, "negative_share": 0.03, "log10_median": 0.3,
+    "count_band": 0.10, "link_purity": 0.15,
+}  # fmt: skip
+SIGNAL_TABLES = ("C3", "C4", "C12", "C16", "C21")  # target AUC compared: the big tables
+BAND_TABLES = ("C7", "C11", "C13", "C15", "C18")  # ad and site tables: how hot their heads are
 COMPARE_ROWS = 100_000  # real rows read from the start of the file (the window compared)
 
 
@@ -48,18 +56,10 @@ def compare_with_real(
     start = int(round(day * num_samples / days))
     stats = {"real": real}
     for name in generators:
-        ids = synthetic_window(
-            start,
-            rows,
-            num_samples=num_samples,
-            scale=scale,
-            seed=seed,
-            generator=name,
-            days=days,
-            new_entity_rate=new_entity_rate,
-            drift_rate=drift_rate,
-        )
-        stats[name] = compute_stats_arrays(ids, missing_value=None if name == "v2" else MISSING_ROW)
+        dense, ids, labels = synthetic_rows(start, rows, num_samples=num_samples, scale=scale, seed=seed,
+                                            generator=name, days=days, new_entity_rate=new_entity_rate,
+                                            drift_rate=drift_rate)
+        stats[name] = compute_stats_arrays(ids, dense, labels, missing_value=None if name == "v2" else MISSING_ROW)
 
     def corr(result: dict[str, Any], a: str, b: str) -> float | None:
         names = result["recurrence_correlation"]["tables"]
@@ -77,11 +77,13 @@ def compare_with_real(
             label = f"{table['name']} {key.replace('_', ' ')}"
             # v2 has no empty values: its missing rate is 0, not unknown
             checks.append((label, key, lambda r, t=t, key=key: r["tables"][t][key] or 0.0))
+    checks += _signal_checks(real)
     lines = []
     for label, kind, get in checks:
         real_value = get(real)
         tolerance = COMPARE_TOLERANCE[kind]
-        if kind == "missing_rate":  # a share of rows: at least three binomial standard errors of the sample
+        if kind in ("missing_rate", "zero_share", "negative_share", "count_band") and real_value is not None:
+            # a share of rows: at least three binomial standard errors of the sample
             tolerance = max(tolerance, 3.0 * math.sqrt(real_value * (1.0 - real_value) / rows))
         tolerance = round(tolerance, 3)
         values = {name: get(stats[name]) for name in generators}
@@ -102,6 +104,42 @@ def compare_with_real(
         "lines": lines,
         "passed": {name: sum(line["pass"][name] for line in lines) for name in generators},
     }
+
+
+def _signal_checks(real: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """Where the signal sits: target AUC of the big tables, dense shapes, ad/site heads, table links."""
+    names = [t["name"] for t in real["tables"]]
+    checks: list[tuple[str, str, Any]] = []
+    for table in SIGNAL_TABLES:
+        t = names.index(table)
+        checks.append((f"{table} target AUC", "target_auc", lambda r, t=t: r["tables"][t]["target_auc"]))
+    for j, feature in enumerate(real.get("dense") or []):
+        name = feature["name"]
+        checks.append((f"{name} zero share", "zero_share", lambda r, j=j: _dense(r, j, "zero_share")))
+        checks.append((f"{name} log10 median", "log10_median", lambda r, j=j: _log_median(r, j)))
+    if real.get("dense"):
+        checks.append(("I2 negative share", "negative_share", lambda r: _dense(r, 1, "negative_share")))
+    for table in BAND_TABLES:
+        t = names.index(table)
+        for band in ("2-9", ">=100"):
+            checks.append((f"{table} lookups to values seen {band}", "count_band",
+                           lambda r, t=t, band=band: r["tables"][t]["lookup_share_by_count"][band]))
+    for i, link in enumerate(real.get("links") or []):
+        checks.append((f"link {link['from']}->{link['to']} purity", "link_purity",
+                       lambda r, i=i: r["links"][i]["purity"] if r.get("links") else None))
+    return checks
+
+
+def _dense(result: dict[str, Any], j: int, key: str) -> float | None:
+    dense = result.get("dense")
+    return None if not dense else dense[j][key]
+
+
+def _log_median(result: dict[str, Any], j: int) -> float | None:
+    dense = result.get("dense")
+    if not dense or dense[j]["quantiles"] is None:
+        return None
+    return math.log10(max(dense[j]["quantiles"]["0.5"], 0.0) + 1.0)  # log10(1 + median): zero medians too
 
 
 def format_comparison(result: dict[str, Any]) -> str:

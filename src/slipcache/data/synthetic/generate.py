@@ -20,18 +20,18 @@ from slipcache.data.synthetic.teacher import (
     DENSE_MISSING,
     HOT_ROWS,
     TEACHER_DIM,
-    VARIANCE_SHARES,
     Teacher,
     expected_auc,
     sigmoid,
 )
 from slipcache.data.synthetic.v2 import GeneratorV2
 from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, MISSING_ROW, NEW_ENTITY_RATE, GeneratorV3
+from slipcache.data.synthetic.v4 import GeneratorV4
 from slipcache.errors import SlipcacheError
 from slipcache.training.metrics import auc
 
-GENERATOR_VERSIONS = {"v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
-DEFAULT_GENERATOR = "v3"
+GENERATOR_VERSIONS = {"v4": 4, "v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
+DEFAULT_GENERATOR = "v4"
 LAYOUTS = ("slipcache", "torchrec")  # `synth --format`: our dataset files, or TorchRec's day files
 TEACHER_AUC_ROWS = 1 << 22  # test rows the teacher's AUC is computed on (bounds the memory it takes)
 DEFAULT_SAMPLES = 2_500_000  # 2M train + 250k val + 250k test with the default fractions
@@ -48,19 +48,19 @@ def make_generator(
     drift_rate: float = DRIFT_RATE,
     table_sizes: list[int] | None = None,
 ) -> Teacher:
-    """The (uncalibrated) generator `generator` ("v3" or "v2") of a dataset of `num_samples` rows; v3 also
-    takes explicit `table_sizes` (26, in column order) instead of a scale of Kaggle's."""
+    """The (uncalibrated) generator `generator` ("v4", "v3" or "v2") of a dataset of `num_samples` rows; v3
+    and v4 also take explicit `table_sizes` (26, in column order) instead of a scale of Kaggle's."""
     if generator == "v2":
         if table_sizes is not None:
             raise SlipcacheError("--table-sizes needs generator v3 (v2 scales Kaggle's sizes only)")
         return GeneratorV2(scale, seed)
-    if generator != "v3":
+    if generator not in ("v3", "v4"):
         raise SlipcacheError(f"generator must be one of {', '.join(GENERATOR_VERSIONS)}, got {generator!r}")
     if days < 1:
         raise SlipcacheError(f"days must be at least 1, got {days}")
     if not (0 <= new_entity_rate <= 1 and 0 <= drift_rate <= 1):
         raise SlipcacheError("new-entity and drift rates are shares of ranks per day, in [0, 1]")
-    return GeneratorV3(
+    return (GeneratorV4 if generator == "v4" else GeneratorV3)(
         scale,
         seed,
         num_samples=num_samples,
@@ -178,7 +178,7 @@ def generate_synthetic(
                     "test_fraction": test_fraction,
                     "hot_rows": HOT_ROWS,
                     "teacher_dim": TEACHER_DIM,
-                    "variance_shares": list(VARIANCE_SHARES),
+                    "variance_shares": list(gen.variance_shares),
                     "logit_scale": gen.logit_scale,
                     "logit_bias": gen.logit_bias,
                     "dense_missing": DENSE_MISSING,
@@ -227,6 +227,41 @@ def synthetic_window(
         ids = gen.sample(_chunk_rng(seed, chunk), first, last - first)[1]
         parts.append(ids[max(start, first) - first : min(end, last) - first])
     return np.concatenate(parts)
+
+
+def synthetic_rows(
+    start: int,
+    rows: int,
+    *,
+    num_samples: int = DEFAULT_SAMPLES,
+    scale: float = 1.0,
+    seed: int = 0,
+    generator: str = DEFAULT_GENERATOR,
+    days: int = DAYS,
+    new_entity_rate: float = NEW_ENTITY_RATE,
+    drift_rate: float = DRIFT_RATE,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(raw dense [rows, 13] with NaN where missing, ids [rows, 26], labels [rows]) of rows
+    start..start+rows-1 of the dataset `generate_synthetic` would write (calibrated: the same labels;
+    the dataset stores `dense_transform` of the raw dense). For `slipcache stats` and `synth --compare`."""
+    gen = make_generator(generator, scale, seed, num_samples=num_samples, days=days,
+                         new_entity_rate=new_entity_rate, drift_rate=drift_rate)
+    gen.calibrate()
+    end = start + rows
+    if not 0 <= start < end <= num_samples:
+        raise SlipcacheError(f"rows {start}..{end - 1} are not all within the {num_samples} rows of the log")
+    dense, ids, labels = [], [], []
+    for chunk in range(start // CHUNK_ROWS, (end - 1) // CHUNK_ROWS + 1):
+        first = chunk * CHUNK_ROWS
+        last = min(first + CHUNK_ROWS, num_samples)
+        rng = _chunk_rng(seed, chunk)
+        _, chunk_ids, terms = gen.sample(rng, first, last - first)
+        chunk_labels = (rng.random(last - first) < sigmoid(gen.logits(terms))).astype(np.float32)
+        part = slice(max(start, first) - first, min(end, last) - first)
+        dense.append(gen.raw_dense[part])
+        ids.append(chunk_ids[part])
+        labels.append(chunk_labels[part])
+    return np.concatenate(dense), np.concatenate(ids), np.concatenate(labels)
 
 
 def default_synthetic_path(

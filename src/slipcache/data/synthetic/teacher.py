@@ -39,12 +39,14 @@ class Teacher:
 
     first_order: np.ndarray
     vectors: np.ndarray
+    variance_shares: tuple[float, float, float] = VARIANCE_SHARES  # dense, first-order, pairwise
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self.component_scale = np.ones(3)  # these three are set by calibrate()
         self.logit_scale = 1.0
         self.logit_bias = 0.0
+        self.raw_dense = np.zeros((0, NUM_DENSE))  # raw counts of the latest `draw_dense`, NaN = missing
 
     def sample(
         self, rng: np.random.Generator, start: int, n: int
@@ -58,13 +60,14 @@ class Teacher:
         self.dense_weights = rng.standard_normal(NUM_DENSE)
 
     def draw_dense(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """float32 [n, 13]: log1p of skewed counts, 0 where missing."""
+        """float32 [n, 13]: log1p of skewed counts, 0 where missing. The raw counts (NaN where missing) of
+        the latest draw stay in `raw_dense`, for `slipcache stats` on generated rows."""
         counts = np.floor(
             np.exp(rng.standard_normal((n, NUM_DENSE)) * self.dense_sigma + self.dense_mu) - 0.5
         )
-        dense = np.log1p(np.maximum(counts, 0.0))
-        dense[rng.random((n, NUM_DENSE)) < self.dense_missing] = 0.0
-        return dense.astype(np.float32)
+        missing = rng.random((n, NUM_DENSE)) < self.dense_missing
+        self.raw_dense = np.where(missing, np.nan, counts)
+        return dense_transform(self.raw_dense)
 
     def terms(self, dense: np.ndarray, params: np.ndarray) -> np.ndarray:
         """Logit terms [n, 3]: dense linear, first-order, pairwise dot products of the parameter rows
@@ -84,14 +87,14 @@ class Teacher:
         return self.logit_scale * (terms @ self.component_scale) + self.logit_bias
 
     def calibrate(self) -> None:
-        """Weigh the three logit terms by VARIANCE_SHARES, then pick scale and bias for the targets.
+        """Weigh the three logit terms by `variance_shares`, then pick scale and bias for the targets.
 
         Calibrated on the first CALIBRATION_ROWS rows of the log (the start of the first day)."""
         rng = np.random.default_rng([self.seed, 1])
         terms = np.concatenate(
             [self.sample(rng, i * CHUNK_ROWS, CHUNK_ROWS)[2] for i in range(CALIBRATION_ROWS // CHUNK_ROWS)]
         )
-        self.component_scale = np.sqrt(np.array(VARIANCE_SHARES)) / np.maximum(terms.std(axis=0), 1e-12)
+        self.component_scale = np.sqrt(np.array(self.variance_shares)) / np.maximum(terms.std(axis=0), 1e-12)
         raw = terms @ self.component_scale
         z = np.sort(raw - raw.mean())  # sorted once so expected_auc's sort is cheap
         lo, hi = 0.01, 20.0
@@ -104,6 +107,12 @@ class Teacher:
         self.logit_scale = math.sqrt(lo * hi)
         bias = _bias_for_rate(self.logit_scale * z, TARGET_POSITIVE_RATE)
         self.logit_bias = bias - self.logit_scale * float(raw.mean())
+
+
+def dense_transform(raw: np.ndarray) -> np.ndarray:
+    """What a dataset stores of raw dense counts: log(1 + max(x, 0)), missing (NaN) -> 0, float32 (as
+    `slipcache preprocess` does)."""
+    return np.log1p(np.maximum(np.nan_to_num(raw, nan=0.0), 0.0)).astype(np.float32)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,65 @@
+"""Flags mean one thing: `slipcache train`'s come from TrainConfig's fields; shared flags are one flag."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from slipcache.cli import build_parser, main
+from slipcache.training.config import CONFIG_FIELDS, TrainConfig
+from slipcache.training.flags import default_text
+
+
+def _train_action(dest: str):  # noqa: ANN202 - an argparse Action
+    parser = build_parser("train")
+    sub = next(a for a in parser._actions if a.dest == "command").choices["train"]
+    return next(a for a in sub._actions if a.dest == dest)
+
+
+def test_every_flag_shows_the_fields_default_and_offers_its_choices() -> None:
+    flagged = [f for f in dataclasses.fields(TrainConfig) if "help" in f.metadata]
+    assert len(flagged) > 40
+    for f in flagged:
+        action = _train_action(f.name)
+        text = default_text(f)
+        assert text is None or f"(default {text})" in action.help, f.name
+        if "choices" in f.metadata:
+            assert tuple(action.choices) == tuple(f.metadata["choices"]), f.name
+            if isinstance(f.default, str) and f.name != "precision":
+                assert f.default in f.metadata["choices"], f.name
+
+
+def test_a_changed_default_changes_the_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    field = CONFIG_FIELDS["batch_size"]
+    monkeypatch.setattr(field, "default", 512)
+    assert "(default 512)" in _train_action("batch_size").help
+
+
+def test_flags_parse_into_the_config() -> None:
+    args = build_parser("train").parse_args(
+        ["train", "--dim", "8", "--precision", "int4", "--no-stale-guard", "--stale-control", "0.1",
+         "--table-sizes", "3,4", "--tensorboard", "--threads", "1", "--generator", "v2"]
+    )  # fmt: skip
+    given = {k: v for k, v in vars(args).items() if k in CONFIG_FIELDS}
+    assert given == {"embedding_dim": 8, "precision": "int4", "stale_guard": False, "stale_keep": 0.1,
+                     "table_sizes": [3, 4], "tensorboard": "", "threads": 1, "synthetic_generator": "v2"}  # fmt: skip
+    with pytest.raises(SystemExit):
+        build_parser("train").parse_args(["train", "--policy", "fifo"])
+
+
+def test_threads_is_one_flag_on_every_command_that_computes() -> None:
+    required = {"train": [], "eval": ["--checkpoint", "r"], "export": ["--checkpoint", "r", "--out", "o"],
+                "plan": ["--budget-gb", "1"], "bench": ["cache", "--out", "o"]}  # fmt: skip
+    for command, argv in required.items():
+        assert build_parser(command).parse_args([command, *argv, "--threads", "2"]).threads == 2, command
+        with pytest.raises(SystemExit):
+            build_parser(command).parse_args([command, *argv, "--threads", "0"])
+
+
+def test_eval_samples_is_the_trains_spelling_and_the_old_one_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser("eval")
+    assert parser.parse_args(["eval", "--checkpoint", "r", "--eval-samples", "5"]).samples == 5
+    assert parser.parse_args(["eval", "--checkpoint", "r", "--samples", "7"]).samples == 7
+    assert "--samples is deprecated; use --eval-samples" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", "nowhere", "--eval-samples", "5"]) == 2  # one line, not a traceback
