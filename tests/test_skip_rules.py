@@ -207,3 +207,15 @@ def test_time_ordered_data_goes_through_time_in_the_first_epoch_only(
     monkeypatch.setattr(dataset_module, "BatchIterator", recording)
     train.train(tiny_config(data, tmp_path / "run", epochs=3, time_order=order))
     assert seen == expected
+
+
+def test_paper_preset_trains_with_the_frequency_hot_set_and_no_guard(data_dir: Path, tmp_path: Path) -> None:
+    """The paper preset end to end: FAE's frequency hot set, one threshold per window, no controls."""
+    config = tiny_config(data_dir, tmp_path / "run", skip_rule="stale", stale_preset="paper", stale_target=0.5,
+                         stale_window=0.1, stale_hot_rate=0.01)
+    summary = train.train(config)
+    block = summary["staleness"]
+    assert config.stale_hot_set == "frequency" and not config.stale_guard and config.stale_keep == 0.0
+    assert block["rule"] == "paper" and block["control_inputs"] == 0 and not block["guard_checks"]
+    assert block["warm_at"]["reason"] == "no warm-up" and block["hot_rows"] > 0
+    assert block["rechecks"] == 0 and block["threshold_refits"] == 0  # one decision per window

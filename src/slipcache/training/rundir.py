@@ -55,7 +55,8 @@ _STATE_DEFINING = {
     "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
     "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
     "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "skip_rule", "table_sizes", "split_order",
-    "lookahead", "prefetch", "stale_rule", "time_order",
+    "lookahead", "prefetch", "stale_rule", "time_order", "stale_preset", "stale_hot_set", "stale_hot_rate",
+    "prune_share", "prune_final",
 }  # fmt: skip
 
 
