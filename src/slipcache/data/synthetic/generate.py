@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,20 @@ def _chunk_rng(seed: int, chunk: int) -> np.random.Generator:
     return np.random.default_rng([seed, 2, chunk])
 
 
+def _chunks_of(
+    start: int, rows: int, num_samples: int, seed: int
+) -> Iterator[tuple[np.random.Generator, int, int, slice]]:
+    """For each generation chunk that rows start..start+rows-1 touch: its random stream, first row, row
+    count, and the slice of its rows that falls in the window (the generator draws whole chunks)."""
+    end = start + rows
+    if not 0 <= start < end <= num_samples:
+        raise SlipcacheError(f"rows {start}..{end - 1} are not all within the {num_samples} rows of the log")
+    for chunk in range(start // CHUNK_ROWS, (end - 1) // CHUNK_ROWS + 1):
+        first = chunk * CHUNK_ROWS
+        last = min(first + CHUNK_ROWS, num_samples)
+        yield _chunk_rng(seed, chunk), first, last - first, slice(max(start, first) - first, min(end, last) - first)
+
+
 def synthetic_window(
     start: int,
     rows: int,
@@ -217,15 +232,9 @@ def synthetic_window(
         new_entity_rate=new_entity_rate,
         drift_rate=drift_rate,
     )
-    end = start + rows
-    if not 0 <= start < end <= num_samples:
-        raise SlipcacheError(f"rows {start}..{end - 1} are not all within the {num_samples} rows of the log")
     parts = []
-    for chunk in range(start // CHUNK_ROWS, (end - 1) // CHUNK_ROWS + 1):
-        first = chunk * CHUNK_ROWS
-        last = min(first + CHUNK_ROWS, num_samples)
-        ids = gen.sample(_chunk_rng(seed, chunk), first, last - first)[1]
-        parts.append(ids[max(start, first) - first : min(end, last) - first])
+    for rng, first, count, part in _chunks_of(start, rows, num_samples, seed):
+        parts.append(gen.sample(rng, first, count)[1][part])
     return np.concatenate(parts)
 
 
@@ -247,17 +256,10 @@ def synthetic_rows(
     gen = make_generator(generator, scale, seed, num_samples=num_samples, days=days,
                          new_entity_rate=new_entity_rate, drift_rate=drift_rate)
     gen.calibrate()
-    end = start + rows
-    if not 0 <= start < end <= num_samples:
-        raise SlipcacheError(f"rows {start}..{end - 1} are not all within the {num_samples} rows of the log")
     dense, ids, labels = [], [], []
-    for chunk in range(start // CHUNK_ROWS, (end - 1) // CHUNK_ROWS + 1):
-        first = chunk * CHUNK_ROWS
-        last = min(first + CHUNK_ROWS, num_samples)
-        rng = _chunk_rng(seed, chunk)
-        _, chunk_ids, terms = gen.sample(rng, first, last - first)
-        chunk_labels = (rng.random(last - first) < sigmoid(gen.logits(terms))).astype(np.float32)
-        part = slice(max(start, first) - first, min(end, last) - first)
+    for rng, first, count, part in _chunks_of(start, rows, num_samples, seed):
+        _, chunk_ids, terms = gen.sample(rng, first, count)
+        chunk_labels = (rng.random(count) < sigmoid(gen.logits(terms))).astype(np.float32)
         dense.append(gen.raw_dense[part])
         ids.append(chunk_ids[part])
         labels.append(chunk_labels[part])
