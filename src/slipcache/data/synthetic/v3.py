@@ -272,6 +272,34 @@ class GeneratorV3(Teacher):
         size = int(self.reserve_start[table] - self.first[table])
         return self.value_rows(table, _zipf_rank(u, size, MERGE_EXPONENT))
 
+    def derived_rows(
+        self,
+        table: int,
+        source: str | int,
+        merge: float,
+        noise: float,
+        keys: dict[str, np.ndarray],
+        new: dict[str, np.ndarray],
+        ids: np.ndarray,
+        noise_u: np.ndarray,
+    ) -> np.ndarray:
+        """Rows of a table derived from an entity (`source` a name) or from another table's ids: a share
+        `merge` falls on popular rows, a share `noise` is replaced by a popular row drawn uniformly."""
+        if isinstance(source, str):
+            h, born_later = _mix(keys[source], self.salt(table, 6)), new[source]
+        else:
+            h, born_later = _mix(ids[:, source], self.salt(table, 6)), ids[:, source] >= self.reserve_start[source]
+        rows = np.where(
+            _unit(h) < merge,
+            self.popular_rows(table, _unit(_mix(h, 7))),
+            self.value_rows(table, keys[source], born_later, ranks=True)
+            if isinstance(source, str)
+            else self.value_rows(table, h, born_later),
+        )
+        noisy = noise_u < noise
+        rows[noisy] = self.popular_rows(table, noise_u[noisy] / noise)  # uniform given noisy
+        return rows
+
     def sample(
         self, rng: np.random.Generator, start: int, n: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -292,24 +320,7 @@ class GeneratorV3(Teacher):
         noise_u = rng.random((len(DERIVED), n))
         for i, (table, (source, merge, noise)) in enumerate(DERIVED.items()):
             # DERIVED lists every table after its source
-            if isinstance(source, str):
-                h, born_later = _mix(keys[source], self.salt(table, 6)), new[source]
-            else:
-                h, born_later = (
-                    _mix(ids[:, source], self.salt(table, 6)),
-                    ids[:, source] >= self.reserve_start[source],
-                )
-            merged = _unit(h) < merge
-            rows = np.where(
-                merged,
-                self.popular_rows(table, _unit(_mix(h, 7))),
-                self.value_rows(table, keys[source], born_later, ranks=True)
-                if isinstance(source, str)
-                else self.value_rows(table, h, born_later),
-            )
-            noisy = noise_u[i] < noise
-            rows[noisy] = self.popular_rows(table, noise_u[i][noisy] / noise)  # uniform given noisy
-            ids[:, table] = rows
+            ids[:, table] = self.derived_rows(table, source, merge, noise, keys, new, ids, noise_u[i])
         missing_u = rng.random((len(MISSING_GROUPS), n))
         for (tables, rate), mu in zip(MISSING_GROUPS, missing_u, strict=True):
             ids[np.ix_(mu < rate, tables)] = MISSING_ROW

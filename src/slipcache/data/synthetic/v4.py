@@ -139,21 +139,7 @@ class GeneratorV4(GeneratorV3):
             weights.append(1.0)
         noise_u = rng.random((len(DERIVED_V4), n))
         for i, (table, (source, merge, noise)) in enumerate(self._derived_order()):
-            if isinstance(source, str):
-                h, born_later = _mix(keys[source], self.salt(table, 6)), new[source]
-            else:
-                h, born_later = _mix(ids[:, source], self.salt(table, 6)), ids[:, source] >= self.reserve_start[source]
-            merged = _unit(h) < merge
-            rows = np.where(
-                merged,
-                self.popular_rows(table, _unit(_mix(h, 7))),
-                self.value_rows(table, keys[source], born_later, ranks=True)
-                if isinstance(source, str)
-                else self.value_rows(table, h, born_later),
-            )
-            noisy = noise_u[i] < noise
-            rows[noisy] = self.popular_rows(table, noise_u[i][noisy] / noise)
-            ids[:, table] = rows
+            ids[:, table] = self.derived_rows(table, source, merge, noise, keys, new, ids, noise_u[i])
         missing_u = rng.random((len(MISSING_GROUPS), n))
         per_user = _unit(_mix(keys["user"], self.salt("user", 9)))
         missing_u[USER_MISSING_GROUP] = np.where(missing_u[USER_MISSING_GROUP] < USER_MISSING_NOISE,
