@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from slipcache.cli import ENV_HUGE_PAGES, HUGE_PAGE_CHOICES
 from slipcache.errors import SlipcacheError
 
 HUGE_PAGE = 2 << 20
-ENV_HUGE_PAGES = "SLIPCACHE_HUGE_PAGES"
-HUGE_PAGE_MODES = ("off", "on", "auto")
+HUGE_PAGE_MODES = HUGE_PAGE_CHOICES
 DEFAULT_HUGE_PAGES = "off"
 # auto: huge pages only for tensors this large, where TLB misses dominate a random row's read
 AUTO_MIN_BYTES = 1 << 30
