@@ -26,8 +26,18 @@ static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, in
 typedef struct {
     const void *slot_rows; int wide; int64_t num_sets, ways, multiplier;
     const int64_t *rows; int64_t n; int64_t *out_slots; int32_t *last_used, *use_count; int32_t step;
-    int64_t hits;
+    int64_t hits; int shared;  /* shared: other threads touch the same cache state */
 } lookup_args;
+
+/* A hit's bookkeeping. When a job is split, parts may hit the same slot at once: last_used takes the same
+   step from each (a relaxed atomic store: a plain store on x86), use_count's additions are atomic, so the
+   counts are exactly one thread's. */
+static inline void touch_slot(const lookup_args *a, int64_t slot) {
+    if (a->last_used) __atomic_store_n(a->last_used + slot, a->step, __ATOMIC_RELAXED);
+    if (!a->use_count) return;
+    if (a->shared) __atomic_fetch_add(a->use_count + slot, 1, __ATOMIC_RELAXED);
+    else a->use_count[slot] += 1;
+}
 
 static void lookup_all(lookup_args *a) {
     int64_t hits = 0;
@@ -43,21 +53,39 @@ static void lookup_all(lookup_args *a) {
         a->out_slots[i] = slot;
         if (slot >= 0) {
             hits++;
-            if (a->last_used) a->last_used[slot] = a->step;
-            if (a->use_count) a->use_count[slot] += 1;
+            touch_slot(a, slot);
         }
     }
     a->hits = hits;
+}
+
+/* Lookups split by position: part p serves the contiguous range p of them (a copy of the arguments with the
+   arrays advanced to its first lookup). Every write of a part is to its own positions, apart from the
+   touches (see touch_slot). */
+#define LOOKUP_GRAIN 1024 /* lookups per part at least: smaller batches stay on one thread */
+
+typedef struct { lookup_args base; int64_t hits[POOL_MAX]; } lookup_job;
+
+static void lookup_part(void *job_, int64_t part, int64_t parts) {
+    lookup_job *job = job_;
+    lookup_args a = job->base;
+    int64_t lo, hi;
+    part_range(a.n, part, parts, &lo, &hi);
+    a.rows += lo, a.out_slots += lo, a.n = hi - lo;
+    lookup_all(&a);
+    job->hits[part] = a.hits;
 }
 
 /* Slot of each row (-1 on a miss); hits get last_used = step and use_count += 1. Returns the hits. */
 int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
                const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used, int32_t *use_count,
                int32_t step) {
-    lookup_args args = {slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
-                        step, 0};
-    lookup_all(&args);
-    return args.hits;
+    int64_t parts = parts_for(n, LOOKUP_GRAIN), hits = 0;
+    lookup_job job = {{slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
+                       step, 0, parts > 1}, {0}};
+    run_parts(lookup_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) hits += job.hits[p];
+    return hits;
 }
 
 /* Global row of each single-hot id: rows[i] = offsets[i % tables] + ids[i] for ids [batch, tables].
@@ -75,6 +103,7 @@ int64_t global_rows(const int64_t *ids, int64_t batch, int64_t tables, const int
 
 typedef struct {
     lookup_args probe; const float *weights; int64_t dim; float *out; int64_t tables; int64_t *table_hits;
+    int64_t first_table;  /* the table of the first lookup (its position mod tables) */
 } gather_args;
 
 /* Prefetch the `bytes` at p (each cache line), for reading or (write = 1) writing. */
@@ -93,7 +122,7 @@ static inline void prefetch_span(const void *p, size_t bytes, int write) {
 #define RING 64 /* > 2 * AHEAD, a power of two */
 ROW_LOOPS static void lookup_gather_all(gather_args *g) {
     lookup_args *a = &g->probe;
-    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = 0;
+    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = g->first_table;
     size_t row_bytes = (size_t)dim * sizeof(float), way_bytes = (size_t)a->ways * (a->wide ? 8 : 4);
     int64_t sets[RING];
     int64_t slots[RING];
@@ -129,8 +158,7 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
             if (slot >= 0) {
                 hits++;
                 g->table_hits[table]++;
-                if (a->last_used) a->last_used[slot] = a->step;
-                if (a->use_count) a->use_count[slot] += 1;
+                touch_slot(a, slot);
                 const float *src = g->weights + slot * dim;
                 float *dst = g->out + i * dim;
                 for (int64_t k = 0; k < dim; k++) dst[k] = src[k];
@@ -138,6 +166,22 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
         }
     }
     a->hits = hits;
+}
+
+typedef struct { gather_args base; int64_t hits[POOL_MAX]; } gather_job;
+
+/* Part p of the forward: its range of lookups, its own row of per-table hit counts. */
+static void gather_part(void *job_, int64_t part, int64_t parts) {
+    gather_job *job = job_;
+    gather_args g = job->base;
+    int64_t lo, hi;
+    part_range(g.probe.n, part, parts, &lo, &hi);
+    g.probe.rows += lo, g.probe.out_slots += lo, g.probe.n = hi - lo;
+    g.out += lo * g.dim;
+    g.first_table = lo % g.tables;
+    g.table_hits += part * g.tables;
+    lookup_gather_all(&g);
+    job->hits[part] = g.probe.hits;
 }
 
 /* `lookup` over single-hot lookups [batch, tables] that also copies each hit's cached row into out[i]
@@ -149,15 +193,17 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
                       int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
                       float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
                       int64_t misses_col) {
-    int64_t *table_hits = calloc((size_t)tables, sizeof(int64_t));
+    int64_t parts = parts_for(batch * tables, LOOKUP_GRAIN), hits = 0;
+    int64_t *table_hits = calloc((size_t)(tables * parts), sizeof(int64_t));  /* [parts, tables] */
     if (!table_hits) return -1;
-    gather_args args = {{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
-                         use_count, step, 0},
-                        weights, dim, out, tables, table_hits};
-    lookup_gather_all(&args);
-    int64_t hits = args.probe.hits;
+    gather_job job = {{{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
+                        use_count, step, 0, parts > 1},
+                       weights, dim, out, tables, table_hits, 0}, {0}};
+    run_parts(gather_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) hits += job.hits[p];
     for (int64_t k = 0; k < tables; k++) {
-        int64_t table = table_hits[k];
+        int64_t table = 0;
+        for (int64_t p = 0; p < parts; p++) table += table_hits[p * tables + k];
         counters[k * stride + lookups_col] += batch;
         counters[k * stride + hits_col] += table;
         counters[k * stride + misses_col] += batch - table;

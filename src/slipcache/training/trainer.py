@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from slipcache import _native
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.errors import SlipcacheError
 from slipcache.memory import peak_rss_bytes, process_age_s
@@ -190,8 +191,9 @@ def _crossed(before: int, after: int, every: int) -> bool:
 def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
-    if config.threads is not None:  # --threads: this process's torch threads for the run
+    if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
         torch.set_num_threads(config.threads)
+        _native.set_threads(config.threads)
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
