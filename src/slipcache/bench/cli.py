@@ -305,7 +305,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     # The rows a prefill may need: the largest cache's, oversubscribed, with room for its sets' rounding.
     largest = max((c.cache_fraction for c in configs), default=0.0) if args.prefill else 0.0
     hot_rows = math.ceil(1.25 * PREFILL_OVERSUBSCRIPTION * largest * sum(sizes))
-    work = make_workload(sizes, args.batch_size, warmup, steps, args.zipf, args.seed, cache_warmup, hot_rows)
+    work = make_workload(
+        sizes, args.batch_size, warmup, steps, args.zipf, args.seed, cache_warmup, hot_rows, args.profile_steps
+    )
     progress(f"  done in {work.generate_s:.1f} s")
 
     keys = [(dim, cfg) for dim in dims for cfg in configs]
