@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slipcache.cli import add_threads_flag
+from slipcache.cli import add_huge_pages_flag, add_threads_flag
 from slipcache.errors import SlipcacheError
 
 FORMATS = ("fp32", "torchrec", "int8", "tbe-int8")
@@ -142,6 +142,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     parser.add_argument("--out", required=True, help="directory to write the exported tables into")
     add_threads_flag(parser)
+    add_huge_pages_flag(parser)
     parser.add_argument(
         "--format",
         dest="formats",

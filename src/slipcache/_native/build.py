@@ -208,6 +208,8 @@ def _declare(library: ctypes.CDLL) -> None:
         ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr,
     ]
     library.quantize_rows.restype = i64
+    library.dequantize_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    library.dequantize_rows.restype = i64
     library.torch_uniform.argtypes = [ptr, ptr, i64]
     library.torch_uniform.restype = i64
     library.pool_bags.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64]

@@ -263,7 +263,16 @@ int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t 
     if (!table || !orders || !keys) { free(table); free(orders); free(keys); return -1; }
     for (int64_t k = 0; k < capacity; k++) table[k].set = -1;
     int64_t used_orders = 0, victims = 0;
+    size_t way_bytes = (size_t)ways * (wide ? 8 : 4), key_bytes = (size_t)ways * sizeof(int32_t);
     for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {  /* the missing rows' sets are random lines: fetch a later set's while ranking this one */
+            int64_t later = set_of(rows[i + AHEAD], multiplier, num_sets, ways);
+            if (later >= 0) {
+                prefetch_span((const char *)slot_rows + later * way_bytes, way_bytes, 0);
+                prefetch_span(last_used + later * ways, key_bytes, 0);
+                if (use_count) prefetch_span(use_count + later * ways, key_bytes, 0);
+            }
+        }
         int64_t set = set_of(rows[i], multiplier, num_sets, ways);
         if (set < 0) { out_slots[i] = -1; continue; }
         int64_t h = (int64_t)(((uint64_t)set * 0x9E3779B97F4A7C15ull) >> 20) & (capacity - 1);
@@ -646,7 +655,18 @@ ROW_LOOPS static void quantize_all(quantize_args *a) {
     const int64_t dim = a->dim;
     const int64_t width = a->kind == Q_INT4 ? (dim + 1) / 2 : dim;
     const int levels = a->kind == Q_INT8 ? 255 : 15;
+    const size_t payload_bytes = (size_t)(a->kind == Q_FP32 ? dim * 4 : a->kind >= Q_FP16 ? dim * 2 : width);
     for (int64_t i = a->start; i < a->stop; i++) {
+        if (i + AHEAD < a->stop) {  /* scattered rows (evictions): a later row's lines on their way */
+            int64_t later = i + AHEAD;
+            if (a->source) prefetch_span(a->values + a->source[later] * dim, (size_t)dim * sizeof(float), 0);
+            if (a->rows) {
+                int64_t r = a->rows[later];
+                prefetch_span((char *)a->payload + r * (int64_t)payload_bytes, payload_bytes, 1);
+                if (a->bias) __builtin_prefetch(a->bias + r, 1);
+                if (a->scale_code) __builtin_prefetch(a->scale_code + r, 1);
+            }
+        }
         const float *x = a->values + (a->source ? a->source[i] : i) * dim;  /* e.g. an evicted row's slot */
         const float *u = a->noise ? a->noise + i * dim : 0;
         float lo, hi;
@@ -702,6 +722,42 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
                           bad, 0, n, 0, source};
     quantize_all(&args);
     return args.bad_count;
+}
+
+/* Storage rows -> fp32: out[i] = row rows[i] decoded, as quant.dequantize_int does (bias + scale * code,
+   each rounded to fp32, no contraction: bit-identical) or the float kinds' exact widening. One pass with the
+   rows' payload and parameters prefetched AHEAD rows on (misses are scattered over the whole table). */
+ROW_LOOPS int64_t dequantize_rows(const void *payload, int kind, const uint16_t *bias, const uint8_t *scale_code,
+                                  const float *scales, const int64_t *rows, int64_t n, int64_t dim, float *out) {
+    if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
+    const int64_t width = kind == Q_INT4 ? (dim + 1) / 2 : dim;
+    const size_t row_bytes = (size_t)(kind == Q_FP32 ? dim * 4 : kind >= Q_FP16 ? dim * 2 : width);
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            int64_t later = rows[i + AHEAD];
+            prefetch_span((const char *)payload + later * (int64_t)row_bytes, row_bytes, 0);
+            if (bias) __builtin_prefetch(bias + later, 0);
+            if (scale_code) __builtin_prefetch(scale_code + later, 0);
+        }
+        int64_t r = rows[i];
+        float *o = out + i * dim;
+        if (kind == Q_FP32) {
+            const float *x = (const float *)payload + r * dim;
+            for (int64_t j = 0; j < dim; j++) o[j] = x[j];
+        } else if (kind == Q_FP16 || kind == Q_BF16) {
+            const uint16_t *x = (const uint16_t *)payload + r * dim;
+            for (int64_t j = 0; j < dim; j++) o[j] = kind == Q_FP16 ? half_to_float(x[j]) : bf16_to_float(x[j]);
+        } else {
+            float b = half_to_float(bias[r]), scale = scales[scale_code[r]];
+            const uint8_t *x = (const uint8_t *)payload + r * width;
+            if (kind == Q_INT8) {
+                for (int64_t j = 0; j < dim; j++) o[j] = b + scale * (float)x[j];
+            } else {
+                for (int64_t j = 0; j < dim; j++) o[j] = b + scale * (float)((x[j >> 1] >> ((j & 1) * 4)) & 15);
+            }
+        }
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------ torch's CPU random stream

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from slipcache import _native
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
+from slipcache.embedding.hostmem import set_huge_pages
 from slipcache.errors import SlipcacheError
 from slipcache.memory import peak_rss_bytes, process_age_s
 from slipcache.model import DLRM
@@ -194,6 +195,8 @@ def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
         torch.set_num_threads(config.threads)
         _native.set_threads(config.threads)
+    if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
+        set_huge_pages(config.huge_pages)
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
