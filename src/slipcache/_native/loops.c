@@ -26,8 +26,18 @@ static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, in
 typedef struct {
     const void *slot_rows; int wide; int64_t num_sets, ways, multiplier;
     const int64_t *rows; int64_t n; int64_t *out_slots; int32_t *last_used, *use_count; int32_t step;
-    int64_t hits;
+    int64_t hits; int shared;  /* shared: other threads touch the same cache state */
 } lookup_args;
+
+/* A hit's bookkeeping. When a job is split, parts may hit the same slot at once: last_used takes the same
+   step from each (a relaxed atomic store: a plain store on x86), use_count's additions are atomic, so the
+   counts are exactly one thread's. */
+static inline void touch_slot(const lookup_args *a, int64_t slot) {
+    if (a->last_used) __atomic_store_n(a->last_used + slot, a->step, __ATOMIC_RELAXED);
+    if (!a->use_count) return;
+    if (a->shared) __atomic_fetch_add(a->use_count + slot, 1, __ATOMIC_RELAXED);
+    else a->use_count[slot] += 1;
+}
 
 static void lookup_all(lookup_args *a) {
     int64_t hits = 0;
@@ -43,21 +53,39 @@ static void lookup_all(lookup_args *a) {
         a->out_slots[i] = slot;
         if (slot >= 0) {
             hits++;
-            if (a->last_used) a->last_used[slot] = a->step;
-            if (a->use_count) a->use_count[slot] += 1;
+            touch_slot(a, slot);
         }
     }
     a->hits = hits;
+}
+
+/* Lookups split by position: part p serves the contiguous range p of them (a copy of the arguments with the
+   arrays advanced to its first lookup). Every write of a part is to its own positions, apart from the
+   touches (see touch_slot). */
+#define LOOKUP_GRAIN 1024 /* lookups per part at least: smaller batches stay on one thread */
+
+typedef struct { lookup_args base; int64_t hits[POOL_MAX]; } lookup_job;
+
+static void lookup_part(void *job_, int64_t part, int64_t parts) {
+    lookup_job *job = job_;
+    lookup_args a = job->base;
+    int64_t lo, hi;
+    part_range(a.n, part, parts, &lo, &hi);
+    a.rows += lo, a.out_slots += lo, a.n = hi - lo;
+    lookup_all(&a);
+    job->hits[part] = a.hits;
 }
 
 /* Slot of each row (-1 on a miss); hits get last_used = step and use_count += 1. Returns the hits. */
 int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
                const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used, int32_t *use_count,
                int32_t step) {
-    lookup_args args = {slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
-                        step, 0};
-    lookup_all(&args);
-    return args.hits;
+    int64_t parts = parts_for(n, LOOKUP_GRAIN), hits = 0;
+    lookup_job job = {{slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
+                       step, 0, parts > 1}, {0}};
+    run_parts(lookup_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) hits += job.hits[p];
+    return hits;
 }
 
 /* Global row of each single-hot id: rows[i] = offsets[i % tables] + ids[i] for ids [batch, tables].
@@ -75,6 +103,7 @@ int64_t global_rows(const int64_t *ids, int64_t batch, int64_t tables, const int
 
 typedef struct {
     lookup_args probe; const float *weights; int64_t dim; float *out; int64_t tables; int64_t *table_hits;
+    int64_t first_table;  /* the table of the first lookup (its position mod tables) */
 } gather_args;
 
 /* Prefetch the `bytes` at p (each cache line), for reading or (write = 1) writing. */
@@ -93,7 +122,7 @@ static inline void prefetch_span(const void *p, size_t bytes, int write) {
 #define RING 64 /* > 2 * AHEAD, a power of two */
 ROW_LOOPS static void lookup_gather_all(gather_args *g) {
     lookup_args *a = &g->probe;
-    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = 0;
+    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = g->first_table;
     size_t row_bytes = (size_t)dim * sizeof(float), way_bytes = (size_t)a->ways * (a->wide ? 8 : 4);
     int64_t sets[RING];
     int64_t slots[RING];
@@ -129,8 +158,7 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
             if (slot >= 0) {
                 hits++;
                 g->table_hits[table]++;
-                if (a->last_used) a->last_used[slot] = a->step;
-                if (a->use_count) a->use_count[slot] += 1;
+                touch_slot(a, slot);
                 const float *src = g->weights + slot * dim;
                 float *dst = g->out + i * dim;
                 for (int64_t k = 0; k < dim; k++) dst[k] = src[k];
@@ -138,6 +166,22 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
         }
     }
     a->hits = hits;
+}
+
+typedef struct { gather_args base; int64_t hits[POOL_MAX]; } gather_job;
+
+/* Part p of the forward: its range of lookups, its own row of per-table hit counts. */
+static void gather_part(void *job_, int64_t part, int64_t parts) {
+    gather_job *job = job_;
+    gather_args g = job->base;
+    int64_t lo, hi;
+    part_range(g.probe.n, part, parts, &lo, &hi);
+    g.probe.rows += lo, g.probe.out_slots += lo, g.probe.n = hi - lo;
+    g.out += lo * g.dim;
+    g.first_table = lo % g.tables;
+    g.table_hits += part * g.tables;
+    lookup_gather_all(&g);
+    job->hits[part] = g.probe.hits;
 }
 
 /* `lookup` over single-hot lookups [batch, tables] that also copies each hit's cached row into out[i]
@@ -149,15 +193,17 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
                       int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
                       float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
                       int64_t misses_col) {
-    int64_t *table_hits = calloc((size_t)tables, sizeof(int64_t));
+    int64_t parts = parts_for(batch * tables, LOOKUP_GRAIN), hits = 0;
+    int64_t *table_hits = calloc((size_t)(tables * parts), sizeof(int64_t));  /* [parts, tables] */
     if (!table_hits) return -1;
-    gather_args args = {{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
-                         use_count, step, 0},
-                        weights, dim, out, tables, table_hits};
-    lookup_gather_all(&args);
-    int64_t hits = args.probe.hits;
+    gather_job job = {{{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
+                        use_count, step, 0, parts > 1},
+                       weights, dim, out, tables, table_hits, 0}, {0}};
+    run_parts(gather_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) hits += job.hits[p];
     for (int64_t k = 0; k < tables; k++) {
-        int64_t table = table_hits[k];
+        int64_t table = 0;
+        for (int64_t p = 0; p < parts; p++) table += table_hits[p * tables + k];
         counters[k * stride + lookups_col] += batch;
         counters[k * stride + hits_col] += table;
         counters[k * stride + misses_col] += batch - table;
@@ -217,7 +263,16 @@ int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t 
     if (!table || !orders || !keys) { free(table); free(orders); free(keys); return -1; }
     for (int64_t k = 0; k < capacity; k++) table[k].set = -1;
     int64_t used_orders = 0, victims = 0;
+    size_t way_bytes = (size_t)ways * (wide ? 8 : 4), key_bytes = (size_t)ways * sizeof(int32_t);
     for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {  /* the missing rows' sets are random lines: fetch a later set's while ranking this one */
+            int64_t later = set_of(rows[i + AHEAD], multiplier, num_sets, ways);
+            if (later >= 0) {
+                prefetch_span((const char *)slot_rows + later * way_bytes, way_bytes, 0);
+                prefetch_span(last_used + later * ways, key_bytes, 0);
+                if (use_count) prefetch_span(use_count + later * ways, key_bytes, 0);
+            }
+        }
         int64_t set = set_of(rows[i], multiplier, num_sets, ways);
         if (set < 0) { out_slots[i] = -1; continue; }
         int64_t h = (int64_t)(((uint64_t)set * 0x9E3779B97F4A7C15ull) >> 20) & (capacity - 1);
@@ -600,7 +655,18 @@ ROW_LOOPS static void quantize_all(quantize_args *a) {
     const int64_t dim = a->dim;
     const int64_t width = a->kind == Q_INT4 ? (dim + 1) / 2 : dim;
     const int levels = a->kind == Q_INT8 ? 255 : 15;
+    const size_t payload_bytes = (size_t)(a->kind == Q_FP32 ? dim * 4 : a->kind >= Q_FP16 ? dim * 2 : width);
     for (int64_t i = a->start; i < a->stop; i++) {
+        if (i + AHEAD < a->stop) {  /* scattered rows (evictions): a later row's lines on their way */
+            int64_t later = i + AHEAD;
+            if (a->source) prefetch_span(a->values + a->source[later] * dim, (size_t)dim * sizeof(float), 0);
+            if (a->rows) {
+                int64_t r = a->rows[later];
+                prefetch_span((char *)a->payload + r * (int64_t)payload_bytes, payload_bytes, 1);
+                if (a->bias) __builtin_prefetch(a->bias + r, 1);
+                if (a->scale_code) __builtin_prefetch(a->scale_code + r, 1);
+            }
+        }
         const float *x = a->values + (a->source ? a->source[i] : i) * dim;  /* e.g. an evicted row's slot */
         const float *u = a->noise ? a->noise + i * dim : 0;
         float lo, hi;
@@ -656,6 +722,42 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
                           bad, 0, n, 0, source};
     quantize_all(&args);
     return args.bad_count;
+}
+
+/* Storage rows -> fp32: out[i] = row rows[i] decoded, as quant.dequantize_int does (bias + scale * code,
+   each rounded to fp32, no contraction: bit-identical) or the float kinds' exact widening. One pass with the
+   rows' payload and parameters prefetched AHEAD rows on (misses are scattered over the whole table). */
+ROW_LOOPS int64_t dequantize_rows(const void *payload, int kind, const uint16_t *bias, const uint8_t *scale_code,
+                                  const float *scales, const int64_t *rows, int64_t n, int64_t dim, float *out) {
+    if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
+    const int64_t width = kind == Q_INT4 ? (dim + 1) / 2 : dim;
+    const size_t row_bytes = (size_t)(kind == Q_FP32 ? dim * 4 : kind >= Q_FP16 ? dim * 2 : width);
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            int64_t later = rows[i + AHEAD];
+            prefetch_span((const char *)payload + later * (int64_t)row_bytes, row_bytes, 0);
+            if (bias) __builtin_prefetch(bias + later, 0);
+            if (scale_code) __builtin_prefetch(scale_code + later, 0);
+        }
+        int64_t r = rows[i];
+        float *o = out + i * dim;
+        if (kind == Q_FP32) {
+            const float *x = (const float *)payload + r * dim;
+            for (int64_t j = 0; j < dim; j++) o[j] = x[j];
+        } else if (kind == Q_FP16 || kind == Q_BF16) {
+            const uint16_t *x = (const uint16_t *)payload + r * dim;
+            for (int64_t j = 0; j < dim; j++) o[j] = kind == Q_FP16 ? half_to_float(x[j]) : bf16_to_float(x[j]);
+        } else {
+            float b = half_to_float(bias[r]), scale = scales[scale_code[r]];
+            const uint8_t *x = (const uint8_t *)payload + r * width;
+            if (kind == Q_INT8) {
+                for (int64_t j = 0; j < dim; j++) o[j] = b + scale * (float)x[j];
+            } else {
+                for (int64_t j = 0; j < dim; j++) o[j] = b + scale * (float)((x[j >> 1] >> ((j & 1) * 4)) & 15);
+            }
+        }
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------ torch's CPU random stream
