@@ -50,8 +50,18 @@ static inline int64_t find_way(const void *slot_rows, int wide, int64_t first, i
 typedef struct {
     const void *slot_rows; int wide; int64_t num_sets, ways, multiplier;
     const int64_t *rows; int64_t n; int64_t *out_slots; int32_t *last_used, *use_count; int32_t step;
-    int64_t hits;
+    int64_t hits; int shared;  /* shared: other threads touch the same cache state */
 } lookup_args;
+
+/* A hit's bookkeeping. When a job is split, parts may hit the same slot at once: last_used takes the same
+   step from each (a relaxed atomic store: a plain store on x86), use_count's additions are atomic, so the
+   counts are exactly one thread's. */
+static inline void touch_slot(const lookup_args *a, int64_t slot) {
+    if (a->last_used) __atomic_store_n(a->last_used + slot, a->step, __ATOMIC_RELAXED);
+    if (!a->use_count) return;
+    if (a->shared) __atomic_fetch_add(a->use_count + slot, 1, __ATOMIC_RELAXED);
+    else a->use_count[slot] += 1;
+}
 
 static void lookup_all(lookup_args *a) {
     int64_t hits = 0;
@@ -62,21 +72,39 @@ static void lookup_all(lookup_args *a) {
         a->out_slots[i] = slot;
         if (slot >= 0) {
             hits++;
-            if (a->last_used) a->last_used[slot] = a->step;
-            if (a->use_count) a->use_count[slot] += 1;
+            touch_slot(a, slot);
         }
     }
     a->hits = hits;
+}
+
+/* Lookups split by position: part p serves the contiguous range p of them (a copy of the arguments with the
+   arrays advanced to its first lookup). Every write of a part is to its own positions, apart from the
+   touches (see touch_slot). */
+#define LOOKUP_GRAIN 1024 /* lookups per part at least: smaller batches stay on one thread */
+
+typedef struct { lookup_args base; int64_t hits[POOL_MAX]; } lookup_job;
+
+static void lookup_part(void *job_, int64_t part, int64_t parts) {
+    lookup_job *job = job_;
+    lookup_args a = job->base;
+    int64_t lo, hi;
+    part_range(a.n, part, parts, &lo, &hi);
+    a.rows += lo, a.out_slots += lo, a.n = hi - lo;
+    lookup_all(&a);
+    job->hits[part] = a.hits;
 }
 
 /* Slot of each row (-1 on a miss); hits get last_used = step and use_count += 1. Returns the hits. */
 int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
                const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used, int32_t *use_count,
                int32_t step) {
-    lookup_args args = {slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
-                        step, 0};
-    lookup_all(&args);
-    return args.hits;
+    int64_t parts = parts_for(n, LOOKUP_GRAIN), hits = 0;
+    lookup_job job = {{slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
+                       step, 0, parts > 1}, {0}};
+    run_parts(lookup_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) hits += job.hits[p];
+    return hits;
 }
 
 /* Global row of each single-hot id: rows[i] = offsets[i % tables] + ids[i] for ids [batch, tables].
@@ -94,6 +122,7 @@ int64_t global_rows(const int64_t *ids, int64_t batch, int64_t tables, const int
 
 typedef struct {
     lookup_args probe; const float *weights; int64_t dim; float *out; int64_t tables; int64_t *table_hits;
+    int64_t first_table;  /* the table of the first lookup (its position mod tables) */
 } gather_args;
 
 /* Prefetch the `bytes` at p (each cache line), for reading or (write = 1) writing. */
@@ -112,7 +141,7 @@ static inline void prefetch_span(const void *p, size_t bytes, int write) {
 #define RING 64 /* > 2 * AHEAD, a power of two */
 ROW_LOOPS static void lookup_gather_all(gather_args *g) {
     lookup_args *a = &g->probe;
-    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = 0;
+    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = g->first_table;
     size_t row_bytes = (size_t)dim * sizeof(float), way_bytes = (size_t)a->ways * (a->wide ? 8 : 4);
     int64_t sets[RING];
     int64_t slots[RING];
@@ -143,8 +172,7 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
             if (slot >= 0) {
                 hits++;
                 g->table_hits[table]++;
-                if (a->last_used) a->last_used[slot] = a->step;
-                if (a->use_count) a->use_count[slot] += 1;
+                touch_slot(a, slot);
                 const float *src = g->weights + slot * dim;
                 float *dst = g->out + i * dim;
                 for (int64_t k = 0; k < dim; k++) dst[k] = src[k];
@@ -152,6 +180,22 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
         }
     }
     a->hits = hits;
+}
+
+typedef struct { gather_args base; int64_t hits[POOL_MAX]; } gather_job;
+
+/* Part p of the forward: its range of lookups, its own row of per-table hit counts. */
+static void gather_part(void *job_, int64_t part, int64_t parts) {
+    gather_job *job = job_;
+    gather_args g = job->base;
+    int64_t lo, hi;
+    part_range(g.probe.n, part, parts, &lo, &hi);
+    g.probe.rows += lo, g.probe.out_slots += lo, g.probe.n = hi - lo;
+    g.out += lo * g.dim;
+    g.first_table = lo % g.tables;
+    g.table_hits += part * g.tables;
+    lookup_gather_all(&g);
+    job->hits[part] = g.probe.hits;
 }
 
 /* `lookup` over single-hot lookups [batch, tables] that also copies each hit's cached row into out[i]
@@ -163,15 +207,17 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
                       int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
                       float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
                       int64_t misses_col) {
-    int64_t *table_hits = calloc((size_t)tables, sizeof(int64_t));
+    int64_t parts = parts_for(batch * tables, LOOKUP_GRAIN), hits = 0;
+    int64_t *table_hits = calloc((size_t)(tables * parts), sizeof(int64_t));  /* [parts, tables] */
     if (!table_hits) return -1;
-    gather_args args = {{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
-                         use_count, step, 0},
-                        weights, dim, out, tables, table_hits};
-    lookup_gather_all(&args);
-    int64_t hits = args.probe.hits;
+    gather_job job = {{{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
+                        use_count, step, 0, parts > 1},
+                       weights, dim, out, tables, table_hits, 0}, {0}};
+    run_parts(gather_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) hits += job.hits[p];
     for (int64_t k = 0; k < tables; k++) {
-        int64_t table = table_hits[k];
+        int64_t table = 0;
+        for (int64_t p = 0; p < parts; p++) table += table_hits[p * tables + k];
         counters[k * stride + lookups_col] += batch;
         counters[k * stride + hits_col] += table;
         counters[k * stride + misses_col] += batch - table;
@@ -209,8 +255,10 @@ int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *in
 }
 
 /* Whether all n floats are finite (exported: the general update's check). */
+static int all_finite_split(const float *values, int64_t n);
+
 int64_t finite_values(const float *values, int64_t n) {
-    return all_finite(values, n);
+    return all_finite_split(values, n);
 }
 
 /* RowCache.assign for LRU and LFU (no lookahead window), unpartitioned: slots for the unique missing `rows`.
@@ -359,6 +407,7 @@ int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const i
 
 typedef struct {
     float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
+    int64_t slot_lo, slot_hi;  /* the slots this thread owns: updates of other slots are skipped */
 } sgd_args;
 
 /* Whether any of the n floats at v is inf or NaN (exponent all ones). */
@@ -377,10 +426,11 @@ ROW_LOOPS static int sgd_all(const sgd_args *a) {
     size_t row_bytes = (size_t)a->dim * sizeof(float);
     int nonfinite = 0;
     for (int64_t i = 0; i < a->n; i++) {
-        if (i + AHEAD < a->n && a->slots[i + AHEAD] >= 0)  /* a later row on its way while this one is updated */
-            prefetch_span(a->weights + a->slots[i + AHEAD] * a->dim, row_bytes, 1);
+        int64_t later = i + AHEAD < a->n ? a->slots[i + AHEAD] : -1;
+        if (later >= a->slot_lo && later < a->slot_hi)  /* a later row on its way while this one is updated */
+            prefetch_span(a->weights + later * a->dim, row_bytes, 1);
         int64_t s = a->slots[i];
-        if (s < 0) continue;  /* -1: the row is not cached */
+        if (s < a->slot_lo || s >= a->slot_hi) continue;  /* -1 (the row is not cached) or another's slot */
         float *w = a->weights + s * a->dim;
         const float *g = a->grad + i * a->dim;
         for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
@@ -388,6 +438,52 @@ ROW_LOOPS static int sgd_all(const sgd_args *a) {
         nonfinite |= any_nonfinite(w, a->dim);
     }
     return nonfinite;
+}
+
+/* The scatter split by the rows it writes: part p owns the slots of range p of [0, num_slots) and walks every
+   lookup in batch order, applying only its own slots' updates. Each slot's additions are made by one thread
+   in batch order, exactly as on one thread: results are bit-identical for any thread count. */
+#define UPDATE_GRAIN 1024 /* lookups per part at least */
+
+typedef struct { sgd_args base; int64_t num_slots; int nonfinite[POOL_MAX]; } sgd_job;
+
+static void sgd_part(void *job_, int64_t part, int64_t parts) {
+    sgd_job *job = job_;
+    sgd_args a = job->base;
+    part_range(job->num_slots, part, parts, &a.slot_lo, &a.slot_hi);
+    job->nonfinite[part] = sgd_all(&a);
+}
+
+static int sgd_split(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
+                     int64_t n, float lr) {
+    int64_t parts = parts_for(n, UPDATE_GRAIN), nonfinite = 0;
+    if (parts > num_slots) parts = num_slots > 1 ? num_slots : 1;
+    sgd_job job = {{weights, dim, slots, grad, n, lr, 0, num_slots}, num_slots, {0}};
+    run_parts(sgd_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
+    return nonfinite != 0;
+}
+
+/* all_finite over contiguous ranges, one per part. */
+#define FINITE_GRAIN 65536 /* values per part at least */
+
+typedef struct { const float *values; int64_t n; int finite[POOL_MAX]; } finite_job;
+
+static void finite_part(void *job_, int64_t part, int64_t parts) {
+    finite_job *job = job_;
+    int64_t lo, hi;
+    part_range(job->n, part, parts, &lo, &hi);
+    job->finite[part] = all_finite(job->values + lo, hi - lo);
+}
+
+static int all_finite_split(const float *values, int64_t n) {
+    int64_t parts = parts_for(n, FINITE_GRAIN);
+    finite_job job = {values, n, {0}};
+    run_parts(finite_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) {
+        if (!job.finite[p]) return 0;
+    }
+    return 1;
 }
 
 /* weights[slots[i]] -= lr * grad[i] in batch order per slot. Returns -1, -3 when an updated value is inf or
@@ -398,8 +494,7 @@ int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) return i;
     }
-    sgd_args args = {weights, dim, slots, grad, n, lr};
-    return sgd_all(&args) ? -3 : -1;
+    return sgd_split(weights, num_slots, dim, slots, grad, n, lr) ? -3 : -1;
 }
 
 /* The fused SGD step of one backward: nothing is written unless every value of grad [n, dim] is finite
@@ -411,9 +506,8 @@ int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const 
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] >= num_slots) return i;
     }
-    if (!all_finite(grad, n * dim)) return -2;
-    sgd_args args = {weights, dim, slots, grad, n, lr};
-    return sgd_all(&args) ? -3 : -1;
+    if (!all_finite_split(grad, n * dim)) return -2;
+    return sgd_split(weights, num_slots, dim, slots, grad, n, lr) ? -3 : -1;
 }
 
 /* ------------------------------------------------------------------ Adagrad: one pass per unique row
@@ -454,6 +548,23 @@ ROW_LOOPS static int adagrad_all(const adagrad_args *a) {
     return nonfinite;
 }
 
+/* Split by position: the rows are distinct (one summed gradient per row), so each part writes its own
+   weight and state rows, with one thread's arithmetic. */
+#define ADAGRAD_GRAIN 256 /* rows per part at least */
+
+typedef struct { adagrad_args base; int nonfinite[POOL_MAX]; } adagrad_job;
+
+static void adagrad_part(void *job_, int64_t part, int64_t parts) {
+    adagrad_job *job = job_;
+    adagrad_args a = job->base;
+    int64_t lo, hi;
+    part_range(a.n, part, parts, &lo, &hi);
+    if (a.slots) a.slots += lo;
+    else a.weights += lo * a.dim;  /* target row i */
+    a.state_rows += lo, a.grad += lo * a.dim, a.n = hi - lo;
+    job->nonfinite[part] = adagrad_all(&a);
+}
+
 /* The Adagrad or row-wise Adagrad step of n unique rows. Returns -1, -3 when an updated weight is inf or NaN
    (an overflow: the caller fits the rows to fp32's range, as after SGD), or the index of the first target
    slot outside [0, num_slots) or state row outside [0, num_state_rows) (then nothing is written). */
@@ -464,8 +575,11 @@ int64_t adagrad_update(float *weights, int64_t num_slots, int64_t dim, const int
         int64_t t = slots ? slots[i] : i;
         if (t < 0 || t >= num_slots || state_rows[i] < 0 || state_rows[i] >= num_state_rows) return i;
     }
-    adagrad_args args = {weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps};
-    return adagrad_all(&args) ? -3 : -1;
+    adagrad_job job = {{weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps}, {0}};
+    int64_t parts = parts_for(n, ADAGRAD_GRAIN), nonfinite = 0;
+    run_parts(adagrad_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
+    return nonfinite ? -3 : -1;
 }
 
 /* ------------------------------------------------------------------ quantize: fp32 rows -> storage rows
@@ -675,6 +789,20 @@ ROW_LOOPS static void quantize_all(quantize_args *a) {
     }
 }
 
+/* Split by row range: the target rows are distinct (a write stores each row once), so the parts write
+   disjoint storage rows; the noise was drawn before, row by row. */
+#define QUANTIZE_GRAIN 512 /* rows per part at least */
+
+typedef struct { quantize_args base; int64_t bad_count[POOL_MAX]; } quantize_job;
+
+static void quantize_part(void *job_, int64_t part, int64_t parts) {
+    quantize_job *job = job_;
+    quantize_args a = job->base;
+    part_range(a.n, part, parts, &a.start, &a.stop);
+    quantize_all(&a);
+    job->bad_count[part] = a.bad_count;
+}
+
 /* Quantize fp32 rows values[n, dim] into storage: row i goes to storage row rows[i] (i when rows is NULL)
    of `payload` (uint8 [*, dim] int8, [*, (dim+1)/2] int4 low nibble first, uint16 bits fp16/bf16, float
    fp32), `bias` (fp16 bits) and `scale_code` (int kinds only). `noise` (uniform [n, dim], or NULL for
@@ -686,10 +814,12 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
                       const float *scales, float limit, float max_span, const int64_t *rows, void *payload,
                       uint16_t *bias, uint8_t *scale_code, uint8_t *bad, const int64_t *source) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
-    quantize_args args = {values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code,
-                          bad, 0, n, 0, source};
-    quantize_all(&args);
-    return args.bad_count;
+    quantize_job job = {{values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code,
+                         bad, 0, n, 0, source}, {0}};
+    int64_t parts = parts_for(n, QUANTIZE_GRAIN), bad_count = 0;
+    run_parts(quantize_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) bad_count += job.bad_count[p];
+    return bad_count;
 }
 
 /* Storage rows -> fp32: out[i] = row rows[i] decoded, as quant.dequantize_int does (bias + scale * code,

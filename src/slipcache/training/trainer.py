@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from slipcache import _native
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.embedding.hostmem import set_huge_pages
 from slipcache.errors import SlipcacheError
@@ -191,8 +192,9 @@ def _crossed(before: int, after: int, every: int) -> bool:
 def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
-    if config.threads is not None:  # --threads: this process's torch threads for the run
+    if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
         torch.set_num_threads(config.threads)
+        _native.set_threads(config.threads)
     if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
         set_huge_pages(config.huge_pages)
     state: dict[str, Any] | None = None
