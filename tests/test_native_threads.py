@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from slipcache import _native
-from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig, SparseFeatures
+from slipcache.embedding.quant import RowStorage
 from tests.test_fused import assert_same, spy, train
 
 pytestmark = pytest.mark.skipif(_native.native() is None, reason="no C compiler: only the torch path exists")
@@ -104,3 +105,94 @@ def test_the_pool_is_resized_and_results_stay() -> None:
             assert torch.equal(a, b)
     with pytest.raises(ValueError, match="threads must be positive"):
         _native.set_threads(0)
+
+
+def multi_hot(count: int) -> list[SparseFeatures]:
+    g = torch.Generator().manual_seed(4)
+    inputs = []
+    for _ in range(count):
+        lengths = torch.randint(0, 4, (len(SIZES), 1024), generator=g)
+        values = torch.cat([(torch.rand(int(n), generator=g) ** 3 * SIZES[t]).long()
+                            for t, row in enumerate(lengths) for n in row])
+        inputs.append(SparseFeatures.from_lengths(values, lengths))
+    return inputs
+
+
+@pytest.mark.parametrize("loop_threads", THREADS, indirect=True)
+def test_split_backward_of_multi_hot_bags_equals_the_reference(loop_threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = multi_hot(3)
+    fused = make("int8")
+    calls = spy(monkeypatch)
+    fused_out = train(fused, inputs)
+    assert calls["sgd_update_finite"] == len(inputs) and workers() == loop_threads - 1
+    monkeypatch.setattr(_native, "native", lambda: None)
+    reference = make("int8")
+    for a, b in zip(fused_out, train(reference, inputs), strict=True):
+        assert torch.equal(a, b)
+    assert_same(fused, reference)
+
+
+@pytest.mark.parametrize("loop_threads", [2, 3, 4], indirect=True)
+def test_overflowing_updates_are_fitted_as_on_one_thread(loop_threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients near fp32's largest value: cached rows overflow to inf in some parts, then are fitted."""
+    inputs = big_batches(2)
+    runs = []
+    for threads in (loop_threads, 1):
+        _native.set_threads(threads)
+        coll = make("fp32")
+        g = torch.Generator().manual_seed(5)
+        for ids in inputs:
+            out = coll(ids)
+            out.backward(torch.rand(out.shape, generator=g) * 1e38)  # finite; sums overflow
+        runs.append(coll)
+    assert runs[0].stats()["nonfinite_values"] > 0
+    assert_same(*runs)
+
+
+@pytest.mark.parametrize("loop_threads", THREADS, indirect=True)
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("cached", [True, False])
+def test_split_adagrad_equals_one_thread(loop_threads: int, optimizer: str, cached: bool) -> None:
+    """Adagrad is compared with torch within a tolerance elsewhere; split, it must equal one thread exactly."""
+    def build() -> CachedEmbeddingBagCollection:
+        config = EmbeddingConfig(SIZES, dim=8, precision="int8", cache_rows=512 if cached else 0, ways=4, lr=0.3,
+                                 optimizer=optimizer, seed=1)
+        return CachedEmbeddingBagCollection(config)
+
+    inputs = big_batches(3)
+    split = build()
+    split_out = train(split, inputs)
+    assert workers() == loop_threads - 1
+    _native.set_threads(1)
+    single = build()
+    for a, b in zip(split_out, train(single, inputs), strict=True):
+        assert torch.equal(a, b)
+    assert_same(split, single)
+
+
+@pytest.mark.parametrize("loop_threads", [3, 4], indirect=True)
+@pytest.mark.parametrize("precision", ["int8", "int4", "bf16"])
+def test_split_quantize_and_finite_check(loop_threads: int, precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes of many distinct rows (stochastic, some rows fitted) split by row range store torch's bytes."""
+    n, dim = 3000, 9
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, dim, generator=g) * torch.exp(torch.randn(n, 1, generator=g) * 3)
+    x[5, 0], x[2500, 3], x[1700] = float("nan"), float("inf"), 1e6
+    rows = torch.randperm(n + 50, generator=g)[:n]
+    results = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(_native, "native", lambda: None)
+        storage = RowStorage(n + 50, dim, precision)
+        fitted = storage.write(rows, x, "stochastic", torch.Generator().manual_seed(7))
+        results.append(([b.view(torch.uint8) for b in storage.buffers()], fitted.saturated, fitted.nonfinite))
+    (ours, sat_a, bad_a), (theirs, sat_b, bad_b) = results
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert torch.equal(sat_a, sat_b) and torch.equal(bad_a, bad_b) and int(bad_a.sum()) >= 2
+    monkeypatch.undo()
+    values = torch.zeros(300_000)
+    assert _native.all_finite(values) and workers() == loop_threads - 1
+    for where in (0, 150_001, 299_999):
+        poisoned = values.clone()
+        poisoned[where] = float("nan")
+        assert not _native.all_finite(poisoned)

@@ -23,6 +23,30 @@ static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, in
     return s < 0 ? s + num_sets : s;
 }
 
+/* The slot of row r among the `ways` slots from `first` (-1: not there); the first way on a tie, as the torch
+   lookup's max picks it. Up to 64 ways, every way is compared into a bit mask, without a branch per way:
+   the way that matches is random, so an early exit mispredicts once a lookup (as much as a cache hit costs). */
+static inline int64_t find_way(const void *slot_rows, int wide, int64_t first, int64_t ways, int64_t r) {
+    if (ways <= 64) {
+        uint64_t mask = 0;
+        if (wide) {
+            const int64_t *resident = (const int64_t *)slot_rows + first;
+            for (int64_t w = 0; w < ways; w++) mask |= (uint64_t)(resident[w] == r) << w;
+        } else {
+            const int32_t *resident = (const int32_t *)slot_rows + first;
+            if (r != (int32_t)r) return -1;  /* beyond the narrow tags' range: never resident */
+            int32_t narrow = (int32_t)r;
+            for (int64_t w = 0; w < ways; w++) mask |= (uint64_t)(resident[w] == narrow) << w;
+        }
+        return mask ? first + __builtin_ctzll(mask) : -1;
+    }
+    for (int64_t w = 0; w < ways; w++) {
+        int64_t resident = wide ? ((const int64_t *)slot_rows)[first + w] : ((const int32_t *)slot_rows)[first + w];
+        if (resident == r) return first + w;
+    }
+    return -1;
+}
+
 typedef struct {
     const void *slot_rows; int wide; int64_t num_sets, ways, multiplier;
     const int64_t *rows; int64_t n; int64_t *out_slots; int32_t *last_used, *use_count; int32_t step;
@@ -44,12 +68,7 @@ static void lookup_all(lookup_args *a) {
     for (int64_t i = 0; i < a->n; i++) {
         int64_t r = a->rows[i];
         int64_t set = set_of(r, a->multiplier, a->num_sets, a->ways);
-        int64_t first = set * a->ways, slot = -1;
-        for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
-            int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
-                                       : ((const int32_t *)a->slot_rows)[first + w];
-            if (resident == r) { slot = first + w; break; }
-        }
+        int64_t slot = set >= 0 ? find_way(a->slot_rows, a->wide, set * a->ways, a->ways, r) : -1;
         a->out_slots[i] = slot;
         if (slot >= 0) {
             hits++;
@@ -135,13 +154,8 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
                 prefetch_span((const char *)a->slot_rows + set * way_bytes, way_bytes, 0);
         }
         if (j >= 0 && j < n) {
-            int64_t set = sets[j & (RING - 1)], r = a->rows[j], slot = -1;
-            int64_t first = set * a->ways;
-            for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
-                int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
-                                           : ((const int32_t *)a->slot_rows)[first + w];
-                if (resident == r) { slot = first + w; break; }
-            }
+            int64_t set = sets[j & (RING - 1)];
+            int64_t slot = set >= 0 ? find_way(a->slot_rows, a->wide, set * a->ways, a->ways, a->rows[j]) : -1;
             slots[j & (RING - 1)] = slot;
             if (slot >= 0) {
                 prefetch_span(g->weights + slot * dim, row_bytes, 0);
@@ -241,8 +255,10 @@ int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *in
 }
 
 /* Whether all n floats are finite (exported: the general update's check). */
+static int all_finite_split(const float *values, int64_t n);
+
 int64_t finite_values(const float *values, int64_t n) {
-    return all_finite(values, n);
+    return all_finite_split(values, n);
 }
 
 /* RowCache.assign for LRU and LFU (no lookahead window), unpartitioned: slots for the unique missing `rows`.
@@ -391,6 +407,7 @@ int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const i
 
 typedef struct {
     float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
+    int64_t slot_lo, slot_hi;  /* the slots this thread owns: updates of other slots are skipped */
 } sgd_args;
 
 /* Whether any of the n floats at v is inf or NaN (exponent all ones). */
@@ -409,10 +426,11 @@ ROW_LOOPS static int sgd_all(const sgd_args *a) {
     size_t row_bytes = (size_t)a->dim * sizeof(float);
     int nonfinite = 0;
     for (int64_t i = 0; i < a->n; i++) {
-        if (i + AHEAD < a->n && a->slots[i + AHEAD] >= 0)  /* a later row on its way while this one is updated */
-            prefetch_span(a->weights + a->slots[i + AHEAD] * a->dim, row_bytes, 1);
+        int64_t later = i + AHEAD < a->n ? a->slots[i + AHEAD] : -1;
+        if (later >= a->slot_lo && later < a->slot_hi)  /* a later row on its way while this one is updated */
+            prefetch_span(a->weights + later * a->dim, row_bytes, 1);
         int64_t s = a->slots[i];
-        if (s < 0) continue;  /* -1: the row is not cached */
+        if (s < a->slot_lo || s >= a->slot_hi) continue;  /* -1 (the row is not cached) or another's slot */
         float *w = a->weights + s * a->dim;
         const float *g = a->grad + i * a->dim;
         for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
@@ -420,6 +438,52 @@ ROW_LOOPS static int sgd_all(const sgd_args *a) {
         nonfinite |= any_nonfinite(w, a->dim);
     }
     return nonfinite;
+}
+
+/* The scatter split by the rows it writes: part p owns the slots of range p of [0, num_slots) and walks every
+   lookup in batch order, applying only its own slots' updates. Each slot's additions are made by one thread
+   in batch order, exactly as on one thread: results are bit-identical for any thread count. */
+#define UPDATE_GRAIN 1024 /* lookups per part at least */
+
+typedef struct { sgd_args base; int64_t num_slots; int nonfinite[POOL_MAX]; } sgd_job;
+
+static void sgd_part(void *job_, int64_t part, int64_t parts) {
+    sgd_job *job = job_;
+    sgd_args a = job->base;
+    part_range(job->num_slots, part, parts, &a.slot_lo, &a.slot_hi);
+    job->nonfinite[part] = sgd_all(&a);
+}
+
+static int sgd_split(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
+                     int64_t n, float lr) {
+    int64_t parts = parts_for(n, UPDATE_GRAIN), nonfinite = 0;
+    if (parts > num_slots) parts = num_slots > 1 ? num_slots : 1;
+    sgd_job job = {{weights, dim, slots, grad, n, lr, 0, num_slots}, num_slots, {0}};
+    run_parts(sgd_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
+    return nonfinite != 0;
+}
+
+/* all_finite over contiguous ranges, one per part. */
+#define FINITE_GRAIN 65536 /* values per part at least */
+
+typedef struct { const float *values; int64_t n; int finite[POOL_MAX]; } finite_job;
+
+static void finite_part(void *job_, int64_t part, int64_t parts) {
+    finite_job *job = job_;
+    int64_t lo, hi;
+    part_range(job->n, part, parts, &lo, &hi);
+    job->finite[part] = all_finite(job->values + lo, hi - lo);
+}
+
+static int all_finite_split(const float *values, int64_t n) {
+    int64_t parts = parts_for(n, FINITE_GRAIN);
+    finite_job job = {values, n, {0}};
+    run_parts(finite_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) {
+        if (!job.finite[p]) return 0;
+    }
+    return 1;
 }
 
 /* weights[slots[i]] -= lr * grad[i] in batch order per slot. Returns -1, -3 when an updated value is inf or
@@ -430,8 +494,7 @@ int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) return i;
     }
-    sgd_args args = {weights, dim, slots, grad, n, lr};
-    return sgd_all(&args) ? -3 : -1;
+    return sgd_split(weights, num_slots, dim, slots, grad, n, lr) ? -3 : -1;
 }
 
 /* The fused SGD step of one backward: nothing is written unless every value of grad [n, dim] is finite
@@ -443,9 +506,8 @@ int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const 
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] >= num_slots) return i;
     }
-    if (!all_finite(grad, n * dim)) return -2;
-    sgd_args args = {weights, dim, slots, grad, n, lr};
-    return sgd_all(&args) ? -3 : -1;
+    if (!all_finite_split(grad, n * dim)) return -2;
+    return sgd_split(weights, num_slots, dim, slots, grad, n, lr) ? -3 : -1;
 }
 
 /* ------------------------------------------------------------------ Adagrad: one pass per unique row
@@ -486,6 +548,23 @@ ROW_LOOPS static int adagrad_all(const adagrad_args *a) {
     return nonfinite;
 }
 
+/* Split by position: the rows are distinct (one summed gradient per row), so each part writes its own
+   weight and state rows, with one thread's arithmetic. */
+#define ADAGRAD_GRAIN 256 /* rows per part at least */
+
+typedef struct { adagrad_args base; int nonfinite[POOL_MAX]; } adagrad_job;
+
+static void adagrad_part(void *job_, int64_t part, int64_t parts) {
+    adagrad_job *job = job_;
+    adagrad_args a = job->base;
+    int64_t lo, hi;
+    part_range(a.n, part, parts, &lo, &hi);
+    if (a.slots) a.slots += lo;
+    else a.weights += lo * a.dim;  /* target row i */
+    a.state_rows += lo, a.grad += lo * a.dim, a.n = hi - lo;
+    job->nonfinite[part] = adagrad_all(&a);
+}
+
 /* The Adagrad or row-wise Adagrad step of n unique rows. Returns -1, -3 when an updated weight is inf or NaN
    (an overflow: the caller fits the rows to fp32's range, as after SGD), or the index of the first target
    slot outside [0, num_slots) or state row outside [0, num_state_rows) (then nothing is written). */
@@ -496,8 +575,11 @@ int64_t adagrad_update(float *weights, int64_t num_slots, int64_t dim, const int
         int64_t t = slots ? slots[i] : i;
         if (t < 0 || t >= num_slots || state_rows[i] < 0 || state_rows[i] >= num_state_rows) return i;
     }
-    adagrad_args args = {weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps};
-    return adagrad_all(&args) ? -3 : -1;
+    adagrad_job job = {{weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps}, {0}};
+    int64_t parts = parts_for(n, ADAGRAD_GRAIN), nonfinite = 0;
+    run_parts(adagrad_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
+    return nonfinite ? -3 : -1;
 }
 
 /* ------------------------------------------------------------------ quantize: fp32 rows -> storage rows
@@ -707,6 +789,20 @@ ROW_LOOPS static void quantize_all(quantize_args *a) {
     }
 }
 
+/* Split by row range: the target rows are distinct (a write stores each row once), so the parts write
+   disjoint storage rows; the noise was drawn before, row by row. */
+#define QUANTIZE_GRAIN 512 /* rows per part at least */
+
+typedef struct { quantize_args base; int64_t bad_count[POOL_MAX]; } quantize_job;
+
+static void quantize_part(void *job_, int64_t part, int64_t parts) {
+    quantize_job *job = job_;
+    quantize_args a = job->base;
+    part_range(a.n, part, parts, &a.start, &a.stop);
+    quantize_all(&a);
+    job->bad_count[part] = a.bad_count;
+}
+
 /* Quantize fp32 rows values[n, dim] into storage: row i goes to storage row rows[i] (i when rows is NULL)
    of `payload` (uint8 [*, dim] int8, [*, (dim+1)/2] int4 low nibble first, uint16 bits fp16/bf16, float
    fp32), `bias` (fp16 bits) and `scale_code` (int kinds only). `noise` (uniform [n, dim], or NULL for
@@ -718,10 +814,12 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
                       const float *scales, float limit, float max_span, const int64_t *rows, void *payload,
                       uint16_t *bias, uint8_t *scale_code, uint8_t *bad, const int64_t *source) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
-    quantize_args args = {values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code,
-                          bad, 0, n, 0, source};
-    quantize_all(&args);
-    return args.bad_count;
+    quantize_job job = {{values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code,
+                         bad, 0, n, 0, source}, {0}};
+    int64_t parts = parts_for(n, QUANTIZE_GRAIN), bad_count = 0;
+    run_parts(quantize_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) bad_count += job.bad_count[p];
+    return bad_count;
 }
 
 /* Storage rows -> fp32: out[i] = row rows[i] decoded, as quant.dequantize_int does (bias + scale * code,

@@ -39,7 +39,7 @@ def quantize_rows(
     bad: Tensor | None = None,
     source: Tensor | None = None,
 ) -> int:
-    """Round fp32 `values` [n, D] into storage row `rows[i]` (row i when `rows` is None) of `payload`
+    """Round fp32 `values` [n, D] into storage row `rows[i]` (distinct rows; row i when `rows` is None) of `payload`
     ([R, D] or [R, ceil(D / 2)] for int4), `bias` (fp16 [R]) and `scale_code` (uint8 [R]; int precisions).
 
     `scales` is the 256-entry float table of scale codes; `noise` (uniform [n, D]) makes the rounding
