@@ -23,6 +23,30 @@ static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, in
     return s < 0 ? s + num_sets : s;
 }
 
+/* The slot of row r among the `ways` slots from `first` (-1: not there); the first way on a tie, as the torch
+   lookup's max picks it. Up to 64 ways, every way is compared into a bit mask, without a branch per way:
+   the way that matches is random, so an early exit mispredicts once a lookup (as much as a cache hit costs). */
+static inline int64_t find_way(const void *slot_rows, int wide, int64_t first, int64_t ways, int64_t r) {
+    if (ways <= 64) {
+        uint64_t mask = 0;
+        if (wide) {
+            const int64_t *resident = (const int64_t *)slot_rows + first;
+            for (int64_t w = 0; w < ways; w++) mask |= (uint64_t)(resident[w] == r) << w;
+        } else {
+            const int32_t *resident = (const int32_t *)slot_rows + first;
+            if (r != (int32_t)r) return -1;  /* beyond the narrow tags' range: never resident */
+            int32_t narrow = (int32_t)r;
+            for (int64_t w = 0; w < ways; w++) mask |= (uint64_t)(resident[w] == narrow) << w;
+        }
+        return mask ? first + __builtin_ctzll(mask) : -1;
+    }
+    for (int64_t w = 0; w < ways; w++) {
+        int64_t resident = wide ? ((const int64_t *)slot_rows)[first + w] : ((const int32_t *)slot_rows)[first + w];
+        if (resident == r) return first + w;
+    }
+    return -1;
+}
+
 typedef struct {
     const void *slot_rows; int wide; int64_t num_sets, ways, multiplier;
     const int64_t *rows; int64_t n; int64_t *out_slots; int32_t *last_used, *use_count; int32_t step;
@@ -44,12 +68,7 @@ static void lookup_all(lookup_args *a) {
     for (int64_t i = 0; i < a->n; i++) {
         int64_t r = a->rows[i];
         int64_t set = set_of(r, a->multiplier, a->num_sets, a->ways);
-        int64_t first = set * a->ways, slot = -1;
-        for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
-            int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
-                                       : ((const int32_t *)a->slot_rows)[first + w];
-            if (resident == r) { slot = first + w; break; }
-        }
+        int64_t slot = set >= 0 ? find_way(a->slot_rows, a->wide, set * a->ways, a->ways, r) : -1;
         a->out_slots[i] = slot;
         if (slot >= 0) {
             hits++;
@@ -135,13 +154,8 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
                 prefetch_span((const char *)a->slot_rows + set * way_bytes, way_bytes, 0);
         }
         if (j >= 0 && j < n) {
-            int64_t set = sets[j & (RING - 1)], r = a->rows[j], slot = -1;
-            int64_t first = set * a->ways;
-            for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
-                int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
-                                           : ((const int32_t *)a->slot_rows)[first + w];
-                if (resident == r) { slot = first + w; break; }
-            }
+            int64_t set = sets[j & (RING - 1)];
+            int64_t slot = set >= 0 ? find_way(a->slot_rows, a->wide, set * a->ways, a->ways, a->rows[j]) : -1;
             slots[j & (RING - 1)] = slot;
             if (slot >= 0) {
                 prefetch_span(g->weights + slot * dim, row_bytes, 0);
