@@ -173,7 +173,8 @@ def test_split_adagrad_equals_one_thread(loop_threads: int, optimizer: str, cach
 @pytest.mark.parametrize("loop_threads", [3, 4], indirect=True)
 @pytest.mark.parametrize("precision", ["int8", "int4", "bf16"])
 def test_split_quantize_and_finite_check(loop_threads: int, precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Writes of many distinct rows (stochastic, some rows fitted) split by row range store torch's bytes."""
+    """Writes of many distinct rows (stochastic, some rows fitted) split by row range store torch's bytes, and
+    reads of many rows (repeats included) decode them as torch does."""
     n, dim = 3000, 9
     g = torch.Generator().manual_seed(2)
     x = torch.randn(n, dim, generator=g) * torch.exp(torch.randn(n, 1, generator=g) * 3)
@@ -185,7 +186,8 @@ def test_split_quantize_and_finite_check(loop_threads: int, precision: str, monk
             monkeypatch.setattr(_native, "native", lambda: None)
         storage = RowStorage(n + 50, dim, precision)
         fitted = storage.write(rows, x, "stochastic", torch.Generator().manual_seed(7))
-        results.append(([b.view(torch.uint8) for b in storage.buffers()], fitted.saturated, fitted.nonfinite))
+        read = storage.read(torch.cat([rows, rows[:500]]), torch.device("cpu"))
+        results.append(([*(b.view(torch.uint8) for b in storage.buffers()), read], fitted.saturated, fitted.nonfinite))
     (ours, sat_a, bad_a), (theirs, sat_b, bad_b) = results
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     assert torch.equal(sat_a, sat_b) and torch.equal(bad_a, bad_b) and int(bad_a.sum()) >= 2
@@ -196,3 +198,12 @@ def test_split_quantize_and_finite_check(loop_threads: int, precision: str, monk
         poisoned = values.clone()
         poisoned[where] = float("nan")
         assert not _native.all_finite(poisoned)
+
+
+def test_the_threads_flag_sets_the_loops_threads_for_the_command() -> None:
+    from slipcache.cli import torch_threads
+
+    before, torch_before = _native.threads(), torch.get_num_threads()
+    with torch_threads(3):
+        assert _native.threads() == 3 and torch.get_num_threads() == 3
+    assert _native.threads() == before and torch.get_num_threads() == torch_before
