@@ -2,6 +2,9 @@
 thread count: lookups split by position, updates by the cache slots each thread owns."""
 
 import os
+import subprocess
+import sys
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -173,7 +176,8 @@ def test_split_adagrad_equals_one_thread(loop_threads: int, optimizer: str, cach
 @pytest.mark.parametrize("loop_threads", [3, 4], indirect=True)
 @pytest.mark.parametrize("precision", ["int8", "int4", "bf16"])
 def test_split_quantize_and_finite_check(loop_threads: int, precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Writes of many distinct rows (stochastic, some rows fitted) split by row range store torch's bytes."""
+    """Writes of many distinct rows (stochastic, some rows fitted) split by row range store torch's bytes, and
+    reads of many rows (repeats included) decode them as torch does."""
     n, dim = 3000, 9
     g = torch.Generator().manual_seed(2)
     x = torch.randn(n, dim, generator=g) * torch.exp(torch.randn(n, 1, generator=g) * 3)
@@ -185,7 +189,8 @@ def test_split_quantize_and_finite_check(loop_threads: int, precision: str, monk
             monkeypatch.setattr(_native, "native", lambda: None)
         storage = RowStorage(n + 50, dim, precision)
         fitted = storage.write(rows, x, "stochastic", torch.Generator().manual_seed(7))
-        results.append(([b.view(torch.uint8) for b in storage.buffers()], fitted.saturated, fitted.nonfinite))
+        read = storage.read(torch.cat([rows, rows[:500]]), torch.device("cpu"))
+        results.append(([*(b.view(torch.uint8) for b in storage.buffers()), read], fitted.saturated, fitted.nonfinite))
     (ours, sat_a, bad_a), (theirs, sat_b, bad_b) = results
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     assert torch.equal(sat_a, sat_b) and torch.equal(bad_a, bad_b) and int(bad_a.sum()) >= 2
@@ -196,3 +201,40 @@ def test_split_quantize_and_finite_check(loop_threads: int, precision: str, monk
         poisoned = values.clone()
         poisoned[where] = float("nan")
         assert not _native.all_finite(poisoned)
+
+
+def test_the_threads_flag_sets_the_loops_threads_for_the_command() -> None:
+    from slipcache.cli import torch_threads
+
+    before, torch_before = _native.threads(), torch.get_num_threads()
+    with torch_threads(3):
+        assert _native.threads() == 3 and torch.get_num_threads() == 3
+    assert _native.threads() == before and torch.get_num_threads() == torch_before
+
+
+@pytest.mark.parametrize("loop_threads", [2], indirect=True)
+def test_two_python_threads_share_the_pool(loop_threads: int) -> None:
+    """ctypes releases the GIL: a loop called while the pool is busy runs its parts on its own thread."""
+    inputs = big_batches(3)
+    expected = train(make("int8"), inputs)
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def run(key: int) -> None:
+        results[key] = train(make("int8"), inputs)
+
+    threads = [threading.Thread(target=run, args=(key,)) for key in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for key in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(results[key], expected, strict=True))
+
+
+def test_a_process_with_a_running_pool_exits_cleanly() -> None:
+    code = (
+        "import torch; from slipcache import _native; _native.set_threads(3); "
+        "assert _native.all_finite(torch.zeros(400_000)); assert _native.native().slipcache_pool_workers() == 2"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

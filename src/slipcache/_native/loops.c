@@ -825,8 +825,9 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
 /* Storage rows -> fp32: out[i] = row rows[i] decoded, as quant.dequantize_int does (bias + scale * code,
    each rounded to fp32, no contraction: bit-identical) or the float kinds' exact widening. One pass with the
    rows' payload and parameters prefetched AHEAD rows on (misses are scattered over the whole table). */
-ROW_LOOPS int64_t dequantize_rows(const void *payload, int kind, const uint16_t *bias, const uint8_t *scale_code,
-                                  const float *scales, const int64_t *rows, int64_t n, int64_t dim, float *out) {
+ROW_LOOPS static int64_t dequantize_span(const void *payload, int kind, const uint16_t *bias,
+                                         const uint8_t *scale_code, const float *scales, const int64_t *rows,
+                                         int64_t n, int64_t dim, float *out) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
     const int64_t width = kind == Q_INT4 ? (dim + 1) / 2 : dim;
     const size_t row_bytes = (size_t)(kind == Q_FP32 ? dim * 4 : kind >= Q_FP16 ? dim * 2 : width);
@@ -859,6 +860,34 @@ ROW_LOOPS int64_t dequantize_rows(const void *payload, int kind, const uint16_t 
                 if (dim & 1) o[dim - 1] = b + scale * (float)(x[pairs] & 15);
             }
         }
+    }
+    return 0;
+}
+
+/* Split by position: part p decodes its range of the rows into its range of `out` (reads only, elsewhere). */
+#define DEQUANTIZE_GRAIN 512 /* rows per part at least */
+
+typedef struct {
+    const void *payload; int kind; const uint16_t *bias; const uint8_t *scale_code; const float *scales;
+    const int64_t *rows; int64_t n, dim; float *out; int64_t status[POOL_MAX];
+} dequantize_job;
+
+static void dequantize_part(void *job_, int64_t part, int64_t parts) {
+    dequantize_job *j = job_;
+    int64_t lo, hi;
+    part_range(j->n, part, parts, &lo, &hi);
+    j->status[part] = dequantize_span(j->payload, j->kind, j->bias, j->scale_code, j->scales, j->rows + lo, hi - lo,
+                                      j->dim, j->out + lo * j->dim);
+}
+
+int64_t dequantize_rows(const void *payload, int kind, const uint16_t *bias, const uint8_t *scale_code,
+                        const float *scales, const int64_t *rows, int64_t n, int64_t dim, float *out) {
+    if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
+    dequantize_job job = {payload, kind, bias, scale_code, scales, rows, n, dim, out, {0}};
+    int64_t parts = parts_for(n, DEQUANTIZE_GRAIN);
+    run_parts(dequantize_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) {
+        if (job.status[p] != 0) return job.status[p];
     }
     return 0;
 }

@@ -1,10 +1,13 @@
 /* The worker pool of the compiled loops (compiled ahead of loops.c, as one unit with it).
 
    Started once, on the first job that wants more than one thread, with slipcache_set_threads(n) - 1 workers
-   (the calling thread is part 0 of every job); no thread is started per call. A job is a function of
+   (the calling thread works on every job too); no thread is started per call. A job is a function of
    (args, part, parts): the caller publishes it by bumping `generation` (the part count in its low bits),
-   workers spin briefly on that word and then sleep on a condition variable; the caller runs part 0 and
-   waits, spinning briefly and then sleeping, until every other part has finished.
+   workers spin briefly on that word and then sleep on a condition variable. Parts are claimed, not
+   assigned: the caller and every worker that is awake take the next unclaimed part (`claim`, tagged with the
+   job's number so a late worker cannot take a part of a later job) until none is left, and the caller then
+   waits (spinning briefly, then sleeping) only for parts that others took. On a busy machine a descheduled
+   worker therefore costs nothing: the caller runs the parts it never took.
 
    One job at a time: a thread that finds the pool busy (another Python thread inside a loop: ctypes releases
    the GIL) runs every part of its job itself, in part order. The parts write disjoint memory, so the result
@@ -13,6 +16,7 @@
    workers and torchrun fork). Exit: a destructor stops and joins idle workers. */
 #include <pthread.h>
 #include <signal.h>
+#include <time.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -20,8 +24,10 @@
 typedef void (*part_fn)(void *args, int64_t part, int64_t parts);
 
 #define POOL_MAX 256
-#define PARTS_BITS 16 /* generation = (jobs << PARTS_BITS) | parts */
-#define SPIN 4000     /* polls before sleeping: a few tens of microseconds */
+#define PARTS_BITS 16 /* generation = (job << PARTS_BITS) | parts; claim = (job << PARTS_BITS) | next part */
+#define PARTS_MASK ((UINT64_C(1) << PARTS_BITS) - 1)
+#define SPIN_NS 100000 /* polling before sleeping, in ns: catches the next loop of the same step, yet costs a
+                          busy machine little (a pause instruction takes 1 to 150 cycles by CPU: timed, not counted) */
 
 static struct {
     pthread_mutex_t job_lock;   /* one job at a time; held across fork */
@@ -33,9 +39,10 @@ static struct {
     int stop;
     uint64_t generation;        /* atomic */
     uint64_t born;              /* the generation when the workers were started: their first job is the next */
-    int64_t remaining;          /* atomic: parts of the current job still running */
+    uint64_t claim;             /* atomic: the current job's number and its next unclaimed part */
+    int64_t finished;           /* atomic: parts of the current job done */
     int sleepers;               /* atomic: workers asleep or about to be */
-    part_fn fn;
+    part_fn fn;                 /* atomic (relaxed): read by workers that may be late */
     void *args;
 } pool = {.job_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .wanted = 1};
@@ -50,15 +57,53 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* Run parts of the job published as `generation` until none is left unclaimed: returns the parts run. A part
+   is claimed only while `claim` still carries this job's number, so the job's fields are still valid. */
+static int64_t pool_claim_parts(uint64_t generation) {
+    uint64_t job = generation >> PARTS_BITS, parts = generation & PARTS_MASK;
+    int64_t ran = 0;
+    uint64_t claim = __atomic_load_n(&pool.claim, __ATOMIC_ACQUIRE);
+    while ((claim >> PARTS_BITS) == job && (claim & PARTS_MASK) < parts) {
+        if (!__atomic_compare_exchange_n(&pool.claim, &claim, claim + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;  /* another thread took it (claim reloaded) */
+        /* Read after the claim: the job cannot end, nor its fields change, before this part is finished. */
+        part_fn fn = __atomic_load_n(&pool.fn, __ATOMIC_RELAXED);
+        void *args = __atomic_load_n(&pool.args, __ATOMIC_RELAXED);
+        fn(args, (int64_t)(claim & PARTS_MASK), (int64_t)parts);
+        ran++;
+        if (__atomic_add_fetch(&pool.finished, 1, __ATOMIC_ACQ_REL) == (int64_t)parts) {
+            pthread_mutex_lock(&pool.lock);  /* the last part: the caller may be asleep */
+            pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        claim = __atomic_load_n(&pool.claim, __ATOMIC_ACQUIRE);
+    }
+    return ran;
+}
+
+static inline uint64_t clock_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* Whether to keep polling: false once SPIN_NS have passed since the first call with *until == 0. */
+static inline int keep_spinning(uint64_t *until, int64_t k) {
+    cpu_relax();
+    if (k & 63) return 1;  /* the clock every 64 polls */
+    uint64_t t = clock_ns();
+    if (!*until) *until = t + SPIN_NS;
+    return t < *until;
+}
+
 static void *pool_worker(void *arg) {
-    int64_t id = (int64_t)(intptr_t)arg;
+    (void)arg;
     uint64_t seen = pool.born;  /* not the generation now: the first job may be published before we run */
     for (;;) {
         uint64_t now = seen;
-        for (int k = 0; k < SPIN && now == seen; k++) {
-            cpu_relax();
+        uint64_t until = 0;
+        for (int64_t k = 0; now == seen && keep_spinning(&until, k); k++)
             now = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
-        }
         if (now == seen) {  /* sleep: the caller wakes sleepers after publishing (both seq_cst: no lost wake) */
             pthread_mutex_lock(&pool.lock);
             __atomic_add_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
@@ -70,14 +115,7 @@ static void *pool_worker(void *arg) {
             if (stop) return 0;
         }
         seen = now;
-        int64_t parts = (int64_t)(now & ((1u << PARTS_BITS) - 1));
-        if (id >= parts) continue;  /* not in this job: nothing else of it is read */
-        pool.fn(pool.args, id, parts);
-        if (__atomic_sub_fetch(&pool.remaining, 1, __ATOMIC_ACQ_REL) == 0) {
-            pthread_mutex_lock(&pool.lock);
-            pthread_cond_signal(&pool.done);
-            pthread_mutex_unlock(&pool.lock);
-        }
+        pool_claim_parts(now);
     }
 }
 
@@ -101,8 +139,7 @@ static void pool_start(void) {
     pool.born = pool.generation;
     pthread_sigmask(SIG_SETMASK, &all, &previous);
     while (pool.started < pool.wanted - 1) {
-        intptr_t id = pool.started + 1;
-        if (pthread_create(&pool.threads[pool.started], 0, pool_worker, (void *)id) != 0) break;
+        if (pthread_create(&pool.threads[pool.started], 0, pool_worker, 0) != 0) break;
         __atomic_store_n(&pool.started, pool.started + 1, __ATOMIC_RELAXED);
     }
     pthread_sigmask(SIG_SETMASK, &previous, 0);
@@ -115,7 +152,7 @@ static void pool_after_fork_child(void) {
     pool.started = 0;
     pool.stop = 0;
     pool.sleepers = 0;
-    pool.remaining = 0;
+    pool.finished = 0;
     pthread_mutex_init(&pool.lock, 0);
     pthread_cond_init(&pool.wake, 0);
     pthread_cond_init(&pool.done, 0);
@@ -157,7 +194,8 @@ static int64_t parts_for(int64_t n, int64_t grain) {
     return parts < 1 ? 1 : parts;
 }
 
-/* fn(args, p, parts) for p in [0, parts), on the pool when it is free, else all on the calling thread. */
+/* fn(args, p, parts) for p in [0, parts), on the pool when it is free (with however many workers run, none
+   included), else all on the calling thread. */
 static void run_parts(part_fn fn, void *args, int64_t parts) {
     if (parts <= 1 || pthread_mutex_trylock(&pool.job_lock) != 0) {
         for (int64_t p = 0; p < parts; p++) fn(args, p, parts);
@@ -165,26 +203,24 @@ static void run_parts(part_fn fn, void *args, int64_t parts) {
     }
     pthread_once(&pool_once, pool_register);
     if (pool.started < pool.wanted - 1) pool_start();
-    if (parts > pool.started + 1) {  /* fewer workers than wanted (thread creation refused) */
-        pthread_mutex_unlock(&pool.job_lock);
-        for (int64_t p = 0; p < parts; p++) fn(args, p, parts);
-        return;
-    }
-    pool.fn = fn;
-    pool.args = args;
-    __atomic_store_n(&pool.remaining, parts - 1, __ATOMIC_RELAXED);
-    uint64_t next = ((pool.generation >> PARTS_BITS) + 1) << PARTS_BITS | (uint64_t)parts;
+    __atomic_store_n(&pool.fn, fn, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.args, args, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.finished, 0, __ATOMIC_RELAXED);
+    uint64_t job = (pool.generation >> PARTS_BITS) + 1, next = job << PARTS_BITS | (uint64_t)parts;
+    __atomic_store_n(&pool.claim, job << PARTS_BITS, __ATOMIC_RELEASE);
     __atomic_store_n(&pool.generation, next, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&pool.sleepers, __ATOMIC_SEQ_CST) > 0) {
         pthread_mutex_lock(&pool.lock);
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
     }
-    fn(args, 0, parts);
-    for (int k = 0; k < SPIN && __atomic_load_n(&pool.remaining, __ATOMIC_ACQUIRE) > 0; k++) cpu_relax();
-    if (__atomic_load_n(&pool.remaining, __ATOMIC_ACQUIRE) > 0) {
+    pool_claim_parts(next);
+    uint64_t until = 0;
+    for (int64_t k = 0; __atomic_load_n(&pool.finished, __ATOMIC_ACQUIRE) < parts && keep_spinning(&until, k); k++) {
+    }
+    if (__atomic_load_n(&pool.finished, __ATOMIC_ACQUIRE) < parts) {
         pthread_mutex_lock(&pool.lock);
-        while (__atomic_load_n(&pool.remaining, __ATOMIC_ACQUIRE) > 0) pthread_cond_wait(&pool.done, &pool.lock);
+        while (__atomic_load_n(&pool.finished, __ATOMIC_ACQUIRE) < parts) pthread_cond_wait(&pool.done, &pool.lock);
         pthread_mutex_unlock(&pool.lock);
     }
     pthread_mutex_unlock(&pool.job_lock);
