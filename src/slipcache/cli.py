@@ -51,8 +51,8 @@ def add_huge_pages_flag(parser: argparse.ArgumentParser) -> None:
     (`main` applies it for the command's duration; docs/scale.md says when it helps)."""
     parser.add_argument("--huge-pages", choices=HUGE_PAGE_CHOICES, default=None, dest="huge_pages",
                         help="back the tables' storage, cache and optimizer state with transparent huge pages: on, "
-                        "off, or auto (tensors of 1 GiB and more); where the kernel has none, off (default: "
-                        "$SLIPCACHE_HUGE_PAGES, else off)")
+                        "off, or auto (tensors of 64 MiB and more); where the kernel has none, off (default: "
+                        "$SLIPCACHE_HUGE_PAGES, else auto)")
 
 
 @contextlib.contextmanager
