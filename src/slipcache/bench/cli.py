@@ -45,6 +45,7 @@ from slipcache.bench.timing import (
 from slipcache.bench.workload import make_workload
 from slipcache.cli import add_huge_pages_flag, add_threads_flag, float_in, seed_arg, torch_threads
 from slipcache.data.kaggle import SMALL_TABLE, kaggle_table_sizes
+from slipcache.embedding.hostmem import uses_huge_pages
 from slipcache.errors import SlipcacheError
 from slipcache.memory import RUNTIME_BYTES, available_bytes
 
@@ -384,6 +385,19 @@ def _run_bench(args: argparse.Namespace) -> int:
         warnings.append(
             f"the machine was busy: load average reached {max(loads):.1f} on {cores} cores while this benchmark "
             f"ran {threads} thread(s); samples/s are understated and noisy (see the min-max spread; rerun when idle)"
+        )
+    # torch's allocator gives the peers' tables huge pages only when the process starts with THP_MEM_ALLOC_ENABLE=1
+    ours_huge = any(
+        r["status"] == "ok" and r["impl"] == "slipcache" and uses_huge_pages(int(r["bytes"] or 0), torch.device("cpu"))
+        for r in rows
+    )
+    if ours_huge and any(r["status"] == "ok" and r["impl"] != "slipcache" for r in rows) and os.environ.get(
+        "THP_MEM_ALLOC_ENABLE", "0"
+    ) in ("", "0"):
+        warnings.append(
+            "slipcache's tables were on transparent huge pages and the peers' were not: for a like-for-like "
+            "comparison start the bench with THP_MEM_ALLOC_ENABLE=1 (torch then gives theirs huge pages too), "
+            "or pass --huge-pages off"
         )
     spread = [
         f"{r['name']}@{r['dim']}"
