@@ -2,6 +2,9 @@
 thread count: lookups split by position, updates by the cache slots each thread owns."""
 
 import os
+import subprocess
+import sys
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -207,3 +210,31 @@ def test_the_threads_flag_sets_the_loops_threads_for_the_command() -> None:
     with torch_threads(3):
         assert _native.threads() == 3 and torch.get_num_threads() == 3
     assert _native.threads() == before and torch.get_num_threads() == torch_before
+
+
+@pytest.mark.parametrize("loop_threads", [2], indirect=True)
+def test_two_python_threads_share_the_pool(loop_threads: int) -> None:
+    """ctypes releases the GIL: a loop called while the pool is busy runs its parts on its own thread."""
+    inputs = big_batches(3)
+    expected = train(make("int8"), inputs)
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def run(key: int) -> None:
+        results[key] = train(make("int8"), inputs)
+
+    threads = [threading.Thread(target=run, args=(key,)) for key in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for key in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(results[key], expected, strict=True))
+
+
+def test_a_process_with_a_running_pool_exits_cleanly() -> None:
+    code = (
+        "import torch; from slipcache import _native; _native.set_threads(3); "
+        "assert _native.all_finite(torch.zeros(400_000)); assert _native.native().slipcache_pool_workers() == 2"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -851,8 +851,13 @@ ROW_LOOPS static int64_t dequantize_span(const void *payload, int kind, const ui
             const uint8_t *x = (const uint8_t *)payload + r * width;
             if (kind == Q_INT8) {
                 for (int64_t j = 0; j < dim; j++) o[j] = b + scale * (float)x[j];
-            } else {
-                for (int64_t j = 0; j < dim; j++) o[j] = b + scale * (float)((x[j >> 1] >> ((j & 1) * 4)) & 15);
+            } else {  /* a byte at a time, low nibble first: the loop vectorizes */
+                int64_t pairs = dim / 2;
+                for (int64_t j = 0; j < pairs; j++) {
+                    o[2 * j] = b + scale * (float)(x[j] & 15);
+                    o[2 * j + 1] = b + scale * (float)(x[j] >> 4);
+                }
+                if (dim & 1) o[dim - 1] = b + scale * (float)(x[pairs] & 15);
             }
         }
     }
