@@ -174,6 +174,27 @@ def test_cached_configurations_warm_up_longer() -> None:
     assert row["status"] == "ok" and row["samples_per_s"] > 0
 
 
+def test_profile_runs_batches_the_timed_section_never_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A replay of timed batches finds their rows cached: the profile would show a step without misses.
+    work = bench_workload.make_workload([100, 200], batch_size=8, warmup_steps=1, timed_steps=2, profile_steps=3)
+    assert work.batches.shape[0] == 1 + 2 + 3
+    stepped: list[int] = []
+
+    class Clock:
+        seconds: dict[str, float] = dict.fromkeys(bench_timing.PHASE_NAMES, 0.0)
+
+        def enable(self) -> None: ...
+
+        def disable(self) -> None: ...
+
+    def step(ids: torch.Tensor, grad: torch.Tensor) -> None:
+        stepped.append(next(i for i, batch in enumerate(work.batches) if torch.equal(ids, batch)))
+
+    built = bench_peers.Built(step=step, bytes=1, fp32_bytes=1, clock=Clock())
+    bench_timing._profile(built, work, work.grad(4), steps=4)
+    assert stepped == [3, 4, 5, 3]
+
+
 def test_workload_shape_and_skew() -> None:
     sizes = [3, 1000, 20_000]
     work = bench_workload.make_workload(sizes, batch_size=512, warmup_steps=1, timed_steps=3, seed=1)
@@ -244,7 +265,7 @@ def test_bench_train_runs_each_implementation_on_the_same_data(tmp_path: Path, m
     data = make_dataset(tmp_path / "data", n=800, sizes=[300] * 26)
     monkeypatch.setattr(bench_train, "torchrec_available", lambda: "ImportError: no module named torchrec")
     argv = ["train", "--quick", "--data", str(data), "--samples", "320", "--batch-size", "64", "--rounds", "2"]
-    argv += ["--impls", "torch-fp32,torchrec-fbgemm", "--out", str(tmp_path / "out")]
+    argv += ["--impls", "torch-fp32,torchrec-fbgemm", "--out", str(tmp_path / "out"), "--dim", "8"]
     parser = argparse.ArgumentParser()
     bench.add_bench_arguments(parser)
     assert bench.run_bench(parser.parse_args(argv)) == 0
@@ -254,8 +275,26 @@ def test_bench_train_runs_each_implementation_on_the_same_data(tmp_path: Path, m
     assert ours["status"] == "ok" and len(ours["auc_rounds"]) == 2 and ours["train_samples"] == 320
     assert ours["auc_rounds"][0] == ours["auc_rounds"][1]  # same data, same seed: timing is all that varies
     assert ours["samples_per_s_min"] <= ours["samples_per_s"] <= ours["samples_per_s_max"]
+    assert ours["embedding_bytes"] == 26 * 300 * 8 * 4  # --dim reached the model: fp32 tables of dim 8
     report = (tmp_path / "out" / "train_bench.md").read_text()
     assert "- machine: " in report and '"samples": 320' in report and "| torch-fp32 |" in report
+    assert '"embedding_dim": 8' in report
+
+
+def test_bench_train_rows_compare_speed_and_memory_with_torchrec() -> None:
+    from slipcache.bench import train as bench_train
+
+    rows = [
+        {"impl": "slipcache-int8-lru5", "status": "ok", "samples_per_s": 150.0, "embedding_bytes": 100},
+        {"impl": "torchrec-fbgemm", "status": "ok", "samples_per_s": 100.0, "embedding_bytes": 300},
+        {"impl": "torch-fp32", "status": "skipped: no"},
+    ]
+    bench_train._attach_peer_ratios(rows)
+    assert rows[0]["speed_vs_torchrec"] == 1.5 and rows[0]["memory_ratio_vs_torchrec"] == 3.0
+    assert rows[2]["speed_vs_torchrec"] is None
+    for r in rows[:2]:
+        r.update(samples_per_s_min=r["samples_per_s"], samples_per_s_max=r["samples_per_s"], auc=0.5)
+    assert "| 1.50x | 0.5000 | 0.000 | 3.00x | ok |" in bench_train.format_train_table(rows)
 
 
 def test_torchrec_peer_trains(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from slipcache.distributed import checkpoint as dckpt
 from slipcache.distributed.planner import TableSpec, plan_sharding
 from slipcache.distributed.sharded import ShardedEmbeddingCollection
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.embedding.replicas import allow_independent_replicas as independent
 from slipcache.errors import SlipcacheError
 from tests.ranks import run_ranks
 
@@ -54,7 +55,7 @@ def _resume_and_continue(rank: int, world_size: int, directory: str) -> None:
     assert manifest["world_size"] == 2
     sharded = ShardedEmbeddingCollection(CONFIG, _plan(world_size), rank)
     dckpt.reshard_into(sharded, step_dir, manifest)  # how a resumed run's backend loads it: re-shard
-    reference = CachedEmbeddingBagCollection(CONFIG)
+    reference = independent(CachedEmbeddingBagCollection(CONFIG))
     for batch in _batches():
         reference(batch).pow(2).sum().backward()
     sharded(_my_slice(_batches()[2], rank, world_size)).pow(2).sum().backward()

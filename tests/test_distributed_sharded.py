@@ -14,6 +14,7 @@ import torch
 from slipcache.distributed.planner import Shard, ShardingPlan, TableSpec
 from slipcache.distributed.sharded import ShardedEmbeddingCollection
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig, SparseFeatures
+from slipcache.embedding.replicas import allow_independent_replicas as independent
 from slipcache.errors import InvalidInputError
 from tests.ranks import run_ranks
 
@@ -45,7 +46,7 @@ def _steps(generator: torch.Generator) -> list[tuple[torch.Tensor, list[int]]]:
 
 def _check_against_one_process(rank: int, world_size: int, config: EmbeddingConfig, plan_kind: str) -> None:
     plan = _split_plan(world_size) if plan_kind == "split" else _all_on_rank_0(world_size)
-    reference = CachedEmbeddingBagCollection(config)
+    reference = independent(CachedEmbeddingBagCollection(config))
     sharded = ShardedEmbeddingCollection(dataclasses.replace(config), plan, rank)
     for got, want in zip(sharded.export_tables(), reference.export_tables(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same initial rows
@@ -87,7 +88,7 @@ def _slice_bags(values: torch.Tensor, lengths: torch.Tensor, start: int, end: in
 
 def _check_multi_hot_against_one_process(rank: int, world_size: int, pooling: str) -> None:
     config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="fp32", cache_size=0.25, lr=0.1, pooling=pooling)
-    reference = CachedEmbeddingBagCollection(config)
+    reference = independent(CachedEmbeddingBagCollection(config))
     sharded = ShardedEmbeddingCollection(dataclasses.replace(config), _split_plan(world_size), rank)
     generator = torch.Generator().manual_seed(2)
     for batch, slices in ((9, [4, 5]), (6, [6, 0]), (5, [0, 5])):
@@ -144,7 +145,7 @@ def _check_int8_initial_rows_and_traffic(rank: int, world_size: int) -> None:
     config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="int8", cache_size=0.1)
     plan = _split_plan(world_size)
     sharded = ShardedEmbeddingCollection(config, plan, rank)
-    reference = CachedEmbeddingBagCollection(config)
+    reference = independent(CachedEmbeddingBagCollection(config))
     for got, want in zip(sharded.export_tables(), reference.export_tables(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     ids = torch.stack([torch.arange(3, 13) % n * 7 % n for n in SIZES], 1)
@@ -201,7 +202,7 @@ def _check_stale_flags_agree(rank: int, world_size: int) -> None:
 
     config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="fp32", cache_size=0.25, lr=0.01)
     sharded = ShardedEmbeddingCollection(config, _split_plan(world_size), rank)
-    reference = CachedEmbeddingBagCollection(config)
+    reference = independent(CachedEmbeddingBagCollection(config))
     generator = torch.Generator().manual_seed(5)
     inputs = torch.stack([torch.randint(0, n // 2 + 1, (64,), generator=generator) for n in SIZES], 1)
     detectors = [

@@ -67,6 +67,16 @@ def toy_pruner(share: float, position: int, mean: float) -> LossPruner:
     return pruner
 
 
+def test_loss_pruning_without_a_run_directory_leaves_no_files_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    pruner = toy_pruner(0.5, 0, 0.3)
+    pruner.files[0][:] = 7  # the unlinked maps still work
+    assert int(pruner.files[0][999]) == 7
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_loss_pruning_weighted_gradient_is_unbiased_in_expectation() -> None:
     """Logistic regression on 1000 inputs with known last losses: over many pruning draws, the gradient
     of the kept inputs weighted 1/(1 - r) averages to the full-data gradient; unweighted it does not."""

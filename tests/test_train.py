@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from slipcache.embedding import hostmem
 from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint
 from slipcache.training import trainer as train
@@ -87,14 +88,18 @@ def test_cached_embeddings_end_to_end(data_dir: Path, tmp_path: Path) -> None:
     assert (run / "hit_rate.png").is_file()
 
 
-@pytest.mark.parametrize("embeddings", ["torch", "cached", "cached-streamed"])
+@pytest.mark.parametrize("embeddings", ["torch", "cached", "cached-streamed", "cached-streamed-mapped"])
 def test_resume_matches_uninterrupted(
     embeddings: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    streamed = embeddings == "cached-streamed"
+    streamed = embeddings.startswith("cached-streamed")
     with pytest.MonkeyPatch.context() as raw:
         if streamed:  # every tensor of 256 bytes and more written and read raw, as the tables of a big run
             raw.setattr(checkpoint, "RAW_MIN_BYTES", 256)
+        if embeddings.endswith("mapped"):  # every host tensor of the tables in a huge-page memory map
+            raw.setattr(hostmem, "MIN_BYTES", 1)
+            raw.setattr(hostmem, "thp_setting", lambda path=None: "madvise")
+            raw.setenv(hostmem.ENV_HUGE_PAGES, "on")
         _resume_matches_uninterrupted("cached" if streamed else embeddings, data_dir, tmp_path, monkeypatch)
         lazy = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints", lazy=True)
         assert checkpoint.raw_bytes(lazy) > 0 if streamed else checkpoint.raw_bytes(lazy) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +40,37 @@ def add_threads_flag(parser: argparse.ArgumentParser, default: object = None, he
     parser.add_argument("--threads", type=positive_int, default=default, metavar="N",
                         help=help or "torch threads (default: torch's choice, one per core; 1 is steadier on a "
                         "busy machine)")
+
+
+HUGE_PAGE_CHOICES = ("off", "on", "auto")  # how slipcache.embedding.hostmem allocates the tables' big tensors
+ENV_HUGE_PAGES = "SLIPCACHE_HUGE_PAGES"  # its choice for this process (and the processes it starts)
+
+
+def add_huge_pages_flag(parser: argparse.ArgumentParser) -> None:
+    """`--huge-pages`: whether the tables' big tensors ask for 2 MiB pages, on every command that builds tables
+    (`main` applies it for the command's duration; docs/scale.md says when it helps)."""
+    parser.add_argument("--huge-pages", choices=HUGE_PAGE_CHOICES, default=None, dest="huge_pages",
+                        help="back the tables' storage, cache and optimizer state with transparent huge pages: on, "
+                        "off, or auto (tensors of 1 GiB and more); where the kernel has none, off (default: "
+                        "$SLIPCACHE_HUGE_PAGES, else off)")
+
+
+@contextlib.contextmanager
+def huge_pages(mode: str | None) -> Iterator[None]:
+    """Allocate with huge pages per `mode` (None: leave the environment's choice), then put it back. Set in
+    the environment, so that processes the command starts (torchrun ranks) allocate the same way."""
+    if mode is None:
+        yield
+        return
+    previous = os.environ.get(ENV_HUGE_PAGES)
+    os.environ[ENV_HUGE_PAGES] = mode
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_HUGE_PAGES, None)
+        else:
+            os.environ[ENV_HUGE_PAGES] = previous
 
 
 @contextlib.contextmanager
@@ -150,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     module = importlib.import_module(args._module)
     try:
-        with torch_threads(getattr(args, "threads", None)):
+        with torch_threads(getattr(args, "threads", None)), huge_pages(getattr(args, "huge_pages", None)):
             return int(getattr(module, f"run_{args.command}")(args) or 0)
     except SlipcacheError as exc:
         print(f"slipcache {args.command}: error: {exc}", file=sys.stderr)

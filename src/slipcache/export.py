@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from slipcache.cli import add_threads_flag
+from slipcache.cli import add_huge_pages_flag, add_threads_flag
 from slipcache.errors import SlipcacheError
 from slipcache.torchfile import TensorSlot, TorchFileWriter
 
@@ -278,6 +278,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
     add_threads_flag(parser)
+    add_huge_pages_flag(parser)
     parser.add_argument(
         "--format",
         dest="formats",

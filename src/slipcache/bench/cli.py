@@ -43,7 +43,7 @@ from slipcache.bench.timing import (
     measure,
 )
 from slipcache.bench.workload import make_workload
-from slipcache.cli import add_threads_flag, float_in, seed_arg
+from slipcache.cli import add_huge_pages_flag, add_threads_flag, float_in, seed_arg
 from slipcache.data.kaggle import SMALL_TABLE, kaggle_table_sizes
 from slipcache.errors import SlipcacheError
 from slipcache.memory import RUNTIME_BYTES, available_bytes
@@ -85,11 +85,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     train = targets.add_parser("train", help="the DLRM trainer (fp32, INT8 + 5 %% cache) against TorchRec + FBGEMM")
     add_train_bench_arguments(train)
     add_threads_flag(train)
+    add_huge_pages_flag(train)
     from slipcache.bench.quantize import add_quantize_arguments
 
     quantize = targets.add_parser("quantize", help="the compiled quantize pass and table creation, in M values/s")
     add_quantize_arguments(quantize)
     add_threads_flag(quantize)
+    add_huge_pages_flag(quantize)
 
 
 def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +133,7 @@ def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--zipf", type=float_in(0, 100), default=1.05, help="power-law exponent of the ids")
     add_threads_flag(parser)
+    add_huge_pages_flag(parser)
     parser.add_argument("--seed", type=seed_arg, default=0)
     parser.add_argument(
         "--rounds", type=int, default=None, help="rounds over all configurations, interleaved (default 3)"
@@ -305,7 +308,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     # The rows a prefill may need: the largest cache's, oversubscribed, with room for its sets' rounding.
     largest = max((c.cache_fraction for c in configs), default=0.0) if args.prefill else 0.0
     hot_rows = math.ceil(1.25 * PREFILL_OVERSUBSCRIPTION * largest * sum(sizes))
-    work = make_workload(sizes, args.batch_size, warmup, steps, args.zipf, args.seed, cache_warmup, hot_rows)
+    work = make_workload(
+        sizes, args.batch_size, warmup, steps, args.zipf, args.seed, cache_warmup, hot_rows, args.profile_steps
+    )
     progress(f"  done in {work.generate_s:.1f} s")
 
     keys = [(dim, cfg) for dim in dims for cfg in configs]

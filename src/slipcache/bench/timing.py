@@ -179,7 +179,7 @@ def measure(
             if row["evictions"] is not None:
                 row["evictions_per_step"] = row["evictions"] / steps
         if built.clock is not None and profile_steps > 0:
-            row["phase_us_per_sample"] = _profile(built, work, grad, first + steps, profile_steps)
+            row["phase_us_per_sample"] = _profile(built, work, grad, profile_steps)
     except MemoryError:
         row["status"] = "skipped: out of memory"
     except (KeyboardInterrupt, SlipcacheError):
@@ -208,14 +208,18 @@ def _prefill(built: Built, work: Workload, dim: int) -> int:
     return len(batches)
 
 
-def _profile(built: Built, work: Workload, grad: Tensor, position: int, steps: int) -> dict[str, float]:
+def _profile(built: Built, work: Workload, grad: Tensor, steps: int) -> dict[str, float]:
     """µs per sample in each phase of our step over `steps` steps; the rest of the step is Python overhead
-    (validation, autograd, counters, the calls themselves)."""
+    (validation, autograd, counters, the calls themselves). The steps run the workload's profile batches,
+    fresh ids (cycling only if it has fewer): a replay of timed batches would find their rows cached and
+    profile a step without misses."""
     clock = built.clock
     clock.enable()
     start = time.perf_counter()
+    first, count = work.first_timed + work.timed_steps, work.profile_steps
     for i in range(steps):
-        built.step(work.batches[work.first_timed + (position + i) % work.timed_steps], grad)
+        index = first + i % count if count else work.first_timed + i % work.timed_steps
+        built.step(work.batches[index], grad)
     total = time.perf_counter() - start
     seconds = dict(clock.seconds)
     clock.disable()

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from slipcache.bench.machine import describe_machine
 from slipcache.bench.report import progress
-from slipcache.cli import seed_arg
+from slipcache.cli import positive_int, seed_arg
 from slipcache.errors import SlipcacheError
 
 IMPLS = ("torch-fp32", "slipcache-int8-lru5", "torchrec-fbgemm")
@@ -107,8 +107,9 @@ def _run_torchrec(config: Any, out: Path) -> dict[str, Any]:
         wall += time.perf_counter() - start
         epoch += 1
     test = trainer.evaluate(model, dataset.split("test"))
+    table_bytes = sum(p.numel() * p.element_size() for p in model.embeddings.parameters())
     return {"auc": test["auc"], "logloss": test["logloss"], "samples_per_s": samples / wall,
-            "train_wall_s": wall, "train_samples": samples}  # fmt: skip
+            "train_wall_s": wall, "train_samples": samples, "embedding_bytes": table_bytes}  # fmt: skip
 
 
 def _run_ours(impl: str, base: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -116,7 +117,8 @@ def _run_ours(impl: str, base: dict[str, Any], out: Path) -> dict[str, Any]:
 
     config = trainer.make_config({}, {**base, **_OURS[impl], "out": str(out), "progress": False})
     summary = trainer.train(config)
-    return {k: summary[k] for k in ("auc", "logloss", "samples_per_s", "train_wall_s", "train_samples")}
+    keys = ("auc", "logloss", "samples_per_s", "train_wall_s", "train_samples", "embedding_bytes")
+    return {k: summary[k] for k in keys}
 
 
 def run_train_bench(args: argparse.Namespace) -> int:
@@ -132,6 +134,8 @@ def run_train_bench(args: argparse.Namespace) -> int:
     for key in ("data", "samples", "batch_size"):
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)
+    if args.dim is not None:  # the trainer's bottom MLP then ends in this dim too (make_config)
+        base["embedding_dim"] = args.dim
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     missing = torchrec_available() if "torchrec-fbgemm" in impls else None
@@ -168,8 +172,10 @@ def run_train_bench(args: argparse.Namespace) -> int:
             "auc": float(np.median([x["auc"] for x in runs])),
             "auc_rounds": [x["auc"] for x in runs],
             "train_samples": runs[0]["train_samples"],
+            "embedding_bytes": runs[0].get("embedding_bytes"),
             "rounds": runs,
         })
+    _attach_peer_ratios(rows)
     threads = torch.get_num_threads()
     loads = [x["load_avg_1m"] for runs in results.values() for x in runs]
     warnings_out = []
@@ -214,15 +220,36 @@ def format_train_report(result: dict[str, Any], table: str) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def _attach_peer_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's samples/s and embedding memory against TorchRec + FBGEMM's (the goal's two ratios)."""
+    peer = next((r for r in rows if r["impl"] == "torchrec-fbgemm" and r["status"] == "ok"), None)
+    for r in rows:
+        r["speed_vs_torchrec"] = r["memory_ratio_vs_torchrec"] = None
+        if peer is None or r["status"] != "ok":
+            continue
+        r["speed_vs_torchrec"] = r["samples_per_s"] / peer["samples_per_s"]
+        if r.get("embedding_bytes") and peer.get("embedding_bytes"):
+            r["memory_ratio_vs_torchrec"] = peer["embedding_bytes"] / r["embedding_bytes"]
+
+
 def format_train_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| impl | samples/s (median) | min-max | test AUC | status |", "|---|---|---|---|---|"]
+    lines = [
+        "| impl | samples/s (median) | min-max | x TorchRec | test AUC | embedding GB | TorchRec GB / ours | status |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['impl']} | - | - | - | {r['status']} |")
+            lines.append(f"| {r['impl']} | - | - | - | - | - | - | {r['status']} |")
             continue
+        gb = "-" if not r.get("embedding_bytes") else f"{r['embedding_bytes'] / 1e9:.3f}"
         lines.append(
             f"| {r['impl']} | {r['samples_per_s']:,.0f} | {r['samples_per_s_min']:,.0f}-{r['samples_per_s_max']:,.0f} "
-            f"| {r['auc']:.4f} | ok |"
+            f"| {ratio(r.get('speed_vs_torchrec'))} | {r['auc']:.4f} | {gb} "
+            f"| {ratio(r.get('memory_ratio_vs_torchrec'))} | ok |"
         )
     return "\n".join(lines)
 
@@ -233,6 +260,10 @@ def add_train_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="dataset (default: the trainer's synthetic data)")
     parser.add_argument("--samples", type=int, default=None, help="training samples per run")
     parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument(
+        "--dim", type=positive_int, default=None,
+        help="embedding dim of every implementation (default: the trainer's; 128 makes the tables outweigh the MLPs)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--impls", default=None, help=f"comma-separated subset of {','.join(IMPLS)}")
     parser.add_argument("--seed", type=seed_arg, default=0)

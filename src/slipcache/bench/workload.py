@@ -33,7 +33,7 @@ class Workload:
     exponent: float
     seed: int
     cache_warmup_steps: int
-    batches: Tensor  # int64 [max(warmup, cache warmup) + timed, B, T]
+    batches: Tensor  # int64 [max(warmup, cache warmup) + timed + profile, B, T]
     # Each table's most probable rows, hottest first, as many as are among the `hot_rows` most probable rows
     # of all tables (make_workload's argument; at least one per table; none when 0), for `prefill_batches`.
     hot_rows: list[Tensor] = field(default_factory=list, repr=False)
@@ -42,6 +42,9 @@ class Workload:
     lookup_share_top_5pct: float = 0.0
     generate_s: float = 0.0
     _grads: dict[int, Tensor] = field(default_factory=dict, repr=False)
+    # Batches after the timed ones, for the phase profile only: never timed, so the profile sees rows the
+    # cache has not been given by a replay of the timed batches (which it would mostly hit).
+    profile_steps: int = 0
 
     @property
     def first_timed(self) -> int:
@@ -86,6 +89,7 @@ def make_workload(
     seed: int = 0,
     cache_warmup_steps: int | None = None,
     hot_rows: int = 0,
+    profile_steps: int = 0,
 ) -> Workload:
     """Power-law ids per table by inverse-CDF sampling, ranks mapped to rows by a random permutation.
 
@@ -99,7 +103,7 @@ def make_workload(
     hot_counts = [max(1, c) for c in hottest_counts(table_sizes, norms, exponent, hot_rows)]
     hot: list[Tensor] = []
     rng = np.random.default_rng(seed)
-    steps = max(warmup_steps, cache_warmup_steps) + timed_steps
+    steps = max(warmup_steps, cache_warmup_steps) + timed_steps + profile_steps
     count = steps * batch_size
     ids = np.empty((count, len(table_sizes)), dtype=np.int64)
     share1 = share5 = 0.0
@@ -129,6 +133,7 @@ def make_workload(
         lookup_share_top_1pct=share1 / len(table_sizes),
         lookup_share_top_5pct=share5 / len(table_sizes),
         generate_s=time.perf_counter() - start,
+        profile_steps=profile_steps,
     )
 
 

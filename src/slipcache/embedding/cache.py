@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from slipcache import _native
+from slipcache.embedding.hostmem import host_empty, host_zeros
 from slipcache.embedding.lookahead import Window, eviction_key
 
 POLICIES = ("lru", "lfu", "lookahead", "lookahead-lfu", "none")
@@ -87,11 +88,11 @@ class RowCache(nn.Module):
         self.total_rows = sum(part_rows)
         row_dtype = torch.int32 if sum(part_rows) < 2**31 - 1 else torch.int64
         device = torch.device(device)
-        self.register_buffer("weights", torch.zeros(slots, dim, device=device))
-        self.register_buffer("slot_rows", torch.full((slots,), EMPTY, dtype=row_dtype, device=device))
-        self.register_buffer("last_used", torch.zeros(slots, dtype=torch.int32, device=device))
+        self.register_buffer("weights", host_zeros((slots, dim), torch.float32, device))
+        self.register_buffer("slot_rows", host_empty((slots,), row_dtype, device).fill_(EMPTY))
+        self.register_buffer("last_used", host_zeros((slots,), torch.int32, device))
         if policy in _COUNTING_POLICIES:
-            self.register_buffer("use_count", torch.zeros(slots, dtype=torch.int32, device=device))
+            self.register_buffer("use_count", host_zeros((slots,), torch.int32, device))
         self.register_buffer("_way_index", torch.arange(self.ways, device=device), persistent=False)
         if self.partitioned:
             cumulative = [0]

@@ -82,6 +82,8 @@ class CachedEmbeddingBagCollection(nn.Module):
     fused_update = True
     # True for one rank's shards inside slipcache's sharded collection: meant to differ by rank (replicas.py)
     sharded_by_slipcache = False
+    # True when the caller lets each process of a multi-process job train its own copy (replicas.py)
+    independent_replica = False
 
     def __init__(self, config: EmbeddingConfig) -> None:
         super().__init__()

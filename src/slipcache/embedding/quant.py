@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from slipcache._native import quantize
+from slipcache.embedding.hostmem import host_empty, host_zeros
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 ROUNDINGS = ("stochastic", "nearest")
@@ -188,7 +189,7 @@ class RowStorage(nn.Module):
     ) -> None:
         """`empty`: leave the rows unset (the caller writes every one): no pass that zeroes gigabytes first."""
         super().__init__()
-        new = torch.empty if empty else torch.zeros
+        new = host_empty if empty else host_zeros
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.version = 0
@@ -196,13 +197,13 @@ class RowStorage(nn.Module):
         device = torch.device(device)
         if precision in FLOAT_DTYPES:
             self.register_buffer(
-                "payload", new(num_rows, dim, dtype=FLOAT_DTYPES[precision], device=device)
+                "payload", new((num_rows, dim), dtype=FLOAT_DTYPES[precision], device=device)
             )
         else:
             width = dim if precision == "int8" else (dim + 1) // 2
-            self.register_buffer("payload", new(num_rows, width, dtype=torch.uint8, device=device))
-            self.register_buffer("bias", new(num_rows, dtype=torch.float16, device=device))
-            self.register_buffer("scale_code", new(num_rows, dtype=torch.uint8, device=device))
+            self.register_buffer("payload", new((num_rows, width), dtype=torch.uint8, device=device))
+            self.register_buffer("bias", new((num_rows,), dtype=torch.float16, device=device))
+            self.register_buffer("scale_code", new((num_rows,), dtype=torch.uint8, device=device))
 
     def _apply(self, fn: Any, recurse: bool = True) -> RowStorage:
         self.version += 1

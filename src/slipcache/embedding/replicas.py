@@ -1,57 +1,58 @@
-"""Refuse to train a full copy of the tables per rank under `DistributedModelParallel` or DDP.
+"""Refuse to train a full copy of the tables per process in a multi-process job (DMP, DDP, FSDP, ...).
 
-The collection updates its rows itself in backward, on the process that ran the step: nothing
-all-reduces them. TorchRec's `DistributedModelParallel` has no sharder for it and so leaves a full copy on
-every rank inside DDP, whose gradient all-reduce never sees these tables: the ranks' tables would drift
-apart silently. slipcache shards its tables over ranks itself (`slipcache.distributed`, started by
-`torchrun ... slipcache train`); its per-rank collections are marked `sharded_by_slipcache`.
+The collection updates its rows itself in backward, on the process that ran the step: no wrapper's
+gradient all-reduce sees these tables. TorchRec's `DistributedModelParallel` has no sharder for it and
+leaves a full copy on every rank; DDP, FSDP and hand-written wrappers replicate it the same way: the
+ranks' tables would drift apart silently. Which wrapper is around the collection cannot be told reliably
+(a stack walk misses FSDP and custom wrappers), so the rule is about the job instead: a collection that
+trains while `torch.distributed` runs more than one process must be one rank's shards of slipcache's own
+sharded path (`slipcache.distributed`, started by `torchrun ... slipcache train`; marked
+`sharded_by_slipcache`), or be marked as an independent replica on purpose (`allow_independent_replicas`).
 """
 
 from __future__ import annotations
 
-import sys
-from types import CodeType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch import nn
 
 from slipcache.errors import SlipcacheError
 
+Module = TypeVar("Module", bound=nn.Module)
+
 REFUSAL = (
-    "CachedEmbeddingBagCollection is not sharded by {wrapper}: every rank would train its own full copy of "
-    "the tables and the copies would diverge; train on many processes with "
-    "`torchrun --nproc-per-node N --no-python slipcache train ...`, which shards the tables itself "
-    "(docs/scaling.md)"
+    "CachedEmbeddingBagCollection is training in a job of {world} processes without being sharded over "
+    "them: under DistributedModelParallel, DDP, FSDP or any wrapper every process would train its own full "
+    "copy of the tables and the copies would diverge; train on many processes with "
+    "`torchrun --nproc-per-node N --no-python slipcache train ...`, which shards the tables itself, or call "
+    "slipcache.embedding.replicas.allow_independent_replicas(model) if every process trains its own tables "
+    "on purpose (docs/scaling.md)"
 )
 
 
-def _wrapper_forwards() -> dict[CodeType, str]:
-    """The forward code objects of the data-parallel wrappers that would replicate the tables."""
-    from torch.nn.parallel import DistributedDataParallel
+def allow_independent_replicas(module: Module) -> Module:
+    """Mark every `CachedEmbeddingBagCollection` in `module` as a replica that may diverge on purpose
+    (e.g. independent runs of a sweep inside one torchrun job); returns `module`."""
+    from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
-    codes = {DistributedDataParallel.forward.__code__: "DistributedDataParallel"}
-    model_parallel = sys.modules.get("torchrec.distributed.model_parallel")
-    if model_parallel is not None:  # only when the caller imported torchrec's DMP
-        codes[model_parallel.DistributedModelParallel.forward.__code__] = "DistributedModelParallel"
-    return codes
+    found = [m for m in module.modules() if isinstance(m, CachedEmbeddingBagCollection)]
+    if not found:
+        raise SlipcacheError(f"{type(module).__name__} holds no CachedEmbeddingBagCollection to mark")
+    for collection in found:
+        collection.independent_replica = True
+    return module
 
 
 def refuse_replicated_training(collection: Any) -> None:
-    """Raise if this training step runs inside DMP/DDP in a multi-process job on an unsharded collection.
+    """Raise if this training step runs in a multi-process job on a collection that no one shards.
 
-    Cheap outside multi-process jobs (two calls); inside one it walks the Python stack once per step.
+    Called at every training forward, before anything changes; three cheap calls outside such jobs.
     """
-    if getattr(collection, "sharded_by_slipcache", False):
+    if collection.sharded_by_slipcache or collection.independent_replica:
         return
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+    if not (dist.is_available() and dist.is_initialized()):
         return
-    codes = _wrapper_forwards()
-    found = None
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = codes.get(frame.f_code)
-        if name is not None:
-            found = name  # keep walking: DMP's frame sits above the DDP it wraps
-        frame = frame.f_back
-    if found is not None:
-        raise SlipcacheError(REFUSAL.format(wrapper=found))
+    world = dist.get_world_size()
+    if world > 1:
+        raise SlipcacheError(REFUSAL.format(world=world))

@@ -14,6 +14,7 @@ from slipcache import _native
 from slipcache.embedding.accounting import PhaseClock, TrafficCounters
 from slipcache.embedding.cache import RowCache
 from slipcache.embedding.config import EmbeddingConfig
+from slipcache.embedding.hostmem import host_zeros
 from slipcache.embedding.quant import VALUE_LIMIT, RowStorage, TableRowStorage, fit_to_range
 from slipcache.embedding.writeback import RowWriter
 
@@ -57,7 +58,7 @@ class FusedOptimizer:
         shape = {"sgd": None, "adagrad": (config.num_rows, config.dim), "rowwise_adagrad": (config.num_rows,)}[
             config.optimizer
         ]
-        return None if shape is None else torch.zeros(shape, device=device)
+        return None if shape is None else host_zeros(shape, torch.float32, device)
 
     @property
     def device(self) -> torch.device:

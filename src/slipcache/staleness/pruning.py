@@ -16,6 +16,7 @@ stateless hash of the input's position in the run (`slipcache.staleness.filterin
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -53,10 +54,15 @@ class LossPruner:
         self.seed = int(config.seed) ^ _SALT
         self.total_samples = int(config.samples or 0)
         self.num_inputs = int(num_inputs)
-        if state_dir is None:
-            state_dir = Path(tempfile.mkdtemp(prefix="slipcache-prune-"))
-        state_dir.mkdir(parents=True, exist_ok=True)
-        self.files = [self._open(state_dir / f"prune_losses_{i}.u8") for i in range(2)]
+        if state_dir is None:  # no run directory: unnamed files, gone with the process whatever happens
+            scratch = Path(tempfile.mkdtemp(prefix="slipcache-prune-"))
+            try:
+                self.files = [self._open(scratch / f"prune_losses_{i}.u8") for i in range(2)]
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)  # open maps keep the unlinked files alive
+        else:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self.files = [self._open(state_dir / f"prune_losses_{i}.u8") for i in range(2)]
         self.epoch = -1
         self.position = 0  # inputs filtered in the run (trained or pruned): the draws' position
         self.trained = 0

@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slipcache.cli import DeprecatedFlag, add_progress_flag, add_threads_flag, positive_int
+from slipcache.cli import (
+    DeprecatedFlag,
+    add_huge_pages_flag,
+    add_progress_flag,
+    add_threads_flag,
+    positive_int,
+)
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import CONFIG_FIELDS, load_config_file, make_config
 from slipcache.training.datasets import (
@@ -99,6 +105,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--samples", dest="samples", type=int, action=DeprecatedFlag, new="--eval-samples", help=argparse.SUPPRESS
     )
     add_threads_flag(parser)
+    add_huge_pages_flag(parser)
     parser.add_argument(
         "--allow-changes",
         action="store_true",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipcache.cli import HUGE_PAGE_CHOICES
 from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.collection import OPTIMIZERS, EmbeddingConfig
@@ -107,6 +108,10 @@ class TrainConfig:
                                 "(half the bytes)", choices=WIRE_PRECISIONS)
     threads: int | None = _flag(None, "torch threads of this process (1 is steadier on a busy machine; the "
                                 "README's timings use 1)", default_text="torch's choice, one per core", type="positive_int")
+    huge_pages: str | None = _flag(None, "back the tables' storage, cache and optimizer state with transparent huge "
+                                   "pages: on, off, or auto (tensors of 1 GiB and more); where the kernel has none, "
+                                   "off (docs/scale.md)", choices=HUGE_PAGE_CHOICES,
+                                   default_text="$SLIPCACHE_HUGE_PAGES, else off")
     # model
     embedding_dim: int = _flag(_EMB["dim"], "embedding dimension", flag=("--dim",))
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
+from slipcache.embedding.hostmem import set_huge_pages
 from slipcache.errors import SlipcacheError
 from slipcache.memory import peak_rss_bytes, process_age_s
 from slipcache.model import DLRM
@@ -192,6 +193,8 @@ def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     config.validate()
     if config.threads is not None:  # --threads: this process's torch threads for the run
         torch.set_num_threads(config.threads)
+    if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
+        set_huge_pages(config.huge_pages)
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}

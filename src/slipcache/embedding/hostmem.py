@@ -1,0 +1,116 @@
+"""Host memory for the collection's big tensors (row storage, cache, optimizer state), optionally backed by
+transparent huge pages.
+
+A random row lookup in a table of gigabytes misses the TLB almost every time with 4 KiB pages; with 2 MiB
+pages the page walk is shorter and the TLB covers 512x more memory. Linux gives such pages to anonymous
+memory marked `madvise(MADV_HUGEPAGE)` when `/sys/kernel/mm/transparent_hugepage/enabled` says `madvise`
+(or to all memory when it says `always`). With huge pages on, a tensor of at least one huge page is an
+anonymous memory map of exactly its bytes (the kernel aligns a map whose length is a multiple of 2 MiB to
+2 MiB) marked for huge pages, wrapped as a tensor that unmaps it when the tensor dies. Only the 2 MiB-aligned
+interior is marked: the last partial 2 MiB stays in 4 KiB pages, so nothing beyond the tensor's own bytes
+becomes resident and the memory accounting (which counts the tensors' bytes) stays exact.
+
+`SLIPCACHE_HUGE_PAGES` = on | off | auto chooses (default `off`: measured in docs/scale.md, they did not
+help here); `set_huge_pages` sets it for the process (`--huge-pages`). Where huge pages are unavailable
+(`never`, not Linux, no `madvise`) every mode allocates as torch does, silently.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from slipcache.cli import ENV_HUGE_PAGES, HUGE_PAGE_CHOICES
+from slipcache.errors import SlipcacheError
+
+HUGE_PAGE = 2 << 20
+HUGE_PAGE_MODES = HUGE_PAGE_CHOICES
+DEFAULT_HUGE_PAGES = "off"
+# auto: huge pages only for tensors this large, where TLB misses dominate a random row's read
+AUTO_MIN_BYTES = 1 << 30
+MIN_BYTES = HUGE_PAGE  # a smaller tensor cannot hold a huge page
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+_mode: list[str | None] = [None]  # set_huge_pages' choice; None: the environment's
+
+
+def set_huge_pages(mode: str | None) -> None:
+    """Huge pages for the tensors allocated from now on in this process; None: back to the environment's."""
+    if mode is not None and mode not in HUGE_PAGE_MODES:
+        raise SlipcacheError(f"huge pages must be one of {', '.join(HUGE_PAGE_MODES)}, got {mode!r}")
+    _mode[0] = mode
+
+
+def huge_pages_mode() -> str:
+    """The mode in force: `set_huge_pages`, else $SLIPCACHE_HUGE_PAGES, else the default."""
+    mode = _mode[0] or os.environ.get(ENV_HUGE_PAGES) or DEFAULT_HUGE_PAGES
+    if mode not in HUGE_PAGE_MODES:
+        raise SlipcacheError(f"{ENV_HUGE_PAGES} must be one of {', '.join(HUGE_PAGE_MODES)}, got {mode!r}")
+    return mode
+
+
+def thp_setting(path: Path = THP_ENABLED) -> str | None:
+    """The kernel's transparent huge page setting (always, madvise, never); None where there is none."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    chosen = [word[1:-1] for word in text.split() if word.startswith("[") and word.endswith("]")]
+    return chosen[0] if chosen else None
+
+
+def huge_pages_available() -> bool:
+    """Whether memory marked with madvise can get huge pages here."""
+    return thp_setting() in ("always", "madvise")
+
+
+def uses_huge_pages(nbytes: int, device: torch.device) -> bool:
+    """Whether a host tensor of `nbytes` gets huge pages under the mode in force."""
+    mode = huge_pages_mode()
+    if mode == "off" or device.type != "cpu" or nbytes < max(MIN_BYTES, 1):
+        return False
+    if mode == "auto" and nbytes < AUTO_MIN_BYTES:
+        return False
+    return huge_pages_available()
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+    """An uninitialized tensor (zeros where it is a fresh memory map), on huge pages where the mode says so."""
+    device = torch.device(device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if not uses_huge_pages(nbytes, device):
+        return torch.empty(shape, dtype=dtype, device=device)
+    return huge_page_map(nbytes).view(dtype).view(shape)
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+    """`torch.zeros`, on huge pages where the mode says so (a fresh map is zero already: no pass)."""
+    device = torch.device(device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if not uses_huge_pages(nbytes, device):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return huge_page_map(nbytes).view(dtype).view(shape)
+
+
+def huge_page_map(nbytes: int) -> Tensor:
+    """`nbytes` zero bytes (uint8) in an anonymous map whose whole 2 MiB pages are marked for huge pages.
+
+    The map is the tensor's buffer: it is unmapped when the tensor (and every view of it) is gone."""
+    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # a multiple of 2 MiB: the kernel aligns its start to 2 MiB
+    region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, 0, whole)
+        if length > whole:  # the last, partial 2 MiB: 4 KiB pages, so only the tensor's bytes become resident
+            region.madvise(mmap.MADV_NOHUGEPAGE, whole, length - whole)
+    except OSError:  # THP switched off since it was read, or madvise refused: plain pages, same bytes
+        pass
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)

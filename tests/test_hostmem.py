@@ -1,0 +1,148 @@
+"""Huge pages for the collection's big tensors: the mode, the fallback, the pages themselves, the release."""
+
+import argparse
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipcache import cli
+from slipcache.embedding import hostmem
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.errors import SlipcacheError
+
+THP = pytest.mark.skipif(not hostmem.huge_pages_available(), reason="no transparent huge pages here")
+
+
+@pytest.fixture(autouse=True)
+def _mode_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(hostmem.ENV_HUGE_PAGES, raising=False)
+    hostmem.set_huge_pages(None)
+    yield
+    hostmem.set_huge_pages(None)
+
+
+def _ranges(address: int, nbytes: int) -> list[dict[str, int]]:
+    """The smaps entries (start, end, AnonHugePages in bytes) of the maps overlapping [address, +nbytes)."""
+    found, current = [], None
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                start, end = (int(v, 16) for v in head[0].split("-"))
+                current = {"start": start, "end": end, "huge": 0} if start < address + nbytes and end > address else None
+                if current:
+                    found.append(current)
+            elif current is not None and head[0] == "AnonHugePages:":
+                current["huge"] = int(head[1]) * 1024
+    return found
+
+
+def test_mode_comes_from_the_call_then_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert hostmem.huge_pages_mode() == hostmem.DEFAULT_HUGE_PAGES
+    monkeypatch.setenv(hostmem.ENV_HUGE_PAGES, "auto")
+    assert hostmem.huge_pages_mode() == "auto"
+    hostmem.set_huge_pages("on")
+    assert hostmem.huge_pages_mode() == "on"
+    with pytest.raises(SlipcacheError, match="one of off, on, auto"):
+        hostmem.set_huge_pages("yes")
+    hostmem.set_huge_pages(None)
+    monkeypatch.setenv(hostmem.ENV_HUGE_PAGES, "big")
+    with pytest.raises(SlipcacheError, match=hostmem.ENV_HUGE_PAGES):
+        hostmem.huge_pages_mode()
+
+
+def test_kernel_setting_is_the_bracketed_word(tmp_path: Path) -> None:
+    path = tmp_path / "enabled"
+    path.write_text("always [madvise] never\n")
+    assert hostmem.thp_setting(path) in ("madvise", None)  # None off Linux
+    path.write_text("always madvise [never]\n")
+    assert hostmem.thp_setting(path) in ("never", None)
+    assert hostmem.thp_setting(tmp_path / "missing") is None
+
+
+def test_without_huge_pages_every_mode_allocates_as_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostmem, "thp_setting", lambda path=None: "never")
+
+    def no_map(nbytes: int) -> torch.Tensor:
+        raise AssertionError("mapped although huge pages are unavailable")
+
+    monkeypatch.setattr(hostmem, "huge_page_map", no_map)
+    hostmem.set_huge_pages("on")
+    zeros = hostmem.host_zeros((1 << 20,), torch.float32)
+    assert zeros.shape == (1 << 20,) and not zeros.any()
+    assert hostmem.host_empty((3, 1 << 20), torch.uint8).shape == (3, 1 << 20)
+
+
+def test_auto_and_off_leave_small_tables_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostmem, "thp_setting", lambda path=None: "madvise")
+    cpu = torch.device("cpu")
+    hostmem.set_huge_pages("off")
+    assert not hostmem.uses_huge_pages(1 << 34, cpu)
+    hostmem.set_huge_pages("auto")
+    assert not hostmem.uses_huge_pages(hostmem.AUTO_MIN_BYTES - 1, cpu)
+    assert hostmem.uses_huge_pages(hostmem.AUTO_MIN_BYTES, cpu)
+    hostmem.set_huge_pages("on")
+    assert hostmem.uses_huge_pages(hostmem.HUGE_PAGE, cpu)
+    assert not hostmem.uses_huge_pages(hostmem.HUGE_PAGE - 1, cpu)
+    assert not hostmem.uses_huge_pages(1 << 34, torch.device("meta"))
+
+
+@THP
+def test_tensor_is_backed_by_huge_pages_and_released_with_it() -> None:
+    hostmem.set_huge_pages("on")
+    nbytes = 3 * hostmem.HUGE_PAGE + 4096 * 5  # three whole huge pages and a partial one
+    tensor = hostmem.host_zeros((nbytes // 4,), torch.float32)
+    address = tensor.data_ptr()
+    assert address % hostmem.HUGE_PAGE == 0 and not tensor.any()
+    tensor.fill_(1.5)
+    maps = _ranges(address, nbytes)
+    assert sum(m["huge"] for m in maps) == 3 * hostmem.HUGE_PAGE  # the partial one stays in 4 KiB pages
+    view = tensor[10:20]
+    del tensor
+    gc.collect()
+    assert _ranges(address, 1) and float(view[0]) == 1.5  # a view keeps the map
+    del view
+    gc.collect()
+    assert not [m for m in _ranges(address, nbytes) if m["start"] == address]
+
+
+@THP
+def test_collection_on_huge_pages_trains_bit_for_bit_as_without() -> None:
+    """Storage, cache and optimizer state on huge pages (storage over 2 MiB); same rows after training."""
+    config = EmbeddingConfig([30_000, 20_000, 50], dim=64, precision="int8", cache_size=0.05,
+                             optimizer="rowwise_adagrad")
+    states = []
+    for mode in ("off", "on"):
+        hostmem.set_huge_pages(mode)
+        coll = CachedEmbeddingBagCollection(config)
+        if mode == "on":
+            payload = coll.storage.payload
+            assert payload.data_ptr() % hostmem.HUGE_PAGE == 0
+            assert sum(m["huge"] for m in _ranges(payload.data_ptr(), payload.numel())) >= hostmem.HUGE_PAGE
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            ids = torch.stack([torch.randint(0, n, (128,), generator=generator) for n in config.table_sizes], 1)
+            coll(ids).square().sum().backward()
+        states.append(coll.state_dict())
+        assert coll.memory_report()["total_bytes"] == CachedEmbeddingBagCollection.estimate_memory(config)[
+            "total_bytes"
+        ]
+    for name, tensor in states[0].items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(tensor, states[1][name]), name
+
+
+def test_the_flag_sets_the_mode_for_the_command_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(hostmem.ENV_HUGE_PAGES, "auto")
+    with cli.huge_pages("on"):
+        assert hostmem.huge_pages_mode() == "on"
+    assert hostmem.huge_pages_mode() == "auto"
+    with cli.huge_pages(None):
+        assert hostmem.huge_pages_mode() == "auto"
+    parser = argparse.ArgumentParser()
+    cli.add_huge_pages_flag(parser)
+    assert parser.parse_args(["--huge-pages", "off"]).huge_pages == "off"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--huge-pages", "yes"])
