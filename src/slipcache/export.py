@@ -15,6 +15,11 @@ Written into `--out DIR`:
 
 The values are the trained fp32 rows: cached rows overlaid on storage, exactly what the model reads.
 Names follow TorchRec's Criteo convention (feature `cat_{t}`, table `t_cat_{t}`).
+
+Streaming: the MLPerf tables are 104.5 GB in fp32, so the export holds the trained (quantized) model and
+one chunk of rows (`CHUNK_BYTES` of fp32) at a time. One pass over the tables feeds every format; each
+file is the one `torch.save` of the whole structure would write (`slipcache.torchfile`), its tensors written
+record by record. The files go into a temporary directory beside `--out`, renamed into place when complete.
 """
 
 from __future__ import annotations

@@ -437,9 +437,7 @@ def save_checkpoint(run: Run) -> None:
     event: dict[str, Any] = {"event": "checkpoint", "samples": run.progress.samples, "bytes": None, "write_s": None}
     run.progress.events.append(event)
     state = checkpoint_state(run)  # a copy of the events: this one stays open below
-    run.backend.save_checkpoint(run.run_dir, state, run.progress.samples, keep=run.config.keep_checkpoints)
-    latest = run.run_dir / "checkpoints" / "latest.pt"
-    event["bytes"] = latest.stat().st_size if latest.is_file() else None
+    event["bytes"] = run.backend.save_checkpoint(run.run_dir, state, run.progress.samples, keep=run.config.keep_checkpoints)
     event["write_s"] = time.perf_counter() - start
     run.callbacks.on_event(run, event)
     run.last_checkpoint = {k: event[k] for k in ("samples", "bytes", "write_s")}
