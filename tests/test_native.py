@@ -14,11 +14,14 @@ pytestmark = pytest.mark.skipif(_native.native() is None, reason="no C compiler:
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("num_rows", [10_000, 2**31 + 10])  # int32 and int64 slot maps
-def test_lookup_and_touch_matches_torch(policy: str, num_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("ways", [8, 80])  # a mask of the ways (up to 64), or one way after another
+def test_lookup_and_touch_matches_torch(
+    policy: str, num_rows: int, ways: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     g = torch.Generator().manual_seed(0)
     caches = []
     for _ in range(2):
-        cache = RowCache(512, 4, policy, num_rows, ways=8, lfu_halving_interval=0)
+        cache = RowCache(512, 4, policy, num_rows, ways=ways, lfu_halving_interval=0)
         rows = torch.randint(
             0, min(num_rows, 5000), (600,), generator=torch.Generator().manual_seed(1)
         ).unique()

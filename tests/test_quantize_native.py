@@ -57,6 +57,20 @@ def test_compiled_writes_match_torch(
         assert our_fit[1][1] is not None and int(our_fit[1][1].sum()) >= 2
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4", "fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("dim", [1, 7, 16, 128, 300])
+def test_compiled_reads_match_torch(precision: str, dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    n = 600
+    storage = RowStorage(n, dim, precision)
+    storage.write_range(0, _awkward_rows(n, dim), "stochastic", torch.Generator().manual_seed(3))
+    rows = torch.randint(0, n, (2 * n,), generator=torch.Generator().manual_seed(2))  # repeats included
+    ours = storage.read(rows, torch.device("cpu"))
+    assert storage.read(rows[:0], torch.device("cpu")).shape == (0, dim)
+    monkeypatch.setattr(_native, "native", lambda: None)
+    theirs = storage.read(rows, torch.device("cpu"))
+    assert ours.shape == (2 * n, dim) and torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+
+
 def test_scale_code_is_the_smallest_that_covers_on_the_grid() -> None:
     grid = _SCALES[1:255]
     for needed in (grid, torch.nextafter(grid, torch.zeros_like(grid))):
@@ -67,6 +81,8 @@ def test_scale_code_is_the_smallest_that_covers_on_the_grid() -> None:
 
 def test_rows_outside_the_storage_are_refused() -> None:
     storage = RowStorage(4, 8, "int8")
+    with pytest.raises(ValueError, match="outside"):
+        quantize.dequantize_rows("int8", *storage.buffers(), scales=_SCALES, rows=torch.tensor([4]), dim=8)
     with pytest.raises(ValueError, match="outside"):
         quantize.quantize_rows(
             torch.zeros(1, 8), "int8", *storage.buffers(), scales=_SCALES, limit=1e4, rows=torch.tensor([4])

@@ -38,8 +38,8 @@ def add_threads_flag(parser: argparse.ArgumentParser, default: object = None, he
     """`--threads N`: torch threads for the command, the same flag on every command that computes with torch
     (`main` applies it for the command's duration)."""
     parser.add_argument("--threads", type=positive_int, default=default, metavar="N",
-                        help=help or "torch threads (default: torch's choice, one per core; 1 is steadier on a "
-                        "busy machine)")
+                        help=help or "torch threads, and threads per compiled embedding loop (default: torch's "
+                        "choice, one per core, and one per loop; 1 is steadier on a busy machine)")
 
 
 HUGE_PAGE_CHOICES = ("off", "on", "auto")  # how slipcache.embedding.hostmem allocates the tables' big tensors
@@ -75,18 +75,23 @@ def huge_pages(mode: str | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
-    """Run with `threads` torch threads (None: leave torch's setting), then put the previous setting back."""
+    """Run with `threads` torch threads and as many threads per compiled loop (None: leave both settings),
+    then put the previous settings back."""
     if threads is None:
         yield
         return
     import torch
 
+    from slipcache import _native
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    previous_loops = _native.set_threads(threads)
     try:
         yield
     finally:
         torch.set_num_threads(previous)
+        _native.set_threads(previous_loops)
 
 
 class DeprecatedFlag(argparse.Action):

@@ -1,8 +1,9 @@
 """Optional compiled loops for the CPU hot path: cache lookup, the fused SGD and Adagrad updates, the quantize pass,
 the stale-input filter.
 
-Each is a plain loop over the lookups of a batch, on the calling thread. In torch they take several passes
-over [lookups, ways] temporaries; in C they are one pass. The C source (`loops.c`) is compiled with the
+Each is a plain loop over the lookups of a batch. In torch they take several passes over [lookups, ways]
+temporaries; in C they are one pass. `set_threads(n)` splits the lookup, gather and update loops over n
+threads of a persistent pool (`pool.c`), with results identical to one thread (docs/design.md says how). The C source (`loops.c`) is compiled with the
 system's C compiler on first use (about a second) into a per-user cache and loaded with ctypes (`build`: build flags, cache, safety checks, ctypes signatures);
 without a compiler, or with SLIPCACHE_NATIVE=0, the pure-torch path runs. Tests check the two agree.
 """
@@ -27,7 +28,16 @@ from slipcache._native.build import (
     private_directory,
 )
 
-__all__ = ["NoCompilerError", "UnsafeCacheError", "build_flags", "cache_key", "load_library", "private_directory"]
+__all__ = [
+    "NoCompilerError",
+    "UnsafeCacheError",
+    "build_flags",
+    "cache_key",
+    "load_library",
+    "private_directory",
+    "set_threads",
+    "threads",
+]
 
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -50,6 +60,26 @@ def native() -> ctypes.CDLL | None:
     return _library
 
 
+
+
+def set_threads(count: int) -> int:
+    """Threads of each compiled loop from now on, the calling thread included (1, the default: the calling
+    thread only); returns the previous count. `--threads` sets it with torch's. Any count gives the same
+    results; the pool's workers start on the first loop that uses them. No-op without the library."""
+    if count < 1:
+        raise ValueError(f"compiled loops: threads must be positive, got {count}")
+    library = native()
+    if library is None:
+        return 1
+    previous = int(library.slipcache_threads())
+    library.slipcache_set_threads(count)
+    return previous
+
+
+def threads() -> int:
+    """Threads of each compiled loop (1 without the library)."""
+    library = native()
+    return 1 if library is None else int(library.slipcache_threads())
 
 
 def usable(*tensors: Tensor) -> bool:

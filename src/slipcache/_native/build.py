@@ -22,10 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-# The loops themselves: plain C beside this file, shipped as package data and compiled on first use.
-_SOURCE = (Path(__file__).with_name("loops.c")).read_text()
+# The loops themselves: plain C beside this file, shipped as package data and compiled on first use as one
+# unit: the worker pool (`pool.c`) first, then the loops that hand it their parts (`loops.c`).
+_SOURCE = "\n".join(Path(__file__).with_name(name).read_text() for name in ("pool.c", "loops.c"))
 
-_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
 # SLIPCACHE_NATIVE_SANITIZE=1 builds the loops with AddressSanitizer and UndefinedBehaviorSanitizer (a library
 # of its own, keyed by the flags): the loops trust their pointers, CI runs the native tests against this build.
 # Loading it into Python needs the sanitizer runtime first: LD_PRELOAD="$(cc -print-file-name=libasan.so)".
@@ -207,7 +208,15 @@ def _declare(library: ctypes.CDLL) -> None:
         ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr,
     ]
     library.quantize_rows.restype = i64
+    library.dequantize_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    library.dequantize_rows.restype = i64
     library.torch_uniform.argtypes = [ptr, ptr, i64]
     library.torch_uniform.restype = i64
     library.pool_bags.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64]
     library.pool_bags.restype = i64
+    library.slipcache_set_threads.argtypes = [i64]
+    library.slipcache_set_threads.restype = i64
+    library.slipcache_threads.argtypes = []
+    library.slipcache_threads.restype = i64
+    library.slipcache_pool_workers.argtypes = []
+    library.slipcache_pool_workers.restype = i64

@@ -23,41 +23,88 @@ static inline int64_t set_of(int64_t r, int64_t multiplier, int64_t num_sets, in
     return s < 0 ? s + num_sets : s;
 }
 
+/* The slot of row r among the `ways` slots from `first` (-1: not there); the first way on a tie, as the torch
+   lookup's max picks it. Up to 64 ways, every way is compared into a bit mask, without a branch per way:
+   the way that matches is random, so an early exit mispredicts once a lookup (as much as a cache hit costs). */
+static inline int64_t find_way(const void *slot_rows, int wide, int64_t first, int64_t ways, int64_t r) {
+    if (ways <= 64) {
+        uint64_t mask = 0;
+        if (wide) {
+            const int64_t *resident = (const int64_t *)slot_rows + first;
+            for (int64_t w = 0; w < ways; w++) mask |= (uint64_t)(resident[w] == r) << w;
+        } else {
+            const int32_t *resident = (const int32_t *)slot_rows + first;
+            if (r != (int32_t)r) return -1;  /* beyond the narrow tags' range: never resident */
+            int32_t narrow = (int32_t)r;
+            for (int64_t w = 0; w < ways; w++) mask |= (uint64_t)(resident[w] == narrow) << w;
+        }
+        return mask ? first + __builtin_ctzll(mask) : -1;
+    }
+    for (int64_t w = 0; w < ways; w++) {
+        int64_t resident = wide ? ((const int64_t *)slot_rows)[first + w] : ((const int32_t *)slot_rows)[first + w];
+        if (resident == r) return first + w;
+    }
+    return -1;
+}
+
 typedef struct {
     const void *slot_rows; int wide; int64_t num_sets, ways, multiplier;
     const int64_t *rows; int64_t n; int64_t *out_slots; int32_t *last_used, *use_count; int32_t step;
-    int64_t hits;
+    int64_t hits; int shared;  /* shared: other threads touch the same cache state */
 } lookup_args;
+
+/* A hit's bookkeeping. When a job is split, parts may hit the same slot at once: last_used takes the same
+   step from each (a relaxed atomic store: a plain store on x86), use_count's additions are atomic, so the
+   counts are exactly one thread's. */
+static inline void touch_slot(const lookup_args *a, int64_t slot) {
+    if (a->last_used) __atomic_store_n(a->last_used + slot, a->step, __ATOMIC_RELAXED);
+    if (!a->use_count) return;
+    if (a->shared) __atomic_fetch_add(a->use_count + slot, 1, __ATOMIC_RELAXED);
+    else a->use_count[slot] += 1;
+}
 
 static void lookup_all(lookup_args *a) {
     int64_t hits = 0;
     for (int64_t i = 0; i < a->n; i++) {
         int64_t r = a->rows[i];
         int64_t set = set_of(r, a->multiplier, a->num_sets, a->ways);
-        int64_t first = set * a->ways, slot = -1;
-        for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
-            int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
-                                       : ((const int32_t *)a->slot_rows)[first + w];
-            if (resident == r) { slot = first + w; break; }
-        }
+        int64_t slot = set >= 0 ? find_way(a->slot_rows, a->wide, set * a->ways, a->ways, r) : -1;
         a->out_slots[i] = slot;
         if (slot >= 0) {
             hits++;
-            if (a->last_used) a->last_used[slot] = a->step;
-            if (a->use_count) a->use_count[slot] += 1;
+            touch_slot(a, slot);
         }
     }
     a->hits = hits;
+}
+
+/* Lookups split by position: part p serves the contiguous range p of them (a copy of the arguments with the
+   arrays advanced to its first lookup). Every write of a part is to its own positions, apart from the
+   touches (see touch_slot). */
+#define LOOKUP_GRAIN 1024 /* lookups per part at least: smaller batches stay on one thread */
+
+typedef struct { lookup_args base; int64_t hits[POOL_MAX]; } lookup_job;
+
+static void lookup_part(void *job_, int64_t part, int64_t parts) {
+    lookup_job *job = job_;
+    lookup_args a = job->base;
+    int64_t lo, hi;
+    part_range(a.n, part, parts, &lo, &hi);
+    a.rows += lo, a.out_slots += lo, a.n = hi - lo;
+    lookup_all(&a);
+    job->hits[part] = a.hits;
 }
 
 /* Slot of each row (-1 on a miss); hits get last_used = step and use_count += 1. Returns the hits. */
 int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
                const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used, int32_t *use_count,
                int32_t step) {
-    lookup_args args = {slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
-                        step, 0};
-    lookup_all(&args);
-    return args.hits;
+    int64_t parts = parts_for(n, LOOKUP_GRAIN), hits = 0;
+    lookup_job job = {{slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
+                       step, 0, parts > 1}, {0}};
+    run_parts(lookup_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) hits += job.hits[p];
+    return hits;
 }
 
 /* Global row of each single-hot id: rows[i] = offsets[i % tables] + ids[i] for ids [batch, tables].
@@ -75,6 +122,7 @@ int64_t global_rows(const int64_t *ids, int64_t batch, int64_t tables, const int
 
 typedef struct {
     lookup_args probe; const float *weights; int64_t dim; float *out; int64_t tables; int64_t *table_hits;
+    int64_t first_table;  /* the table of the first lookup (its position mod tables) */
 } gather_args;
 
 /* Prefetch the `bytes` at p (each cache line), for reading or (write = 1) writing. */
@@ -93,7 +141,7 @@ static inline void prefetch_span(const void *p, size_t bytes, int write) {
 #define RING 64 /* > 2 * AHEAD, a power of two */
 ROW_LOOPS static void lookup_gather_all(gather_args *g) {
     lookup_args *a = &g->probe;
-    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = 0;
+    int64_t hits = 0, dim = g->dim, tables = g->tables, n = a->n, next_table = g->first_table;
     size_t row_bytes = (size_t)dim * sizeof(float), way_bytes = (size_t)a->ways * (a->wide ? 8 : 4);
     int64_t sets[RING];
     int64_t slots[RING];
@@ -106,13 +154,8 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
                 prefetch_span((const char *)a->slot_rows + set * way_bytes, way_bytes, 0);
         }
         if (j >= 0 && j < n) {
-            int64_t set = sets[j & (RING - 1)], r = a->rows[j], slot = -1;
-            int64_t first = set * a->ways;
-            for (int64_t w = 0; set >= 0 && w < a->ways; w++) {
-                int64_t resident = a->wide ? ((const int64_t *)a->slot_rows)[first + w]
-                                           : ((const int32_t *)a->slot_rows)[first + w];
-                if (resident == r) { slot = first + w; break; }
-            }
+            int64_t set = sets[j & (RING - 1)];
+            int64_t slot = set >= 0 ? find_way(a->slot_rows, a->wide, set * a->ways, a->ways, a->rows[j]) : -1;
             slots[j & (RING - 1)] = slot;
             if (slot >= 0) {
                 prefetch_span(g->weights + slot * dim, row_bytes, 0);
@@ -129,8 +172,7 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
             if (slot >= 0) {
                 hits++;
                 g->table_hits[table]++;
-                if (a->last_used) a->last_used[slot] = a->step;
-                if (a->use_count) a->use_count[slot] += 1;
+                touch_slot(a, slot);
                 const float *src = g->weights + slot * dim;
                 float *dst = g->out + i * dim;
                 for (int64_t k = 0; k < dim; k++) dst[k] = src[k];
@@ -138,6 +180,22 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
         }
     }
     a->hits = hits;
+}
+
+typedef struct { gather_args base; int64_t hits[POOL_MAX]; } gather_job;
+
+/* Part p of the forward: its range of lookups, its own row of per-table hit counts. */
+static void gather_part(void *job_, int64_t part, int64_t parts) {
+    gather_job *job = job_;
+    gather_args g = job->base;
+    int64_t lo, hi;
+    part_range(g.probe.n, part, parts, &lo, &hi);
+    g.probe.rows += lo, g.probe.out_slots += lo, g.probe.n = hi - lo;
+    g.out += lo * g.dim;
+    g.first_table = lo % g.tables;
+    g.table_hits += part * g.tables;
+    lookup_gather_all(&g);
+    job->hits[part] = g.probe.hits;
 }
 
 /* `lookup` over single-hot lookups [batch, tables] that also copies each hit's cached row into out[i]
@@ -149,15 +207,17 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
                       int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
                       float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
                       int64_t misses_col) {
-    int64_t *table_hits = calloc((size_t)tables, sizeof(int64_t));
+    int64_t parts = parts_for(batch * tables, LOOKUP_GRAIN), hits = 0;
+    int64_t *table_hits = calloc((size_t)(tables * parts), sizeof(int64_t));  /* [parts, tables] */
     if (!table_hits) return -1;
-    gather_args args = {{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
-                         use_count, step, 0},
-                        weights, dim, out, tables, table_hits};
-    lookup_gather_all(&args);
-    int64_t hits = args.probe.hits;
+    gather_job job = {{{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
+                        use_count, step, 0, parts > 1},
+                       weights, dim, out, tables, table_hits, 0}, {0}};
+    run_parts(gather_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) hits += job.hits[p];
     for (int64_t k = 0; k < tables; k++) {
-        int64_t table = table_hits[k];
+        int64_t table = 0;
+        for (int64_t p = 0; p < parts; p++) table += table_hits[p * tables + k];
         counters[k * stride + lookups_col] += batch;
         counters[k * stride + hits_col] += table;
         counters[k * stride + misses_col] += batch - table;
@@ -195,8 +255,10 @@ int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *in
 }
 
 /* Whether all n floats are finite (exported: the general update's check). */
+static int all_finite_split(const float *values, int64_t n);
+
 int64_t finite_values(const float *values, int64_t n) {
-    return all_finite(values, n);
+    return all_finite_split(values, n);
 }
 
 /* RowCache.assign for LRU and LFU (no lookahead window), unpartitioned: slots for the unique missing `rows`.
@@ -217,7 +279,16 @@ int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t 
     if (!table || !orders || !keys) { free(table); free(orders); free(keys); return -1; }
     for (int64_t k = 0; k < capacity; k++) table[k].set = -1;
     int64_t used_orders = 0, victims = 0;
+    size_t way_bytes = (size_t)ways * (wide ? 8 : 4), key_bytes = (size_t)ways * sizeof(int32_t);
     for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {  /* the missing rows' sets are random lines: fetch a later set's while ranking this one */
+            int64_t later = set_of(rows[i + AHEAD], multiplier, num_sets, ways);
+            if (later >= 0) {
+                prefetch_span((const char *)slot_rows + later * way_bytes, way_bytes, 0);
+                prefetch_span(last_used + later * ways, key_bytes, 0);
+                if (use_count) prefetch_span(use_count + later * ways, key_bytes, 0);
+            }
+        }
         int64_t set = set_of(rows[i], multiplier, num_sets, ways);
         if (set < 0) { out_slots[i] = -1; continue; }
         int64_t h = (int64_t)(((uint64_t)set * 0x9E3779B97F4A7C15ull) >> 20) & (capacity - 1);
@@ -336,6 +407,7 @@ int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const i
 
 typedef struct {
     float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
+    int64_t slot_lo, slot_hi;  /* the slots this thread owns: updates of other slots are skipped */
 } sgd_args;
 
 /* Whether any of the n floats at v is inf or NaN (exponent all ones). */
@@ -354,10 +426,11 @@ ROW_LOOPS static int sgd_all(const sgd_args *a) {
     size_t row_bytes = (size_t)a->dim * sizeof(float);
     int nonfinite = 0;
     for (int64_t i = 0; i < a->n; i++) {
-        if (i + AHEAD < a->n && a->slots[i + AHEAD] >= 0)  /* a later row on its way while this one is updated */
-            prefetch_span(a->weights + a->slots[i + AHEAD] * a->dim, row_bytes, 1);
+        int64_t later = i + AHEAD < a->n ? a->slots[i + AHEAD] : -1;
+        if (later >= a->slot_lo && later < a->slot_hi)  /* a later row on its way while this one is updated */
+            prefetch_span(a->weights + later * a->dim, row_bytes, 1);
         int64_t s = a->slots[i];
-        if (s < 0) continue;  /* -1: the row is not cached */
+        if (s < a->slot_lo || s >= a->slot_hi) continue;  /* -1 (the row is not cached) or another's slot */
         float *w = a->weights + s * a->dim;
         const float *g = a->grad + i * a->dim;
         for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
@@ -365,6 +438,52 @@ ROW_LOOPS static int sgd_all(const sgd_args *a) {
         nonfinite |= any_nonfinite(w, a->dim);
     }
     return nonfinite;
+}
+
+/* The scatter split by the rows it writes: part p owns the slots of range p of [0, num_slots) and walks every
+   lookup in batch order, applying only its own slots' updates. Each slot's additions are made by one thread
+   in batch order, exactly as on one thread: results are bit-identical for any thread count. */
+#define UPDATE_GRAIN 1024 /* lookups per part at least */
+
+typedef struct { sgd_args base; int64_t num_slots; int nonfinite[POOL_MAX]; } sgd_job;
+
+static void sgd_part(void *job_, int64_t part, int64_t parts) {
+    sgd_job *job = job_;
+    sgd_args a = job->base;
+    part_range(job->num_slots, part, parts, &a.slot_lo, &a.slot_hi);
+    job->nonfinite[part] = sgd_all(&a);
+}
+
+static int sgd_split(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
+                     int64_t n, float lr) {
+    int64_t parts = parts_for(n, UPDATE_GRAIN), nonfinite = 0;
+    if (parts > num_slots) parts = num_slots > 1 ? num_slots : 1;
+    sgd_job job = {{weights, dim, slots, grad, n, lr, 0, num_slots}, num_slots, {0}};
+    run_parts(sgd_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
+    return nonfinite != 0;
+}
+
+/* all_finite over contiguous ranges, one per part. */
+#define FINITE_GRAIN 65536 /* values per part at least */
+
+typedef struct { const float *values; int64_t n; int finite[POOL_MAX]; } finite_job;
+
+static void finite_part(void *job_, int64_t part, int64_t parts) {
+    finite_job *job = job_;
+    int64_t lo, hi;
+    part_range(job->n, part, parts, &lo, &hi);
+    job->finite[part] = all_finite(job->values + lo, hi - lo);
+}
+
+static int all_finite_split(const float *values, int64_t n) {
+    int64_t parts = parts_for(n, FINITE_GRAIN);
+    finite_job job = {values, n, {0}};
+    run_parts(finite_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) {
+        if (!job.finite[p]) return 0;
+    }
+    return 1;
 }
 
 /* weights[slots[i]] -= lr * grad[i] in batch order per slot. Returns -1, -3 when an updated value is inf or
@@ -375,8 +494,7 @@ int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) return i;
     }
-    sgd_args args = {weights, dim, slots, grad, n, lr};
-    return sgd_all(&args) ? -3 : -1;
+    return sgd_split(weights, num_slots, dim, slots, grad, n, lr) ? -3 : -1;
 }
 
 /* The fused SGD step of one backward: nothing is written unless every value of grad [n, dim] is finite
@@ -388,9 +506,8 @@ int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const 
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] >= num_slots) return i;
     }
-    if (!all_finite(grad, n * dim)) return -2;
-    sgd_args args = {weights, dim, slots, grad, n, lr};
-    return sgd_all(&args) ? -3 : -1;
+    if (!all_finite_split(grad, n * dim)) return -2;
+    return sgd_split(weights, num_slots, dim, slots, grad, n, lr) ? -3 : -1;
 }
 
 /* ------------------------------------------------------------------ Adagrad: one pass per unique row
@@ -431,6 +548,23 @@ ROW_LOOPS static int adagrad_all(const adagrad_args *a) {
     return nonfinite;
 }
 
+/* Split by position: the rows are distinct (one summed gradient per row), so each part writes its own
+   weight and state rows, with one thread's arithmetic. */
+#define ADAGRAD_GRAIN 256 /* rows per part at least */
+
+typedef struct { adagrad_args base; int nonfinite[POOL_MAX]; } adagrad_job;
+
+static void adagrad_part(void *job_, int64_t part, int64_t parts) {
+    adagrad_job *job = job_;
+    adagrad_args a = job->base;
+    int64_t lo, hi;
+    part_range(a.n, part, parts, &lo, &hi);
+    if (a.slots) a.slots += lo;
+    else a.weights += lo * a.dim;  /* target row i */
+    a.state_rows += lo, a.grad += lo * a.dim, a.n = hi - lo;
+    job->nonfinite[part] = adagrad_all(&a);
+}
+
 /* The Adagrad or row-wise Adagrad step of n unique rows. Returns -1, -3 when an updated weight is inf or NaN
    (an overflow: the caller fits the rows to fp32's range, as after SGD), or the index of the first target
    slot outside [0, num_slots) or state row outside [0, num_state_rows) (then nothing is written). */
@@ -441,8 +575,11 @@ int64_t adagrad_update(float *weights, int64_t num_slots, int64_t dim, const int
         int64_t t = slots ? slots[i] : i;
         if (t < 0 || t >= num_slots || state_rows[i] < 0 || state_rows[i] >= num_state_rows) return i;
     }
-    adagrad_args args = {weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps};
-    return adagrad_all(&args) ? -3 : -1;
+    adagrad_job job = {{weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps}, {0}};
+    int64_t parts = parts_for(n, ADAGRAD_GRAIN), nonfinite = 0;
+    run_parts(adagrad_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
+    return nonfinite ? -3 : -1;
 }
 
 /* ------------------------------------------------------------------ quantize: fp32 rows -> storage rows
@@ -600,7 +737,18 @@ ROW_LOOPS static void quantize_all(quantize_args *a) {
     const int64_t dim = a->dim;
     const int64_t width = a->kind == Q_INT4 ? (dim + 1) / 2 : dim;
     const int levels = a->kind == Q_INT8 ? 255 : 15;
+    const size_t payload_bytes = (size_t)(a->kind == Q_FP32 ? dim * 4 : a->kind >= Q_FP16 ? dim * 2 : width);
     for (int64_t i = a->start; i < a->stop; i++) {
+        if (i + AHEAD < a->stop) {  /* scattered rows (evictions): a later row's lines on their way */
+            int64_t later = i + AHEAD;
+            if (a->source) prefetch_span(a->values + a->source[later] * dim, (size_t)dim * sizeof(float), 0);
+            if (a->rows) {
+                int64_t r = a->rows[later];
+                prefetch_span((char *)a->payload + r * (int64_t)payload_bytes, payload_bytes, 1);
+                if (a->bias) __builtin_prefetch(a->bias + r, 1);
+                if (a->scale_code) __builtin_prefetch(a->scale_code + r, 1);
+            }
+        }
         const float *x = a->values + (a->source ? a->source[i] : i) * dim;  /* e.g. an evicted row's slot */
         const float *u = a->noise ? a->noise + i * dim : 0;
         float lo, hi;
@@ -641,6 +789,20 @@ ROW_LOOPS static void quantize_all(quantize_args *a) {
     }
 }
 
+/* Split by row range: the target rows are distinct (a write stores each row once), so the parts write
+   disjoint storage rows; the noise was drawn before, row by row. */
+#define QUANTIZE_GRAIN 512 /* rows per part at least */
+
+typedef struct { quantize_args base; int64_t bad_count[POOL_MAX]; } quantize_job;
+
+static void quantize_part(void *job_, int64_t part, int64_t parts) {
+    quantize_job *job = job_;
+    quantize_args a = job->base;
+    part_range(a.n, part, parts, &a.start, &a.stop);
+    quantize_all(&a);
+    job->bad_count[part] = a.bad_count;
+}
+
 /* Quantize fp32 rows values[n, dim] into storage: row i goes to storage row rows[i] (i when rows is NULL)
    of `payload` (uint8 [*, dim] int8, [*, (dim+1)/2] int4 low nibble first, uint16 bits fp16/bf16, float
    fp32), `bias` (fp16 bits) and `scale_code` (int kinds only). `noise` (uniform [n, dim], or NULL for
@@ -652,10 +814,82 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
                       const float *scales, float limit, float max_span, const int64_t *rows, void *payload,
                       uint16_t *bias, uint8_t *scale_code, uint8_t *bad, const int64_t *source) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
-    quantize_args args = {values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code,
-                          bad, 0, n, 0, source};
-    quantize_all(&args);
-    return args.bad_count;
+    quantize_job job = {{values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code,
+                         bad, 0, n, 0, source}, {0}};
+    int64_t parts = parts_for(n, QUANTIZE_GRAIN), bad_count = 0;
+    run_parts(quantize_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) bad_count += job.bad_count[p];
+    return bad_count;
+}
+
+/* Storage rows -> fp32: out[i] = row rows[i] decoded, as quant.dequantize_int does (bias + scale * code,
+   each rounded to fp32, no contraction: bit-identical) or the float kinds' exact widening. One pass with the
+   rows' payload and parameters prefetched AHEAD rows on (misses are scattered over the whole table). */
+ROW_LOOPS static int64_t dequantize_span(const void *payload, int kind, const uint16_t *bias,
+                                         const uint8_t *scale_code, const float *scales, const int64_t *rows,
+                                         int64_t n, int64_t dim, float *out) {
+    if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
+    const int64_t width = kind == Q_INT4 ? (dim + 1) / 2 : dim;
+    const size_t row_bytes = (size_t)(kind == Q_FP32 ? dim * 4 : kind >= Q_FP16 ? dim * 2 : width);
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            int64_t later = rows[i + AHEAD];
+            prefetch_span((const char *)payload + later * (int64_t)row_bytes, row_bytes, 0);
+            if (bias) __builtin_prefetch(bias + later, 0);
+            if (scale_code) __builtin_prefetch(scale_code + later, 0);
+        }
+        int64_t r = rows[i];
+        float *o = out + i * dim;
+        if (kind == Q_FP32) {
+            const float *x = (const float *)payload + r * dim;
+            for (int64_t j = 0; j < dim; j++) o[j] = x[j];
+        } else if (kind == Q_FP16 || kind == Q_BF16) {
+            const uint16_t *x = (const uint16_t *)payload + r * dim;
+            for (int64_t j = 0; j < dim; j++) o[j] = kind == Q_FP16 ? half_to_float(x[j]) : bf16_to_float(x[j]);
+        } else {
+            float b = half_to_float(bias[r]), scale = scales[scale_code[r]];
+            const uint8_t *x = (const uint8_t *)payload + r * width;
+            if (kind == Q_INT8) {
+                for (int64_t j = 0; j < dim; j++) o[j] = b + scale * (float)x[j];
+            } else {  /* a byte at a time, low nibble first: the loop vectorizes */
+                int64_t pairs = dim / 2;
+                for (int64_t j = 0; j < pairs; j++) {
+                    o[2 * j] = b + scale * (float)(x[j] & 15);
+                    o[2 * j + 1] = b + scale * (float)(x[j] >> 4);
+                }
+                if (dim & 1) o[dim - 1] = b + scale * (float)(x[pairs] & 15);
+            }
+        }
+    }
+    return 0;
+}
+
+/* Split by position: part p decodes its range of the rows into its range of `out` (reads only, elsewhere). */
+#define DEQUANTIZE_GRAIN 512 /* rows per part at least */
+
+typedef struct {
+    const void *payload; int kind; const uint16_t *bias; const uint8_t *scale_code; const float *scales;
+    const int64_t *rows; int64_t n, dim; float *out; int64_t status[POOL_MAX];
+} dequantize_job;
+
+static void dequantize_part(void *job_, int64_t part, int64_t parts) {
+    dequantize_job *j = job_;
+    int64_t lo, hi;
+    part_range(j->n, part, parts, &lo, &hi);
+    j->status[part] = dequantize_span(j->payload, j->kind, j->bias, j->scale_code, j->scales, j->rows + lo, hi - lo,
+                                      j->dim, j->out + lo * j->dim);
+}
+
+int64_t dequantize_rows(const void *payload, int kind, const uint16_t *bias, const uint8_t *scale_code,
+                        const float *scales, const int64_t *rows, int64_t n, int64_t dim, float *out) {
+    if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
+    dequantize_job job = {payload, kind, bias, scale_code, scales, rows, n, dim, out, {0}};
+    int64_t parts = parts_for(n, DEQUANTIZE_GRAIN);
+    run_parts(dequantize_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) {
+        if (job.status[p] != 0) return job.status[p];
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------ torch's CPU random stream

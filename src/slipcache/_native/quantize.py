@@ -39,7 +39,7 @@ def quantize_rows(
     bad: Tensor | None = None,
     source: Tensor | None = None,
 ) -> int:
-    """Round fp32 `values` [n, D] into storage row `rows[i]` (row i when `rows` is None) of `payload`
+    """Round fp32 `values` [n, D] into storage row `rows[i]` (distinct rows; row i when `rows` is None) of `payload`
     ([R, D] or [R, ceil(D / 2)] for int4), `bias` (fp16 [R]) and `scale_code` (uint8 [R]; int precisions).
 
     `scales` is the 256-entry float table of scale codes; `noise` (uniform [n, D]) makes the rounding
@@ -88,6 +88,43 @@ def quantize_rows(
     if count < 0:
         raise ValueError(f"compiled loop: cannot quantize to {precision} at dim {dim}")
     return int(count)
+
+
+def dequantize_rows(
+    precision: str,
+    payload: Tensor,
+    bias: Tensor | None,
+    scale_code: Tensor | None,
+    *,
+    scales: Tensor,
+    rows: Tensor,
+    dim: int,
+) -> Tensor:
+    """fp32 [n, dim] of storage `rows` (int64, each in range: the caller's rows are its own), decoded as
+    `quant.dequantize_int` does (bit-identical), in one pass that prefetches the scattered rows ahead."""
+    library = _native.native()
+    assert library is not None
+    width = (dim + 1) // 2 if precision == "int4" else dim
+    _check("payload", payload, (_PAYLOAD_DTYPES[precision],), (None, width))
+    _check("rows", rows, (torch.int64,), (rows.numel(),))
+    _check("scales", scales, (torch.float32,), (256,))
+    if precision in ("int8", "int4"):
+        _check("bias", bias, (torch.float16,), (payload.shape[0],))
+        _check("scale_code", scale_code, (torch.uint8,), (payload.shape[0],))
+    else:
+        bias = scale_code = None
+    out = torch.empty(rows.numel(), dim)
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= payload.shape[0]):
+        raise ValueError(f"compiled loop: a row is outside [0, {payload.shape[0]})")
+    status = library.dequantize_rows(
+        payload.data_ptr(), KINDS[precision],
+        bias.data_ptr() if bias is not None else None,
+        scale_code.data_ptr() if scale_code is not None else None,
+        scales.data_ptr(), rows.data_ptr(), rows.numel(), dim, out.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"compiled loop: cannot dequantize {precision} at dim {dim}")
+    return out
 
 
 def uniform(shape: tuple[int, ...], generator: torch.Generator | None) -> Tensor | None:

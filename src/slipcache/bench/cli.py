@@ -43,7 +43,7 @@ from slipcache.bench.timing import (
     measure,
 )
 from slipcache.bench.workload import make_workload
-from slipcache.cli import add_huge_pages_flag, add_threads_flag, float_in, seed_arg
+from slipcache.cli import add_huge_pages_flag, add_threads_flag, float_in, seed_arg, torch_threads
 from slipcache.data.kaggle import SMALL_TABLE, kaggle_table_sizes
 from slipcache.errors import SlipcacheError
 from slipcache.memory import RUNTIME_BYTES, available_bytes
@@ -242,16 +242,10 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_embedding_bench(args: argparse.Namespace) -> int:
     """Run every configuration at every dim, print the table and targets, write bench.json and bench.md."""
     threads = getattr(args, "threads", None)
-    if threads is None:
-        return _run_bench(args)
-    if threads < 1:
+    if threads is not None and threads < 1:
         raise SlipcacheError(f"--threads must be positive, got {threads}")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):  # torch's and the compiled loops'; a library caller keeps its own setting
         return _run_bench(args)
-    finally:  # a library caller keeps its own setting
-        torch.set_num_threads(previous)
 
 
 def _run_bench(args: argparse.Namespace) -> int:

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from slipcache import _native
+
 __all__ = [
     "describe_machine",
     "physical_memory_bytes",
@@ -96,7 +98,7 @@ def _physical_cores() -> int | None:
 
 
 def describe_machine() -> dict[str, Any]:
-    """A JSON-ready description: CPU, cores, torch threads, memory, library versions, CUDA device if any."""
+    """A JSON-ready description: CPU, cores, torch and compiled-loop threads, memory, library versions, CUDA device if any."""
     info = _meminfo()
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -121,6 +123,7 @@ def describe_machine() -> dict[str, Any]:
         "physical_cores": _physical_cores(),
         "usable_cores": affinity,
         "torch_threads": torch.get_num_threads(),
+        "loop_threads": _native.threads(),  # threads per compiled loop (the cached step's lookups and updates)
         "memory_total_bytes": info.get("MemTotal", physical_memory_bytes()),
         "memory_available_bytes": info.get("MemAvailable"),
         "torch": torch.__version__,

@@ -185,7 +185,8 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         f"- date: {result['date']}",
         f"- command: `{result['command']}`",
-        f"- machine: {m['cpu_model']}, {m['logical_cores']} cores, torch threads {m['torch_threads']}, load average "
+        f"- machine: {m['cpu_model']}, {m['logical_cores']} cores, torch threads {m['torch_threads']}, "
+        f"compiled-loop threads {m.get('loop_threads', 1)}, load average "
         f"{_fmt(m.get('load_avg_1m_start'), '.1f')} at start, "
         f"{(m['memory_total_bytes'] or 0) / GB:.1f} GB RAM; torch {m['torch']}, numpy {m['numpy']}, "
         f"fbgemm_gpu {m['fbgemm_gpu'] or 'not installed'}",

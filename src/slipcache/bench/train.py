@@ -210,7 +210,7 @@ def format_train_report(result: dict[str, Any], table: str) -> str:
         f"- date: {result['date']}",
         f"- command: `{result['command']}`",
         f"- machine: {machine.get('cpu_model')}, {machine.get('usable_cores')} usable cores, torch threads "
-        f"{machine.get('torch_threads')}; torch {machine.get('torch')}, fbgemm_gpu {machine.get('fbgemm_gpu')}",
+        f"{machine.get('torch_threads')}, compiled-loop threads {machine.get('loop_threads', 1)}; torch {machine.get('torch')}, fbgemm_gpu {machine.get('fbgemm_gpu')}",
         f"- settings: {json.dumps(result['settings'], sort_keys=True)}",
         "",
         table,

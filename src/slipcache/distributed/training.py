@@ -12,8 +12,9 @@ every rank, identically. In backward each rank keeps its slice's gradient of the
 dense gradients are summed over ranks (a DDP communication hook that sums instead of averaging), so every
 gradient equals the one-process gradient of the same global batch up to float summation order.
 
-Every rank reads the whole global batch from the memory-mapped dataset and keeps its slice (the shuffle is
-the same on every rank). Rank 0 alone prints and writes config.json, metrics.jsonl, summary.json,
+Every rank reads only its slice of each global batch from the memory-mapped dataset (the same shuffle on
+every rank: `BatchIterator(part=(rank, N))`), plus the global batch's labels; a run whose callbacks read
+the ids of every sample (skipping) reads whole batches and keeps its slice. Rank 0 alone prints and writes config.json, metrics.jsonl, summary.json,
 report.md and the plan (plan.json); other ranks write their output to rank-<r>.log in the run directory.
 Cache statistics and memory are collectives that sum over ranks and keep each rank's figures
 (`ShardedEmbeddingCollection.stats` / `memory_report`), called at the same points on every rank.
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from slipcache.data.batches import slice_bounds
 from slipcache.distributed import checkpoint as dckpt
 from slipcache.distributed.launch import DistributedContext, announce_stop, redirect_output, shutdown
 from slipcache.distributed.planner import ShardingPlan, plan_sharding, table_specs
@@ -50,13 +52,6 @@ PLAN_FILE = "plan.json"
 # Settings that may differ by rank: who shows progress, where each node reads its data (the fingerprint
 # says whether it is the same), and the run id each rank drew before rank 0's was agreed on.
 _PER_RANK_SETTINGS = ("progress", "tensorboard", "data", "dataset", "run_id")
-
-
-def slice_bounds(batch: int, world_size: int, rank: int) -> tuple[int, int]:
-    """This rank's [start, end) of a global batch: sizes differ by at most one, larger ones first."""
-    base, extra = divmod(batch, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
 
 
 class _GatherLogits(torch.autograd.Function):
@@ -109,12 +104,26 @@ class DistributedDLRM(nn.Module):
     def dense_parameters(self) -> list[nn.Parameter]:
         return self.inner.dense_parameters()
 
-    def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
+    @property
+    def input_part(self) -> tuple[int, int]:
+        """(rank, world size): the part of every global batch this rank reads (`BatchIterator(part=...)`)."""
+        return self.ctx.rank, self.ctx.world_size
+
+    def forward(self, dense: Tensor, sparse: Tensor, batch_size: int | None = None) -> Tensor:
+        """Logits of the global batch. `batch_size` None: dense and sparse hold the whole global batch and
+        this rank keeps its slice; else they hold only this rank's slice of a global batch of that size."""
         world, rank = self.ctx.world_size, self.ctx.rank
-        sizes = [end - start for start, end in (slice_bounds(dense.shape[0], world, r) for r in range(world))]
-        start, end = slice_bounds(dense.shape[0], world, rank)
+        total = dense.shape[0] if batch_size is None else batch_size
+        sizes = [end - start for start, end in (slice_bounds(total, world, r) for r in range(world))]
+        if batch_size is None:
+            start, end = slice_bounds(total, world, rank)
+            dense, sparse = dense[start:end], sparse[start:end]
+        elif dense.shape[0] != sizes[rank] or sparse.shape[0] != sizes[rank]:
+            raise SlipcacheError(
+                f"rank {rank} got {dense.shape[0]} rows of a global batch of {total}; its slice holds {sizes[rank]}"
+            )
         device = self.ctx.device
-        local = self.ddp(dense[start:end].to(device), sparse[start:end].to(device))
+        local = self.ddp(dense.to(device), sparse.to(device))
         return _GatherLogits.apply(local, sizes, rank).to(dense.device)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -127,6 +127,11 @@ class StepPlanner:
     def device(self) -> torch.device:
         return self.scratch.device
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (`torch.save(model)`, `copy.deepcopy`) without the forwards in flight: their autograd
+        graphs are not pickled either, and weak references cannot be."""
+        return {**self.__dict__, "_in_flight": {}}
+
     def pin_since(self) -> int:
         """Oldest step whose cache rows are still pinned: in-flight forwards within `PIN_STEPS`."""
         oldest = self.step

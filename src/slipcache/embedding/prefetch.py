@@ -142,6 +142,12 @@ class Prefetcher:
             self.counters.count_rows("rows_in", rows_in, counts)
         return counts, int(rows_in.numel())
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (`torch.save(model)`, `copy.deepcopy`) without its thread: a prefetch in flight is
+        finished first, so the copy holds its rows; the copy starts its own thread when it prefetches."""
+        self.join()
+        return {**self.__dict__, "_executor": None, "_side_stream": None, "_prefetching": None}
+
     def join(self) -> None:
         """Wait for the prefetch in flight, if any, and take in its counts (its errors surface here)."""
         pending, self._prefetching = self._prefetching, None

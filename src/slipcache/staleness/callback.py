@@ -24,6 +24,7 @@ class SkipStaleInputs(Callback):
     """
 
     state_key = "skipping"
+    reads_batch_ids = True  # the hot-set detector counts the updates of every id of the global batch
 
     def __init__(self, run: Run) -> None:
         self.skipper = make_skipper(run.config, run.model, run.dataset.split("train"), run.batches_per_epoch,

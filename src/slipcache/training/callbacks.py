@@ -39,6 +39,9 @@ class Callback:
     """A feature of the training loop; every hook does nothing unless overridden."""
 
     state_key: str | None = None  # the checkpoint key of `state_dict()`; None: nothing to save
+    # True when `after_step` reads the ids of every sample of the global batch: a rank of N then reads
+    # whole batches instead of only its slice (`BatchIterator(part=...)`)
+    reads_batch_ids: bool = False
 
     def on_start(self, run: Run) -> None:
         pass
@@ -85,6 +88,10 @@ class Callbacks:
 
     def __iter__(self) -> Iterator[Callback]:
         return iter(self.items)
+
+    @property
+    def reads_batch_ids(self) -> bool:
+        return any(callback.reads_batch_ids for callback in self.items)
 
     def on_start(self, run: Run) -> None:
         for callback in self.items:

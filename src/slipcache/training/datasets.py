@@ -217,6 +217,7 @@ def training_batches(
     sample_filter: SampleFilter | None = None,
     lookahead: int = 0,
     time_order: str = "first",
+    part: tuple[int, int] | None = None,
 ) -> BatchIterator:
     """One epoch of a dataset's training batches in the training order: the one source of that order for
     the trainer and every benchmark that claims to replay it (`bench cache`, `bench train`).
@@ -225,7 +226,7 @@ def training_batches(
     keeps its windows in order and shuffles within them in the first epoch, and is shuffled across days
     from the second epoch on (`time_order="first"`, the trainer's default), so validation AUC does not saw
     at epoch boundaries; `time_order="every"` keeps every epoch in time order. Full batches only;
-    `start_batch` resumes mid-epoch.
+    `start_batch` resumes mid-epoch; `part=(rank, N)` reads only that rank's slice of every batch.
     """
     return BatchIterator(
         dataset.split("train"),
@@ -238,4 +239,5 @@ def training_batches(
         lookahead=lookahead,
         sample_filter=sample_filter,
         start_batch=start_batch,
+        part=part,
     )

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from slipcache import _native
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.embedding.hostmem import set_huge_pages
 from slipcache.errors import SlipcacheError
@@ -79,16 +80,12 @@ def evaluate(
     labels: list[np.ndarray] = []
     probs: list[np.ndarray] = []
     seen = 0
-    for batch in BatchIterator(split, batch_size, shuffle=False, seed=0, drop_last=False):
-        take = (
-            batch.labels.shape[0] if max_samples is None else min(batch.labels.shape[0], max_samples - seen)
-        )
-        logits = model(batch.dense[:take], batch.sparse[:take])
-        labels.append(batch.labels[:take].numpy())
+    part = getattr(model, "input_part", None)  # a rank of N reads its slice of every batch
+    for batch in BatchIterator(split, batch_size, drop_last=False, stop=max_samples, part=part):
+        logits = batch.logits(model)
+        labels.append(batch.labels.numpy())
         probs.append(torch.sigmoid(logits).numpy())
-        seen += take
-        if max_samples is not None and seen >= max_samples:
-            break
+        seen += len(batch)
     model.train(was_training)
     if not labels:
         raise SlipcacheError("cannot evaluate on an empty split")
@@ -191,8 +188,9 @@ def _crossed(before: int, after: int, every: int) -> bool:
 def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
-    if config.threads is not None:  # --threads: this process's torch threads for the run
+    if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
         torch.set_num_threads(config.threads)
+        _native.set_threads(config.threads)
     if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
         set_huge_pages(config.huge_pages)
     state: dict[str, Any] | None = None
@@ -302,6 +300,7 @@ def epoch_batches(run: Run) -> Any:
         start_batch=run.progress.batch_in_epoch,
         sample_filter=run.callbacks.sample_filter(run),
         time_order=run.config.time_order,
+        part=None if run.callbacks.reads_batch_ids else getattr(run.model, "input_part", None),
     )
 
 
@@ -315,7 +314,7 @@ def train_step(run: Run, batch: Any, batches: Any = None) -> tuple[float, torch.
     ahead = lookahead_batches(run.config)
     if ahead and batches is not None:
         run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], run.config.prefetch)
-    logits = run.model(batch.dense, batch.sparse)
+    logits = batch.logits(run.model)
     weights = run.callbacks.loss_weights(run, batch.labels.shape[0])
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, weight=weights)
     loss_value = loss.item()

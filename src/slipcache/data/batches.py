@@ -1,0 +1,281 @@
+"""`Batch` and `BatchIterator`: a split cut into training or evaluation batches, whole or one rank's part.
+
+The iterator decides a batch's rows by their positions in the split first (the epoch's order, the sample
+filter) and reads the rows only then, so a rank of N reads just its slice of every global batch
+(`part=(rank, N)`): its dense and sparse rows, plus the global batch's labels (4 bytes per sample) that
+the loss and every metric are computed over on every rank. The batches are those of the whole-batch
+iterator, sliced.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slipcache.errors import SlipcacheError
+
+if typing.TYPE_CHECKING:
+    from slipcache.data.dataset import SplitArrays
+
+SampleFilter = Callable[[np.ndarray], np.ndarray]
+
+
+def slice_bounds(batch: int, world_size: int, rank: int) -> tuple[int, int]:
+    """This rank's [start, end) of a global batch: sizes differ by at most one, larger ones first."""
+    base, extra = divmod(batch, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+@dataclass
+class Batch:
+    """dense float32 [b, 13], sparse int64 [b, 26], labels float32 [B].
+
+    `rows` is None for a whole batch (b = B); for one rank's part it is the [start, end) of the global
+    batch that dense and sparse hold, while labels stay the global batch's.
+    """
+
+    dense: torch.Tensor
+    sparse: torch.Tensor
+    labels: torch.Tensor
+    rows: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        """Samples in the (global) batch."""
+        return int(self.labels.shape[0])
+
+    def logits(self, model: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """`model`'s logits of the global batch; a rank's part goes with the global batch size
+        (`DistributedDLRM.forward`), a whole batch as (dense, sparse) alone."""
+        if self.rows is None:
+            return model(self.dense, self.sparse)
+        return model(self.dense, self.sparse, batch_size=len(self))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(
+            self.dense.to(device, non_blocking=non_blocking),
+            self.sparse.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+            self.rows,
+        )
+
+
+class BatchIterator:
+    """One epoch of batches over a split, `chunk_batches` batches of positions at a time.
+
+    Order: with `shuffle`, chunks (contiguous sample ranges) are visited in a permuted order and samples
+    are permuted within each chunk, both derived from (seed, epoch), so an epoch is reproducible. With
+    `in_order` too, chunks keep their order and only samples within a chunk are permuted: time-ordered
+    data (synthetic v3, Criteo days) is then trained earlier days first, shuffled within windows.
+    `sample_filter(sparse int32 [n, 26]) -> bool [n]` drops samples before batches are cut, so every
+    batch but the last is full; it is called on batch-sized pieces only when a batch is assembled (on
+    `next`, `peek` or `lookahead`), so a stateful filter sees the state of the batches consumed so far.
+    `start_batch` resumes mid-epoch: the batches that follow are exactly those an uninterrupted iterator
+    would yield (without a filter it jumps there directly; with one it re-runs the filter over the skipped
+    batches, so the filter must decide the same way again). `peek(k)` returns the next k batches without
+    consuming them; `lookahead` keeps that many assembled ahead after each step. `stop` reads only the
+    split's first `stop` rows. `part=(rank, world_size)` reads only that rank's slice of every batch
+    (`slice_bounds`; see the module doc); a sample filter still reads the ids of every row it decides on.
+
+    Counters: `samples_seen` counts samples in yielded batches, `samples_dropped` those the filter
+    removed before them (the filter's drops after the last batch are added when the epoch ends);
+    `batch_index` is the index of the next batch, usable as a later `start_batch`; `bytes_read` the bytes
+    of rows taken from the split.
+    """
+
+    def __init__(
+        self,
+        split: SplitArrays,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        epoch: int = 0,
+        drop_last: bool = False,
+        lookahead: int = 0,
+        sample_filter: SampleFilter | None = None,
+        start_batch: int = 0,
+        chunk_batches: int = 64,
+        in_order: bool = False,
+        stop: int | None = None,
+        part: tuple[int, int] | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise SlipcacheError(f"batch size must be at least 1, got {batch_size}")
+        if lookahead < 0 or start_batch < 0 or chunk_batches < 1:
+            raise SlipcacheError("lookahead and start_batch must be >= 0 and chunk_batches >= 1")
+        if part is not None and not 0 <= part[0] < part[1]:
+            raise SlipcacheError(f"part must be (rank, world size) with 0 <= rank < world size, got {part}")
+        self.split = split
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = epoch
+        self.drop_last = drop_last
+        self.lookahead = lookahead
+        self.sample_filter = sample_filter
+        self.part = part
+        self.chunk_size = batch_size * chunk_batches
+        self.rows = len(split) if stop is None else max(0, min(len(split), stop))
+        starts = np.arange(0, self.rows, self.chunk_size, dtype=np.int64)
+        self._chunks = [(int(s), int(min(s + self.chunk_size, self.rows))) for s in starts]
+        if shuffle and not in_order:
+            order = np.random.default_rng([seed, epoch]).permutation(len(self._chunks))
+            self._order = [int(i) for i in order]
+        else:
+            self._order = list(range(len(self._chunks)))
+        self.samples_seen = 0
+        self.samples_dropped = 0
+        self.batch_index = 0
+        self.bytes_read = 0
+        self._tail_dropped = 0
+        self._exhausted = False
+        self._buffer: deque[tuple[Batch, int]] = deque()
+        self._gen = self._generate(start_batch)
+        self._fill(lookahead)
+
+    def __len__(self) -> int:
+        """Batches in the whole epoch (not the remaining ones); unknown with a sample filter."""
+        if self.sample_filter is not None:
+            raise TypeError("the number of batches is unknown when a sample_filter is set")
+        n = self.rows
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if not self._buffer:
+            self._fill(1)
+        if not self._buffer:
+            if not self._exhausted:
+                self._exhausted = True
+                self.samples_dropped += self._tail_dropped
+            raise StopIteration
+        batch, dropped = self._buffer.popleft()
+        self.samples_seen += len(batch)
+        self.samples_dropped += dropped
+        self.batch_index += 1
+        self._fill(self.lookahead)
+        return batch
+
+    def peek(self, k: int) -> list[Batch]:
+        """The next k batches (fewer at the end of the epoch), without consuming them."""
+        self._fill(k)
+        return [batch for batch, _ in list(self._buffer)[:k]]
+
+    def _fill(self, k: int) -> None:
+        while len(self._buffer) < k:
+            item = next(self._gen, None)
+            if item is None:
+                return
+            self._buffer.append(item)
+
+    # ------------------------------------------------------------------------------------- reading
+    def _positions(self, chunk: int) -> np.ndarray:
+        """The split positions of one chunk, in the epoch's order."""
+        start, end = self._chunks[chunk]
+        positions = np.arange(start, end, dtype=np.int64)
+        if self.shuffle:
+            positions = positions[np.random.default_rng([self.seed, self.epoch, chunk]).permutation(end - start)]
+        return positions
+
+    def _take(self, column: typing.Any, positions: np.ndarray) -> np.ndarray:
+        """Rows of a column at `positions`: one slice when they are a run (unshuffled), else a gather."""
+        if len(positions) and int(positions[-1]) - int(positions[0]) + 1 == len(positions) and not self.shuffle:
+            rows = np.array(column[int(positions[0]) : int(positions[-1]) + 1])  # a copy: not the file's pages
+        else:
+            rows = np.asarray(column[positions])
+        self.bytes_read += rows.nbytes
+        return rows
+
+    def _batch(self, positions: np.ndarray, sparse: np.ndarray | None) -> Batch:
+        """The batch of these positions (this rank's part of it with `part`); `sparse`: ids already read."""
+        n = len(positions)
+        start, end = (0, n) if self.part is None else slice_bounds(n, self.part[1], self.part[0])
+        mine = positions[start:end]
+        labels = self._take(self.split.labels, positions)
+        dense = self._take(self.split.dense, mine)
+        ids = sparse[start:end] if sparse is not None else self._take(self.split.sparse, mine)
+        return Batch(
+            dense=torch.from_numpy(np.ascontiguousarray(dense)),
+            sparse=torch.from_numpy(ids.astype(np.int64)),
+            labels=torch.from_numpy(np.ascontiguousarray(labels)),
+            rows=None if self.part is None else (start, end),
+        )
+
+    def _keep(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The positions the sample filter keeps, and their ids (read for the filter)."""
+        sparse = self._take(self.split.sparse, positions)
+        assert self.sample_filter is not None
+        # A filter that keeps per-input state (loss pruning) also gets the split positions.
+        wants = getattr(self.sample_filter, "wants_positions", False)
+        mask = self.sample_filter(sparse, positions) if wants else self.sample_filter(sparse)
+        mask = np.asarray(mask, dtype=bool)
+        if mask.shape != positions.shape:
+            raise SlipcacheError(f"sample_filter returned shape {mask.shape}, expected {positions.shape}")
+        return positions[mask], sparse[mask]
+
+    def _generate(self, start_batch: int) -> Iterator[tuple[Batch, int]]:
+        """Yield (batch, samples dropped by the filter since the previous batch)."""
+        first_chunk, offset = 0, 0
+        skip = start_batch
+        if self.sample_filter is None and start_batch > 0:
+            # Without a filter batch i is samples [i*B, (i+1)*B) of the epoch's order: jump straight there.
+            sizes = np.array([self._chunks[c][1] - self._chunks[c][0] for c in self._order], dtype=np.int64)
+            position = min(start_batch * self.batch_size, int(sizes.sum()))
+            ends = np.cumsum(sizes)
+            first_chunk = int(np.searchsorted(ends, position, side="right"))
+            offset = position - int(ends[first_chunk - 1] if first_chunk > 0 else 0)
+            self.samples_seen = position
+            self.batch_index = start_batch
+            skip = 0
+        B = self.batch_size
+        carry: np.ndarray | None = None  # positions of the rows that fill no batch yet
+        carry_ids: np.ndarray | None = None  # their ids, when the filter read them
+        dropped = 0
+        for chunk in self._order[first_chunk:]:
+            positions = self._positions(chunk)[offset:]
+            offset = 0
+            # Filter a batch-sized piece at a time, as late as possible: a stateful filter (stale-input
+            # skipping) then decides with its state as of the batches consumed so far.
+            pieces = [positions] if self.sample_filter is None else [positions[i : i + B] for i in range(0, len(positions), B)]
+            for piece in pieces:
+                ids = None
+                if self.sample_filter is not None:
+                    kept, ids = self._keep(piece)
+                    dropped += len(piece) - len(kept)
+                    piece = kept
+                if carry is not None:
+                    piece = np.concatenate([carry, piece])
+                    ids = None if ids is None else np.concatenate([carry_ids, ids])  # type: ignore[list-item]
+                full = len(piece) // B
+                for i in range(full):
+                    if skip:
+                        skip -= 1
+                        self.samples_seen += B
+                        self.samples_dropped += dropped
+                        self.batch_index += 1
+                        dropped = 0
+                        continue
+                    part = slice(i * B, (i + 1) * B)
+                    item = (self._batch(piece[part], None if ids is None else ids[part]), dropped)
+                    dropped = 0
+                    yield item
+                carry = piece[full * B :]
+                carry_ids = None if ids is None else ids[full * B :]
+        if carry is not None and len(carry) and not self.drop_last:
+            if skip:
+                self.samples_seen += len(carry)
+                self.samples_dropped += dropped
+                self.batch_index += 1
+            else:
+                yield self._batch(carry, carry_ids), dropped
+            dropped = 0
+        self._tail_dropped = dropped
