@@ -88,7 +88,9 @@ def test_cached_embeddings_end_to_end(data_dir: Path, tmp_path: Path) -> None:
     assert (run / "hit_rate.png").is_file()
 
 
-@pytest.mark.parametrize("embeddings", ["torch", "cached", "cached-streamed", "cached-streamed-mapped"])
+@pytest.mark.parametrize(
+    "embeddings", ["torch", "cached", "cached-streamed", "cached-streamed-mapped", "cached-streamed-files"]
+)
 def test_resume_matches_uninterrupted(
     embeddings: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -100,15 +102,18 @@ def test_resume_matches_uninterrupted(
             raw.setattr(hostmem, "MIN_BYTES", 1)
             raw.setattr(hostmem, "thp_setting", lambda path=None: "madvise")
             raw.setenv(hostmem.ENV_HUGE_PAGES, "on")
-        _resume_matches_uninterrupted("cached" if streamed else embeddings, data_dir, tmp_path, monkeypatch)
+        rows = tmp_path / "rows"
+        extra = {"storage_path": str(rows)} if embeddings.endswith("files") else {}  # rows in mapped files
+        _resume_matches_uninterrupted("cached" if streamed else embeddings, data_dir, tmp_path, monkeypatch, extra)
+        assert not rows.exists() or list(rows.iterdir()) == []
         lazy = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints", lazy=True)
         assert checkpoint.raw_bytes(lazy) > 0 if streamed else checkpoint.raw_bytes(lazy) == 0
 
 
 def _resume_matches_uninterrupted(
-    embeddings: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    embeddings: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: dict | None = None
 ) -> None:
-    settings = {"embeddings": embeddings, "cache_size": 0.25}
+    settings = {"embeddings": embeddings, "cache_size": 0.25, **(extra or {})}
     full = train.train(tiny(data_dir, tmp_path / "full", **settings))
 
     real_loss = torch.nn.functional.binary_cross_entropy_with_logits

@@ -408,6 +408,7 @@ int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const i
 typedef struct {
     float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
     int64_t slot_lo, slot_hi;  /* the slots this thread owns: updates of other slots are skipped */
+    const int64_t *order;      /* when given: the n positions to update, in batch order (else 0..n-1) */
 } sgd_args;
 
 /* Whether any of the n floats at v is inf or NaN (exponent all ones). */
@@ -425,8 +426,9 @@ static inline int any_nonfinite(const float *v, int64_t n) {
 ROW_LOOPS static int sgd_all(const sgd_args *a) {
     size_t row_bytes = (size_t)a->dim * sizeof(float);
     int nonfinite = 0;
-    for (int64_t i = 0; i < a->n; i++) {
-        int64_t later = i + AHEAD < a->n ? a->slots[i + AHEAD] : -1;
+    for (int64_t k = 0; k < a->n; k++) {
+        int64_t i = a->order ? a->order[k] : k, ahead = k + AHEAD;
+        int64_t later = ahead < a->n ? a->slots[a->order ? a->order[ahead] : ahead] : -1;
         if (later >= a->slot_lo && later < a->slot_hi)  /* a later row on its way while this one is updated */
             prefetch_span(a->weights + later * a->dim, row_bytes, 1);
         int64_t s = a->slots[i];
@@ -445,12 +447,23 @@ ROW_LOOPS static int sgd_all(const sgd_args *a) {
    in batch order, exactly as on one thread: results are bit-identical for any thread count. */
 #define UPDATE_GRAIN 1024 /* lookups per part at least */
 
-typedef struct { sgd_args base; int64_t num_slots; int nonfinite[POOL_MAX]; } sgd_job;
+typedef struct { sgd_args base; int64_t num_slots; int64_t *order; int nonfinite[POOL_MAX]; } sgd_job;
 
+/* Part p first lists the positions of its own slots, in batch order and without a branch (whose outcome
+   would be a coin toss per lookup), then updates only those. */
 static void sgd_part(void *job_, int64_t part, int64_t parts) {
     sgd_job *job = job_;
     sgd_args a = job->base;
     part_range(job->num_slots, part, parts, &a.slot_lo, &a.slot_hi);
+    if (job->order) {
+        int64_t *order = job->order + part * a.n, count = 0;
+        for (int64_t i = 0; i < a.n; i++) {
+            int64_t s = a.slots[i];
+            order[count] = i;
+            count += (s >= a.slot_lo) & (s < a.slot_hi);
+        }
+        a.order = order, a.n = count;
+    }
     job->nonfinite[part] = sgd_all(&a);
 }
 
@@ -458,8 +471,11 @@ static int sgd_split(float *weights, int64_t num_slots, int64_t dim, const int64
                      int64_t n, float lr) {
     int64_t parts = parts_for(n, UPDATE_GRAIN), nonfinite = 0;
     if (parts > num_slots) parts = num_slots > 1 ? num_slots : 1;
-    sgd_job job = {{weights, dim, slots, grad, n, lr, 0, num_slots}, num_slots, {0}};
+    /* Without memory for the position lists each part tests every lookup instead (the same updates). */
+    int64_t *order = n >= UPDATE_GRAIN ? malloc((size_t)(parts * n) * sizeof(int64_t)) : 0;
+    sgd_job job = {{weights, dim, slots, grad, n, lr, 0, num_slots, 0}, num_slots, order, {0}};
     run_parts(sgd_part, &job, parts);
+    free(order);
     for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
     return nonfinite != 0;
 }
