@@ -99,7 +99,7 @@ static void lookup_part(void *job_, int64_t part, int64_t parts) {
 int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
                const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used, int32_t *use_count,
                int32_t step) {
-    int64_t parts = parts_for(n, LOOKUP_GRAIN), hits = 0;
+    int64_t parts = chunks_for(n, LOOKUP_GRAIN), hits = 0;
     lookup_job job = {{slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
                        step, 0, parts > 1}, {0}};
     run_parts(lookup_part, &job, parts);
@@ -207,7 +207,7 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
                       int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
                       float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
                       int64_t misses_col) {
-    int64_t parts = parts_for(batch * tables, LOOKUP_GRAIN), hits = 0;
+    int64_t parts = chunks_for(batch * tables, LOOKUP_GRAIN), hits = 0;
     int64_t *table_hits = calloc((size_t)(tables * parts), sizeof(int64_t));  /* [parts, tables] */
     if (!table_hits) return -1;
     gather_job job = {{{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
@@ -493,7 +493,7 @@ static void finite_part(void *job_, int64_t part, int64_t parts) {
 }
 
 static int all_finite_split(const float *values, int64_t n) {
-    int64_t parts = parts_for(n, FINITE_GRAIN);
+    int64_t parts = chunks_for(n, FINITE_GRAIN);
     finite_job job = {values, n, {0}};
     run_parts(finite_part, &job, parts);
     for (int64_t p = 0; p < parts; p++) {
@@ -592,7 +592,7 @@ int64_t adagrad_update(float *weights, int64_t num_slots, int64_t dim, const int
         if (t < 0 || t >= num_slots || state_rows[i] < 0 || state_rows[i] >= num_state_rows) return i;
     }
     adagrad_job job = {{weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps}, {0}};
-    int64_t parts = parts_for(n, ADAGRAD_GRAIN), nonfinite = 0;
+    int64_t parts = chunks_for(n, ADAGRAD_GRAIN), nonfinite = 0;
     run_parts(adagrad_part, &job, parts);
     for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
     return nonfinite ? -3 : -1;
@@ -832,7 +832,7 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
     quantize_job job = {{values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code,
                          bad, 0, n, 0, source}, {0}};
-    int64_t parts = parts_for(n, QUANTIZE_GRAIN), bad_count = 0;
+    int64_t parts = chunks_for(n, QUANTIZE_GRAIN), bad_count = 0;
     run_parts(quantize_part, &job, parts);
     for (int64_t p = 0; p < parts; p++) bad_count += job.bad_count[p];
     return bad_count;
@@ -900,7 +900,7 @@ int64_t dequantize_rows(const void *payload, int kind, const uint16_t *bias, con
                         const float *scales, const int64_t *rows, int64_t n, int64_t dim, float *out) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
     dequantize_job job = {payload, kind, bias, scale_code, scales, rows, n, dim, out, {0}};
-    int64_t parts = parts_for(n, DEQUANTIZE_GRAIN);
+    int64_t parts = chunks_for(n, DEQUANTIZE_GRAIN);
     run_parts(dequantize_part, &job, parts);
     for (int64_t p = 0; p < parts; p++) {
         if (job.status[p] != 0) return job.status[p];
