@@ -52,7 +52,7 @@ def add_huge_pages_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--huge-pages", choices=HUGE_PAGE_CHOICES, default=None, dest="huge_pages",
                         help="back the tables' storage, cache and optimizer state with transparent huge pages: on, "
                         "off, or auto (tensors of 64 MiB and more); where the kernel has none, off (default: "
-                        "$SLIPCACHE_HUGE_PAGES, else auto)")
+                        "$SLIPCACHE_HUGE_PAGES, else off)")
 
 
 @contextlib.contextmanager

@@ -10,9 +10,10 @@ anonymous memory map of exactly its bytes (the kernel aligns a map whose length 
 interior is marked: the last partial 2 MiB stays in 4 KiB pages, so nothing beyond the tensor's own bytes
 becomes resident and the memory accounting (which counts the tensors' bytes) stays exact.
 
-`SLIPCACHE_HUGE_PAGES` = on | off | auto chooses (default `auto`: huge pages for tensors of 64 MiB and more,
-far beyond what the TLB covers in 4 KiB pages; on this machine they made the embedding bench 1.6-2.4x
-faster, docs/scale.md); `set_huge_pages` sets it for the process (`--huge-pages`). Where huge pages are unavailable
+`SLIPCACHE_HUGE_PAGES` = on | off | auto chooses (auto: tensors of 64 MiB and more, far beyond what the TLB
+covers in 4 KiB pages). Default `off`: on this machine they made the embedding bench 1.7-2.3x faster but
+training at the MLPerf sizes no faster (docs/scale.md). `set_huge_pages` sets it for the process
+(`--huge-pages`). Where huge pages are unavailable
 (`never`, not Linux, no `madvise`) every mode allocates as torch does, silently.
 """
 
@@ -35,7 +36,7 @@ from slipcache.errors import SlipcacheError
 
 HUGE_PAGE = 2 << 20
 HUGE_PAGE_MODES = HUGE_PAGE_CHOICES
-DEFAULT_HUGE_PAGES = "auto"
+DEFAULT_HUGE_PAGES = "off"
 # auto: huge pages only for tensors this large (the TLB covers about 8 MiB in 4 KiB pages), where a random
 # row's read misses the TLB; small tables (tests, --quick) are allocated as torch does
 AUTO_MIN_BYTES = 64 << 20

@@ -115,7 +115,7 @@ class TrainConfig:
     huge_pages: str | None = _flag(None, "back the tables' storage, cache and optimizer state with transparent huge "
                                    "pages: on, off, or auto (tensors of 64 MiB and more); where the kernel has none, "
                                    "off (docs/scale.md)", choices=HUGE_PAGE_CHOICES,
-                                   default_text="$SLIPCACHE_HUGE_PAGES, else auto")
+                                   default_text="$SLIPCACHE_HUGE_PAGES, else off")
     # model
     embedding_dim: int = _flag(_EMB["dim"], "embedding dimension", flag=("--dim",))
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
