@@ -11,8 +11,8 @@ interior is marked: the last partial 2 MiB stays in 4 KiB pages, so nothing beyo
 becomes resident and the memory accounting (which counts the tensors' bytes) stays exact.
 
 `SLIPCACHE_HUGE_PAGES` = on | off | auto chooses (auto: tensors of 64 MiB and more, far beyond what the TLB
-covers in 4 KiB pages). Default `off`: on this machine they made the embedding bench 1.7-2.3x faster but
-training at the MLPerf sizes no faster (docs/scale.md). `set_huge_pages` sets it for the process
+covers in 4 KiB pages). Default `off`: on this machine they made the embedding bench 1.12-1.43x faster
+(quiet) but training at the MLPerf sizes no faster (docs/scale.md). `set_huge_pages` sets it for the process
 (`--huge-pages`). Where huge pages are unavailable
 (`never`, not Linux, no `madvise`) every mode allocates as torch does, silently.
 """
