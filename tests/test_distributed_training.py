@@ -68,6 +68,10 @@ def test_two_processes_train_like_one_step_by_step(data_dir: Path, tmp_path: Pat
     run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "two"), settings))
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     single, double = _events(tmp_path / "one"), _events(tmp_path / "two")
+    saved = [[e for e in events if e["event"] == "checkpoint"] for events in (single, double)]
+    assert [e["samples"] for e in saved[0]] == [e["samples"] for e in saved[1]] == [315, 630, 945, 1260, 1449]
+    assert all(e["bytes"] > 0 for e in saved[1])  # every rank's file, as the step's manifest records them
+    single, double = ([e for e in events if e["event"] == "train"] for events in (single, double))
     assert len(single) == len(double) == 23
     for a, b in zip(single, double, strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)

@@ -146,7 +146,7 @@ def test_export_refuses_in_one_line_when_disk_or_memory_is_short(
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
-    with pytest.raises(memory.SlipcacheError, match=r"^export: fp32 of .* rows at dim .* need .* GB on disk, .* free"):
+    with pytest.raises(memory.SlipcacheError, match=r"^export: fp32 of .* rows at dim .* need .* GB on disk \(fp32 .* GB\), .* free"):
         export.check_room(run_dir, tmp_path / "new" / "dir", ("fp32",))
     assert not (tmp_path / "new").exists()  # nothing written
     monkeypatch.undo()

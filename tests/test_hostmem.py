@@ -146,3 +146,54 @@ def test_the_flag_sets_the_mode_for_the_command_only(monkeypatch: pytest.MonkeyP
     assert parser.parse_args(["--huge-pages", "off"]).huge_pages == "off"
     with pytest.raises(SystemExit):
         parser.parse_args(["--huge-pages", "yes"])
+
+
+def _mapped_from(address: int) -> str:
+    """The file (or [anon] tag) of the map holding `address`, as /proc/self/maps names it."""
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            fields = line.split(maxsplit=5)
+            start, end = (int(v, 16) for v in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return ""
+
+
+def test_file_backed_rows_live_in_an_unnamed_file_in_the_directory(tmp_path: Path) -> None:
+    rows = hostmem.file_backed((1000, 16), torch.uint8, tmp_path / "rows")
+    assert not rows.any()
+    rows[7] = 9
+    assert int(rows[7, 3]) == 9 and rows.sum() == 9 * 16
+    assert list((tmp_path / "rows").iterdir()) == []  # unlinked at once: nothing left whatever happens
+    assert _mapped_from(rows.data_ptr()).startswith(str(tmp_path / "rows"))
+
+
+def test_file_backed_rows_that_do_not_fit_the_disk_are_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hostmem.os, "posix_fallocate", full)
+    with pytest.raises(SlipcacheError, match="do not fit the .* GB free there"):
+        hostmem.file_backed((1 << 20,), torch.float32, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_collection_with_a_storage_path_trains_bit_for_bit_as_in_memory(tmp_path: Path) -> None:
+    states = []
+    for path in (None, str(tmp_path / "rows")):
+        config = EmbeddingConfig([3000, 200, 50], dim=16, precision=["int4", "int8", "int4"], cache_size=0.05,
+                                 storage_path=path)
+        coll = CachedEmbeddingBagCollection(config)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            ids = torch.stack([torch.randint(0, n, (128,), generator=generator) for n in config.table_sizes], 1)
+            coll(ids).square().sum().backward()
+        states.append(coll.state_dict())
+        storage = [b for n, b in coll.named_buffers() if n.endswith(("payload", "bias", "scale_code"))]
+        assert storage and all(_mapped_from(b.data_ptr()).startswith(str(tmp_path)) is bool(path) for b in storage)
+    for name, tensor in states[0].items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(tensor, states[1][name]), name
+    assert list((tmp_path / "rows").iterdir()) == []

@@ -1,10 +1,14 @@
 """The memory pre-check: bytes needed are known before allocating, and a shortfall is one clear line."""
 
+import dataclasses
+import types
 from pathlib import Path
 
 import pytest
 
 from slipcache import memory
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from slipcache.errors import SlipcacheError
 from slipcache.memory import GB, MemoryShortError, require_tables_fit, table_bytes
 from slipcache.model import build_embeddings
 
@@ -70,3 +74,17 @@ def test_available_memory_is_the_smaller_of_meminfo_and_the_cgroup(
     monkeypatch.setenv(memory.ENV_AVAILABLE, "lots")
     with pytest.raises(memory.SlipcacheError, match=memory.ENV_AVAILABLE):
         memory.available_bytes()
+
+
+def test_storage_in_files_counts_only_what_stays_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes, dim = [40_000_000, 1000], 128
+    in_ram = EmbeddingConfig(sizes, dim=dim, precision="int4", cache_size=0.01, optimizer="rowwise_adagrad")
+    in_files = EmbeddingConfig(**{**dataclasses.asdict(in_ram), "storage_path": str(tmp_path / "rows")})
+    parts = CachedEmbeddingBagCollection.estimate_memory(in_ram)["components"]
+    storage = parts["storage_payload"] + parts["quantization_params"]
+    assert memory.config_bytes(in_files) == memory.config_bytes(in_ram) - storage
+    assert memory.require_storage_room(in_files, "train") == storage
+    monkeypatch.setattr(memory.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=storage - 1))
+    with pytest.raises(SlipcacheError, match=r"^train: the row storage needs 2\.\d GB on disk under .*rows"):
+        memory.require_config_fits(in_files, "train")
+    assert not (tmp_path / "rows").exists()  # refused before anything was created

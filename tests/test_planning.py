@@ -137,3 +137,28 @@ def test_plan_drives_a_training_run(tmp_path: Path) -> None:
         sum(t["total_bytes"] for t in tables.memory_report()["per_table"]) == planned["plan"]["planned_bytes"]
     )
     assert summary["cache_hit_rate"] > 0
+
+
+def test_plan_runs_the_memory_pre_check_on_what_it_proposes(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slipcache import memory
+
+    data = make_dataset(tmp_path / "data", n=400, skewed=True)
+    base = ["plan", "--data", str(data), "--dim", "8", "--sample-rows", "200"]
+    assert cli.main([*base, "--budget-gb", "0.000008"]) == 0
+    assert "warning" not in capsys.readouterr().err  # fits this machine
+
+    monkeypatch.setenv(memory.ENV_AVAILABLE, "0.5")  # less than the runtime alone: nothing fits
+    out = tmp_path / "plan.toml"
+    assert cli.main([*base, "--budget-gb", "0.000008", "--out", str(out)]) == 0  # a plan for another machine
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("slipcache plan: warning: does not fit this machine: plan: ") and "available 0.5 GB" in err
+    assert out.is_file()
+
+    monkeypatch.setenv(memory.ENV_AVAILABLE, "1.001")  # the small plan fits, a budget of 0.5 GB would not
+    assert cli.main([*base, "--budget-gb", "0.5"]) == 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--budget-gb 0.5 is more than this machine has available for tables (0.0 GB)" in err

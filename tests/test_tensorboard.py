@@ -48,7 +48,8 @@ def test_event_files_hold_the_metrics_jsonl_scalars(tmp_path: Path) -> None:
             logged = {e.step: e.value for e in accumulator.Scalars(tag)}
             assert logged[event["samples"]] == pytest.approx(value, rel=1e-6)
     assert accumulator.Scalars("test/auc")[-1].value == pytest.approx(summary["auc"], rel=1e-6)
-    assert all("hit_rate_per_table" in e and "memory_bytes" in e for e in events)
+    assert all("hit_rate_per_table" in e and "memory_bytes" in e for e in events if e["event"] == "train")
+    assert "checkpoint/bytes" in tags and "checkpoint/write_s" in tags
 
 
 def test_scalars_skip_text_and_missing_values() -> None:

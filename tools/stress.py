@@ -64,12 +64,13 @@ SUMMARY_KEYS = ("auc", "logloss", "accuracy", "normalized_entropy", "train_sampl
 
 
 def timing_free(value: Any) -> Any:
-    """Events and progress without wall-clock fields, which differ between any two runs."""
+    """Events and progress without wall-clock fields, which differ between any two runs (a checkpoint
+    event's bytes too: the file holds the events before it, timings included)."""
     if isinstance(value, dict):
         return {
             k: timing_free(v)
             for k, v in value.items()
-            if not (k.endswith("_s") or k.endswith("seconds") or k in ("events",))
+            if not (k.endswith("_s") or k.endswith("seconds") or k in ("events", "bytes"))
         }
     if isinstance(value, list):
         return [timing_free(v) for v in value]

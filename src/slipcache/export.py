@@ -15,20 +15,33 @@ Written into `--out DIR`:
 
 The values are the trained fp32 rows: cached rows overlaid on storage, exactly what the model reads.
 Names follow TorchRec's Criteo convention (feature `cat_{t}`, table `t_cat_{t}`).
+
+Streaming: the MLPerf tables are 104.5 GB in fp32, so the export holds the trained (quantized) model and
+one chunk of rows (`CHUNK_BYTES` of fp32) at a time. One pass over the tables feeds every format; each
+file is the one `torch.save` of the whole structure would write (`slipcache.torchfile`), its tensors written
+record by record. The files go into a temporary directory beside `--out`, renamed into place when complete.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from slipcache.cli import add_huge_pages_flag, add_threads_flag
 from slipcache.errors import SlipcacheError
+from slipcache.torchfile import TensorSlot, TorchFileWriter
 
 FORMATS = ("fp32", "torchrec", "int8", "tbe-int8")
 FILES = {
@@ -39,6 +52,11 @@ FILES = {
 }
 
 
+CHUNK_BYTES = 1 << 26  # fp32 rows read, converted and written at once (64 MiB)
+STAGING_SUFFIX = ".export-tmp"  # the directory an export writes into before it is renamed to --out
+PROGRESS_VALUES = 1 << 30  # a progress bar from this many values on (as for creating tables)
+
+
 def table_name(t: int) -> str:
     return f"t_cat_{t}"
 
@@ -47,19 +65,54 @@ def feature_name(t: int) -> str:
     return f"cat_{t}"
 
 
-def load_tables(checkpoint: str | Path) -> list[torch.Tensor]:
-    """The fp32 tables of a training checkpoint (file, checkpoints dir or run dir; one process or many:
-    a run of N processes is read from its newest complete checkpoint, every rank's shards)."""
+class TableRows:
+    """The fp32 rows of a model's tables, read a bounded chunk of rows at a time (at the MLPerf sizes the
+    tables are 104.5 GB in fp32: an export may hold the quantized model, never the tables in fp32)."""
+
+    def __init__(self, sizes: list[int], dim: int, read: Callable[[int, int, int], torch.Tensor]) -> None:
+        self.sizes, self.dim, self._read = [int(n) for n in sizes], int(dim), read
+        self.chunk_rows = max(1, CHUNK_BYTES // (4 * self.dim))
+
+    def chunks(self, t: int) -> Iterator[torch.Tensor]:
+        """Table `t`'s rows in order, `chunk_rows` at a time (fp32, CPU)."""
+        for start in range(0, self.sizes[t], self.chunk_rows):
+            yield self._read(t, start, min(start + self.chunk_rows, self.sizes[t])).detach().float().cpu()
+
+    @classmethod
+    def of_tensors(cls, tables: list[torch.Tensor]) -> TableRows:
+        return cls([t.shape[0] for t in tables], tables[0].shape[1], lambda t, a, b: tables[t][a:b])
+
+    @classmethod
+    def of_model(cls, embeddings: Any) -> TableRows:
+        """A trained collection's rows: cached rows overlaid on storage, exactly what the model reads."""
+        if hasattr(embeddings, "read_rows"):
+            offsets = [int(o) for o in embeddings.table_offsets]
+
+            def read(t: int, start: int, stop: int) -> torch.Tensor:
+                rows = torch.arange(offsets[t] + start, offsets[t] + stop, device=embeddings.device)
+                with torch.no_grad():
+                    return embeddings.read_rows(rows)
+
+            return cls(list(embeddings.table_sizes), embeddings.dim, read)
+        bags = embeddings.bags  # the fp32 nn.EmbeddingBag baseline
+        return cls([b.num_embeddings for b in bags], bags[0].embedding_dim, lambda t, a, b: bags[t].weight[a:b])
+
+
+def open_tables(checkpoint: str | Path) -> TableRows:
+    """The tables of a training checkpoint (file, checkpoints dir or run dir; one process or many: a run of
+    N processes is read from its newest complete checkpoint, every rank's shards), read chunk by chunk."""
     from slipcache.training.saved_run import find_checkpoint, load_saved_model
 
     saved = find_checkpoint(checkpoint, "--checkpoint")
     state = saved.read()
     model = load_saved_model(saved, state, num_dense=1, dense=False)  # the dense part is not exported
-    embeddings = model.embeddings
-    with torch.no_grad():
-        if hasattr(embeddings, "export_tables"):
-            return [t.detach().float().cpu() for t in embeddings.export_tables()]
-        return [bag.weight.detach().float().clone() for bag in embeddings.bags]
+    return TableRows.of_model(model.embeddings)
+
+
+def load_tables(checkpoint: str | Path) -> list[torch.Tensor]:
+    """Every fp32 table of a checkpoint at once (small runs and tests; `open_tables` streams)."""
+    rows = open_tables(checkpoint)
+    return [torch.cat(list(rows.chunks(t))) for t in range(len(rows.sizes))]
 
 
 def quantize_rowwise_int8(table: torch.Tensor) -> torch.Tensor:
@@ -102,45 +155,133 @@ def quantize_tbe_int8(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scale_bias
 
 
-def export_tables(
-    tables: list[torch.Tensor], out: str | Path, formats: tuple[str, ...] = FORMATS
-) -> dict[str, Path]:
-    """Write `tables` into `out` in each of `formats`; returns {format: file}."""
-    out = Path(out)
+def _slots(fmt: str, sizes: list[int], dim: int) -> tuple[Any, list[list[TensorSlot]]]:
+    """A format's file structure (what torch.load returns) with slots for the tensors, and each table's
+    slots in the order their bytes are written."""
+    f32, u8 = torch.float32, torch.uint8
+    if fmt in ("fp32", "torchrec"):
+        per = [[TensorSlot(f32, (n, dim))] for n in sizes]
+        if fmt == "fp32":
+            return {table_name(t): {"weight": s[0]} for t, s in enumerate(per)}, per
+        return {f"embedding_bags.{table_name(t)}.weight": s[0] for t, s in enumerate(per)}, per
+    if fmt == "int8":
+        per = [[TensorSlot(u8, (n, dim + 8))] for n in sizes]
+        return {table_name(t): s[0] for t, s in enumerate(per)}, per
+    if fmt == "tbe-int8":
+        per = [[TensorSlot(u8, (n, dim)), TensorSlot(u8, (n, 4))] for n in sizes]
+        return [tuple(s) for s in per], per
+    raise SlipcacheError(f"export format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def _convert(fmt: str, chunk: torch.Tensor) -> list[torch.Tensor]:
+    """A chunk of fp32 rows in a format: one tensor per slot of the table (every layout is per row)."""
+    if fmt in ("fp32", "torchrec"):
+        return [chunk.contiguous()]
+    if fmt == "int8":
+        return [quantize_rowwise_int8(chunk)]
+    return list(quantize_tbe_int8(chunk))
+
+
+def write_tables(rows: TableRows, directory: Path, formats: tuple[str, ...]) -> dict[str, Path]:
+    """Each format's file in `directory`, all in one pass over the tables, a chunk of rows at a time.
+
+    A table's first slot is written as its chunks come; its later slots (tbe-int8's scale and bias, 4 bytes
+    a row) are kept until the table ends, as the file holds them after its codes.
+    """
+    files: dict[str, tuple[TorchFileWriter, list[list[TensorSlot]]]] = {}
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        for fmt in formats:
+            structure, per_table = _slots(fmt, rows.sizes, rows.dim)
+            files[fmt] = (TorchFileWriter(directory / FILES[fmt], structure), per_table)
+        total = sum(rows.sizes)
+        with tqdm(total=total, unit="rows", unit_scale=True, desc="exporting", leave=False,
+                  disable=total * rows.dim < PROGRESS_VALUES or not sys.stderr.isatty()) as bar:
+            for t in range(len(rows.sizes)):
+                later: dict[str, list[list[torch.Tensor]]] = {fmt: [] for fmt in formats}
+                for chunk in rows.chunks(t):
+                    for fmt, (writer, per_table) in files.items():
+                        first, *rest = _convert(fmt, chunk)
+                        writer.write(per_table[t][0], first)
+                        later[fmt].append(rest)
+                    bar.update(chunk.shape[0])
+                for fmt, (writer, per_table) in files.items():
+                    for i, slot in enumerate(per_table[t][1:]):
+                        for pieces in later[fmt]:
+                            writer.write(slot, pieces[i])
+        for writer, _ in files.values():
+            writer.close()
+    except BaseException:
+        for writer, _ in files.values():
+            writer.abort()
+        raise
+    info = [
+        {"name": table_name(t), "feature_names": [feature_name(t)], "num_embeddings": n, "embedding_dim": rows.dim}
+        for t, n in enumerate(rows.sizes)
+    ]
+    (directory / "tables.json").write_text(json.dumps(info, indent=1) + "\n")
+    return {fmt: directory / FILES[fmt] for fmt in formats}
+
+
+def export_tables(
+    tables: list[torch.Tensor] | TableRows, out: str | Path, formats: tuple[str, ...] = FORMATS, *, force: bool = False
+) -> dict[str, Path]:
+    """Write the tables into directory `out` in each of `formats`; returns {format: file}.
+
+    All or nothing: the files are written into a temporary sibling of `out` and renamed into place at the
+    end, so an interrupted export leaves `out` as it was. An `out` that holds files is refused unless
+    `force` (then its contents are replaced, only once the new ones are complete).
+    """
+    out = Path(out)
+    for fmt in formats:
+        _slots(fmt, [1], 1)  # an unknown format stops before anything is written
+    staging = staging_dir(out, force)
+    try:
+        rows = tables if isinstance(tables, TableRows) else TableRows.of_tensors(tables)
+        written = write_tables(rows, staging, formats)
+        _move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {fmt: out / path.name for fmt, path in written.items()}
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse an `--out` that is a file, or a directory with files in it (unless `force`)."""
+    if out.exists() and not out.is_dir():
+        raise SlipcacheError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise SlipcacheError(f"--out {out} is not empty; choose a new directory, or --force to replace its contents")
+
+
+def staging_dir(out: Path, force: bool) -> Path:
+    """A new empty temporary directory beside `out` (same filesystem: the final rename is atomic)."""
+    check_out(out, force)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=STAGING_SUFFIX, dir=out.parent))
     except OSError as exc:
         raise SlipcacheError(f"{out}: cannot create output directory: {exc}") from exc
-    written: dict[str, Path] = {}
-    for fmt in formats:
-        if fmt == "fp32":
-            value: Any = {table_name(t): {"weight": w.contiguous()} for t, w in enumerate(tables)}
-        elif fmt == "torchrec":
-            value = {f"embedding_bags.{table_name(t)}.weight": w.contiguous() for t, w in enumerate(tables)}
-        elif fmt == "int8":
-            value = {table_name(t): quantize_rowwise_int8(w) for t, w in enumerate(tables)}
-        elif fmt == "tbe-int8":
-            value = [quantize_tbe_int8(w) for w in tables]
-        else:
-            raise SlipcacheError(f"export format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-        written[fmt] = out / FILES[fmt]
-        torch.save(value, written[fmt])
-    info = [
-        {
-            "name": table_name(t),
-            "feature_names": [feature_name(t)],
-            "num_embeddings": w.shape[0],
-            "embedding_dim": w.shape[1],
-        }
-        for t, w in enumerate(tables)
-    ]
-    (out / "tables.json").write_text(json.dumps(info, indent=1) + "\n")
-    return written
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Rename the complete export to `out`; a replaced `out` is moved aside first, then removed."""
+    staging.chmod(0o755)  # mkdtemp's 0700 is for the unfinished files only
+    if out.is_dir() and any(out.iterdir()):
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".replaced", dir=out.parent))
+        os.replace(out, old)  # onto the empty directory mkdtemp made
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, out)  # onto nothing, or onto an empty directory
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
-    parser.add_argument("--out", required=True, help="directory to write the exported tables into")
+    parser.add_argument(
+        "--out", required=True,
+        help="directory to write the exported tables into (new or empty; written beside it, then renamed into place)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
     add_threads_flag(parser)
     add_huge_pages_flag(parser)
     parser.add_argument(
@@ -154,49 +295,66 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# Bytes per row of each format's file, beside the fp32 row (dim * 4) that every format starts from.
+# Bytes per row of each format's file (fp32 rows: dim * 4; int8: codes + fp32 scale and bias; tbe-int8:
+# codes + fp16 scale and bias), and per table and per file: the zip records' headers, alignment, the pickle.
 _ROW_BYTES = {"fp32": lambda d: 4 * d, "torchrec": lambda d: 4 * d, "int8": lambda d: d + 8, "tbe-int8": lambda d: d + 4}
+_TABLE_BYTES = 512
+_FILE_BYTES = 1 << 16
+
+
+def file_bytes(fmt: str, sizes: list[int], dim: int) -> int:
+    """The size of a format's file for these tables (an upper bound within a few hundred bytes a table)."""
+    return sum(sizes) * _ROW_BYTES[fmt](dim) + len(sizes) * _TABLE_BYTES * (2 if fmt == "tbe-int8" else 1) + _FILE_BYTES
 
 
 def check_room(checkpoint: str | Path, out: str | Path, formats: tuple[str, ...]) -> None:
-    """Before reading a table: refuse in one line when the export cannot fit the memory (the model and
-    every table in fp32) or the disk under `out` (every file)."""
-    import shutil
-
+    """Before reading a table: refuse in one line when the export cannot fit the memory (the trained model,
+    then a chunk of rows in each format beside it) or the disk under `out` (every file)."""
     from slipcache.memory import GB, require_tables_fit
     from slipcache.training.saved_run import find_checkpoint
 
     state = find_checkpoint(checkpoint, "--checkpoint").read()  # the small part: sizes and config
     sizes, dim = [int(n) for n in state["table_sizes"]], int(state["config"].get("embedding_dim", 16))
     rows = sum(sizes)
+    chunk_rows = min(max(1, CHUNK_BYTES // (4 * dim)), max(sizes))
+    # A chunk in fp32, its conversion into each format, and tbe-int8's scale and bias of the largest table.
+    extra = chunk_rows * dim * 4 * (1 + len(formats)) + (max(sizes) * 4 if "tbe-int8" in formats else 0)
     config = state["config"]
-    if config.get("embeddings", "cached") == "cached":  # the trained model, then every table in fp32 beside it
+    if config.get("embeddings", "cached") == "cached":
         require_tables_fit(
             sizes, dim, what="export", precision=config.get("precision", "int8"),
             cache_size=config.get("cache_size", 0.05), cache_rows=config.get("cache_rows"),
-            optimizer=config.get("optimizer", "sgd"), extra_bytes=rows * dim * 4,
+            optimizer=config.get("optimizer", "sgd"), extra_bytes=extra,
         )
     else:
-        require_tables_fit(sizes, dim, what="export", embeddings="torch", extra_bytes=rows * dim * 4)
-    need = sum(rows * _ROW_BYTES[f](dim) for f in formats)
-    target = Path(out)
+        require_tables_fit(sizes, dim, what="export", embeddings="torch", extra_bytes=extra)
+    need = {fmt: file_bytes(fmt, sizes, dim) for fmt in formats}
+    target = Path(out).parent  # the files are written beside --out, then renamed into it
     while not target.exists() and target != target.parent:
         target = target.parent
     free = shutil.disk_usage(target).free
-    if need > free:
+    if sum(need.values()) > free:
+        each = ", ".join(f"{fmt} {n / GB:.1f}" for fmt, n in need.items())
+        fits = [fmt for fmt in FORMATS if file_bytes(fmt, sizes, dim) <= free]
+        hint = f"alone, {' or '.join('--format ' + f for f in fits)} fits" if fits else "no format fits alone"
         raise SlipcacheError(
-            f"export: {', '.join(formats)} of {rows:,} rows at dim {dim} need {need / GB:.1f} GB on disk, "
-            f"{target} has {free / GB:.1f} GB free; export fewer formats (--format int8 takes "
-            f"{rows * _ROW_BYTES['int8'](dim) / GB:.1f} GB) or choose another --out"
+            f"export: {', '.join(formats)} of {rows:,} rows at dim {dim} need {sum(need.values()) / GB:.1f} GB on "
+            f"disk ({each} GB), {target} has {free / GB:.1f} GB free; {hint}, or choose another --out"
         )
 
 
 def run_export(args: argparse.Namespace) -> int:
-    check_room(args.checkpoint, args.out, tuple(args.formats or FORMATS))
-    tables = load_tables(args.checkpoint)
-    written = export_tables(tables, args.out, tuple(args.formats or FORMATS))
-    rows = sum(t.shape[0] for t in tables)
-    print(f"{len(tables)} tables, {rows:,} rows of dim {tables[0].shape[1]}")
+    from slipcache.memory import GB, peak_rss_bytes
+
+    formats = tuple(dict.fromkeys(args.formats or FORMATS))
+    out = Path(args.out)
+    check_out(out, args.force)
+    check_room(args.checkpoint, out, formats)
+    started = time.perf_counter()
+    rows = open_tables(args.checkpoint)
+    written = export_tables(rows, out, formats, force=args.force)
+    print(f"{len(rows.sizes)} tables, {sum(rows.sizes):,} rows of dim {rows.dim}")
     for fmt, path in written.items():
         print(f"  {fmt:<9} {path} ({np.format_float_positional(path.stat().st_size / 2**20, 2)} MiB)")
+    print(f"{time.perf_counter() - started:.1f} s (reading the checkpoint included), peak RSS {peak_rss_bytes() / GB:.2f} GB")
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ GB = 1e9
 RUNTIME_BYTES = int(1.0 * GB)
 ENV_AVAILABLE = "SLIPCACHE_MEMORY_AVAILABLE_GB"
 # Precision and cache share, best first: what the error suggests when the asked-for tables do not fit.
+# The memory report's components that are the row storage (in files with a storage path).
+STORAGE_COMPONENTS = ("storage_payload", "quantization_params")
 FALLBACKS = (("fp16", 0.05), ("int8", 0.05), ("int8", 0.01), ("int4", 0.05), ("int4", 0.01))
 
 
@@ -89,9 +92,11 @@ def table_bytes(
     cache_rows: int | list[int] | None = None,
     optimizer: str = "sgd",
     policy: str = "lru",
+    storage_path: str | None = None,
 ) -> int:
-    """Bytes the tables will hold once built: the module's own accounting (storage, parameters, cache,
-    bookkeeping, optimizer state), computed on the meta device; fp32 rows (+ Adagrad's state) for torch."""
+    """Bytes the tables will hold in memory once built: the module's own accounting (storage, parameters,
+    cache, bookkeeping, optimizer state; storage in files under `storage_path` left out), computed on the
+    meta device; fp32 rows (+ Adagrad's state) for torch."""
     rows = sum(int(s) for s in table_sizes)
     if embeddings != "cached":
         return rows * dim * 4 * (2 if optimizer == "adagrad" else 1)
@@ -99,15 +104,42 @@ def table_bytes(
 
     return config_bytes(EmbeddingConfig(
         table_sizes=[int(s) for s in table_sizes], dim=dim, precision=precision, cache_size=cache_size,
-        cache_rows=cache_rows, optimizer=optimizer, policy=policy,
+        cache_rows=cache_rows, optimizer=optimizer, policy=policy, storage_path=storage_path,
     ))
 
 
 def config_bytes(config: EmbeddingConfig) -> int:
-    """Bytes a `CachedEmbeddingBagCollection` of `config` will hold (computed on the meta device)."""
+    """Bytes of memory a `CachedEmbeddingBagCollection` of `config` will hold (computed on the meta device):
+    all of it, less the row storage when that lives in files (`storage_path`)."""
+    return _memory_split(config)[0]
+
+
+def _memory_split(config: EmbeddingConfig) -> tuple[int, int]:
+    """(bytes in memory, bytes of row storage in files under config.storage_path)."""
     from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
-    return int(CachedEmbeddingBagCollection.estimate_memory(config)["total_bytes"])
+    report = CachedEmbeddingBagCollection.estimate_memory(config)
+    in_files = 0
+    if config.storage_path is not None:
+        in_files = sum(report["components"][k] for k in STORAGE_COMPONENTS)
+    return int(report["total_bytes"]) - in_files, in_files
+
+
+def require_storage_room(config: EmbeddingConfig, what: str) -> int:
+    """Stop with one line unless the disk under `config.storage_path` has room for the row storage; returns
+    its bytes (0 without a storage path)."""
+    if config.storage_path is None:
+        return 0
+    in_files = _memory_split(config)[1]
+    directory = Path(config.storage_path)
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(existing).free
+    if in_files > free:
+        raise SlipcacheError(
+            f"{what}: the row storage needs {in_files / GB:.1f} GB on disk under {directory}, which has "
+            f"{free / GB:.1f} GB free; give --storage-path a directory on a disk with room"
+        )
+    return in_files
 
 
 def what_fits(table_sizes: Sequence[int], dim: int, available: int, optimizer: str = "sgd") -> str:
@@ -137,6 +169,7 @@ def require_tables_fit(
     policy: str = "lru",
     extra_bytes: int = 0,
     available: int | None = None,
+    storage_path: str | None = None,
 ) -> int:
     """Stop with one line (MemoryShortError) unless these tables, `extra_bytes` and the runtime fit the
     available memory; returns the tables' bytes. `what` names the command or path for the message (the
@@ -147,7 +180,7 @@ def require_tables_fit(
         raise SlipcacheError(f"{what}: every table needs at least one row, got sizes {list(table_sizes)}")
     need = table_bytes(
         table_sizes, dim, embeddings=embeddings, precision=precision, cache_size=cache_size,
-        cache_rows=cache_rows, optimizer=optimizer, policy=policy,
+        cache_rows=cache_rows, optimizer=optimizer, policy=policy, storage_path=storage_path,
     )
     choice = "fp32 torch tables" if embeddings != "cached" else _describe(precision, cache_size, cache_rows)
     require_bytes(need, what=what, table_sizes=table_sizes, dim=dim, choice=choice, optimizer=optimizer,
@@ -156,7 +189,9 @@ def require_tables_fit(
 
 
 def require_config_fits(config: EmbeddingConfig, what: str, extra_bytes: int = 0) -> int:
-    """`require_tables_fit` for a built config (the collection's own accounting); returns its bytes."""
+    """`require_tables_fit` for a built config (the collection's own accounting), and the disk room of its
+    storage path; returns the bytes in memory."""
+    require_storage_room(config, what)
     need = config_bytes(config)
     require_bytes(need, what=what, table_sizes=config.table_sizes, dim=config.dim, optimizer=config.optimizer,
                   choice=_describe(config.precision, config.cache_size, config.cache_rows), extra_bytes=extra_bytes)

@@ -99,7 +99,7 @@ static void lookup_part(void *job_, int64_t part, int64_t parts) {
 int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
                const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used, int32_t *use_count,
                int32_t step) {
-    int64_t parts = parts_for(n, LOOKUP_GRAIN), hits = 0;
+    int64_t parts = chunks_for(n, LOOKUP_GRAIN), hits = 0;
     lookup_job job = {{slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
                        step, 0, parts > 1}, {0}};
     run_parts(lookup_part, &job, parts);
@@ -207,7 +207,7 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
                       int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
                       float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
                       int64_t misses_col) {
-    int64_t parts = parts_for(batch * tables, LOOKUP_GRAIN), hits = 0;
+    int64_t parts = chunks_for(batch * tables, LOOKUP_GRAIN), hits = 0;
     int64_t *table_hits = calloc((size_t)(tables * parts), sizeof(int64_t));  /* [parts, tables] */
     if (!table_hits) return -1;
     gather_job job = {{{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
@@ -408,6 +408,7 @@ int64_t count_hot_updates(const int32_t *ids, int64_t n, int64_t tables, const i
 typedef struct {
     float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
     int64_t slot_lo, slot_hi;  /* the slots this thread owns: updates of other slots are skipped */
+    const int64_t *order;      /* when given: the n positions to update, in batch order (else 0..n-1) */
 } sgd_args;
 
 /* Whether any of the n floats at v is inf or NaN (exponent all ones). */
@@ -425,8 +426,9 @@ static inline int any_nonfinite(const float *v, int64_t n) {
 ROW_LOOPS static int sgd_all(const sgd_args *a) {
     size_t row_bytes = (size_t)a->dim * sizeof(float);
     int nonfinite = 0;
-    for (int64_t i = 0; i < a->n; i++) {
-        int64_t later = i + AHEAD < a->n ? a->slots[i + AHEAD] : -1;
+    for (int64_t k = 0; k < a->n; k++) {
+        int64_t i = a->order ? a->order[k] : k, ahead = k + AHEAD;
+        int64_t later = ahead < a->n ? a->slots[a->order ? a->order[ahead] : ahead] : -1;
         if (later >= a->slot_lo && later < a->slot_hi)  /* a later row on its way while this one is updated */
             prefetch_span(a->weights + later * a->dim, row_bytes, 1);
         int64_t s = a->slots[i];
@@ -445,12 +447,23 @@ ROW_LOOPS static int sgd_all(const sgd_args *a) {
    in batch order, exactly as on one thread: results are bit-identical for any thread count. */
 #define UPDATE_GRAIN 1024 /* lookups per part at least */
 
-typedef struct { sgd_args base; int64_t num_slots; int nonfinite[POOL_MAX]; } sgd_job;
+typedef struct { sgd_args base; int64_t num_slots; int64_t *order; int nonfinite[POOL_MAX]; } sgd_job;
 
+/* Part p first lists the positions of its own slots, in batch order and without a branch (whose outcome
+   would be a coin toss per lookup), then updates only those. */
 static void sgd_part(void *job_, int64_t part, int64_t parts) {
     sgd_job *job = job_;
     sgd_args a = job->base;
     part_range(job->num_slots, part, parts, &a.slot_lo, &a.slot_hi);
+    if (job->order) {
+        int64_t *order = job->order + part * a.n, count = 0;
+        for (int64_t i = 0; i < a.n; i++) {
+            int64_t s = a.slots[i];
+            order[count] = i;
+            count += (s >= a.slot_lo) & (s < a.slot_hi);
+        }
+        a.order = order, a.n = count;
+    }
     job->nonfinite[part] = sgd_all(&a);
 }
 
@@ -458,8 +471,11 @@ static int sgd_split(float *weights, int64_t num_slots, int64_t dim, const int64
                      int64_t n, float lr) {
     int64_t parts = parts_for(n, UPDATE_GRAIN), nonfinite = 0;
     if (parts > num_slots) parts = num_slots > 1 ? num_slots : 1;
-    sgd_job job = {{weights, dim, slots, grad, n, lr, 0, num_slots}, num_slots, {0}};
+    /* Without memory for the position lists each part tests every lookup instead (the same updates). */
+    int64_t *order = n >= UPDATE_GRAIN ? malloc((size_t)(parts * n) * sizeof(int64_t)) : 0;
+    sgd_job job = {{weights, dim, slots, grad, n, lr, 0, num_slots, 0}, num_slots, order, {0}};
     run_parts(sgd_part, &job, parts);
+    free(order);
     for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
     return nonfinite != 0;
 }
@@ -477,7 +493,7 @@ static void finite_part(void *job_, int64_t part, int64_t parts) {
 }
 
 static int all_finite_split(const float *values, int64_t n) {
-    int64_t parts = parts_for(n, FINITE_GRAIN);
+    int64_t parts = chunks_for(n, FINITE_GRAIN);
     finite_job job = {values, n, {0}};
     run_parts(finite_part, &job, parts);
     for (int64_t p = 0; p < parts; p++) {
@@ -576,7 +592,7 @@ int64_t adagrad_update(float *weights, int64_t num_slots, int64_t dim, const int
         if (t < 0 || t >= num_slots || state_rows[i] < 0 || state_rows[i] >= num_state_rows) return i;
     }
     adagrad_job job = {{weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps}, {0}};
-    int64_t parts = parts_for(n, ADAGRAD_GRAIN), nonfinite = 0;
+    int64_t parts = chunks_for(n, ADAGRAD_GRAIN), nonfinite = 0;
     run_parts(adagrad_part, &job, parts);
     for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
     return nonfinite ? -3 : -1;
@@ -816,7 +832,7 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
     quantize_job job = {{values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code,
                          bad, 0, n, 0, source}, {0}};
-    int64_t parts = parts_for(n, QUANTIZE_GRAIN), bad_count = 0;
+    int64_t parts = chunks_for(n, QUANTIZE_GRAIN), bad_count = 0;
     run_parts(quantize_part, &job, parts);
     for (int64_t p = 0; p < parts; p++) bad_count += job.bad_count[p];
     return bad_count;
@@ -884,7 +900,7 @@ int64_t dequantize_rows(const void *payload, int kind, const uint16_t *bias, con
                         const float *scales, const int64_t *rows, int64_t n, int64_t dim, float *out) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
     dequantize_job job = {payload, kind, bias, scale_code, scales, rows, n, dim, out, {0}};
-    int64_t parts = parts_for(n, DEQUANTIZE_GRAIN);
+    int64_t parts = chunks_for(n, DEQUANTIZE_GRAIN);
     run_parts(dequantize_part, &job, parts);
     for (int64_t p = 0; p < parts; p++) {
         if (job.status[p] != 0) return job.status[p];

@@ -194,6 +194,17 @@ static int64_t parts_for(int64_t n, int64_t grain) {
     return parts < 1 ? 1 : parts;
 }
 
+/* Parts for a split by position, where more parts cost nothing: up to CHUNKS per thread, so that a worker
+   that arrives late (or is preempted) holds back a small part, not a thread's whole share. */
+#define CHUNKS 4
+static int64_t chunks_for(int64_t n, int64_t grain) {
+    int64_t threads = __atomic_load_n(&pool.wanted, __ATOMIC_RELAXED);
+    if (threads <= 1) return 1;
+    int64_t parts = threads * CHUNKS > POOL_MAX ? POOL_MAX : threads * CHUNKS;
+    if (grain > 0 && n / grain < parts) parts = n / grain;
+    return parts < 1 ? 1 : parts;
+}
+
 /* fn(args, p, parts) for p in [0, parts), on the pool when it is free (with however many workers run, none
    included), else all on the calling thread. */
 static void run_parts(part_fn fn, void *args, int64_t parts) {

@@ -234,12 +234,13 @@ class DistributedBackend(RunBackend):
         return DistributedDLRM(DLRM(config.model_config(table_sizes, num_dense), tables).to(self.ctx.device), self.ctx)
 
     # ---------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> None:
-        """Rank 0's file holds the full trainer state; the others only their shards."""
+    def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> int | None:
+        """Rank 0's file holds the full trainer state; the others only their shards. Returns (on rank 0)
+        the bytes of every rank's file, as the step's manifest records them."""
         directory = run_dir / "checkpoints"
         mine = state if self.is_main else {"embeddings": state["embeddings"]}
         assert self.plan is not None
-        dckpt.save_sharded(
+        step_dir = dckpt.save_sharded(
             directory,
             samples,
             self.ctx.rank,
@@ -249,6 +250,7 @@ class DistributedBackend(RunBackend):
             keep=keep,
             group=self.ctx.embedding_group,
         )
+        return sum(dckpt.read_manifest(step_dir)["files"].values()) if self.is_main else None
 
     def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any]:
         """The trainer state to resume from: rank 0's file, with this rank's shards as "embeddings".

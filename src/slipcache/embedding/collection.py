@@ -102,9 +102,11 @@ class CachedEmbeddingBagCollection(nn.Module):
         num_rows = config.num_rows
         precisions = config.precisions
         self.storage: RowStorage | TableRowStorage = (
-            RowStorage(num_rows, config.dim, precisions[0], self.storage_device, empty=not meta)
+            RowStorage(num_rows, config.dim, precisions[0], self.storage_device, empty=not meta, path=config.storage_path)
             if len(set(precisions)) == 1
-            else TableRowStorage(self.table_sizes, config.dim, precisions, self.storage_device, empty=not meta)
+            else TableRowStorage(
+                self.table_sizes, config.dim, precisions, self.storage_device, empty=not meta, path=config.storage_path
+            )
         )
         per_table = config.cache_per_table
         self.cache = RowCache(

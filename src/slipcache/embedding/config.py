@@ -38,6 +38,9 @@ class EmbeddingConfig:
     lfu_halving_interval: int = 1000  # LFU counts halve every this many steps; 0: never
     seed: int = 0
     storage_device: str = "cpu"
+    # A directory for the row storage in memory-mapped files (tables larger than RAM; docs/scale.md): only
+    # the cache, optimizer state and bookkeeping then count against memory. None: storage in RAM.
+    storage_path: str | None = None
     cache_device: str = "cpu"
     table_names: list[str] | None = field(default=None)
 

@@ -17,10 +17,13 @@ help here); `set_huge_pages` sets it for the process (`--huge-pages`). Where hug
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -98,6 +101,36 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     if not uses_huge_pages(nbytes, device):
         return torch.zeros(shape, dtype=dtype, device=device)
     return huge_page_map(nbytes).view(dtype).view(shape)
+
+
+def file_backed(shape: tuple[int, ...], dtype: torch.dtype, directory: str | os.PathLike[str]) -> Tensor:
+    """Zeros in an unnamed file in `directory`, mapped shared: the OS pages them in on use and writes them
+    back when it needs the memory, so the tensor may be larger than RAM.
+
+    The file's blocks are reserved up front (a full disk is one line now, not a crash mid-run); it is
+    unlinked at once, so it goes with the process whatever happens and nothing is left in `directory`."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="slipcache-storage-", suffix=".bin", dir=directory)
+    try:
+        os.unlink(name)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = shutil.disk_usage(directory).free
+                raise SlipcacheError(
+                    f"storage path {directory}: {nbytes / 1e9:.2f} GB of rows do not fit the {free / 1e9:.2f} GB "
+                    "free there"
+                ) from exc
+            os.ftruncate(fd, nbytes)  # a file system without fallocate: blocks taken as rows are written
+        region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def huge_page_map(nbytes: int) -> Tensor:

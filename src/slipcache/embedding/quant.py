@@ -14,13 +14,14 @@ are counted per row and reported by the collection's `stats()`. No byte is added
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from slipcache._native import quantize
-from slipcache.embedding.hostmem import host_empty, host_zeros
+from slipcache.embedding.hostmem import file_backed, host_empty, host_zeros
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 ROUNDINGS = ("stochastic", "nearest")
@@ -185,11 +186,21 @@ class RowStorage(nn.Module):
     """
 
     def __init__(
-        self, num_rows: int, dim: int, precision: str, device: torch.device | str = "cpu", *, empty: bool = False
+        self,
+        num_rows: int,
+        dim: int,
+        precision: str,
+        device: torch.device | str = "cpu",
+        *,
+        empty: bool = False,
+        path: str | None = None,
     ) -> None:
-        """`empty`: leave the rows unset (the caller writes every one): no pass that zeroes gigabytes first."""
+        """`empty`: leave the rows unset (the caller writes every one): no pass that zeroes gigabytes first.
+        `path`: a directory to keep the rows in, in memory-mapped files (host storage only)."""
         super().__init__()
         new = host_empty if empty else host_zeros
+        if path is not None and torch.device(device).type == "cpu":
+            new = functools.partial(_file_backed, path)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.version = 0
@@ -358,6 +369,10 @@ class RowStorage(nn.Module):
         return fitted
 
 
+def _file_backed(path: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    return file_backed(shape, dtype, path)
+
+
 class TableRowStorage(nn.Module):
     """Tables in different precisions behind the `RowStorage` interface (global rows in, fp32 out).
 
@@ -367,7 +382,14 @@ class TableRowStorage(nn.Module):
     """
 
     def __init__(
-        self, table_sizes: list[int], dim: int, precisions: list[str], device: torch.device | str, *, empty: bool = False
+        self,
+        table_sizes: list[int],
+        dim: int,
+        precisions: list[str],
+        device: torch.device | str,
+        *,
+        empty: bool = False,
+        path: str | None = None,
     ) -> None:
         super().__init__()
         self.dim = dim
@@ -376,7 +398,7 @@ class TableRowStorage(nn.Module):
         for size, precision in zip(table_sizes, precisions, strict=True):
             local_start.append(rows_in[precision])
             rows_in[precision] += size
-        self.parts = nn.ModuleDict({p: RowStorage(rows_in[p], dim, p, device, empty=empty) for p in kinds})
+        self.parts = nn.ModuleDict({p: RowStorage(rows_in[p], dim, p, device, empty=empty, path=path) for p in kinds})
         self._kinds = kinds
         offsets = torch.zeros(len(table_sizes) + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor(table_sizes, dtype=torch.int64), 0, out=offsets[1:])

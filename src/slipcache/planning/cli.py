@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     print(f"profiled {profile.sampled_rows:,} of {profile.split_rows:,} training rows of {dataset_dir}")
     print(format_plan(plan))
+    fits_here(plan, args.budget_gb)
     print(
         f"uniform {compare[0]} + {100 * compare[1]:g} % shared cache: {fmt_bytes(uniform['bytes'])}; expected: "
         f"hit rate {uniform['hit_rate']:.3f}, rounding loss {uniform['loss']:.2e}/sample"
@@ -250,6 +252,32 @@ def run_plan(args: argparse.Namespace) -> int:
         plot_curves(plan, plot)
         print(f"curves: {plot}")
     return 0
+
+
+def fits_here(plan: Plan, budget_gb: float | None) -> bool:
+    """The memory pre-check `slipcache train --config` will run on this plan, run now: a plan this machine
+    cannot hold, or a budget above what it has, is said in one warning line. Only a warning: a plan may be
+    made here for a larger machine."""
+    from slipcache.memory import RUNTIME_BYTES, MemoryShortError, available_bytes, require_tables_fit
+
+    available = available_bytes()
+    try:
+        require_tables_fit(
+            plan.rows, plan.dim, what="plan", precision=[c.precision for c in plan.choices],
+            cache_rows=[c.cache_rows for c in plan.choices], optimizer=plan.optimizer, policy=plan.policy,
+            available=available,
+        )
+    except MemoryShortError as exc:
+        print(f"slipcache plan: warning: does not fit this machine: {exc}", file=sys.stderr)
+        return False
+    if budget_gb is not None and available is not None and budget_gb * GB + RUNTIME_BYTES > available:
+        print(
+            f"slipcache plan: warning: --budget-gb {budget_gb:g} is more than this machine has available for tables "
+            f"({max(available - RUNTIME_BYTES, 0) / GB:.1f} GB); this plan still fits here, one that uses the "
+            "whole budget would not",
+            file=sys.stderr,
+        )
+    return True
 
 
 def preview_sharding(plan: Plan, profile: IdProfile, world_size: int) -> dict[str, Any]:

@@ -72,7 +72,9 @@ class RunBackend:
         """Dense and embedding state of `read_resume_checkpoint`'s state into the freshly built model."""
         raise NotImplementedError
 
-    def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> None:
+    def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> int | None:
+        """Write the checkpoint; returns its bytes on disk (all files of it; None where this process
+        does not know them)."""
         raise NotImplementedError
 
     def summary(self, model: Any) -> dict[str, Any] | None:
@@ -121,11 +123,11 @@ class LocalBackend(RunBackend):
         load_model_state(state, model, embeddings=False)
         dckpt.unshard_into(model.embeddings, self._unshard_from)
 
-    def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> None:
+    def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> int | None:
         """`checkpoints/ckpt-<samples>.pt` and `latest.pt`; a failed write names what is left to resume."""
         directory = run_dir / "checkpoints"
         try:
-            ckpt.save_run_checkpoint(directory, state, samples, keep=keep)
+            return ckpt.save_run_checkpoint(directory, state, samples, keep=keep).stat().st_size
         except OSError as exc:  # a full disk, a quota: the previous checkpoint is intact (atomic writes)
             complete = ckpt.complete_checkpoints(directory)
             then = (

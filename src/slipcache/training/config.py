@@ -108,6 +108,10 @@ class TrainConfig:
                                 "(half the bytes)", choices=WIRE_PRECISIONS)
     threads: int | None = _flag(None, "torch threads of this process (1 is steadier on a busy machine; the "
                                 "README's timings use 1)", default_text="torch's choice, one per core", type="positive_int")
+    storage_path: str | None = _flag(None, "keep the row storage in memory-mapped files in DIR (unnamed: gone with "
+                                     "the process) so that tables larger than memory train, the OS paging rows in; "
+                                     "the memory check then counts the cache and optimizer state only; docs/scale.md "
+                                     "says when it pays", metavar="DIR", default_text="in memory")
     huge_pages: str | None = _flag(None, "back the tables' storage, cache and optimizer state with transparent huge "
                                    "pages: on, off, or auto (tensors of 1 GiB and more); where the kernel has none, "
                                    "off (docs/scale.md)", choices=HUGE_PAGE_CHOICES,
@@ -192,6 +196,7 @@ class TrainConfig:
             "optimizer": self.optimizer,
             "lr": self.lr,
             "seed": self.seed,
+            "storage_path": self.storage_path,
         }
 
     def model_config(self, table_sizes: list[int], num_dense: int) -> ModelConfig:

@@ -135,6 +135,7 @@ def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
         cache_rows=config.cache_rows,
         optimizer=config.optimizer,
         policy=config.policy,
+        storage_path=config.storage_path if config.embeddings == "cached" else None,
     )
     return dataset
 

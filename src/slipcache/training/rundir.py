@@ -145,6 +145,8 @@ def load_resume(
     else:
         run_dir = home
     state = backend.read_resume_checkpoint(path, home)
+    if state is not None:
+        fill_checkpoint_event(state, path)
     if state is None:
         assert home is not None
         warn(f"{home} has no checkpoint (it stopped before the first one); starting it again from the beginning")
@@ -176,6 +178,15 @@ def load_resume(
         resumed.tensorboard = config.tensorboard
     resumed.out = str(run_dir)
     return state, saved, resumed, {k: list(v) for k, v in changes.items()}
+
+
+def fill_checkpoint_event(state: dict[str, Any], path: Path) -> None:
+    """The checkpoint's own metrics.jsonl event was saved before its size was known: take it from the file
+    (its write time stays unknown to the resumed run)."""
+    events = state.get("progress", {}).get("events") or []
+    last = events[-1] if events else None
+    if isinstance(last, dict) and last.get("event") == "checkpoint" and last.get("bytes") is None and path.is_file():
+        last["bytes"] = path.stat().st_size
 
 
 def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:

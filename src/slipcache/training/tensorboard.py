@@ -52,7 +52,10 @@ def scalars(event: dict[str, Any]) -> dict[str, float]:
                 if _is_number(inner):
                     out[f"{NESTED_PREFIX[key]}/{name.replace(' ', '_')}"] = float(inner)
         elif _is_number(value) and key not in ("samples", "event"):
-            tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+            if event.get("event") == "checkpoint":
+                tag = f"checkpoint/{key}"
+            else:
+                tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
             out[tag] = float(value)
     return out
 

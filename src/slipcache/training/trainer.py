@@ -431,14 +431,15 @@ def save_checkpoint(run: Run) -> None:
     window's cache counts travel with it."""
     _sync_window_counts(run)
     start = time.perf_counter()
-    state = checkpoint_state(run)
-    run.backend.save_checkpoint(run.run_dir, state, run.progress.samples, keep=run.config.keep_checkpoints)
-    latest = run.run_dir / "checkpoints" / "latest.pt"
-    run.last_checkpoint = {
-        "samples": run.progress.samples,
-        "bytes": latest.stat().st_size if latest.is_file() else None,
-        "write_s": time.perf_counter() - start,
-    }
+    # Its own metrics.jsonl event, in the events the checkpoint holds with size and time still unknown
+    # (a run resumed from it fills the size in from the file: `fill_checkpoint_event`).
+    event: dict[str, Any] = {"event": "checkpoint", "samples": run.progress.samples, "bytes": None, "write_s": None}
+    run.progress.events.append(event)
+    state = checkpoint_state(run)  # a copy of the events: this one stays open below
+    event["bytes"] = run.backend.save_checkpoint(run.run_dir, state, run.progress.samples, keep=run.config.keep_checkpoints)
+    event["write_s"] = time.perf_counter() - start
+    run.callbacks.on_event(run, event)
+    run.last_checkpoint = {k: event[k] for k in ("samples", "bytes", "write_s")}
 
 
 def end_epoch(run: Run) -> None:
