@@ -203,13 +203,22 @@ def test_split_quantize_and_finite_check(loop_threads: int, precision: str, monk
         assert not _native.all_finite(poisoned)
 
 
-def test_the_threads_flag_sets_the_loops_threads_for_the_command() -> None:
+def test_the_threads_flag_sets_the_loops_threads_for_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
     from slipcache.cli import torch_threads
+    from slipcache.errors import SlipcacheError
 
     before, torch_before = _native.threads(), torch.get_num_threads()
     with torch_threads(3):
         assert _native.threads() == 3 and torch.get_num_threads() == 3
     assert _native.threads() == before and torch.get_num_threads() == torch_before
+    monkeypatch.setenv("SLIPCACHE_LOOP_THREADS", "2")  # the loops' own count, torch's from the flag
+    with torch_threads(1):
+        assert _native.threads() == 2 and torch.get_num_threads() == 1
+    assert _native.threads() == before
+    monkeypatch.setenv("SLIPCACHE_LOOP_THREADS", "two")
+    with pytest.raises(SlipcacheError, match="SLIPCACHE_LOOP_THREADS must be a positive integer"), torch_threads(1):
+        pass
+    assert torch.get_num_threads() == torch_before
 
 
 @pytest.mark.parametrize("loop_threads", [2], indirect=True)

@@ -75,8 +75,8 @@ def huge_pages(mode: str | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
-    """Run with `threads` torch threads and as many threads per compiled loop (None: leave both settings),
-    then put the previous settings back."""
+    """Run with `threads` torch threads and as many threads per compiled loop (None: leave both settings;
+    SLIPCACHE_LOOP_THREADS sets the loops' own), then put the previous settings back."""
     if threads is None:
         yield
         return
@@ -84,9 +84,10 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 
     from slipcache import _native
 
+    loops = _native.threads_for(threads)  # a bad SLIPCACHE_LOOP_THREADS fails before anything changes
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    previous_loops = _native.set_threads(threads)
+    previous_loops = _native.set_threads(loops)
     try:
         yield
     finally:

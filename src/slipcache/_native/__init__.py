@@ -52,6 +52,7 @@ def native() -> ctypes.CDLL | None:
 
             try:
                 _library = load_library(default_cache_root() / "native")
+                _library.slipcache_set_threads(threads_for(1))  # SLIPCACHE_LOOP_THREADS, when set
             except NoCompilerError:
                 _library = None
             except OSError as exc:
@@ -74,6 +75,22 @@ def set_threads(count: int) -> int:
     previous = int(library.slipcache_threads())
     library.slipcache_set_threads(count)
     return previous
+
+
+LOOP_THREADS_VARIABLE = "SLIPCACHE_LOOP_THREADS"
+
+
+def threads_for(requested: int) -> int:
+    """The loops' threads for a `--threads N` request: N, unless SLIPCACHE_LOOP_THREADS sets the loops alone
+    (torch's OpenMP threads wait for each other and collapse on a busy machine; the pool's parts do not)."""
+    given = os.environ.get(LOOP_THREADS_VARIABLE)
+    if not given:
+        return requested
+    if not given.isdigit() or int(given) < 1:
+        from slipcache.errors import SlipcacheError
+
+        raise SlipcacheError(f"{LOOP_THREADS_VARIABLE} must be a positive integer, got {given!r}")
+    return int(given)
 
 
 def threads() -> int:

@@ -190,7 +190,7 @@ def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     config.validate()
     if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
         torch.set_num_threads(config.threads)
-        _native.set_threads(config.threads)
+        _native.set_threads(_native.threads_for(config.threads))
     if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
         set_huge_pages(config.huge_pages)
     state: dict[str, Any] | None = None
