@@ -34,9 +34,8 @@ REFUSAL = (
 def allow_independent_replicas(module: Module) -> Module:
     """Mark every `CachedEmbeddingBagCollection` in `module` as a replica that may diverge on purpose
     (e.g. independent runs of a sweep inside one torchrun job); returns `module`."""
-    from slipcache.embedding.collection import CachedEmbeddingBagCollection
-
-    found = [m for m in module.modules() if isinstance(m, CachedEmbeddingBagCollection)]
+    # The collections are told by the flag their class declares (collection.py imports this module).
+    found = [m for m in module.modules() if hasattr(type(m), "independent_replica")]
     if not found:
         raise SlipcacheError(f"{type(module).__name__} holds no CachedEmbeddingBagCollection to mark")
     for collection in found:
