@@ -49,7 +49,7 @@ def write_events(path: Path, events: list[dict[str, Any]]) -> None:
 
 
 # Fields that say where and how a run reports, not what it computes: free to differ on resume.
-_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard", "threads", "huge_pages"}
+_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard", "threads", "huge_pages", "storage_path"}
 # Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
 _STATE_DEFINING = {
     "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
@@ -174,8 +174,11 @@ def load_resume(
             resumed.samples = None  # derive the budget from the new epoch count
     resumed.resume, resumed.progress, resumed.allow_changes = config.resume, config.progress, config.allow_changes
     resumed.threads, resumed.huge_pages = config.threads, config.huge_pages  # this process's, not the run's
-    if "tensorboard" in (getattr(config, "given_fields", None) or ()):  # where to report: free to change
+    given = getattr(config, "given_fields", None) or ()
+    if "tensorboard" in given:  # where to report: free to change
         resumed.tensorboard = config.tensorboard
+    if "storage_path" in given:  # where the rows live (kept from the run unless given): free to change
+        resumed.storage_path = config.storage_path
     resumed.out = str(run_dir)
     return state, saved, resumed, {k: list(v) for k, v in changes.items()}
 
