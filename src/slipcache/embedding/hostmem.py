@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -88,22 +89,23 @@ def uses_huge_pages(nbytes: int, device: torch.device) -> bool:
     return huge_pages_available()
 
 
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
-    """An uninitialized tensor (zeros where it is a fresh memory map), on huge pages where the mode says so."""
+def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, make: Callable) -> Tensor:
+    """`make(shape, dtype=, device=)`, or a fresh memory map (zero already) on huge pages where the mode says so."""
     device = torch.device(device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if not uses_huge_pages(nbytes, device):
-        return torch.empty(shape, dtype=dtype, device=device)
+        return make(shape, dtype=dtype, device=device)
     return huge_page_map(nbytes).view(dtype).view(shape)
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+    """An uninitialized tensor (zeros where it is a fresh memory map), on huge pages where the mode says so."""
+    return _host_tensor(shape, dtype, device, torch.empty)
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
     """`torch.zeros`, on huge pages where the mode says so (a fresh map is zero already: no pass)."""
-    device = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if not uses_huge_pages(nbytes, device):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return huge_page_map(nbytes).view(dtype).view(shape)
+    return _host_tensor(shape, dtype, device, torch.zeros)
 
 
 def file_backed(shape: tuple[int, ...], dtype: torch.dtype, directory: str | os.PathLike[str]) -> Tensor:
