@@ -81,6 +81,7 @@ def test_a_fork_child_builds_its_own_pool(loop_threads: int) -> None:
     if pid == 0:  # the child: never return into pytest
         code = 1
         try:
+            torch.set_num_threads(1)  # as DataLoader workers do: the parent's OpenMP team does not survive a fork
             before = workers()
             got = train(coll, inputs)
             code = 0 if before == 0 and workers() == loop_threads - 1 and all(
