@@ -121,6 +121,7 @@ def test_training_under_fsdp_is_refused_on_every_rank() -> None:
 def _independent_replicas_train(rank: int, world_size: int) -> None:
     from slipcache.embedding.replicas import allow_independent_replicas
 
+    torch.manual_seed(0)  # a fixed draw: with four samples, an unlucky one leaves every ReLU dead and no gradient
     model = allow_independent_replicas(_model())
     tables_before = [t.clone() for t in model.sparse_arch.embedding_bag_collection.export_tables()]
     dense, kjt = _batch(rank)
