@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from slipcache.data.dataset import Batch, SplitArrays
 from slipcache.model import DLRM
-from slipcache.staleness.config import GuardConfig, StalenessConfig
+from slipcache.staleness.config import GuardConfig, detector_config
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.guard import GuardDecision, SkipGuard
 from slipcache.staleness.hotset import HotSet
@@ -74,22 +74,7 @@ class StaleSkipper:
         self.coll = model.embeddings
         self.split = split
         self.batch_size = int(config.batch_size)
-        self.detector = StaleInputDetector.from_collection(
-            self.coll,
-            StalenessConfig(
-                target_drop=config.stale_target,
-                alpha=config.stale_alpha,
-                window_fraction=config.stale_window,
-                recheck_interval=None if config.stale_decision == "epoch" else config.stale_recheck,
-                memory_budget_bytes=int(config.stale_budget_mb * 2**20),
-                rule="random" if getattr(config, "skip_rule", None) == "random" else config.stale_rule,
-                min_updates=config.stale_min_updates,
-                count_share=config.stale_count_share,
-                hot_set=getattr(config, "stale_hot_set", "budget"),
-                hot_min_rate=getattr(config, "stale_hot_rate", 1e-4),
-                seed=config.seed,
-            ),
-        )
+        self.detector = StaleInputDetector.from_collection(self.coll, detector_config(config))
         self.window = self.detector.window_batches(batches_per_epoch)
         self.guard = SkipGuard.from_config(GuardConfig(), float(config.stale_target))
         self.guard_every = int(config.stale_guard_every) if config.stale_guard else 0
@@ -304,7 +289,12 @@ class StaleSkipper:
         # At least THRESHOLD_SAMPLE_MIN inputs: the achieved ratio moves in steps of 1 / (hot inputs sampled).
         n = len(self.split)
         share = min(1.0, max(det.config.threshold_sample_fraction, THRESHOLD_SAMPLE_MIN / max(n, 1)))
-        result = det.fit_threshold(self.split.sparse[det.sample_indices(n, share, "threshold")])
+        self._fit_on(self.split.sparse[det.sample_indices(n, share, "threshold")])
+
+    def _fit_on(self, sample: np.ndarray) -> None:
+        """Fit T on these sampled inputs and record the fit."""
+        det = self.detector
+        result = det.fit_threshold(sample)
         self.fits.append({"epoch": det.epoch, "batch": self.batch, "threshold": result.threshold,
                           "ratio": result.achieved_ratio, "converged": result.converged, "reason": result.reason})
 
