@@ -274,9 +274,10 @@ def update_file(path: Path, study: Study, record: dict[str, Any]) -> dict[str, A
 
 # ---------------------------------------------------------------------------------------------- running
 def run_one(
-    study: Study, arm: Arm, seed: int, run_dir: Path, commit: str, log: Callable[[str], None]
+    study: Study, arm: Arm, seed: int, run_dir: Path, source: Path, commit: str, log: Callable[[str], None]
 ) -> dict[str, Any]:
-    """Train one arm x seed in a child process (its own peak memory and CPU time); resume it if cut off."""
+    """Train one arm x seed in a child process (its own peak memory and CPU time) on the study's commit,
+    unpacked at `source`, so later edits of the checkout never reach a run; resume it if cut off."""
     values = study.run_values(arm, seed)
     resuming = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     if not resuming and run_dir.exists():
@@ -298,7 +299,7 @@ def run_one(
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
+        "PYTHONPATH": os.pathsep.join([str(source / "src"), str(source)]),
     }
     log(f"{study.name}: {arm.name} seed {seed} {'resumes' if resuming else 'starts'} in {run_dir}")
     start = time.perf_counter()
@@ -394,8 +395,9 @@ def run_study(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     log(f"{study.name}: {len(done)} runs finished, {len(todo)} to go; runs in {root}, results in {out_file}")
     if todo:
         prepare_data(study, log)
+        source = pinned_source(commit, root)
     for arm, seed in todo[: args.max_runs] if args.max_runs else todo:
-        record = run_one(study, arm, seed, root / f"{arm.name}-s{seed}", commit, log)
+        record = run_one(study, arm, seed, root / f"{arm.name}-s{seed}", source, commit, log)
         results = update_file(out_file, study, record)
         for c in results["comparisons"]:
             if c["arm"] == arm.name and c["metric"] == "test_auc":

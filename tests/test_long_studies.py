@@ -54,6 +54,7 @@ def test_study_runs_each_arm_and_seed_once_and_resumes(tmp_path: Path, monkeypat
     monkeypatch.setitem(long_studies.STUDIES, "tiny", TINY)
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(long_studies, "git_commit", lambda: ("c0ffee" * 6 + "abcd", False))
+    monkeypatch.setattr(long_studies, "pinned_source", lambda commit, root: long_studies.REPO)
     out, root = tmp_path / "tiny.json", tmp_path / "runs"
     args = argparse.Namespace(name="tiny", json=str(out), out=str(root), resume=False, restart=False, max_runs=3)
     lines: list[str] = []
