@@ -346,7 +346,8 @@ def run_study(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     if root.is_symlink() or (root.exists() and not root.is_dir()):
         raise SlipcacheError(f"--out {root} must be a directory (not a link)")
     root.mkdir(parents=True, exist_ok=True)
-    commit, dirty = git_commit()
+    # Re-run from the study's unpacked commit (no git there): that commit is the one to record.
+    commit, dirty = (os.environ[PINNED_ENV], False) if os.environ.get(PINNED_ENV) else git_commit()
     if out_file.is_file():
         if not args.resume and not args.restart:
             raise SlipcacheError(

@@ -81,3 +81,23 @@ def test_study_runs_each_arm_and_seed_once_and_resumes(tmp_path: Path, monkeypat
              - next(r["test_auc"] for r in results["runs"] if (r["arm"], r["seed"]) == ("fp32", s)) for s in (0, 1)]
     assert auc["n"] == 2 and auc["mean_diff"] == pytest.approx(sum(diffs) / 2) and auc["ci95"][0] <= auc["mean_diff"]
     shutil.rmtree(root)
+
+
+def test_a_moved_checkout_continues_on_the_studys_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When HEAD is not the study's commit, the study re-runs itself from that commit's unpacked source."""
+    out = tmp_path / "tiny.json"
+    out.write_text(json.dumps({"commit": "a" * 40, "runs": []}))
+    monkeypatch.setitem(long_studies.STUDIES, "tiny", TINY)
+    monkeypatch.delenv(long_studies.PINNED_ENV, raising=False)
+    monkeypatch.setattr(long_studies, "git_commit", lambda: ("b" * 40, False))
+    monkeypatch.setattr(long_studies, "pinned_source", lambda commit, root: tmp_path / f"source-{commit[:12]}")
+    calls = []
+    monkeypatch.setattr(long_studies.subprocess, "run",
+                        lambda argv, cwd, env: calls.append((argv, cwd, env)) or argparse.Namespace(returncode=0))
+    args = argparse.Namespace(name="tiny", json=str(out), out=str(tmp_path / "runs"), resume=True, restart=False,
+                              max_runs=None)
+    assert long_studies.run_study(args, lambda line: None) == 0
+    [(argv, cwd, env)] = calls
+    assert cwd == tmp_path / "source-aaaaaaaaaaaa" and env[long_studies.PINNED_ENV] == "a" * 40
+    assert argv[2:5] == ["benchmarks.studies", "tiny", "--resume"] and str(out.resolve()) in argv
+    assert env["PYTHONPATH"].startswith(str(tmp_path / "source-aaaaaaaaaaaa" / "src"))
