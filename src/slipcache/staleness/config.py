@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from slipcache.errors import InvalidInputError
 
-__all__ = ["DETECTOR_RULES", "FREEZE_MODES", "HOT_SETS", "ORDERS", "WINDOW_COUNTS", "detector_config", "RULES", "SKIP_RULES", "SKIP_RULE_HELP", "STALE_PRESETS", "GuardConfig", "StalenessConfig",
-           "preset_help"]
+__all__ = ["DETECTOR_RULES", "FREEZE_MODES", "HOT_SETS", "ORDERS", "RULES", "SKIP_RULES", "SKIP_RULE_HELP",
+           "STALE_PRESETS", "WINDOW_COUNTS", "GuardConfig", "StalenessConfig", "preset_help"]
 
 RULES = ("paper", "convergence")  # staleness rules a user picks (`--stale-rule`)
 DETECTOR_RULES = (*RULES, "random")  # and the random control (`--skip-rule random`)
@@ -102,26 +101,6 @@ class StalenessConfig:
             return self.alpha_count
         # The epsilon keeps 0.5 * 26 at 13 despite float rounding.
         return max(1, math.ceil(self.alpha * num_tables - 1e-9))
-
-
-def detector_config(config: Any) -> StalenessConfig:
-    """The detector's settings from a run's ``stale_*`` settings (``TrainConfig``); the random control when
-    the skip rule is ``random``."""
-    return StalenessConfig(
-        target_drop=config.stale_target,
-        alpha=config.stale_alpha,
-        window_fraction=config.stale_window,
-        recheck_interval=None if config.stale_decision == "epoch" else config.stale_recheck,
-        memory_budget_bytes=int(config.stale_budget_mb * 2**20),
-        hot_share=getattr(config, "stale_hot_share", None),
-        threshold_sample_fraction=getattr(config, "stale_threshold_sample", 0.01),
-        rule="random" if getattr(config, "skip_rule", None) == "random" else config.stale_rule,
-        min_updates=config.stale_min_updates,
-        count_share=config.stale_count_share,
-        hot_set=getattr(config, "stale_hot_set", "budget"),
-        hot_min_rate=getattr(config, "stale_hot_rate", 1e-4),
-        seed=config.seed,
-    )
 
 
 SKIP_RULES = ("stale", "random", "loss")  # `--skip-rule`: what decides which inputs are not trained

@@ -15,7 +15,6 @@ exactly those values; an optimizer's per-row state (Adagrad's sums) still advanc
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 import zlib
 from typing import Any
@@ -24,7 +23,6 @@ import numpy as np
 import torch
 
 from slipcache.errors import SlipcacheError
-from slipcache.staleness.config import detector_config
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.order import HotInputs, schedule_fields
 from slipcache.staleness.schedule import window_plan
@@ -48,8 +46,7 @@ class FreezeRows(Callback):
         self.config, self.hot_inputs = config, hot_inputs
         self.split, self.batches_per_epoch = run.dataset.split("train"), run.batches_per_epoch
         self.mode, self.share = str(config.freeze_rows), float(config.freeze_share)
-        self.detector = StaleInputDetector.from_collection(
-            self.coll, dataclasses.replace(detector_config(config), rule="paper"))
+        self.detector = StaleInputDetector.from_collection(self.coll, config.staleness_config(rule="paper"))
         self.offsets = self.detector.table_offsets
         self.epoch = -1
         self.batch = 0  # batches trained in this epoch
@@ -117,7 +114,7 @@ class FreezeRows(Callback):
 
     def summary_fields(self, run: Run) -> dict[str, Any]:
         hot_share = self.hot_inputs.hot_share if self.hot_inputs is not None else None
-        block = schedule_fields(str(getattr(self.config, "input_order", "data")), self.window_start, self.window,
+        block = schedule_fields(str(self.config.input_order), self.window_start, self.window,
                                 hot_share, None, 0.0)
         hot = self.detector.hot
         block.update({"freeze": self.mode, "freeze_share": self.share, "frozen_rows": int(self.frozen.size),

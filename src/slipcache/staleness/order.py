@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from slipcache.staleness.config import detector_config
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.hotset import HotSet
 from slipcache.training.callbacks import Callback
@@ -34,7 +33,8 @@ class HotInputs:
 
     def __init__(self, config: Any, split: SplitArrays, table_sizes: list[int], dim: int) -> None:
         offsets = np.concatenate([[0], np.cumsum(np.asarray(table_sizes, dtype=np.int64))])
-        self.detector = StaleInputDetector(detector_config(config), offsets, dim)
+        # profiling and classifying read no rows: the rule does not matter here
+        self.detector = StaleInputDetector(config.staleness_config(rule="paper"), offsets, dim)
         self.split = split
         self.epoch: int | None = None
         self.groups = np.zeros(0, dtype=np.uint8)

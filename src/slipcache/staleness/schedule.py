@@ -54,7 +54,7 @@ class ScheduledSkipper(StaleSkipper):
         self.hot_inputs = hot_inputs
         self.config = config
         self.batches_per_epoch = batches_per_epoch
-        self.order = str(getattr(config, "input_order", "data"))
+        self.order = str(config.input_order)
         self.open_at: int | None = None
         if config.stale_window_start is not None:
             self.warmup = "schedule"

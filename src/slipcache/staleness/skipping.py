@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from slipcache.data.dataset import Batch, SplitArrays
 from slipcache.model import DLRM
-from slipcache.staleness.config import GuardConfig, detector_config
+from slipcache.staleness.config import GuardConfig
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.guard import GuardDecision, SkipGuard
 from slipcache.staleness.hotset import HotSet
@@ -74,7 +74,12 @@ class StaleSkipper:
         self.coll = model.embeddings
         self.split = split
         self.batch_size = int(config.batch_size)
-        self.detector = StaleInputDetector.from_collection(self.coll, detector_config(config))
+        # The detector's settings come from the config's fields; two follow from other settings.
+        rule = "random" if config.skip_rule == "random" else config.stale_rule
+        recheck = None if config.stale_decision == "epoch" else config.stale_recheck
+        self.detector = StaleInputDetector.from_collection(
+            self.coll, config.staleness_config(rule=rule, recheck_interval=recheck)
+        )
         self.window = self.detector.window_batches(batches_per_epoch)
         self.guard = SkipGuard.from_config(GuardConfig(), float(config.stale_target))
         self.guard_every = int(config.stale_guard_every) if config.stale_guard else 0
