@@ -50,6 +50,9 @@ def write_events(path: Path, events: list[dict[str, Any]]) -> None:
 
 # Fields that say where and how a run reports, not what it computes: free to differ on resume.
 _RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard", "threads", "huge_pages", "storage_path"}
+# Of those, the ones a resume keeps from the run unless given again (a resume without --threads 1 must not
+# fall back to torch's threads): where to report, how many threads, huge pages, where the rows live.
+_KEPT_UNLESS_GIVEN = ("tensorboard", "threads", "huge_pages", "storage_path")
 # Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
 _STATE_DEFINING = {
     "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
@@ -173,12 +176,9 @@ def load_resume(
         if "epochs" in changes and "samples" not in changes:
             resumed.samples = None  # derive the budget from the new epoch count
     resumed.resume, resumed.progress, resumed.allow_changes = config.resume, config.progress, config.allow_changes
-    resumed.threads, resumed.huge_pages = config.threads, config.huge_pages  # this process's, not the run's
-    given = getattr(config, "given_fields", None) or ()
-    if "tensorboard" in given:  # where to report: free to change
-        resumed.tensorboard = config.tensorboard
-    if "storage_path" in given:  # where the rows live (kept from the run unless given): free to change
-        resumed.storage_path = config.storage_path
+    for name in _KEPT_UNLESS_GIVEN:  # how and where the run computes: the run's, unless given now
+        if _given(config, name):
+            setattr(resumed, name, getattr(config, name))
     resumed.out = str(run_dir)
     return state, saved, resumed, {k: list(v) for k, v in changes.items()}
 
@@ -192,18 +192,25 @@ def fill_checkpoint_event(state: dict[str, Any], path: Path) -> None:
         last["bytes"] = path.stat().st_size
 
 
-def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
-    """Settings given for the resume that differ from the run's. Given means set on the command line or
-    in the config file (`make_config` records which), whatever the value; a TrainConfig built directly
-    has no such record, and then a value equal to the default counts as not given."""
+def _given(config: TrainConfig, name: str) -> bool:
+    """Whether `name` was set on the command line or in the config file (`make_config` records which),
+    whatever the value; a TrainConfig built directly has no such record: then a value other than the
+    default counts as given."""
     given = getattr(config, "given_fields", None)
-    defaults = TrainConfig()
+    if given is not None:
+        return name in given
+    return getattr(config, name) != _DEFAULTS[name]
+
+
+_DEFAULTS = {name: getattr(TrainConfig(), name) for name in CONFIG_FIELDS}
+
+
+def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Settings given for the resume (`_given`) that differ from the run's."""
     changes = {}
     for name in CONFIG_FIELDS:
         value, old = getattr(config, name), getattr(saved, name)
-        if name in _RUN_INDEPENDENT:
-            continue
-        if name not in given if given is not None else value == getattr(defaults, name):
+        if name in _RUN_INDEPENDENT or not _given(config, name):
             continue
         if name == "data" and value is not None and old is not None:
             value = str(Path(value).expanduser().resolve())

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from slipcache.cache_dir import default_cache_root
 from slipcache.data.streaming import StreamingDatasetWriter, TorchRecWriter, torchrec_day_rows
@@ -29,6 +28,7 @@ from slipcache.data.synthetic.v2 import GeneratorV2
 from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, MISSING_ROW, NEW_ENTITY_RATE, GeneratorV3
 from slipcache.data.synthetic.v4 import GeneratorV4
 from slipcache.errors import SlipcacheError
+from slipcache.progress import progress_bar
 from slipcache.training.metrics import auc
 
 GENERATOR_VERSIONS = {"v4": 4, "v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
@@ -134,7 +134,7 @@ def generate_synthetic(
         writer: Any = TorchRecWriter(out_dir, days_rows)
     else:
         writer = StreamingDatasetWriter(out_dir, split_rows)
-    with writer, tqdm(total=num_samples, unit="rows", unit_scale=True, desc="synth", disable=not progress) as bar:
+    with writer, progress_bar(total=num_samples, unit="rows", unit_scale=True, desc="synth", disable=not progress) as bar:
         for chunk, start in enumerate(range(0, num_samples, CHUNK_ROWS)):
             end = min(start + CHUNK_ROWS, num_samples)
             rng = _chunk_rng(seed, chunk)
