@@ -39,7 +39,8 @@ def add_threads_flag(parser: argparse.ArgumentParser, default: object = None, he
     (`main` applies it for the command's duration)."""
     parser.add_argument("--threads", type=positive_int, default=default, metavar="N",
                         help=help or "torch threads, and threads per compiled embedding loop (default: torch's "
-                        "choice, one per core, and one per loop; 1 is steadier on a busy machine)")
+                        "choice, one per core, and one per loop; their waits sleep, so the default holds on a busy "
+                        "machine: docs/threads.md)")
 
 
 HUGE_PAGE_CHOICES = ("off", "on", "auto")  # how slipcache.embedding.hostmem allocates the tables' big tensors
@@ -193,11 +194,10 @@ def set_wait_policy() -> None:
     """OpenMP threads that sleep while they wait, unless the environment chose (`OMP_WAIT_POLICY`).
 
     Why: torch's OpenMP threads otherwise spin at every join, and with other processes on the cores a
-    spinning thread holds the core its descheduled partner needs: `slipcache train --quick` ran 5-14x
-    slower on torch's default threads than on one thread with two busy processes beside it, and as fast
-    or faster with passive waits (docs/threads.md). OpenMP reads the setting once, when torch loads, so
-    only the command's entry point can make it, before anything imports torch; a library caller keeps
-    its own process's choice."""
+    spinning thread holds the core its descheduled partner needs: the training loop collapsed to a fraction
+    of its one-thread speed on torch's default threads; with passive waits it kept pace (docs/threads.md).
+    OpenMP reads the setting once, when torch loads, so only the command's entry point can make it, before
+    anything imports torch; a library caller keeps its own process's choice."""
     if "torch" not in sys.modules:
         os.environ.setdefault(WAIT_POLICY_VARIABLE, "PASSIVE")
 
