@@ -48,21 +48,6 @@ def write_events(path: Path, events: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
-# Fields that say where and how a run reports, not what it computes: free to differ on resume.
-_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard", "threads", "huge_pages", "storage_path"}
-# Of those, the ones a resume keeps from the run unless given again (a resume without --threads 1 must not
-# fall back to torch's threads): where to report, how many threads, huge pages, where the rows live.
-_KEPT_UNLESS_GIVEN = ("tensorboard", "threads", "huge_pages", "storage_path")
-# Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
-_STATE_DEFINING = {
-    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
-    "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
-    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "skip_rule", "table_sizes", "split_order",
-    "lookahead", "prefetch", "stale_rule", "time_order", "stale_preset", "stale_hot_set", "stale_hot_rate",
-    "prune_share", "prune_final",
-}  # fmt: skip
-
-
 def warn(message: str) -> None:
     """A warning on stderr that does not stop the run (stdout stays the run's own output)."""
     print(f"slipcache train: warning: {message}", file=sys.stderr)
@@ -165,7 +150,7 @@ def load_resume(
                 f"resuming would change the run's definition ({listing}); leave these flags out, "
                 "or pass --allow-changes to continue with them"
             )
-        fixed = sorted(changes.keys() & _STATE_DEFINING)
+        fixed = sorted(name for name in changes if CONFIG_FIELDS[name].metadata["resume"] == "fixed")
         if fixed:
             raise SlipcacheError(
                 f"cannot change {', '.join(fixed)} when resuming, even with --allow-changes: "
@@ -176,8 +161,8 @@ def load_resume(
         if "epochs" in changes and "samples" not in changes:
             resumed.samples = None  # derive the budget from the new epoch count
     resumed.resume, resumed.progress, resumed.allow_changes = config.resume, config.progress, config.allow_changes
-    for name in _KEPT_UNLESS_GIVEN:  # how and where the run computes: the run's, unless given now
-        if _given(config, name):
+    for name, f in CONFIG_FIELDS.items():  # how and where the run works (threads, paths): the run's unless given
+        if f.metadata["resume"] == "free" and name not in _THIS_INVOCATION and _given(config, name):
             setattr(resumed, name, getattr(config, name))
     resumed.out = str(run_dir)
     return state, saved, resumed, {k: list(v) for k, v in changes.items()}
@@ -192,6 +177,11 @@ def fill_checkpoint_event(state: dict[str, Any], path: Path) -> None:
         last["bytes"] = path.stat().st_size
 
 
+# Free settings that belong to this command, not to the run: the other free ones (threads, huge pages, where
+# the rows live, TensorBoard) are the run's until given again (a resume without --threads 1 stays on 1).
+_THIS_INVOCATION = ("resume", "out", "allow_changes", "progress")
+
+
 def _given(config: TrainConfig, name: str) -> bool:
     """Whether `name` was set on the command line or in the config file (`make_config` records which),
     whatever the value; a TrainConfig built directly has no such record: then a value other than the
@@ -199,19 +189,19 @@ def _given(config: TrainConfig, name: str) -> bool:
     given = getattr(config, "given_fields", None)
     if given is not None:
         return name in given
-    return getattr(config, name) != _DEFAULTS[name]
+    return getattr(config, name) != getattr(_DEFAULTS, name)
 
 
-_DEFAULTS = {name: getattr(TrainConfig(), name) for name in CONFIG_FIELDS}
+_DEFAULTS = TrainConfig()
 
 
 def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
     """Settings given for the resume (`_given`) that differ from the run's."""
     changes = {}
-    for name in CONFIG_FIELDS:
-        value, old = getattr(config, name), getattr(saved, name)
-        if name in _RUN_INDEPENDENT or not _given(config, name):
+    for name, f in CONFIG_FIELDS.items():
+        if f.metadata["resume"] == "free" or not _given(config, name):  # free: where and how this process works
             continue
+        value, old = getattr(config, name), getattr(saved, name)
         if name == "data" and value is not None and old is not None:
             value = str(Path(value).expanduser().resolve())
         if value != old:
