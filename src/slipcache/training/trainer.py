@@ -302,6 +302,7 @@ def epoch_batches(run: Run) -> Any:
         epoch=run.progress.epoch,
         start_batch=run.progress.batch_in_epoch,
         sample_filter=run.callbacks.sample_filter(run),
+        groups=run.callbacks.input_groups(run),  # an order of the features (the cold-first order)
         time_order=run.config.time_order,
         part=None if run.callbacks.reads_batch_ids else getattr(run.model, "input_part", None),
     )
