@@ -87,7 +87,7 @@ def _hot_inputs(config, data_dir: Path) -> HotInputs:  # noqa: ANN001
     return hot
 
 
-STUDY = dict(stale_hot_share=0.5, batch_size=64, lr=0.3, epochs=1)  # enough hot inputs in the tiny data
+STUDY = dict(stale_hot_share=0.65, batch_size=64, lr=0.3, epochs=1)  # enough hot inputs in the tiny data
 
 
 def test_cold_first_trains_every_cold_input_before_any_hot_one(
