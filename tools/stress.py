@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import stress_runs  # tools/, beside this file
+import stress_paths  # tools/, beside this file
+import stress_runs
 import torch
 
 from slipcache.cli import main as cli_main
@@ -349,6 +350,7 @@ def main() -> int:
     parser.add_argument("--flips", type=int, default=20, help="byte-flip trials (each: eval and resume)")
     parser.add_argument("--concurrent", type=int, default=6, help="two-writer trials (default 6)")
     parser.add_argument("--data-trials", type=int, default=9, help="data changed under a run (default 9)")
+    parser.add_argument("--chains", type=int, default=3, help="runs moved between 2 processes and 1 with kills")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the JSON summary here too")
     args = parser.parse_args()
@@ -403,6 +405,12 @@ def main() -> int:
     print(f"changed settings: {[t['verdict'] for t in changes]}", flush=True)
     data_changes = stress_runs.changed_data_trials(cli, runner, workdir, args.data_trials, rng)
     print(f"changed data: {[t['verdict'] for t in data_changes]}", flush=True)
+    links = stress_paths.link_trials(cli, workdir, reference)
+    print(f"linked run files: {[t['verdict'] for t in links]}", flush=True)
+    exports = stress_paths.export_trials(cli, workdir, reference)
+    print(f"export at its own run: {[t['verdict'] for t in exports]}", flush=True)
+    chains = [stress_paths.chain_trial(runner, workdir, i, rng, duration) for i in range(args.chains)]
+    print(f"2 -> 1 -> 2 chains: {[t['verdict'] for t in chains]}", flush=True)
     flips = flip_trials(reference, workdir, args.flips, rng)
     disk = full_disk_trials(runner, workdir, reference, expected)
     bad = bad_input_trials(workdir, reference)
@@ -425,17 +433,25 @@ def main() -> int:
         "changed_setting_failures": sum(t["verdict"] == "FAILURE" for t in changes),
         "changed_data_trials": len(data_changes),
         "changed_data_verdicts": {v: sum(t["verdict"] == v for t in data_changes) for v in {t["verdict"] for t in data_changes}},
+        "link_verdicts": {t["file"]: t["verdict"] for t in links},
+        "export_verdicts": {t["out"]: t["verdict"] for t in exports},
+        "chain_trials": len(chains),
+        "chain_kills": sum(s["killed"] for t in chains for s in t["steps"]),
+        "chain_failures": sum(t["verdict"] == "FAILURE" for t in chains),
         "disk": disk,
         "bad_input": bad,
         "concurrent_details": owners,
         "changed_setting_details": changes,
         "changed_data_details": data_changes,
         "kill_details": kills,
+        "link_details": links,
+        "chain_details": chains,
         "flip_details": flips,
     }
     failures = report["kill_failures"] + report["flip_failures"] + report["concurrent_failures"]
     failures += report["changed_setting_failures"] + sum(t["verdict"] == "FAILURE" for t in data_changes)
     failures += sum(d.get("verdict") == "FAILURE" for d in disk) + sum(b["verdict"] == "FAILURE" for b in bad)
+    failures += sum(t["verdict"] == "FAILURE" for t in [*links, *exports, *chains])
     report["failures"] = failures
     text = json.dumps(report, indent=1, default=str)
     (workdir / "stress.json").write_text(text)
