@@ -21,6 +21,12 @@ Not part of CI (it takes minutes). Usage:
    without it; the final checkpoint holds the new value); the data regenerated or bytes flipped under a
    run (eval and --resume refuse in one line what the fingerprint sees).
 
+7. Paths (tools/stress_paths.py): a link planted at each file or directory a resumed run writes (the
+   victim untouched; the link replaced or refused in one line); `export --force` aimed at its own run,
+   its parent, a directory inside it and a directory holding another run (refused, nothing changed);
+   runs moved between 2 processes (torchrun) and 1 with kills in between (each continuation resumes
+   from the newest complete checkpoint, whoever wrote it).
+
 A failure is any mismatch, traceback or multi-line error; the tool prints a JSON summary and exits 1
 when there was one.
 """
