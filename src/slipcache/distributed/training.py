@@ -153,6 +153,10 @@ class DistributedBackend(RunBackend):
     def writes_files(self) -> bool:
         return self.is_main
 
+    @property
+    def processes(self) -> int:
+        return self.ctx.world_size
+
     # ------------------------------------------------------------------------------------- set-up
     def check_config(self, config: Any) -> None:
         """Refuse what does not work across processes yet, with the same one-line error on every rank."""

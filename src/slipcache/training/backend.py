@@ -55,6 +55,11 @@ class RunBackend:
         """Whether this process writes the run directory's files (config, metrics, summary, report)."""
         raise NotImplementedError
 
+    @property
+    def processes(self) -> int:
+        """How many processes train the run together (one here; a rank of N answers N)."""
+        return 1
+
     def claim_run_dir(self, run_dir: Path, record: dict[str, Any]) -> RunLock:
         """Take the run directory for this run (`run.lock`): one writer per run directory."""
         raise NotImplementedError

@@ -27,4 +27,8 @@ def run_callbacks(run: Run) -> Callbacks:
             writer = open_writer(config.tensorboard, run.run_dir)
             assert writer is not None
             callbacks.append(TensorBoardLog(writer))
+    if run.backend.processes == 1:  # last: it stops the run once the others saw the checkpoint's event
+        from slipcache.training.stopping import CheckpointTimer
+
+        callbacks.append(CheckpointTimer(10.0, on_signal=True))
     return Callbacks(callbacks)

@@ -181,12 +181,9 @@ def load_resume(
         if "epochs" in changes and "samples" not in changes:
             resumed.samples = None  # derive the budget from the new epoch count
     resumed.resume, resumed.progress, resumed.allow_changes = config.resume, config.progress, config.allow_changes
-    resumed.threads, resumed.huge_pages = config.threads, config.huge_pages  # this process's, not the run's
-    given = getattr(config, "given_fields", None) or ()
-    if "tensorboard" in given:  # where to report: free to change
-        resumed.tensorboard = config.tensorboard
-    if "storage_path" in given:  # where the rows live (kept from the run unless given): free to change
-        resumed.storage_path = config.storage_path
+    for name, f in CONFIG_FIELDS.items():  # how and where the run works (threads, paths): the run's unless given
+        if f.metadata["resume"] == "free" and name not in _THIS_INVOCATION and _given(config, name):
+            setattr(resumed, name, getattr(config, name))
     resumed.out = str(run_dir)
     return state, saved, resumed, {k: list(v) for k, v in changes.items()}
 
@@ -200,19 +197,31 @@ def fill_checkpoint_event(state: dict[str, Any], path: Path) -> None:
         last["bytes"] = path.stat().st_size
 
 
-def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
-    """Settings given for the resume that differ from the run's. Given means set on the command line or
-    in the config file (`make_config` records which), whatever the value; a TrainConfig built directly
-    has no such record, and then a value equal to the default counts as not given."""
+# Free settings that belong to this command, not to the run: the other free ones (threads, huge pages, where
+# the rows live, TensorBoard) are the run's until given again (a resume without --threads 1 stays on 1).
+_THIS_INVOCATION = ("resume", "out", "allow_changes", "progress")
+
+
+def _given(config: TrainConfig, name: str) -> bool:
+    """Whether `name` was set on the command line or in the config file (`make_config` records which),
+    whatever the value; a TrainConfig built directly has no such record: then a value other than the
+    default counts as given."""
     given = getattr(config, "given_fields", None)
-    defaults = TrainConfig()
+    if given is not None:
+        return name in given
+    return getattr(config, name) != getattr(_DEFAULTS, name)
+
+
+_DEFAULTS = TrainConfig()
+
+
+def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Settings given for the resume (`_given`) that differ from the run's."""
     changes = {}
     for name, f in CONFIG_FIELDS.items():
-        if f.metadata["resume"] == "free":  # where and how this process works: not the run's definition
+        if f.metadata["resume"] == "free" or not _given(config, name):  # free: where and how this process works
             continue
         value, old = getattr(config, name), getattr(saved, name)
-        if name not in given if given is not None else value == getattr(defaults, name):
-            continue
         if name == "data" and value is not None and old is not None:
             value = str(Path(value).expanduser().resolve())
         if value != old:

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from slipcache import _native
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
@@ -38,6 +37,7 @@ from slipcache.embedding.hostmem import set_huge_pages
 from slipcache.errors import SlipcacheError
 from slipcache.memory import peak_rss_bytes, process_age_s
 from slipcache.model import DLRM
+from slipcache.progress import progress_bar
 from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.backend import LocalBackend, RunBackend, embedding_optimizer
@@ -162,7 +162,8 @@ def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, A
                 eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
                 if run.progress.samples % run.config.log_every == 0 or eval_due:
                     log_event(run, evaluate_now=eval_due)
-                if run.progress.samples % run.config.checkpoint_every == 0 and not last:
+                every = run.progress.samples % run.config.checkpoint_every == 0
+                if (run.callbacks.checkpoint_due(run) or every) and not last:  # due: time, or a signal
                     save_checkpoint(run)
                 if last:
                     # A filtered (skipping) run's last epoch can end with trained + skipped just under the
@@ -178,6 +179,7 @@ def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, A
         return finish_run(run)
     finally:
         run.bar.close()
+        run.callbacks.close(run)
         if run.lock is not None:
             run.lock.release()
 
@@ -200,20 +202,20 @@ def _crossed(before: int, after: int, every: int) -> bool:
 def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
+    state: dict[str, Any] | None = None
+    saved: dict[str, Any] = {}
+    changes: dict[str, list[Any]] = {}
+    if config.resume is not None:
+        state, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
+        run_dir = Path(config.out or "")
+    else:
+        run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
     if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
         loops = _native.threads_for(config.threads)  # checked before anything changes
         torch.set_num_threads(config.threads)
         _native.set_threads(loops)
     if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
         set_huge_pages(config.huge_pages)
-    state: dict[str, Any] | None = None
-    saved: dict[str, Any] = {}
-    changes: dict[str, list[Any]] = {}
-    if config.resume is not None:
-        state, saved, config, changes = load_resume(config, backend)
-        run_dir = Path(config.out or "")
-    else:
-        run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
         config.data = str(resolve_data(config.data))
 
@@ -286,9 +288,10 @@ def _build_run(
         for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
             ckpt.remove_partial_writes(directory)
     run.callbacks.on_start(run)
-    run.bar = tqdm(
+    run.bar = progress_bar(  # off a terminal: a plain line every 30 s
         total=run.budget,
         initial=run.progress.samples,
+        desc="train",
         unit=" samples",
         unit_scale=True,
         disable=not config.progress,
