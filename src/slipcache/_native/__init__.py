@@ -101,7 +101,6 @@ def check_thread_count(count: int, what: str = "--threads") -> int:
 def threads_for(requested: int) -> int:
     """The loops' threads for a `--threads N` request: N, unless SLIPCACHE_LOOP_THREADS sets the loops alone
     (torch's OpenMP threads wait for each other and collapse on a busy machine; the pool's parts do not)."""
-    check_thread_count(requested)
     given = os.environ.get(LOOP_THREADS_VARIABLE)
     if not given:
         return requested
