@@ -204,6 +204,7 @@ def test_missing_input_creates_no_output_directory(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@needs_shared
 def test_hashed_tables_far_larger_than_the_data_are_warned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     preprocess([TSV], tmp_path / "big", vocab="hash", max_rows=10_000_000, progress=False)
     warning = capsys.readouterr().err

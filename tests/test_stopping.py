@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import types
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from slipcache import cli
 from slipcache.errors import RunInterrupted
-from slipcache.training import checkpoint
+from slipcache.training import checkpoint, stopping
 from slipcache.training import trainer as train
 from slipcache.training.config import make_config
 from tests.helpers import make_dataset
@@ -103,3 +104,20 @@ def test_a_resume_keeps_the_runs_threads_unless_given(data_dir: Path, tmp_path: 
     assert json.loads((run / "config.json").read_text())["threads"] == 1 and torch.get_num_threads() == 1
     train.train(make_config({}, {"resume": str(run), "progress": False, "threads": 2}))
     assert json.loads((run / "config.json").read_text())["threads"] == 2
+
+
+def test_a_checkpoint_every_few_minutes_of_training(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = {"now": 0.0}
+    monkeypatch.setattr(stopping, "time", types.SimpleNamespace(monotonic=lambda: clock["now"]))
+    real_loss = train.F.binary_cross_entropy_with_logits
+
+    def slow_step(*args: object, **kwargs: object) -> torch.Tensor:
+        clock["now"] += 25.0  # every step takes 25 s on this clock
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(train.F, "binary_cross_entropy_with_logits", slow_step)
+    run = tmp_path / "run"
+    train.train(tiny(data_dir, run, epochs=1, checkpoint_every=10**9, checkpoint_minutes=1.0))
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    saved = [e["samples"] for e in events if e["event"] == "checkpoint"]
+    assert saved == [3 * 64 * k for k in range(1, 11)] + [1984]  # 75 s > 1 min: every third step, then the end

@@ -35,6 +35,16 @@ def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> 
     return DLRM(config.model_config(table_sizes, num_dense), embeddings)
 
 
+def dense_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The MLPs' optimizer (`--dense-optimizer`, one of config.DENSE_OPTIMIZERS) at `--dense-lr`, else `--lr`."""
+    params, lr = model.dense_parameters(), config.dense_lr or config.lr
+    if config.dense_optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    if config.dense_optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr)
+
+
 def embedding_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer | None:
     """A torch optimizer for embeddings without a fused update (the baseline); sparse gradients."""
     if model.embeddings.fused_update:

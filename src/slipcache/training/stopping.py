@@ -1,10 +1,11 @@
 """No lost work: a checkpoint every few minutes of training, and one on Ctrl-C or SIGTERM before the run stops.
 
 The sample interval (`--checkpoint-every`) alone can leave many minutes between checkpoints on a slow
-machine; `CheckpointTimer` asks for one when `minutes` of wall time passed since the last. On SIGINT or
-SIGTERM (in the main thread of one process) it asks for a checkpoint at the next step boundary and, once that
-is written, stops the run with `RunInterrupted`, whose message says how to continue. A second signal
-acts at once, as it would without the handler (KeyboardInterrupt, or termination).
+machine; `CheckpointTimer` also asks for one when `--checkpoint-minutes` of wall time passed since the last.
+On SIGINT or SIGTERM (in the main thread of one process; `--no-checkpoint-on-interrupt` turns it off) it asks
+for a checkpoint at the next step boundary and, once that is written, stops the run with `RunInterrupted`,
+whose message says how to continue. A second signal acts at once, as it would without the handler
+(KeyboardInterrupt, or termination).
 
 N processes under torchrun keep torchrun's own way (its SIGTERM stops every rank at once; they resume from
 the last complete checkpoint): a stop taken at a step boundary must be the same step on every rank.

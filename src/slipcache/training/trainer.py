@@ -40,7 +40,7 @@ from slipcache.model import DLRM
 from slipcache.progress import progress_bar
 from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
-from slipcache.training.backend import LocalBackend, RunBackend, embedding_optimizer
+from slipcache.training.backend import LocalBackend, RunBackend, dense_optimizer, embedding_optimizer
 from slipcache.training.backend import build_model as build_model  # re-exported: eval, export, tests
 from slipcache.training.config import TrainConfig
 from slipcache.training.config import make_config as make_config  # re-exported (bench_train, runner)
@@ -256,7 +256,7 @@ def _build_run(
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
     model = backend.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir)
-    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
+    dense_opt = dense_optimizer(config, model)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
     batches_per_epoch = dataset.splits["train"] // config.batch_size
