@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.errors import SlipcacheError
+from slipcache.safe_files import write_atomic
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig, config_from_saved
 from slipcache.training.run_state import check_checkpoint
@@ -37,15 +38,13 @@ def new_run_dir() -> Path:
 
 
 def write_json(path: Path, value: Any) -> None:
-    """Write JSON atomically: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    """Write JSON atomically: a reader never sees half a file, a link there is replaced, not followed."""
+    write_atomic(path, json.dumps(value, indent=2, default=str) + "\n")
 
 
 def write_events(path: Path, events: list[dict[str, Any]]) -> None:
-    """metrics.jsonl from the events a run holds (a resumed run rewrites it from its checkpoint's)."""
-    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    """metrics.jsonl from the events a run holds (a resumed run rewrites it from its checkpoint's), atomically."""
+    write_atomic(path, "".join(json.dumps(e) + "\n" for e in events))
 
 
 def warn(message: str) -> None:
@@ -62,10 +61,28 @@ def _is_run_dir(path: Path) -> bool:
     return isinstance(saved, dict) and {"dataset", "embeddings", "seed"} <= saved.keys()
 
 
+def holds_run_or_dataset(path: Path, names: list[str], files: list[str]) -> str | None:
+    """"run" or "dataset" when directory `path` (holding subdirectories `names` and `files`) is one that
+    slipcache wrote, else None; for commands that replace directories and must never replace these."""
+    if LOCK_NAME in files or _is_run_dir(path) or has_checkpoint(path):
+        return "run"
+    if "meta.json" in files:
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = None
+        if isinstance(meta, dict) and meta.get("format") == "slipcache-dataset":
+            return "dataset"
+    if "synthetic.json" in files:  # a TorchRec-layout dataset that `synth` wrote
+        return "dataset"
+    return None
+
+
 def has_checkpoint(run_dir: Path) -> bool:
-    """Whether the run directory holds a checkpoint file, so that `--resume` has something to load."""
+    """Whether the run directory holds a checkpoint file (or a step of N processes), so that `--resume`
+    has something to load."""
     directory = run_dir / "checkpoints"
-    return directory.is_dir() and any(p.suffix == ".pt" for p in directory.iterdir())
+    return directory.is_dir() and any(p.suffix == ".pt" or p.name.startswith("step-") for p in directory.iterdir())
 
 
 def prepare_out_dir(path: Path, *, restart_ok: bool) -> Path:
@@ -125,7 +142,10 @@ def load_resume(
     run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
     stopped before its first checkpoint (a full disk) starts again from its config.json.
     """
-    path, home = locate_checkpoint(config.resume or "", "--resume")
+    from slipcache.training.saved_run import find_checkpoint  # it reads checkpoints through this module
+
+    saved_checkpoint = find_checkpoint(config.resume or "", "--resume")  # the newest, whoever wrote it
+    path, home = saved_checkpoint.path, saved_checkpoint.run_dir
     if config.out is not None and (home is None or Path(config.out).expanduser().resolve() != home):
         run_dir = prepare_out_dir(Path(config.out), restart_ok=False)
     elif home is None:
