@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from slipcache.cli import add_huge_pages_flag, add_threads_flag
 from slipcache.errors import SlipcacheError
+from slipcache.options import add_huge_pages_flag, add_threads_flag
 from slipcache.torchfile import TensorSlot, TorchFileWriter
 
 FORMATS = ("fp32", "torchrec", "int8", "tbe-int8")
@@ -324,9 +324,8 @@ def check_room(checkpoint: str | Path, out: str | Path, formats: tuple[str, ...]
     config = state["config"]
     if config.get("embeddings", "cached") == "cached":
         require_tables_fit(
-            sizes, dim, what="export", precision=config.get("precision", "int8"),
-            cache_size=config.get("cache_size", 0.05), cache_rows=config.get("cache_rows"),
-            optimizer=config.get("optimizer", "sgd"), extra_bytes=extra,
+            sizes, dim, what="export", precision=config.get("precision"), cache_size=config.get("cache_size"),
+            cache_rows=config.get("cache_rows"), optimizer=config.get("optimizer"), extra_bytes=extra,
         )
     else:
         require_tables_fit(sizes, dim, what="export", embeddings="torch", extra_bytes=extra)

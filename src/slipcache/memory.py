@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from slipcache.errors import SlipcacheError
 
@@ -87,25 +87,37 @@ def table_bytes(
     dim: int,
     *,
     embeddings: str = "cached",
-    precision: str | list[str] = "fp32",
-    cache_size: float | list[float] = 0.0,
+    precision: str | list[str] | None = None,
+    cache_size: float | list[float] | None = None,
     cache_rows: int | list[int] | None = None,
-    optimizer: str = "sgd",
-    policy: str = "lru",
+    optimizer: str | None = None,
+    policy: str | None = None,
     storage_path: str | None = None,
 ) -> int:
     """Bytes the tables will hold in memory once built: the module's own accounting (storage, parameters,
     cache, bookkeeping, optimizer state; storage in files under `storage_path` left out), computed on the
-    meta device; fp32 rows (+ Adagrad's state) for torch."""
-    rows = sum(int(s) for s in table_sizes)
-    if embeddings != "cached":
-        return rows * dim * 4 * (2 if optimizer == "adagrad" else 1)
+    meta device; fp32 rows (+ Adagrad's state) for torch. A setting left None takes `EmbeddingConfig`'s
+    default."""
+    config = _table_config(
+        table_sizes, dim, precision=precision, cache_size=cache_size, cache_rows=cache_rows, optimizer=optimizer,
+        policy=policy, storage_path=storage_path,
+    )
+    return _config_bytes_as(config, embeddings)
+
+
+def _table_config(table_sizes: Sequence[int], dim: int, **settings: Any) -> EmbeddingConfig:
+    """The collection's config of these settings; those left None take its defaults (the one place they live)."""
     from slipcache.embedding.config import EmbeddingConfig
 
-    return config_bytes(EmbeddingConfig(
-        table_sizes=[int(s) for s in table_sizes], dim=dim, precision=precision, cache_size=cache_size,
-        cache_rows=cache_rows, optimizer=optimizer, policy=policy, storage_path=storage_path,
-    ))
+    given = {k: v for k, v in settings.items() if v is not None}
+    return EmbeddingConfig(table_sizes=[int(s) for s in table_sizes], dim=dim, **given)
+
+
+def _config_bytes_as(config: EmbeddingConfig, embeddings: str) -> int:
+    """The tables' bytes as `embeddings` builds them: the collection's accounting, or fp32 torch tables."""
+    if embeddings != "cached":
+        return config.num_rows * config.dim * 4 * (2 if config.optimizer == "adagrad" else 1)
+    return config_bytes(config)
 
 
 def config_bytes(config: EmbeddingConfig) -> int:
@@ -162,11 +174,11 @@ def require_tables_fit(
     *,
     what: str,
     embeddings: str = "cached",
-    precision: str | list[str] = "fp32",
-    cache_size: float | list[float] = 0.0,
+    precision: str | list[str] | None = None,
+    cache_size: float | list[float] | None = None,
     cache_rows: int | list[int] | None = None,
-    optimizer: str = "sgd",
-    policy: str = "lru",
+    optimizer: str | None = None,
+    policy: str | None = None,
     extra_bytes: int = 0,
     available: int | None = None,
     storage_path: str | None = None,
@@ -178,12 +190,16 @@ def require_tables_fit(
         raise SlipcacheError(f"{what}: the embedding dim must be positive, got {dim}")
     if not table_sizes or any(int(s) < 1 for s in table_sizes):
         raise SlipcacheError(f"{what}: every table needs at least one row, got sizes {list(table_sizes)}")
-    need = table_bytes(
-        table_sizes, dim, embeddings=embeddings, precision=precision, cache_size=cache_size,
-        cache_rows=cache_rows, optimizer=optimizer, policy=policy, storage_path=storage_path,
+    config = _table_config(
+        table_sizes, dim, precision=precision, cache_size=cache_size, cache_rows=cache_rows, optimizer=optimizer,
+        policy=policy, storage_path=storage_path,
     )
-    choice = "fp32 torch tables" if embeddings != "cached" else _describe(precision, cache_size, cache_rows)
-    require_bytes(need, what=what, table_sizes=table_sizes, dim=dim, choice=choice, optimizer=optimizer,
+    need = _config_bytes_as(config, embeddings)
+    choice = (
+        "fp32 torch tables" if embeddings != "cached" else _describe(config.precision, config.cache_size,
+                                                                     config.cache_rows)
+    )
+    require_bytes(need, what=what, table_sizes=table_sizes, dim=dim, choice=choice, optimizer=config.optimizer,
                   extra_bytes=extra_bytes, available=available)
     return need
 

@@ -23,6 +23,7 @@ import numpy as np
 from slipcache.data.batches import Batch as Batch
 from slipcache.data.batches import BatchIterator as BatchIterator
 from slipcache.data.batches import SampleFilter as SampleFilter
+from slipcache.data.batches import check_labels
 from slipcache.errors import SlipcacheError
 
 FORMAT = "slipcache-dataset"
@@ -31,15 +32,18 @@ NUM_DENSE = 13
 NUM_TABLES = 26
 SPLIT_NAMES = ("train", "val", "test")
 PARTS = ("labels", "dense", "sparse")
+LABEL_PROBE_ROWS = 1 << 16  # labels checked when a split is opened (every batch's are checked as it is read)
 
 
 @dataclass(frozen=True)
 class SplitArrays:
-    """One split: labels float32 [n], dense float32 [n, 13], sparse int32 [n, 26] (memory-mapped)."""
+    """One split: labels float32 [n], dense float32 [n, 13], sparse int32 [n, 26] (memory-mapped);
+    `source` names where its labels come from in errors."""
 
     labels: np.ndarray
     dense: np.ndarray
     sparse: np.ndarray
+    source: str = "labels"
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -108,7 +112,9 @@ class CriteoDataset:
                     f"{file}: expected {np.dtype(dtype).name} {shape}, found {arr.dtype.name} {arr.shape}"
                 )
             arrays[part] = arr
-        result = SplitArrays(arrays["labels"], arrays["dense"], arrays["sparse"])
+        source = str(self.path / f"{name}.labels.npy")
+        check_labels(arrays["labels"][:LABEL_PROBE_ROWS], source)  # early: before a model is built on them
+        result = SplitArrays(arrays["labels"], arrays["dense"], arrays["sparse"], source)
         self._cache[name] = result
         return result
 

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from slipcache.cache_dir import default_cache_root
+from slipcache.data.batches import check_labels
 from slipcache.data.dataset import NUM_DENSE, NUM_TABLES, CriteoDataset, DatasetWriter, SplitArrays
 from slipcache.data.layouts import Layout, detect_format
 from slipcache.data.mapped import (
@@ -90,17 +91,6 @@ def _check_day(day: _Day, where: Path) -> None:
             f"sparse {day.sparse.shape}, labels {day.labels.shape}"
         )
     check_labels(day.labels[:LABEL_PROBE_ROWS], where)  # early: before a model is built on them
-
-
-def check_labels(labels: np.ndarray, where: Any) -> np.ndarray:
-    """The labels as float32 0/1; anything else (-1/1 labels, soft labels, NaN) is named in one line,
-    like the text readers do, instead of training on a negative loss."""
-    values = np.asarray(labels).reshape(-1)
-    bad = (values != 0) & (values != 1)
-    if bad.any():
-        found = ", ".join(sorted({f"{v:g}" for v in values[bad][:1000].tolist()})[:5])
-        raise SlipcacheError(f"{where}: labels must be 0 or 1, found {found} ({int(bad.sum())} of {values.size} read)")
-    return values.astype(np.float32)
 
 
 # ------------------------------------------------------------------------------------- the dataset
@@ -167,6 +157,7 @@ class ExternalDataset:
                 LazyColumn([Piece(d.labels, s, e) for d, s, e in parts], labels, (), np.float32),  # type: ignore[arg-type]
                 LazyColumn([Piece(d.dense, s, e) for d, s, e in parts], dense, (NUM_DENSE,), np.float32),  # type: ignore[arg-type]
                 LazyColumn([Piece(d.sparse, s, e) for d, s, e in parts], sparse, (NUM_TABLES,), np.int32),  # type: ignore[arg-type]
+                str(self.path),
             )
         return self._cache[name]
 

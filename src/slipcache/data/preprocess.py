@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from slipcache.cli import add_progress_flag, seed_arg
 from slipcache.data.criteo import MISSING, NUM_CATEGORICAL, NUM_DENSE, ReadStats, read_chunks
 from slipcache.data.dataset import DatasetWriter, check_output_dir, remove_dead_staging
 from slipcache.errors import SlipcacheError
+from slipcache.options import add_progress_flag, seed_arg
 
 DEFAULT_SPLIT = "0.8,0.1,0.1"
 DEFAULT_MIN_COUNT = 1

@@ -207,7 +207,6 @@ class DistributedBackend(RunBackend):
     ) -> DistributedDLRM:
         tables_config = embedding_config(
             table_sizes,
-            config.embedding_dim,
             **config.embedding_options(),
             storage_device=str(self.ctx.device),
             cache_device=str(self.ctx.device),

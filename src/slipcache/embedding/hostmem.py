@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from slipcache.cli import ENV_HUGE_PAGES, HUGE_PAGE_CHOICES
 from slipcache.errors import SlipcacheError
 
 HUGE_PAGE = 2 << 20
-HUGE_PAGE_MODES = HUGE_PAGE_CHOICES
+HUGE_PAGE_MODES = ("off", "on", "auto")  # `--huge-pages` and $SLIPCACHE_HUGE_PAGES
+ENV_HUGE_PAGES = "SLIPCACHE_HUGE_PAGES"  # the choice for this process and the processes it starts
 DEFAULT_HUGE_PAGES = "off"
 # auto: huge pages only for tensors this large (the TLB covers about 8 MiB in 4 KiB pages), where a random
 # row's read misses the TLB; small tables (tests, --quick) are allocated as torch does

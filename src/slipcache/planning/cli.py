@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from slipcache.cli import add_progress_flag, add_threads_flag, image_file, seed_arg
 from slipcache.distributed.planner import TableSpec, plan_sharding
 from slipcache.embedding.config import OPTIMIZERS
 from slipcache.errors import SlipcacheError
+from slipcache.options import add_progress_flag, add_threads_flag, image_file, seed_arg
 from slipcache.planning.planner import GB, PLAN_PRECISIONS, ROUNDING_STEP, Plan, make_plan, uniform_choice
 from slipcache.planning.profile import IdProfile, profile_split
 from slipcache.plotting import pyplot

@@ -30,9 +30,7 @@ if typing.TYPE_CHECKING:
 
 def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> DLRM:
     """The DLRM of `config` on these tables; the sharded model builds its own (distributed.training)."""
-    embeddings = build_embeddings(
-        list(table_sizes), config.embedding_dim, embeddings=config.embeddings, **config.embedding_options()
-    )
+    embeddings = build_embeddings(list(table_sizes), embeddings=config.embeddings, **config.embedding_options())
     return DLRM(config.model_config(table_sizes, num_dense), embeddings)
 
 

@@ -48,18 +48,6 @@ def write_events(path: Path, events: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
-# Fields that say where and how a run reports, not what it computes: free to differ on resume.
-_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard", "threads", "huge_pages", "storage_path"}
-# Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
-_STATE_DEFINING = {
-    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
-    "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
-    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "skip_rule", "table_sizes", "split_order",
-    "lookahead", "prefetch", "stale_rule", "time_order", "stale_preset", "stale_hot_set", "stale_hot_rate",
-    "prune_share", "prune_final",
-}  # fmt: skip
-
-
 def warn(message: str) -> None:
     """A warning on stderr that does not stop the run (stdout stays the run's own output)."""
     print(f"slipcache train: warning: {message}", file=sys.stderr)
@@ -162,7 +150,7 @@ def load_resume(
                 f"resuming would change the run's definition ({listing}); leave these flags out, "
                 "or pass --allow-changes to continue with them"
             )
-        fixed = sorted(changes.keys() & _STATE_DEFINING)
+        fixed = sorted(name for name in changes if CONFIG_FIELDS[name].metadata["resume"] == "fixed")
         if fixed:
             raise SlipcacheError(
                 f"cannot change {', '.join(fixed)} when resuming, even with --allow-changes: "
@@ -199,10 +187,10 @@ def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[
     given = getattr(config, "given_fields", None)
     defaults = TrainConfig()
     changes = {}
-    for name in CONFIG_FIELDS:
-        value, old = getattr(config, name), getattr(saved, name)
-        if name in _RUN_INDEPENDENT:
+    for name, f in CONFIG_FIELDS.items():
+        if f.metadata["resume"] == "free":  # where and how this process works: not the run's definition
             continue
+        value, old = getattr(config, name), getattr(saved, name)
         if name not in given if given is not None else value == getattr(defaults, name):
             continue
         if name == "data" and value is not None and old is not None:

@@ -147,7 +147,7 @@ def _scan(
             if labels is not None:
                 positives += float(labels.sum())
                 label_rows += n
-            if dense is not None:
+            if dense is not None and source.dense_nan_is_missing:
                 nan = np.isnan(dense).sum(axis=0)
                 dense_missing = nan if dense_missing is None else dense_missing + nan
                 dense_rows += n
