@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slipcache {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
     except SlipcacheError as exc:
-        print(f"slipcache {args.command}: error: {exc}", file=sys.stderr)
+        print(f"slipcache {args.command}: error: {exc}{_torchrun_note()}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # a full disk, a missing or unwritable path: the OS says which
         where = f": {exc.filename}" if exc.filename else ""
@@ -101,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"slipcache {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _torchrun_note() -> str:
+    """Under torchrun, a stopped rank is followed by torchrun's own report (a ChildFailedError traceback):
+    the line says so, so that the traceback is not taken for the cause."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
+        return ""
+    return " (torchrun's report of the stopped processes, a ChildFailedError traceback, follows: this line is the cause)"
 
 
 if __name__ == "__main__":

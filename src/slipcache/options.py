@@ -70,6 +70,7 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 
     from slipcache import _native
 
+    _native.check_thread_count(threads)  # the flag as given (a run's own count, on resume, is not refused)
     loops = _native.threads_for(threads)  # a bad SLIPCACHE_LOOP_THREADS fails before anything changes
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -251,6 +251,11 @@ def _preprocess(
         n_train = int(n * spec[0])
         n_val = int(n * spec[1])
     bounds = {"train": (0, n_train), "val": (n_train, n_train + n_val), "test": (n_train + n_val, n)}
+    if n_train < 1:  # a dataset nothing can train on: said here, not when a run starts on it
+        raise SlipcacheError(
+            f"{n} valid input row{'s' * (n != 1)} leave the train split empty; give more input "
+            "(or a larger train fraction in --split)"
+        )
 
     labels = np.memmap(scratch / "labels", dtype=np.float32, mode="r", shape=(n,))
     dense = np.memmap(scratch / "dense", dtype=np.float32, mode="r", shape=(n, NUM_DENSE))

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slipcache.safe_files import open_append
 from slipcache.training.rundir import write_events, write_json
 
 if typing.TYPE_CHECKING:
@@ -204,7 +205,7 @@ class MetricsLog(Callback):
                   "its test metrics again", flush=True)
 
     def on_event(self, run: Run, event: dict[str, Any]) -> None:
-        with open(run.run_dir / "metrics.jsonl", "a") as f:
+        with open_append(run.run_dir / "metrics.jsonl") as f:  # a link there is refused, never followed
             f.write(json.dumps(event) + "\n")
 
     def on_finish(self, run: Run, summary: dict[str, Any]) -> None:

@@ -283,6 +283,13 @@ class TrainConfig:
         return StalenessConfig(**{**part_options(self, CONFIG_FIELDS, "staleness"), **overrides})
 
     def validate(self) -> None:
+        for name in CONFIG_FIELDS:  # types first: a crafted checkpoint, a config file or an API call may hold
+            value = _coerce(name, getattr(self, name))  # anything ("256", 1e100); what trains is the typed value
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SlipcacheError(f"{name} must be a finite number, got {value}")
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+                raise SlipcacheError(f"{name} must fit a 64-bit integer, got {getattr(self, name)!r}")
+            setattr(self, name, value)
         for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
             if precision not in PRECISIONS:
                 raise SlipcacheError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -298,14 +305,12 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise SlipcacheError(f"{name} must be positive, got {value}")
-        for name in CONFIG_FIELDS:  # types first: a crafted checkpoint or API call may hold anything
-            value = _coerce(name, getattr(self, name))
-            if isinstance(value, float) and not math.isfinite(value):
-                raise SlipcacheError(f"{name} must be a finite number, got {value}")
         for name in ("lr", "dense_lr", "synthetic_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        if self.batch_size > 2**31:  # rows of a batch are indexed with int32 offsets
+            raise SlipcacheError(f"batch_size must be at most 2**31, got {self.batch_size}")
         if self.max_rows > 2**31:  # rows are int32 ids
             raise SlipcacheError(f"max_rows must be at most 2**31, got {self.max_rows}")
         if self.out == "" or self.resume == "":

@@ -7,6 +7,7 @@ baseline run (no cache) gets no hit-rate plot and a run without stale-input skip
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter
 
 from slipcache.plotting import STYLE, pyplot, samples_axis
+from slipcache.safe_files import write_atomic
 
 plt = pyplot()
 
@@ -27,9 +29,12 @@ def _series(events: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
 
 
 def _save(fig: plt.Figure, path: Path) -> str:
+    """The figure into `path`, replaced atomically (a link there is replaced, its target never written)."""
     fig.tight_layout()
-    fig.savefig(path)
+    image = io.BytesIO()
+    fig.savefig(image, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
+    write_atomic(path, image.getvalue())
     return path.name
 
 
@@ -187,5 +192,5 @@ def write_report(run_dir: str | Path, events: list[dict[str, Any]], summary: dic
             lines += [f"## {title}", "", f"![{title}]({name})", ""]
     lines += ["## Config", "", "```json", json.dumps(config, indent=2, default=str), "```", ""]
     path = run_dir / "report.md"
-    path.write_text("\n".join(lines))
+    write_atomic(path, "\n".join(lines))
     return path

@@ -13,7 +13,7 @@ from slipcache.model import DLRM
 from slipcache.training.backend import build_model
 from slipcache.training.config import TrainConfig, config_from_saved
 from slipcache.training.run_state import check_checkpoint, load_model_state
-from slipcache.training.rundir import load_training_checkpoint, locate_checkpoint
+from slipcache.training.rundir import load_training_checkpoint, resolve_checkpoint
 
 
 @dataclass(frozen=True)
@@ -37,15 +37,9 @@ class SavedCheckpoint:
 
 
 def find_checkpoint(name: str | Path, flag: str = "--checkpoint") -> SavedCheckpoint:
-    """The newest complete checkpoint that `name` designates (see `rundir.locate_checkpoint`)."""
-    from slipcache.distributed.checkpoint import latest_sharded
-
-    file, run_dir = locate_checkpoint(name, flag)
-    if not file.is_file():
-        step = latest_sharded(file.parent)  # a checkpoints directory or one step directory
-        if step is not None:
-            return SavedCheckpoint(step, run_dir, sharded=True)
-    return SavedCheckpoint(file, run_dir, sharded=False)
+    """What `name` designates: a checkpoint file or step named as such, else the newest complete checkpoint
+    of the run, whichever number of processes wrote it (`rundir.resolve_checkpoint`)."""
+    return SavedCheckpoint(*resolve_checkpoint(name, flag))
 
 
 def saved_config(saved: SavedCheckpoint, state: dict[str, Any]) -> TrainConfig:

@@ -38,6 +38,7 @@ from slipcache.errors import SlipcacheError
 from slipcache.memory import peak_rss_bytes, process_age_s
 from slipcache.model import DLRM
 from slipcache.progress import progress_bar
+from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.backend import LocalBackend, RunBackend, dense_optimizer, embedding_optimizer
 from slipcache.training.backend import build_model as build_model  # re-exported: eval, export, tests
@@ -173,7 +174,8 @@ def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, A
                 run.tick_cpu = time.process_time()
             else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
                 end_epoch(run)
-        save_checkpoint(run)
+        if not run.checkpointed_here():  # resumed from its final checkpoint (killed before the end): not twice
+            save_checkpoint(run)
         return finish_run(run)
     finally:
         run.bar.close()
@@ -199,8 +201,9 @@ def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     else:
         run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
     if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
+        loops = _native.threads_for(config.threads)  # checked before anything changes
         torch.set_num_threads(config.threads)
-        _native.set_threads(_native.threads_for(config.threads))
+        _native.set_threads(loops)
     if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
         set_huge_pages(config.huge_pages)
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
@@ -234,9 +237,6 @@ def _build_run(
 ) -> Run:
     """The model, optimizers, callbacks and state of a run whose directory this process holds."""
     dataset_dir = Path(config_dict["dataset"])
-    if backend.writes_files:
-        for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
-            ckpt.remove_partial_writes(directory)
     quality = data_quality(dataset)
     if quality is not None and quality["malformed_lines"]:
         warn(malformed_message(quality, config.data))
@@ -273,6 +273,10 @@ def _build_run(
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(state, run)
         apply_settings(run)  # config.json is what runs (callbacks apply theirs in on_start)
+    if backend.writes_files:  # the checkpoint is restored: from here on the run changes its directory
+        refuse_link(run_dir / "checkpoints")  # everything written into it would land elsewhere
+        for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
+            ckpt.remove_partial_writes(directory)
     run.callbacks.on_start(run)
     run.bar = progress_bar(  # off a terminal: a plain line every 30 s
         total=run.budget,
