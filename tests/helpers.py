@@ -1,9 +1,12 @@
 """Shared test helpers: a tiny dataset in the binary format of docs/design.md."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from slipcache.training.config import TrainConfig, make_config
 
@@ -58,3 +61,19 @@ def tiny_config(data: Path, out: Path, **overrides: object) -> TrainConfig:
     )
     values.update(overrides)
     return make_config({}, values)
+
+
+def record_batches(monkeypatch: Any, when: Callable[[], bool] = lambda: True) -> list[torch.Tensor]:
+    """The ids of every batch the trainer trains (while `when()` holds), in order: `train_step` recorded."""
+    from slipcache.training import trainer
+
+    seen: list[torch.Tensor] = []
+    real_step = trainer.train_step
+
+    def record(run, batch, batches=None):  # noqa: ANN001, ANN202
+        if when():
+            seen.append(batch.sparse.clone())
+        return real_step(run, batch, batches)
+
+    monkeypatch.setattr(trainer, "train_step", record)
+    return seen

@@ -15,7 +15,7 @@ from slipcache.staleness.order import HotInputs
 from slipcache.training import trainer as train
 from slipcache.training.config import make_config
 from slipcache.training.datasets import open_dataset
-from tests.helpers import make_dataset, tiny_config
+from tests.helpers import make_dataset, record_batches, tiny_config
 
 SCHEDULE_KEYS = {"order", "window_start_batch", "window_batches", "hot_input_share", "threshold", "skipped_fraction"}
 
@@ -93,14 +93,7 @@ STUDY = dict(stale_hot_share=0.65, batch_size=64, lr=0.3, epochs=1)  # enough ho
 def test_cold_first_trains_every_cold_input_before_any_hot_one(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: list[torch.Tensor] = []
-    real_step = train.train_step
-
-    def record(run, batch, batches=None):  # noqa: ANN001, ANN202
-        seen.append(batch.sparse.clone())
-        return real_step(run, batch, batches)
-
-    monkeypatch.setattr(train, "train_step", record)
+    seen = record_batches(monkeypatch)
     config = tiny_config(data_dir, tmp_path / "run", input_order="cold_first", **STUDY)
     summary = train.train(config)
     hot = _hot_inputs(config, data_dir)
@@ -173,16 +166,8 @@ def test_freezing_holds_exactly_the_chosen_rows(
         chosen["hot"] = self.detector.hot.rows.copy()
         chosen["coll"] = self.coll
 
-    seen: list[torch.Tensor] = []
-    real_step = train.train_step
-
-    def record(run, batch, batches=None):  # noqa: ANN001, ANN202
-        if "frozen" in chosen:
-            seen.append(batch.sparse.clone())
-        return real_step(run, batch, batches)
-
+    seen = record_batches(monkeypatch, when=lambda: "frozen" in chosen)  # the batches after the freeze
     monkeypatch.setattr(FreezeRows, "_freeze", freeze)
-    monkeypatch.setattr(train, "train_step", record)
     config = tiny_config(data_dir, tmp_path / "run", stale_preset="paper", freeze_rows=mode, embeddings=embeddings, precision="fp32",
                          stale_window_count="epoch", stale_window_start=0.25, stale_window=0.1, **STUDY)
     block = train.train(config)["staleness"]

@@ -13,7 +13,7 @@ from slipcache.bench.cache import dataset_trace
 from slipcache.data.dataset import BatchIterator
 from slipcache.training import trainer as train
 from slipcache.training.datasets import open_dataset, training_batches
-from tests.helpers import make_dataset
+from tests.helpers import make_dataset, record_batches
 from tests.helpers import tiny_config as tiny
 
 
@@ -41,14 +41,7 @@ def test_bench_cache_replays_the_training_order(time_ordered: Path) -> None:
 
 
 def test_the_trainer_trains_in_that_order(time_ordered: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[torch.Tensor] = []
-    real_step = train.train_step
-
-    def record(run, batch, batches=None):  # noqa: ANN001, ANN202
-        seen.append(batch.sparse.clone())
-        return real_step(run, batch, batches)
-
-    monkeypatch.setattr(train, "train_step", record)
+    seen = record_batches(monkeypatch)
     train.train(tiny(time_ordered, tmp_path / "run", epochs=1, samples=64 * 20))
     expected = [b.sparse for b in islice(training_batches(open_dataset(time_ordered), 64, seed=0, epoch=0), 20)]
     assert len(seen) == 20 and all(torch.equal(a, b) for a, b in zip(seen, expected, strict=True))
