@@ -116,3 +116,39 @@ def test_no_module_imports_the_command_module() -> None:
     """`slipcache.cli` is the entry point only: shared flags and their types live in `slipcache.options`."""
     importers = sorted(name for name, imports in import_graph().items() if "slipcache.cli" in imports)
     assert importers == []
+
+
+def _identifiers(tree: ast.AST) -> set[str]:
+    """Every name the code uses: variables, attributes, functions, arguments, keywords, imports."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, (ast.arg, ast.keyword)) and node.arg:
+            found.add(node.arg)
+        elif isinstance(node, ast.alias):
+            found.add(node.asname or node.name)
+    return found
+
+
+def test_the_training_loop_knows_no_feature() -> None:
+    """Features join the loop through callbacks (`training/features.py`), and the backend answers which part
+    of a batch this process reads: the loop names no feature and never asks the batches for their filter."""
+    tree = ast.parse((PACKAGE / "training" / "trainer.py").read_text())
+    named = {n for n in _identifiers(tree) if any(w in n.lower() for w in ("lookahead", "prefetch", "input_part"))}
+    assert named == set()
+    reads_filter = [
+        node.lineno for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "sample_filter"
+        and not (isinstance(node.value, ast.Attribute) and node.value.attr == "callbacks")
+    ]  # fmt: skip
+    assert reads_filter == []
+    assert {"skipped_fraction", "staleness"}.isdisjoint(
+        node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    )
+    caught = _identifiers(ast.parse("def f(batches):\n    return batches.peek(model.input_part)\n"))
+    assert "input_part" in caught and "batches" in caught  # the finder sees attributes and arguments

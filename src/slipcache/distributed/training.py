@@ -104,11 +104,6 @@ class DistributedDLRM(nn.Module):
     def dense_parameters(self) -> list[nn.Parameter]:
         return self.inner.dense_parameters()
 
-    @property
-    def input_part(self) -> tuple[int, int]:
-        """(rank, world size): the part of every global batch this rank reads (`BatchIterator(part=...)`)."""
-        return self.ctx.rank, self.ctx.world_size
-
     def forward(self, dense: Tensor, sparse: Tensor, batch_size: int | None = None) -> Tensor:
         """Logits of the global batch. `batch_size` None: dense and sparse hold the whole global batch and
         this rank keeps its slice; else they hold only this rank's slice of a global batch of that size."""
@@ -151,6 +146,10 @@ class DistributedBackend(RunBackend):
     @property
     def writes_files(self) -> bool:
         return self.is_main
+
+    def batch_part(self) -> tuple[int, int]:
+        """(rank, world size): each rank reads its slice of every global batch."""
+        return self.ctx.rank, self.ctx.world_size
 
     # ------------------------------------------------------------------------------------- set-up
     def check_config(self, config: Any) -> None:

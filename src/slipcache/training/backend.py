@@ -61,6 +61,11 @@ class RunBackend:
     def build_model(self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path) -> Any:
         raise NotImplementedError
 
+    def batch_part(self) -> tuple[int, int] | None:
+        """(part, parts): the slice of every global batch this process reads (`BatchIterator(part=...)`);
+        None: the whole batch."""
+        raise NotImplementedError
+
     def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any] | None:
         """The state to resume from (`path`: the checkpoint `--resume` names, inside run dir `home`), or
         None when the run stopped before its first checkpoint (it starts again from its config.json)."""
@@ -92,6 +97,9 @@ class LocalBackend(RunBackend):
 
     def build_model(self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path) -> DLRM:
         return build_model(config, table_sizes, num_dense)
+
+    def batch_part(self) -> None:
+        return None
 
     def __init__(self) -> None:
         self._unshard_from: Path | None = None  # a checkpoint of N processes, gathered into one

@@ -6,6 +6,7 @@ these points (see `trainer.train`):
     on_start(run)                         the run is built and restored, before the first batch
     start_epoch(run)                      before the epoch's batches are read
     sample_filter(run) -> filter | None   drops samples while batches are assembled (batches stay full)
+    before_step(run, batches)             before every step (`batches`: the epoch's iterator, to peek ahead)
     loss_weights(run, n) -> Tensor | None per-sample loss weights of the next trained batch
     after_step(run, batch, logits, loss)  after every optimizer step (logits detached)
     event_fields(run) -> dict             keys merged into each metrics.jsonl event
@@ -51,6 +52,9 @@ class Callback:
 
     def sample_filter(self, run: Run) -> SampleFilter | None:
         return None
+
+    def before_step(self, run: Run, batches: Any) -> None:
+        pass
 
     def loss_weights(self, run: Run, n: int) -> torch.Tensor | None:
         return None
@@ -115,6 +119,10 @@ class Callbacks:
             return keep
 
         return keep_all
+
+    def before_step(self, run: Run, batches: Any) -> None:
+        for callback in self.items:
+            callback.before_step(run, batches)
 
     def loss_weights(self, run: Run, n: int) -> torch.Tensor | None:
         """The product of the callbacks' weights; None (plain mean) when none weighs."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typing
 
 from slipcache.training.callbacks import Callback, Callbacks, MetricsLog
+from slipcache.training.upcoming import ShowUpcomingBatches, upcoming_batches
 
 if typing.TYPE_CHECKING:
     from slipcache.training.run import Run
@@ -19,6 +20,9 @@ def run_callbacks(run: Run) -> Callbacks:
         from slipcache.staleness.callback import SkipStaleInputs
 
         callbacks.append(SkipStaleInputs(run))
+    ahead = upcoming_batches(config)  # the lookahead policies' window, or the prefetch's one batch
+    if ahead:
+        callbacks.append(ShowUpcomingBatches(ahead, config.prefetch))
     if run.backend.writes_files:
         callbacks.append(MetricsLog())
         if config.tensorboard is not None:

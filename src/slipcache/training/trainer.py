@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slipcache import _native
-from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.embedding.hostmem import set_huge_pages
 from slipcache.errors import SlipcacheError
 from slipcache.memory import peak_rss_bytes, process_age_s
@@ -70,9 +69,11 @@ __all__ = ["Progress", "Run", "build_model", "embedding_optimizer", "evaluate", 
 
 @torch.no_grad()
 def evaluate(
-    model: DLRM, split: Any, *, max_samples: int | None = None, batch_size: int = 8192
+    model: DLRM, split: Any, *, max_samples: int | None = None, batch_size: int = 8192,
+    part: tuple[int, int] | None = None,
 ) -> dict[str, float]:
-    """AUC, log loss, accuracy and normalized entropy on the first `max_samples` of a split (in order)."""
+    """AUC, log loss, accuracy and normalized entropy on the first `max_samples` of a split (in order);
+    `part`: the part of every batch this process reads (`RunBackend.batch_part`)."""
     from slipcache.data.dataset import BatchIterator
 
     was_training = model.training
@@ -80,7 +81,6 @@ def evaluate(
     labels: list[np.ndarray] = []
     probs: list[np.ndarray] = []
     seen = 0
-    part = getattr(model, "input_part", None)  # a rank of N reads its slice of every batch
     for batch in BatchIterator(split, batch_size, drop_last=False, stop=max_samples, part=part):
         logits = batch.logits(model)
         labels.append(batch.labels.numpy())
@@ -300,20 +300,19 @@ def epoch_batches(run: Run) -> Any:
         start_batch=run.progress.batch_in_epoch,
         sample_filter=run.callbacks.sample_filter(run),
         time_order=run.config.time_order,
-        part=None if run.callbacks.reads_batch_ids else getattr(run.model, "input_part", None),
+        part=None if run.callbacks.reads_batch_ids else run.backend.batch_part(),
     )
 
 
 def train_step(run: Run, batch: Any, batches: Any = None) -> tuple[float, torch.Tensor]:
     """Forward, backward and optimizer steps on one batch; returns its mean loss and (detached) logits.
 
-    `batches` (the iterator `batch` came from) lets a lookahead policy or the prefetch see the batches
-    that follow, after the sample filter: those that will be trained.
+    `batches` (the iterator `batch` came from) lets the callbacks see the batches that follow, after the
+    sample filter: those that will be trained.
     """
     t0 = time.perf_counter()
-    ahead = lookahead_batches(run.config)
-    if ahead and batches is not None:
-        run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], run.config.prefetch)
+    if batches is not None:
+        run.callbacks.before_step(run, batches)
     logits = batch.logits(run.model)
     weights = run.callbacks.loss_weights(run, batch.labels.shape[0])
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, weight=weights)
@@ -332,13 +331,6 @@ def train_step(run: Run, batch: Any, batches: Any = None) -> tuple[float, torch.
     return loss_value, logits.detach()
 
 
-def lookahead_batches(config: TrainConfig) -> int:
-    """Batches the embeddings are shown ahead: the lookahead policy's window, or 1 for the prefetch alone."""
-    if config.embeddings != "cached":
-        return 0
-    return config.lookahead if config.policy in LOOKAHEAD_POLICIES else int(config.prefetch)
-
-
 def _non_finite_loss(run: Run, loss_value: float) -> SlipcacheError:
     p = run.progress
     latest = run.run_dir / "checkpoints" / ckpt.LATEST
@@ -353,12 +345,10 @@ def record_step(run: Run, batch: Any, loss_value: float, logits: torch.Tensor, b
     """Per-batch bookkeeping after a step (callbacks, counters, clock); returns whether it was the last."""
     progress = run.progress
     run.callbacks.after_step(run, batch, logits, loss_value)
-    # A filtered epoch has fewer batches: the run's last one is known when none follows.
-    last = (
-        batches.sample_filter is not None and progress.epoch == run.max_epochs - 1 and not batches.peek(1)
-    )
-    elapsed = time.perf_counter() - run.tick
     n = batch.labels.shape[0]
+    # The budget is reached, or, in the last epoch, no batch follows (a filtered epoch has fewer batches).
+    last = run.consumed + n >= run.budget or (progress.epoch == run.max_epochs - 1 and not batches.peek(1))
+    elapsed = time.perf_counter() - run.tick
     progress.step += 1
     progress.samples += n
     progress.batch_in_epoch += 1
@@ -368,7 +358,7 @@ def record_step(run: Run, batch: Any, loss_value: float, logits: torch.Tensor, b
     progress.window_samples += n
     progress.window_wall_s += elapsed
     run.bar.update(n)
-    return last or run.consumed >= run.budget
+    return last
 
 
 def log_event(run: Run, *, evaluate_now: bool) -> None:
@@ -380,7 +370,9 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
     event.update(run.callbacks.event_fields(run))
     run.bar.set_postfix(_postfix(event), refresh=False)
     if evaluate_now:
-        scores = evaluate(run.model, run.dataset.split("val"), max_samples=run.config.eval_samples)
+        scores = evaluate(
+            run.model, run.dataset.split("val"), max_samples=run.config.eval_samples, part=run.backend.batch_part()
+        )
         event.update({f"val_{k}": v for k, v in scores.items()})
         run.callbacks.after_eval(run, scores)
     progress.events.append(event)
@@ -456,7 +448,7 @@ def end_epoch(run: Run) -> None:
 def finish_run(run: Run) -> dict[str, Any]:
     """Test-set evaluation and the summary; the callbacks write it (summary.json, report.md, ...)."""
     progress, model = run.progress, run.model
-    test = evaluate(model, run.dataset.split("test"))
+    test = evaluate(model, run.dataset.split("test"), part=run.backend.batch_part())
     memory = model.embeddings.memory_report()
     summary: dict[str, Any] = {
         "auc": test["auc"],
@@ -481,8 +473,6 @@ def finish_run(run: Run) -> dict[str, Any]:
         "memory_per_rank": memory.get("per_rank"),  # N processes: each rank's own report
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
-        "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
-        "staleness": None,  # a skipping run's callback fills it
         "data_quality": run.data_quality,
         "run_dir": str(run.run_dir),
         "config": run.config_dict,
