@@ -23,8 +23,8 @@ from slipcache.data.synthetic import (
 )
 from slipcache.data.synthetic import cli as synth_cli
 from slipcache.errors import SlipcacheError
+from slipcache.metrics import auc
 from slipcache.training.config import make_config
-from slipcache.training.metrics import auc
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
 needs_shared = pytest.mark.skipif(

@@ -152,3 +152,13 @@ def test_the_training_loop_knows_no_feature() -> None:
     )
     caught = _identifiers(ast.parse("def f(batches):\n    return batches.peek(model.input_part)\n"))
     assert "input_part" in caught and "batches" in caught  # the finder sees attributes and arguments
+
+
+def test_dependencies_point_down_to_the_loop() -> None:
+    """The loop (`training`) uses the data, the tables and skipping; none of those imports the loop."""
+    lower = ("slipcache.data", "slipcache.embedding", "slipcache.staleness")
+    up = sorted(
+        f"{name} -> {target}" for name, imports in import_graph().items() if name.startswith(lower)
+        for target in imports if target.startswith("slipcache.training")
+    )  # fmt: skip
+    assert up == []

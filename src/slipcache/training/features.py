@@ -17,7 +17,7 @@ def run_callbacks(run: Run) -> Callbacks:
     config = run.config
     callbacks: list[Callback] = []
     if config.skip_rule is not None:  # --skip-rule stale|random|loss (--skip-stale is stale)
-        from slipcache.staleness.callback import SkipStaleInputs
+        from slipcache.training.skip_inputs import SkipStaleInputs
 
         callbacks.append(SkipStaleInputs(run))
     ahead = upcoming_batches(config)  # the lookahead policies' window, or the prefetch's one batch

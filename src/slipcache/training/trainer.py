@@ -36,6 +36,7 @@ from slipcache import _native
 from slipcache.embedding.hostmem import set_huge_pages
 from slipcache.errors import SlipcacheError
 from slipcache.memory import peak_rss_bytes, process_age_s
+from slipcache.metrics import evaluate_predictions
 from slipcache.model import DLRM
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.backend import LocalBackend, RunBackend, embedding_optimizer
@@ -53,7 +54,6 @@ from slipcache.training.datasets import (
     training_batches,
 )
 from slipcache.training.features import run_callbacks
-from slipcache.training.metrics import evaluate_predictions
 from slipcache.training.run import Progress, Run
 from slipcache.training.run_state import apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, run_record, warn
