@@ -321,3 +321,23 @@ def test_summary_table_shows_the_skipped_share_of_a_skipping_run() -> None:
     assert "skipped" not in format_summary(summary)
     summary["staleness"] = {"skipped_fraction": 0.1586}
     assert "skipped as stale    15.9% of inputs" in format_summary(summary)
+
+
+def test_a_library_call_puts_the_process_settings_back(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--threads and --huge-pages hold for the run only: a caller of `train` gets its own settings back."""
+    monkeypatch.delenv(hostmem.ENV_HUGE_PAGES, raising=False)
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    seen: dict[str, object] = {}
+    real_start = train.start_run
+
+    def start(config: object, backend: object) -> object:
+        seen.update(threads=torch.get_num_threads(), mode=hostmem.huge_pages_mode())
+        return real_start(config, backend)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train, "start_run", start)
+    train.train(tiny(data_dir, tmp_path / "run", threads=wanted, huge_pages="auto"))
+    assert seen == {"threads": wanted, "mode": "auto"}
+    assert torch.get_num_threads() == before and hostmem.huge_pages_mode() == hostmem.DEFAULT_HUGE_PAGES

@@ -32,12 +32,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from slipcache import _native
-from slipcache.embedding.hostmem import set_huge_pages
 from slipcache.errors import SlipcacheError
 from slipcache.memory import peak_rss_bytes, process_age_s
 from slipcache.metrics import evaluate_predictions
 from slipcache.model import DLRM
+from slipcache.options import huge_pages, torch_threads
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.backend import LocalBackend, RunBackend, embedding_optimizer
 from slipcache.training.backend import build_model as build_model  # re-exported: eval, export, tests
@@ -148,6 +147,13 @@ def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, A
     must survive a resume goes into `Run` / `checkpoint_state`. Training time (`progress.train_wall_s`)
     runs from `run.tick` to the end of `record_step`; evaluation and checkpoints fall outside it.
     """
+    # The run's threads and huge pages for this call only: a library caller's own come back after it.
+    with torch_threads(config.threads), huge_pages(config.huge_pages):
+        return run_loop(config, backend)
+
+
+def run_loop(config: TrainConfig, backend: RunBackend | None) -> dict[str, Any]:
+    """`train`'s loop, in the process settings `train` chose."""
     run = start_run(config, backend or LocalBackend())
     try:
         while run.more_epochs():
@@ -188,11 +194,6 @@ def _crossed(before: int, after: int, every: int) -> bool:
 def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
-    if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
-        torch.set_num_threads(config.threads)
-        _native.set_threads(_native.threads_for(config.threads))
-    if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
-        set_huge_pages(config.huge_pages)
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
