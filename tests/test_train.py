@@ -341,3 +341,15 @@ def test_a_library_call_puts_the_process_settings_back(
     train.train(tiny(data_dir, tmp_path / "run", threads=wanted, huge_pages="auto"))
     assert seen == {"threads": wanted, "mode": "auto"}
     assert torch.get_num_threads() == before and hostmem.huge_pages_mode() == hostmem.DEFAULT_HUGE_PAGES
+
+
+def test_a_resume_draws_no_initial_rows(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row comes from the checkpoint: the initial draw (minutes at the MLPerf sizes) is skipped."""
+    from slipcache.embedding.collection import CachedEmbeddingBagCollection
+
+    run = tmp_path / "run"
+    train.train(tiny(data_dir, run, embeddings="cached", epochs=1))
+    drawn: list[int] = []
+    monkeypatch.setattr(CachedEmbeddingBagCollection, "_initialize_rows", lambda self: drawn.append(1))
+    resumed = train.train(make_config({}, {"resume": str(run), "progress": False, "allow_changes": True, "epochs": 2}))
+    assert drawn == [] and resumed["train_samples"] > 0

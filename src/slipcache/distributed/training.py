@@ -202,7 +202,7 @@ class DistributedBackend(RunBackend):
         return box[0]
 
     def build_model(
-        self, config: Any, table_sizes: list[int], num_dense: int, run_dir: Path
+        self, config: Any, table_sizes: list[int], num_dense: int, run_dir: Path, *, draw_rows: bool = True
     ) -> DistributedDLRM:
         tables_config = embedding_config(
             table_sizes,
@@ -227,7 +227,8 @@ class DistributedBackend(RunBackend):
         else:
             redirect_output(run_dir, self.ctx.rank)
         tables = ShardedEmbeddingCollection(
-            tables_config, self.plan, self.ctx.rank, self.ctx.embedding_group, wire_precision=config.wire_precision
+            tables_config, self.plan, self.ctx.rank, self.ctx.embedding_group,
+            wire_precision=config.wire_precision, draw_rows=draw_rows,
         )
         return DistributedDLRM(DLRM(config.model_config(table_sizes, num_dense), tables).to(self.ctx.device), self.ctx)
 

@@ -244,7 +244,8 @@ def _build_run(
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
-    model = backend.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir)
+    # A resumed run loads every row from its checkpoint: none are drawn (minutes at the MLPerf sizes).
+    model = backend.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir, draw_rows=state is None)
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
