@@ -368,6 +368,3 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
         raise
     finally:
         shutdown()
-
-
-DistributedRun = DistributedBackend  # the name before the run backend; kept for code that imports it

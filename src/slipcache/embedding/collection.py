@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from slipcache.embedding.accounting import COUNTERS, PhaseClock, TrafficCounters, memory_report, row_bytes
 from slipcache.embedding.cache import RowCache
-from slipcache.embedding.config import FLOAT32_MAX, OPTIMIZERS, EmbeddingConfig
+from slipcache.embedding.config import FLOAT32_MAX, EmbeddingConfig
 from slipcache.embedding.inputs import LookupInputs, SparseFeatures
 from slipcache.embedding.plan import StepPlanner, _FusedLookup
 from slipcache.embedding.prefetch import Prefetcher
@@ -43,8 +43,7 @@ from slipcache.embedding.update import FusedOptimizer
 from slipcache.embedding.writeback import RowWriter
 from slipcache.errors import InvalidInputError, SlipcacheError
 
-# OPTIMIZERS: still imported from here by slipcache.training.
-__all__ = ["OPTIMIZERS", "CachedEmbeddingBagCollection", "EmbeddingConfig", "SparseFeatures"]
+__all__ = ["CachedEmbeddingBagCollection", "EmbeddingConfig", "SparseFeatures"]
 
 _INIT_CHUNK_ROWS = 1 << 20
 # Rows are drawn and rounded a chunk of about 1 MB of fp32 at a time: it stays in the core's cache between
