@@ -21,8 +21,8 @@ TINY = Study(
     data={"generator": "v5", "samples": 6000, "scale": 0.001},
     common={"batch_size": 256, "epochs": 1, "eval_every": 2400, "eval_samples": None,
             "bottom_mlp": [16, 8], "top_mlp": [16, 1], "embedding_dim": 8},
-    arms=(Arm("fp32", {"precision": "fp32", "cache_size": 0.0, "policy": "none"}, 2),
-          Arm("int8", {"precision": "int8", "cache_size": 0.0, "policy": "none"}, 2)),
+    arms=(Arm("fp32", {"precision": "fp32", "policy": "none"}, 2),
+          Arm("int8", {"precision": "int8", "policy": "none"}, 2)),
     comparisons=(("int8", "fp32"),),
 )
 

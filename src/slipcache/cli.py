@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from slipcache import __version__
-from slipcache.errors import SlipcacheError
+from slipcache.errors import RunInterrupted, SlipcacheError
 from slipcache.options import huge_pages, torch_threads
 
 # name -> (module, help). The module defines add_<name>_arguments(parser) and run_<name>(args) -> int.
@@ -22,6 +23,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("slipcache.planning.cli", "choose per-table precision and cache rows for a memory budget"),
     "export": ("slipcache.export", "write a checkpoint's tables for serving (nn.EmbeddingBag, TorchRec, FBGEMM INT8)"),
 }
+
+
+def unknown_flag_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """'unrecognized arguments: --lr-shedule (did you mean --lr-schedule?)': the closest flag the command
+    has to the first unknown one, by spelling."""
+    import difflib
+
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    first = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=", 1)[0]
+    close = difflib.get_close_matches(first, flags, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else f" (`{parser.prog} --help` lists the flags)"
+    return f"unrecognized arguments: {' '.join(unknown)}{hint}"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -42,8 +55,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+WAIT_POLICY_VARIABLE = "OMP_WAIT_POLICY"
+
+
+def set_wait_policy() -> None:
+    """OpenMP threads that sleep while they wait, unless the environment chose (`OMP_WAIT_POLICY`).
+
+    Why: torch's OpenMP threads otherwise spin at every join, and with other processes on the cores a
+    spinning thread holds the core its descheduled partner needs: the training loop collapsed to a fraction
+    of its one-thread speed on torch's default threads; with passive waits it kept pace (docs/threads.md).
+    OpenMP reads the setting once, when torch loads, so only the command's entry point can make it, before
+    anything imports torch; a library caller keeps its own process's choice."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault(WAIT_POLICY_VARIABLE, "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    set_wait_policy()
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     args, unknown = parser.parse_known_args(argv)
@@ -52,14 +81,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         parser.print_help()
         return 0
-    if unknown:  # the command's own usage and name, not the top-level ones
-        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # one line naming the command and the nearest flag it has, not the whole usage
+        print(f"{args._parser.prog}: error: {unknown_flag_message(args._parser, unknown)}", file=sys.stderr)
+        raise SystemExit(2)
     module = importlib.import_module(args._module)
     try:
         with torch_threads(getattr(args, "threads", None)), huge_pages(getattr(args, "huge_pages", None)):
             return int(getattr(module, f"run_{args.command}")(args) or 0)
+    except RunInterrupted as exc:  # stopped as asked, the work saved: not an error
+        print(f"slipcache {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
     except SlipcacheError as exc:
-        print(f"slipcache {args.command}: error: {exc}", file=sys.stderr)
+        print(f"slipcache {args.command}: error: {exc}{_torchrun_note()}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # a full disk, a missing or unwritable path: the OS says which
         where = f": {exc.filename}" if exc.filename else ""
@@ -68,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"slipcache {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _torchrun_note() -> str:
+    """Under torchrun, a stopped rank is followed by torchrun's own report (a ChildFailedError traceback):
+    the line says so, so that the traceback is not taken for the cause."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
+        return ""
+    return " (torchrun's report of the stopped processes, a ChildFailedError traceback, follows: this line is the cause)"
 
 
 if __name__ == "__main__":

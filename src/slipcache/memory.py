@@ -12,6 +12,7 @@ else, or to try the check).
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import shutil
@@ -75,9 +76,12 @@ def available_bytes() -> int | None:
     override = os.environ.get(ENV_AVAILABLE)
     if override:
         try:
-            return int(float(override) * GB)
-        except ValueError as exc:
-            raise SlipcacheError(f"{ENV_AVAILABLE} must be a number of GB, got {override!r}") from exc
+            value = float(override)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):  # -5 or inf would be used as given
+            raise SlipcacheError(f"{ENV_AVAILABLE} must be a non-negative number of GB, got {override!r}")
+        return int(value * GB)
     known = [b for b in (_meminfo_available(), _cgroup_headroom()) if b is not None]
     return min(known) if known else None
 
@@ -145,13 +149,24 @@ def require_storage_room(config: EmbeddingConfig, what: str) -> int:
     in_files = _memory_split(config)[1]
     directory = Path(config.storage_path)
     existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        where = "is a file" if existing == directory else f"lies under the file {existing}"
+        raise SlipcacheError(f"--storage-path {directory} {where}; give a directory (new or existing)")
     free = shutil.disk_usage(existing).free
     if in_files > free:
         raise SlipcacheError(
-            f"{what}: the row storage needs {in_files / GB:.1f} GB on disk under {directory}, which has "
-            f"{free / GB:.1f} GB free; give --storage-path a directory on a disk with room"
+            f"{what}: the row storage needs {amount(in_files)} on disk under {directory}, which has "
+            f"{amount(free)} free; give --storage-path a directory on a disk with room"
         )
     return in_files
+
+
+def amount(n: float) -> str:
+    """Bytes in the unit that shows them (a tiny filesystem's "0.0 GB free" said nothing)."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
 
 
 def what_fits(table_sizes: Sequence[int], dim: int, available: int, optimizer: str = "sgd") -> str:

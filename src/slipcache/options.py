@@ -24,7 +24,8 @@ def add_threads_flag(parser: argparse.ArgumentParser, default: object = None, he
     (`main` applies it for the command's duration)."""
     parser.add_argument("--threads", type=positive_int, default=default, metavar="N",
                         help=help or "torch threads, and threads per compiled embedding loop (default: torch's "
-                        "choice, one per core, and one per loop; 1 is steadier on a busy machine)")
+                        "choice, one per core, and one per loop; their waits sleep, so the default holds on a busy "
+                        "machine: docs/threads.md)")
 
 
 def add_huge_pages_flag(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +70,7 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 
     from slipcache import _native
 
+    _native.check_thread_count(threads)  # the flag as given (a run's own count, on resume, is not refused)
     loops = _native.threads_for(threads)  # a bad SLIPCACHE_LOOP_THREADS fails before anything changes
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

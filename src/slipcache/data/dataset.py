@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +216,12 @@ class DatasetWriter:
             self.abort()
 
 
+_DATASET_FILE = re.compile(
+    r"^(?:(?:train|val|test)\.(?:labels|dense|sparse)\.npy|day_\d+_(?:dense|sparse|labels)\.npy"
+    r"|vocab\.npz|meta\.json|synthetic\.json)$"
+)
+
+
 def check_output_dir(path: str | os.PathLike[str], *, force: bool) -> Path:
     """Where `synth --out` / `preprocess --out` may write: a new or empty directory, or (with `force`) a
     dataset of ours. Anything else holds someone's files: refused before a byte is written."""
@@ -227,7 +234,9 @@ def check_output_dir(path: str | os.PathLike[str], *, force: bool) -> Path:
     try:
         ours = json.loads((out / "meta.json").read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
-        ours = False
+        # A commit cut short (meta.json is removed first and written last), or a TorchRec-layout dataset:
+        # ours when every file has the name of one of our dataset files.
+        ours = all(_DATASET_FILE.match(p.name) and p.is_file() for p in entries)
     if not ours:
         raise SlipcacheError(f"--out {out} is not empty and is not a slipcache dataset; choose a new or empty directory")
     if not force:

@@ -112,6 +112,8 @@ class ExternalDataset:
         self.splits = {name: sum(e - s for _, s, e in parts) for name, parts in self._ranges.items()}
         sizes, source = _table_sizes(layout, days, table_sizes)
         self.table_sizes = sizes
+        # Sizes measured from the files once and remembered in the cache: an id beyond them names that record.
+        self._measured = _max_ids_record(layout) if source == "max id + 1" else None
         self.modulo = source == "given"
         self.meta: dict[str, Any] = {
             "format": f"external-{layout.format}",
@@ -142,6 +144,13 @@ class ExternalDataset:
 
             def sparse(a: np.ndarray) -> np.ndarray:
                 a = np.asarray(a)
+                if self._measured is not None and a.size and (a.reshape(-1, NUM_TABLES) >= sizes).any():
+                    t = int(np.flatnonzero((a.reshape(-1, NUM_TABLES) >= sizes).any(axis=0))[0])
+                    raise SlipcacheError(
+                        f"{self.path}: an id of table {t} is beyond the {sizes[t]} rows measured when these files "
+                        f"were first read (remembered in {self._measured}); a file changed since: delete that "
+                        "record to measure again, or give --table-sizes"
+                    )
                 if modulo:  # unsigned ids modulo unsigned sizes: int64 sizes would turn them into floats
                     a = a % (sizes.astype(np.uint64) if a.dtype.kind == "u" else sizes)
                 return a.astype(np.int32)
@@ -283,7 +292,11 @@ def _read_counts(layout: Layout) -> list[int] | None:
 
 
 def _files_key(files: Sequence[Path], *extra: str) -> str:
-    parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    """What the cache's records of these files are keyed by: each file's path, size, time and sampled
+    content (a file rewritten in place with its time kept gets another key, as far as sampling sees)."""
+    from slipcache.data.fingerprint import _sampled_digest
+
+    parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}:{_sampled_digest(p, p.stat().st_size)}" for p in files]
     return hashlib.sha256("\n".join([*parts, *extra]).encode()).hexdigest()[:16]
 
 
@@ -314,9 +327,13 @@ def _check_ids(block: np.ndarray, where: str) -> None:
         )
 
 
+def _max_ids_record(layout: Layout) -> Path:
+    return default_cache_root() / "formats" / f"max-ids-{_files_key(_all_files(layout))}.json"
+
+
 def _max_ids(layout: Layout, days: list[_Day]) -> list[int]:
     """Max id + 1 per table in one pass over every file, remembered in the cache directory."""
-    record = default_cache_root() / "formats" / f"max-ids-{_files_key(_all_files(layout))}.json"
+    record = _max_ids_record(layout)
     try:
         sizes = json.loads(record.read_text())
         if isinstance(sizes, list) and len(sizes) == NUM_TABLES:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from slipcache.errors import SlipcacheError
+from slipcache.memory import amount
 
 HUGE_PAGE = 2 << 20
 HUGE_PAGE_MODES = ("off", "on", "auto")  # `--huge-pages` and $SLIPCACHE_HUGE_PAGES
@@ -108,7 +109,10 @@ def file_backed(shape: tuple[int, ...], dtype: torch.dtype, directory: str | os.
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:  # a file there, or on the way
+        raise SlipcacheError(f"storage path {directory} is not a directory ({exc.strerror}); give a directory") from exc
     fd, name = tempfile.mkstemp(prefix="slipcache-storage-", suffix=".bin", dir=directory)
     try:
         os.unlink(name)
@@ -118,8 +122,7 @@ def file_backed(shape: tuple[int, ...], dtype: torch.dtype, directory: str | os.
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 free = shutil.disk_usage(directory).free
                 raise SlipcacheError(
-                    f"storage path {directory}: {nbytes / 1e9:.2f} GB of rows do not fit the {free / 1e9:.2f} GB "
-                    "free there"
+                    f"storage path {directory}: {amount(nbytes)} of rows do not fit the {amount(free)} free there"
                 ) from exc
             os.ftruncate(fd, nbytes)  # a file system without fallocate: blocks taken as rows are written
         region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

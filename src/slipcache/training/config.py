@@ -20,7 +20,7 @@ from slipcache.embedding.config import FLOAT32_MAX, OPTIMIZERS
 from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
-from slipcache.model import EMBEDDING_KINDS, ModelConfig
+from slipcache.model import AUTOCAST_DTYPES, EMBEDDING_KINDS, INTERACTIONS, ModelConfig
 from slipcache.staleness.config import (
     HOT_SETS,
     RULES,
@@ -38,6 +38,8 @@ VOCABS = ("hash", "frequency")
 SPLIT_ORDERS = ("val-test", "test-val")
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 TIME_ORDERS = ("first", "every")
+DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")  # the MLPs' (`backend.dense_optimizer`)
+LR_SCHEDULES = ("constant", "mlperf")  # `training/schedule.py`
 
 @dataclass
 class TrainConfig:
@@ -102,8 +104,9 @@ class TrainConfig:
                            sets="embedding.optimizer", choices=OPTIMIZERS)
     # The trainer's own learning rate (tuned on synthetic data at batch 256), not the collection's 0.1.
     lr: float = _flag(0.3, "embedding learning rate", resume="changeable", group="embeddings", sets="embedding.lr")
-    dense_lr: float | None = _flag(None, "MLP learning rate (plain SGD)", resume="changeable", group="model",
+    dense_lr: float | None = _flag(None, "MLP learning rate", resume="changeable", group="model",
                                    default_text="--lr")
+    dense_optimizer: str = _flag("sgd", "MLP optimizer", resume="fixed", group="model", choices=DENSE_OPTIMIZERS)
     wire_precision: str = _flag("fp32", "torchrun runs: rows and gradients between ranks as fp32 or fp16/bf16 "
                                 "(half the bytes)", resume="changeable", group="embeddings", choices=WIRE_PRECISIONS)
     storage_path: str | None = _flag(None, "keep the row storage in memory-mapped files in DIR (unnamed: gone with "
@@ -112,8 +115,9 @@ class TrainConfig:
                                      "says when it pays", resume="free", group="embeddings",
                                      sets="embedding.storage_path", metavar="DIR", default_text="in memory")
     # this process
-    threads: int | None = _flag(None, "torch threads of this process (1 is steadier on a busy machine; the "
-                                "README's timings use 1)", resume="free", group="process",
+    threads: int | None = _flag(None, "torch threads of this process (the `slipcache` command makes their waits "
+                                "sleep, so the default holds on a busy machine: docs/threads.md; a resume keeps the "
+                                "run's unless given)", resume="free", group="process",
                                 default_text="torch's choice, one per core", type="positive_int")
     huge_pages: str | None = _flag(None, "back the tables' storage, cache and optimizer state with transparent huge "
                                    "pages: on, off, or auto (tensors of 64 MiB and more); where the kernel has none, "
@@ -122,10 +126,17 @@ class TrainConfig:
     # model
     embedding_dim: int = _flag(help="embedding dimension", resume="fixed", group="model",
                                sets=("embedding.dim", "model.embedding_dim"), flag=("--dim",))
-    bottom_mlp: list[int] = _flag(resume="fixed", group="model", sets="model.bottom_mlp",
-                                  doc="bottom MLP widths; the last is the embedding dim")
-    top_mlp: list[int] = _flag(resume="fixed", group="model", sets="model.top_mlp",
-                               doc="top MLP widths; the last is 1, the logit")
+    bottom_mlp: list[int] = _flag(help="bottom MLP widths, comma-separated; the last is the embedding dim "
+                                  "(--dim alone sets it)", resume="fixed", group="model", sets="model.bottom_mlp",
+                                  type="int_list", metavar="N,N,...")
+    top_mlp: list[int] = _flag(help="top MLP widths, comma-separated; the last is 1, the logit", resume="fixed",
+                               group="model", sets="model.top_mlp", type="int_list", metavar="N,N,...")
+    interaction: str = _flag(help="how the bottom MLP's output meets the embeddings: dot (pairwise dot products, "
+                             "DLRM) or cat (side by side)", resume="fixed", group="model",
+                             sets="model.interaction", choices=INTERACTIONS)
+    autocast: str | None = _flag(help="compute the MLPs and the interaction in this dtype (torch.autocast; the "
+                                 "tables keep their precision)", resume="changeable", group="model",
+                                 sets="model.autocast", choices=tuple(AUTOCAST_DTYPES), default_text="fp32")
     seed: int = _flag(0, "random seed (model init, shuffling, stochastic rounding)", resume="fixed", group="model",
                       sets=("embedding.seed", "staleness.seed"))
     # schedule (all counts are samples)
@@ -143,6 +154,21 @@ class TrainConfig:
                                      metavar="N")
     checkpoint_every: int | None = _flag(None, "samples between checkpoints", resume="changeable", group="schedule",
                                          default_text="4 per run")
+    checkpoint_minutes: float = _flag(10.0, "also a checkpoint after every N minutes of training: the most work a "
+                                      "kill loses (0: none)", resume="free", group="schedule", metavar="N")
+    checkpoint_on_interrupt: bool = _flag(True, "no checkpoint on Ctrl-C or SIGTERM (by default the run writes one "
+                                          "at the step under way and stops, naming the --resume command)",
+                                          resume="free", group="schedule", flag=("--no-checkpoint-on-interrupt",))
+    lr_schedule: str = _flag("constant", "learning rate of the MLPs and the tables over the run: constant, or mlperf "
+                             "(the MLPerf DLRM reference's linear warm-up, then quadratic decay)",
+                             resume="changeable", group="schedule", choices=LR_SCHEDULES)
+    lr_warmup_steps: int | None = _flag(None, "mlperf schedule: steps of linear warm-up from 0",
+                                        resume="changeable", group="schedule", metavar="STEPS",
+                                        default_text="4 percent of the run's steps")
+    lr_decay_start: int | None = _flag(None, "mlperf schedule: the step the decay starts at", resume="changeable",
+                                       group="schedule", metavar="STEP", default_text="75 percent of the run's steps")
+    lr_decay_steps: int | None = _flag(None, "mlperf schedule: steps of the decay to its floor", resume="changeable",
+                                       group="schedule", metavar="STEPS", default_text="the rest of the run")
     keep_checkpoints: int = _flag(2, "periodic checkpoints kept on disk, newest first (the MLPerf tables take "
                                   "15 GB each)", resume="changeable", group="schedule")
     # quick only fills other settings (MLP widths: the checkpoint's shape), so a resume never takes it
@@ -229,6 +255,13 @@ class TrainConfig:
         return StalenessConfig(**{**part_options(self, CONFIG_FIELDS, "staleness"), **overrides})
 
     def validate(self) -> None:
+        for name in CONFIG_FIELDS:  # types first: a crafted checkpoint, a config file or an API call may hold
+            value = _coerce(name, getattr(self, name))  # anything ("256", 1e100); what trains is the typed value
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SlipcacheError(f"{name} must be a finite number, got {value}")
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+                raise SlipcacheError(f"{name} must fit a 64-bit integer, got {getattr(self, name)!r}")
+            setattr(self, name, value)
         for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
             if precision not in PRECISIONS:
                 raise SlipcacheError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -244,14 +277,12 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise SlipcacheError(f"{name} must be positive, got {value}")
-        for name in CONFIG_FIELDS:  # types first: a crafted checkpoint or API call may hold anything
-            value = _coerce(name, getattr(self, name))
-            if isinstance(value, float) and not math.isfinite(value):
-                raise SlipcacheError(f"{name} must be a finite number, got {value}")
         for name in ("lr", "dense_lr", "synthetic_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        if self.batch_size > 2**31:  # rows of a batch are indexed with int32 offsets
+            raise SlipcacheError(f"batch_size must be at most 2**31, got {self.batch_size}")
         if self.max_rows > 2**31:  # rows are int32 ids
             raise SlipcacheError(f"max_rows must be at most 2**31, got {self.max_rows}")
         if self.out == "" or self.resume == "":
@@ -271,6 +302,10 @@ class TrainConfig:
                 raise SlipcacheError(f"cache_rows must be >= 0, got {count}")
         if not 0 <= self.seed < 2**32:
             raise SlipcacheError(f"seed must be in [0, 2**32), got {self.seed}")
+        for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps", "checkpoint_minutes"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:  # also rejects nan
+                raise SlipcacheError(f"{name} must be 0 or more, got {value}")
         if self.keep_checkpoints < 1:
             raise SlipcacheError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.bottom_mlp[-1:] != [self.embedding_dim]:

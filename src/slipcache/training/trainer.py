@@ -20,6 +20,7 @@ interrupted run resumed with `--resume` ends exactly where the uninterrupted run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -30,15 +31,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from slipcache.errors import SlipcacheError
 from slipcache.memory import peak_rss_bytes, process_age_s
-from slipcache.metrics import evaluate_predictions
 from slipcache.model import DLRM
 from slipcache.options import huge_pages, torch_threads
+from slipcache.progress import progress_bar
+from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
-from slipcache.training.backend import LocalBackend, RunBackend, embedding_optimizer
+from slipcache.training.backend import LocalBackend, RunBackend, dense_optimizer, embedding_optimizer
 from slipcache.training.backend import build_model as build_model  # re-exported: eval, export, tests
 from slipcache.training.config import TrainConfig
 from slipcache.training.config import make_config as make_config  # re-exported (bench_train, runner)
@@ -52,6 +53,7 @@ from slipcache.training.datasets import (
     run_dataset_dir,
     training_batches,
 )
+from slipcache.training.evaluation import evaluate
 from slipcache.training.features import run_callbacks
 from slipcache.training.run import Progress, Run
 from slipcache.training.run_state import apply_settings, checkpoint_state, restore
@@ -61,44 +63,6 @@ from slipcache.training.tensorboard import embedding_event_fields, resolve_setti
 # Re-exported: bench/train.py and benchmarks/runner.py (one seam for a fake trainer in the tests) read
 # these as trainer.<name>; `Run`/`Progress` lived here before `training/run.py`.
 __all__ = ["Progress", "Run", "build_model", "embedding_optimizer", "evaluate", "make_config", "prepare_data", "train"]
-
-# ----------------------------------------------------------------------------------------------------
-# Model, evaluation
-
-
-@torch.no_grad()
-def evaluate(
-    model: DLRM, split: Any, *, max_samples: int | None = None, batch_size: int = 8192,
-    part: tuple[int, int] | None = None,
-) -> dict[str, float]:
-    """AUC, log loss, accuracy and normalized entropy on the first `max_samples` of a split (in order);
-    `part`: the part of every batch this process reads (`RunBackend.batch_part`)."""
-    from slipcache.data.dataset import BatchIterator
-
-    was_training = model.training
-    model.eval()
-    labels: list[np.ndarray] = []
-    probs: list[np.ndarray] = []
-    seen = 0
-    for batch in BatchIterator(split, batch_size, drop_last=False, stop=max_samples, part=part):
-        logits = batch.logits(model)
-        labels.append(batch.labels.numpy())
-        probs.append(torch.sigmoid(logits).numpy())
-        seen += len(batch)
-    model.train(was_training)
-    if not labels:
-        raise SlipcacheError("cannot evaluate on an empty split")
-    scores = np.concatenate(probs)
-    if not np.isfinite(scores).all():  # an AUC over NaN scores means nothing
-        bad = int((~np.isfinite(scores)).sum())
-        raise SlipcacheError(
-            f"{bad} of {scores.size} predictions are not finite: the split holds non-finite dense values "
-            "(NaN or inf) or the model diverged"
-        )
-    result = evaluate_predictions(np.concatenate(labels), scores)
-    result["samples"] = seen
-    return result
-
 
 # ----------------------------------------------------------------------------------------------------
 # Schedule
@@ -147,14 +111,13 @@ def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, A
     must survive a resume goes into `Run` / `checkpoint_state`. Training time (`progress.train_wall_s`)
     runs from `run.tick` to the end of `record_step`; evaluation and checkpoints fall outside it.
     """
-    # The run's threads and huge pages for this call only: a library caller's own come back after it.
-    with torch_threads(config.threads), huge_pages(config.huge_pages):
-        return run_loop(config, backend)
+    with contextlib.ExitStack() as settings:  # the run's threads and huge pages: the caller's come back after
+        return run_loop(config, backend, settings)
 
 
-def run_loop(config: TrainConfig, backend: RunBackend | None) -> dict[str, Any]:
-    """`train`'s loop, in the process settings `train` chose."""
-    run = start_run(config, backend or LocalBackend())
+def run_loop(config: TrainConfig, backend: RunBackend | None, settings: contextlib.ExitStack) -> dict[str, Any]:
+    """`train`'s loop; `settings` holds the process settings the run applies until `train` returns."""
+    run = start_run(config, backend or LocalBackend(), settings)
     try:
         while run.more_epochs():
             batches = epoch_batches(run)
@@ -167,7 +130,8 @@ def run_loop(config: TrainConfig, backend: RunBackend | None) -> dict[str, Any]:
                 eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
                 if run.progress.samples % run.config.log_every == 0 or eval_due:
                     log_event(run, evaluate_now=eval_due)
-                if run.progress.samples % run.config.checkpoint_every == 0 and not last:
+                every = run.progress.samples % run.config.checkpoint_every == 0
+                if (run.callbacks.checkpoint_due(run) or every) and not last:  # due: time, or a signal
                     save_checkpoint(run)
                 if last:
                     # A filtered (skipping) run's last epoch can end with trained + skipped just under the
@@ -178,12 +142,24 @@ def run_loop(config: TrainConfig, backend: RunBackend | None) -> dict[str, Any]:
                 run.tick_cpu = time.process_time()
             else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
                 end_epoch(run)
-        save_checkpoint(run)
+        if not _saved_here(run):  # resumed from its final checkpoint (killed before the end): not twice
+            save_checkpoint(run)
         return finish_run(run)
     finally:
         run.bar.close()
+        run.callbacks.close(run)
         if run.lock is not None:
             run.lock.release()
+
+
+def _saved_here(run: Run) -> bool:
+    """Whether the run's newest event is the checkpoint of where it stands (it resumed from that one);
+    then the summary reports that checkpoint."""
+    last = run.progress.events[-1] if run.progress.events else {}
+    if last.get("event") != "checkpoint" or last.get("samples") != run.progress.samples:
+        return False
+    run.last_checkpoint = {k: last.get(k) for k in ("samples", "bytes", "write_s")}
+    return True
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
@@ -191,17 +167,20 @@ def _crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def start_run(config: TrainConfig, backend: RunBackend) -> Run:
-    """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
+def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.ExitStack) -> Run:
+    """A new run, or an interrupted one restored from its checkpoint (`config.resume`); `settings` takes
+    this process's threads and huge pages for the run, put back when it closes."""
     config.validate()
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
     if config.resume is not None:
-        state, saved, config, changes = load_resume(config, backend)
+        state, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
         run_dir = Path(config.out or "")
     else:
         run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
+    settings.enter_context(torch_threads(config.threads))  # torch's and the compiled loops' threads
+    settings.enter_context(huge_pages(config.huge_pages))  # how this process allocates the tables
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
         config.data = str(resolve_data(config.data))
 
@@ -233,9 +212,6 @@ def _build_run(
 ) -> Run:
     """The model, optimizers, callbacks and state of a run whose directory this process holds."""
     dataset_dir = Path(config_dict["dataset"])
-    if backend.writes_files:
-        for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
-            ckpt.remove_partial_writes(directory)
     quality = data_quality(dataset)
     if quality is not None and quality["malformed_lines"]:
         warn(malformed_message(quality, config.data))
@@ -246,7 +222,7 @@ def _build_run(
     torch.manual_seed(config.seed)
     # A resumed run loads every row from its checkpoint: none are drawn (minutes at the MLPerf sizes).
     model = backend.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir, draw_rows=state is None)
-    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
+    dense_opt = dense_optimizer(config, model)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
     batches_per_epoch = dataset.splits["train"] // config.batch_size
@@ -273,10 +249,15 @@ def _build_run(
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(state, run)
         apply_settings(run)  # config.json is what runs (callbacks apply theirs in on_start)
+    if backend.writes_files:  # the checkpoint is restored: from here on the run changes its directory
+        refuse_link(run_dir / "checkpoints")  # everything written into it would land elsewhere
+        for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
+            ckpt.remove_partial_writes(directory)
     run.callbacks.on_start(run)
-    run.bar = tqdm(
+    run.bar = progress_bar(  # off a terminal: a plain line every 30 s
         total=run.budget,
         initial=run.progress.samples,
+        desc="train",
         unit=" samples",
         unit_scale=True,
         disable=not config.progress,

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from slipcache.cache_dir import default_cache_root
 from slipcache.data.streaming import StreamingDatasetWriter, TorchRecWriter, torchrec_day_rows
@@ -31,6 +30,7 @@ from slipcache.data.synthetic.v4 import GeneratorV4
 from slipcache.data.synthetic.v5 import GeneratorV5
 from slipcache.errors import SlipcacheError
 from slipcache.metrics import auc
+from slipcache.progress import progress_bar
 
 GENERATOR_VERSIONS = {"v5": 5, "v4": 4, "v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
 DEFAULT_GENERATOR = "v5"
@@ -136,7 +136,7 @@ def generate_synthetic(
         writer: Any = TorchRecWriter(out_dir, days_rows)
     else:
         writer = StreamingDatasetWriter(out_dir, split_rows)
-    with writer, tqdm(total=num_samples, unit="rows", unit_scale=True, desc="synth", disable=not progress) as bar:
+    with writer, progress_bar(total=num_samples, unit="rows", unit_scale=True, desc="synth", disable=not progress) as bar:
         for chunk, start in enumerate(range(0, num_samples, CHUNK_ROWS)):
             end = min(start + CHUNK_ROWS, num_samples)
             rng = _chunk_rng(seed, chunk)
