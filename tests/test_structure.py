@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,3 +163,21 @@ def test_dependencies_point_down_to_the_loop() -> None:
         for target in imports if target.startswith("slipcache.training")
     )  # fmt: skip
     assert up == []
+
+
+def _design_map() -> set[str]:
+    """The source files docs/design.md's tables name: `a/b.py`, then `c.py` in the same cell means `a/c.py`."""
+    named: set[str] = set()
+    for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+        names = re.findall(r"`([^`]+)`", line.split("|")[1]) if line.startswith("| `") else []
+        base = names[0].rsplit("/", 1)[0] if names and "/" in names[0] else ""
+        named.update(n if "/" in n or not base else f"{base}/{n}" for n in names)
+    return {n for n in named if n.startswith("slipcache/")}
+
+
+def test_the_design_map_names_every_source_file() -> None:
+    named = _design_map()
+    folders = tuple(n for n in named if n.endswith("/"))
+    files = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    assert sorted(f for f in files if f not in named and not f.startswith(folders)) == []
+    assert sorted(n for n in named if not (PACKAGE.parent / n).exists()) == []
