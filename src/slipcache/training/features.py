@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typing
 
-from slipcache.training.callbacks import Callback, Callbacks, MetricsLog
+from slipcache.callback import Callback
+from slipcache.training.callbacks import Callbacks, MetricsLog
 from slipcache.training.upcoming import ShowUpcomingBatches, upcoming_batches
 
 if typing.TYPE_CHECKING:
@@ -20,10 +21,21 @@ def run_callbacks(run: Run) -> Callbacks:
         from slipcache.training.schedule import LRSchedule
 
         callbacks.append(LRSchedule(run))
+    hot_inputs = None
+    if config.input_order == "cold_first":  # FAE's order: cold inputs first, then hot ones
+        from slipcache.staleness.order import ColdFirstOrder
+
+        order = ColdFirstOrder(run, reports=config.skip_rule is None and config.freeze_rows is None)
+        callbacks.append(order)  # first: skipping and freezing use the hot set it profiles each epoch
+        hot_inputs = order.hot_inputs
     if config.skip_rule is not None:  # --skip-rule stale|random|loss (--skip-stale is stale)
         from slipcache.training.skip_inputs import SkipStaleInputs
 
-        callbacks.append(SkipStaleInputs(run))
+        callbacks.append(SkipStaleInputs(run, hot_inputs))
+    if config.freeze_rows is not None:  # --freeze-rows stalest|random
+        from slipcache.staleness.freezing import FreezeRows
+
+        callbacks.append(FreezeRows(run, hot_inputs))
     ahead = upcoming_batches(config)  # the lookahead policies' window, or the prefetch's one batch
     if ahead:
         callbacks.append(ShowUpcomingBatches(ahead, config.prefetch))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import typing
 
+from slipcache.callback import Callback
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
-from slipcache.training.callbacks import Callback
 
 if typing.TYPE_CHECKING:
     from slipcache.training.config import TrainConfig
