@@ -352,6 +352,19 @@ class CachedEmbeddingBagCollection(nn.Module):
             chunk = slice(start, start + _INIT_CHUNK_ROWS)
             self.writer.write(rows[chunk], self.cache.weights[slots[chunk]])
 
+    def write_rows(self, rows: Tensor, values: Tensor) -> None:
+        """Set fp32 `values` [n, D] of unique global `rows`: cached rows in the cache, the others rounded to
+        nearest into storage. For a feature that holds rows fixed (freezing); counts no traffic."""
+        self.prefetcher.join()
+        rows = self.inputs.check_rows(rows, "write_rows")
+        values = values.to(self.device, torch.float32)
+        slots = self.cache.lookup(rows)
+        hit = slots >= 0
+        if bool(hit.any()):
+            self.cache.weights[slots[hit]] = values[hit]
+        if not bool(hit.all()):
+            self.storage.write(rows[~hit], values[~hit], "nearest", None)
+
     def release_rows(self, rows: Tensor) -> int:
         """Write cached `rows` back and free their slots (e.g. rows found stale); returns how many.
 

@@ -13,9 +13,8 @@ Around the loop: `config.py` (TrainConfig), `datasets.py` (where the data comes 
 preprocessed once into the cache), `rundir.py` (which `--out` and `--resume` are allowed), `run_state.py`
 (what a checkpoint holds). Nothing is written outside `<out>` and the cache.
 
-Determinism: everything random is seeded from `config.seed` (model init, shuffling, stochastic rounding
-inside the embedding collection), and a checkpoint holds every piece of state the loop reads, so an
-interrupted run resumed with `--resume` ends exactly where the uninterrupted run ends.
+Determinism: everything random is seeded from `config.seed`, and a checkpoint holds all state the loop reads,
+so an interrupted run resumed with `--resume` ends exactly where the uninterrupted run ends.
 """
 
 from __future__ import annotations
@@ -306,6 +305,7 @@ def epoch_batches(run: Run) -> Any:
         epoch=run.progress.epoch,
         start_batch=run.progress.batch_in_epoch,
         sample_filter=run.callbacks.sample_filter(run),
+        groups=run.callbacks.input_groups(run),  # an order of the features (the cold-first order)
         time_order=run.config.time_order,
         part=None if run.callbacks.reads_batch_ids else getattr(run.model, "input_part", None),
     )
