@@ -39,6 +39,8 @@ SUMMARY_KEYS = {
 }
 # A checkpoint event's bytes vary too: the file holds the events before it, their timings included.
 TIMING = {"samples_per_s", "train_wall_s", "train_seconds", "train_cpu_s", "write_s", "bytes"}
+# and the disk's bytes: what the page cache already held is not read again
+TIMING |= {"disk_read_bytes_per_step", "disk_write_bytes_per_step", "train_disk_read_bytes"}
 
 
 @pytest.fixture(scope="module")

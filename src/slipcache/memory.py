@@ -31,8 +31,9 @@ GB = 1e9
 RUNTIME_BYTES = int(1.0 * GB)
 ENV_AVAILABLE = "SLIPCACHE_MEMORY_AVAILABLE_GB"
 # Precision and cache share, best first: what the error suggests when the asked-for tables do not fit.
-# The memory report's components that are the row storage (in files with a storage path).
-STORAGE_COMPONENTS = ("storage_payload", "quantization_params")
+# The memory report's components that are the row storage in files with a storage path (the rows' codes;
+# their quantization parameters stay in memory).
+STORAGE_COMPONENTS = ("storage_payload",)
 FALLBACKS = (("fp16", 0.05), ("int8", 0.05), ("int8", 0.01), ("int4", 0.05), ("int4", 0.01))
 
 

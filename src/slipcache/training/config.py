@@ -96,7 +96,8 @@ class TrainConfig:
     cache_rows: int | list[int] | None = _flag(None, "cache capacity as a number of rows (overrides "
                                                "--cache-size)")
     policy: str = _flag(_EMB["policy"], "cache replacement policy; none = no cache", choices=POLICIES)
-    lookahead: int = _flag(4, "batches ahead the lookahead policies (lookahead, lookahead-lfu) see")
+    lookahead: int = _flag(4, "batches ahead the lookahead policies (lookahead, lookahead-lfu) see, and that rows "
+                           "on disk (--storage-path) are read ahead")
     prefetch: bool = _flag(False, "read the next batch's rows into the cache in the background while the "
                            "current one computes")
     rounding: str = _flag(_EMB["rounding"], "rounding into storage", choices=ROUNDINGS)
