@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from slipcache import iostats
 from slipcache.embedding import hostmem
 from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint
@@ -70,6 +71,14 @@ def test_end_to_end_writes_run_dir(data_dir: Path, tmp_path: Path) -> None:
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train_events = [e for e in events if e["event"] == "train"]
     assert all("samples" in e and "train_loss" in e and "samples_per_s" in e for e in train_events)
+    # the kernel's counts where it keeps them (Linux): disk bytes of the loop, of the start-up, per step
+    disk = ("train_disk_read_bytes", "train_disk_write_bytes", "startup_disk_read_bytes")
+    if iostats.disk_io() is not None:
+        assert all(isinstance(on_disk[k], int) and on_disk[k] >= 0 for k in disk)
+        assert all(e["disk_read_bytes_per_step"] >= 0 and e["disk_write_bytes_per_step"] >= 0 for e in train_events)
+        assert train_events[-1]["train_disk_read_bytes"] == on_disk["train_disk_read_bytes"]
+    if iostats.rss_anon_bytes() is not None:
+        assert 0 < on_disk["peak_rss_anon_bytes"] <= on_disk["peak_rss_bytes"] * 1.05  # sampled later: a little slack
     assert any("val_auc" in e for e in events)
     config = json.loads((run / "config.json").read_text())
     assert config["samples"] == 2 * (2000 // 64) * 64 and config["dataset"] == str(data_dir)
