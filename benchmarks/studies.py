@@ -212,7 +212,7 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
                         "preprocessed once into OUT/data); default: synthetic data. Slipstream runs whole "
                         "epochs of its training split")
     parser.add_argument("--generator", choices=tuple(GENERATOR_VERSIONS), default=DEFAULT_GENERATOR,
-                        help="synthetic data generator (default v3; v2 reproduces figures measured before v3)")
+                        help="synthetic data generator (default %(default)s; earlier ones reproduce earlier figures)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds of the key setups (default 3, quick 1; accuracy: 5); sweep setups run one seed")
     parser.add_argument("--repeats", type=int, default=None,
@@ -331,12 +331,24 @@ def _run(args: argparse.Namespace, preset: Preset, seeds: int, repeats: int, nam
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.studies STUDY --out DIR` (the same as `slipcache experiment` in a checkout)."""
+    """`python -m benchmarks.studies STUDY --out DIR` (the same as `slipcache experiment` in a checkout), or
+    `python -m benchmarks.studies accuracy_at_scale --resume` for a study that outlives a session."""
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies", description=__doc__.splitlines()[0])
-    add_experiment_arguments(parser)
+    from benchmarks import long_studies
+
+    argv = sys.argv[1:] if argv is None else argv
+    prog = "python -m benchmarks.studies"
     try:
+        if argv and argv[0] in long_studies.STUDIES:
+            parser = argparse.ArgumentParser(prog=prog, description=long_studies.__doc__.splitlines()[0])
+            parser.add_argument("name", choices=tuple(long_studies.STUDIES))
+            parser.add_argument("--out", default=None, help="run root: one directory per arm x seed (default: "
+                                "the slipcache cache, studies/<study>)")
+            long_studies.add_arguments(parser)
+            return long_studies.run_study(parser.parse_args(argv), lambda line: print(line, flush=True))
+        parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+        add_experiment_arguments(parser)
         return run_experiment(parser.parse_args(argv))
     except SlipcacheError as exc:
         print(f"benchmarks.studies: error: {exc}", file=sys.stderr)

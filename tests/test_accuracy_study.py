@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from benchmarks import accuracy, runner, studies
+from slipcache.data.synthetic import DEFAULT_GENERATOR
 from slipcache.errors import SlipcacheError
 
 RAN = re.compile(r"^\[\d+/\d+\] ")
@@ -167,7 +168,7 @@ def test_accuracy_study_with_the_real_trainer(tmp_path: Path, monkeypatch: pytes
          "--eval-samples", "500", "--accuracy-epochs", "1", "--seeds", "2", *PROBE)  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     cells = results["cells"]
-    assert len(cells) == 12 and {c["summary"]["config"]["synthetic_generator"] for c in cells} == {"v4"}
+    assert len(cells) == 12 and {c["summary"]["config"]["synthetic_generator"] for c in cells} == {DEFAULT_GENERATOR}
     by = {(c["setup"], c["seed"]): c["summary"] for c in cells}
     for row in results["accuracy"]:
         diffs = [by[(row["setup"], s)]["auc"] - by[("fp32 no cache", s)]["auc"] for s in (0, 1)]

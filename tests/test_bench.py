@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import types
 from pathlib import Path
 from typing import Any
 
@@ -245,10 +247,18 @@ def test_combine_rounds_takes_the_median() -> None:
     assert bench_timing.combine_rounds(rows)["status"] == "ok in 2 of 3 rounds"
 
 
-def test_timed_section_lasts_at_least_min_seconds() -> None:
+def _steady_clock(monkeypatch: pytest.MonkeyPatch, step_s: float = 0.01) -> None:
+    """The timing loop's clock advances `step_s` per reading, so a test of how long it runs does not
+    depend on how loaded the machine is."""
+    ticks = itertools.count()
+    monkeypatch.setattr(bench_timing, "time", types.SimpleNamespace(perf_counter=lambda: step_s * next(ticks)))
+
+
+def test_timed_section_lasts_at_least_min_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    _steady_clock(monkeypatch)
     work = bench_workload.make_workload([100, 200], batch_size=8, warmup_steps=1, timed_steps=2)
     row = bench_timing.measure(bench_peers.CONFIGS[0], 8, work, budget_bytes=1 << 30, min_seconds=0.05)
-    assert row["timed_s"] >= 0.05 and row["timed_steps"] > 2  # cycled over the two timed batches
+    assert row["timed_steps"] == 5 and row["timed_s"] == pytest.approx(0.05)  # cycled over the two batches
 
 
 def test_busy_machine_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -354,7 +364,8 @@ def test_bench_reports_evictions_per_step_and_keeps_no_prefill(tmp_path: Path) -
     assert row["prefill_steps"] > 0 and "evict/step" in (tmp_path / "out" / "bench.md").read_text()
 
 
-def test_a_cache_replaying_its_timed_batches_is_warned(tmp_path: Path) -> None:
+def test_a_cache_replaying_its_timed_batches_is_warned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _steady_clock(monkeypatch)  # 0.2 s is 20 steps of the 3 batches, on any machine
     argv = ["--dims", "8", "--configs", "slipcache-int8-lru5", "--rounds", "1"]
     assert not any("more than once" in w for w in _run(tmp_path, *argv)["warnings"])
     warned = _run(tmp_path, *argv, "--min-seconds", "0.2")["warnings"]

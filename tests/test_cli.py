@@ -15,8 +15,16 @@ def test_unknown_flag_is_reported_by_its_subcommand(capsys: pytest.CaptureFixtur
         main(["eval", "--checkpoint", "run", "--no-progress"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "usage: slipcache eval" in err
-    assert "slipcache eval: error: unrecognized arguments: --no-progress" in err
+    assert err == "slipcache eval: error: unrecognized arguments: --no-progress (`slipcache eval --help` lists the flags)\n"
+
+
+def test_a_misspelt_flag_names_the_closest_one_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--cache-sise", "0.1"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "slipcache train: error: unrecognized arguments: --cache-sise 0.1 (did you mean --cache-size?)\n"
+    )
 
 
 def test_unknown_flag_without_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -202,3 +202,16 @@ def test_missing_input_creates_no_output_directory(tmp_path: Path) -> None:
     with pytest.raises(SlipcacheError, match="missing.tsv: no such file"):
         preprocess([tmp_path / "missing.tsv"], tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@needs_shared
+def test_hashed_tables_far_larger_than_the_data_are_warned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    preprocess([TSV], tmp_path / "big", vocab="hash", max_rows=10_000_000, progress=False)
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and "warning: --max-rows 10,000,000 gives every table 10,000,000 rows" in warning
+    distinct = max(len(np.unique(column)) for column in hash_ids(raw_rows(TSV)[2], 10_000_000).T)
+    assert f"at most {distinct:,} distinct values in a table (1,000 rows)" in warning
+    fits = int(warning.split("--max-rows ")[-1].split(" fits")[0].replace(",", ""))
+    assert 4 * distinct <= fits < 8 * distinct
+    preprocess([TSV], tmp_path / "fits", vocab="hash", max_rows=fits, progress=False)
+    assert capsys.readouterr().err == ""  # sized to the data: nothing to say

@@ -305,6 +305,11 @@ def test_preprocessed_dataset_matches_its_raw_file(tmp_path: Path) -> None:
             k: r[k] for k in ("distinct", "missing_rate", "recur_share", "top_share")
         }
     assert ds["dense_missing_rate"] is None
+    # The dense shapes are the stored values' (log(1 + max(x, 0)), missing 0): the empty I2 and I4's -1
+    # are stored as 0, I3's 260 is not.
+    assert [d["name"] for d in ds["dense"]] == [f"I{j}" for j in range(1, 14)]
+    assert [ds["dense"][j]["zero_share"] for j in (1, 2, 3)] == [1.0, 0.0, 1.0]
+    assert ds["dense"][0]["missing_rate"] == 0.0 and "stored" in ds["source"]["dense_missing"]
     assert compute_stats(tmp_path / "ds", splits=["val", "test"])["rows"] == 2
 
 

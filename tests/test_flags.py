@@ -63,3 +63,32 @@ def test_eval_samples_is_the_trains_spelling_and_the_old_one_warns(capsys: pytes
     assert parser.parse_args(["eval", "--checkpoint", "r", "--samples", "7"]).samples == 7
     assert "--samples is deprecated; use --eval-samples" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", "nowhere", "--eval-samples", "5"]) == 2  # one line, not a traceback
+
+
+def test_every_setting_says_its_group_and_what_a_resume_may_do() -> None:
+    from slipcache.training.settings import GROUPS, RESUME
+
+    for f in dataclasses.fields(TrainConfig):
+        assert f.metadata.get("resume") in RESUME and f.metadata.get("group") in GROUPS, f.name
+
+
+def test_the_parts_configs_are_built_from_the_settings() -> None:
+    from slipcache.training.config import CONFIG_FIELDS
+    from slipcache.training.settings import PARTS, part_options
+
+    config = TrainConfig(stale_budget_mb=64.0, stale_target=0.2, embedding_dim=8, bottom_mlp=[32, 8], seed=7,
+                         precision="fp16")  # fmt: skip
+    staleness = config.staleness_config(rule="random")
+    assert staleness.memory_budget_bytes == 64 * 2**20 and staleness.target_drop == 0.2 and staleness.seed == 7
+    assert staleness.rule == "random"
+    assert config.embedding_options()["dim"] == 8 and config.embedding_options()["precision"] == "fp16"
+    assert config.model_config([5], 13).bottom_mlp == [32, 8]
+    # a setting that takes its part's default has that default, in the setting's unit
+    defaults = TrainConfig()
+    for part, kind in PARTS.items():
+        own = {f.name: f for f in dataclasses.fields(kind)}
+        for key, value in part_options(defaults, CONFIG_FIELDS, part).items():
+            f = own[key]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if key not in ("lr",):  # the trainer's own learning rate, on purpose
+                assert value == default, (part, key)

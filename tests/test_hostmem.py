@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipcache import cli
+from slipcache import options
 from slipcache.embedding import hostmem
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.errors import SlipcacheError
@@ -136,13 +136,13 @@ def test_collection_on_huge_pages_trains_bit_for_bit_as_without() -> None:
 
 def test_the_flag_sets_the_mode_for_the_command_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(hostmem.ENV_HUGE_PAGES, "auto")
-    with cli.huge_pages("on"):
+    with options.huge_pages("on"):
         assert hostmem.huge_pages_mode() == "on"
     assert hostmem.huge_pages_mode() == "auto"
-    with cli.huge_pages(None):
+    with options.huge_pages(None):
         assert hostmem.huge_pages_mode() == "auto"
     parser = argparse.ArgumentParser()
-    cli.add_huge_pages_flag(parser)
+    options.add_huge_pages_flag(parser)
     assert parser.parse_args(["--huge-pages", "off"]).huge_pages == "off"
     with pytest.raises(SystemExit):
         parser.parse_args(["--huge-pages", "yes"])

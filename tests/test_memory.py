@@ -53,7 +53,7 @@ def test_absurd_dim_and_hashed_ids_hit_the_same_check(monkeypatch: pytest.Monkey
         build_embeddings([2**31], 16, embeddings="torch")
     # a TorchRec feature hashed to ids up to 2^40: max id + 1 rows, fp32
     with pytest.raises(MemoryShortError, match=r"^torchrec: 1,099,511,627,776 rows at dim 16 in fp32 need"):
-        require_tables_fit([2**40], 16, what="torchrec")
+        require_tables_fit([2**40], 16, what="torchrec", precision="fp32", cache_size=0.0)
     with pytest.raises(memory.SlipcacheError, match="dim must be positive"):
         require_tables_fit([10], 0, what="train")
 
@@ -88,3 +88,7 @@ def test_storage_in_files_counts_only_what_stays_in_memory(tmp_path: Path, monke
     with pytest.raises(SlipcacheError, match=r"^train: the row storage needs 2\.\d GB on disk under .*rows"):
         memory.require_config_fits(in_files, "train")
     assert not (tmp_path / "rows").exists()  # refused before anything was created
+
+
+def test_settings_left_out_take_the_collections_defaults() -> None:
+    assert table_bytes([1000, 10], 16) == memory.config_bytes(EmbeddingConfig(table_sizes=[1000, 10], dim=16))

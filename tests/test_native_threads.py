@@ -205,8 +205,8 @@ def test_split_quantize_and_finite_check(loop_threads: int, precision: str, monk
 
 
 def test_the_threads_flag_sets_the_loops_threads_for_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    from slipcache.cli import torch_threads
     from slipcache.errors import SlipcacheError
+    from slipcache.options import torch_threads
 
     before, torch_before = _native.threads(), torch.get_num_threads()
     with torch_threads(3):

@@ -162,3 +162,24 @@ def test_plan_runs_the_memory_pre_check_on_what_it_proposes(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "--budget-gb 0.5 is more than this machine has available for tables (0.0 GB)" in err
+
+
+def test_the_plan_plot_names_the_largest_tables_and_groups_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.pyplot as plt
+
+    from slipcache.planning.cli import NAMED_CURVES
+
+    figures: list = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its legend
+    data = make_dataset(tmp_path / "data", n=800, skewed=True)
+    assert cli.main(["plan", "--data", str(data), "--budget-gb", "0.000008", "--out", str(tmp_path / "p.toml")]) == 0
+    (figure,) = figures
+    legend = figure.axes[0].get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert len(texts) == NAMED_CURVES + 1 and texts[-1] == f"{26 - NAMED_CURVES} smaller tables"
+    assert texts[0].startswith("C3 (50 rows)")  # the largest table first (helpers.SIZES)
+    colours = [tuple(line.get_color()) if not isinstance(line.get_color(), str) else line.get_color()
+               for line in legend.get_lines()]
+    assert len(set(colours)) == len(colours)  # every named table its own colour, the rest one grey

@@ -110,3 +110,9 @@ def test_no_source_file_over_500_lines() -> None:
     assert too_long == {}
     split_already = {name for name in KNOWN_LONG if lengths.get(name, 0) <= MAX_LINES}
     assert split_already == set(), "remove these from KNOWN_LONG"
+
+
+def test_no_module_imports_the_command_module() -> None:
+    """`slipcache.cli` is the entry point only: shared flags and their types live in `slipcache.options`."""
+    importers = sorted(name for name, imports in import_graph().items() if "slipcache.cli" in imports)
+    assert importers == []

@@ -1,6 +1,7 @@
 """`--tensorboard`: the metrics.jsonl scalars land in event files TensorBoard reads back."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,7 @@ def test_default_directory_is_inside_the_run(tmp_path: Path) -> None:
     data = make_dataset(tmp_path / "data", n=600)
     train.train(tiny_config(data, tmp_path / "run", epochs=1, tensorboard=""))
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    # report.md links only plots on disk, and a run without skipping has no staleness plot
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", (tmp_path / "run" / "report.md").read_text())
+    assert "training.png" in links and all((tmp_path / "run" / name).is_file() for name in links)
+    assert not (tmp_path / "run" / "staleness.png").exists()

@@ -255,7 +255,7 @@ def test_eval_rejects_bad_samples_and_crafted_checkpoints(
         assert code == 2 and message in err and err.count("\n") == 1, err
     checkpoint.save_checkpoint(tmp_path / "crafted.pt", {**state, "table_sizes": "many"})
     code, err = cli(["eval", "--checkpoint", str(tmp_path / "crafted.pt")], capsys)
-    assert code == 2 and "incomplete or malformed" in err
+    assert code == 2 and "is malformed: table_sizes must be a list of positive row counts" in err
 
 
 def test_dim_moves_the_bottom_mlp(data_dir: Path, tmp_path: Path) -> None:

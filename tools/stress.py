@@ -21,6 +21,12 @@ Not part of CI (it takes minutes). Usage:
    without it; the final checkpoint holds the new value); the data regenerated or bytes flipped under a
    run (eval and --resume refuse in one line what the fingerprint sees).
 
+7. Paths (tools/stress_paths.py): a link planted at each file or directory a resumed run writes (the
+   victim untouched; the link replaced or refused in one line); `export --force` aimed at its own run,
+   its parent, a directory inside it and a directory holding another run (refused, nothing changed);
+   runs moved between 2 processes (torchrun) and 1 with kills in between (each continuation resumes
+   from the newest complete checkpoint, whoever wrote it).
+
 A failure is any mismatch, traceback or multi-line error; the tool prints a JSON summary and exits 1
 when there was one.
 """
@@ -41,7 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import stress_runs  # tools/, beside this file
+import stress_paths  # tools/, beside this file
+import stress_runs
 import torch
 
 from slipcache.cli import main as cli_main
@@ -349,6 +356,7 @@ def main() -> int:
     parser.add_argument("--flips", type=int, default=20, help="byte-flip trials (each: eval and resume)")
     parser.add_argument("--concurrent", type=int, default=6, help="two-writer trials (default 6)")
     parser.add_argument("--data-trials", type=int, default=9, help="data changed under a run (default 9)")
+    parser.add_argument("--chains", type=int, default=3, help="runs moved between 2 processes and 1 with kills")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the JSON summary here too")
     args = parser.parse_args()
@@ -403,6 +411,12 @@ def main() -> int:
     print(f"changed settings: {[t['verdict'] for t in changes]}", flush=True)
     data_changes = stress_runs.changed_data_trials(cli, runner, workdir, args.data_trials, rng)
     print(f"changed data: {[t['verdict'] for t in data_changes]}", flush=True)
+    links = stress_paths.link_trials(cli, workdir, reference)
+    print(f"linked run files: {[t['verdict'] for t in links]}", flush=True)
+    exports = stress_paths.export_trials(cli, workdir, reference)
+    print(f"export at its own run: {[t['verdict'] for t in exports]}", flush=True)
+    chains = [stress_paths.chain_trial(runner, workdir, i, rng, duration) for i in range(args.chains)]
+    print(f"2 -> 1 -> 2 chains: {[t['verdict'] for t in chains]}", flush=True)
     flips = flip_trials(reference, workdir, args.flips, rng)
     disk = full_disk_trials(runner, workdir, reference, expected)
     bad = bad_input_trials(workdir, reference)
@@ -425,17 +439,25 @@ def main() -> int:
         "changed_setting_failures": sum(t["verdict"] == "FAILURE" for t in changes),
         "changed_data_trials": len(data_changes),
         "changed_data_verdicts": {v: sum(t["verdict"] == v for t in data_changes) for v in {t["verdict"] for t in data_changes}},
+        "link_verdicts": {t["file"]: t["verdict"] for t in links},
+        "export_verdicts": {t["out"]: t["verdict"] for t in exports},
+        "chain_trials": len(chains),
+        "chain_kills": sum(s["killed"] for t in chains for s in t["steps"]),
+        "chain_failures": sum(t["verdict"] == "FAILURE" for t in chains),
         "disk": disk,
         "bad_input": bad,
         "concurrent_details": owners,
         "changed_setting_details": changes,
         "changed_data_details": data_changes,
         "kill_details": kills,
+        "link_details": links,
+        "chain_details": chains,
         "flip_details": flips,
     }
     failures = report["kill_failures"] + report["flip_failures"] + report["concurrent_failures"]
     failures += report["changed_setting_failures"] + sum(t["verdict"] == "FAILURE" for t in data_changes)
     failures += sum(d.get("verdict") == "FAILURE" for d in disk) + sum(b["verdict"] == "FAILURE" for b in bad)
+    failures += sum(t["verdict"] == "FAILURE" for t in [*links, *exports, *chains])
     report["failures"] = failures
     text = json.dumps(report, indent=1, default=str)
     (workdir / "stress.json").write_text(text)

@@ -167,6 +167,47 @@ def load(path: str) -> Any:
     return json.loads((DOCS / path).read_text())
 
 
+def study_arms(study: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per arm of a long study (docs/studies/*.json): seeds finished of planned, and means over them."""
+    rows = []
+    for name, arm in study["arms"].items():
+        runs = [r for r in study["runs"] if r["arm"] == name]
+
+        def mean(key: str, runs: list[dict[str, Any]] = runs) -> float | None:
+            values = [r[key] for r in runs if r.get(key) is not None]
+            return sum(values) / len(values) if values else None
+
+        rows.append({"arm": name, "seeds": len(runs), "planned": arm["seeds"], "mean": mean})
+    return rows
+
+
+def comparison(study: Mapping[str, Any], arm: str, vs: str, metric: str = "test_auc") -> dict[str, Any] | None:
+    """The paired comparison arm - vs of a long study, or None before a pair finished."""
+    return next((c for c in study["comparisons"] if (c["arm"], c["vs"], c["metric"]) == (arm, vs, metric)), None)
+
+
+def diff_ci(c: Mapping[str, Any] | None, digits: int = 4) -> str:
+    """mean [low, high] (n) of a paired comparison; a dash before any pair finished."""
+    if c is None:
+        return DASH
+    interval = "" if c["ci95"] is None else f" [{sgn(c['ci95'][0], digits)}, {sgn(c['ci95'][1], digits)}]"
+    return f"{sgn(c['mean_diff'], digits)}{interval} (n={c['n']})"
+
+
+def equal_within(c: Mapping[str, Any] | None, bound: float = 0.001) -> str:
+    """What a paired AUC difference says against a ±bound claim."""
+    if c is None or c["ci95"] is None:
+        return "not yet measured (fewer than 2 paired seeds)"
+    low, high = c["ci95"]
+    if -bound <= low and high <= bound:
+        return f"**within ±{bound:g}** (the whole 95 % interval)"
+    if high < -bound:
+        return f"**loses more than {bound:g}** (the whole interval below −{bound:g})"
+    if low > bound:
+        return f"**gains more than {bound:g}**"
+    return f"**not resolved at ±{bound:g}** (the interval crosses the bound)"
+
+
 def render() -> str:
     """The whole page: every section template in name order."""
     import jinja2
@@ -175,7 +216,8 @@ def render() -> str:
                              keep_trailing_newline=False, trim_blocks=True, lstrip_blocks=True)
     env.filters.update(n=n, f=f, sgn=sgn, x=x, pct=pct, k=k)
     env.globals.update(load=load, table=table, provenance=provenance, machine=machine, bench_row=bench_row,
-                       setup=setup, cell=cell, verdict=verdict)
+                       setup=setup, cell=cell, verdict=verdict, study_arms=study_arms, comparison=comparison,
+                       diff_ci=diff_ci, equal_within=equal_within)
     names = sorted(p.name for p in SECTIONS.glob("*.md"))
     sections = [env.get_template(name).render().strip() for name in names]
     return HEADER + "\n\n".join(sections) + "\n"

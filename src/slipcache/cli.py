@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from slipcache import __version__
-from slipcache.errors import SlipcacheError
+from slipcache.errors import RunInterrupted, SlipcacheError
+from slipcache.options import huge_pages, torch_threads
 
 # name -> (module, help). The module defines add_<name>_arguments(parser) and run_<name>(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -27,133 +25,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def add_progress_flag(parser: argparse.ArgumentParser, default: object = True) -> None:
-    """`--quiet` / `--no-progress`, one flag under both names in every long-running command (args.progress);
-    users who learnt one spelling on one command tried it on the others."""
-    parser.add_argument("--no-progress", "--quiet", dest="progress", action="store_false", default=default,
-                        help="no progress bar")
+def unknown_flag_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """'unrecognized arguments: --lr-shedule (did you mean --lr-schedule?)': the closest flag the command
+    has to the first unknown one, by spelling."""
+    import difflib
 
-
-def add_threads_flag(parser: argparse.ArgumentParser, default: object = None, help: str | None = None) -> None:
-    """`--threads N`: torch threads for the command, the same flag on every command that computes with torch
-    (`main` applies it for the command's duration)."""
-    parser.add_argument("--threads", type=positive_int, default=default, metavar="N",
-                        help=help or "torch threads, and threads per compiled embedding loop (default: torch's "
-                        "choice, one per core, and one per loop; 1 is steadier on a busy machine)")
-
-
-HUGE_PAGE_CHOICES = ("off", "on", "auto")  # how slipcache.embedding.hostmem allocates the tables' big tensors
-ENV_HUGE_PAGES = "SLIPCACHE_HUGE_PAGES"  # its choice for this process (and the processes it starts)
-
-
-def add_huge_pages_flag(parser: argparse.ArgumentParser) -> None:
-    """`--huge-pages`: whether the tables' big tensors ask for 2 MiB pages, on every command that builds tables
-    (`main` applies it for the command's duration; docs/scale.md says when it helps)."""
-    parser.add_argument("--huge-pages", choices=HUGE_PAGE_CHOICES, default=None, dest="huge_pages",
-                        help="back the tables' storage, cache and optimizer state with transparent huge pages: on, "
-                        "off, or auto (tensors of 64 MiB and more); where the kernel has none, off (default: "
-                        "$SLIPCACHE_HUGE_PAGES, else off)")
-
-
-@contextlib.contextmanager
-def huge_pages(mode: str | None) -> Iterator[None]:
-    """Allocate with huge pages per `mode` (None: leave the environment's choice), then put it back. Set in
-    the environment, so that processes the command starts (torchrun ranks) allocate the same way."""
-    if mode is None:
-        yield
-        return
-    previous = os.environ.get(ENV_HUGE_PAGES)
-    os.environ[ENV_HUGE_PAGES] = mode
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(ENV_HUGE_PAGES, None)
-        else:
-            os.environ[ENV_HUGE_PAGES] = previous
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int | None) -> Iterator[None]:
-    """Run with `threads` torch threads and as many threads per compiled loop (None: leave both settings;
-    SLIPCACHE_LOOP_THREADS sets the loops' own), then put the previous settings back."""
-    if threads is None:
-        yield
-        return
-    import torch
-
-    from slipcache import _native
-
-    loops = _native.threads_for(threads)  # a bad SLIPCACHE_LOOP_THREADS fails before anything changes
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    previous_loops = _native.set_threads(loops)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-        _native.set_threads(previous_loops)
-
-
-class DeprecatedFlag(argparse.Action):
-    """An old spelling kept working: stores into the new flag's `dest` and says so in one line."""
-
-    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs: object) -> None:
-        self.new = new
-        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
-        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def seed_arg(text: str) -> int:
-    """A random seed for argparse: numpy and torch take [0, 2**32); anything else is a usage error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"a seed must be in [0, 2**32), got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1 for argparse (counts, ways, sizes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def float_in(low: float, high: float) -> Callable[[str], float]:
-    """An argparse type for a finite float in (low, high] (nan and inf refused)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not low < value <= high:  # also refuses nan
-            raise argparse.ArgumentTypeError(f"must be in ({low:g}, {high:g}], got {text}")
-        return value
-
-    return parse
-
-
-IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
-
-
-def image_file(text: str) -> str:
-    """A plot's file name for argparse: matplotlib picks the format by suffix, so an unknown one is refused
-    here, before the work, instead of after it with a traceback."""
-    if Path(text).suffix.lower() not in IMAGE_SUFFIXES:
-        raise argparse.ArgumentTypeError(f"expected a {', '.join(IMAGE_SUFFIXES)} file name, got {text!r}")
-    return text
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    first = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=", 1)[0]
+    close = difflib.get_close_matches(first, flags, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else f" (`{parser.prog} --help` lists the flags)"
+    return f"unrecognized arguments: {' '.join(unknown)}{hint}"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -174,8 +55,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+WAIT_POLICY_VARIABLE = "OMP_WAIT_POLICY"
+
+
+def set_wait_policy() -> None:
+    """OpenMP threads that sleep while they wait, unless the environment chose (`OMP_WAIT_POLICY`).
+
+    Why: torch's OpenMP threads otherwise spin at every join, and with other processes on the cores a
+    spinning thread holds the core its descheduled partner needs: the training loop collapsed to a fraction
+    of its one-thread speed on torch's default threads; with passive waits it kept pace (docs/threads.md).
+    OpenMP reads the setting once, when torch loads, so only the command's entry point can make it, before
+    anything imports torch; a library caller keeps its own process's choice."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault(WAIT_POLICY_VARIABLE, "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    set_wait_policy()
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     args, unknown = parser.parse_known_args(argv)
@@ -184,14 +81,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         parser.print_help()
         return 0
-    if unknown:  # the command's own usage and name, not the top-level ones
-        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # one line naming the command and the nearest flag it has, not the whole usage
+        print(f"{args._parser.prog}: error: {unknown_flag_message(args._parser, unknown)}", file=sys.stderr)
+        raise SystemExit(2)
     module = importlib.import_module(args._module)
     try:
         with torch_threads(getattr(args, "threads", None)), huge_pages(getattr(args, "huge_pages", None)):
             return int(getattr(module, f"run_{args.command}")(args) or 0)
+    except RunInterrupted as exc:  # stopped as asked, the work saved: not an error
+        print(f"slipcache {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
     except SlipcacheError as exc:
-        print(f"slipcache {args.command}: error: {exc}", file=sys.stderr)
+        print(f"slipcache {args.command}: error: {exc}{_torchrun_note()}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # a full disk, a missing or unwritable path: the OS says which
         where = f": {exc.filename}" if exc.filename else ""
@@ -200,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"slipcache {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _torchrun_note() -> str:
+    """Under torchrun, a stopped rank is followed by torchrun's own report (a ChildFailedError traceback):
+    the line says so, so that the traceback is not taken for the cause."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
+        return ""
+    return " (torchrun's report of the stopped processes, a ChildFailedError traceback, follows: this line is the cause)"
 
 
 if __name__ == "__main__":

@@ -17,3 +17,12 @@ class RunLockedError(SlipcacheError):
     "already running" from a bad command (2)."""
 
     exit_code = 3
+
+
+class RunInterrupted(SlipcacheError):
+    """The run stopped on a signal after writing its checkpoint (not a failure: the message says how to go
+    on); exits 128 + the signal's number, as a shell reports a process a signal stopped."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from slipcache.cli import add_huge_pages_flag, add_threads_flag
 from slipcache.errors import SlipcacheError
+from slipcache.options import add_huge_pages_flag, add_threads_flag
 from slipcache.torchfile import TensorSlot, TorchFileWriter
 
 FORMATS = ("fp32", "torchrec", "int8", "tbe-int8")
@@ -247,12 +247,40 @@ def export_tables(
     return {fmt: out / path.name for fmt, path in written.items()}
 
 
-def check_out(out: Path, force: bool) -> None:
-    """Refuse an `--out` that is a file, or a directory with files in it (unless `force`)."""
+def check_out(out: Path, force: bool, source: Path | None = None) -> None:
+    """Refuse an `--out` that is a file; that is, holds or lies inside `source` (the run directory, or the
+    loose checkpoint file, the export reads); that holds files, unless `force`. Even with `force`, a
+    directory holding a slipcache run or dataset is never replaced (one in use by a run: exit code 3)."""
     if out.exists() and not out.is_dir():
         raise SlipcacheError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise SlipcacheError(f"--out {out} is not empty; choose a new directory, or --force to replace its contents")
+    if source is not None:
+        where, read = out.expanduser().resolve(), Path(source).expanduser().resolve()
+        if where == read or read.is_relative_to(where) or where.is_relative_to(read):
+            relation = "is" if where == read else "holds" if read.is_relative_to(where) else "lies inside"
+            raise SlipcacheError(
+                f"--out {out} {relation} {read}, which the export reads; choose a directory outside it"
+            )
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise SlipcacheError(f"--out {out} is not empty; choose a new directory, or --force to replace its contents")
+        _refuse_runs_and_datasets(out)
+
+
+def _refuse_runs_and_datasets(out: Path) -> None:
+    """`--force` replaces exports and stray files, never a run or a dataset anywhere under `out`."""
+    from slipcache.training import runlock
+    from slipcache.training.rundir import holds_run_or_dataset
+
+    for directory, names, files in os.walk(out):  # links are not followed
+        here = Path(directory)
+        if runlock.LOCK_NAME in files:
+            runlock.refuse_if_held(here)
+        what = holds_run_or_dataset(here, names, files)
+        if what is not None:
+            raise SlipcacheError(
+                f"--out {out} holds a slipcache {what} ({here}); --force never replaces a run or a dataset: "
+                "choose another --out"
+            )
 
 
 def staging_dir(out: Path, force: bool) -> Path:
@@ -324,9 +352,8 @@ def check_room(checkpoint: str | Path, out: str | Path, formats: tuple[str, ...]
     config = state["config"]
     if config.get("embeddings", "cached") == "cached":
         require_tables_fit(
-            sizes, dim, what="export", precision=config.get("precision", "int8"),
-            cache_size=config.get("cache_size", 0.05), cache_rows=config.get("cache_rows"),
-            optimizer=config.get("optimizer", "sgd"), extra_bytes=extra,
+            sizes, dim, what="export", precision=config.get("precision"), cache_size=config.get("cache_size"),
+            cache_rows=config.get("cache_rows"), optimizer=config.get("optimizer"), extra_bytes=extra,
         )
     else:
         require_tables_fit(sizes, dim, what="export", embeddings="torch", extra_bytes=extra)
@@ -350,7 +377,10 @@ def run_export(args: argparse.Namespace) -> int:
 
     formats = tuple(dict.fromkeys(args.formats or FORMATS))
     out = Path(args.out)
-    check_out(out, args.force)
+    from slipcache.training.saved_run import find_checkpoint
+
+    saved = find_checkpoint(args.checkpoint, "--checkpoint")
+    check_out(out, args.force, saved.run_dir or saved.path)  # never into (or over) what it reads
     check_room(args.checkpoint, out, formats)
     started = time.perf_counter()
     rows = open_tables(args.checkpoint)

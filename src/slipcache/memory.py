@@ -12,6 +12,7 @@ else, or to try the check).
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import shutil
@@ -19,7 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from slipcache.errors import SlipcacheError
 
@@ -76,9 +77,12 @@ def available_bytes() -> int | None:
     override = os.environ.get(ENV_AVAILABLE)
     if override:
         try:
-            return int(float(override) * GB)
-        except ValueError as exc:
-            raise SlipcacheError(f"{ENV_AVAILABLE} must be a number of GB, got {override!r}") from exc
+            value = float(override)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):  # -5 or inf would be used as given
+            raise SlipcacheError(f"{ENV_AVAILABLE} must be a non-negative number of GB, got {override!r}")
+        return int(value * GB)
     known = [b for b in (_meminfo_available(), _cgroup_headroom()) if b is not None]
     return min(known) if known else None
 
@@ -88,25 +92,37 @@ def table_bytes(
     dim: int,
     *,
     embeddings: str = "cached",
-    precision: str | list[str] = "fp32",
-    cache_size: float | list[float] = 0.0,
+    precision: str | list[str] | None = None,
+    cache_size: float | list[float] | None = None,
     cache_rows: int | list[int] | None = None,
-    optimizer: str = "sgd",
-    policy: str = "lru",
+    optimizer: str | None = None,
+    policy: str | None = None,
     storage_path: str | None = None,
 ) -> int:
     """Bytes the tables will hold in memory once built: the module's own accounting (storage, parameters,
     cache, bookkeeping, optimizer state; storage in files under `storage_path` left out), computed on the
-    meta device; fp32 rows (+ Adagrad's state) for torch."""
-    rows = sum(int(s) for s in table_sizes)
-    if embeddings != "cached":
-        return rows * dim * 4 * (2 if optimizer == "adagrad" else 1)
+    meta device; fp32 rows (+ Adagrad's state) for torch. A setting left None takes `EmbeddingConfig`'s
+    default."""
+    config = _table_config(
+        table_sizes, dim, precision=precision, cache_size=cache_size, cache_rows=cache_rows, optimizer=optimizer,
+        policy=policy, storage_path=storage_path,
+    )
+    return _config_bytes_as(config, embeddings)
+
+
+def _table_config(table_sizes: Sequence[int], dim: int, **settings: Any) -> EmbeddingConfig:
+    """The collection's config of these settings; those left None take its defaults (the one place they live)."""
     from slipcache.embedding.config import EmbeddingConfig
 
-    return config_bytes(EmbeddingConfig(
-        table_sizes=[int(s) for s in table_sizes], dim=dim, precision=precision, cache_size=cache_size,
-        cache_rows=cache_rows, optimizer=optimizer, policy=policy, storage_path=storage_path,
-    ))
+    given = {k: v for k, v in settings.items() if v is not None}
+    return EmbeddingConfig(table_sizes=[int(s) for s in table_sizes], dim=dim, **given)
+
+
+def _config_bytes_as(config: EmbeddingConfig, embeddings: str) -> int:
+    """The tables' bytes as `embeddings` builds them: the collection's accounting, or fp32 torch tables."""
+    if embeddings != "cached":
+        return config.num_rows * config.dim * 4 * (2 if config.optimizer == "adagrad" else 1)
+    return config_bytes(config)
 
 
 def config_bytes(config: EmbeddingConfig) -> int:
@@ -134,13 +150,24 @@ def require_storage_room(config: EmbeddingConfig, what: str) -> int:
     in_files = _memory_split(config)[1]
     directory = Path(config.storage_path)
     existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        where = "is a file" if existing == directory else f"lies under the file {existing}"
+        raise SlipcacheError(f"--storage-path {directory} {where}; give a directory (new or existing)")
     free = shutil.disk_usage(existing).free
     if in_files > free:
         raise SlipcacheError(
-            f"{what}: the row storage needs {in_files / GB:.1f} GB on disk under {directory}, which has "
-            f"{free / GB:.1f} GB free; give --storage-path a directory on a disk with room"
+            f"{what}: the row storage needs {amount(in_files)} on disk under {directory}, which has "
+            f"{amount(free)} free; give --storage-path a directory on a disk with room"
         )
     return in_files
+
+
+def amount(n: float) -> str:
+    """Bytes in the unit that shows them (a tiny filesystem's "0.0 GB free" said nothing)."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
 
 
 def what_fits(table_sizes: Sequence[int], dim: int, available: int, optimizer: str = "sgd") -> str:
@@ -163,11 +190,11 @@ def require_tables_fit(
     *,
     what: str,
     embeddings: str = "cached",
-    precision: str | list[str] = "fp32",
-    cache_size: float | list[float] = 0.0,
+    precision: str | list[str] | None = None,
+    cache_size: float | list[float] | None = None,
     cache_rows: int | list[int] | None = None,
-    optimizer: str = "sgd",
-    policy: str = "lru",
+    optimizer: str | None = None,
+    policy: str | None = None,
     extra_bytes: int = 0,
     available: int | None = None,
     storage_path: str | None = None,
@@ -179,12 +206,16 @@ def require_tables_fit(
         raise SlipcacheError(f"{what}: the embedding dim must be positive, got {dim}")
     if not table_sizes or any(int(s) < 1 for s in table_sizes):
         raise SlipcacheError(f"{what}: every table needs at least one row, got sizes {list(table_sizes)}")
-    need = table_bytes(
-        table_sizes, dim, embeddings=embeddings, precision=precision, cache_size=cache_size,
-        cache_rows=cache_rows, optimizer=optimizer, policy=policy, storage_path=storage_path,
+    config = _table_config(
+        table_sizes, dim, precision=precision, cache_size=cache_size, cache_rows=cache_rows, optimizer=optimizer,
+        policy=policy, storage_path=storage_path,
     )
-    choice = "fp32 torch tables" if embeddings != "cached" else _describe(precision, cache_size, cache_rows)
-    require_bytes(need, what=what, table_sizes=table_sizes, dim=dim, choice=choice, optimizer=optimizer,
+    need = _config_bytes_as(config, embeddings)
+    choice = (
+        "fp32 torch tables" if embeddings != "cached" else _describe(config.precision, config.cache_size,
+                                                                     config.cache_rows)
+    )
+    require_bytes(need, what=what, table_sizes=table_sizes, dim=dim, choice=choice, optimizer=config.optimizer,
                   extra_bytes=extra_bytes, available=available)
     return need
 

@@ -15,6 +15,7 @@ docs/design.md, so the model and the training loop do not care which one they ge
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from slipcache.embedding.collection import EmbeddingConfig
 
 EMBEDDING_KINDS = ("cached", "torch")
+INTERACTIONS = ("dot", "cat")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
 
 
 @dataclass
@@ -40,6 +43,8 @@ class ModelConfig:
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])  # last == embedding_dim
     top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])  # last == 1 (the logit)
+    interaction: str = "dot"  # dot: pairwise dot products (DLRM); cat: the vectors side by side
+    autocast: str | None = None  # "bf16": the MLPs and the interaction compute in bfloat16 (torch.autocast)
 
     def __post_init__(self) -> None:
         if not self.table_sizes or min(self.table_sizes) < 1:
@@ -50,6 +55,10 @@ class ModelConfig:
             )
         if not self.top_mlp or self.top_mlp[-1] != 1:
             raise SlipcacheError(f"the top MLP must end in 1 output (the logit), got {self.top_mlp}")
+        if self.interaction not in INTERACTIONS:
+            raise SlipcacheError(f"interaction must be one of {', '.join(INTERACTIONS)}, got {self.interaction!r}")
+        if self.autocast not in (None, *AUTOCAST_DTYPES):
+            raise SlipcacheError(f"autocast must be one of {', '.join(AUTOCAST_DTYPES)} or none, got {self.autocast!r}")
 
     @property
     def num_tables(self) -> int:
@@ -57,8 +66,10 @@ class ModelConfig:
 
     @property
     def interaction_dim(self) -> int:
-        """Width of the top MLP input: D + (T+1)T/2 (16 + 27*26/2 = 367 for Criteo)."""
+        """Width of the top MLP input: dot: D + (T+1)T/2 (16 + 27*26/2 = 367 for Criteo); cat: (T+1)D."""
         n = self.num_tables + 1
+        if self.interaction == "cat":
+            return n * self.embedding_dim
         return self.embedding_dim + n * (n - 1) // 2
 
 
@@ -202,15 +213,26 @@ class DLRM(nn.Module):
         self.register_buffer("_pair_cols", cols, persistent=False)
 
     def interact(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """x [B, D], emb [B, T, D] -> [B, D + (T+1)T/2]: x and every distinct pairwise dot product."""
+        """x [B, D], emb [B, T, D] -> dot: [B, D + (T+1)T/2], x and every distinct pairwise dot product;
+        cat: [B, (T+1)D], the vectors side by side."""
         z = torch.cat([x.unsqueeze(1), emb], dim=1)  # [B, T+1, D]
+        if self.config.interaction == "cat":
+            return z.flatten(1)
         dots = torch.bmm(z, z.transpose(1, 2))  # [B, T+1, T+1]
         return torch.cat([x, dots[:, self._pair_rows, self._pair_cols]], dim=1)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        x = self.bottom(dense)
-        emb = self.embeddings(sparse)
-        return self.top(self.interact(x, emb)).squeeze(1)
+        with self._autocast(dense):
+            x = self.bottom(dense)
+        emb = self.embeddings(sparse)  # the tables keep their own precision: outside the autocast
+        with self._autocast(dense):
+            logits = self.top(self.interact(x, emb)).squeeze(1)
+        return logits.float()  # the loss and the metrics in fp32
+
+    def _autocast(self, like: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+        """`--autocast`: the MLPs and the interaction in that dtype (autocast keeps fp32 where it must)."""
+        dtype = AUTOCAST_DTYPES.get(self.config.autocast or "")
+        return contextlib.nullcontext() if dtype is None else torch.autocast(like.device.type, dtype=dtype)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """MLP parameters: the ones the dense optimizer owns (embeddings are updated separately)."""

@@ -80,6 +80,24 @@ def set_threads(count: int) -> int:
 LOOP_THREADS_VARIABLE = "SLIPCACHE_LOOP_THREADS"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all of the machine's without one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_thread_count(count: int, what: str = "--threads") -> int:
+    """`count` threads, refused in one line beyond 4 per usable core: more only wait for each other (and
+    `--threads 1000` is a typo more often than a plan)."""
+    limit = 4 * usable_cores()
+    if count > limit:
+        from slipcache.errors import SlipcacheError
+
+        raise SlipcacheError(
+            f"{what} {count} is more than 4 per core this process may use ({usable_cores()} cores); at most {limit}"
+        )
+    return count
+
+
 def threads_for(requested: int) -> int:
     """The loops' threads for a `--threads N` request: N, unless SLIPCACHE_LOOP_THREADS sets the loops alone
     (torch's OpenMP threads wait for each other and collapse on a busy machine; the pool's parts do not)."""
@@ -90,7 +108,7 @@ def threads_for(requested: int) -> int:
         from slipcache.errors import SlipcacheError
 
         raise SlipcacheError(f"{LOOP_THREADS_VARIABLE} must be a positive integer, got {given!r}")
-    return int(given)
+    return check_thread_count(int(given), LOOP_THREADS_VARIABLE)
 
 
 def threads() -> int:

@@ -23,12 +23,12 @@ import torch
 
 from slipcache.bench.report import progress
 from slipcache.bench.workload import make_workload
-from slipcache.cli import float_in, positive_int, seed_arg
 from slipcache.data.kaggle import kaggle_table_sizes
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.embedding.lookahead import belady_hits
 from slipcache.errors import SlipcacheError
+from slipcache.options import float_in, positive_int, seed_arg
 
 DEFAULT_SIZES = (0.005, 0.01, 0.02, 0.05, 0.10, 0.20)
 DEFAULT_POLICIES = (

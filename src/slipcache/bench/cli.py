@@ -43,11 +43,11 @@ from slipcache.bench.timing import (
     measure,
 )
 from slipcache.bench.workload import make_workload
-from slipcache.cli import add_huge_pages_flag, add_threads_flag, float_in, seed_arg, torch_threads
 from slipcache.data.kaggle import SMALL_TABLE, kaggle_table_sizes
 from slipcache.embedding.hostmem import uses_huge_pages
 from slipcache.errors import SlipcacheError
 from slipcache.memory import RUNTIME_BYTES, available_bytes
+from slipcache.options import add_huge_pages_flag, add_threads_flag, float_in, seed_arg, torch_threads
 
 __all__ = ["add_bench_arguments", "run_bench", "run_embedding_bench"]
 

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from slipcache.bench.machine import describe_machine
 from slipcache.bench.report import progress
-from slipcache.cli import positive_int, seed_arg
 from slipcache.errors import SlipcacheError
+from slipcache.options import positive_int, seed_arg
 
 IMPLS = ("torch-fp32", "slipcache-int8-lru5", "torchrec-fbgemm")
 _OURS = {

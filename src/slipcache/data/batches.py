@@ -26,6 +26,18 @@ if typing.TYPE_CHECKING:
 SampleFilter = Callable[[np.ndarray], np.ndarray]
 
 
+def check_labels(labels: np.ndarray, where: typing.Any) -> np.ndarray:
+    """The labels as float32 0/1; anything else (-1/1 labels, soft labels, NaN) is named in one line
+    instead of training on a meaningless loss. Every batch of every format passes here (`BatchIterator`);
+    readers also call it on the rows they check when a file is opened."""
+    values = np.asarray(labels).reshape(-1)
+    bad = (values != 0) & (values != 1)
+    if bad.any():
+        found = ", ".join(sorted({f"{v:g}" for v in values[bad][:1000].tolist()})[:5])
+        raise SlipcacheError(f"{where}: labels must be 0 or 1, found {found} ({int(bad.sum())} of {values.size} read)")
+    return values.astype(np.float32)
+
+
 def slice_bounds(batch: int, world_size: int, rank: int) -> tuple[int, int]:
     """This rank's [start, end) of a global batch: sizes differ by at most one, larger ones first."""
     base, extra = divmod(batch, world_size)
@@ -113,6 +125,7 @@ class BatchIterator:
         if part is not None and not 0 <= part[0] < part[1]:
             raise SlipcacheError(f"part must be (rank, world size) with 0 <= rank < world size, got {part}")
         self.split = split
+        self._source = getattr(split, "source", "labels")  # named in a bad label's error
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -215,7 +228,7 @@ class BatchIterator:
         mine = [p[start:end] for p, (start, end) in zip(batches, bounds, strict=True)]
         cuts = np.cumsum([0] + [len(p) for p in batches])
         mine_cuts = np.cumsum([0] + [len(p) for p in mine])
-        labels = self._take(self.split.labels, np.concatenate(batches))
+        labels = check_labels(self._take(self.split.labels, np.concatenate(batches)), self._source)
         dense = self._take(self.split.dense, np.concatenate(mine))
         known = all(i is not None for i in ids)
         sparse = None if known else self._take(self.split.sparse, np.concatenate(mine))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 from slipcache.data.batches import Batch as Batch
 from slipcache.data.batches import BatchIterator as BatchIterator
 from slipcache.data.batches import SampleFilter as SampleFilter
+from slipcache.data.batches import check_labels
 from slipcache.errors import SlipcacheError
 
 FORMAT = "slipcache-dataset"
@@ -31,15 +33,18 @@ NUM_DENSE = 13
 NUM_TABLES = 26
 SPLIT_NAMES = ("train", "val", "test")
 PARTS = ("labels", "dense", "sparse")
+LABEL_PROBE_ROWS = 1 << 16  # labels checked when a split is opened (every batch's are checked as it is read)
 
 
 @dataclass(frozen=True)
 class SplitArrays:
-    """One split: labels float32 [n], dense float32 [n, 13], sparse int32 [n, 26] (memory-mapped)."""
+    """One split: labels float32 [n], dense float32 [n, 13], sparse int32 [n, 26] (memory-mapped);
+    `source` names where its labels come from in errors."""
 
     labels: np.ndarray
     dense: np.ndarray
     sparse: np.ndarray
+    source: str = "labels"
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -108,7 +113,9 @@ class CriteoDataset:
                     f"{file}: expected {np.dtype(dtype).name} {shape}, found {arr.dtype.name} {arr.shape}"
                 )
             arrays[part] = arr
-        result = SplitArrays(arrays["labels"], arrays["dense"], arrays["sparse"])
+        source = str(self.path / f"{name}.labels.npy")
+        check_labels(arrays["labels"][:LABEL_PROBE_ROWS], source)  # early: before a model is built on them
+        result = SplitArrays(arrays["labels"], arrays["dense"], arrays["sparse"], source)
         self._cache[name] = result
         return result
 
@@ -210,6 +217,12 @@ class DatasetWriter:
             self.abort()
 
 
+_DATASET_FILE = re.compile(
+    r"^(?:(?:train|val|test)\.(?:labels|dense|sparse)\.npy|day_\d+_(?:dense|sparse|labels)\.npy"
+    r"|vocab\.npz|meta\.json|synthetic\.json)$"
+)
+
+
 def check_output_dir(path: str | os.PathLike[str], *, force: bool) -> Path:
     """Where `synth --out` / `preprocess --out` may write: a new or empty directory, or (with `force`) a
     dataset of ours. Anything else holds someone's files: refused before a byte is written."""
@@ -222,7 +235,9 @@ def check_output_dir(path: str | os.PathLike[str], *, force: bool) -> Path:
     try:
         ours = json.loads((out / "meta.json").read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
-        ours = False
+        # A commit cut short (meta.json is removed first and written last), or a TorchRec-layout dataset:
+        # ours when every file has the name of one of our dataset files.
+        ours = all(_DATASET_FILE.match(p.name) and p.is_file() for p in entries)
     if not ours:
         raise SlipcacheError(f"--out {out} is not empty and is not a slipcache dataset; choose a new or empty directory")
     if not force:

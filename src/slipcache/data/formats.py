@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from slipcache.cache_dir import default_cache_root
+from slipcache.data.batches import check_labels
 from slipcache.data.dataset import NUM_DENSE, NUM_TABLES, CriteoDataset, DatasetWriter, SplitArrays
 from slipcache.data.layouts import Layout, detect_format
 from slipcache.data.mapped import (
@@ -92,17 +93,6 @@ def _check_day(day: _Day, where: Path) -> None:
     check_labels(day.labels[:LABEL_PROBE_ROWS], where)  # early: before a model is built on them
 
 
-def check_labels(labels: np.ndarray, where: Any) -> np.ndarray:
-    """The labels as float32 0/1; anything else (-1/1 labels, soft labels, NaN) is named in one line,
-    like the text readers do, instead of training on a negative loss."""
-    values = np.asarray(labels).reshape(-1)
-    bad = (values != 0) & (values != 1)
-    if bad.any():
-        found = ", ".join(sorted({f"{v:g}" for v in values[bad][:1000].tolist()})[:5])
-        raise SlipcacheError(f"{where}: labels must be 0 or 1, found {found} ({int(bad.sum())} of {values.size} read)")
-    return values.astype(np.float32)
-
-
 # ------------------------------------------------------------------------------------- the dataset
 class ExternalDataset:
     """The `CriteoDataset` interface (table_sizes, splits, split(name), meta) over external files."""
@@ -123,6 +113,8 @@ class ExternalDataset:
         self.splits = {name: sum(e - s for _, s, e in parts) for name, parts in self._ranges.items()}
         sizes, source = _table_sizes(layout, days, table_sizes)
         self.table_sizes = sizes
+        # Sizes measured from the files once and remembered in the cache: an id beyond them names that record.
+        self._measured = _max_ids_record(layout) if source == "max id + 1" else None
         self.modulo = source == "given"
         self.meta: dict[str, Any] = {
             "format": f"external-{layout.format}",
@@ -153,6 +145,13 @@ class ExternalDataset:
 
             def sparse(a: np.ndarray) -> np.ndarray:
                 a = np.asarray(a)
+                if self._measured is not None and a.size and (a.reshape(-1, NUM_TABLES) >= sizes).any():
+                    t = int(np.flatnonzero((a.reshape(-1, NUM_TABLES) >= sizes).any(axis=0))[0])
+                    raise SlipcacheError(
+                        f"{self.path}: an id of table {t} is beyond the {sizes[t]} rows measured when these files "
+                        f"were first read (remembered in {self._measured}); a file changed since: delete that "
+                        "record to measure again, or give --table-sizes"
+                    )
                 if modulo:  # unsigned ids modulo unsigned sizes: int64 sizes would turn them into floats
                     a = a % (sizes.astype(np.uint64) if a.dtype.kind == "u" else sizes)
                 return a.astype(np.int32)
@@ -167,6 +166,7 @@ class ExternalDataset:
                 LazyColumn([Piece(d.labels, s, e) for d, s, e in parts], labels, (), np.float32),  # type: ignore[arg-type]
                 LazyColumn([Piece(d.dense, s, e) for d, s, e in parts], dense, (NUM_DENSE,), np.float32),  # type: ignore[arg-type]
                 LazyColumn([Piece(d.sparse, s, e) for d, s, e in parts], sparse, (NUM_TABLES,), np.int32),  # type: ignore[arg-type]
+                str(self.path),
             )
         return self._cache[name]
 
@@ -293,7 +293,11 @@ def _read_counts(layout: Layout) -> list[int] | None:
 
 
 def _files_key(files: Sequence[Path], *extra: str) -> str:
-    parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    """What the cache's records of these files are keyed by: each file's path, size, time and sampled
+    content (a file rewritten in place with its time kept gets another key, as far as sampling sees)."""
+    from slipcache.data.fingerprint import _sampled_digest
+
+    parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}:{_sampled_digest(p, p.stat().st_size)}" for p in files]
     return hashlib.sha256("\n".join([*parts, *extra]).encode()).hexdigest()[:16]
 
 
@@ -324,9 +328,13 @@ def _check_ids(block: np.ndarray, where: str) -> None:
         )
 
 
+def _max_ids_record(layout: Layout) -> Path:
+    return default_cache_root() / "formats" / f"max-ids-{_files_key(_all_files(layout))}.json"
+
+
 def _max_ids(layout: Layout, days: list[_Day]) -> list[int]:
     """Max id + 1 per table in one pass over every file, remembered in the cache directory."""
-    record = default_cache_root() / "formats" / f"max-ids-{_files_key(_all_files(layout))}.json"
+    record = _max_ids_record(layout)
     try:
         sizes = json.loads(record.read_text())
         if isinstance(sizes, list) and len(sizes) == NUM_TABLES:

@@ -21,18 +21,19 @@ import argparse
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from slipcache.cli import add_progress_flag, seed_arg
 from slipcache.data.criteo import MISSING, NUM_CATEGORICAL, NUM_DENSE, ReadStats, read_chunks
 from slipcache.data.dataset import DatasetWriter, check_output_dir, remove_dead_staging
 from slipcache.errors import SlipcacheError
+from slipcache.options import add_progress_flag, seed_arg
+from slipcache.progress import progress_bar
 
 DEFAULT_SPLIT = "0.8,0.1,0.1"
 DEFAULT_MIN_COUNT = 1
@@ -114,6 +115,34 @@ def _frequency_vocab(counter: _ValueCounter, min_count: int) -> tuple[np.ndarray
     return values, rows
 
 
+OVERSIZE_FACTOR = 10  # hashed tables this many times larger than the distinct values are warned about
+EXACT_DISTINCT_ROWS = 1_000_000  # up to this many rows the distinct values are counted, above it bounded
+
+
+def oversized_tables(max_rows: int, ids: np.ndarray) -> str | None:
+    """A one-line warning when `--max-rows` gives every hashed table far more rows than the data has
+    distinct values (a 2,000-line sample with DLRM's 10 M rows builds 260 M rows of tables), else None.
+    A table can hold no more distinct values than there are rows: above EXACT_DISTINCT_ROWS rows that bound
+    is all that is checked, below it the distinct ids are counted."""
+    n = ids.shape[0]
+    if max_rows <= OVERSIZE_FACTOR * n:
+        return None
+    if n <= EXACT_DISTINCT_ROWS:
+        distinct = max(len(np.unique(np.asarray(ids[:, t]))) for t in range(ids.shape[1]))
+        seen = f"at most {distinct:,} distinct values in a table ({n:,} rows)"
+    else:
+        distinct, seen = n, f"at most {n:,} distinct values in a table (one per row)"
+    if max_rows <= OVERSIZE_FACTOR * distinct:
+        return None
+    fits = 1 << max(4, (4 * distinct - 1).bit_length())  # 4x the values: few hash collisions
+    total = max_rows * ids.shape[1]
+    return (
+        f"--max-rows {max_rows:,} gives every table {max_rows:,} rows ({total:,} in all, "
+        f"{total * 64 / 2**30:.1f} GiB as fp32 rows of dim 16) but the data has {seen}: "
+        f"--max-rows {fits:,} fits it, or --vocab frequency sizes each table to its values"
+    )
+
+
 def _lookup(values: np.ndarray, rows: np.ndarray, column: np.ndarray) -> np.ndarray:
     if len(values) == 0:
         return np.zeros(len(column), dtype=np.int32)
@@ -192,7 +221,7 @@ def _preprocess(
     cat_dtype = np.int64 if vocab == "frequency" else np.int32
     files = {part: open(scratch / part, "wb") for part in ("labels", "dense", "cats")}  # noqa: SIM115
     try:
-        with tqdm(unit="rows", unit_scale=True, desc="parse", disable=not progress) as bar:
+        with progress_bar(unit="rows", unit_scale=True, desc="parse", disable=not progress) as bar:
             for path in inputs:
                 rows = 0
                 for chunk in read_chunks(path, strict=strict, stats=stats):
@@ -222,6 +251,11 @@ def _preprocess(
         n_train = int(n * spec[0])
         n_val = int(n * spec[1])
     bounds = {"train": (0, n_train), "val": (n_train, n_train + n_val), "test": (n_train + n_val, n)}
+    if n_train < 1:  # a dataset nothing can train on: said here, not when a run starts on it
+        raise SlipcacheError(
+            f"{n} valid input row{'s' * (n != 1)} leave the train split empty; give more input "
+            "(or a larger train fraction in --split)"
+        )
 
     labels = np.memmap(scratch / "labels", dtype=np.float32, mode="r", shape=(n,))
     dense = np.memmap(scratch / "dense", dtype=np.float32, mode="r", shape=(n, NUM_DENSE))
@@ -239,12 +273,15 @@ def _preprocess(
         table_sizes = [len(values) + 1 for values, _ in vocabulary]
     else:
         table_sizes = [max_rows] * NUM_CATEGORICAL
+        warning = oversized_tables(max_rows, cats)
+        if warning:
+            print(f"slipcache preprocess: warning: {warning}", file=sys.stderr)
 
     # Final pass: write the splits.
     positives = {}
     with (
         DatasetWriter(out, {k: b - a for k, (a, b) in bounds.items()}) as writer,
-        tqdm(total=n, unit="rows", unit_scale=True, desc="write", disable=not progress) as bar,
+        progress_bar(total=n, unit="rows", unit_scale=True, desc="write", disable=not progress) as bar,
     ):
         for name, (a, b) in bounds.items():
             positives[name] = 0.0

@@ -14,7 +14,6 @@ optimizer state, exactly); caches start empty and cache counters from zero.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -26,6 +25,7 @@ from slipcache.distributed.planner import Shard, ShardingPlan
 from slipcache.distributed.sharded import ShardedEmbeddingCollection, shard_config
 from slipcache.embedding.collection import CachedEmbeddingBagCollection
 from slipcache.errors import SlipcacheError
+from slipcache.safe_files import ensure_dir, write_atomic
 from slipcache.training import checkpoint as ckpt
 
 MANIFEST = "manifest.json"
@@ -35,6 +35,7 @@ RESHARDED = (
 )
 MANIFEST_FORMAT = "slipcache-sharded-checkpoint"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+MAX_WORLD_SIZE = 1 << 16  # a manifest naming more processes is not one slipcache wrote
 
 
 def rank_file(step_dir: Path, rank: int) -> Path:
@@ -56,7 +57,7 @@ def save_sharded(
 
     `manifest` (rank 0's is used) holds what resuming needs besides the files, e.g. the plan.
     """
-    step_dir = Path(directory) / f"step-{samples:012d}"
+    step_dir = ensure_dir(Path(directory) / f"step-{samples:012d}", inside=Path(directory).parent)
     ckpt.save_checkpoint(rank_file(step_dir, rank), state)
     dist.barrier(group=group)  # every rank's file is complete (and fsynced) past this point
     if rank == 0:
@@ -71,19 +72,10 @@ def save_sharded(
             "files": files,
             **manifest,
         }
-        _write_atomic(step_dir / MANIFEST, json.dumps(content, indent=2) + "\n")
+        write_atomic(step_dir / MANIFEST, json.dumps(content, indent=2) + "\n", durable=True)
         _prune(Path(directory), keep)
     dist.barrier(group=group)  # no rank moves on (or reports the checkpoint) before it counts
     return step_dir
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 def _prune(directory: Path, keep: int) -> None:
@@ -96,6 +88,13 @@ def _prune(directory: Path, keep: int) -> None:
     for path in steps:
         if path < oldest_kept:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def complete_steps(directory: Path) -> list[tuple[int, Path]]:
+    """(samples, step directory) of the steps of a checkpoints directory that have their manifest (written
+    last, once every rank's file was complete), oldest first; unverified."""
+    found = ((_STEP_DIR.match(p.name), p) for p in Path(directory).iterdir()) if Path(directory).is_dir() else ()
+    return sorted((int(m.group(1)), p) for m, p in found if m is not None and (p / MANIFEST).is_file())
 
 
 def latest_sharded(path: Path) -> Path | None:
@@ -117,8 +116,9 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
         manifest = json.loads((step_dir / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise SlipcacheError(f"cannot read {step_dir / MANIFEST}: {exc}") from exc
-    if manifest.get("format") != MANIFEST_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise SlipcacheError(f"{step_dir / MANIFEST} is not a slipcache sharded checkpoint manifest")
+    _check_manifest(manifest, step_dir / MANIFEST)
     for name, size in manifest["files"].items():
         file = step_dir / name
         if not file.is_file() or file.stat().st_size != size:
@@ -126,6 +126,31 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
                 f"checkpoint {step_dir}: {name} is missing or not the size the manifest records"
             )
     return manifest
+
+
+def _check_manifest(manifest: dict[str, Any], path: Path) -> None:
+    """Each field a resume reads, before it is used: one line naming the first malformed one."""
+
+    def bad(field: str, problem: str) -> SlipcacheError:
+        return SlipcacheError(f"checkpoint manifest {path} is malformed: {field} {problem}, got {manifest.get(field)!r:.60}")
+
+    world = manifest.get("world_size")
+    if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
+        raise bad("world_size", f"must be a number of processes in [1, {MAX_WORLD_SIZE}]")
+    if type(manifest.get("samples")) is not int or manifest["samples"] < 0:
+        raise bad("samples", "must be a non-negative integer")
+    files = manifest.get("files")
+    expected = {rank_file(path.parent, r).name for r in range(world)}
+    if not isinstance(files, dict) or set(files) != expected:
+        raise bad("files", f"must name {', '.join(sorted(expected)[:3])}{', ...' if world > 3 else ''} (one file per rank)")
+    if not all(type(size) is int and size >= 0 for size in files.values()):
+        raise bad("files", "must give each file's size in bytes")
+    try:
+        plan = ShardingPlan.from_dict(manifest["plan"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise bad("plan", f"is not a sharding plan ({type(exc).__name__})") from None
+    if plan.world_size != world:
+        raise bad("plan", f"is for {plan.world_size} processes, the manifest's world_size {world}")
 
 
 def load_rank_state(step_dir: Path, rank: int) -> dict[str, Any]:

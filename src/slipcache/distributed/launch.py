@@ -24,7 +24,9 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from slipcache._native import check_thread_count, usable_cores
 from slipcache.errors import SlipcacheError
+from slipcache.safe_files import open_append
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 120.0  # a rank that stops answering fails the others' collectives after this long
@@ -80,12 +82,11 @@ def default_backend() -> str:
 def threads_per_rank(local_world_size: int) -> int:
     """SLIPCACHE_THREADS if set, else the cores this process may use shared by the ranks on this node."""
     given = os.environ.get("SLIPCACHE_THREADS")
-    if given:
-        if not given.isdigit() or int(given) < 1:
+    if given is not None:
+        if not given.strip().isdigit() or int(given) < 1:  # an empty value is a mistake too, not "unset"
             raise SlipcacheError(f"SLIPCACHE_THREADS must be a positive integer, got {given!r}")
-        return int(given)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, local_world_size))
+        return check_thread_count(int(given), "SLIPCACHE_THREADS")
+    return max(1, usable_cores() // max(1, local_world_size))
 
 
 STOP_COMMAND = "slipcache train"
@@ -132,6 +133,10 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedContext | 
     """Join the process group torchrun described; None for a single process (nothing to join)."""
     world_size = launched_ranks()
     if world_size <= 1:
+        if os.environ.get("SLIPCACHE_THREADS"):  # checked, and said once: one process takes --threads
+            threads_per_rank(1)
+            print("slipcache train: warning: SLIPCACHE_THREADS sets the threads of torchrun's ranks; one process "
+                  "uses --threads (not set: torch's choice)", file=sys.stderr)
         return None
     missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -167,7 +172,7 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedContext | 
 def redirect_output(run_dir: Path, rank: int) -> TextIO:
     """Send this rank's stdout and stderr to `run_dir/rank-<r>.log` (rank 0 alone prints)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    log = open(run_dir / f"rank-{rank}.log", "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    log = open_append(run_dir / f"rank-{rank}.log", buffering=1)  # lives as long as the process; no link followed
     sys.stdout = sys.stderr = log
     return log
 

@@ -41,10 +41,11 @@ from slipcache.distributed.planner import ShardingPlan, plan_sharding, table_spe
 from slipcache.distributed.sharded import ShardedEmbeddingCollection
 from slipcache.errors import RunLockedError, SlipcacheError
 from slipcache.model import DLRM, ModelConfig, embedding_config
+from slipcache.safe_files import write_atomic
 from slipcache.training import checkpoint as ckpt
 from slipcache.training import runlock
 from slipcache.training.backend import RunBackend
-from slipcache.training.run_state import load_model_state
+from slipcache.training.run_state import check_checkpoint, load_model_state
 from slipcache.training.rundir import load_training_checkpoint
 from slipcache.training.runlock import RunLock
 
@@ -152,6 +153,10 @@ class DistributedBackend(RunBackend):
     def writes_files(self) -> bool:
         return self.is_main
 
+    @property
+    def processes(self) -> int:
+        return self.ctx.world_size
+
     # ------------------------------------------------------------------------------------- set-up
     def check_config(self, config: Any) -> None:
         """Refuse what does not work across processes yet, with the same one-line error on every rank."""
@@ -207,7 +212,6 @@ class DistributedBackend(RunBackend):
     ) -> DistributedDLRM:
         tables_config = embedding_config(
             table_sizes,
-            config.embedding_dim,
             **config.embedding_options(),
             storage_device=str(self.ctx.device),
             cache_device=str(self.ctx.device),
@@ -225,7 +229,7 @@ class DistributedBackend(RunBackend):
         dist.barrier()
         if self.is_main:
             print(self.plan.format_table())
-            (run_dir / PLAN_FILE).write_text(json.dumps(self.plan.to_dict(), indent=2) + "\n")
+            write_atomic(run_dir / PLAN_FILE, json.dumps(self.plan.to_dict(), indent=2) + "\n")
         else:
             redirect_output(run_dir, self.ctx.rank)
         tables = ShardedEmbeddingCollection(
@@ -259,16 +263,16 @@ class DistributedBackend(RunBackend):
         resume); with another (a one-process checkpoint included), a new plan is made and
         `load_model_state` re-shards the tables; rank 0 prints what it did.
         """
-        named = Path(path).parent if (Path(path).parent / dckpt.MANIFEST).is_file() else None  # --resume STEP
-        path = home or path
-        step_dir = named or dckpt.latest_sharded(path)
+        path = Path(path)  # the newest complete checkpoint, or the one --resume names (`find_checkpoint`)
+        step_dir = path if (path / dckpt.MANIFEST).is_file() else None
         if step_dir is not None:
             _check_step_complete(step_dir)
         if step_dir is None:
-            single = Path(path) / "checkpoints" / "latest.pt" if Path(path).is_dir() else Path(path)
+            single = path
             if not single.is_file():
                 raise SlipcacheError(
-                    f"no complete checkpoint (with its {dckpt.MANIFEST}) under {path}; start the run again with its --out"
+                    f"no complete checkpoint (with its {dckpt.MANIFEST}) under {home or path}; "
+                    "start the run again with its --out"
                 )
             state = load_training_checkpoint(single)
             self._reshard_single = state.pop("embeddings")
@@ -276,6 +280,7 @@ class DistributedBackend(RunBackend):
             return state
         manifest = dckpt.read_manifest(step_dir)
         state = dckpt.load_rank_state(step_dir, 0)
+        check_checkpoint(state, step_dir)
         if manifest["world_size"] == self.ctx.world_size:
             self.plan = ShardingPlan.from_dict(manifest["plan"])
             if self.ctx.rank != 0:

@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from slipcache.cli import ENV_HUGE_PAGES, HUGE_PAGE_CHOICES
 from slipcache.errors import SlipcacheError
+from slipcache.memory import amount
 
 HUGE_PAGE = 2 << 20
-HUGE_PAGE_MODES = HUGE_PAGE_CHOICES
+HUGE_PAGE_MODES = ("off", "on", "auto")  # `--huge-pages` and $SLIPCACHE_HUGE_PAGES
+ENV_HUGE_PAGES = "SLIPCACHE_HUGE_PAGES"  # the choice for this process and the processes it starts
 DEFAULT_HUGE_PAGES = "off"
 # auto: huge pages only for tensors this large (the TLB covers about 8 MiB in 4 KiB pages), where a random
 # row's read misses the TLB; small tables (tests, --quick) are allocated as torch does
@@ -122,7 +123,10 @@ def file_backed(shape: tuple[int, ...], dtype: torch.dtype, directory: str | os.
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:  # a file there, or on the way
+        raise SlipcacheError(f"storage path {directory} is not a directory ({exc.strerror}); give a directory") from exc
     fd, name = tempfile.mkstemp(prefix="slipcache-storage-", suffix=".bin", dir=directory)
     try:
         os.unlink(name)
@@ -132,8 +136,7 @@ def file_backed(shape: tuple[int, ...], dtype: torch.dtype, directory: str | os.
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 free = shutil.disk_usage(directory).free
                 raise SlipcacheError(
-                    f"storage path {directory}: {nbytes / 1e9:.2f} GB of rows do not fit the {free / 1e9:.2f} GB "
-                    "free there"
+                    f"storage path {directory}: {amount(nbytes)} of rows do not fit the {amount(free)} free there"
                 ) from exc
             os.ftruncate(fd, nbytes)  # a file system without fallocate: blocks taken as rows are written
         region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from slipcache.cli import add_progress_flag, add_threads_flag, image_file, seed_arg
 from slipcache.distributed.planner import TableSpec, plan_sharding
 from slipcache.errors import SlipcacheError
+from slipcache.options import add_progress_flag, add_threads_flag, image_file, seed_arg
 from slipcache.planning.planner import GB, PLAN_PRECISIONS, ROUNDING_STEP, Plan, make_plan, uniform_choice
 from slipcache.planning.profile import IdProfile, profile_split
 from slipcache.plotting import pyplot
@@ -51,19 +51,32 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+NAMED_CURVES = 8  # the largest tables get a colour and a name each; the rest share one grey
+
+
 def plot_curves(plan: Plan, path: Path) -> None:
+    """Hit rate against cache rows per table, the planned cache as a dot. Only the NAMED_CURVES largest
+    tables are told apart (ten colours cannot keep 26 lines apart); the others are thin grey lines."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    for t, ((sizes, hits), choice) in enumerate(zip(plan.curves, plan.choices, strict=True)):
+    by_size = sorted(range(len(plan.rows)), key=lambda t: -plan.rows[t])
+    named = {t: colour for t, colour in zip(by_size[:NAMED_CURVES], plt.get_cmap("tab10").colors, strict=False)}
+    rest = by_size[NAMED_CURVES:]
+    for t in by_size:  # the legend lists the named tables largest first
+        (sizes, hits), choice = plan.curves[t], plan.choices[t]
         cached = sizes > 0
-        (line,) = ax.plot(sizes[cached], hits[cached], lw=1, label=plan.names[t])
+        if t in named:
+            colour, width, label = named[t], 1.5, f"{plan.names[t]} ({plan.rows[t]:,} rows)"
+        else:  # one legend entry for all of them
+            colour, width, label = "0.7", 0.8, f"{len(rest)} smaller tables" if t == rest[0] else None
+        ax.plot(sizes[cached], hits[cached], lw=width, color=colour, label=label, zorder=3 if t in named else 2)
         if choice.cache_rows:
-            ax.plot(choice.cache_rows, choice.hit_rate, "o", color=line.get_color(), ms=4)
+            ax.plot(choice.cache_rows, choice.hit_rate, "o", color=colour, ms=4, zorder=4)
     ax.set_xscale("log")
     ax.set_xlabel("cache rows (log)")
     ax.set_ylabel("expected hit rate")
     ax.set_title(f"hit-rate curves per table ({plan.policy}); dots: planned cache")
-    ax.legend(fontsize=5, ncol=3, loc="lower right")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -16,6 +16,7 @@ stateless hash of the input's position in the run (`slipcache.staleness.filterin
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from slipcache.data.dataset import Batch
 from slipcache.errors import SlipcacheError
+from slipcache.safe_files import ensure_dir, open_fd
 from slipcache.staleness.filtering import uniform
 
 _STATE_VERSION = 1
@@ -61,7 +63,7 @@ class LossPruner:
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)  # open maps keep the unlinked files alive
         else:
-            state_dir.mkdir(parents=True, exist_ok=True)
+            ensure_dir(state_dir, inside=state_dir.parent)  # in the run directory: no link followed
             self.files = [self._open(state_dir / f"prune_losses_{i}.u8") for i in range(2)]
         self.epoch = -1
         self.position = 0  # inputs filtered in the run (trained or pruned): the draws' position
@@ -79,8 +81,13 @@ class LossPruner:
         self.overhead = {"filter": 0.0, "record": 0.0}
 
     def _open(self, path: Path) -> np.memmap:
-        mode = "r+" if path.exists() and path.stat().st_size == self.num_inputs else "w+"
-        return np.memmap(path, dtype=np.uint8, mode=mode, shape=(max(self.num_inputs, 1),))
+        """The file mapped (kept when it has the right size, else zeroed); a link there is refused."""
+        size = max(self.num_inputs, 1)
+        with open(open_fd(path, os.O_RDWR | os.O_CREAT), "r+b") as f:
+            if os.fstat(f.fileno()).st_size != self.num_inputs:
+                f.truncate(0)
+                f.truncate(size)
+            return np.memmap(f, dtype=np.uint8, mode="r+", shape=(size,))
 
     @property
     def skipped_inputs(self) -> int:

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from slipcache.data.dataset import Batch, SplitArrays
 from slipcache.model import DLRM
-from slipcache.staleness.config import GuardConfig, StalenessConfig
+from slipcache.staleness.config import GuardConfig
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.guard import GuardDecision, SkipGuard
 from slipcache.staleness.hotset import HotSet
@@ -74,21 +74,11 @@ class StaleSkipper:
         self.coll = model.embeddings
         self.split = split
         self.batch_size = int(config.batch_size)
+        # The detector's settings come from the config's fields; two follow from other settings.
+        rule = "random" if config.skip_rule == "random" else config.stale_rule
+        recheck = None if config.stale_decision == "epoch" else config.stale_recheck
         self.detector = StaleInputDetector.from_collection(
-            self.coll,
-            StalenessConfig(
-                target_drop=config.stale_target,
-                alpha=config.stale_alpha,
-                window_fraction=config.stale_window,
-                recheck_interval=None if config.stale_decision == "epoch" else config.stale_recheck,
-                memory_budget_bytes=int(config.stale_budget_mb * 2**20),
-                rule="random" if getattr(config, "skip_rule", None) == "random" else config.stale_rule,
-                min_updates=config.stale_min_updates,
-                count_share=config.stale_count_share,
-                hot_set=getattr(config, "stale_hot_set", "budget"),
-                hot_min_rate=getattr(config, "stale_hot_rate", 1e-4),
-                seed=config.seed,
-            ),
+            self.coll, config.staleness_config(rule=rule, recheck_interval=recheck)
         )
         self.window = self.detector.window_batches(batches_per_epoch)
         self.guard = SkipGuard.from_config(GuardConfig(), float(config.stale_target))

@@ -16,9 +16,10 @@ import torch
 
 from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM, build_embeddings
+from slipcache.safe_files import ensure_dir
 from slipcache.training import checkpoint as ckpt
 from slipcache.training import runlock
-from slipcache.training.run_state import load_model_state
+from slipcache.training.run_state import check_checkpoint, load_model_state
 from slipcache.training.rundir import has_checkpoint, load_training_checkpoint
 from slipcache.training.runlock import RunLock
 
@@ -30,10 +31,18 @@ if typing.TYPE_CHECKING:
 
 def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> DLRM:
     """The DLRM of `config` on these tables; the sharded model builds its own (distributed.training)."""
-    embeddings = build_embeddings(
-        list(table_sizes), config.embedding_dim, embeddings=config.embeddings, **config.embedding_options()
-    )
+    embeddings = build_embeddings(list(table_sizes), embeddings=config.embeddings, **config.embedding_options())
     return DLRM(config.model_config(table_sizes, num_dense), embeddings)
+
+
+def dense_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The MLPs' optimizer (`--dense-optimizer`, one of config.DENSE_OPTIMIZERS) at `--dense-lr`, else `--lr`."""
+    params, lr = model.dense_parameters(), config.dense_lr or config.lr
+    if config.dense_optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    if config.dense_optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr)
 
 
 def embedding_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer | None:
@@ -55,6 +64,11 @@ class RunBackend:
     def writes_files(self) -> bool:
         """Whether this process writes the run directory's files (config, metrics, summary, report)."""
         raise NotImplementedError
+
+    @property
+    def processes(self) -> int:
+        """How many processes train the run together (one here; a rank of N answers N)."""
+        return 1
 
     def claim_run_dir(self, run_dir: Path, record: dict[str, Any]) -> RunLock:
         """Take the run directory for this run (`run.lock`): one writer per run directory."""
@@ -99,19 +113,18 @@ class LocalBackend(RunBackend):
         self._unshard_from: Path | None = None  # a checkpoint of N processes, gathered into one
 
     def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any] | None:
-        if home is not None:
+        if path.is_dir():  # a step written by N processes: rank 0's trainer state, every rank's tables
             from slipcache.distributed import checkpoint as dckpt
 
-            step_dir = dckpt.latest_sharded(home)
-            if step_dir is not None:  # written by N processes: rank 0's trainer state, every rank's tables
-                world_size = dckpt.read_manifest(step_dir)["world_size"]
-                state = dckpt.load_rank_state(step_dir, 0)
-                del state["embeddings"]
-                self._unshard_from = step_dir
-                print(f"re-sharding {step_dir}, written by {world_size} processes, into 1: {dckpt.RESHARDED}")
-                return state
-            if path.name == ckpt.LATEST and not has_checkpoint(home):
-                return None
+            world_size = dckpt.read_manifest(path)["world_size"]
+            state = dckpt.load_rank_state(path, 0)
+            check_checkpoint(state, path)
+            del state["embeddings"]
+            self._unshard_from = path
+            print(f"re-sharding {path}, written by {world_size} processes, into 1: {dckpt.RESHARDED}")
+            return state
+        if home is not None and path.name == ckpt.LATEST and not has_checkpoint(home):
+            return None
         return load_training_checkpoint(path)
 
     def load_model_state(self, state: dict[str, Any], model: DLRM) -> None:
@@ -125,7 +138,7 @@ class LocalBackend(RunBackend):
 
     def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> int | None:
         """`checkpoints/ckpt-<samples>.pt` and `latest.pt`; a failed write names what is left to resume."""
-        directory = run_dir / "checkpoints"
+        directory = ensure_dir(run_dir / "checkpoints", inside=run_dir)  # a link there is refused
         try:
             return ckpt.save_run_checkpoint(directory, state, samples, keep=keep).stat().st_size
         except OSError as exc:  # a full disk, a quota: the previous checkpoint is intact (atomic writes)

@@ -8,11 +8,13 @@ these points (see `trainer.train`):
     sample_filter(run) -> filter | None   drops samples while batches are assembled (batches stay full)
     loss_weights(run, n) -> Tensor | None per-sample loss weights of the next trained batch
     after_step(run, batch, logits, loss)  after every optimizer step (logits detached)
+    checkpoint_due(run) -> bool           whether to write a checkpoint at this step boundary as well
     event_fields(run) -> dict             keys merged into each metrics.jsonl event
     after_eval(run, scores)               after every periodic validation
     on_event(run, event)                  the finished event (write it somewhere)
     summary_fields(run) -> dict           keys merged into summary.json
     on_finish(run, summary)               the finished summary (write it, close files)
+    close(run)                            the run ends, finished or not (put back what on_start changed)
 
 A callback with state that must survive a resume names its checkpoint key (`state_key`) and implements
 `state_dict` / `load_state_dict`. Which callbacks a run has is decided in one place, `features.py`.
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slipcache.safe_files import open_append
 from slipcache.training.rundir import write_events, write_json
 
 if typing.TYPE_CHECKING:
@@ -58,6 +61,9 @@ class Callback:
     def after_step(self, run: Run, batch: Batch, logits: torch.Tensor, loss: float) -> None:
         pass
 
+    def checkpoint_due(self, run: Run) -> bool:
+        return False
+
     def event_fields(self, run: Run) -> dict[str, Any]:
         return {}
 
@@ -71,6 +77,9 @@ class Callback:
         return {}
 
     def on_finish(self, run: Run, summary: dict[str, Any]) -> None:
+        pass
+
+    def close(self, run: Run) -> None:
         pass
 
     def state_dict(self) -> dict[str, Any]:
@@ -129,6 +138,9 @@ class Callbacks:
         for callback in self.items:
             callback.after_step(run, batch, logits, loss)
 
+    def checkpoint_due(self, run: Run) -> bool:
+        return any(callback.checkpoint_due(run) for callback in self.items)
+
     def event_fields(self, run: Run) -> dict[str, Any]:
         fields: dict[str, Any] = {}
         for callback in self.items:
@@ -153,6 +165,10 @@ class Callbacks:
         for callback in self.items:
             callback.on_finish(run, summary)
 
+    def close(self, run: Run) -> None:
+        for callback in self.items:
+            callback.close(run)
+
     def state_dict(self) -> dict[str, Any]:
         """Each stateful callback's state under its key (the top level of a checkpoint)."""
         return {c.state_key: c.state_dict() for c in self.items if c.state_key is not None}
@@ -172,9 +188,13 @@ class MetricsLog(Callback):
     def on_start(self, run: Run) -> None:
         write_json(run.run_dir / "config.json", run.config_dict)
         write_events(run.run_dir / "metrics.jsonl", run.progress.events)  # a resumed run drops later events
+        print(f"run: {run.run_dir}", flush=True)  # where the files are, before the long part
+        if run.progress.samples and not run.more_epochs():
+            print(f"the run was already complete ({run.progress.samples:,} samples trained): nothing to train; "
+                  "its test metrics again", flush=True)
 
     def on_event(self, run: Run, event: dict[str, Any]) -> None:
-        with open(run.run_dir / "metrics.jsonl", "a") as f:
+        with open_append(run.run_dir / "metrics.jsonl") as f:  # a link there is refused, never followed
             f.write(json.dumps(event) + "\n")
 
     def on_finish(self, run: Run, summary: dict[str, Any]) -> None:

@@ -180,9 +180,10 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
 
 
 # Temporary names of our own writes: checkpoints (`save_checkpoint`'s mkstemp), the `latest.pt` link
-# staging file, and the run directory's JSON files (`rundir.write_json`). A user's `.notes.tmp` is not ours.
+# staging file, and the run directory's files (`safe_files.write_atomic`). A user's `.notes.tmp` is not ours.
 _OUR_TEMP = re.compile(
-    r"^\.(?:(?:ckpt-\d+|latest|rank-\d+)\.pt\.[A-Za-z0-9_]+\.tmp|latest\.pt\.link|(?:config|summary|manifest)\.json\.tmp)$"
+    r"^\.(?:(?:ckpt-\d+|latest|rank-\d+)\.pt\.[A-Za-z0-9_]+\.tmp|latest\.pt\.link"
+    r"|(?:(?:config|summary|manifest|plan)\.json|metrics\.jsonl|report\.md|[a-z_]+\.png)\.tmp)$"
 )
 
 
@@ -216,8 +217,7 @@ def save_run_checkpoint(
     latest = directory / LATEST
     tmp_link = directory / f".{LATEST}.link"
     try:
-        if tmp_link.exists():
-            tmp_link.unlink()
+        tmp_link.unlink(missing_ok=True)
         os.link(periodic, tmp_link)
         os.replace(tmp_link, latest)
         _fsync_dir(directory)
@@ -272,11 +272,7 @@ def _attach_raw(obj: Any, path: Path, limit: int) -> Any:
     """Records of large tensors -> `RawTensor`s of `path` (their bytes lie before `limit`)."""
     if isinstance(obj, dict):
         if obj.get(_RAW_KEY) is True:
-            try:
-                raw = RawTensor(path, int(obj["offset"]), int(obj["nbytes"]), getattr(torch, obj["dtype"]),
-                                tuple(int(n) for n in obj["shape"]), str(obj["sha256"]))
-            except (KeyError, AttributeError, TypeError, ValueError) as exc:
-                raise CorruptCheckpointError(f"checkpoint {path} is corrupt (a tensor record is damaged)") from exc
+            raw = _raw_record(obj, path)
             itemsize = torch.empty(0, dtype=raw.dtype).element_size()
             if raw.offset < HEADER_BYTES or raw.offset + raw.nbytes > limit or raw.nbytes != itemsize * _count(raw.shape):
                 raise CorruptCheckpointError(f"checkpoint {path} is corrupt (a tensor lies outside the file)")
@@ -289,6 +285,29 @@ def _attach_raw(obj: Any, path: Path, limit: int) -> Any:
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_attach_raw(v, path, limit) for v in obj)
     return obj
+
+
+def _raw_record(record: dict[str, Any], path: Path) -> RawTensor:
+    """A large tensor's record, each field checked: a crafted one is one line naming the field."""
+
+    def bad(field: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"checkpoint {path} is corrupt (a tensor record is damaged: {field} {record.get(field)!r:.60})"
+        )
+
+    dtype = getattr(torch, record.get("dtype"), None) if isinstance(record.get("dtype"), str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise bad("dtype")
+    shape = record.get("shape")
+    if not isinstance(shape, (list, tuple)) or not all(type(n) is int and n >= 0 for n in shape):
+        raise bad("shape")
+    for field in ("offset", "nbytes"):
+        if type(record.get(field)) is not int or record[field] < 0:
+            raise bad(field)
+    digest = record.get("sha256")
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise bad("sha256")
+    return RawTensor(path, record["offset"], record["nbytes"], dtype, tuple(shape), digest)
 
 
 def _count(shape: tuple[int, ...]) -> int:
@@ -409,6 +428,15 @@ def _verify_all(obj: Any) -> None:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             _verify_all(value)
+
+
+def periodic_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """(samples, file) of a run's periodic checkpoints (`ckpt-<samples>.pt`), oldest first; unverified."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = ((_PERIODIC.match(p.name), p) for p in directory.iterdir())
+    return sorted((int(m.group(1)), p) for m, p in found if m is not None and p.is_file())
 
 
 def complete_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:

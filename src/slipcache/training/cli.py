@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from slipcache.cli import (
+from slipcache.errors import SlipcacheError
+from slipcache.options import (
     DeprecatedFlag,
     add_huge_pages_flag,
     add_progress_flag,
     add_threads_flag,
     positive_int,
 )
-from slipcache.errors import SlipcacheError
 from slipcache.training.config import CONFIG_FIELDS, load_config_file, make_config
 from slipcache.training.datasets import (
     check_table_sizes,

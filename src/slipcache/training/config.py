@@ -1,5 +1,7 @@
 """`TrainConfig`: everything a run depends on, checked once, and how a config file and command-line
 flags combine into it (defaults, then the file, then flags; `--quick` fills only what neither set).
+
+Each setting is described once, by `_flag` in its field's metadata (`training/settings.py` says how).
 """
 
 from __future__ import annotations
@@ -7,19 +9,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slipcache.cli import HUGE_PAGE_CHOICES
 from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
-from slipcache.embedding.collection import OPTIMIZERS, EmbeddingConfig
+from slipcache.embedding.collection import OPTIMIZERS
+from slipcache.embedding.config import FLOAT32_MAX
+from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
-from slipcache.model import EMBEDDING_KINDS, ModelConfig
+from slipcache.model import AUTOCAST_DTYPES, EMBEDDING_KINDS, INTERACTIONS, ModelConfig
 from slipcache.staleness.config import (
     HOT_SETS,
     RULES,
@@ -30,186 +32,237 @@ from slipcache.staleness.config import (
     preset_help,
 )
 from slipcache.staleness.skipping import DECISIONS, WARMUPS
-
-_STALE = StalenessConfig()  # the stale_* defaults below are the detector's: one set of defaults
-_EMB = {f.name: f.default for f in dataclasses.fields(EmbeddingConfig)}  # and the embedding ones the collection's
+from slipcache.training.settings import coerce, part_options
+from slipcache.training.settings import flag as _flag  # the one way a setting is described
 
 VOCABS = ("hash", "frequency")
 SPLIT_ORDERS = ("val-test", "test-val")
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 TIME_ORDERS = ("first", "every")
-FLOAT32_MAX = 3.4028234663852886e38
-
-
-def _flag(default: Any = None, help: str = "", *, factory: Any = None, **cli: Any) -> Any:
-    """A field with its `slipcache train` flag: the help, choices and spelling live beside the one default
-    (`training/flags.py` builds the parser from them and appends the default to the help).
-
-    `cli` keys: `flag` (the option strings when not `--field-name`), `choices`, `metavar`, `type`,
-    `nargs`/`const`, `default_text` (the default in words when the value says nothing)."""
-    metadata = {"help": help, **cli}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
+DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")  # the MLPs' (`backend.dense_optimizer`)
+LR_SCHEDULES = ("constant", "mlperf")  # `training/schedule.py`
 
 @dataclass
 class TrainConfig:
     """Everything a run depends on. `None` fields are derived from the data in `resolve_schedule`.
 
-    A field made by `_flag` is a `slipcache train` flag; the others are set by config files (or --quick).
+    A field with a `help` is a `slipcache train` flag; the others are set by config files (or --quick).
     """
 
-    # data and run directory
-    data: str | None = _flag(None, "raw Criteo file/dir (any of the 3 formats) or a preprocessed dataset dir",
-                             default_text="synthetic data")
-    out: str | None = _flag(None, "run directory", default_text="runs/<timestamp>")
+    # run directory
+    out: str | None = _flag(None, "run directory", resume="free", group="run", default_text="runs/<timestamp>")
     resume: str | None = _flag(None, "continue an interrupted run, in its own directory (or a new empty --out)",
-                               metavar="RUN_OR_CHECKPOINT")
+                               resume="free", group="run", metavar="RUN_OR_CHECKPOINT")
     allow_changes: bool = _flag(False, "with --resume: continue with settings that differ from the run's "
-                                "(e.g. a larger --samples); they are recorded")
+                                "(e.g. a larger --samples); they are recorded", resume="free", group="run")
+    # data
+    data: str | None = _flag(None, "raw Criteo file/dir (any of the 3 formats) or a preprocessed dataset dir",
+                             resume="fixed", group="data", default_text="synthetic data")
     vocab: str = _flag("hash", "raw data vocabulary: hash (fixed table size) or frequency (ids by count)",
-                       choices=VOCABS)
-    max_rows: int = _flag(1_000_000, "raw data, hash vocabulary: rows per table (DLRM's max-ind-range)")
-    min_count: int = _flag(1, "raw data, frequency vocabulary: rarer values map to row 0 (unknown)")
-    synthetic_samples: int = 4_000_000  # synthetic data: rows generated (80/10/10 train/val/test)
-    synthetic_scale: float = 0.05  # synthetic data: table sizes relative to Criteo Kaggle (data.kaggle)
+                       resume="fixed", group="data", choices=VOCABS)
+    max_rows: int = _flag(1_000_000, "raw data, hash vocabulary: rows per table (DLRM's max-ind-range)",
+                          resume="fixed", group="data")
+    min_count: int = _flag(1, "raw data, frequency vocabulary: rarer values map to row 0 (unknown)",
+                           resume="fixed", group="data")
+    synthetic_samples: int = _flag(4_000_000, resume="fixed", group="data",
+                                   doc="synthetic data: rows generated (80/10/10 train/val/test)")
+    synthetic_scale: float = _flag(0.05, resume="fixed", group="data",
+                                   doc="synthetic data: table sizes relative to Criteo Kaggle (data.kaggle)")
     synthetic_generator: str = _flag(DEFAULT_GENERATOR, "synthetic data generator: v4 (v3 with real signal, dense "
                                      "shapes and links), v3 (entities, time order) or v2 (earlier figures)",
-                                     flag=("--generator",), choices=tuple(GENERATOR_VERSIONS))
-    strict: bool = _flag(False, "raw data: stop at the first malformed line instead of skipping it")
+                                     resume="fixed", group="data", flag=("--generator",),
+                                     choices=tuple(GENERATOR_VERSIONS))
+    strict: bool = _flag(False, "raw data: stop at the first malformed line instead of skipping it",
+                         resume="fixed", group="data")
     table_sizes: list[int] | None = _flag(
         None, "TorchRec/DLRM/MLPerf files: rows per table, one for all, 26 comma-separated or a preset (mlperf, "
         "kaggle); ids are taken modulo them (TorchRec's hashes). A slipcache dataset must match its own sizes",
-        type="table_sizes", default_text="the files' counts, else max id + 1")
-    split_order: str | None = _flag(None, "which half of the last day is validation", choices=SPLIT_ORDERS,
-                                    default_text="the format's convention")
+        resume="fixed", group="data", type="table_sizes", default_text="the files' counts, else max id + 1")
+    split_order: str | None = _flag(None, "which half of the last day is validation", resume="fixed", group="data",
+                                    choices=SPLIT_ORDERS, default_text="the format's convention")
     time_order: str = _flag("first", "time-ordered data: first: the first epoch through time, later ones shuffled "
                             "across days (validation AUC does not saw at epoch boundaries); every: every epoch "
-                            "through time", choices=TIME_ORDERS)
+                            "through time", resume="fixed", group="data", choices=TIME_ORDERS)
     # embeddings (see slipcache.embedding.collection / docs/design.md); defaults are EmbeddingConfig's
     embeddings: str = _flag("cached", "cached = mixed-precision + fp32 cache; torch = fp32 nn.EmbeddingBag "
-                            "baseline", choices=EMBEDDING_KINDS)
+                            "baseline", resume="fixed", group="embeddings", choices=EMBEDDING_KINDS)
     # precision, cache_size, cache_rows: one value, or (config files) a list with one value per table
-    precision: str | list[str] = _flag(_EMB["precision"], "embedding storage precision", choices=PRECISIONS)
-    cache_size: float | list[float] = _flag(_EMB["cache_size"], "share of rows cached, 0..1; 1 = every row")
-    cache_rows: int | list[int] | None = _flag(None, "cache capacity as a number of rows (overrides "
-                                               "--cache-size)")
-    policy: str = _flag(_EMB["policy"], "cache replacement policy; none = no cache", choices=POLICIES)
+    precision: str | list[str] = _flag(help="embedding storage precision", resume="fixed", group="embeddings",
+                                       sets="embedding.precision", choices=PRECISIONS)
+    cache_size: float | list[float] = _flag(help="share of rows cached, 0..1; 1 = every row", resume="fixed",
+                                            group="embeddings", sets="embedding.cache_size")
+    cache_rows: int | list[int] | None = _flag(help="cache capacity as a number of rows (overrides --cache-size)",
+                                               resume="fixed", group="embeddings", sets="embedding.cache_rows")
+    policy: str = _flag(help="cache replacement policy; none = no cache", resume="fixed", group="embeddings",
+                        sets="embedding.policy", choices=POLICIES)
     lookahead: int = _flag(4, "batches ahead the lookahead policies (lookahead, lookahead-lfu) see, and that rows "
-                           "on disk (--storage-path) are read ahead")
+                           "on disk (--storage-path) are read ahead", resume="fixed", group="embeddings")
     prefetch: bool = _flag(False, "read the next batch's rows into the cache in the background while the "
-                           "current one computes")
-    rounding: str = _flag(_EMB["rounding"], "rounding into storage", choices=ROUNDINGS)
-    optimizer: str = _flag(_EMB["optimizer"], "embedding optimizer", choices=OPTIMIZERS)
+                           "current one computes", resume="fixed", group="embeddings")
+    rounding: str = _flag(help="rounding into storage", resume="fixed", group="embeddings",
+                          sets="embedding.rounding", choices=ROUNDINGS)
+    optimizer: str = _flag(help="embedding optimizer", resume="fixed", group="embeddings",
+                           sets="embedding.optimizer", choices=OPTIMIZERS)
     # The trainer's own learning rate (tuned on synthetic data at batch 256), not the collection's 0.1.
-    lr: float = _flag(0.3, "embedding learning rate")
-    dense_lr: float | None = _flag(None, "MLP learning rate (plain SGD)", default_text="--lr")
+    lr: float = _flag(0.3, "embedding learning rate", resume="changeable", group="embeddings", sets="embedding.lr")
+    dense_lr: float | None = _flag(None, "MLP learning rate", resume="changeable", group="model",
+                                   default_text="--lr")
+    dense_optimizer: str = _flag("sgd", "MLP optimizer", resume="fixed", group="model", choices=DENSE_OPTIMIZERS)
     wire_precision: str = _flag("fp32", "torchrun runs: rows and gradients between ranks as fp32 or fp16/bf16 "
-                                "(half the bytes)", choices=WIRE_PRECISIONS)
-    threads: int | None = _flag(None, "torch threads of this process (1 is steadier on a busy machine; the "
-                                "README's timings use 1)", default_text="torch's choice, one per core", type="positive_int")
+                                "(half the bytes)", resume="changeable", group="embeddings", choices=WIRE_PRECISIONS)
     storage_path: str | None = _flag(None, "keep the row storage in memory-mapped files in DIR (unnamed: gone with "
                                      "the process) so that tables larger than memory train, the OS paging rows in; "
                                      "the memory check then counts the cache and optimizer state only; docs/scale.md "
-                                     "says when it pays", metavar="DIR", default_text="in memory")
+                                     "says when it pays", resume="free", group="embeddings",
+                                     sets="embedding.storage_path", metavar="DIR", default_text="in memory")
+    # this process
+    threads: int | None = _flag(None, "torch threads of this process (the `slipcache` command makes their waits "
+                                "sleep, so the default holds on a busy machine: docs/threads.md; a resume keeps the "
+                                "run's unless given)", resume="free", group="process",
+                                default_text="torch's choice, one per core", type="positive_int")
     huge_pages: str | None = _flag(None, "back the tables' storage, cache and optimizer state with transparent huge "
                                    "pages: on, off, or auto (tensors of 64 MiB and more); where the kernel has none, "
-                                   "off (docs/scale.md)", choices=HUGE_PAGE_CHOICES,
+                                   "off (docs/scale.md)", resume="free", group="process", choices=HUGE_PAGE_MODES,
                                    default_text="$SLIPCACHE_HUGE_PAGES, else off")
     # model
-    embedding_dim: int = _flag(_EMB["dim"], "embedding dimension", flag=("--dim",))
-    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
-    top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
+    embedding_dim: int = _flag(help="embedding dimension", resume="fixed", group="model",
+                               sets=("embedding.dim", "model.embedding_dim"), flag=("--dim",))
+    bottom_mlp: list[int] = _flag(help="bottom MLP widths, comma-separated; the last is the embedding dim "
+                                  "(--dim alone sets it)", resume="fixed", group="model", sets="model.bottom_mlp",
+                                  type="int_list", metavar="N,N,...")
+    top_mlp: list[int] = _flag(help="top MLP widths, comma-separated; the last is 1, the logit", resume="fixed",
+                               group="model", sets="model.top_mlp", type="int_list", metavar="N,N,...")
+    interaction: str = _flag(help="how the bottom MLP's output meets the embeddings: dot (pairwise dot products, "
+                             "DLRM) or cat (side by side)", resume="fixed", group="model",
+                             sets="model.interaction", choices=INTERACTIONS)
+    autocast: str | None = _flag(help="compute the MLPs and the interaction in this dtype (torch.autocast; the "
+                                 "tables keep their precision)", resume="changeable", group="model",
+                                 sets="model.autocast", choices=tuple(AUTOCAST_DTYPES), default_text="fp32")
+    seed: int = _flag(0, "random seed (model init, shuffling, stochastic rounding)", resume="fixed", group="model",
+                      sets=("embedding.seed", "staleness.seed"))
     # schedule (all counts are samples)
-    batch_size: int = _flag(256, "samples per batch")
-    epochs: int = _flag(1, "passes over the training split")
-    samples: int | None = _flag(None, "training budget in samples (overrides --epochs)",
-                                default_text="--epochs passes over the split")
-    log_every: int | None = None  # samples between metrics.jsonl events; None: 100 per run
+    batch_size: int = _flag(256, "samples per batch", resume="fixed", group="schedule")
+    epochs: int = _flag(1, "passes over the training split", resume="changeable", group="schedule")
+    samples: int | None = _flag(None, "training budget in samples (overrides --epochs)", resume="changeable",
+                                group="schedule", default_text="--epochs passes over the split")
+    log_every: int | None = _flag(None, resume="changeable", group="schedule",
+                                  doc="samples between metrics.jsonl events; None: 100 per run")
     eval_every: int | None = _flag(None, "evaluate on the validation split after every SAMPLES samples consumed "
-                                   "(trained or skipped)", metavar="SAMPLES", default_text="10 per run")
+                                   "(trained or skipped)", resume="changeable", group="schedule", metavar="SAMPLES",
+                                   default_text="10 per run")
     eval_samples: int | None = _flag(100_000, "validation samples per evaluation, the first N of the split "
-                                     "(a config file's null: all)", metavar="N")
-    checkpoint_every: int | None = _flag(None, "samples between checkpoints", default_text="4 per run")
+                                     "(a config file's null: all)", resume="changeable", group="schedule",
+                                     metavar="N")
+    checkpoint_every: int | None = _flag(None, "samples between checkpoints", resume="changeable", group="schedule",
+                                         default_text="4 per run")
+    checkpoint_minutes: float = _flag(10.0, "also a checkpoint after every N minutes of training: the most work a "
+                                      "kill loses (0: none)", resume="free", group="schedule", metavar="N")
+    checkpoint_on_interrupt: bool = _flag(True, "no checkpoint on Ctrl-C or SIGTERM (by default the run writes one "
+                                          "at the step under way and stops, naming the --resume command)",
+                                          resume="free", group="schedule", flag=("--no-checkpoint-on-interrupt",))
+    lr_schedule: str = _flag("constant", "learning rate of the MLPs and the tables over the run: constant, or mlperf "
+                             "(the MLPerf DLRM reference's linear warm-up, then quadratic decay)",
+                             resume="changeable", group="schedule", choices=LR_SCHEDULES)
+    lr_warmup_steps: int | None = _flag(None, "mlperf schedule: steps of linear warm-up from 0",
+                                        resume="changeable", group="schedule", metavar="STEPS",
+                                        default_text="4 percent of the run's steps")
+    lr_decay_start: int | None = _flag(None, "mlperf schedule: the step the decay starts at", resume="changeable",
+                                       group="schedule", metavar="STEP", default_text="75 percent of the run's steps")
+    lr_decay_steps: int | None = _flag(None, "mlperf schedule: steps of the decay to its floor", resume="changeable",
+                                       group="schedule", metavar="STEPS", default_text="the rest of the run")
     keep_checkpoints: int = _flag(2, "periodic checkpoints kept on disk, newest first (the MLPerf tables take "
-                                  "15 GB each)")
-    seed: int = _flag(0, "random seed (model init, shuffling, stochastic rounding)")
-    quick: bool = _flag(False, "small synthetic run, well under a minute")
-    progress: bool = True  # tqdm progress bar (--no-progress / --quiet, as on every long command)
-    tensorboard: str | None = _flag(None, "also write the metrics as TensorBoard events into DIR", metavar="DIR",
-                                    nargs="?", const="", default_text="none; DIR alone: <out>/tensorboard")
+                                  "15 GB each)", resume="changeable", group="schedule")
+    # quick only fills other settings (MLP widths: the checkpoint's shape), so a resume never takes it
+    quick: bool = _flag(False, "small synthetic run, well under a minute", resume="fixed", group="schedule")
+    progress: bool = _flag(True, resume="free", group="schedule",
+                           doc="tqdm progress bar (--no-progress / --quiet, as on every long command)")
+    tensorboard: str | None = _flag(None, "also write the metrics as TensorBoard events into DIR", resume="free",
+                                    group="schedule", metavar="DIR", nargs="?", const="",
+                                    default_text="none; DIR alone: <out>/tensorboard")
     # Slipstream stale-input skipping (slipcache.staleness.skipping, docs/skipping.md); the detector's
     # settings take StalenessConfig's defaults
     skip_stale: bool = _flag(False, "skip stale inputs (Slipstream; docs/skipping.md): no forward, no backward; "
-                             "the same as --skip-rule stale")
-    skip_rule: str | None = _flag(None, SKIP_RULE_HELP, choices=SKIP_RULES, default_text="none: train on every input")
+                             "the same as --skip-rule stale", resume="fixed", group="skipping")
+    skip_rule: str | None = _flag(None, SKIP_RULE_HELP, resume="fixed", group="skipping", choices=SKIP_RULES,
+                                  default_text="none: train on every input")
     stale_preset: str | None = _flag(None, "a set of --stale-* settings (flags you give still win): " + preset_help(),
-                                     choices=tuple(STALE_PRESETS))
-    stale_hot_set: str = _flag(_STALE.hot_set, "budget: most accessed rows that fit --stale-budget-mb; frequency: "
-                               "FAE's threshold", choices=HOT_SETS)
-    stale_hot_rate: float = _flag(_STALE.hot_min_rate, "frequency hot set: share of profiled inputs a hot row is "
-                                  "looked up by")
-    prune_share: float = _flag(0.5, "loss rule: r, share of below-mean-loss inputs pruned; kept ones weigh 1/(1-r)")
-    prune_final: float = _flag(0.125, "loss rule: last share of the run on all data")
-    stale_target: float = _flag(_STALE.target_drop, "D: share of hot inputs to skip, fitted anew each epoch")
+                                     resume="fixed", group="skipping", choices=tuple(STALE_PRESETS))
+    stale_hot_set: str = _flag(help="budget: most accessed rows that fit --stale-budget-mb; frequency: FAE's "
+                               "threshold", resume="fixed", group="skipping", sets="staleness.hot_set",
+                               choices=HOT_SETS)
+    stale_hot_rate: float = _flag(help="frequency hot set: share of profiled inputs a hot row is looked up by",
+                                  resume="fixed", group="skipping", sets="staleness.hot_min_rate")
+    prune_share: float = _flag(0.5, "loss rule: r, share of below-mean-loss inputs pruned; kept ones weigh 1/(1-r)",
+                               resume="fixed", group="skipping")
+    prune_final: float = _flag(0.125, "loss rule: last share of the run on all data", resume="fixed",
+                               group="skipping")
+    stale_target: float = _flag(help="D: share of hot inputs to skip, fitted anew each epoch", resume="changeable",
+                                group="skipping", sets="staleness.target_drop")
     stale_guard: bool = _flag(True, "no accuracy guard (by default D is backed off, or skipping stopped, when "
-                              "skipped inputs' loss drifts above trained ones')", flag=("--no-stale-guard",))
-    stale_guard_every: int = _flag(100, "batches between guard checks")
-    stale_alpha: float = _flag(_STALE.alpha, "share of an input's lookups that must be hot, and stale to skip "
-                               "it (1: all; 0.9 = 24 of 26)")
-    stale_window: float = _flag(_STALE.window_fraction, "share of an epoch's batches in the snapshot window")
-    stale_recheck: int | None = _flag(_STALE.recheck_interval, "batches between rolling snapshots (0 = the "
-                                      "window length; None in config files: off)")
-    stale_budget_mb: float = _flag(_STALE.memory_budget_bytes / 2**20, "hot-row snapshot budget in MiB")
+                              "skipped inputs' loss drifts above trained ones')", resume="changeable",
+                              group="skipping", flag=("--no-stale-guard",))
+    stale_guard_every: int = _flag(100, "batches between guard checks", resume="changeable", group="skipping")
+    stale_alpha: float = _flag(help="share of an input's lookups that must be hot, and stale to skip it (1: all; "
+                               "0.9 = 24 of 26)", resume="changeable", group="skipping", sets="staleness.alpha")
+    stale_window: float = _flag(help="share of an epoch's batches in the snapshot window", resume="changeable",
+                                group="skipping", sets="staleness.window_fraction")
+    stale_recheck: int | None = _flag(help="batches between rolling snapshots (0 = the window length; None in "
+                                      "config files: off)", resume="changeable", group="skipping",
+                                      sets="staleness.recheck_interval")
+    stale_budget_mb: float = _flag(help="hot-row snapshot budget in MiB", resume="changeable", group="skipping",
+                                   sets="staleness.memory_budget_bytes", scale=2**20)
     stale_min_accesses: float = _flag(0.0, "hot rows must expect this many accesses per window (0 = budget "
-                                      "only, as the paper)")
-    stale_release_cache: bool = _flag(False, "stale rows give their cache slots to rows that still move")
+                                      "only, as the paper)", resume="changeable", group="skipping")
+    stale_release_cache: bool = _flag(False, "stale rows give their cache slots to rows that still move",
+                                      resume="changeable", group="skipping")
     stale_refit: bool = _flag(True, "fit the threshold once per epoch (the paper) instead of at every re-check",
-                              flag=("--no-stale-refit",))
-    stale_rule: str = _flag(_STALE.rule, "convergence: change per update of rows updated >= k times; paper: "
-                            "L-inf change between snapshots", choices=RULES)
-    stale_min_updates: int = _flag(_STALE.min_updates, "k: updates before a row is judged (convergence rule)")
-    stale_count_share: float = _flag(_STALE.count_share, "share of each trained batch whose row updates are "
-                                     "counted, then scaled up (convergence rule)")
+                              resume="changeable", group="skipping", flag=("--no-stale-refit",))
+    stale_rule: str = _flag(help="convergence: change per update of rows updated >= k times; paper: L-inf change "
+                            "between snapshots", resume="fixed", group="skipping", sets="staleness.rule",
+                            choices=RULES)
+    stale_min_updates: int = _flag(help="k: updates before a row is judged (convergence rule)", resume="changeable",
+                                   group="skipping", sets="staleness.min_updates")
+    stale_count_share: float = _flag(help="share of each trained batch whose row updates are counted, then scaled "
+                                     "up (convergence rule)", resume="changeable", group="skipping",
+                                     sets="staleness.count_share")
     stale_warmup: str = _flag("val", "skip after the validation loss flattened (val), from "
-                              "--stale-warmup-epoch (epoch), or at once (none)", choices=WARMUPS)
-    stale_warmup_epoch: int = _flag(1, "0-based epoch from which skipping starts at the latest (1 = the 2nd)")
-    stale_warmup_min: float = _flag(0.1, "never skip in this first share of the run")
-    stale_warmup_tol: float = _flag(0.005, "relative validation-loss gain on its best that still counts")
+                              "--stale-warmup-epoch (epoch), or at once (none)", resume="changeable",
+                              group="skipping", choices=WARMUPS)
+    stale_warmup_epoch: int = _flag(1, "0-based epoch from which skipping starts at the latest (1 = the 2nd)",
+                                    resume="changeable", group="skipping")
+    stale_warmup_min: float = _flag(0.1, "never skip in this first share of the run", resume="changeable",
+                                    group="skipping")
+    stale_warmup_tol: float = _flag(0.005, "relative validation-loss gain on its best that still counts",
+                                    resume="changeable", group="skipping")
     stale_decision: str = _flag("rolling", "rolling re-checks, or one decision per epoch (epoch: the authors')",
-                                choices=DECISIONS)
+                                resume="changeable", group="skipping", choices=DECISIONS)
     stale_keep: float = _flag(0.05, "p: share of would-be-skipped inputs trained anyway, the guard's control",
-                              flag=("--stale-keep", "--stale-control"))
+                              resume="changeable", group="skipping", flag=("--stale-keep", "--stale-control"))
     stale_reweight: bool = _flag(False, "weight those inputs' loss by 1/p: the expected gradient is the one "
-                                 "without skipping")
+                                 "without skipping", resume="changeable", group="skipping")
     stale_weight_max: float | None = _flag(None, "clip that weight at this value (less variance, some bias "
-                                           "back)", default_text="none, 1/p")
+                                           "back)", resume="changeable", group="skipping", default_text="none, 1/p")
 
     def embedding_options(self) -> dict[str, Any]:
-        """The embedding collection's settings, shared by the one-process and the sharded model."""
-        return {
-            "precision": self.precision,
-            "cache_size": self.cache_size,
-            "cache_rows": self.cache_rows,
-            "policy": self.policy,
-            "rounding": self.rounding,
-            "optimizer": self.optimizer,
-            "lr": self.lr,
-            "seed": self.seed,
-            "storage_path": self.storage_path,
-        }
+        """The embedding collection's settings (`EmbeddingConfig` fields, dim included), shared by the
+        one-process and the sharded model."""
+        return part_options(self, CONFIG_FIELDS, "embedding")
 
     def model_config(self, table_sizes: list[int], num_dense: int) -> ModelConfig:
-        return ModelConfig(
-            table_sizes=list(table_sizes),
-            num_dense=num_dense,
-            embedding_dim=self.embedding_dim,
-            bottom_mlp=list(self.bottom_mlp),
-            top_mlp=list(self.top_mlp),
-        )
+        return ModelConfig(table_sizes=list(table_sizes), num_dense=num_dense, **part_options(self, CONFIG_FIELDS, "model"))
+
+    def staleness_config(self, **overrides: Any) -> StalenessConfig:
+        """The detector's settings; `overrides`: those another setting decides (e.g. the rule for random)."""
+        return StalenessConfig(**{**part_options(self, CONFIG_FIELDS, "staleness"), **overrides})
 
     def validate(self) -> None:
+        for name in CONFIG_FIELDS:  # types first: a crafted checkpoint, a config file or an API call may hold
+            value = _coerce(name, getattr(self, name))  # anything ("256", 1e100); what trains is the typed value
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SlipcacheError(f"{name} must be a finite number, got {value}")
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+                raise SlipcacheError(f"{name} must fit a 64-bit integer, got {getattr(self, name)!r}")
+            setattr(self, name, value)
         for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
             if precision not in PRECISIONS:
                 raise SlipcacheError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -225,14 +278,12 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise SlipcacheError(f"{name} must be positive, got {value}")
-        for name in CONFIG_FIELDS:  # types first: a crafted checkpoint or API call may hold anything
-            value = _coerce(name, getattr(self, name))
-            if isinstance(value, float) and not math.isfinite(value):
-                raise SlipcacheError(f"{name} must be a finite number, got {value}")
         for name in ("lr", "dense_lr", "synthetic_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
                 raise SlipcacheError(f"{name} must be positive, got {value}")
+        if self.batch_size > 2**31:  # rows of a batch are indexed with int32 offsets
+            raise SlipcacheError(f"batch_size must be at most 2**31, got {self.batch_size}")
         if self.max_rows > 2**31:  # rows are int32 ids
             raise SlipcacheError(f"max_rows must be at most 2**31, got {self.max_rows}")
         if self.out == "" or self.resume == "":
@@ -252,6 +303,10 @@ class TrainConfig:
                 raise SlipcacheError(f"cache_rows must be >= 0, got {count}")
         if not 0 <= self.seed < 2**32:
             raise SlipcacheError(f"seed must be in [0, 2**32), got {self.seed}")
+        for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps", "checkpoint_minutes"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:  # also rejects nan
+                raise SlipcacheError(f"{name} must be 0 or more, got {value}")
         if self.keep_checkpoints < 1:
             raise SlipcacheError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.bottom_mlp[-1:] != [self.embedding_dim]:
@@ -305,45 +360,13 @@ QUICK: dict[str, Any] = {
 }
 
 CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
 _TYPES = typing.get_type_hints(TrainConfig)
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """Check a config-file value against the field's type (ints are accepted where floats are)."""
-    kind = _TYPES[name]
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(kind):
-            return None
-        options = [a for a in typing.get_args(kind) if a is not type(None)]
-        if isinstance(value, list):  # `str | list[str]`: one value or one per table
-            listed = [a for a in options if typing.get_origin(a) is list]
-            element = typing.get_args(listed[0])[0] if listed else None
-            if element is not None and value and all(_matches(element, v) for v in value):
-                return [float(v) if element is float else int(v) if element is int else v for v in value]
-        kind = options[0]
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if typing.get_origin(kind) is list:
-        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return list(value)
-    elif kind is bool and isinstance(value, bool):
-        return value
-    elif kind is int and is_number and float(value).is_integer():
-        return int(value)  # also 1e6 written as a float
-    elif kind is float and is_number:
-        return float(value)
-    elif kind is str and isinstance(value, str):
-        return value
-    raise SlipcacheError(f"{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
-
-
-def _matches(kind: type, value: Any) -> bool:
-    """Whether a config-file list element fits `kind` (ints are accepted where floats are)."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is float:
-        return number
-    if kind is int:
-        return number and float(value).is_integer()
-    return isinstance(value, kind)
+    return coerce(name, _TYPES[name], value)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -15,6 +15,10 @@ def run_callbacks(run: Run) -> Callbacks:
     writers of the run directory (only in the process that writes it)."""
     config = run.config
     callbacks: list[Callback] = []
+    if config.lr_schedule == "mlperf":  # --lr-schedule: every learning rate, before each step
+        from slipcache.training.schedule import LRSchedule
+
+        callbacks.append(LRSchedule(run))
     if config.skip_rule is not None:  # --skip-rule stale|random|loss (--skip-stale is stale)
         from slipcache.staleness.callback import SkipStaleInputs
 
@@ -27,4 +31,9 @@ def run_callbacks(run: Run) -> Callbacks:
             writer = open_writer(config.tensorboard, run.run_dir)
             assert writer is not None
             callbacks.append(TensorBoardLog(writer))
+    minutes = config.checkpoint_minutes or None  # 0: no time interval
+    if run.backend.processes == 1 and (minutes or config.checkpoint_on_interrupt):
+        from slipcache.training.stopping import CheckpointTimer  # last: it stops the run after the others
+
+        callbacks.append(CheckpointTimer(minutes, on_signal=config.checkpoint_on_interrupt))
     return Callbacks(callbacks)

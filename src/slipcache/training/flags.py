@@ -10,9 +10,10 @@ import types
 import typing
 from typing import Any
 
-from slipcache.cli import positive_int
 from slipcache.data.presets import parse_table_sizes
+from slipcache.options import positive_int
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig
+from slipcache.training.settings import GROUPS
 
 _TYPES = typing.get_type_hints(TrainConfig)
 
@@ -54,8 +55,9 @@ def flag_help(f: dataclasses.Field) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per `TrainConfig` field that has one; every flag defaults to 'not given' so that a config
-    file's value is only overridden on purpose."""
+    """One flag per `TrainConfig` field that has one, under its group's title; every flag defaults to 'not
+    given' so that a config file's value is only overridden on purpose."""
+    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
     for name, f in CONFIG_FIELDS.items():
         meta = f.metadata
         if "help" not in meta:
@@ -70,4 +72,4 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             for key in ("choices", "metavar", "nargs", "const"):
                 if key in meta:
                     kwargs[key] = meta[key]
-        parser.add_argument(*strings, **kwargs)
+        groups[meta["group"]].add_argument(*strings, **kwargs)

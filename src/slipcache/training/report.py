@@ -7,6 +7,7 @@ baseline run (no cache) gets no hit-rate plot and a run without stale-input skip
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter
 
 from slipcache.plotting import STYLE, pyplot, samples_axis
+from slipcache.safe_files import write_atomic
 
 plt = pyplot()
 
@@ -27,9 +29,12 @@ def _series(events: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
 
 
 def _save(fig: plt.Figure, path: Path) -> str:
+    """The figure into `path`, replaced atomically (a link there is replaced, its target never written)."""
     fig.tight_layout()
-    fig.savefig(path)
+    image = io.BytesIO()
+    fig.savefig(image, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
+    write_atomic(path, image.getvalue())
     return path.name
 
 
@@ -141,14 +146,15 @@ def _fmt(value: Any) -> str:
 def write_report(run_dir: str | Path, events: list[dict[str, Any]], summary: dict[str, Any]) -> Path:
     """Write `report.md` and its PNGs into `run_dir`; returns the report path."""
     run_dir = Path(run_dir)
+    config = summary.get("config", {})
+    skipping = bool(summary.get("staleness") or config.get("skip_rule"))  # every event has a skipped share
     with plt.rc_context(STYLE):
         plots = {
             "Training": plot_training(events, run_dir / "training.png"),
             "Cache hit rate": plot_hit_rate(events, run_dir / "hit_rate.png"),
             "Memory": plot_memory(summary, run_dir / "memory.png"),
-            "Stale-input skipping": plot_staleness(events, run_dir / "staleness.png"),
+            "Stale-input skipping": plot_staleness(events, run_dir / "staleness.png") if skipping else None,
         }
-    config = summary.get("config", {})
     lines = ["# slipcache training run", ""]
     setup = f"`{config.get('embeddings', '?')}` embeddings"
     if config.get("embeddings") != "torch":
@@ -182,9 +188,9 @@ def write_report(run_dir: str | Path, events: list[dict[str, Any]], summary: dic
                   f"{quality['malformed_lines']:,} of {total:,} lines were malformed and skipped. The first:", ""]
         lines += [f"- `{example}`" for example in quality["examples"]] + [""]
     for title, name in plots.items():
-        if name:
+        if name and (run_dir / name).is_file():  # a link only to a plot on disk
             lines += [f"## {title}", "", f"![{title}]({name})", ""]
     lines += ["## Config", "", "```json", json.dumps(config, indent=2, default=str), "```", ""]
     path = run_dir / "report.md"
-    path.write_text("\n".join(lines))
+    write_atomic(path, "\n".join(lines))
     return path

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.iostats import AnonPeak, DiskIO, disk_io
+from slipcache.memory import process_age_s
 
 if typing.TYPE_CHECKING:
     import torch
@@ -117,6 +118,12 @@ class Run:
     startup_disk_read_bytes: int | None = None  # disk bytes read from process start to the first step
     anon_peak: AnonPeak | None = None  # the peak of the process's own (anonymous) memory
     last_checkpoint: dict[str, Any] | None = None  # bytes and write time of the newest checkpoint written
+
+    def mark_started(self) -> None:
+        """At the first step: how long the start-up took, and what it read from the disk."""
+        self.startup_s = process_age_s()
+        started = disk_io()
+        self.startup_disk_read_bytes = None if started is None else started.read_bytes
 
     def restart_clock(self) -> None:
         """Start a span of training time: wall clock, CPU time and the disk's bytes count from here."""

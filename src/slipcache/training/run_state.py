@@ -16,6 +16,7 @@ import torch
 from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM
 from slipcache.training import checkpoint as ckpt
+from slipcache.training.state_check import check_state
 
 if typing.TYPE_CHECKING:
     from slipcache.training.run import Run
@@ -62,15 +63,39 @@ def checkpoint_state(run: Run) -> dict[str, Any]:
 
 
 def restore(state: dict[str, Any], run: Run) -> None:
-    """Load what `checkpoint_state` saved into the run's freshly built objects."""
+    """Load what `checkpoint_state` saved (checked by `check_checkpoint`) into the run's freshly built
+    objects; what does not fit them is one line, before the run writes anything."""
     run.backend.load_model_state(state, run.model)
-    run.dense_opt.load_state_dict(state["dense_optimizer"])
+    _load_optimizer(run.dense_opt, state["dense_optimizer"], "dense_optimizer")
     if run.emb_opt is not None and state["embedding_optimizer"] is not None:
-        run.emb_opt.load_state_dict(state["embedding_optimizer"])
+        _load_optimizer(run.emb_opt, state["embedding_optimizer"], "embedding_optimizer")
     for name, value in state["progress"].items():
         setattr(run.progress, name, value)
     _set_rng_state(state["rng"])
-    run.callbacks.load_state_dict(state)
+    try:
+        run.callbacks.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+        raise SlipcacheError(f"checkpoint does not fit the run: a feature's state is malformed ({exc!r:.120})") from exc
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], field: str) -> None:
+    """An optimizer's state, after checking its groups and per-parameter tensors against its parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = saved["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise SlipcacheError(
+            f"checkpoint does not fit the model: {field} has groups of {[len(g['params']) for g in groups]} "
+            f"parameters, the model's optimizer {[len(g['params']) for g in optimizer.param_groups]}"
+        )
+    index = {number: params[i] for i, number in enumerate(n for g in groups for n in g["params"])}
+    for number, values in saved["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != index[number].shape:
+                raise SlipcacheError(
+                    f"checkpoint does not fit the model: {field}.state[{number}].{name} has shape "
+                    f"{list(value.shape)}, its parameter {list(index[number].shape)}"
+                )
+    optimizer.load_state_dict(saved)
 
 
 def load_model_state(state: dict[str, Any], model: DLRM, *, dense: bool = True, embeddings: bool = True) -> None:
@@ -85,25 +110,24 @@ def load_model_state(state: dict[str, Any], model: DLRM, *, dense: bool = True, 
                 raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
         if embeddings:
             model.embeddings.load_state_dict(state["embeddings"])
-    except (RuntimeError, KeyError, ValueError) as exc:
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError) as exc:
         raise SlipcacheError(f"checkpoint does not fit the model: {str(exc).splitlines()[0]}") from exc
 
 
 def check_checkpoint(state: dict[str, Any], path: Path) -> None:
-    """The file verified (see `checkpoint.load_checkpoint`); is it a training checkpoint of this version?"""
+    """The file verified (see `checkpoint.load_checkpoint`); is it a training checkpoint of this version,
+    whole and well-formed (`state_check`)? One line naming the first problem."""
     if state.get("format") != CHECKPOINT_FORMAT or state.get("version") != ckpt.FORMAT_VERSION:
+        if "format" not in state and "version" not in state:
+            raise SlipcacheError(
+                f"{path} is not a slipcache training checkpoint (it holds no format and version; "
+                f"its keys: {', '.join(map(str, list(state)[:8])) or 'none'})"
+            )
         raise SlipcacheError(
             f"{path} is not a slipcache training checkpoint of format version {ckpt.FORMAT_VERSION} "
             f"(it holds format {state.get('format')!r}, version {state.get('version')!r})"
         )
-    sizes = state.get("table_sizes")
-    parts = ("dense", "embeddings", "dense_optimizer", "progress", "rng")
-    if (
-        not isinstance(sizes, list)
-        or not all(isinstance(n, int) and n >= 1 for n in sizes)
-        or not all(isinstance(state.get(k), dict) for k in parts)
-    ):
-        raise SlipcacheError(f"checkpoint {path} is incomplete or malformed (table sizes or state missing)")
+    check_state(state, path)
 
 
 def apply_settings(run: Run) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.errors import SlipcacheError
+from slipcache.safe_files import write_atomic
 from slipcache.training import checkpoint as ckpt
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig, config_from_saved
 from slipcache.training.run_state import check_checkpoint
@@ -37,27 +38,13 @@ def new_run_dir() -> Path:
 
 
 def write_json(path: Path, value: Any) -> None:
-    """Write JSON atomically: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    """Write JSON atomically: a reader never sees half a file, a link there is replaced, not followed."""
+    write_atomic(path, json.dumps(value, indent=2, default=str) + "\n")
 
 
 def write_events(path: Path, events: list[dict[str, Any]]) -> None:
-    """metrics.jsonl from the events a run holds (a resumed run rewrites it from its checkpoint's)."""
-    path.write_text("".join(json.dumps(e) + "\n" for e in events))
-
-
-# Fields that say where and how a run reports, not what it computes: free to differ on resume.
-_RUN_INDEPENDENT = {"progress", "resume", "out", "allow_changes", "tensorboard", "threads", "huge_pages", "storage_path"}
-# Fields the checkpoint's state depends on (data, shapes, storage, shuffling): never changed on resume.
-_STATE_DEFINING = {
-    "data", "vocab", "max_rows", "min_count", "synthetic_samples", "synthetic_scale", "synthetic_generator", "strict",
-    "embeddings", "precision", "cache_size", "cache_rows", "policy", "rounding", "optimizer", "embedding_dim",
-    "bottom_mlp", "top_mlp", "batch_size", "seed", "skip_stale", "skip_rule", "table_sizes", "split_order",
-    "lookahead", "prefetch", "stale_rule", "time_order", "stale_preset", "stale_hot_set", "stale_hot_rate",
-    "prune_share", "prune_final",
-}  # fmt: skip
+    """metrics.jsonl from the events a run holds (a resumed run rewrites it from its checkpoint's), atomically."""
+    write_atomic(path, "".join(json.dumps(e) + "\n" for e in events))
 
 
 def warn(message: str) -> None:
@@ -74,10 +61,28 @@ def _is_run_dir(path: Path) -> bool:
     return isinstance(saved, dict) and {"dataset", "embeddings", "seed"} <= saved.keys()
 
 
+def holds_run_or_dataset(path: Path, names: list[str], files: list[str]) -> str | None:
+    """"run" or "dataset" when directory `path` (holding subdirectories `names` and `files`) is one that
+    slipcache wrote, else None; for commands that replace directories and must never replace these."""
+    if LOCK_NAME in files or _is_run_dir(path) or has_checkpoint(path):
+        return "run"
+    if "meta.json" in files:
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = None
+        if isinstance(meta, dict) and meta.get("format") == "slipcache-dataset":
+            return "dataset"
+    if "synthetic.json" in files:  # a TorchRec-layout dataset that `synth` wrote
+        return "dataset"
+    return None
+
+
 def has_checkpoint(run_dir: Path) -> bool:
-    """Whether the run directory holds a checkpoint file, so that `--resume` has something to load."""
+    """Whether the run directory holds a checkpoint file (or a step of N processes), so that `--resume`
+    has something to load."""
     directory = run_dir / "checkpoints"
-    return directory.is_dir() and any(p.suffix == ".pt" for p in directory.iterdir())
+    return directory.is_dir() and any(p.suffix == ".pt" or p.name.startswith("step-") for p in directory.iterdir())
 
 
 def prepare_out_dir(path: Path, *, restart_ok: bool) -> Path:
@@ -137,7 +142,10 @@ def load_resume(
     run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
     stopped before its first checkpoint (a full disk) starts again from its config.json.
     """
-    path, home = locate_checkpoint(config.resume or "", "--resume")
+    from slipcache.training.saved_run import find_checkpoint  # it reads checkpoints through this module
+
+    saved_checkpoint = find_checkpoint(config.resume or "", "--resume")  # the newest, whoever wrote it
+    path, home = saved_checkpoint.path, saved_checkpoint.run_dir
     if config.out is not None and (home is None or Path(config.out).expanduser().resolve() != home):
         run_dir = prepare_out_dir(Path(config.out), restart_ok=False)
     elif home is None:
@@ -162,7 +170,7 @@ def load_resume(
                 f"resuming would change the run's definition ({listing}); leave these flags out, "
                 "or pass --allow-changes to continue with them"
             )
-        fixed = sorted(changes.keys() & _STATE_DEFINING)
+        fixed = sorted(name for name in changes if CONFIG_FIELDS[name].metadata["resume"] == "fixed")
         if fixed:
             raise SlipcacheError(
                 f"cannot change {', '.join(fixed)} when resuming, even with --allow-changes: "
@@ -173,12 +181,9 @@ def load_resume(
         if "epochs" in changes and "samples" not in changes:
             resumed.samples = None  # derive the budget from the new epoch count
     resumed.resume, resumed.progress, resumed.allow_changes = config.resume, config.progress, config.allow_changes
-    resumed.threads, resumed.huge_pages = config.threads, config.huge_pages  # this process's, not the run's
-    given = getattr(config, "given_fields", None) or ()
-    if "tensorboard" in given:  # where to report: free to change
-        resumed.tensorboard = config.tensorboard
-    if "storage_path" in given:  # where the rows live (kept from the run unless given): free to change
-        resumed.storage_path = config.storage_path
+    for name, f in CONFIG_FIELDS.items():  # how and where the run works (threads, paths): the run's unless given
+        if f.metadata["resume"] == "free" and name not in _THIS_INVOCATION and _given(config, name):
+            setattr(resumed, name, getattr(config, name))
     resumed.out = str(run_dir)
     return state, saved, resumed, {k: list(v) for k, v in changes.items()}
 
@@ -192,19 +197,31 @@ def fill_checkpoint_event(state: dict[str, Any], path: Path) -> None:
         last["bytes"] = path.stat().st_size
 
 
-def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
-    """Settings given for the resume that differ from the run's. Given means set on the command line or
-    in the config file (`make_config` records which), whatever the value; a TrainConfig built directly
-    has no such record, and then a value equal to the default counts as not given."""
+# Free settings that belong to this command, not to the run: the other free ones (threads, huge pages, where
+# the rows live, TensorBoard) are the run's until given again (a resume without --threads 1 stays on 1).
+_THIS_INVOCATION = ("resume", "out", "allow_changes", "progress")
+
+
+def _given(config: TrainConfig, name: str) -> bool:
+    """Whether `name` was set on the command line or in the config file (`make_config` records which),
+    whatever the value; a TrainConfig built directly has no such record: then a value other than the
+    default counts as given."""
     given = getattr(config, "given_fields", None)
-    defaults = TrainConfig()
+    if given is not None:
+        return name in given
+    return getattr(config, name) != getattr(_DEFAULTS, name)
+
+
+_DEFAULTS = TrainConfig()
+
+
+def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Settings given for the resume (`_given`) that differ from the run's."""
     changes = {}
-    for name in CONFIG_FIELDS:
+    for name, f in CONFIG_FIELDS.items():
+        if f.metadata["resume"] == "free" or not _given(config, name):  # free: where and how this process works
+            continue
         value, old = getattr(config, name), getattr(saved, name)
-        if name in _RUN_INDEPENDENT:
-            continue
-        if name not in given if given is not None else value == getattr(defaults, name):
-            continue
         if name == "data" and value is not None and old is not None:
             value = str(Path(value).expanduser().resolve())
         if value != old:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.errors import RunLockedError
+from slipcache.safe_files import open_fd
 
 LOCK_NAME = "run.lock"
 
@@ -94,7 +95,7 @@ def acquire(run_dir: Path, run_id: str) -> RunLock:
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "run_id": run_id,
           "directory": str(run_dir.resolve())}
     for _ in range(10):  # another process may remove the file between our open and our flock: retry
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_fd(path, os.O_RDWR | os.O_CREAT)  # a link there is refused: its target is never written
         flock_works = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -123,6 +124,23 @@ def acquire(run_dir: Path, run_id: str) -> RunLock:
         os.fsync(fd)
         return RunLock(path, fd, me)
     raise RunLockedError(f"run directory {run_dir}: could not take {LOCK_NAME} (it keeps being replaced)")
+
+
+def refuse_if_held(run_dir: Path) -> None:
+    """`RunLockedError` naming the holder when a live process holds `run_dir/run.lock` (for commands that
+    must not touch a run in use). Probing takes the lock for an instant: a run starting in that instant
+    is told the directory is in use, as if it had started a moment earlier than the probe."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # none, or a link: not a lock anyone holds
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise _refuse(Path(run_dir), _read(fd)) from None
+    finally:
+        os.close(fd)
 
 
 def _judge(run_dir: Path, previous: dict[str, Any], me: dict[str, Any], flock_works: bool) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.errors import SlipcacheError
+from slipcache.safe_files import ensure_dir
 from slipcache.training.callbacks import Callback
 
 if typing.TYPE_CHECKING:
@@ -116,7 +117,10 @@ def open_writer(setting: str | None, run_dir: Path) -> TensorBoardWriter | None:
     """None when not asked for; "" means `<run dir>/tensorboard`; a relative DIR lies in the run directory."""
     if setting is None:
         return None
-    return TensorBoardWriter(run_dir / (setting or "tensorboard"))
+    log_dir = run_dir / (setting or "tensorboard")
+    if log_dir.is_relative_to(run_dir):  # inside the run: no directory on the way is a link
+        ensure_dir(log_dir, inside=run_dir)
+    return TensorBoardWriter(log_dir)
 
 
 class TensorBoardLog(Callback):

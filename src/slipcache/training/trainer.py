@@ -30,17 +30,18 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from slipcache import _native
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.embedding.hostmem import set_huge_pages
 from slipcache.errors import SlipcacheError
-from slipcache.iostats import AnonPeak, disk_io
-from slipcache.memory import peak_rss_bytes, process_age_s
+from slipcache.iostats import AnonPeak
+from slipcache.memory import peak_rss_bytes
 from slipcache.model import DLRM
+from slipcache.progress import progress_bar
+from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
-from slipcache.training.backend import LocalBackend, RunBackend, embedding_optimizer
+from slipcache.training.backend import LocalBackend, RunBackend, dense_optimizer, embedding_optimizer
 from slipcache.training.backend import build_model as build_model  # re-exported: eval, export, tests
 from slipcache.training.config import TrainConfig
 from slipcache.training.config import make_config as make_config  # re-exported (bench_train, runner)
@@ -157,6 +158,7 @@ def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, A
             return _train_loop(run)
         finally:
             run.bar.close()
+            run.callbacks.close(run)
             if run.lock is not None:
                 run.lock.release()
     finally:
@@ -169,16 +171,15 @@ def _train_loop(run: Run) -> dict[str, Any]:
         batches = epoch_batches(run)
         for batch in batches:
             if run.startup_s is None:
-                run.startup_s = process_age_s()
-                started = disk_io()
-                run.startup_disk_read_bytes = None if started is None else started.read_bytes
+                run.mark_started()
             loss, logits = train_step(run, batch, batches)
             consumed_before = run.consumed
             last = record_step(run, batch, loss, logits, batches)
             eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
             if run.progress.samples % run.config.log_every == 0 or eval_due:
                 log_event(run, evaluate_now=eval_due)
-            if run.progress.samples % run.config.checkpoint_every == 0 and not last:
+            every = run.progress.samples % run.config.checkpoint_every == 0
+            if (run.callbacks.checkpoint_due(run) or every) and not last:  # due: time, or a signal
                 save_checkpoint(run)
             if last:
                 # A filtered (skipping) run's last epoch can end with trained + skipped just under the
@@ -188,8 +189,19 @@ def _train_loop(run: Run) -> dict[str, Any]:
             run.restart_clock()  # eval and checkpoints excluded
         else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
             end_epoch(run)
-    save_checkpoint(run)
+    if not _saved_here(run):  # resumed from its final checkpoint (killed before the end): not twice
+        save_checkpoint(run)
     return finish_run(run)
+
+
+def _saved_here(run: Run) -> bool:
+    """Whether the run's newest event is the checkpoint of where it stands (it resumed from that one);
+    then the summary reports that checkpoint."""
+    last = run.progress.events[-1] if run.progress.events else {}
+    if last.get("event") != "checkpoint" or last.get("samples") != run.progress.samples:
+        return False
+    run.last_checkpoint = {k: last.get(k) for k in ("samples", "bytes", "write_s")}
+    return True
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
@@ -200,19 +212,20 @@ def _crossed(before: int, after: int, every: int) -> bool:
 def start_run(config: TrainConfig, backend: RunBackend) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
     config.validate()
-    if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
-        torch.set_num_threads(config.threads)
-        _native.set_threads(_native.threads_for(config.threads))
-    if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
-        set_huge_pages(config.huge_pages)
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
     if config.resume is not None:
-        state, saved, config, changes = load_resume(config, backend)
+        state, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
         run_dir = Path(config.out or "")
     else:
         run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
+    if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
+        loops = _native.threads_for(config.threads)  # checked before anything changes
+        torch.set_num_threads(config.threads)
+        _native.set_threads(loops)
+    if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
+        set_huge_pages(config.huge_pages)
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
         config.data = str(resolve_data(config.data))
 
@@ -244,9 +257,6 @@ def _build_run(
 ) -> Run:
     """The model, optimizers, callbacks and state of a run whose directory this process holds."""
     dataset_dir = Path(config_dict["dataset"])
-    if backend.writes_files:
-        for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
-            ckpt.remove_partial_writes(directory)
     quality = data_quality(dataset)
     if quality is not None and quality["malformed_lines"]:
         warn(malformed_message(quality, config.data))
@@ -256,7 +266,7 @@ def _build_run(
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
     model = backend.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir)
-    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
+    dense_opt = dense_optimizer(config, model)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
     batches_per_epoch = dataset.splits["train"] // config.batch_size
@@ -283,10 +293,15 @@ def _build_run(
         check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(state, run)
         apply_settings(run)  # config.json is what runs (callbacks apply theirs in on_start)
+    if backend.writes_files:  # the checkpoint is restored: from here on the run changes its directory
+        refuse_link(run_dir / "checkpoints")  # everything written into it would land elsewhere
+        for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
+            ckpt.remove_partial_writes(directory)
     run.callbacks.on_start(run)
-    run.bar = tqdm(
+    run.bar = progress_bar(  # off a terminal: a plain line every 30 s
         total=run.budget,
         initial=run.progress.samples,
+        desc="train",
         unit=" samples",
         unit_scale=True,
         disable=not config.progress,
@@ -348,9 +363,8 @@ def lookahead_batches(config: TrainConfig) -> int:
     read-ahead's (`--lookahead` both); else 1 for the prefetch alone."""
     if config.embeddings != "cached":
         return 0
-    if config.policy in LOOKAHEAD_POLICIES or config.storage_path is not None:
-        return config.lookahead
-    return int(config.prefetch)
+    ahead = config.policy in LOOKAHEAD_POLICIES or config.storage_path is not None
+    return config.lookahead if ahead else int(config.prefetch)
 
 
 def _non_finite_loss(run: Run, loss_value: float) -> SlipcacheError:
@@ -462,8 +476,7 @@ def finish_run(run: Run) -> dict[str, Any]:
         "memory_ratio": float(memory["memory_ratio"]),
         "table_sizes": [int(n) for n in run.dataset.table_sizes],
         "startup_s": run.startup_s,
-        # The OS's peak resident set of this process so far: tables, data loading, evaluation, checkpoints;
-        # it counts resident pages of mapped files (--storage-path), which the peak of anonymous memory does not.
+        # The OS's peak resident set so far (mapped files' resident pages too), and of the process's own memory.
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_rss_anon_bytes": run.anon_peak.peak() if run.anon_peak is not None else None,
         # disk bytes of the training loop alone (the span of train_wall_s), and of the start-up before it

@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from slipcache.cli import add_progress_flag, image_file, seed_arg
 from slipcache.data.stats.compute import (
     DEFAULT_BUDGETS_MB,
     DEFAULT_CHUNK_ROWS,
@@ -18,6 +17,7 @@ from slipcache.data.stats.compute import (
 )
 from slipcache.data.stats.report import format_stats, plot_stats
 from slipcache.data.stats.signal import DEFAULT_SIGNAL_ROWS
+from slipcache.options import add_progress_flag, image_file, seed_arg
 
 
 def _positive_list(text: str) -> list[float]:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from slipcache.data.stats.counting import Histogram, TableCounter, size_biased_histogram
 from slipcache.data.stats.figures import (
@@ -22,6 +21,7 @@ from slipcache.data.stats.figures import (
 from slipcache.data.stats.signal import DEFAULT_SIGNAL_ROWS, lookup_share_by_count, signal_figures
 from slipcache.data.stats.sources import READ_ROWS, Chunk, Source, open_source, rechunk
 from slipcache.errors import InvalidInputError, SlipcacheError
+from slipcache.progress import progress_bar
 
 CRITEO_BIG_TABLES = (2, 3, 11, 15, 20)  # C3, C4, C12, C16, C21: the tables with millions of values
 NUM_BIG_TABLES = 5
@@ -98,7 +98,7 @@ def _scan(
     kept: list[Chunk] = []
     kept_rows = 0
     previous_top: list[np.ndarray | None] = []
-    with tqdm(total=total, unit="rows", unit_scale=True, desc="stats", disable=not progress) as bar:
+    with progress_bar(total=total, unit="rows", unit_scale=True, desc="stats", disable=not progress) as bar:
         for cats, dense, labels in rechunk(source.chunks(), chunk_rows, max_rows):
             n, num_tables = cats.shape
             if not counters:
@@ -147,7 +147,7 @@ def _scan(
             if labels is not None:
                 positives += float(labels.sum())
                 label_rows += n
-            if dense is not None:
+            if dense is not None and source.dense_nan_is_missing:
                 nan = np.isnan(dense).sum(axis=0)
                 dense_missing = nan if dense_missing is None else dense_missing + nan
                 dense_rows += n
@@ -339,7 +339,7 @@ def _recount(
     keys = [np.unique(reservoir[:, t]) for t in range(reservoir.shape[1])]
     totals = [np.zeros(len(k), dtype=np.int64) for k in keys]
     chunks = source.chunks(record=False)
-    with tqdm(unit="rows", unit_scale=True, desc="recount", disable=not progress) as bar:
+    with progress_bar(unit="rows", unit_scale=True, desc="recount", disable=not progress) as bar:
         for cats, _, _ in rechunk(chunks, chunk_rows, max_rows):
             for t, k in enumerate(keys):
                 values, counts = np.unique(cats[:, t], return_counts=True)

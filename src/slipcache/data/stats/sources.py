@@ -30,6 +30,7 @@ class Source:
     missing_value: int | None
     total_rows: int | None = None
     read_stats: ReadStats | None = None
+    dense_nan_is_missing: bool = True  # False for datasets: they store a missing dense feature as 0
 
 
 def _natural_key(path: Path) -> list[Any]:
@@ -87,7 +88,7 @@ def _dataset_source(path: Path, splits: Sequence[str] | None) -> Source:
                 end = min(start + READ_ROWS, len(split))
                 yield (
                     np.asarray(split.sparse[start:end], dtype=np.int64),
-                    None,
+                    np.asarray(split.dense[start:end], dtype=np.float32),
                     np.asarray(split.labels[start:end]),
                 )
 
@@ -98,9 +99,11 @@ def _dataset_source(path: Path, splits: Sequence[str] | None) -> Source:
         "generator": dataset.meta.get("generator"),
         "splits": {name: len(split) for name, split in arrays},
         "missing": missing_text,
-        "dense_missing": "not recorded (the dataset stores missing dense features as 0)",
+        "dense_missing": "not recorded (the dataset stores a missing dense feature as 0: the dense shapes "
+        "are of the stored values, log(1 + max(x, 0)), and a zero share counts the missing ones too)",
     }
-    return Source(chunks, info, None if missing is None else int(missing), sum(len(s) for _, s in arrays))
+    return Source(chunks, info, None if missing is None else int(missing), sum(len(s) for _, s in arrays),
+                  dense_nan_is_missing=False)
 
 
 def open_source(path: str | os.PathLike[str], splits: Sequence[str] | None = None) -> Source:

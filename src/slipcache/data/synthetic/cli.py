@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from slipcache.cli import add_progress_flag, float_in, seed_arg
 from slipcache.data.dataset import check_output_dir
 from slipcache.data.presets import parse_table_sizes
 from slipcache.data.synthetic.compare import COMPARE_ROWS, compare_with_real, format_comparison
@@ -17,6 +16,7 @@ from slipcache.data.synthetic.generate import (
 )
 from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, NEW_ENTITY_RATE
 from slipcache.errors import SlipcacheError
+from slipcache.options import add_progress_flag, float_in, seed_arg
 
 # Terabyte's vocabulary is about 8x Kaggle's; a larger scale only asks for tables no machine holds.
 MAX_SCALE = 8.0

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from slipcache.cache_dir import default_cache_root
 from slipcache.data.streaming import StreamingDatasetWriter, TorchRecWriter, torchrec_day_rows
@@ -28,11 +27,13 @@ from slipcache.data.synthetic.teacher import (
 from slipcache.data.synthetic.v2 import GeneratorV2
 from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, MISSING_ROW, NEW_ENTITY_RATE, GeneratorV3
 from slipcache.data.synthetic.v4 import GeneratorV4
+from slipcache.data.synthetic.v5 import GeneratorV5
 from slipcache.errors import SlipcacheError
+from slipcache.progress import progress_bar
 from slipcache.training.metrics import auc
 
-GENERATOR_VERSIONS = {"v4": 4, "v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
-DEFAULT_GENERATOR = "v4"
+GENERATOR_VERSIONS = {"v5": 5, "v4": 4, "v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
+DEFAULT_GENERATOR = "v5"
 LAYOUTS = ("slipcache", "torchrec")  # `synth --format`: our dataset files, or TorchRec's day files
 TEACHER_AUC_ROWS = 1 << 22  # test rows the teacher's AUC is computed on (bounds the memory it takes)
 DEFAULT_SAMPLES = 2_500_000  # 2M train + 250k val + 250k test with the default fractions
@@ -49,19 +50,20 @@ def make_generator(
     drift_rate: float = DRIFT_RATE,
     table_sizes: list[int] | None = None,
 ) -> Teacher:
-    """The (uncalibrated) generator `generator` ("v4", "v3" or "v2") of a dataset of `num_samples` rows; v3
-    and v4 also take explicit `table_sizes` (26, in column order) instead of a scale of Kaggle's."""
+    """The (uncalibrated) generator `generator` ("v5", "v4", "v3" or "v2") of a dataset of `num_samples` rows;
+    v3 and later also take explicit `table_sizes` (26, in column order) instead of a scale of Kaggle's."""
     if generator == "v2":
         if table_sizes is not None:
             raise SlipcacheError("--table-sizes needs generator v3 (v2 scales Kaggle's sizes only)")
         return GeneratorV2(scale, seed)
-    if generator not in ("v3", "v4"):
+    if generator not in ("v3", "v4", "v5"):
         raise SlipcacheError(f"generator must be one of {', '.join(GENERATOR_VERSIONS)}, got {generator!r}")
     if days < 1:
         raise SlipcacheError(f"days must be at least 1, got {days}")
     if not (0 <= new_entity_rate <= 1 and 0 <= drift_rate <= 1):
         raise SlipcacheError("new-entity and drift rates are shares of ranks per day, in [0, 1]")
-    return (GeneratorV4 if generator == "v4" else GeneratorV3)(
+    kind = {"v5": GeneratorV5, "v4": GeneratorV4, "v3": GeneratorV3}[generator]
+    return kind(
         scale,
         seed,
         num_samples=num_samples,
@@ -134,7 +136,7 @@ def generate_synthetic(
         writer: Any = TorchRecWriter(out_dir, days_rows)
     else:
         writer = StreamingDatasetWriter(out_dir, split_rows)
-    with writer, tqdm(total=num_samples, unit="rows", unit_scale=True, desc="synth", disable=not progress) as bar:
+    with writer, progress_bar(total=num_samples, unit="rows", unit_scale=True, desc="synth", disable=not progress) as bar:
         for chunk, start in enumerate(range(0, num_samples, CHUNK_ROWS)):
             end = min(start + CHUNK_ROWS, num_samples)
             rng = _chunk_rng(seed, chunk)

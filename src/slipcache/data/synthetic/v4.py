@@ -74,6 +74,7 @@ class GeneratorV4(GeneratorV3):
     missing group per user and the C3 -> C15, C11 -> C13 links (module docstring)."""
 
     variance_shares = VARIANCE_SHARES_V4
+    source_weight = SOURCE_WEIGHT
 
     def init_dense(self, rng: np.random.Generator) -> None:
         super().init_dense(rng)
@@ -87,7 +88,7 @@ class GeneratorV4(GeneratorV3):
             "site_from_user": SITE_FROM_USER,
             "user_missing_group": [f"C{t + 1}" for t in MISSING_GROUPS[USER_MISSING_GROUP][0]],
             "user_missing_noise": USER_MISSING_NOISE,
-            "source_weight": SOURCE_WEIGHT,
+            "source_weight": self.source_weight,
             "dense": {"zero": DENSE_ZERO, "median": DENSE_MEDIAN, "sigma": DENSE_SIGMA, "i2_negative": I2_NEGATIVE,
                       "weights": DENSE_WEIGHTS},
             "signal": "every entity",
@@ -131,7 +132,7 @@ class GeneratorV4(GeneratorV3):
         for name, rank in (("ad", ad_rank), ("site", site_rank)):
             keys[name], new[name], param = self.entity_keys_v4(name, rank, days)
             params.append(param)
-        weights += [SOURCE_WEIGHT["user"], SOURCE_WEIGHT["ad"], SOURCE_WEIGHT["site"]]
+        weights += [self.source_weight["user"], self.source_weight["ad"], self.source_weight["site"]]
         for i, (table, exponent) in enumerate(INDEPENDENT_EXPONENT.items(), len(ENTITY_ROOT)):
             rank = _zipf_rank(u[i], len(self.rank_to_row[table]), exponent)
             ids[:, table] = self.rank_to_row[table][rank]

@@ -1,0 +1,486 @@
+"""Studies that outlive a session: each arm x seed is one run directory, trained in a process of its own,
+and every finished run is appended to committed JSON (`docs/studies/<study>.json`).
+
+    python -m benchmarks.studies accuracy_at_scale --resume      # or slipstream_paper
+
+Why this shape: at the papers' sizes one study takes many CPU hours, longer than a working session on
+this kind of machine. So a run that finishes is recorded at once; a run cut off mid-way resumes from its
+last checkpoint (the trainer's `--resume`); `--resume` skips every finished run. All runs of one study
+run on the commit recorded when it started: when the checkout has moved on, the study's own commit is
+unpacked into the run root and the study continues from there, so every paired seed runs the same code.
+A new commit starts a new comparison only with `--restart`, which keeps the old file's runs out of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from slipcache.cache_dir import default_cache_root
+from slipcache.errors import SlipcacheError
+from slipcache.training.rundir import write_json
+
+REPO = Path(__file__).resolve().parent.parent
+STUDIES_DIR = REPO / "docs" / "studies"
+PINNED_ENV = "SLIPCACHE_STUDY_PINNED"  # set in a study re-run from its own commit's source
+FORMAT = "slipcache-study"
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    overrides: dict[str, Any]  # TrainConfig fields this arm sets on top of the study's
+    seeds: int
+
+
+@dataclass(frozen=True)
+class Study:
+    """A grid of arms over paired seeds (a seed fixes the data order and the initial rows)."""
+
+    name: str
+    description: str
+    data: dict[str, Any]  # synthetic dataset: generator, samples, scale (80/10/10 train/val/test)
+    common: dict[str, Any]  # TrainConfig fields every run shares
+    arms: tuple[Arm, ...]
+    comparisons: tuple[tuple[str, str], ...]  # (arm, vs): paired differences reported
+    metrics: tuple[str, ...] = ("test_auc", "test_logloss")
+    time_to_target: bool = False  # CPU time until validation AUC reaches the baseline's final - 0.001
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def run_values(self, arm: Arm, seed: int) -> dict[str, Any]:
+        return {
+            "synthetic_generator": self.data["generator"],
+            "synthetic_samples": self.data["samples"],
+            "synthetic_scale": self.data["scale"],
+            **self.common,
+            **arm.overrides,
+            "seed": seed,
+            "progress": False,
+            "threads": 1,
+        }
+
+    def runs(self) -> list[tuple[Arm, int]]:
+        """Seed-major: a session cut short leaves whole seeds of every arm, so the pairs it has are usable."""
+        return [
+            (arm, seed)
+            for seed in range(max(a.seeds for a in self.arms))
+            for arm in self.arms
+            if seed < arm.seeds
+        ]
+
+
+# The paper's DLRM on Criteo Kaggle (dim 16, bottom 512-256-64-16, top 512-256-1), one epoch in time order.
+KAGGLE_DLRM = {
+    "embedding_dim": 16,
+    "bottom_mlp": [512, 256, 64, 16],
+    "top_mlp": [512, 256, 1],
+    "batch_size": 512,
+    "lr": 0.3,
+    "epochs": 1,
+}
+
+ACCURACY_AT_SCALE = Study(
+    name="accuracy_at_scale",
+    description="low precision at the paper's scale: full Kaggle cardinalities (33,762,577 rows), dim 16, "
+    "one epoch over 10 M time-ordered rows, tested on 1.25 M",
+    data={"generator": "v5", "samples": 12_500_000, "scale": 1.0},
+    common={
+        **KAGGLE_DLRM,
+        "eval_every": 2_500_000,
+        "eval_samples": 250_000,
+        "checkpoint_every": 2_500_000,
+        "keep_checkpoints": 1,
+    },
+    arms=(
+        Arm("fp32", {"precision": "fp32", "policy": "none"}, 5),
+        Arm("int8-lru5", {"precision": "int8", "cache_size": 0.05, "policy": "lru"}, 5),
+        Arm("int4-lru1", {"precision": "int4", "cache_size": 0.01, "policy": "lru"}, 5),
+        Arm("fp16", {"precision": "fp16", "policy": "none"}, 3),
+        Arm("int8", {"precision": "int8", "policy": "none"}, 3),
+    ),
+    comparisons=(("fp16", "fp32"), ("int8", "fp32"), ("int8-lru5", "fp32"), ("int4-lru1", "fp32")),
+)
+
+# Slipstream's decisive test: at the authors' schedule (cold inputs first, batch 1024, lr 0.01, one epoch), do
+# stale inputs beat the same share skipped at random, and does freezing the stalest hot rows cost less than
+# freezing a random half? Hot rows by frequency (looked up by >= 1e-4 of the profiled inputs): at 1.6 M
+# rows no window inside one epoch gives the rarest row of a hot input 4 updates (it occurs once or twice in
+# the whole split), so the rule is applied to the 5th percentile of the hot inputs' rows, which gets about
+# 12 in a window of 25 % of the hot batches opened after 25 % of them.
+STALE_WINDOW = {
+    "stale_hot_set": "frequency",
+    "stale_hot_rate": 1e-4,
+    "stale_window_count": "hot",
+    "stale_window_start": 0.25,
+    "stale_window": 0.25,
+    "stale_target": 0.5,
+}
+SLIPSTREAM_PAPER = Study(
+    name="slipstream_paper",
+    description="Slipstream on its authors' schedule: cold inputs first, then hot; window after 25 % of the hot "
+    "batches for 25 % of them; D = 0.5; against random skipping and freezing",
+    data={"generator": "v5", "samples": 2_000_000, "scale": 0.05},
+    common={
+        **KAGGLE_DLRM,
+        "stale_preset": "paper",
+        "input_order": "cold_first",
+        "batch_size": 1024,
+        "lr": 0.01,
+        "precision": "fp32",
+        "policy": "none",
+        "eval_every": 80_000,
+        "eval_samples": None,
+        "checkpoint_every": 1 << 40,
+        **STALE_WINDOW,
+    },
+    arms=(
+        Arm("baseline", {}, 5),
+        Arm("stale", {"skip_rule": "stale"}, 5),
+        Arm("random", {"skip_rule": "random"}, 5),
+        Arm("freeze-stalest", {"freeze_rows": "stalest"}, 5),
+        Arm("freeze-random", {"freeze_rows": "random"}, 5),
+    ),
+    comparisons=(
+        ("stale", "random"),
+        ("stale", "baseline"),
+        ("random", "baseline"),
+        ("freeze-stalest", "baseline"),
+        ("freeze-random", "baseline"),
+        ("freeze-stalest", "freeze-random"),
+    ),
+    time_to_target=True,
+)
+
+STUDIES = {s.name: s for s in (ACCURACY_AT_SCALE, SLIPSTREAM_PAPER)}
+
+
+# ------------------------------------------------------------------------------------------ statistics
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def t_interval(diffs: list[float]) -> tuple[float, list[float] | None]:
+    """Mean and two-sided 95 % t interval of paired differences (None below two pairs)."""
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, None
+    half = T95.get(len(diffs) - 1, 1.96) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean, [mean - half, mean + half]
+
+
+def comparisons(study: Study, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """mean(arm - vs) over the seeds both arms finished, with its 95 % CI, per metric."""
+    by = {(r["arm"], r["seed"]): r for r in runs}
+    out = []
+    metrics = (*study.metrics, *(("cpu_s_to_target_ratio",) if study.time_to_target else ()))
+    for arm, vs in study.comparisons:
+        seeds = sorted({s for a, s in by if a == arm} & {s for a, s in by if a == vs})
+        for metric in metrics:
+            diffs = [
+                by[arm, s][metric] - by[vs, s][metric]
+                for s in seeds
+                if by[arm, s].get(metric) is not None and by[vs, s].get(metric) is not None
+            ]
+            if not diffs:
+                continue
+            mean, ci = t_interval(diffs)
+            out.append(
+                {"arm": arm, "vs": vs, "metric": metric, "n": len(diffs), "mean_diff": mean, "ci95": ci}
+            )
+    return out
+
+
+def time_to_target(curve: list[list[float]], target: float) -> float | None:
+    """CPU seconds of training until the first evaluation at or above `target` (None: never reached)."""
+    return next((cpu for cpu, _, auc in curve if auc >= target), None)
+
+
+def add_time_to_target(runs: list[dict[str, Any]], baseline: str = "baseline") -> None:
+    """Per run: CPU time to the paired baseline's final validation AUC - 0.001, and baseline's / this run's."""
+    base = {r["seed"]: r for r in runs if r["arm"] == baseline}
+    for run in runs:
+        ref = base.get(run["seed"])
+        if ref is None or not ref.get("curve") or not run.get("curve"):
+            continue
+        target = ref["curve"][-1][2] - 0.001
+        mine, theirs = time_to_target(run["curve"], target), time_to_target(ref["curve"], target)
+        run["cpu_s_to_target"] = mine
+        run["cpu_s_to_target_ratio"] = theirs / mine if mine and theirs else None
+
+
+# --------------------------------------------------------------------------------------------- records
+def git_commit(root: Path = REPO) -> tuple[str, bool]:
+    """(HEAD's commit, whether src/ or benchmarks/ differ from it)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], check=True, capture_output=True, text=True
+        ).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--", "src", "benchmarks").strip())
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SlipcacheError(f"the studies run from a git checkout of slipcache ({exc})") from exc
+    return commit, dirty
+
+
+def run_record(study: Study, arm: Arm, seed: int, run_dir: Path, child: dict[str, Any]) -> dict[str, Any]:
+    """One finished run as the study file keeps it."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stats = summary.get("embedding_stats") or {}
+    precision = study.run_values(arm, seed).get("precision", "int8")
+    hit = summary.get("cache_hit_rate")
+    staleness = summary.get("staleness") or {}
+    return {
+        "arm": arm.name,
+        "seed": seed,
+        "commit": child["commit"],
+        "run_dir": run_dir.name,
+        "test_auc": summary["auc"],
+        "test_logloss": summary["logloss"],
+        "hit_rate": hit,
+        # Lookups whose row is read from and written back to low-precision storage (not the fp32 cache).
+        "storage_update_share": None if precision == "fp32" else 1.0 - (hit or 0.0),
+        "embedding_bytes": summary["embedding_bytes"],
+        "memory_ratio": summary["memory_ratio"],
+        "samples_per_s": summary["samples_per_s"],
+        "train_samples": summary["train_samples"],
+        "cpu_s": summary["train_cpu_s"],
+        "run_cpu_s": child["cpu_s"],
+        "peak_rss_bytes": child["peak_rss_bytes"],
+        "skipped_fraction": summary.get("skipped_fraction"),
+        "staleness": staleness or None,
+        "overflow_rows": stats.get("overflow_rows"),
+        "curve": eval_curve(run_dir / "metrics.jsonl"),
+        "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def eval_curve(metrics: Path) -> list[list[float]]:
+    """[training CPU seconds, samples, validation AUC] at each evaluation."""
+    curve = []
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        event = json.loads(line) if line.strip() else {}
+        if event.get("val_auc") is not None and event.get("train_cpu_s") is not None:
+            curve.append([float(event["train_cpu_s"]), int(event.get("samples", 0)), float(event["val_auc"])])
+    return curve
+
+
+def empty_file(study: Study, commit: str) -> dict[str, Any]:
+    from slipcache.bench.machine import describe_machine
+    from slipcache.data.synthetic import synthetic_table_sizes
+
+    n = study.data["samples"]
+    test = int(round(n * 0.1))
+    return {
+        "format": FORMAT,
+        "study": study.name,
+        "description": study.description,
+        "command": f"python -m benchmarks.studies {study.name} --resume",
+        "commit": commit,
+        "machine": describe_machine(),
+        "date": datetime.now(UTC).date().isoformat(),
+        "data": {
+            "generator": study.data["generator"],
+            "table_rows": sum(synthetic_table_sizes(study.data["scale"])),
+            "scale": study.data["scale"],
+            "train_rows": n - 2 * test,
+            "val_rows": test,
+            "test_rows": test,
+            "epochs": study.common.get("epochs", 1),
+        },
+        "settings": study.common,
+        "arms": {a.name: {"overrides": a.overrides, "seeds": a.seeds} for a in study.arms},
+        "runs": [],
+        "comparisons": [],
+    }
+
+
+def update_file(path: Path, study: Study, record: dict[str, Any]) -> dict[str, Any]:
+    """Add (or replace) one run, recompute the comparisons, write atomically."""
+    results = json.loads(path.read_text())
+    results["runs"] = [r for r in results["runs"] if (r["arm"], r["seed"]) != (record["arm"], record["seed"])]
+    results["runs"].append(record)
+    results["runs"].sort(key=lambda r: (r["seed"], [a.name for a in study.arms].index(r["arm"])))
+    if study.time_to_target:
+        add_time_to_target(results["runs"])
+    results["comparisons"] = comparisons(study, results["runs"])
+    results["updated"] = datetime.now(UTC).isoformat(timespec="seconds")
+    write_json(path, results)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- running
+def run_one(
+    study: Study, arm: Arm, seed: int, run_dir: Path, source: Path, commit: str, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Train one arm x seed in a child process (its own peak memory and CPU time) on the study's commit,
+    unpacked at `source`, so later edits of the checkout never reach a run; resume it if cut off."""
+    values = study.run_values(arm, seed)
+    resuming = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    if not resuming and run_dir.exists():
+        shutil.rmtree(run_dir)  # started but never checkpointed: start over
+    spec = {"values": values, "out": str(run_dir), "resume": resuming}
+    code = (
+        "import json, resource, sys, time\n"
+        "from slipcache.training.config import make_config\n"
+        "from slipcache.training.trainer import TrainConfig, train\n"
+        "spec = json.loads(sys.argv[1])\n"
+        "cpu = time.process_time()\n"
+        "if spec['resume']:\n"
+        "    config = TrainConfig(resume=spec['out'], progress=False, threads=1)\n"
+        "else:\n"
+        "    config = make_config({}, {**spec['values'], 'out': spec['out']})  # as flags: presets apply\n"
+        "train(config)\n"
+        "print(json.dumps({'cpu_s': time.process_time() - cpu,"
+        " 'peak_rss_bytes': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))\n"
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(source / "src"), str(source)]),
+    }
+    log(f"{study.name}: {arm.name} seed {seed} {'resumes' if resuming else 'starts'} in {run_dir}")
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise SlipcacheError(
+            f"{arm.name} seed {seed} failed (exit {done.returncode}): {tail[0]}; its run "
+            f"directory {run_dir} is kept for a look, and --resume continues it"
+        )
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    child["commit"] = commit
+    record = run_record(study, arm, seed, run_dir, child)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 0.6-2.2 GB each at full size
+    (run_dir / "finished.json").write_text(json.dumps(record, indent=2) + "\n")
+    log(
+        f"{study.name}: {arm.name} seed {seed} done in {time.perf_counter() - start:.0f} s: test AUC "
+        f"{record['test_auc']:.4f}, {record['samples_per_s']:.0f} samples/s, peak {child['peak_rss_bytes'] / 2**30:.1f} GiB"
+    )
+    return record
+
+
+def pinned_source(commit: str, root: Path) -> Path:
+    """The study's commit unpacked under the run root (once), to continue the study on its own code."""
+    source = root / f"source-{commit[:12]}"
+    if not (source / "src" / "slipcache").is_dir():
+        tmp = root / f".source-{commit[:12]}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", commit], check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+        tmp.replace(source)
+    return source
+
+
+def run_study(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    study = STUDIES[args.name]
+    out_file = Path(args.json) if args.json else STUDIES_DIR / f"{study.name}.json"
+    root = Path(args.out) if args.out else default_cache_root() / "studies" / study.name
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        raise SlipcacheError(f"--out {root} must be a directory (not a link)")
+    root.mkdir(parents=True, exist_ok=True)
+    # Re-run from the study's unpacked commit (no git there): that commit is the one to record.
+    commit, dirty = (os.environ[PINNED_ENV], False) if os.environ.get(PINNED_ENV) else git_commit()
+    if out_file.is_file():
+        if not args.resume and not args.restart:
+            raise SlipcacheError(
+                f"{out_file} holds this study's runs: add --resume to continue it (or --restart "
+                "to begin a new comparison on this commit)"
+            )
+        pinned = json.loads(out_file.read_text()).get("commit")
+        if args.restart:
+            out_file.unlink()
+        elif pinned != commit and os.environ.get(PINNED_ENV) != pinned:
+            source = pinned_source(pinned, root)
+            log(
+                f"{study.name}: the study runs on its commit {pinned[:12]} (this checkout is at {commit[:12]}); "
+                f"continuing from {source}"
+            )
+            argv = [
+                sys.executable,
+                "-m",
+                "benchmarks.studies",
+                study.name,
+                "--resume",
+                "--json",
+                str(out_file.resolve()),
+                "--out",
+                str(root.resolve()),
+            ] + (["--max-runs", str(args.max_runs)] if args.max_runs else [])
+            env = {
+                **os.environ,
+                PINNED_ENV: pinned,
+                "PYTHONPATH": os.pathsep.join([str(source / "src"), str(source)]),
+            }
+            return subprocess.run(argv, cwd=source, env=env).returncode
+        else:
+            commit = pinned
+    if not out_file.is_file():
+        if dirty:
+            raise SlipcacheError(
+                "src/ or benchmarks/ has uncommitted changes: commit them first, so every run "
+                "records the code it ran"
+            )
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        write_json(out_file, empty_file(study, commit))
+    results = json.loads(out_file.read_text())
+    done = {(r["arm"], r["seed"]) for r in results["runs"]}
+    todo = [(arm, seed) for arm, seed in study.runs() if (arm.name, seed) not in done]
+    log(f"{study.name}: {len(done)} runs finished, {len(todo)} to go; runs in {root}, results in {out_file}")
+    if todo:
+        prepare_data(study, log)
+        source = pinned_source(commit, root)
+    for arm, seed in todo[: args.max_runs] if args.max_runs else todo:
+        record = run_one(study, arm, seed, root / f"{arm.name}-s{seed}", source, commit, log)
+        results = update_file(out_file, study, record)
+        for c in results["comparisons"]:
+            if c["arm"] == arm.name and c["metric"] == "test_auc":
+                ci = "" if c["ci95"] is None else f" [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]"
+                log(f"  {c['arm']} - {c['vs']}: AUC {c['mean_diff']:+.4f}{ci} over {c['n']} seeds")
+    return 0
+
+
+def prepare_data(study: Study, log: Callable[[str], None]) -> None:
+    """Generate the synthetic dataset before the first run, so no run's time includes it."""
+    from slipcache.data.synthetic import default_synthetic_path
+
+    log(
+        f"{study.name}: data: generator {study.data['generator']}, {study.data['samples']:,} rows, scale "
+        f"{study.data['scale']:g} (generated once into the cache)"
+    )
+    default_synthetic_path(
+        None, study.data["samples"], study.data["scale"], 0, generator=study.data["generator"]
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the study: finished runs are skipped, a run cut off resumes from its checkpoint",
+    )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="begin a new comparison on this commit (the study file's earlier runs are dropped)",
+    )
+    parser.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
+    parser.add_argument("--json", default=None, help="the study file (default docs/studies/<study>.json)")

@@ -1,0 +1,92 @@
+"""Writing the files of a run directory without ever writing through a symbolic link.
+
+A run directory can come from someone else (copied, unpacked, shared). If its `metrics.jsonl` were a link
+to `~/.bashrc`, opening it to write would truncate `~/.bashrc`. So every file a run writes is either
+replaced atomically (a new file under a temporary name, renamed over the old name: a link there is
+replaced by a regular file and its target is never opened) or opened with `O_NOFOLLOW` (a link is
+refused in one line). A directory the run writes into (`checkpoints/`, a step of N processes, ...) must not
+be a link either: refused in one line, since everything written into it would land elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from pathlib import Path
+from typing import TextIO
+
+from slipcache.errors import SlipcacheError
+
+
+class LinkRefusedError(SlipcacheError):
+    """A file or directory the run would write is a symbolic link."""
+
+
+def _refusal(path: Path, kind: str = "file") -> LinkRefusedError:
+    try:
+        target = f" (to {os.readlink(path)})"
+    except OSError:
+        target = ""
+    return LinkRefusedError(
+        f"{path} is a symbolic link{target}; slipcache never writes a run's {kind} through a link: "
+        "remove the link (or copy the run with its links resolved) and run again"
+    )
+
+
+def refuse_link(path: Path, kind: str = "directory") -> None:
+    """One line when `path` is a symbolic link (a missing path is fine)."""
+    if Path(path).is_symlink():
+        raise _refusal(Path(path), kind)
+
+
+def ensure_dir(path: Path, *, inside: Path | None = None) -> Path:
+    """Create directory `path` (parents too) and refuse it, or any directory between `inside` and it, when
+    it is a symbolic link: what is written into it must stay where it seems to be."""
+    path = Path(path)
+    base = inside if inside is not None and path.is_relative_to(inside) else path.parent
+    chain = [path, *(p for p in path.parents if p.is_relative_to(base) and p != base)]
+    for directory in chain:
+        refuse_link(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    for directory in chain:  # created by someone else meanwhile: checked again
+        refuse_link(directory)
+    return path
+
+
+def open_fd(path: Path, flags: int, mode: int = 0o644) -> int:
+    """`os.open` that never follows a link at `path` (the link is refused in one line)."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or Path(path).is_symlink():
+            raise _refusal(Path(path)) from None
+        raise
+
+
+def open_append(path: Path, buffering: int = -1) -> TextIO:
+    """A text file opened to append, created if missing; a link is refused."""
+    fd = open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    return open(fd, "a", buffering=buffering)  # noqa: SIM115 - the caller closes it
+
+
+def write_atomic(path: Path, data: str | bytes, *, durable: bool = False) -> None:
+    """Replace `path` with `data` at once: written under `.<name>.tmp` (created new: never an existing file
+    or link) and renamed over `path`, so a reader never sees half a file and a link at `path` is replaced,
+    its target untouched. `durable`: fsync before the rename (a crash leaves the old or the new file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # ours, left by a killed process (or a planted link: removed, never followed)
+    fd = open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

@@ -1,0 +1,68 @@
+"""`--lr-schedule mlperf`: the learning-rate schedule of the MLPerf DLRM reference, for the MLPs and the tables.
+
+The rate rises linearly from 0 over the warm-up steps, holds, then from the decay start falls as the square of
+the remaining share of the decay steps, to a floor of LR_FLOOR x the base rate, where it stays. Step counts
+not given follow the run's length as the reference's do its own: warm-up over the first 4 % of the steps,
+decay from 75 % to the end. The factor depends on the step alone, so a resumed run follows the same curve.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from slipcache.training.callbacks import Callback
+
+if typing.TYPE_CHECKING:
+    from slipcache.training.run import Run
+
+LR_SCHEDULES = ("constant", "mlperf")
+LR_FLOOR = 1e-4  # the decayed rate never reaches 0: the tail still trains a little
+WARMUP_SHARE, DECAY_START_SHARE = 0.04, 0.75
+
+
+def lr_factor(step: int, warmup: int, decay_start: int, decay_steps: int) -> float:
+    """The multiplier of the base rate at (0-based) `step`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if decay_steps > 0 and step >= decay_start:
+        left = max(0, decay_start + decay_steps - step) / decay_steps
+        return max(LR_FLOOR, left * left)
+    return 1.0
+
+
+def schedule_steps(config: Any, total_steps: int) -> tuple[int, int, int]:
+    """(warm-up, decay start, decay steps) of a run of `total_steps`: the given ones, else the shares."""
+    warmup = config.lr_warmup_steps if config.lr_warmup_steps is not None else round(WARMUP_SHARE * total_steps)
+    start = config.lr_decay_start if config.lr_decay_start is not None else round(DECAY_START_SHARE * total_steps)
+    steps = config.lr_decay_steps if config.lr_decay_steps is not None else max(0, total_steps - start)
+    return warmup, start, steps
+
+
+class LRSchedule(Callback):
+    """Sets every learning rate of the run (MLP optimizer, tables, a table optimizer) before each step."""
+
+    def __init__(self, run: Run) -> None:
+        total_steps = run.budget // run.config.batch_size
+        self.steps = schedule_steps(run.config, total_steps)
+        self.dense_lr = run.config.dense_lr or run.config.lr
+        self.lr = run.config.lr
+
+    def on_start(self, run: Run) -> None:
+        self._apply(run, run.progress.step)  # after a resume too: the rates the checkpoint's step had
+
+    def after_step(self, run: Run, batch: Any, logits: Any, loss: float) -> None:
+        self._apply(run, run.progress.step + 1)  # the step that just ran is not counted yet
+
+    def _apply(self, run: Run, step: int) -> None:
+        factor = lr_factor(step, *self.steps)
+        for group in run.dense_opt.param_groups:
+            group["lr"] = self.dense_lr * factor
+        if hasattr(run.model.embeddings, "lr"):
+            run.model.embeddings.lr = self.lr * factor
+        for group in run.emb_opt.param_groups if run.emb_opt is not None else []:
+            group["lr"] = self.lr * factor
+
+    def summary_fields(self, run: Run) -> dict[str, Any]:
+        warmup, start, steps = self.steps
+        return {"lr_schedule": {"warmup_steps": warmup, "decay_start": start, "decay_steps": steps}}

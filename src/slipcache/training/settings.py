@@ -1,0 +1,116 @@
+"""How a setting is described, once: `_flag` puts its flag (help, choices, spelling), its group, what a resume
+may do with it (`resume=`) and the parts' fields it sets (`sets=`) in its dataclass field's metadata. The
+flags (`training/flags.py`), the resume check (`training/rundir.py`) and the parts' configs (`part_options`)
+are built from that metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import field
+from typing import Any
+
+from slipcache.embedding.config import EmbeddingConfig
+from slipcache.errors import SlipcacheError
+from slipcache.model import ModelConfig
+from slipcache.staleness.config import StalenessConfig
+
+# What a resume may do with a setting: "fixed": the checkpoint's state depends on it (data, shapes,
+# storage, shuffling): never changed; "changeable": changed with --allow-changes, and recorded; "free":
+# where and how this process works and reports, not what it computes: may differ, unrecorded.
+RESUME = ("fixed", "changeable", "free")
+# Groups of `slipcache train --help`, in order.
+GROUPS = {
+    "run": "run directory",
+    "data": "data",
+    "embeddings": "embedding tables",
+    "model": "model",
+    "schedule": "schedule and reports",
+    "process": "this process",
+    "skipping": "stale-input skipping (docs/skipping.md)",
+}
+# The parts a setting configures (`sets="part.field"`); a setting that names one takes its default.
+PARTS: dict[str, type] = {"embedding": EmbeddingConfig, "model": ModelConfig, "staleness": StalenessConfig}
+_INHERIT: Any = object()  # the default of the first part's field the setting sets
+
+
+def _part_default(target: str, scale: float) -> tuple[Any, Any]:
+    """(default, factory) of the part's field `target` ("part.field"), in the setting's unit."""
+    part, name = target.split(".")
+    f = next(f for f in dataclasses.fields(PARTS[part]) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return None, f.default_factory
+    return (f.default if scale == 1 else f.default / scale), None
+
+
+def flag(default: Any = _INHERIT, help: str = "", *, resume: str, group: str, sets: str | tuple[str, ...] = (),
+          scale: float = 1, factory: Any = None, **meta: Any) -> Any:
+    """A setting: a `slipcache train` flag when it has a `help`, else set by config files (or --quick) only.
+
+    `resume`: one of RESUME; `group`: one of GROUPS; `sets`: the parts' fields it sets ("part.field"), the
+    value times `scale`; the default is the first of them's unless given. Flag keys in `meta`: `flag` (the
+    option strings when not `--field-name`), `choices`, `metavar`, `type`, `nargs`/`const`, `default_text`
+    (the default in words when the value says nothing); `doc`: what a file-only setting means."""
+    if resume not in RESUME or group not in GROUPS:
+        raise ValueError(f"resume must be one of {RESUME} and group one of {tuple(GROUPS)}")
+    targets = (sets,) if isinstance(sets, str) else tuple(sets)
+    if default is _INHERIT:
+        default, factory = _part_default(targets[0], scale)
+    metadata = {"resume": resume, "group": group, "sets": targets, "scale": scale, **meta}
+    if help:
+        metadata["help"] = help
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def part_options(config: Any, fields: dict[str, dataclasses.Field], part: str) -> dict[str, Any]:
+    """The settings of `config` (its `fields`) that set fields of `part` (one of PARTS), as {part's field:
+    value}; a scaled setting gives a whole number of the part's unit."""
+    options = {}
+    for name, f in fields.items():
+        for target in f.metadata["sets"]:
+            owner, key = target.split(".")
+            if owner == part:
+                value, scale = getattr(config, name), f.metadata["scale"]
+                options[key] = value if scale == 1 or value is None else int(value * scale)
+    return options
+
+
+def coerce(name: str, kind: Any, value: Any) -> Any:
+    """Check a config-file value against the setting's type `kind` (ints are accepted where floats are)."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(kind):
+            return None
+        options = [a for a in typing.get_args(kind) if a is not type(None)]
+        if isinstance(value, list):  # `str | list[str]`: one value or one per table
+            listed = [a for a in options if typing.get_origin(a) is list]
+            element = typing.get_args(listed[0])[0] if listed else None
+            if element is not None and value and all(_matches(element, v) for v in value):
+                return [float(v) if element is float else int(v) if element is int else v for v in value]
+        kind = options[0]
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typing.get_origin(kind) is list:
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return list(value)
+    elif kind is bool and isinstance(value, bool):
+        return value
+    elif kind is int and is_number and float(value).is_integer():
+        return int(value)  # also 1e6 written as a float
+    elif kind is float and is_number:
+        return float(value)
+    elif kind is str and isinstance(value, str):
+        return value
+    raise SlipcacheError(f"{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+def _matches(kind: type, value: Any) -> bool:
+    """Whether a config-file list element fits `kind` (ints are accepted where floats are)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float:
+        return number
+    if kind is int:
+        return number and float(value).is_integer()
+    return isinstance(value, kind)

@@ -1,0 +1,103 @@
+"""Studies that outlive a session: one run directory per arm x seed, finished runs skipped on --resume,
+each finished run appended to the study file with paired comparisons and their t intervals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import long_studies
+from benchmarks.long_studies import Arm, Study
+from slipcache.errors import SlipcacheError
+
+TINY = Study(
+    name="tiny",
+    description="two arms, two seeds, a few thousand rows",
+    data={"generator": "v5", "samples": 6000, "scale": 0.001},
+    common={"batch_size": 256, "epochs": 1, "eval_every": 2400, "eval_samples": None,
+            "bottom_mlp": [16, 8], "top_mlp": [16, 1], "embedding_dim": 8},
+    arms=(Arm("fp32", {"precision": "fp32", "policy": "none"}, 2),
+          Arm("int8", {"precision": "int8", "policy": "none"}, 2)),
+    comparisons=(("int8", "fp32"),),
+)
+
+
+def test_t_interval_is_the_two_sided_95_percent_interval() -> None:
+    mean, ci = long_studies.t_interval([0.001, 0.003, 0.002])
+    half = 4.303 * 0.001 / math.sqrt(3)  # t(2) * sd / sqrt(n)
+    assert mean == pytest.approx(0.002) and ci == pytest.approx([0.002 - half, 0.002 + half])
+    assert long_studies.t_interval([0.5]) == (0.5, None)
+
+
+def test_comparisons_pair_by_seed_and_skip_unpaired_runs() -> None:
+    runs = [{"arm": a, "seed": s, "test_auc": auc, "test_logloss": 0.5}
+            for a, s, auc in (("fp32", 0, 0.70), ("int8", 0, 0.69), ("fp32", 1, 0.80), ("int8", 1, 0.78),
+                              ("int8", 2, 0.10))]
+    auc = next(c for c in long_studies.comparisons(TINY, runs) if c["metric"] == "test_auc")
+    assert auc["n"] == 2 and auc["mean_diff"] == pytest.approx(-0.015)  # seed 2 has no fp32 partner
+
+
+def test_time_to_target_reads_the_baselines_final_auc() -> None:
+    runs = [{"arm": "baseline", "seed": 0, "curve": [[10.0, 1, 0.70], [20.0, 2, 0.75]]},
+            {"arm": "stale", "seed": 0, "curve": [[5.0, 1, 0.749], [8.0, 2, 0.76]]}]
+    long_studies.add_time_to_target(runs)
+    assert runs[1]["cpu_s_to_target"] == 5.0 and runs[1]["cpu_s_to_target_ratio"] == pytest.approx(4.0)
+    assert runs[0]["cpu_s_to_target_ratio"] == 1.0
+
+
+def test_study_runs_each_arm_and_seed_once_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(long_studies.STUDIES, "tiny", TINY)
+    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(long_studies, "git_commit", lambda: ("c0ffee" * 6 + "abcd", False))
+    monkeypatch.setattr(long_studies, "pinned_source", lambda commit, root: long_studies.REPO)
+    out, root = tmp_path / "tiny.json", tmp_path / "runs"
+    args = argparse.Namespace(name="tiny", json=str(out), out=str(root), resume=False, restart=False, max_runs=3)
+    lines: list[str] = []
+    assert long_studies.run_study(args, lines.append) == 0
+    results = json.loads(out.read_text())
+    assert [(r["arm"], r["seed"]) for r in results["runs"]] == [("fp32", 0), ("int8", 0), ("fp32", 1)]
+    assert results["data"]["train_rows"] == 4800 and results["data"]["test_rows"] == 600
+    for run in results["runs"]:
+        assert 0.0 < run["test_auc"] < 1.0 and run["commit"].startswith("c0ffee") and run["peak_rss_bytes"] > 0
+        assert len(run["curve"]) >= 2 and not (root / run["run_dir"] / "checkpoints").exists()
+    assert results["runs"][1]["storage_update_share"] == 1.0 and results["runs"][0]["storage_update_share"] is None
+    with pytest.raises(SlipcacheError, match="--resume"):
+        long_studies.run_study(args, lines.append)
+    # A run cut off before its first checkpoint starts over; the finished ones are not run again.
+    (root / "int8-s1").mkdir()
+    args.resume, args.max_runs = True, None
+    lines.clear()
+    assert long_studies.run_study(args, lines.append) == 0
+    assert lines[0].startswith("tiny: 3 runs finished, 1 to go")
+    results = json.loads(out.read_text())
+    assert len(results["runs"]) == 4
+    [auc] = [c for c in results["comparisons"] if c["metric"] == "test_auc"]
+    diffs = [next(r["test_auc"] for r in results["runs"] if (r["arm"], r["seed"]) == ("int8", s))
+             - next(r["test_auc"] for r in results["runs"] if (r["arm"], r["seed"]) == ("fp32", s)) for s in (0, 1)]
+    assert auc["n"] == 2 and auc["mean_diff"] == pytest.approx(sum(diffs) / 2) and auc["ci95"][0] <= auc["mean_diff"]
+    shutil.rmtree(root)
+
+
+def test_a_moved_checkout_continues_on_the_studys_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When HEAD is not the study's commit, the study re-runs itself from that commit's unpacked source."""
+    out = tmp_path / "tiny.json"
+    out.write_text(json.dumps({"commit": "a" * 40, "runs": []}))
+    monkeypatch.setitem(long_studies.STUDIES, "tiny", TINY)
+    monkeypatch.delenv(long_studies.PINNED_ENV, raising=False)
+    monkeypatch.setattr(long_studies, "git_commit", lambda: ("b" * 40, False))
+    monkeypatch.setattr(long_studies, "pinned_source", lambda commit, root: tmp_path / f"source-{commit[:12]}")
+    calls = []
+    monkeypatch.setattr(long_studies.subprocess, "run",
+                        lambda argv, cwd, env: calls.append((argv, cwd, env)) or argparse.Namespace(returncode=0))
+    args = argparse.Namespace(name="tiny", json=str(out), out=str(tmp_path / "runs"), resume=True, restart=False,
+                              max_runs=None)
+    assert long_studies.run_study(args, lambda line: None) == 0
+    [(argv, cwd, env)] = calls
+    assert cwd == tmp_path / "source-aaaaaaaaaaaa" and env[long_studies.PINNED_ENV] == "a" * 40
+    assert argv[2:5] == ["benchmarks.studies", "tiny", "--resume"] and str(out.resolve()) in argv
+    assert env["PYTHONPATH"].startswith(str(tmp_path / "source-aaaaaaaaaaaa" / "src"))
