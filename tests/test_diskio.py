@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipcache import iostats
+from slipcache import iostats, memory
 from slipcache.embedding import hostmem
 from slipcache.embedding.quant import RowStorage
 from slipcache.embedding.readahead import DiskReadahead, row_pages
@@ -22,21 +22,10 @@ LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") els
 LINUX = pytest.mark.skipif(LIBC is None, reason="mincore, msync and MADV_PAGEOUT as Linux has them")
 
 
-def _filesystem(path: Path) -> str:
-    """The file system type holding `path` (the longest mount point above it in /proc/self/mountinfo)."""
-    best, kind = "", ""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        mount, fstype = fields[4], fields[fields.index("-") + 1]
-        if str(path.resolve()).startswith(mount) and len(mount) >= len(best):
-            best, kind = mount, fstype
-    return kind
-
-
 @pytest.fixture
 def on_disk(tmp_path: Path) -> Path:
     """A directory on a block device: tmpfs and overlays in memory read and write no disk bytes."""
-    if _filesystem(tmp_path) in ("tmpfs", "ramfs", "overlay", ""):
+    if memory.filesystem_type(tmp_path) in ("tmpfs", "ramfs", "overlay", None):
         pytest.skip("the temporary directory is not on a disk")
     return tmp_path
 
@@ -173,3 +162,22 @@ def test_bench_disk_reports_the_rates_and_leaves_nothing(on_disk: Path, capsys: 
         assert all(read >= 32 * PAGE for read in result["read_bytes_per_measurement"])
     assert "random reads, asked at once" in capsys.readouterr().out
     assert list(scratch.iterdir()) == []
+
+
+def test_a_storage_path_on_a_network_file_system_is_warned_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slipcache.embedding.config import EmbeddingConfig
+
+    config = EmbeddingConfig([1000], dim=16, precision="int4", cache_size=0.1, storage_path=str(tmp_path / "rows"))
+    memory.require_storage_room(config, "train")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(memory, "filesystem_type", lambda path: "nfs4")
+    memory.require_storage_room(config, "train")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "network file system (nfs4)" in err and str(tmp_path / "rows") in err
+
+
+@pytest.mark.skipif(not Path("/proc/self/mountinfo").exists(), reason="no /proc/self/mountinfo")
+def test_filesystem_type_names_the_root() -> None:
+    assert memory.filesystem_type(Path("/")) and memory.filesystem_type(Path("/proc/self")) == "proc"
