@@ -4,6 +4,12 @@
     python examples/torchrec_dlrm.py --data DIR --steps 200  # any dataset `slipcache train --data` reads
     python examples/torchrec_dlrm.py --data DIR --table-sizes 100000  # hashed ids: rows per table
 
+Sharded by TorchRec's DistributedModelParallel, checkpointed with torch.distributed.checkpoint and resumed
+on another number of processes (`--steps` is the total: the resumed run trains steps N+1..M):
+
+    torchrun --nproc-per-node 2 examples/torchrec_dlrm.py --dmp --steps N --checkpoint-dir DIR
+    python examples/torchrec_dlrm.py --dmp --steps M --resume DIR
+
 Needs the torchrec extra (see the README, "Using slipcache with TorchRec"). The only change to a TorchRec
 training script: the `EmbeddingBagCollection` becomes a `KeyedCachedEmbeddingBagCollection` built from the
 same `EmbeddingBagConfig`s, and the optimizer gets `model.parameters()` (the dense ones): the tables update
@@ -90,6 +96,67 @@ def train(model: DLRM, batches, lr: float = 0.5) -> list[float]:
     return losses
 
 
+def train_dmp(args: argparse.Namespace, table_sizes: list[int]) -> None:
+    """DMP over the processes torchrun started (or this one alone), from a checkpoint if `--resume`; each
+    rank trains its slice of every global batch; ends with the line `step M loss X` (the global batch's)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import Topology
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollectionSharder, slipcache_planner
+
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:  # one process: a group of one
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch_size % world:
+        raise SystemExit(f"torchrec_dlrm.py: error: --batch-size must be a multiple of the {world} processes")
+    model = build(table_sizes, args.dim, precision=args.precision, cache_size=0.05, lr=0.5)
+    sharders = [KeyedCachedEmbeddingBagCollectionSharder()]
+    plan = slipcache_planner(Topology(world_size=world, compute_device="cpu")).collective_plan(
+        model, sharders, dist.group.WORLD
+    )
+    model = DistributedModelParallel(model, device=torch.device("cpu"), sharders=sharders, plan=plan)
+    optimizer = torch.optim.SGD(dict(in_backward_optimizer_filter(model.named_parameters())).values(), lr=0.5)
+    state = {"model": model.state_dict(), "step": torch.zeros((), dtype=torch.int64)}
+    if args.resume:
+        dcp.load(state, checkpoint_id=args.resume)
+        model.load_state_dict(state["model"])
+    start = int(state["step"])
+    feature_names = [f"cat_{t}" for t in range(len(table_sizes))]
+    mine = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
+    loss = torch.zeros(())
+    for step, (dense, ids, labels) in enumerate(
+        synthetic_batches(table_sizes, args.batch_size, args.steps), 1
+    ):
+        if step <= start:
+            continue  # the batches the checkpointed run trained on
+        logits = model(dense[mine], sparse_to_kjt(ids[mine], feature_names)).squeeze(1)
+        loss = F.binary_cross_entropy_with_logits(logits, labels[mine])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        model.fused_optimizer.step()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    if args.checkpoint_dir:
+        dcp.save(
+            {"model": model.state_dict(), "step": torch.tensor(args.steps)}, checkpoint_id=args.checkpoint_dir
+        )
+    if rank == 0:
+        print(f"step {args.steps} loss {float(loss) / world:.6f}")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", help="dataset directory (default: synthetic batches)")
@@ -103,8 +170,22 @@ def main() -> None:
         help="rows per table (one for all, or 26): ids are taken modulo them, as TorchRec's hashing does; "
         "default: the data's own counts, else max id + 1",
     )
+    parser.add_argument(
+        "--dmp", action="store_true", help="shard the tables with TorchRec's DistributedModelParallel"
+    )
+    parser.add_argument(
+        "--checkpoint-dir", help="with --dmp: save a torch.distributed.checkpoint here at the end"
+    )
+    parser.add_argument(
+        "--resume", help="with --dmp: continue from this checkpoint (any number of processes)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.dmp:
+        if args.data:
+            raise SystemExit("torchrec_dlrm.py: error: --dmp trains on synthetic batches (no --data)")
+        train_dmp(args, [1000, 500, 20000] + [100] * 23)
+        return
     if args.data:
         table_sizes = open_data(args.data, args.table_sizes, args.dim, args.precision).table_sizes
         batches = dataset_batches(args.data, args.batch_size, args.steps, args.table_sizes)

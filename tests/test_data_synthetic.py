@@ -91,7 +91,7 @@ def test_power_law_popularity(small: tuple[Path, dict]) -> None:
 def test_deterministic_per_seed(tmp_path: Path) -> None:
     def arrays(path: Path) -> list[np.ndarray]:
         ds = CriteoDataset(path)
-        return [np.asarray(a) for name in ds.splits for a in vars(ds.split(name)).values()]
+        return [np.asarray(a) for name in ds.splits for a in (ds.split(name).labels, ds.split(name).dense, ds.split(name).sparse)]
 
     metas = [
         generate_synthetic(tmp_path / name, num_samples=5000, scale=0.001, seed=seed, progress=False)

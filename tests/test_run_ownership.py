@@ -151,6 +151,7 @@ CHANGED = {  # every setting a resume may change (--allow-changes), and a new va
     "stale_warmup_epoch": 0, "stale_warmup_min": 0.2, "stale_warmup_tol": 0.01, "stale_decision": "epoch",
     "stale_keep": 0.1, "stale_reweight": True, "stale_weight_max": 5.0, "wire_precision": "bf16",
     "autocast": "bf16", "lr_schedule": "mlperf", "lr_warmup_steps": 0, "lr_decay_start": 5, "lr_decay_steps": 0,
+    "stale_threshold_sample": 0.02, "stale_window_start": 0.9, "stale_window_start_max": 5,
 }  # fmt: skip
 SKIPPING = dict(skip_stale=True, stale_window=0.1, stale_guard_every=4, stale_target=0.5, stale_warmup="none",
                 stale_warmup_min=0.0, stale_min_updates=2, embeddings="cached", precision="fp32")

@@ -1,4 +1,4 @@
-"""The skip rules beside Slipstream's: the random control, loss pruning, the paper preset's hot set."""
+"""The skip rules beside Slipstream's: the random control, loss pruning, the paper preset."""
 
 from __future__ import annotations
 
@@ -219,13 +219,15 @@ def test_time_ordered_data_goes_through_time_in_the_first_epoch_only(
     assert seen == expected
 
 
-def test_paper_preset_trains_with_the_frequency_hot_set_and_no_guard(data_dir: Path, tmp_path: Path) -> None:
-    """The paper preset end to end: FAE's frequency hot set, one threshold per window, no controls."""
+def test_paper_preset_trains_on_the_authors_schedule(data_dir: Path, tmp_path: Path) -> None:
+    """The paper preset end to end: FAE's budget hot set, cold inputs first, the window on the hot batches,
+    one threshold per window, no controls."""
     config = tiny_config(data_dir, tmp_path / "run", skip_rule="stale", stale_preset="paper", stale_target=0.5,
-                         stale_window=0.1, stale_hot_rate=0.01)
+                         stale_window=0.1, stale_hot_share=0.65)
     summary = train.train(config)
     block = summary["staleness"]
-    assert config.stale_hot_set == "frequency" and not config.stale_guard and config.stale_keep == 0.0
+    assert config.stale_hot_set == "budget" and not config.stale_guard and config.stale_keep == 0.0
     assert block["rule"] == "paper" and block["control_inputs"] == 0 and not block["guard_checks"]
-    assert block["warm_at"]["reason"] == "no warm-up" and block["hot_rows"] > 0
+    assert block["order"] == "cold_first" and block["hot_rows"] > 0
+    assert block["warm_at"]["batch"] == block["window_start_batch"]  # the window opened where the plan says
     assert block["rechecks"] == 0 and block["threshold_refits"] == 0  # one decision per window

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slipcache.errors import SlipcacheError
+from slipcache.units import amount
 
 if TYPE_CHECKING:
     from slipcache.embedding.config import EmbeddingConfig
@@ -168,13 +169,6 @@ def require_storage_room(config: EmbeddingConfig, what: str) -> int:
         )
     return in_files
 
-
-def amount(n: float) -> str:
-    """Bytes in the unit that shows them (a tiny filesystem's "0.0 GB free" said nothing)."""
-    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} bytes"
 
 
 def filesystem_type(path: Path) -> str | None:

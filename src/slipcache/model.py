@@ -120,6 +120,15 @@ class TorchEmbeddingBagCollection(nn.Module):
             out[mask] = self.bags[t].weight[rows[mask] - self.table_offsets[t]]
         return out
 
+    @torch.no_grad()
+    def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the fp32 values of unique global rows (a feature that holds rows fixed: freezing)."""
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        tables = torch.searchsorted(self.table_offsets, rows, right=True) - 1
+        for t in tables.unique().tolist():
+            mask = tables == t
+            self.bags[t].weight[rows[mask] - self.table_offsets[t]] = values[mask].to(torch.float32)
+
     def stats(self) -> dict[str, Any]:
         """Same keys as the cached collection; there is no cache, so its figures are zero."""
         lookups = int(self._lookups.sum())

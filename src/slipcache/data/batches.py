@@ -94,6 +94,9 @@ class BatchIterator:
     consuming them; `lookahead` keeps that many assembled ahead after each step. `stop` reads only the
     split's first `stop` rows. `part=(rank, world_size)` reads only that rank's slice of every batch
     (`slice_bounds`; see the module doc); a sample filter still reads the ids of every row it decides on.
+    `groups` (one small integer per row of the split) makes the epoch visit the rows of the lowest group
+    first, then the next, each group in the epoch's order (FAE's cold inputs before the hot ones); batches
+    are cut from that sequence, so one batch may span two groups.
 
     Counters: `samples_seen` counts samples in yielded batches, `samples_dropped` those the filter
     removed before them (the filter's drops after the last batch are added when the epoch ends);
@@ -117,6 +120,7 @@ class BatchIterator:
         in_order: bool = False,
         stop: int | None = None,
         part: tuple[int, int] | None = None,
+        groups: np.ndarray | None = None,
     ) -> None:
         if batch_size < 1:
             raise SlipcacheError(f"batch size must be at least 1, got {batch_size}")
@@ -138,11 +142,16 @@ class BatchIterator:
         self.rows = len(split) if stop is None else max(0, min(len(split), stop))
         starts = np.arange(0, self.rows, self.chunk_size, dtype=np.int64)
         self._chunks = [(int(s), int(min(s + self.chunk_size, self.rows))) for s in starts]
+        if groups is not None and np.shape(groups) != (len(split),):
+            raise SlipcacheError(f"groups must hold one value per row of the split ({len(split)}), got {np.shape(groups)}")
+        self.groups = groups
+        passes = [None] if groups is None else [int(g) for g in np.flatnonzero(np.bincount(groups[: self.rows]))]
         if shuffle and not in_order:
             order = np.random.default_rng([seed, epoch]).permutation(len(self._chunks))
             self._order = [int(i) for i in order]
         else:
             self._order = list(range(len(self._chunks)))
+        self._visits = [(group, chunk) for group in passes for chunk in self._order]  # (group, chunk) in order
         self.samples_seen = 0
         self.samples_dropped = 0
         self.batch_index = 0
@@ -191,13 +200,21 @@ class BatchIterator:
             self._buffer.append(item)
 
     # ------------------------------------------------------------------------------------- reading
-    def _positions(self, chunk: int) -> np.ndarray:
-        """The split positions of one chunk, in the epoch's order."""
+    def _positions(self, visit: tuple[int | None, int]) -> np.ndarray:
+        """The split positions of one visit (a group's rows of a chunk), in the epoch's order."""
+        group, chunk = visit
         start, end = self._chunks[chunk]
         positions = np.arange(start, end, dtype=np.int64)
         if self.shuffle:
             positions = positions[np.random.default_rng([self.seed, self.epoch, chunk]).permutation(end - start)]
+        if group is not None:
+            positions = positions[self.groups[positions] == group]  # type: ignore[index]
         return positions
+
+    def _visit_size(self, visit: tuple[int | None, int]) -> int:
+        group, chunk = visit
+        start, end = self._chunks[chunk]
+        return end - start if group is None else int(np.count_nonzero(self.groups[start:end] == group))  # type: ignore[index]
 
     def _take(self, column: typing.Any, positions: np.ndarray) -> np.ndarray:
         """Rows of a column at `positions`, in their order. Positions that fill a contiguous range (a whole
@@ -264,7 +281,7 @@ class BatchIterator:
         skip = start_batch
         if self.sample_filter is None and start_batch > 0:
             # Without a filter batch i is samples [i*B, (i+1)*B) of the epoch's order: jump straight there.
-            sizes = np.array([self._chunks[c][1] - self._chunks[c][0] for c in self._order], dtype=np.int64)
+            sizes = np.array([self._visit_size(v) for v in self._visits], dtype=np.int64)
             position = min(start_batch * self.batch_size, int(sizes.sum()))
             ends = np.cumsum(sizes)
             first_chunk = int(np.searchsorted(ends, position, side="right"))
@@ -276,8 +293,8 @@ class BatchIterator:
         carry: np.ndarray | None = None  # positions of the rows that fill no batch yet
         carry_ids: np.ndarray | None = None  # their ids, when the filter read them
         dropped = 0
-        for chunk in self._order[first_chunk:]:
-            positions = self._positions(chunk)[offset:]
+        for visit in self._visits[first_chunk:]:
+            positions = self._positions(visit)[offset:]
             offset = 0
             # Filter a batch-sized piece at a time, as late as possible: a stateful filter (stale-input
             # skipping) then decides with its state as of the batches consumed so far.

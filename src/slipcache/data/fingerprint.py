@@ -16,11 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from slipcache.data.sampled import sampled_digest
 from slipcache.errors import SlipcacheError
 
 VERSION = 1
-BLOCKS = 16
-BLOCK_BYTES = 4096
 
 
 def data_files(dataset: Any) -> list[Path]:
@@ -35,18 +34,6 @@ def data_files(dataset: Any) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_file() and p.suffix in (".npy", ".npz"))
 
 
-def _sampled_digest(path: Path, size: int) -> str:
-    """sha256 of BLOCKS blocks spread over the file (the whole file when it is smaller)."""
-    sha = hashlib.sha256()
-    span = max(size - BLOCK_BYTES, 0)
-    offsets = sorted({span * i // (BLOCKS - 1) for i in range(BLOCKS)})
-    with open(path, "rb") as f:
-        for offset in offsets:
-            f.seek(offset)
-            sha.update(f.read(BLOCK_BYTES))
-    return sha.hexdigest()
-
-
 def fingerprint(dataset: Any) -> dict[str, Any]:
     """{"version", "bytes", "splits", "table_sizes", "digest"}: equal digests mean the same data (as far as
     sampling sees)."""
@@ -58,7 +45,7 @@ def fingerprint(dataset: Any) -> dict[str, Any]:
         for path in data_files(dataset):
             size = path.stat().st_size
             total += size
-            sha.update(f"\n{path.name} {size} {_sampled_digest(path, size)}".encode())
+            sha.update(f"\n{path.name} {size} {sampled_digest(path, size)}".encode())
     except OSError as exc:
         raise SlipcacheError(f"cannot read the dataset to fingerprint it: {exc.strerror or exc}: {exc.filename}") from exc
     return {

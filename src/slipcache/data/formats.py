@@ -54,6 +54,7 @@ from slipcache.data.mapped import (
     npz_members,
 )
 from slipcache.data.preprocess import dense_transform
+from slipcache.data.sampled import sampled_digest
 from slipcache.errors import SlipcacheError
 
 FORMATS = ("torchrec", "dlrm", "mlperf")
@@ -295,9 +296,7 @@ def _read_counts(layout: Layout) -> list[int] | None:
 def _files_key(files: Sequence[Path], *extra: str) -> str:
     """What the cache's records of these files are keyed by: each file's path, size, time and sampled
     content (a file rewritten in place with its time kept gets another key, as far as sampling sees)."""
-    from slipcache.data.fingerprint import _sampled_digest
-
-    parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}:{_sampled_digest(p, p.stat().st_size)}" for p in files]
+    parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}:{sampled_digest(p, p.stat().st_size)}" for p in files]
     return hashlib.sha256("\n".join([*parts, *extra]).encode()).hexdigest()[:16]
 
 

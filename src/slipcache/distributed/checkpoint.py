@@ -118,33 +118,47 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
         raise SlipcacheError(f"cannot read {step_dir / MANIFEST}: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise SlipcacheError(f"{step_dir / MANIFEST} is not a slipcache sharded checkpoint manifest")
-    _check_manifest(manifest, step_dir / MANIFEST)
+    _check_files(manifest, step_dir / MANIFEST)
     for name, size in manifest["files"].items():
         file = step_dir / name
         if not file.is_file() or file.stat().st_size != size:
             raise SlipcacheError(
                 f"checkpoint {step_dir}: {name} is missing or not the size the manifest records"
             )
+    _check_plan(manifest, step_dir / MANIFEST)
     return manifest
 
 
-def _check_manifest(manifest: dict[str, Any], path: Path) -> None:
-    """Each field a resume reads, before it is used: one line naming the first malformed one."""
+def _malformed(manifest: dict[str, Any], path: Path, field: str, problem: str) -> SlipcacheError:
+    return SlipcacheError(f"checkpoint manifest {path} is malformed: {field} {problem}, got {manifest.get(field)!r:.60}")
+
+
+def _check_files(manifest: dict[str, Any], path: Path) -> None:
+    """The processes and their files, before any file is looked at: one line naming the malformed field."""
 
     def bad(field: str, problem: str) -> SlipcacheError:
-        return SlipcacheError(f"checkpoint manifest {path} is malformed: {field} {problem}, got {manifest.get(field)!r:.60}")
+        return _malformed(manifest, path, field, problem)
 
     world = manifest.get("world_size")
     if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
         raise bad("world_size", f"must be a number of processes in [1, {MAX_WORLD_SIZE}]")
-    if type(manifest.get("samples")) is not int or manifest["samples"] < 0:
-        raise bad("samples", "must be a non-negative integer")
     files = manifest.get("files")
     expected = {rank_file(path.parent, r).name for r in range(world)}
     if not isinstance(files, dict) or set(files) != expected:
         raise bad("files", f"must name {', '.join(sorted(expected)[:3])}{', ...' if world > 3 else ''} (one file per rank)")
     if not all(type(size) is int and size >= 0 for size in files.values()):
         raise bad("files", "must give each file's size in bytes")
+
+
+def _check_plan(manifest: dict[str, Any], path: Path) -> None:
+    """What a resume reads besides the files: the position and the sharding plan."""
+
+    def bad(field: str, problem: str) -> SlipcacheError:
+        return _malformed(manifest, path, field, problem)
+
+    if type(manifest.get("samples")) is not int or manifest["samples"] < 0:
+        raise bad("samples", "must be a non-negative integer")
+    world = manifest["world_size"]
     try:
         plan = ShardingPlan.from_dict(manifest["plan"])
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:

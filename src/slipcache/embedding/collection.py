@@ -7,7 +7,7 @@ vectorized operations whatever the number of tables. A training step:
 2. missing rows are read from storage (dequantized) into free or victim slots; victims are rounded
    back into storage first; rows that find no slot (more misses than evictable ways) are served
    straight from storage and updated there in fp32, then rounded back;
-3. backward applies the optimizer update itself (SGD, Adagrad or row-wise Adagrad): cached rows in
+3. backward applies the optimizer update itself (SGD, Adagrad, row-wise Adagrad or Adam): cached rows in
    fp32 in the cache, the others in storage.
 
 The collection wires parts that each own one thing: `RowStorage` the quantized rows (and its version),
@@ -358,6 +358,19 @@ class CachedEmbeddingBagCollection(nn.Module):
             chunk = slice(start, start + _INIT_CHUNK_ROWS)
             self.writer.write(rows[chunk], self.cache.weights[slots[chunk]])
 
+    def write_rows(self, rows: Tensor, values: Tensor) -> None:
+        """Set fp32 `values` [n, D] of unique global `rows`: cached rows in the cache, the others rounded to
+        nearest into storage. For a feature that holds rows fixed (freezing); counts no traffic."""
+        self.prefetcher.join()
+        rows = self.inputs.check_rows(rows, "write_rows")
+        values = values.to(self.device, torch.float32)
+        slots = self.cache.lookup(rows)
+        hit = slots >= 0
+        if bool(hit.any()):
+            self.cache.weights[slots[hit]] = values[hit]
+        if not bool(hit.all()):
+            self.storage.write(rows[~hit], values[~hit], "nearest", None)
+
     def release_rows(self, rows: Tensor) -> int:
         """Write cached `rows` back and free their slots (e.g. rows found stale); returns how many.
 
@@ -413,6 +426,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         return {
             "step": self.step,
             "skipped_updates": self.skipped_updates,
+            "optimizer_steps": self.optimizer.steps,
             "lr": self.lr,
             "generator": self.writer.generator.get_state() if self.writer.generator is not None else None,
             "prefetch_generator": (
@@ -433,6 +447,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise InvalidInputError(f"embedding state does not match this collection ({details})")
         self.planner.step = state["step"]
         self.optimizer.skipped_updates = state.get("skipped_updates", 0)
+        self.optimizer.steps = state.get("optimizer_steps", 0)
         self.planner.forget()
         self.optimizer.forget()
         # Plans made before the load locate their rows again: the cache and storage bumped their versions.

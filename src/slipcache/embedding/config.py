@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 FLOAT32_MAX = 3.4028234663852886e38  # the fused optimizer computes in fp32: a larger lr would be inf
 POOLINGS = ("sum", "mean")
 @dataclass
@@ -29,7 +29,13 @@ class EmbeddingConfig:
     rounding: str = "stochastic"
     optimizer: str = "sgd"
     lr: float = 0.1
-    eps: float = 1e-8  # Adagrad denominator term
+    eps: float = 1e-8  # Adagrad's and Adam's denominator term
+    # Adam's decay rates of the gradient's first and second moments (its state: both, per value)
+    beta1: float = 0.9
+    beta2: float = 0.999
+    # L2 weight decay: each updated row's gradient gains weight_decay * row (rows a step does not touch
+    # are left alone, as in TorchRec's fused tables). 0: none.
+    weight_decay: float = 0.0
     # Clip each step's embedding gradient to this L2 norm, as torch.nn.utils.clip_grad_norm_ would over the
     # tables alone (that function cannot see these rows: they are updated inside backward). None: no clipping.
     max_grad_norm: float | None = None
@@ -90,6 +96,11 @@ class EmbeddingConfig:
             raise ValueError(f"lr must be a positive number within fp32's range (<= {FLOAT32_MAX:.4g}), got {self.lr}")
         if not 0 < self.eps < math.inf:
             raise ValueError(f"eps (Adagrad's denominator term) must be a positive finite number, got {self.eps}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} (Adam's moment decay) must be in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.ways <= 0:
             raise ValueError(f"ways must be positive, got {self.ways}")
         if isinstance(self.lfu_halving_interval, bool) or not isinstance(self.lfu_halving_interval, int) or (

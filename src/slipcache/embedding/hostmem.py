@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from slipcache.errors import SlipcacheError
-from slipcache.memory import amount
+from slipcache.units import amount
 
 HUGE_PAGE = 2 << 20
 HUGE_PAGE_MODES = ("off", "on", "auto")  # `--huge-pages` and $SLIPCACHE_HUGE_PAGES

@@ -1,13 +1,15 @@
 """Refuse to train a full copy of the tables per process in a multi-process job (DMP, DDP, FSDP, ...).
 
 The collection updates its rows itself in backward, on the process that ran the step: no wrapper's
-gradient all-reduce sees these tables. TorchRec's `DistributedModelParallel` has no sharder for it and
-leaves a full copy on every rank; DDP, FSDP and hand-written wrappers replicate it the same way: the
-ranks' tables would drift apart silently. Which wrapper is around the collection cannot be told reliably
-(a stack walk misses FSDP and custom wrappers), so the rule is about the job instead: a collection that
-trains while `torch.distributed` runs more than one process must be one rank's shards of slipcache's own
-sharded path (`slipcache.distributed`, started by `torchrun ... slipcache train`; marked
-`sharded_by_slipcache`), or be marked as an independent replica on purpose (`allow_independent_replicas`).
+gradient all-reduce sees these tables. TorchRec's `DistributedModelParallel` without our sharder
+(`slipcache.interop.torchrec.KeyedCachedEmbeddingBagCollectionSharder`) leaves a full copy on every
+rank; DDP, FSDP and hand-written wrappers replicate it the same way: the ranks' tables would drift apart
+silently. Which wrapper is around the collection cannot be told reliably (a stack walk misses FSDP and
+custom wrappers), so the rule is about the job instead: a collection that trains while
+`torch.distributed` runs more than one process must be one rank's shards of slipcache's own sharded path
+(`slipcache.distributed`, started by `torchrun ... slipcache train`) or of our TorchRec sharder (both mark
+them `sharded_by_slipcache`), or be marked as an independent replica on purpose
+(`allow_independent_replicas`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ Module = TypeVar("Module", bound=nn.Module)
 
 REFUSAL = (
     "CachedEmbeddingBagCollection is training in a job of {world} processes without being sharded over "
-    "them: under DistributedModelParallel, DDP, FSDP or any wrapper every process would train its own full "
-    "copy of the tables and the copies would diverge; train on many processes with "
-    "`torchrun --nproc-per-node N --no-python slipcache train ...`, which shards the tables itself, or call "
+    "them: under DistributedModelParallel without our sharder, DDP, FSDP or any wrapper every process would "
+    "train its own full copy of the tables and the copies would diverge; shard them with "
+    "DistributedModelParallel(model, sharders=[KeyedCachedEmbeddingBagCollectionSharder()]) "
+    "(slipcache.interop.torchrec), train with `torchrun --nproc-per-node N --no-python slipcache train ...`, which shards the tables itself, or call "
     "slipcache.embedding.replicas.allow_independent_replicas(model) if every process trains its own tables "
     "on purpose (docs/scaling.md)"
 )

@@ -1,5 +1,5 @@
 """The fused optimizer of `CachedEmbeddingBagCollection`: gradients collected as backward runs, then one
-SGD, Adagrad or row-wise Adagrad step per row, applied where the row lives (cache slot in fp32, or storage:
+SGD, Adagrad, row-wise Adagrad or Adam step per row (with optional L2 weight decay), applied where the row lives (cache slot in fp32, or storage:
 read, updated in fp32, rounded back).
 """
 
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 class FusedOptimizer:
     """The optimizer update, run once at the end of each backward pass, over the given cache and storage.
 
-    Owns the learning rate, the optimizer state (`state`: Adagrad's squared-gradient sums, None for SGD),
-    the count of skipped updates and the gradients of the running backward pass: they are applied together
+    Owns the learning rate, the optimizer state (`state`: Adagrad's squared-gradient sums, Adam's two
+    moments side by side, None for SGD), the count of steps taken (Adam's bias correction), of skipped updates and the gradients of the running backward pass: they are applied together
     when the pass ends, so a row read several times in one step takes one step.
     """
 
@@ -46,6 +46,7 @@ class FusedOptimizer:
         self.lr = config.lr
         self.dim = config.dim
         self.skipped_updates = 0  # backward passes whose gradient held inf or NaN (update dropped)
+        self.steps = 0  # updates applied (Adam's bias correction counts them)
         # With mixed precision, set to the torch.amp.GradScaler that scales the loss: the update then
         # divides by its current scale (and, like scaler.step, skips a step whose gradient is not finite).
         self.grad_scaler: Any = None
@@ -53,12 +54,15 @@ class FusedOptimizer:
         self._pending_task = -1  # the autograd graph task they belong to
 
     @staticmethod
+    def state_row_shape(optimizer: str, dim: int) -> tuple[int, ...] | None:
+        """The optimizer state of one row: per value (Adagrad), two per value (Adam), one (row-wise), None."""
+        return {"sgd": None, "adagrad": (dim,), "rowwise_adagrad": (), "adam": (2 * dim,)}[optimizer]
+
+    @staticmethod
     def new_state(config: EmbeddingConfig, device: torch.device) -> Tensor | None:
-        """The optimizer's zero state for `config`'s rows: per value (Adagrad), per row (row-wise), or None."""
-        shape = {"sgd": None, "adagrad": (config.num_rows, config.dim), "rowwise_adagrad": (config.num_rows,)}[
-            config.optimizer
-        ]
-        return None if shape is None else host_zeros(shape, torch.float32, device)
+        """The optimizer's zero state for `config`'s rows (fp32), or None for SGD."""
+        shape = FusedOptimizer.state_row_shape(config.optimizer, config.dim)
+        return None if shape is None else host_zeros((config.num_rows, *shape), torch.float32, device)
 
     @property
     def device(self) -> torch.device:
@@ -96,6 +100,7 @@ class FusedOptimizer:
         if not all(_finite(grad) for _, grad in entries):
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return
+        self.steps += 1
         factor = self._gradient_factor(entries)
         if factor != 1.0:
             entries = [(plan, grad * factor) for plan, grad in entries]
@@ -129,6 +134,7 @@ class FusedOptimizer:
         weights = self.cache.weights
         if (
             self.config.optimizer != "sgd"
+            or self.config.weight_decay
             or (scaler is not None and scaler.is_enabled())
             or self.config.max_grad_norm is not None
             or plan.residency_version != self.cache.version
@@ -141,6 +147,7 @@ class FusedOptimizer:
         if not applied:
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return True
+        self.steps += 1
         if not finite:
             self._fit_cached(plan.slots)
         if plan.storage_rows.numel():
@@ -162,7 +169,7 @@ class FusedOptimizer:
 
     def _update_cached(self, parts: list[tuple[Tensor, Tensor]]) -> None:
         weights = self.cache.weights
-        if self.config.optimizer == "sgd":
+        if self.config.optimizer == "sgd" and not self.config.weight_decay:
             for slots, grad in parts:  # SGD is linear: one scatter per part equals the summed step
                 if not slots.numel():
                     continue
@@ -186,7 +193,7 @@ class FusedOptimizer:
             unique_slots, inverse = torch.unique(slots, return_inverse=True)
         summed = self._sum_rows(inverse, grad, unique_slots.numel())
         rows = self.cache.slot_rows[unique_slots].long()
-        if not self._adagrad_apply(weights, unique_slots, rows, summed):
+        if not self._apply_rows(weights, unique_slots, rows, summed):
             self._fit_cached(unique_slots)
 
     def _fit_cached(self, slots: Tensor) -> None:
@@ -213,12 +220,11 @@ class FusedOptimizer:
             grad = torch.cat([p[3] for p in parts])
             values = self.storage.read(rows, self.device)
         summed = self._sum_rows(index, grad, rows.numel())
-        if self.config.optimizer == "sgd":
-            updated = values.add_(summed, alpha=-self.lr)
+        if self.config.optimizer == "sgd" and not self.config.weight_decay:
+            values.add_(summed, alpha=-self.lr)
         else:
-            self._adagrad_apply(values, None, rows, summed)  # the writer fits what it stores
-            updated = values
-        self.writer.write(rows, updated)
+            self._apply_rows(values, None, rows, summed)  # the writer fits what it stores
+        self.writer.write(rows, values)
 
     def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
         """Rows of `values` summed by `index` into [count, D]."""
@@ -228,6 +234,37 @@ class FusedOptimizer:
         else:
             summed.index_put_((index,), values, accumulate=True)
         return summed
+
+    def _apply_rows(self, target: Tensor, slots: Tensor | None, rows: Tensor, grad: Tensor) -> bool:
+        """The optimizer's step of unique `rows` (gradient summed per row, weight decay added) in place on
+        `target`'s rows at `slots` (row i of `target` when None). Returns False after an overflow at `slots`."""
+        if self.config.weight_decay:
+            current = target if slots is None else target.index_select(0, slots)
+            grad = grad + self.config.weight_decay * current
+        if self.config.optimizer == "sgd":
+            step = grad * -self.lr
+        elif self.config.optimizer == "adam":
+            step = self._adam_step(rows, grad)
+        else:
+            return self._adagrad_apply(target, slots, rows, grad)
+        if slots is None:
+            target.add_(step)
+            return True
+        target.index_add_(0, slots, step)
+        return _finite(target.index_select(0, slots))
+
+    def _adam_step(self, rows: Tensor, grad: Tensor) -> Tensor:
+        """Adam's moments of unique `rows` updated (rows a step does not touch keep theirs) and the update
+        to add, bias-corrected by the number of steps taken."""
+        state_rows = rows.to(self.state.device)
+        beta1, beta2 = self.config.beta1, self.config.beta2
+        moments = self.state[state_rows].to(self.device)
+        first = moments[:, : self.dim].mul_(beta1).add_(grad, alpha=1 - beta1)
+        second = moments[:, self.dim :].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        self.state[state_rows] = moments.to(self.state.device)
+        first_hat = first / (1 - beta1**self.steps)
+        second_hat = second / (1 - beta2**self.steps)
+        return first_hat / (second_hat.sqrt() + self.config.eps) * -self.lr
 
     def _adagrad_apply(self, target: Tensor, slots: Tensor | None, rows: Tensor, grad: Tensor) -> bool:
         """Adagrad's step of unique `rows` (gradient summed per row) added in place to `target`'s rows at

@@ -1,320 +1,52 @@
-"""TorchRec interop: our cached, low-precision tables where a TorchRec `EmbeddingBagCollection` goes.
+"""slipcache's tables in TorchRec: the names a TorchRec user imports.
 
-`KeyedCachedEmbeddingBagCollection` is built from TorchRec `EmbeddingBagConfig`s, takes a
-`KeyedJaggedTensor` and returns a `KeyedTensor`, and answers `embedding_bag_configs()` and `is_weighted()`,
-so TorchRec models (`torchrec.models.dlrm.DLRM`, `SparseArch`) accept it in place of theirs. TorchRec's
-training tables are fp32/fp16 only (pytorch/torchrec#1180, #2264); these are INT8/INT4 behind an fp32
-cache and update themselves in backward (no optimizer over them: give the model's `parameters()`, which
-are the dense ones, to a torch optimizer).
+- `KeyedCachedEmbeddingBagCollection` (`keyed.py`): our cached low-precision tables where TorchRec's
+  `EmbeddingBagCollection` goes (KJT in, KeyedTensor out);
+- `KeyedCachedEmbeddingBagCollectionSharder` (`torchrec_sharding.py`): shards them under TorchRec's
+  `DistributedModelParallel` (table-wise, column-wise);
+- `slipcache_planner`, `SlipcacheStorageEstimator` (`torchrec_planner.py`): TorchRec's planner, costing
+  these tables by what they hold.
 
-Tables of one embedding dim and pooling share one `CachedEmbeddingBagCollection` (`collections[g]`); tables
-of several dims or poolings get one each, and their outputs are concatenated in TorchRec's key order.
-Only the collections' public API is used (forward, export_tables, load_tables, stats, memory_report).
-
-torchrec is optional (`pip install 'slipcache[torchrec]'`): it is imported only when a KJT is converted or a
-KeyedTensor built, and only its public classes are used.
+torchrec is optional (`pip install 'slipcache[torchrec]'`): the sharder and planner names import it when
+first used; the collection imports it only to convert a KJT or build a KeyedTensor.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Sequence
 from typing import Any
 
-import torch
-import torch.fx
-from torch import Tensor, nn
-
-from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig, SparseFeatures
-from slipcache.errors import InvalidInputError, SlipcacheError
-
-INSTALL_HINT = (
-    "pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 (see README: Using slipcache with TorchRec)"
+from slipcache.interop.keyed import (
+    INSTALL_HINT,
+    KeyedCachedEmbeddingBagCollection,
+    import_torchrec,
+    keyed_tensor,
+    keyed_tensor_of,
+    kjt_to_sparse,
+    sparse_to_kjt,
 )
 
-
-def import_torchrec() -> Any:
-    """The torchrec module, or a one-line error saying how to install it."""
-    try:
-        import torchrec
-    except ImportError as exc:
-        raise SlipcacheError(f"torchrec is not installed: {INSTALL_HINT}") from exc
-    return torchrec
-
-
-def _pooling_name(pooling: Any) -> str:
-    name = str(getattr(pooling, "value", pooling)).lower()
-    if name not in ("sum", "mean"):
-        raise SlipcacheError(f"pooling {name!r} is not supported (sum or mean)")
-    return name
+# The sharder and planner names (`__getattr__` below) derive from torchrec's classes: imported on first use.
+__all__ = [
+    "INSTALL_HINT",
+    "KeyedCachedEmbeddingBagCollection",
+    "import_torchrec",
+    "keyed_tensor",
+    "keyed_tensor_of",
+    "kjt_to_sparse",
+    "sparse_to_kjt",
+]
 
 
-def config_from_torchrec(
-    tables: Sequence[Any], **options: Any
-) -> tuple[EmbeddingConfig, list[str], list[int]]:
-    """Our `EmbeddingConfig` for TorchRec `EmbeddingBagConfig`s of one dim and pooling, with each feature
-    and its table. `options` are `EmbeddingConfig` fields (precision, cache_size, policy, optimizer, lr, ...).
-    """
-    if not tables:
-        raise SlipcacheError("no tables: give at least one EmbeddingBagConfig")
-    dims = {int(t.embedding_dim) for t in tables}
-    if len(dims) != 1:
-        raise SlipcacheError(f"tables must share one embedding_dim, got {sorted(dims)}")
-    poolings = {_pooling_name(t.pooling) for t in tables}
-    if len(poolings) != 1:
-        raise SlipcacheError(f"tables must share one pooling, got {sorted(poolings)}")
-    feature_names = [f for t in tables for f in t.feature_names]
-    feature_tables = [i for i, t in enumerate(tables) for _ in t.feature_names]
-    if len(set(feature_names)) != len(feature_names):
-        raise SlipcacheError(f"a feature is named twice: {feature_names}")
-    config = EmbeddingConfig(
-        table_sizes=[int(t.num_embeddings) for t in tables],
-        dim=dims.pop(),
-        pooling=poolings.pop(),
-        table_names=[str(t.name) for t in tables],
-        **options,
-    )
-    return config, feature_names, feature_tables
+def __getattr__(name: str) -> Any:
+    """The names whose classes derive from torchrec's, imported on first use (torchrec is an extra)."""
+    if name in ("KeyedCachedEmbeddingBagCollectionSharder", "ShardedKeyedCachedEmbeddingBagCollection"):
+        import_torchrec()
+        from slipcache.interop import torchrec_sharding
 
+        return getattr(torchrec_sharding, name)
+    if name in ("slipcache_planner", "SlipcacheStorageEstimator"):
+        import_torchrec()
+        from slipcache.interop import torchrec_planner
 
-def kjt_to_sparse(kjt: Any, feature_names: Sequence[str]) -> SparseFeatures:
-    """A `KeyedJaggedTensor` as `SparseFeatures` with one group of bags per feature, in `feature_names` order."""
-    _check_kjt(kjt, feature_names)
-    lengths = _ordered(kjt, feature_names).lengths().view(len(feature_names), kjt.stride())
-    return SparseFeatures.from_lengths(_ordered(kjt, feature_names).values(), lengths)
-
-
-def _check_kjt(kjt: Any, feature_names: Sequence[str]) -> None:
-    keys = list(kjt.keys())
-    missing = [f for f in feature_names if f not in keys]
-    if missing:
-        raise InvalidInputError(f"KeyedJaggedTensor has no feature {missing[0]!r} (has: {', '.join(keys)})")
-    if kjt.variable_stride_per_key():
-        raise InvalidInputError("KeyedJaggedTensor with a batch size per feature is not supported")
-
-
-def _ordered(kjt: Any, feature_names: Sequence[str]) -> Any:
-    """The KJT with exactly `feature_names`, in that order (extra keys dropped)."""
-    keys = list(kjt.keys())
-    return kjt if keys == list(feature_names) else kjt.permute([keys.index(f) for f in feature_names])
-
-
-class _Group:
-    """Tables of one (dim, pooling): their collection's index, their global indices, their features."""
-
-    def __init__(self, index: int, tables: list[int], features: list[list[int]]) -> None:
-        self.index = index
-        self.tables = tables
-        self.features = features  # per table of the group: the global indices of the features reading it
-
-
-class KeyedCachedEmbeddingBagCollection(nn.Module):
-    """Cached low-precision tables that speak TorchRec: KJT in, `KeyedTensor` out.
-
-    forward(KeyedJaggedTensor) -> KeyedTensor (keys: the features in table order, as TorchRec's collection
-    orders them); with one dim and pooling, ids [B, T] or `SparseFeatures` still give the plain [B, T, D]
-    tensor. `is_weighted=True` takes per-id weights from the KJT (sum pooling). Attributes the tables'
-    collection answers (stats, memory_report, config, ...) are forwarded to it when there is one.
-    """
-
-    def __init__(self, tables: Sequence[Any], *, is_weighted: bool = False, **options: Any) -> None:
-        super().__init__()
-        if not tables:
-            raise SlipcacheError("no tables: give at least one EmbeddingBagConfig")
-        self._torchrec_tables = list(tables)
-        self._is_weighted = bool(is_weighted)
-        self.table_names = [str(t.name) for t in tables]
-        if len(set(self.table_names)) != len(self.table_names):
-            raise SlipcacheError(f"a table is named twice: {self.table_names}")
-        self.feature_names = [f for t in tables for f in t.feature_names]
-        if len(set(self.feature_names)) != len(self.feature_names):
-            raise SlipcacheError(f"a feature is named twice: {self.feature_names}")
-        if is_weighted and any(_pooling_name(t.pooling) != "sum" for t in tables):
-            raise SlipcacheError("per-id weights (is_weighted=True) need sum pooling on every table")
-        feature_of: list[list[int]] = []
-        start = 0
-        for t in tables:
-            feature_of.append(list(range(start, start + len(t.feature_names))))
-            start += len(t.feature_names)
-        keys: dict[tuple[int, str], list[int]] = {}
-        for i, t in enumerate(tables):
-            keys.setdefault((int(t.embedding_dim), _pooling_name(t.pooling)), []).append(i)
-        self._groups = [
-            _Group(g, members, [feature_of[i] for i in members]) for g, members in enumerate(keys.values())
-        ]
-        self.collections = nn.ModuleList(
-            CachedEmbeddingBagCollection(config_from_torchrec([tables[i] for i in g.tables], **options)[0])
-            for g in self._groups
-        )
-        self._feature_dims = [int(t.embedding_dim) for t in tables for _ in t.feature_names]
-        self._ignored_keys: set[str] = set()  # extra KJT keys already warned about
-
-    # ------------------------------------------------------------------------------ TorchRec's API
-    def embedding_bag_configs(self) -> list[Any]:
-        """The TorchRec configs it was built from (what `torchrec.models.dlrm.SparseArch` reads)."""
-        return list(self._torchrec_tables)
-
-    def is_weighted(self) -> bool:
-        """Whether lookups take the KJT's per-id weights (as TorchRec's `is_weighted`)."""
-        return self._is_weighted
-
-    @property
-    def table_sizes(self) -> list[int]:
-        return [int(t.num_embeddings) for t in self._torchrec_tables]
-
-    @property
-    def lr(self) -> float:
-        return self.collections[0].lr
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        for collection in self.collections:
-            collection.lr = value
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            collections = self.__dict__.get("_modules", {}).get("collections")
-            if collections is not None and len(collections) == 1 and not name.startswith("_"):
-                return getattr(collections[0], name)
-            raise
-
-    # ---------------------------------------------------------------------------------- forward
-    def forward(self, features: Any) -> Any:
-        if isinstance(features, (Tensor, SparseFeatures)):
-            if len(self.collections) != 1:
-                raise InvalidInputError("tables of several dims or poolings take a KeyedJaggedTensor")
-            return self.collections[0](features)
-        return _keyed_lookup(self, features)
-
-    def _lookup(self, kjt: Any) -> Any:
-        if not hasattr(kjt, "lengths") or not hasattr(kjt, "keys"):
-            raise InvalidInputError(
-                f"expected a KeyedJaggedTensor, SparseFeatures or ids [batch, tables], got {type(kjt).__name__}"
-            )
-        _check_kjt(kjt, self.feature_names)
-        self._warn_extra_keys(kjt)
-        if kjt.weights_or_none() is not None and not self._is_weighted:
-            raise InvalidInputError(
-                "weighted KeyedJaggedTensor (per-id weights) given to tables built with is_weighted=False; "
-                "build them with is_weighted=True"
-            )
-        ordered = _ordered(kjt, self.feature_names)
-        batch = kjt.stride()
-        lengths = ordered.lengths().view(len(self.feature_names), batch)
-        values = torch.split(ordered.values(), lengths.sum(dim=1).tolist())
-        weights = None
-        if self._is_weighted:
-            if ordered.weights_or_none() is None:
-                raise InvalidInputError("tables built with is_weighted=True need a KJT with weights")
-            weights = torch.split(ordered.weights(), lengths.sum(dim=1).tolist())
-        pooled: list[Tensor | None] = [None] * len(self.feature_names)
-        for group, collection in zip(self._groups, self.collections, strict=True):
-            rounds = max(len(f) for f in group.features)
-            for r in range(rounds):  # a table several features read is looked up once per feature
-                members = [(t, f[r]) for t, f in enumerate(group.features) if r < len(f)]
-                if weights is None:
-                    out = collection(_round_features(values, lengths, members, len(group.tables), batch))
-                    for t, f in members:
-                        pooled[f] = out[:, t]
-                else:
-                    for f, rows in _weighted_round(collection, values, weights, lengths, members, group, batch):
-                        pooled[f] = rows
-        return keyed_tensor_of(pooled, self.feature_names)  # type: ignore[arg-type]
-
-    def _warn_extra_keys(self, kjt: Any) -> None:
-        keys: list[str] = list(kjt.keys())
-        extra = [k for k in keys if k not in self.feature_names and k not in self._ignored_keys]
-        if extra:
-            self._ignored_keys.update(extra)
-            warnings.warn(
-                f"KeyedJaggedTensor features {extra} are read by no table and ignored "
-                f"(tables read: {', '.join(self.feature_names)})",
-                stacklevel=3,
-            )
-
-    # ------------------------------------------------------------------------------------ tables
-    def export_tables(self) -> list[Tensor]:
-        """Current fp32 values of every table, in the order of the configs."""
-        tables: list[Tensor | None] = [None] * len(self._torchrec_tables)
-        for group, collection in zip(self._groups, self.collections, strict=True):
-            for i, table in zip(group.tables, collection.export_tables(), strict=True):
-                tables[i] = table
-        return tables  # type: ignore[return-value]
-
-    def load_tables(self, tables: Sequence[Tensor]) -> None:
-        """Replace every row with fp32 `tables` (config order), rounded to nearest into storage precision."""
-        if len(tables) != len(self._torchrec_tables):
-            raise InvalidInputError(f"expected {len(self._torchrec_tables)} tables, got {len(tables)}")
-        for group, collection in zip(self._groups, self.collections, strict=True):
-            collection.load_tables([tables[i] for i in group.tables])
-
-
-@torch.fx.wrap
-def _keyed_lookup(module: KeyedCachedEmbeddingBagCollection, kjt: Any) -> Any:
-    """One call in a traced graph (`torch.fx` / `torchrec.fx.symbolic_trace`): the lookup is data-dependent
-    Python (the KJT's lengths pick the bags), so tracing records it whole instead of stepping into it."""
-    return module._lookup(kjt)
-
-
-def _round_features(
-    values: Sequence[Tensor], lengths: Tensor, members: list[tuple[int, int]], num_tables: int, batch: int
-) -> SparseFeatures:
-    """The bags of one feature per table (`members`: table in group, feature) as the group's input."""
-    round_lengths = torch.zeros(num_tables, batch, dtype=lengths.dtype)
-    for t, f in members:
-        round_lengths[t] = lengths[f]
-    return SparseFeatures.from_lengths(torch.cat([values[f] for _, f in members]), round_lengths)
-
-
-def _weighted_round(
-    collection: CachedEmbeddingBagCollection,
-    values: Sequence[Tensor],
-    weights: Sequence[Tensor],
-    lengths: Tensor,
-    members: list[tuple[int, int]],
-    group: _Group,
-    batch: int,
-) -> list[tuple[int, Tensor]]:
-    """Per-id weighted sums: every id looked up as its own bag (so gradients reach each row through the
-    collection's update), then weighted and summed into its bag here."""
-    counts = [values[f].numel() for _, f in members]
-    width = max(counts + [1])
-    single = torch.zeros(len(group.tables), width, dtype=lengths.dtype)
-    for (t, _), n in zip(members, counts, strict=True):
-        single[t, :n] = 1
-    rows = collection(SparseFeatures.from_lengths(torch.cat([values[f] for _, f in members]), single))
-    out = []
-    for t, f in members:
-        n = values[f].numel()
-        bag = torch.repeat_interleave(torch.arange(batch), lengths[f])
-        weighted = rows[:n, t] * weights[f][:, None].to(rows.dtype)
-        out.append((f, rows.new_zeros(batch, rows.shape[-1]).index_add(0, bag, weighted)))
-    return out
-
-
-def keyed_tensor_of(pooled: Sequence[Tensor], feature_names: Sequence[str]) -> Any:
-    """Pooled [B, D_f] per feature as a TorchRec `KeyedTensor` keyed by feature."""
-    torchrec = import_torchrec()
-    return torchrec.KeyedTensor(
-        keys=list(feature_names),
-        length_per_key=[int(p.shape[1]) for p in pooled],
-        values=torch.cat(list(pooled), dim=1),
-        key_dim=1,
-    )
-
-
-def keyed_tensor(pooled: Tensor, feature_names: Sequence[str]) -> Any:
-    """[B, F, D] pooled embeddings as a TorchRec `KeyedTensor` keyed by feature."""
-    return keyed_tensor_of(list(pooled.unbind(1)), feature_names)
-
-
-def sparse_to_kjt(ids: Tensor, feature_names: Sequence[str]) -> Any:
-    """One id per feature ([B, F], as our datasets hold them) as a `KeyedJaggedTensor`."""
-    torchrec = import_torchrec()
-    return torchrec.KeyedJaggedTensor.from_lengths_sync(
-        keys=list(feature_names),
-        values=ids.t().reshape(-1).to(torch.int64),
-        lengths=torch.ones(ids.numel(), dtype=torch.int64),
-    )
+        return getattr(torchrec_planner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

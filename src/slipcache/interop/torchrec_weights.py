@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from slipcache.errors import InvalidInputError
-from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollection, import_torchrec
+from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection, import_torchrec
 
 PREFIX = "embedding_bags."
 
@@ -37,7 +37,9 @@ def torchrec_state_dict(module: KeyedCachedEmbeddingBagCollection) -> dict[str, 
     """Every table's current fp32 rows under TorchRec's `embedding_bags.<table>.weight` keys."""
     with torch.no_grad():
         tables = module.export_tables()
-    return {torchrec_key(n): t.detach().float().cpu() for n, t in zip(module.table_names, tables, strict=True)}
+    return {
+        torchrec_key(n): t.detach().float().cpu() for n, t in zip(module.table_names, tables, strict=True)
+    }
 
 
 def load_torchrec_state_dict(
@@ -54,7 +56,9 @@ def load_torchrec_state_dict(
         name = _table_of_key(key)
         if name in module.table_names:
             if name in found:
-                raise InvalidInputError(f"two weights for table {name!r} (keys ending in {torchrec_key(name)})")
+                raise InvalidInputError(
+                    f"two weights for table {name!r} (keys ending in {torchrec_key(name)})"
+                )
             found[name] = value
         elif name is not None:
             unused.append(key)

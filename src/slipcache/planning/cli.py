@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from slipcache.distributed.planner import TableSpec, plan_sharding
+from slipcache.embedding.config import OPTIMIZERS
 from slipcache.errors import SlipcacheError
 from slipcache.options import add_progress_flag, add_threads_flag, image_file, seed_arg
 from slipcache.planning.planner import GB, PLAN_PRECISIONS, ROUNDING_STEP, Plan, make_plan, uniform_choice
@@ -163,7 +164,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--plot", type=image_file, default=None, help="PNG of the hit-rate curves (default: beside --out)")
     parser.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="cache policy (default lru)")
-    parser.add_argument("--optimizer", choices=("sgd", "adagrad", "rowwise_adagrad"), default="sgd")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     parser.add_argument(
         "--precisions",
         default=",".join(PLAN_PRECISIONS),

@@ -54,9 +54,11 @@ class CostModel:
     ) -> CostModel:
         from slipcache.embedding.cache import RowCache
         from slipcache.embedding.quant import PRECISIONS, RowStorage
+        from slipcache.embedding.update import FusedOptimizer
 
         row_bytes = {p: RowStorage(1, dim, p, "meta").bytes_per_row for p in PRECISIONS}
-        optimizer_bytes = {"sgd": 0, "adagrad": 4 * dim, "rowwise_adagrad": 4}[optimizer]
+        state_row = FusedOptimizer.state_row_shape(optimizer, dim)
+        optimizer_bytes = 0 if state_row is None else 4 * math.prod(state_row)  # fp32
         slots = ways * 4
         cache = RowCache(slots, dim, policy, max(total_rows, 2), ways, device="meta")
         slot_bytes = (

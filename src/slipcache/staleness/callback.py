@@ -13,6 +13,7 @@ from slipcache.training.callbacks import Callback
 
 if typing.TYPE_CHECKING:
     from slipcache.data.dataset import Batch, SampleFilter
+    from slipcache.staleness.order import HotInputs
     from slipcache.training.run import Run
 
 
@@ -26,9 +27,9 @@ class SkipStaleInputs(Callback):
     state_key = "skipping"
     reads_batch_ids = True  # the hot-set detector counts the updates of every id of the global batch
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, hot_inputs: HotInputs | None = None) -> None:
         self.skipper = make_skipper(run.config, run.model, run.dataset.split("train"), run.batches_per_epoch,
-                                    run.run_dir if run.backend.writes_files else None)
+                                    run.run_dir if run.backend.writes_files else None, hot_inputs)
 
     def on_start(self, run: Run) -> None:
         if "stale_target" in run.changed and hasattr(self.skipper, "guard"):  # resumed with another D: the

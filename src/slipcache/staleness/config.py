@@ -8,12 +8,15 @@ from dataclasses import dataclass
 
 from slipcache.errors import InvalidInputError
 
-__all__ = ["DETECTOR_RULES", "HOT_SETS", "RULES", "SKIP_RULES", "SKIP_RULE_HELP", "STALE_PRESETS", "GuardConfig", "StalenessConfig",
-           "preset_help"]
+__all__ = ["DETECTOR_RULES", "FREEZE_MODES", "HOT_SETS", "ORDERS", "RULES", "SKIP_RULES", "SKIP_RULE_HELP",
+           "STALE_PRESETS", "WINDOW_COUNTS", "GuardConfig", "StalenessConfig", "preset_help"]
 
 RULES = ("paper", "convergence")  # staleness rules a user picks (`--stale-rule`)
 DETECTOR_RULES = (*RULES, "random")  # and the random control (`--skip-rule random`)
 HOT_SETS = ("budget", "frequency")  # the most accessed rows fitting the budget, or an access-count threshold
+ORDERS = ("data", "cold_first")  # `input_order`: the data's own order, or FAE's cold inputs first
+WINDOW_COUNTS = ("epoch", "hot")  # `stale_window_count`: what the window's position and length are shares of
+FREEZE_MODES = ("stalest", "random")  # `freeze_rows`: which hot rows stop being updated
 
 
 @dataclass
@@ -27,6 +30,7 @@ class StalenessConfig:
 
     profile_fraction: float = 0.05  # share of training inputs sampled to count row accesses
     memory_budget_bytes: int = 256 * 2**20  # hot set size: rows * dim * 4 <= budget
+    hot_share: float | None = None  # hot set size as a share of all rows; replaces the budget when set
     window_fraction: float = 0.02  # share of hot batches in the snapshot window (paper: 1.5-3 %)
     threshold_sample_fraction: float = 0.01  # share of inputs sampled for the threshold search
     threshold_sample_max: int = 200_000  # cap on hot inputs kept for (re)fitting the threshold
@@ -70,6 +74,8 @@ class StalenessConfig:
             raise InvalidInputError("max_bisection_steps and threshold_sample_max must be >= 1")
         if self.memory_budget_bytes < 0:
             raise InvalidInputError("memory_budget_bytes must be >= 0")
+        if self.hot_share is not None and not 0.0 < self.hot_share <= 1.0:
+            raise InvalidInputError(f"hot_share must be in (0, 1], got {self.hot_share}")
         if self.recheck_interval is not None and self.recheck_interval < 0:
             raise InvalidInputError("recheck_interval must be None (off), 0 (window length) or positive")
         if self.rule not in DETECTOR_RULES:
@@ -80,6 +86,12 @@ class StalenessConfig:
             raise InvalidInputError(f"min_updates must be a positive int, got {self.min_updates}")
         if not 0.0 < self.count_share <= 1.0:
             raise InvalidInputError(f"count_share must be in (0, 1], got {self.count_share}")
+
+    def max_hot_rows(self, total_rows: int, dim: int) -> int:
+        """The hot set's size: ``hot_share`` of all rows, else as many rows as the byte budget holds."""
+        if self.hot_share is not None:
+            return max(1, round(self.hot_share * total_rows))
+        return self.memory_budget_bytes // (dim * 4)
 
     def required_stale(self, num_tables: int) -> int:
         """Number of stale lookups (out of ``num_tables``) that makes an input skippable."""
@@ -102,16 +114,27 @@ SKIP_RULE_HELP = (
 # `--stale-preset`: complete sets of the stale rule's settings (TrainConfig field -> value); flags and config
 # files the user sets still win, as over `--quick`. "paper" is Slipstream as published; "tuned" is ours.
 STALE_PRESETS: dict[str, dict[str, object]] = {
-    "paper": {
+    "paper": {  # the authors' published code; docs/skipping.md states each rule
+        "input_order": "cold_first",  # each epoch: cold inputs, then hot ones
+        "stale_hot_set": "budget",  # FAE: the most accessed rows of a 5 % sample...
+        "stale_hot_share": 0.1242,  # ...as many as 256 MB holds at dim 16 of Kaggle's 33.8 M rows (4.19 M)
+        "stale_window_count": "hot",  # the window counts hot batches after the cold pass:
+        "stale_window_start": 0.04,  # opens after 1,000 of the authors' ~24 k hot batches, the same share here,
+        "stale_window_start_max": 1000,  # and never later than 1,000 hot batches in
+        "stale_window": 0.03,  # spans 3 % of the hot batches
+        "stale_threshold_sample": 0.001,  # T fitted on 0.1 % of the hot inputs
         "stale_rule": "paper",  # L-inf change of each hot row between two snapshots
-        "stale_hot_set": "frequency",  # FAE: rows looked up by >= stale_hot_rate of the profiled inputs
         "stale_decision": "epoch",  # one threshold per window: fitted once, no re-checks
         "stale_keep": 0.0,  # no control group
         "stale_guard": False,  # no guard
         "stale_reweight": False,
-        "stale_warmup": "none",  # the window opens at once, as the authors' one-epoch scripts
+        "stale_warmup": "none",  # the window's position decides
         "stale_warmup_min": 0.0,
-        "stale_alpha": 1.0,
+        "stale_alpha": 1.0,  # stale only when all lookups are
+        "batch_size": 1024,
+        "lr": 0.01,
+        "epochs": 1,
+        "samples": None,  # one whole epoch, also over --quick's budget
     },
     "tuned": {
         "stale_rule": "convergence",  # change per counted update of rows updated >= k times

@@ -140,8 +140,8 @@ class StaleInputDetector:
         """The hot set of a sample of inputs (``slipcache.staleness.hotset.select_hot``: the budget's most
         accessed rows, or FAE's access-count threshold)."""
         cfg = self.config
-        self.set_hot(select_hot(sparse_sample, self.table_offsets, cfg.memory_budget_bytes // (self.dim * 4),
-                                cfg.hot_set, cfg.hot_min_rate, cfg.seed))
+        self.set_hot(select_hot(sparse_sample, self.table_offsets, cfg.max_hot_rows(int(self.table_offsets[-1]),
+                                self.dim), cfg.hot_set, cfg.hot_min_rate, cfg.seed))
         return self.hot
 
     def set_hot(self, hot: HotSet) -> None:

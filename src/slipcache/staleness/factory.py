@@ -8,14 +8,16 @@ from typing import Any
 
 from slipcache.data.dataset import SplitArrays
 from slipcache.model import DLRM
+from slipcache.staleness.order import HotInputs
 from slipcache.staleness.pruning import LossPruner
-from slipcache.staleness.skipping import StaleSkipper
+from slipcache.staleness.schedule import ScheduledSkipper
 
 
-def make_skipper(config: Any, model: DLRM, split: SplitArrays, batches_per_epoch: int,
-                 run_dir: Path | None) -> StaleSkipper | LossPruner:
-    """`stale` and `random` run Slipstream's cycle (random skips the same share of hot inputs at random);
-    `loss` prunes below-mean-loss inputs, its per-input bytes kept in the run directory."""
+def make_skipper(config: Any, model: DLRM, split: SplitArrays, batches_per_epoch: int, run_dir: Path | None,
+                 hot_inputs: HotInputs | None = None) -> ScheduledSkipper | LossPruner:
+    """`stale` and `random` run Slipstream's cycle (random skips the same share of hot inputs at random),
+    on the cold-first order's hot set when `hot_inputs` is given; `loss` prunes below-mean-loss inputs, its
+    per-input bytes kept in the run directory."""
     if config.skip_rule == "loss":
         return LossPruner(config, len(split), None if run_dir is None else Path(run_dir) / "prune")
-    return StaleSkipper(config, model, split, batches_per_epoch)
+    return ScheduledSkipper(config, model, split, batches_per_epoch, hot_inputs)

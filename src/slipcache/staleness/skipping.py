@@ -294,7 +294,12 @@ class StaleSkipper:
         # At least THRESHOLD_SAMPLE_MIN inputs: the achieved ratio moves in steps of 1 / (hot inputs sampled).
         n = len(self.split)
         share = min(1.0, max(det.config.threshold_sample_fraction, THRESHOLD_SAMPLE_MIN / max(n, 1)))
-        result = det.fit_threshold(self.split.sparse[det.sample_indices(n, share, "threshold")])
+        self._fit_on(self.split.sparse[det.sample_indices(n, share, "threshold")])
+
+    def _fit_on(self, sample: np.ndarray) -> None:
+        """Fit T on these sampled inputs and record the fit."""
+        det = self.detector
+        result = det.fit_threshold(sample)
         self.fits.append({"epoch": det.epoch, "batch": self.batch, "threshold": result.threshold,
                           "ratio": result.achieved_ratio, "converged": result.converged, "reason": result.reason})
 

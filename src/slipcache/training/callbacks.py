@@ -5,6 +5,7 @@ these points (see `trainer.train`):
 
     on_start(run)                         the run is built and restored, before the first batch
     start_epoch(run)                      before the epoch's batches are read
+    input_groups(run) -> array | None     the epoch visits group 0's inputs first, then group 1's (one order)
     sample_filter(run) -> filter | None   drops samples while batches are assembled (batches stay full)
     loss_weights(run, n) -> Tensor | None per-sample loss weights of the next trained batch
     after_step(run, batch, logits, loss)  after every optimizer step (logits detached)
@@ -51,6 +52,9 @@ class Callback:
 
     def start_epoch(self, run: Run) -> None:
         pass
+
+    def input_groups(self, run: Run) -> np.ndarray | None:
+        return None
 
     def sample_filter(self, run: Run) -> SampleFilter | None:
         return None
@@ -109,6 +113,13 @@ class Callbacks:
     def start_epoch(self, run: Run) -> None:
         for callback in self.items:
             callback.start_epoch(run)
+
+    def input_groups(self, run: Run) -> np.ndarray | None:
+        """The one callback's groups that order the epoch's inputs; two orders would contradict each other."""
+        groups = [g for g in (c.input_groups(run) for c in self.items) if g is not None]
+        if len(groups) > 1:
+            raise RuntimeError("two callbacks order the epoch's inputs")
+        return groups[0] if groups else None
 
     def sample_filter(self, run: Run) -> SampleFilter | None:
         """One filter that keeps what every callback's filter keeps (each sees only what the earlier kept)."""

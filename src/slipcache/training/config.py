@@ -23,11 +23,14 @@ from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import AUTOCAST_DTYPES, EMBEDDING_KINDS, INTERACTIONS, ModelConfig
 from slipcache.staleness.config import (
+    FREEZE_MODES,
     HOT_SETS,
+    ORDERS,
     RULES,
     SKIP_RULE_HELP,
     SKIP_RULES,
     STALE_PRESETS,
+    WINDOW_COUNTS,
     StalenessConfig,
     preset_help,
 )
@@ -187,6 +190,30 @@ class TrainConfig:
                                   default_text="none: train on every input")
     stale_preset: str | None = _flag(None, "a set of --stale-* settings (flags you give still win): " + preset_help(),
                                      resume="fixed", group="skipping", choices=tuple(STALE_PRESETS))
+    input_order: str = _flag("data", "data: the data's own order; cold_first: FAE's order, each epoch's cold inputs "
+                             "first, then its hot ones (every lookup a hot row), each part in the data's order",
+                             resume="fixed", group="skipping", choices=ORDERS)
+    stale_hot_share: float | None = _flag(help="hot set size as a share of all rows, replacing --stale-budget-mb "
+                                          "(paper: 0.1242, 256 MB at dim 16 over Criteo Kaggle's 33.8 M rows)",
+                                          resume="fixed", group="skipping", sets="staleness.hot_share",
+                                          default_text="the budget")
+    stale_threshold_sample: float = _flag(help="share of inputs sampled to fit T, of the hot inputs under "
+                                          "--input-order cold_first; at least 4,096", resume="changeable",
+                                          group="skipping", sets="staleness.threshold_sample_fraction")
+    stale_window_start: float | None = _flag(None, "open each epoch's window after this share of its batches "
+                                             "(counted as --stale-window-count says)", resume="changeable",
+                                             group="skipping", default_text="the warm-up rule")
+    stale_window_start_max: int | None = _flag(None, "open it at most this many batches after the count's start",
+                                               resume="changeable", group="skipping", default_text="no cap")
+    stale_window_count: str = _flag("epoch", "what --stale-window-start and --stale-window are shares of: epoch: "
+                                    "the epoch's batches from its start; hot: its hot batches, after the cold pass "
+                                    "(needs --input-order cold_first)", resume="fixed", group="skipping",
+                                    choices=WINDOW_COUNTS)
+    freeze_rows: str | None = _flag(None, "instead of skipping, stop updating --freeze-share of the hot rows from the "
+                                    "window's end to the epoch's (stalest: least L-inf change over the window; "
+                                    "random: the control); every input is still trained", resume="fixed",
+                                    group="skipping", choices=FREEZE_MODES, default_text="off")
+    freeze_share: float = _flag(0.5, "share of the hot rows frozen", resume="fixed", group="skipping")
     stale_hot_set: str = _flag(help="budget: most accessed rows that fit --stale-budget-mb; frequency: FAE's "
                                "threshold", resume="fixed", group="skipping", sets="staleness.hot_set",
                                choices=HOT_SETS)
@@ -325,6 +352,7 @@ class TrainConfig:
             )
         if self.skip_stale and self.skip_rule not in (None, "stale"):
             raise SlipcacheError(f"--skip-stale means --skip-rule stale; it cannot go with {self.skip_rule!r}")
+        self._validate_schedule()
         if not 0.0 < self.stale_hot_rate <= 1.0:
             raise SlipcacheError(f"stale_hot_rate must be in (0, 1], got {self.stale_hot_rate}")
         if not 0.0 < self.prune_share < 1.0 or not 0.0 <= self.prune_final < 1.0:
@@ -343,6 +371,24 @@ class TrainConfig:
             raise SlipcacheError(
                 "stale_recheck must be >= 0 (0 = window length) or None, stale_min_accesses >= 0"
             )
+
+
+    def _validate_schedule(self) -> None:
+        """The window's position, the order and freezing (`slipcache.staleness.schedule`, `freezing`)."""
+        if self.stale_hot_share is not None and not 0.0 < self.stale_hot_share <= 1.0:
+            raise SlipcacheError(f"stale_hot_share must be in (0, 1], got {self.stale_hot_share}")
+        if not 0.0 < self.stale_threshold_sample <= 1.0 or not 0.0 < self.freeze_share <= 1.0:
+            raise SlipcacheError("stale_threshold_sample and freeze_share must be in (0, 1]")
+        if self.stale_window_start is not None and not 0.0 <= self.stale_window_start <= 1.0:
+            raise SlipcacheError(f"stale_window_start must be in [0, 1], got {self.stale_window_start}")
+        if self.stale_window_start_max is not None and self.stale_window_start_max < 0:
+            raise SlipcacheError(f"stale_window_start_max must be >= 0, got {self.stale_window_start_max}")
+        if self.stale_window_count == "hot" and self.stale_window_start is not None and self.input_order != "cold_first":
+            raise SlipcacheError("a window counted in hot batches (stale_window_count hot) needs input_order cold_first")
+        if self.freeze_rows is not None and self.skip_rule is not None:
+            raise SlipcacheError("freeze_rows and skip_rule are separate arms: set one of them")
+        if self.freeze_rows is not None and self.stale_window_start is None:
+            raise SlipcacheError("freeze_rows needs stale_window_start: where the window that picks the rows opens")
 
 
 # `--quick`: a scaled-down synthetic dataset, smaller MLPs and a 600k-sample budget; applied only to
@@ -402,16 +448,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 def make_config(
     file_values: dict[str, Any] | None = None, flag_values: dict[str, Any] | None = None
 ) -> TrainConfig:
-    """Defaults, then the config file, then command-line flags; `--quick` fills only what neither set."""
+    """Defaults, then `--quick`, then a `--stale-preset`, then the config file, then command-line flags."""
     user = {**(file_values or {}), **(flag_values or {})}
-    given = {**QUICK, **user} if user.get("quick") else dict(user)
-    preset = given.get("stale_preset")
-    if preset is not None:  # a preset fills only what the user did not set, as --quick does
-        from slipcache.staleness.config import STALE_PRESETS
-
-        if preset not in STALE_PRESETS:
-            raise SlipcacheError(f"stale_preset must be one of {', '.join(STALE_PRESETS)}, got {preset!r}")
-        given = {**STALE_PRESETS[preset], **given}
+    preset = user.get("stale_preset")
+    if preset is not None and preset not in STALE_PRESETS:
+        raise SlipcacheError(f"stale_preset must be one of {', '.join(STALE_PRESETS)}, got {preset!r}")
+    # each fills only what the later ones leave: the preset wins over --quick, the user over both
+    given = {**(QUICK if user.get("quick") else {}), **(STALE_PRESETS[preset] if preset else {}), **user}
     if given.get("skip_stale") and given.get("skip_rule") is None:
         given["skip_rule"] = "stale"  # one switch: --skip-stale is --skip-rule stale
     if given.get("skip_rule") == "stale":

@@ -219,6 +219,7 @@ def training_batches(
     lookahead: int = 0,
     time_order: str = "first",
     part: tuple[int, int] | None = None,
+    groups: Any = None,
 ) -> BatchIterator:
     """One epoch of a dataset's training batches in the training order: the one source of that order for
     the trainer and every benchmark that claims to replay it (`bench cache`, `bench train`).
@@ -227,7 +228,8 @@ def training_batches(
     keeps its windows in order and shuffles within them in the first epoch, and is shuffled across days
     from the second epoch on (`time_order="first"`, the trainer's default), so validation AUC does not saw
     at epoch boundaries; `time_order="every"` keeps every epoch in time order. Full batches only;
-    `start_batch` resumes mid-epoch; `part=(rank, N)` reads only that rank's slice of every batch.
+    `start_batch` resumes mid-epoch; `part=(rank, N)` reads only that rank's slice of every batch;
+    `groups` trains group 0's rows first, then group 1's (the cold-first order), each in that order.
     """
     return BatchIterator(
         dataset.split("train"),
@@ -241,4 +243,5 @@ def training_batches(
         sample_filter=sample_filter,
         start_batch=start_batch,
         part=part,
+        groups=groups,
     )

@@ -19,10 +19,21 @@ def run_callbacks(run: Run) -> Callbacks:
         from slipcache.training.schedule import LRSchedule
 
         callbacks.append(LRSchedule(run))
+    hot_inputs = None
+    if config.input_order == "cold_first":  # FAE's order: cold inputs first, then hot ones
+        from slipcache.staleness.order import ColdFirstOrder
+
+        order = ColdFirstOrder(run, reports=config.skip_rule is None and config.freeze_rows is None)
+        callbacks.append(order)  # first: skipping and freezing use the hot set it profiles each epoch
+        hot_inputs = order.hot_inputs
     if config.skip_rule is not None:  # --skip-rule stale|random|loss (--skip-stale is stale)
         from slipcache.staleness.callback import SkipStaleInputs
 
-        callbacks.append(SkipStaleInputs(run))
+        callbacks.append(SkipStaleInputs(run, hot_inputs))
+    if config.freeze_rows is not None:  # --freeze-rows stalest|random
+        from slipcache.staleness.freezing import FreezeRows
+
+        callbacks.append(FreezeRows(run, hot_inputs))
     if run.backend.writes_files:
         callbacks.append(MetricsLog())
         if config.tensorboard is not None:

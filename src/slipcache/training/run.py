@@ -151,5 +151,14 @@ class Run:
         """Samples trained or skipped: the position in the data that the budget and eval schedule count."""
         return self.progress.samples + self.progress.skipped
 
+    def checkpointed_here(self) -> bool:
+        """Whether the newest event is the checkpoint of where the run stands (it resumed from that one);
+        then the summary reports that checkpoint."""
+        last = self.progress.events[-1] if self.progress.events else {}
+        if last.get("event") != "checkpoint" or last.get("samples") != self.progress.samples:
+            return False
+        self.last_checkpoint = {k: last.get(k) for k in ("samples", "bytes", "write_s")}
+        return True
+
     def more_epochs(self) -> bool:
         return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs

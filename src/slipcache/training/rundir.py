@@ -133,6 +133,65 @@ def locate_checkpoint(name: str | Path, flag: str = "--checkpoint") -> tuple[Pat
     raise SlipcacheError(f"{flag} {path}: no such run directory or checkpoint file")
 
 
+def resolve_checkpoint(name: str | Path, flag: str = "--checkpoint") -> tuple[Path, Path | None, bool]:
+    """(checkpoint, its run directory or None, whether N processes wrote it) that `name` designates (see
+    `locate_checkpoint`): a checkpoint file or step directory named as such, else (a run directory, its
+    checkpoints directory, its latest.pt) the newest complete checkpoint there (`newest_checkpoint`)."""
+    file, run_dir = locate_checkpoint(name, flag)
+    if file.name == ckpt.LATEST:
+        if (file.parent / "manifest.json").is_file():  # a step directory of N processes, named
+            return file.parent, run_dir, True
+        newest = newest_checkpoint(file.parent)
+        if newest is not None:
+            return newest[0], run_dir, newest[1]
+    return file, run_dir, False
+
+
+def newest_checkpoint(directory: Path) -> tuple[Path, bool] | None:
+    """(the newest complete checkpoint of a run's checkpoints directory, whether N processes wrote it).
+
+    A run can be continued by 1 process, then N, then 1 again: the newest is the one furthest in training
+    (its samples), whoever wrote it; at equal samples, the later written. Complete means written to the
+    end: a periodic file under its final name (written aside, then renamed), a step directory with its
+    manifest (written last). `latest.pt` is the newest periodic file unless a kill fell between writing
+    that file and linking it; then the newer periodic file wins. Damaged bytes are found when it is read
+    (the error names the older complete ones)."""
+    from slipcache.distributed.checkpoint import complete_steps
+
+    if not directory.is_dir():
+        return None
+    candidates = [(samples, _written(step / "manifest.json"), step, True) for samples, step in complete_steps(directory)]
+    periodic = ckpt.periodic_checkpoints(directory)  # (samples, path), newest last
+    latest = directory / ckpt.LATEST
+    single: tuple[int, Path] | None = periodic[-1] if periodic else None
+    if latest.is_file():
+        same = [item for item in periodic if _same_file(item[1], latest)]
+        position = same[0][0] if same else (single[0] if single else -1)  # a copy (no hard links): the newest
+        if single is None or position >= single[0]:
+            single = (position, latest)
+    if single is not None:
+        candidates.append((single[0], _written(single[1]), single[1], False))
+    if not candidates:
+        return None
+    _, _, path, sharded = max(candidates, key=lambda c: (c[0], c[1]))
+    return path, sharded
+
+
+def _written(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
+
+
+
 def load_resume(
     config: TrainConfig, backend: RunBackend
 ) -> tuple[dict[str, Any] | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
@@ -142,10 +201,7 @@ def load_resume(
     run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
     stopped before its first checkpoint (a full disk) starts again from its config.json.
     """
-    from slipcache.training.saved_run import find_checkpoint  # it reads checkpoints through this module
-
-    saved_checkpoint = find_checkpoint(config.resume or "", "--resume")  # the newest, whoever wrote it
-    path, home = saved_checkpoint.path, saved_checkpoint.run_dir
+    path, home, _ = resolve_checkpoint(config.resume or "", "--resume")  # the newest, whoever wrote it
     if config.out is not None and (home is None or Path(config.out).expanduser().resolve() != home):
         run_dir = prepare_out_dir(Path(config.out), restart_ok=False)
     elif home is None:

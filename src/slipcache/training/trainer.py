@@ -189,19 +189,9 @@ def _train_loop(run: Run) -> dict[str, Any]:
             run.restart_clock()  # eval and checkpoints excluded
         else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
             end_epoch(run)
-    if not _saved_here(run):  # resumed from its final checkpoint (killed before the end): not twice
+    if not run.checkpointed_here():  # resumed from its final checkpoint (killed before the end): not twice
         save_checkpoint(run)
     return finish_run(run)
-
-
-def _saved_here(run: Run) -> bool:
-    """Whether the run's newest event is the checkpoint of where it stands (it resumed from that one);
-    then the summary reports that checkpoint."""
-    last = run.progress.events[-1] if run.progress.events else {}
-    if last.get("event") != "checkpoint" or last.get("samples") != run.progress.samples:
-        return False
-    run.last_checkpoint = {k: last.get(k) for k in ("samples", "bytes", "write_s")}
-    return True
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
@@ -325,6 +315,7 @@ def epoch_batches(run: Run) -> Any:
         epoch=run.progress.epoch,
         start_batch=run.progress.batch_in_epoch,
         sample_filter=run.callbacks.sample_filter(run),
+        groups=run.callbacks.input_groups(run),  # an order of the features (the cold-first order)
         time_order=run.config.time_order,
         part=None if run.callbacks.reads_batch_ids else getattr(run.model, "input_part", None),
     )

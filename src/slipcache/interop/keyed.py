@@ -1,0 +1,334 @@
+"""TorchRec interop: our cached, low-precision tables where a TorchRec `EmbeddingBagCollection` goes.
+
+`KeyedCachedEmbeddingBagCollection` is built from TorchRec `EmbeddingBagConfig`s, takes a
+`KeyedJaggedTensor` and returns a `KeyedTensor`, and answers `embedding_bag_configs()` and `is_weighted()`,
+so TorchRec models (`torchrec.models.dlrm.DLRM`, `SparseArch`) accept it in place of theirs. TorchRec's
+training tables are fp32/fp16 only (pytorch/torchrec#1180, #2264); these are INT8/INT4 behind an fp32
+cache and update themselves in backward (no optimizer over them: give the model's `parameters()`, which
+are the dense ones, to a torch optimizer). How each config field is honoured: `slipcache.interop.tables`.
+Under `DistributedModelParallel` the tables are sharded by `KeyedCachedEmbeddingBagCollectionSharder`.
+
+Tables of one embedding dim and pooling share one `CachedEmbeddingBagCollection` (`collections[g]`); tables
+of several dims or poolings get one each, and their outputs are concatenated in TorchRec's key order.
+Only the collections' public API is used (forward, export_tables, load_tables, stats, memory_report).
+
+torchrec is optional (`pip install 'slipcache[torchrec]'`): it is imported only when a KJT is converted or a
+KeyedTensor built, and only its public classes are used.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import Tensor, nn
+
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, SparseFeatures
+from slipcache.errors import InvalidInputError, SlipcacheError
+from slipcache.interop.tables import (
+    check_per_table_options,
+    check_table_configs,
+    custom_initial_rows,
+    group_config,
+    pooling_name,
+)
+
+INSTALL_HINT = (
+    "pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 (see README: Using slipcache with TorchRec)"
+)
+
+
+def import_torchrec() -> Any:
+    """The torchrec module, or a one-line error saying how to install it."""
+    try:
+        import torchrec
+    except ImportError as exc:
+        raise SlipcacheError(f"torchrec is not installed: {INSTALL_HINT}") from exc
+    return torchrec
+
+
+def kjt_to_sparse(kjt: Any, feature_names: Sequence[str]) -> SparseFeatures:
+    """A `KeyedJaggedTensor` as `SparseFeatures` with one group of bags per feature, in `feature_names` order."""
+    _check_kjt(kjt, feature_names)
+    lengths = _ordered(kjt, feature_names).lengths().view(len(feature_names), kjt.stride())
+    return SparseFeatures.from_lengths(_ordered(kjt, feature_names).values(), lengths)
+
+
+def _check_kjt(kjt: Any, feature_names: Sequence[str]) -> None:
+    keys = list(kjt.keys())
+    missing = [f for f in feature_names if f not in keys]
+    if missing:
+        raise InvalidInputError(f"KeyedJaggedTensor has no feature {missing[0]!r} (has: {', '.join(keys)})")
+    if kjt.variable_stride_per_key():
+        raise InvalidInputError("KeyedJaggedTensor with a batch size per feature is not supported")
+
+
+def _ordered(kjt: Any, feature_names: Sequence[str]) -> Any:
+    """The KJT with exactly `feature_names`, in that order (extra keys dropped)."""
+    keys = list(kjt.keys())
+    return kjt if keys == list(feature_names) else kjt.permute([keys.index(f) for f in feature_names])
+
+
+class _Group:
+    """Tables of one (dim, pooling): their collection's index, their global indices, their features."""
+
+    def __init__(self, index: int, tables: list[int], features: list[list[int]]) -> None:
+        self.index = index
+        self.tables = tables
+        self.features = features  # per table of the group: the global indices of the features reading it
+
+
+class KeyedCachedEmbeddingBagCollection(nn.Module):
+    """Cached low-precision tables that speak TorchRec: KJT in, `KeyedTensor` out.
+
+    forward(KeyedJaggedTensor) -> KeyedTensor (keys: the features in table order, as TorchRec's collection
+    orders them); with one dim and pooling, ids [B, T] or `SparseFeatures` still give the plain [B, T, D]
+    tensor. `is_weighted=True` takes per-id weights from the KJT (sum pooling). Attributes the tables'
+    collection answers (stats, memory_report, config, ...) are forwarded to it when there is one.
+
+    `options` are `EmbeddingConfig` fields; `precision`, `cache_size` and `cache_rows` may be dicts by table
+    name. `device`: where the cache lives (rows are stored in host memory); "meta" allocates nothing, for a
+    model that `DistributedModelParallel` shards (each shard then draws its own rows).
+    """
+
+    def __init__(
+        self, tables: Sequence[Any], *, is_weighted: bool = False, device: Any = None, **options: Any
+    ) -> None:
+        super().__init__()
+        check_table_configs(tables)
+        self._torchrec_tables = list(tables)
+        self.options = dict(options)  # what the sharder builds each rank's shards with
+        self._is_weighted = bool(is_weighted)
+        self.table_names = [str(t.name) for t in tables]
+        if len(set(self.table_names)) != len(self.table_names):
+            raise SlipcacheError(f"a table is named twice: {self.table_names}")
+        self.feature_names = [f for t in tables for f in t.feature_names]
+        if len(set(self.feature_names)) != len(self.feature_names):
+            raise SlipcacheError(f"a feature is named twice: {self.feature_names}")
+        check_per_table_options(options, self.table_names)
+        if is_weighted and any(pooling_name(t.pooling) != "sum" for t in tables):
+            raise SlipcacheError("per-id weights (is_weighted=True) need sum pooling on every table")
+        feature_of: list[list[int]] = []
+        start = 0
+        for t in tables:
+            feature_of.append(list(range(start, start + len(t.feature_names))))
+            start += len(t.feature_names)
+        keys: dict[tuple[int, str], list[int]] = {}
+        for i, t in enumerate(tables):
+            keys.setdefault((int(t.embedding_dim), pooling_name(t.pooling)), []).append(i)
+        self._groups = [
+            _Group(g, members, [feature_of[i] for i in members]) for g, members in enumerate(keys.values())
+        ]
+        self.placement = _placement(device)
+        self.collections = nn.ModuleList(
+            CachedEmbeddingBagCollection(
+                group_config([tables[i] for i in g.tables], options, **self.placement)
+            )
+            for g in self._groups
+        )
+        if self.placement.get("storage_device") != "meta":
+            self._draw_custom_rows(int(options.get("seed", 0)))
+        self._feature_dims = [int(t.embedding_dim) for t in tables for _ in t.feature_names]
+        self._ignored_keys: set[str] = set()  # extra KJT keys already warned about
+
+    def _draw_custom_rows(self, seed: int) -> None:
+        """Tables whose config asks for its own initialization start from TorchRec's draw of it."""
+        drawn = [custom_initial_rows(t, seed + i) for i, t in enumerate(self._torchrec_tables)]
+        if any(rows is not None for rows in drawn):
+            current = self.export_tables()
+            self.load_tables([d if d is not None else c for d, c in zip(drawn, current, strict=True)])
+
+    def __prepare_scriptable__(self) -> None:
+        raise SlipcacheError(
+            "torch.jit.script cannot compile these tables (their lookup is data-dependent Python); trace the "
+            "model with torch.fx.symbolic_trace or torchrec.fx.symbolic_trace instead"
+        )
+
+    # ------------------------------------------------------------------------------ TorchRec's API
+    def embedding_bag_configs(self) -> list[Any]:
+        """The TorchRec configs it was built from (what `torchrec.models.dlrm.SparseArch` reads)."""
+        return list(self._torchrec_tables)
+
+    def is_weighted(self) -> bool:
+        """Whether lookups take the KJT's per-id weights (as TorchRec's `is_weighted`)."""
+        return self._is_weighted
+
+    @property
+    def table_sizes(self) -> list[int]:
+        return [int(t.num_embeddings) for t in self._torchrec_tables]
+
+    @property
+    def lr(self) -> float:
+        return self.collections[0].lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for collection in self.collections:
+            collection.lr = value
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            collections = self.__dict__.get("_modules", {}).get("collections")
+            if collections is not None and len(collections) == 1 and not name.startswith("_"):
+                return getattr(collections[0], name)
+            raise
+
+    # ---------------------------------------------------------------------------------- forward
+    def forward(self, features: Any) -> Any:
+        if isinstance(features, (Tensor, SparseFeatures)):
+            if len(self.collections) != 1:
+                raise InvalidInputError("tables of several dims or poolings take a KeyedJaggedTensor")
+            return self.collections[0](features)
+        return _keyed_lookup(self, features)
+
+    def _lookup(self, kjt: Any) -> Any:
+        if not hasattr(kjt, "lengths") or not hasattr(kjt, "keys"):
+            raise InvalidInputError(
+                f"expected a KeyedJaggedTensor, SparseFeatures or ids [batch, tables], got {type(kjt).__name__}"
+            )
+        _check_kjt(kjt, self.feature_names)
+        self._warn_extra_keys(kjt)
+        if kjt.weights_or_none() is not None and not self._is_weighted:
+            raise InvalidInputError(
+                "weighted KeyedJaggedTensor (per-id weights) given to tables built with is_weighted=False; "
+                "build them with is_weighted=True"
+            )
+        ordered = _ordered(kjt, self.feature_names)
+        batch = kjt.stride()
+        lengths = ordered.lengths().view(len(self.feature_names), batch)
+        values = torch.split(ordered.values(), lengths.sum(dim=1).tolist())
+        weights = None
+        if self._is_weighted:
+            if ordered.weights_or_none() is None:
+                raise InvalidInputError("tables built with is_weighted=True need a KJT with weights")
+            weights = torch.split(ordered.weights(), lengths.sum(dim=1).tolist())
+        pooled: list[Tensor | None] = [None] * len(self.feature_names)
+        for group, collection in zip(self._groups, self.collections, strict=True):
+            rounds = max(len(f) for f in group.features)
+            for r in range(rounds):  # a table several features read is looked up once per feature
+                members = [(t, f[r]) for t, f in enumerate(group.features) if r < len(f)]
+                if weights is None:
+                    out = collection(_round_features(values, lengths, members, len(group.tables), batch))
+                    for t, f in members:
+                        pooled[f] = out[:, t]
+                else:
+                    for f, rows in _weighted_round(
+                        collection, values, weights, lengths, members, group, batch
+                    ):
+                        pooled[f] = rows
+        return keyed_tensor_of(pooled, self.feature_names)  # type: ignore[arg-type]
+
+    def _warn_extra_keys(self, kjt: Any) -> None:
+        keys: list[str] = list(kjt.keys())
+        extra = [k for k in keys if k not in self.feature_names and k not in self._ignored_keys]
+        if extra:
+            self._ignored_keys.update(extra)
+            warnings.warn(
+                f"KeyedJaggedTensor features {extra} are read by no table and ignored "
+                f"(tables read: {', '.join(self.feature_names)})",
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------------------------ tables
+    def export_tables(self) -> list[Tensor]:
+        """Current fp32 values of every table, in the order of the configs."""
+        tables: list[Tensor | None] = [None] * len(self._torchrec_tables)
+        for group, collection in zip(self._groups, self.collections, strict=True):
+            for i, table in zip(group.tables, collection.export_tables(), strict=True):
+                tables[i] = table
+        return tables  # type: ignore[return-value]
+
+    def load_tables(self, tables: Sequence[Tensor]) -> None:
+        """Replace every row with fp32 `tables` (config order), rounded to nearest into storage precision."""
+        if len(tables) != len(self._torchrec_tables):
+            raise InvalidInputError(f"expected {len(self._torchrec_tables)} tables, got {len(tables)}")
+        for group, collection in zip(self._groups, self.collections, strict=True):
+            collection.load_tables([tables[i] for i in group.tables])
+
+
+def _placement(device: Any) -> dict[str, str]:
+    """`EmbeddingConfig` device fields for `device=`: the cache on it, the rows in host memory (all on
+    "meta" for a model built only to be sharded)."""
+    if device is None:
+        return {}
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise SlipcacheError(f"device must name a torch device (cpu, cuda:0, meta), got {device!r}") from exc
+    if device.type == "meta":
+        return {"storage_device": "meta", "cache_device": "meta"}
+    return {"cache_device": str(device)}
+
+
+@torch.fx.wrap
+def _keyed_lookup(module: KeyedCachedEmbeddingBagCollection, kjt: Any) -> Any:
+    """One call in a traced graph (`torch.fx` / `torchrec.fx.symbolic_trace`): the lookup is data-dependent
+    Python (the KJT's lengths pick the bags), so tracing records it whole instead of stepping into it."""
+    return module._lookup(kjt)
+
+
+def _round_features(
+    values: Sequence[Tensor], lengths: Tensor, members: list[tuple[int, int]], num_tables: int, batch: int
+) -> SparseFeatures:
+    """The bags of one feature per table (`members`: table in group, feature) as the group's input."""
+    round_lengths = torch.zeros(num_tables, batch, dtype=lengths.dtype)
+    for t, f in members:
+        round_lengths[t] = lengths[f]
+    return SparseFeatures.from_lengths(torch.cat([values[f] for _, f in members]), round_lengths)
+
+
+def _weighted_round(
+    collection: CachedEmbeddingBagCollection,
+    values: Sequence[Tensor],
+    weights: Sequence[Tensor],
+    lengths: Tensor,
+    members: list[tuple[int, int]],
+    group: _Group,
+    batch: int,
+) -> list[tuple[int, Tensor]]:
+    """Per-id weighted sums: every id looked up as its own bag (so gradients reach each row through the
+    collection's update), then weighted and summed into its bag here."""
+    counts = [values[f].numel() for _, f in members]
+    width = max(counts + [1])
+    single = torch.zeros(len(group.tables), width, dtype=lengths.dtype)
+    for (t, _), n in zip(members, counts, strict=True):
+        single[t, :n] = 1
+    rows = collection(SparseFeatures.from_lengths(torch.cat([values[f] for _, f in members]), single))
+    out = []
+    for t, f in members:
+        n = values[f].numel()
+        bag = torch.repeat_interleave(torch.arange(batch), lengths[f])
+        weighted = rows[:n, t] * weights[f][:, None].to(rows.dtype)
+        out.append((f, rows.new_zeros(batch, rows.shape[-1]).index_add(0, bag, weighted)))
+    return out
+
+
+def keyed_tensor_of(pooled: Sequence[Tensor], feature_names: Sequence[str]) -> Any:
+    """Pooled [B, D_f] per feature as a TorchRec `KeyedTensor` keyed by feature."""
+    torchrec = import_torchrec()
+    return torchrec.KeyedTensor(
+        keys=list(feature_names),
+        length_per_key=[int(p.shape[1]) for p in pooled],
+        values=torch.cat(list(pooled), dim=1),
+        key_dim=1,
+    )
+
+
+def keyed_tensor(pooled: Tensor, feature_names: Sequence[str]) -> Any:
+    """[B, F, D] pooled embeddings as a TorchRec `KeyedTensor` keyed by feature."""
+    return keyed_tensor_of(list(pooled.unbind(1)), feature_names)
+
+
+def sparse_to_kjt(ids: Tensor, feature_names: Sequence[str]) -> Any:
+    """One id per feature ([B, F], as our datasets hold them) as a `KeyedJaggedTensor`."""
+    torchrec = import_torchrec()
+    return torchrec.KeyedJaggedTensor.from_lengths_sync(
+        keys=list(feature_names),
+        values=ids.t().reshape(-1).to(torch.int64),
+        lengths=torch.ones(ids.numel(), dtype=torch.int64),
+    )

@@ -1,0 +1,86 @@
+"""TorchRec's planner, costing slipcache's tables by what their shards hold.
+
+TorchRec's own estimate counts a table as fp32 rows (and its optimizer state as TorchRec's optimizers
+keep it). A slipcache shard holds its rows at their storage precision, plus its cache rows, the cache's
+bookkeeping and the fused optimizer's state: `SlipcacheStorageEstimator` replaces the estimate of every
+shard of a `KeyedCachedEmbeddingBagCollection` with that, computed by the same accounting as the
+collection's `memory_report()` (on the meta device: nothing is allocated). Other modules' tables keep
+TorchRec's estimate. The input and output buffers TorchRec adds per shard are left out of ours.
+
+    planner = slipcache_planner(Topology(world_size=2, compute_device="cpu"), constraints=constraints)
+    plan = planner.collective_plan(model, sharders, process_group)
+    model = DistributedModelParallel(model, sharders=sharders, plan=plan)
+
+A table's cache share comes from `ParameterConstraints(cache_params=CacheParams(load_factor=s))` when
+given (it is then the shard's `cache_size` too), else from the collection's options.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.constants import BATCH_SIZE
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from torchrec.distributed.planner.types import ShardingOption, Storage
+
+from slipcache.embedding.collection import CachedEmbeddingBagCollection
+from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection
+from slipcache.interop.tables import group_config
+
+DEVICE_COMPONENTS = ("cache_rows", "cache_bookkeeping")  # on an accelerator, what lives in its memory
+
+
+def shard_bytes(
+    module: KeyedCachedEmbeddingBagCollection, table: str, rows: int, columns: int, cache_share: float | None
+) -> dict[str, int]:
+    """Bytes of one shard ([rows, columns] of `table`) by component, as the collection accounts them."""
+    config = next(t for t in module.embedding_bag_configs() if str(t.name) == table)
+    options = dict(module.options)
+    if cache_share is not None:
+        options["cache_size"] = cache_share
+        options.pop("cache_rows", None)
+    shard = group_config([config], options, table_sizes=[rows], dim=columns)
+    return CachedEmbeddingBagCollection.estimate_memory(shard)["components"]
+
+
+class SlipcacheStorageEstimator(EmbeddingStorageEstimator):
+    """TorchRec's storage estimator, with slipcache's shards costed by our accounting."""
+
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: Any = None) -> None:
+        super().estimate(sharding_options, sharder_data_map)
+        accelerator = self._topology.compute_device != "cpu"
+        for option in sharding_options:
+            module = option.module[1]
+            if not isinstance(module, KeyedCachedEmbeddingBagCollection):
+                continue
+            for shard in option.shards:
+                rows, columns = int(shard.size[0]), int(shard.size[1])
+                components = shard_bytes(module, option.name, rows, columns, option.cache_load_factor)
+                on_device = sum(components[c] for c in DEVICE_COMPONENTS) if accelerator else 0
+                shard.storage = Storage(hbm=on_device, ddr=sum(components.values()) - on_device)
+
+
+def slipcache_planner(
+    topology: Topology,
+    batch_size: int = BATCH_SIZE,
+    constraints: dict[str, ParameterConstraints] | None = None,
+    **planner_options: Any,
+) -> EmbeddingShardingPlanner:
+    """TorchRec's `EmbeddingShardingPlanner`, its storage estimate replaced by `SlipcacheStorageEstimator`
+    (its performance estimate kept). `planner_options` go to the planner."""
+    estimators = [
+        EmbeddingPerfEstimator(topology=topology, constraints=constraints),
+        SlipcacheStorageEstimator(topology=topology, constraints=constraints),
+    ]
+    enumerator = EmbeddingEnumerator(
+        topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimators
+    )
+    return EmbeddingShardingPlanner(
+        topology=topology,
+        batch_size=batch_size,
+        enumerator=enumerator,
+        constraints=constraints,
+        **planner_options,
+    )

@@ -1,0 +1,220 @@
+"""Our tables sharded by TorchRec's DistributedModelParallel on 2 gloo processes: against TorchRec's own
+sharded collection (table-wise and column-wise shards, a table two features read; fp32 storage and a cache
+holding every row make the comparison exact), under TorchRec's training pipeline, and in the example's
+train, checkpoint (torch.distributed.checkpoint) and resume on another number of processes."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec", reason="torchrec not installed (the torchrec extra)")
+
+from tests.ranks import run_ranks  # noqa: E402
+
+BATCH = 3  # per rank
+STEPS = 3
+OPTIONS = dict(precision="fp32", cache_size=1.0, lr=0.5, seed=5)
+
+
+def _tables() -> list:
+    from torchrec import EmbeddingBagConfig, PoolingType
+
+    return [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=40, feature_names=["f0"]),
+        EmbeddingBagConfig(
+            name="t1", embedding_dim=4, num_embeddings=20, feature_names=["f1"], pooling=PoolingType.MEAN
+        ),
+        EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=30, feature_names=["f2", "f3"]),
+        EmbeddingBagConfig(name="t3", embedding_dim=8, num_embeddings=25, feature_names=["f4"]),
+    ]
+
+
+def _batch(step: int, rank: int) -> object:
+    """Multi-hot bags, some empty; features listed in another order than the tables'."""
+    from torchrec import KeyedJaggedTensor
+
+    sizes = {"f3": 30, "f0": 40, "f4": 25, "f1": 20, "f2": 30}
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    lengths = torch.randint(0, 3, (len(sizes), BATCH), generator=generator)
+    values = [
+        torch.randint(0, n, (int(lengths[i].sum()),), generator=generator)
+        for i, n in enumerate(sizes.values())
+    ]
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=list(sizes), values=torch.cat(values), lengths=lengths.reshape(-1)
+    )
+
+
+def _dlrm(tables: torch.nn.Module) -> torch.nn.Module:
+    from torchrec.models.dlrm import DLRM
+
+    return DLRM(
+        embedding_bag_collection=tables,
+        dense_in_features=3,
+        dense_arch_layer_sizes=[8],
+        over_arch_layer_sizes=[4, 1],
+    )
+
+
+def _dlrm_under_dmp_equals_torchrec(rank: int, world_size: int) -> None:
+    """The same DLRM, its tables TorchRec's fused collection or ours (fp32, every row cached, SGD), both
+    under DMP with the same plan: equal outputs step by step. Ours loads TorchRec's sharded state_dict
+    (its ShardedTensors) after sharding."""
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollectionSharder
+    from slipcache.interop.torchrec_weights import from_torchrec
+
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    lr = 0.1
+    torch.manual_seed(0)
+    tables = [t for t in _tables() if t.embedding_dim == 8]  # DLRM's interaction: one dim
+    theirs = _dlrm(EmbeddingBagCollection(tables=tables, device=torch.device("cpu")))
+    ours = _dlrm(
+        from_torchrec(theirs.sparse_arch.embedding_bag_collection, precision="fp32", cache_size=1.0, lr=lr)
+    )
+    ours.dense_arch.load_state_dict(theirs.dense_arch.state_dict())
+    ours.over_arch.load_state_dict(theirs.over_arch.state_dict())
+    apply_optimizer_in_backward(
+        torch.optim.SGD, theirs.sparse_arch.embedding_bag_collection.parameters(), {"lr": lr}
+    )
+    models = []
+    for model, sharder in (
+        (theirs, EmbeddingBagCollectionSharder()),
+        (ours, KeyedCachedEmbeddingBagCollectionSharder()),
+    ):
+        per_table = {
+            "t0": table_wise(rank=1, compute_kernel="fused"),
+            "t2": column_wise(ranks=[0, 1], compute_kernel="fused"),
+            "t3": table_wise(rank=0, compute_kernel="fused"),
+        }
+        ebc = model.sparse_arch.embedding_bag_collection
+        plan = construct_module_sharding_plan(ebc, per_table, sharder=sharder, device_type="cpu")
+        sharded = DistributedModelParallel(
+            model,
+            device=torch.device("cpu"),
+            sharders=[sharder],
+            plan=ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
+        )
+        dense = dict(in_backward_optimizer_filter(sharded.named_parameters()))
+        models.append((sharded, torch.optim.SGD(dense.values(), lr=lr)))
+    models[1][0].load_state_dict(models[0][0].state_dict())  # TorchRec's sharded rows (ShardedTensors)
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(STEPS):
+        kjt = _batch(step, rank)
+        dense_features = torch.randn(BATCH, 3, generator=generator)
+        outputs = []
+        for sharded, optimizer in models:
+            out = sharded(dense_features, kjt)
+            torch.nn.functional.binary_cross_entropy_with_logits(out.squeeze(1), torch.ones(BATCH)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            outputs.append(out.detach())
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_dlrm_under_dmp_trains_as_with_torchrecs_own_collection() -> None:
+    run_ranks(_dlrm_under_dmp_equals_torchrec)
+
+
+def test_the_example_trains_under_dmp_on_two_processes_and_resumes_on_one(tmp_path: Path) -> None:
+    import re
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "torchrec_dlrm.py"
+    checkpoint = tmp_path / "ckpt"
+    common = ["--dmp", "--batch-size", "32"]
+    two = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(example),
+    ]
+    first = subprocess.run(
+        [*two, *common, "--steps", "3", "--checkpoint-dir", str(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert re.search(r"^step 3 loss \d+\.\d+$", first.stdout, re.M), first.stdout
+    resumed = subprocess.run(
+        [sys.executable, str(example), *common, "--steps", "5", "--resume", str(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert re.search(r"^step 5 loss \d+\.\d+$", resumed.stdout, re.M), resumed.stdout
+
+
+def _pipeline_trains(rank: int, world_size: int) -> None:
+    """TorchRec's TrainPipelineSparseDist (input distribution of the next batch overlapped with this one's
+    step) trains a DLRM whose tables are ours."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.models.dlrm import DLRMTrain
+
+    from slipcache.interop.torchrec import (
+        KeyedCachedEmbeddingBagCollection,
+        KeyedCachedEmbeddingBagCollectionSharder,
+    )
+
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    tables = [t for t in _tables() if t.embedding_dim == 8]
+    ebc = KeyedCachedEmbeddingBagCollection(tables, **OPTIONS)
+    model = DistributedModelParallel(
+        DLRMTrain(_dlrm(ebc)),
+        device=torch.device("cpu"),
+        sharders=[KeyedCachedEmbeddingBagCollectionSharder()],
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(rank)
+    batches = [
+        Batch(
+            dense_features=torch.randn(BATCH, 3, generator=generator),
+            sparse_features=_batch(step, rank),
+            labels=torch.ones(BATCH),
+        )
+        for step in range(STEPS)
+    ]
+    before = torch.cat(
+        [
+            c.export_tables()[0].flatten()
+            for c in model.module.model.sparse_arch.embedding_bag_collection.local_collections()
+        ]
+    )
+    iterator = iter(batches)
+    for _ in range(STEPS):
+        pipeline.progress(iterator)
+    after = torch.cat(
+        [
+            c.export_tables()[0].flatten()
+            for c in model.module.model.sparse_arch.embedding_bag_collection.local_collections()
+        ]
+    )
+    assert not torch.equal(before, after)
+
+
+def test_torchrecs_train_pipeline_trains_our_tables() -> None:
+    run_ranks(_pipeline_trains)
