@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from slipcache.errors import SlipcacheError
+from slipcache.training.checkpoint import RawTensor, materialize
 from slipcache.training.run import Progress
 
 PARTS = ("config", "table_sizes", "dense", "embeddings", "dense_optimizer", "progress", "rng")
@@ -77,7 +78,7 @@ def check_rng(rng: dict[str, Any], path: Path) -> None:
         if name not in rng:
             raise _bad(path, "rng", f"lacks the {name} generator's state")
     try:
-        state = rng["torch"]
+        state = _small(rng["torch"], path, "rng.torch")
         if not isinstance(state, torch.Tensor):
             raise TypeError(f"expected a tensor, got {_shown(state)}")
         torch.Generator().set_state(state)
@@ -85,7 +86,7 @@ def check_rng(rng: dict[str, Any], path: Path) -> None:
         raise _bad(path, "rng.torch", f"is not a generator state ({str(exc).splitlines()[0][:80]})") from None
     try:
         kind, keys, *rest = rng["numpy"]
-        np.random.RandomState().set_state((kind, keys.numpy(), *rest))
+        np.random.RandomState().set_state((kind, _small(keys, path, "rng.numpy").numpy(), *rest))
     except (TypeError, ValueError, AttributeError, RuntimeError) as exc:
         raise _bad(path, "rng.numpy", f"is not a generator state ({str(exc).splitlines()[0][:80]})") from None
     try:
@@ -93,6 +94,15 @@ def check_rng(rng: dict[str, Any], path: Path) -> None:
         random.Random().setstate((version, tuple(words), gauss))
     except (TypeError, ValueError, OverflowError) as exc:
         raise _bad(path, "rng.python", f"is not a generator state ({str(exc).splitlines()[0][:80]})") from None
+
+
+def _small(value: Any, path: Path, field: str) -> Any:
+    """A small tensor a lazily read checkpoint left on disk (`RawTensor`), read for the check."""
+    if not isinstance(value, RawTensor):
+        return value
+    if value.nbytes > 1 << 20:
+        raise _bad(path, field, f"is too large for a generator state ({value.nbytes} bytes)")
+    return materialize(value)
 
 
 def check_optimizer(state: Any, path: Path, field: str) -> None:
@@ -121,7 +131,7 @@ def check_optimizer(state: Any, path: Path, field: str) -> None:
         if key not in seen or not isinstance(value, dict):
             raise _bad(path, f"{field}.state", f"holds {_shown(key)}, which is no parameter of its groups")
         for name, item in value.items():
-            if not (item is None or isinstance(item, torch.Tensor) or is_amount(item)):
+            if not (item is None or isinstance(item, (torch.Tensor, RawTensor)) or is_amount(item)):
                 raise _bad(path, f"{field}.state[{key}].{name}", f"must be a tensor or a number, got {_shown(item)}")
 
 

@@ -13,9 +13,8 @@ Around the loop: `config.py` (TrainConfig), `datasets.py` (where the data comes 
 preprocessed once into the cache), `rundir.py` (which `--out` and `--resume` are allowed), `run_state.py`
 (what a checkpoint holds). Nothing is written outside `<out>` and the cache.
 
-Determinism: everything random is seeded from `config.seed` (model init, shuffling, stochastic rounding
-inside the embedding collection), and a checkpoint holds every piece of state the loop reads, so an
-interrupted run resumed with `--resume` ends exactly where the uninterrupted run ends.
+Determinism: everything random is seeded from `config.seed`, and a checkpoint holds all state the loop reads,
+so an interrupted run resumed with `--resume` ends exactly where the uninterrupted run ends.
 """
 
 from __future__ import annotations
