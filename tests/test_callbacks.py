@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from slipcache.callback import Callback
 from slipcache.training import features
 from slipcache.training import trainer as train
-from slipcache.training.callbacks import Callback, Callbacks
+from slipcache.training.callbacks import Callbacks
 from tests.helpers import make_dataset
 from tests.helpers import tiny_config as tiny
 

@@ -23,8 +23,8 @@ from slipcache.data.synthetic import (
 )
 from slipcache.data.synthetic import cli as synth_cli
 from slipcache.errors import SlipcacheError
+from slipcache.metrics import auc
 from slipcache.training.config import make_config
-from slipcache.training.metrics import auc
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
 needs_shared = pytest.mark.skipif(
@@ -206,11 +206,11 @@ def test_v3_splits_follow_time(tmp_path: Path) -> None:
 def test_in_order_shuffle_keeps_windows_in_time_order() -> None:
     """Time-ordered data is shuffled within windows only: window k's samples all come before window k+1's."""
     n = 4096
-    split = SplitArrays(
-        np.arange(n, dtype=np.float32), np.zeros((n, 13), np.float32), np.zeros((n, 26), np.int32)
-    )
+    dense = np.zeros((n, 13), np.float32)
+    dense[:, 0] = np.arange(n)  # each row's position, carried by a dense feature (labels must be 0 or 1)
+    split = SplitArrays(np.zeros(n, np.float32), dense, np.zeros((n, 26), np.int32))
     order = np.concatenate(
-        [b.labels.numpy() for b in BatchIterator(split, 64, shuffle=True, in_order=True, chunk_batches=4)]
+        [b.dense[:, 0].numpy() for b in BatchIterator(split, 64, shuffle=True, in_order=True, chunk_batches=4)]
     )
     windows = order.reshape(-1, 256)  # chunk = 4 batches of 64
     assert np.array_equal(
@@ -218,7 +218,7 @@ def test_in_order_shuffle_keeps_windows_in_time_order() -> None:
     )  # each window is its own rows
     assert not np.array_equal(order, np.arange(n))  # shuffled within
     everywhere = np.concatenate(
-        [b.labels.numpy() for b in BatchIterator(split, 64, shuffle=True, chunk_batches=4)]
+        [b.dense[:, 0].numpy() for b in BatchIterator(split, 64, shuffle=True, chunk_batches=4)]
     )
     assert not np.array_equal(np.sort(everywhere.reshape(-1, 256), axis=1), np.arange(n).reshape(-1, 256))
 

@@ -74,7 +74,7 @@ def test_every_setting_says_its_group_and_what_a_resume_may_do() -> None:
 
 def test_the_parts_configs_are_built_from_the_settings() -> None:
     from slipcache.training.config import CONFIG_FIELDS
-    from slipcache.training.settings import PARTS, part_options
+    from slipcache.training.settings import PART_CONFIGS, part_options
 
     config = TrainConfig(stale_budget_mb=64.0, stale_target=0.2, embedding_dim=8, bottom_mlp=[32, 8], seed=7,
                          precision="fp16")  # fmt: skip
@@ -85,7 +85,7 @@ def test_the_parts_configs_are_built_from_the_settings() -> None:
     assert config.model_config([5], 13).bottom_mlp == [32, 8]
     # a setting that takes its part's default has that default, in the setting's unit
     defaults = TrainConfig()
-    for part, kind in PARTS.items():
+    for part, kind in PART_CONFIGS.items():
         own = {f.name: f for f in dataclasses.fields(kind)}
         for key, value in part_options(defaults, CONFIG_FIELDS, part).items():
             f = own[key]

@@ -2,6 +2,7 @@
 
 import argparse
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,7 @@ THP = pytest.mark.skipif(not hostmem.huge_pages_available(), reason="no transpar
 
 @pytest.fixture(autouse=True)
 def _mode_reset(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(hostmem.ENV_HUGE_PAGES, raising=False)
-    hostmem.set_huge_pages(None)
-    yield
-    hostmem.set_huge_pages(None)
+    monkeypatch.delenv(hostmem.ENV_HUGE_PAGES, raising=False)  # put back after the test, as it was
 
 
 def _ranges(address: int, nbytes: int) -> list[dict[str, int]]:
@@ -39,15 +37,10 @@ def _ranges(address: int, nbytes: int) -> list[dict[str, int]]:
     return found
 
 
-def test_mode_comes_from_the_call_then_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hostmem.huge_pages_mode() == hostmem.DEFAULT_HUGE_PAGES
     monkeypatch.setenv(hostmem.ENV_HUGE_PAGES, "auto")
     assert hostmem.huge_pages_mode() == "auto"
-    hostmem.set_huge_pages("on")
-    assert hostmem.huge_pages_mode() == "on"
-    with pytest.raises(SlipcacheError, match="one of off, on, auto"):
-        hostmem.set_huge_pages("yes")
-    hostmem.set_huge_pages(None)
     monkeypatch.setenv(hostmem.ENV_HUGE_PAGES, "big")
     with pytest.raises(SlipcacheError, match=hostmem.ENV_HUGE_PAGES):
         hostmem.huge_pages_mode()
@@ -69,7 +62,7 @@ def test_without_huge_pages_every_mode_allocates_as_torch(monkeypatch: pytest.Mo
         raise AssertionError("mapped although huge pages are unavailable")
 
     monkeypatch.setattr(hostmem, "huge_page_map", no_map)
-    hostmem.set_huge_pages("on")
+    os.environ[hostmem.ENV_HUGE_PAGES] = "on"
     zeros = hostmem.host_zeros((1 << 20,), torch.float32)
     assert zeros.shape == (1 << 20,) and not zeros.any()
     assert hostmem.host_empty((3, 1 << 20), torch.uint8).shape == (3, 1 << 20)
@@ -78,12 +71,12 @@ def test_without_huge_pages_every_mode_allocates_as_torch(monkeypatch: pytest.Mo
 def test_auto_and_off_leave_small_tables_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hostmem, "thp_setting", lambda path=None: "madvise")
     cpu = torch.device("cpu")
-    hostmem.set_huge_pages("off")
+    os.environ[hostmem.ENV_HUGE_PAGES] = "off"
     assert not hostmem.uses_huge_pages(1 << 34, cpu)
-    hostmem.set_huge_pages("auto")
+    os.environ[hostmem.ENV_HUGE_PAGES] = "auto"
     assert not hostmem.uses_huge_pages(hostmem.AUTO_MIN_BYTES - 1, cpu)
     assert hostmem.uses_huge_pages(hostmem.AUTO_MIN_BYTES, cpu)
-    hostmem.set_huge_pages("on")
+    os.environ[hostmem.ENV_HUGE_PAGES] = "on"
     assert hostmem.uses_huge_pages(hostmem.HUGE_PAGE, cpu)
     assert not hostmem.uses_huge_pages(hostmem.HUGE_PAGE - 1, cpu)
     assert not hostmem.uses_huge_pages(1 << 34, torch.device("meta"))
@@ -91,7 +84,7 @@ def test_auto_and_off_leave_small_tables_alone(monkeypatch: pytest.MonkeyPatch) 
 
 @THP
 def test_tensor_is_backed_by_huge_pages_and_released_with_it() -> None:
-    hostmem.set_huge_pages("on")
+    os.environ[hostmem.ENV_HUGE_PAGES] = "on"
     nbytes = 3 * hostmem.HUGE_PAGE + 4096 * 5  # three whole huge pages and a partial one
     tensor = hostmem.host_zeros((nbytes // 4,), torch.float32)
     address = tensor.data_ptr()
@@ -115,7 +108,7 @@ def test_collection_on_huge_pages_trains_bit_for_bit_as_without() -> None:
                              optimizer="rowwise_adagrad")
     states = []
     for mode in ("off", "on"):
-        hostmem.set_huge_pages(mode)
+        os.environ[hostmem.ENV_HUGE_PAGES] = mode
         coll = CachedEmbeddingBagCollection(config)
         if mode == "on":
             payload = coll.storage.payload

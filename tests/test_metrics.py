@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipcache.training import metrics
+from slipcache import metrics
 
 
 def brute_force_auc(y: np.ndarray, s: np.ndarray) -> float:

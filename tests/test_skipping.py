@@ -107,7 +107,7 @@ def test_off_is_the_plain_loop(data_dir: Path, tmp_path: Path, monkeypatch: pyte
     )
     for key in METRICS:
         assert plain[key] == knobs[key], key
-    assert plain["skipped_fraction"] == 0.0 and plain["staleness"] is None
+    assert "skipped_fraction" not in plain and "staleness" not in plain
     assert events(tmp_path / "a") == events(tmp_path / "b")
 
 

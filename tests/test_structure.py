@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,3 +117,67 @@ def test_no_module_imports_the_command_module() -> None:
     """`slipcache.cli` is the entry point only: shared flags and their types live in `slipcache.options`."""
     importers = sorted(name for name, imports in import_graph().items() if "slipcache.cli" in imports)
     assert importers == []
+
+
+def _identifiers(tree: ast.AST) -> set[str]:
+    """Every name the code uses: variables, attributes, functions, arguments, keywords, imports."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, (ast.arg, ast.keyword)) and node.arg:
+            found.add(node.arg)
+        elif isinstance(node, ast.alias):
+            found.add(node.asname or node.name)
+    return found
+
+
+def test_the_training_loop_knows_no_feature() -> None:
+    """Features join the loop through callbacks (`training/features.py`), and the backend answers which part
+    of a batch this process reads: the loop names no feature and never asks the batches for their filter."""
+    tree = ast.parse((PACKAGE / "training" / "trainer.py").read_text())
+    named = {n for n in _identifiers(tree) if any(w in n.lower() for w in ("lookahead", "prefetch", "input_part"))}
+    assert named == set()
+    reads_filter = [
+        node.lineno for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "sample_filter"
+        and not (isinstance(node.value, ast.Attribute) and node.value.attr == "callbacks")
+    ]  # fmt: skip
+    assert reads_filter == []
+    assert {"skipped_fraction", "staleness"}.isdisjoint(
+        node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    )
+    caught = _identifiers(ast.parse("def f(batches):\n    return batches.peek(model.input_part)\n"))
+    assert "input_part" in caught and "batches" in caught  # the finder sees attributes and arguments
+
+
+def test_dependencies_point_down_to_the_loop() -> None:
+    """The loop (`training`) uses the data, the tables and skipping; none of those imports the loop."""
+    lower = ("slipcache.data", "slipcache.embedding", "slipcache.staleness")
+    up = sorted(
+        f"{name} -> {target}" for name, imports in import_graph().items() if name.startswith(lower)
+        for target in imports if target.startswith("slipcache.training")
+    )  # fmt: skip
+    assert up == []
+
+
+def _design_map() -> set[str]:
+    """The source files docs/design.md's tables name: `a/b.py`, then `c.py` in the same cell means `a/c.py`."""
+    named: set[str] = set()
+    for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+        names = re.findall(r"`([^`]+)`", line.split("|")[1]) if line.startswith("| `") else []
+        base = names[0].rsplit("/", 1)[0] if names and "/" in names[0] else ""
+        named.update(n if "/" in n or not base else f"{base}/{n}" for n in names)
+    return {n for n in named if n.startswith("slipcache/")}
+
+
+def test_the_design_map_names_every_source_file() -> None:
+    named = _design_map()
+    folders = tuple(n for n in named if n.endswith("/"))
+    files = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    assert sorted(f for f in files if f not in named and not f.startswith(folders)) == []
+    assert sorted(n for n in named if not (PACKAGE.parent / n).exists()) == []

@@ -35,7 +35,6 @@ SUMMARY_KEYS = {
     "fp32_embedding_bytes",
     "memory_ratio",
     "cache_hit_rate",
-    "skipped_fraction",
     "config",
 }
 # A checkpoint event's bytes vary too: the file holds the events before it, their timings included.
@@ -66,7 +65,8 @@ def test_end_to_end_writes_run_dir(data_dir: Path, tmp_path: Path) -> None:
     assert set(on_disk) >= SUMMARY_KEYS
     assert on_disk["auc"] == pytest.approx(summary["auc"])
     assert summary["auc"] > 0.55  # learned something
-    assert summary["memory_ratio"] == 1.0 and summary["skipped_fraction"] == 0.0
+    # no feature joined: the summary holds no feature's fields (a skipping run's callback adds its own)
+    assert summary["memory_ratio"] == 1.0 and "skipped_fraction" not in summary and "staleness" not in summary
     assert summary["cache_hit_rate"] is None  # the baseline has no cache
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train_events = [e for e in events if e["event"] == "train"]
@@ -332,3 +332,35 @@ def test_summary_table_shows_the_skipped_share_of_a_skipping_run() -> None:
     assert "skipped" not in format_summary(summary)
     summary["staleness"] = {"skipped_fraction": 0.1586}
     assert "skipped as stale    15.9% of inputs" in format_summary(summary)
+
+
+def test_a_library_call_puts_the_process_settings_back(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--threads and --huge-pages hold for the run only: a caller of `train` gets its own settings back."""
+    monkeypatch.delenv(hostmem.ENV_HUGE_PAGES, raising=False)
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    seen: dict[str, object] = {}
+    real_start = train.start_run
+
+    def start(config: object, backend: object) -> object:
+        seen.update(threads=torch.get_num_threads(), mode=hostmem.huge_pages_mode())
+        return real_start(config, backend)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train, "start_run", start)
+    train.train(tiny(data_dir, tmp_path / "run", threads=wanted, huge_pages="auto"))
+    assert seen == {"threads": wanted, "mode": "auto"}
+    assert torch.get_num_threads() == before and hostmem.huge_pages_mode() == hostmem.DEFAULT_HUGE_PAGES
+
+
+def test_a_resume_draws_no_initial_rows(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row comes from the checkpoint: the initial draw (minutes at the MLPerf sizes) is skipped."""
+    from slipcache.embedding.collection import CachedEmbeddingBagCollection
+
+    run = tmp_path / "run"
+    train.train(tiny(data_dir, run, embeddings="cached", epochs=1))
+    drawn: list[int] = []
+    monkeypatch.setattr(CachedEmbeddingBagCollection, "_initialize_rows", lambda self: drawn.append(1))
+    resumed = train.train(make_config({}, {"resume": str(run), "progress": False, "allow_changes": True, "epochs": 2}))
+    assert drawn == [] and resumed["train_samples"] > 0

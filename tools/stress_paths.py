@@ -88,8 +88,9 @@ def _samples_of(run: Path) -> int | None:
 
 
 def chain_trial(runner: Any, workdir: Path, index: int, rng: random.Random, seconds: float) -> dict[str, Any]:
-    """One run continued alternately by 2 processes (torchrun) and 1, each continuation killed at a random
-    moment with probability 0.5 (at most 4 kills), until it finishes. Every continuation changes
+    """One run continued alternately by 2 processes (torchrun) and 1, the first start killed at a random
+    moment and each continuation with probability 0.5 (at most 4 kills), until it finishes (a first start
+    that finished before its kill is started over). Every continuation changes
     --eval-samples (with --allow-changes), so config.json records the samples each one resumed from; each
     must be the newest complete checkpoint there was when it started."""
     run, log = workdir / f"chain-{index}", workdir / f"chain-{index}.log"
@@ -109,7 +110,7 @@ def chain_trial(runner: Any, workdir: Path, index: int, rng: random.Random, seco
             process = subprocess.Popen(args, env=runner.env, stdout=out, stderr=out, cwd=runner.workdir,
                                        start_new_session=True)
         killed = False
-        if kills < 4 and rng.random() < 0.5:
+        if kills == 0 or (kills < 4 and rng.random() < 0.5):  # the first always: the run must change hands
             try:
                 process.wait(timeout=rng.uniform(0.3, 1.0) * seconds)
             except subprocess.TimeoutExpired:
@@ -118,6 +119,10 @@ def chain_trial(runner: Any, workdir: Path, index: int, rng: random.Random, seco
                 killed, kills = True, kills + 1
                 time.sleep(0.5)  # the group's processes are gone before the next start
         code = process.wait(timeout=900)
+        if kills == 0:  # finished before the kill: the trial needs a change of hands, start it over
+            shutil.rmtree(run)
+            steps.clear()
+            continue
         steps.append({"processes": world, "resumed_from_newest": newest, "killed": killed, "code": code})
         if not killed and code != 0:
             return {"steps": steps, "verdict": "FAILURE", "error": f"exit {code}; see {log}"}

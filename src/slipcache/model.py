@@ -165,13 +165,16 @@ def embedding_config(table_sizes: list[int], dim: int, **options: Any) -> Embedd
         raise SlipcacheError(f"embedding configuration: {exc}") from exc
 
 
-def build_embeddings(table_sizes: list[int], dim: int, *, embeddings: str = "cached", **options: Any) -> nn.Module:
+def build_embeddings(
+    table_sizes: list[int], dim: int, *, embeddings: str = "cached", draw_rows: bool = True, **options: Any
+) -> nn.Module:
     """The one place that picks an embedding implementation.
 
     `options`: `EmbeddingConfig` fields (precision, cache_size, cache_rows, policy, rounding, optimizer, lr,
     seed, ...); what is not given takes `EmbeddingConfig`'s default, the one place the defaults live.
     embeddings="torch": the fp32 `nn.EmbeddingBag` baseline (only lr and seed apply).
-    embeddings="cached": mixed-precision storage with an fp32 cache (`slipcache.embedding.collection`).
+    embeddings="cached": mixed-precision storage with an fp32 cache (`slipcache.embedding.collection`);
+    `draw_rows` False: a checkpoint's rows are loaded next, so none are drawn.
     """
     from slipcache.embedding.config import EmbeddingConfig
     from slipcache.memory import require_config_fits, require_tables_fit
@@ -188,7 +191,7 @@ def build_embeddings(table_sizes: list[int], dim: int, *, embeddings: str = "cac
 
     config = embedding_config(table_sizes, dim, **options)
     require_config_fits(config, "embedding tables")
-    return CachedEmbeddingBagCollection(config)
+    return CachedEmbeddingBagCollection(config, draw_rows=draw_rows)
 
 
 def _mlp(sizes: list[int], *, final_relu: bool) -> nn.Sequential:

@@ -211,8 +211,13 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         format_table(result["rows"], markdown=True),
         "",
-        f"`samples/s` is the median of {result['rounds']} interleaved rounds (each timed for at least "
-        f"{result['min_seconds']:g} s), `min-max` their range.",
+        f"`samples/s` is the median of {result['rounds']} interleaved rounds, `min-max` their range; "
+        + (
+            f"each timed section replayed its batches to last {result['min_seconds']:g} s (replayed batches "
+            "find their rows cached: see `replayed_batches`)."
+            if result["min_seconds"]
+            else "no timed batch was replayed."
+        ),
         "",
         "`of bound` = samples/s over the configuration's own bound: the samples/s at which its random memory "
         "accesses alone, priced by the random-gather probe at their working-set and row sizes, would take the "

@@ -164,6 +164,7 @@ def measure(
         elapsed = last - start
         samples = steps * work.batch_size
         row["timed_steps"] = steps
+        row["replayed_batches"] = max(0, steps - work.timed_steps)  # only with --min-seconds: flagged
         row["timed_s"] = elapsed
         row["samples_per_s"] = samples / elapsed if elapsed > 0 else None
         # Robust to a neighbour stealing the cores for part of the run: the typical step, not the mean.

@@ -32,7 +32,6 @@ VERSION = 1
 NUM_DENSE = 13
 NUM_TABLES = 26
 SPLIT_NAMES = ("train", "val", "test")
-PARTS = ("labels", "dense", "sparse")
 LABEL_PROBE_ROWS = 1 << 16  # labels checked when a split is opened (every batch's are checked as it is read)
 
 

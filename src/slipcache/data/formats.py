@@ -108,7 +108,6 @@ class ExternalDataset:
         if order not in SPLIT_ORDERS:
             raise SlipcacheError(f"split order must be one of {', '.join(SPLIT_ORDERS)}, got {order!r}")
         days, transform_dense = _open_days(layout)
-        self._days = days
         self.transform_dense = transform_dense
         self._ranges = _split_ranges(layout, days, order)
         self.splits = {name: sum(e - s for _, s, e in parts) for name, parts in self._ranges.items()}

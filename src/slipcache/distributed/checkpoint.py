@@ -248,7 +248,7 @@ def unshard_into(collection: CachedEmbeddingBagCollection, step_dir: Path) -> No
         shards = plan.shards_of(rank)
         if not shards:
             continue
-        old = CachedEmbeddingBagCollection(shard_config(collection.config, shards, rank))
+        old = CachedEmbeddingBagCollection(shard_config(collection.config, shards, rank), draw_rows=False)
         saved = load_rank_state(step_dir, rank)["embeddings"]
         old.load_state_dict({k.removeprefix("local."): v for k, v in saved.items()})
         old.flush()

@@ -33,7 +33,7 @@ from slipcache.embedding.collection import (
     CachedEmbeddingBagCollection,
     EmbeddingConfig,
     SparseFeatures,
-    _init_chunk_rows,
+    initial_rows,
 )
 from slipcache.errors import InvalidInputError
 
@@ -95,8 +95,8 @@ class ShardedEmbeddingCollection(nn.Module):
 
     forward(ids [b, T]) -> [b, T, D] for this rank's slice of the global batch; every rank of the group
     must call it (and backward) for the same step. The initial rows equal those of a single-process
-    `CachedEmbeddingBagCollection(config)`: the same generator stream is replayed and each rank keeps
-    its rows. Stochastic rounding draws from a stream per rank (seed + rank).
+    `CachedEmbeddingBagCollection(config)`: both take them from `initial_rows`, each rank keeping its
+    shards' rows. Stochastic rounding draws from a stream per rank (seed + rank).
     """
 
     fused_update = True
@@ -108,6 +108,8 @@ class ShardedEmbeddingCollection(nn.Module):
         rank: int,
         group: dist.ProcessGroup | None = None,
         wire_precision: str = "fp32",
+        *,
+        draw_rows: bool = True,
     ) -> None:
         super().__init__()
         if wire_precision not in WIRE_DTYPES:
@@ -125,10 +127,10 @@ class ShardedEmbeddingCollection(nn.Module):
         if self.shards:
             local_config = shard_config(config, self.shards, rank)
             local_config.table_names = [_shard_name(names[s.table], s, plan) for s in self.shards]
-            self.local = CachedEmbeddingBagCollection(local_config)
+            self.local = CachedEmbeddingBagCollection(local_config, draw_rows=False)  # its rows: below
             self.local.sharded_by_slipcache = True  # its rows differ by rank by design, under DDP
-            if torch.device(config.storage_device).type != "meta":
-                self._replay_initialization()
+            if draw_rows and torch.device(config.storage_device).type != "meta":
+                self._keep_initial_rows()
         device = torch.device(config.cache_device)
         offsets = torch.zeros(len(self.table_sizes) + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor(self.table_sizes), 0, out=offsets[1:])
@@ -155,27 +157,18 @@ class ShardedEmbeddingCollection(nn.Module):
         self.traffic = dict.fromkeys(TRAFFIC_KEYS, 0)
 
     # ---------------------------------------------------------------------------------------- set-up
-    def _replay_initialization(self) -> None:
-        """Draw the single-process initial rows table by table, chunk by chunk, keeping this rank's.
-
-        Mirrors `CachedEmbeddingBagCollection._initialize_rows` (same generator, seed, chunking, fp32
-        draw rounded to nearest); a test checks the two agree.
-        """
+    def _keep_initial_rows(self) -> None:
+        """The one-process collection's initial rows (`initial_rows`), this rank keeping its shards' rows."""
         assert self.local is not None
-        generator = torch.Generator().manual_seed(self.config.seed)
-        chunk_rows = _init_chunk_rows(self.dim)
         local_offsets = self.local.table_offsets.tolist()
-        for table, size in enumerate(self.table_sizes):
-            bound = 1.0 / math.sqrt(size)
-            for chunk_start in range(0, size, chunk_rows):
-                count = min(chunk_rows, size - chunk_start)
-                values = (torch.rand(count, self.dim, generator=generator) * 2 - 1) * bound
-                for local_table, shard in enumerate(self.shards):
-                    lo, hi = max(shard.row_start, chunk_start), min(shard.row_end, chunk_start + count)
-                    if shard.table == table and lo < hi:
-                        piece = values[lo - chunk_start : hi - chunk_start].to(self.local.storage_device)
-                        dest = local_offsets[local_table] + lo - shard.row_start
-                        self.local.storage.write_range(dest, piece, "nearest", None)
+        for table, chunk_start, values in initial_rows(self.table_sizes, self.dim, self.config.seed):
+            count = values.shape[0]
+            for local_table, shard in enumerate(self.shards):
+                lo, hi = max(shard.row_start, chunk_start), min(shard.row_end, chunk_start + count)
+                if shard.table == table and lo < hi:
+                    piece = values[lo - chunk_start : hi - chunk_start].to(self.local.storage_device)
+                    dest = local_offsets[local_table] + lo - shard.row_start
+                    self.local.storage.write_range(dest, piece, "nearest", None)
 
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given global fp32 tables; each rank keeps its shards' rows."""

@@ -105,11 +105,6 @@ class DistributedDLRM(nn.Module):
     def dense_parameters(self) -> list[nn.Parameter]:
         return self.inner.dense_parameters()
 
-    @property
-    def input_part(self) -> tuple[int, int]:
-        """(rank, world size): the part of every global batch this rank reads (`BatchIterator(part=...)`)."""
-        return self.ctx.rank, self.ctx.world_size
-
     def forward(self, dense: Tensor, sparse: Tensor, batch_size: int | None = None) -> Tensor:
         """Logits of the global batch. `batch_size` None: dense and sparse hold the whole global batch and
         this rank keeps its slice; else they hold only this rank's slice of a global batch of that size."""
@@ -152,6 +147,10 @@ class DistributedBackend(RunBackend):
     @property
     def writes_files(self) -> bool:
         return self.is_main
+
+    def batch_part(self) -> tuple[int, int]:
+        """(rank, world size): each rank reads its slice of every global batch."""
+        return self.ctx.rank, self.ctx.world_size
 
     @property
     def processes(self) -> int:
@@ -208,7 +207,7 @@ class DistributedBackend(RunBackend):
         return box[0]
 
     def build_model(
-        self, config: Any, table_sizes: list[int], num_dense: int, run_dir: Path
+        self, config: Any, table_sizes: list[int], num_dense: int, run_dir: Path, *, draw_rows: bool = True
     ) -> DistributedDLRM:
         tables_config = embedding_config(
             table_sizes,
@@ -233,7 +232,8 @@ class DistributedBackend(RunBackend):
         else:
             redirect_output(run_dir, self.ctx.rank)
         tables = ShardedEmbeddingCollection(
-            tables_config, self.plan, self.ctx.rank, self.ctx.embedding_group, wire_precision=config.wire_precision
+            tables_config, self.plan, self.ctx.rank, self.ctx.embedding_group,
+            wire_precision=config.wire_precision, draw_rows=draw_rows,
         )
         return DistributedDLRM(DLRM(config.model_config(table_sizes, num_dense), tables).to(self.ctx.device), self.ctx)
 
@@ -374,6 +374,3 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
         raise
     finally:
         shutdown()
-
-
-DistributedRun = DistributedBackend  # the name before the run backend; kept for code that imports it

@@ -20,7 +20,6 @@ write-backs. The configuration is in `config`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from tqdm import tqdm
 
 from slipcache.embedding.accounting import COUNTERS, PhaseClock, TrafficCounters, memory_report, row_bytes
 from slipcache.embedding.cache import RowCache
-from slipcache.embedding.config import FLOAT32_MAX, OPTIMIZERS, EmbeddingConfig
+from slipcache.embedding.config import FLOAT32_MAX, EmbeddingConfig
 from slipcache.embedding.inputs import LookupInputs, SparseFeatures
 from slipcache.embedding.plan import StepPlanner, _FusedLookup
 from slipcache.embedding.prefetch import Prefetcher
@@ -44,27 +43,28 @@ from slipcache.embedding.update import FusedOptimizer
 from slipcache.embedding.writeback import RowWriter
 from slipcache.errors import InvalidInputError, SlipcacheError
 
-# OPTIMIZERS: still imported from here by slipcache.training.
-__all__ = ["OPTIMIZERS", "CachedEmbeddingBagCollection", "EmbeddingConfig", "SparseFeatures"]
+__all__ = ["CachedEmbeddingBagCollection", "EmbeddingConfig", "SparseFeatures"]
 
 _INIT_CHUNK_ROWS = 1 << 20
-_LOAD_FOLLOWS = [False]  # set by `rows_loaded_next`
-
-
-@contextlib.contextmanager
-def rows_loaded_next() -> Iterator[None]:
-    """Collections built inside skip drawing their initial rows (minutes for the MLPerf tables): the caller
-    loads every row from a checkpoint right after (its storage is left uninitialized until then)."""
-    _LOAD_FOLLOWS[0] = True
-    try:
-        yield
-    finally:
-        _LOAD_FOLLOWS[0] = False
 # Rows are drawn and rounded a chunk of about 1 MB of fp32 at a time: it stays in the core's cache between
 # the draw and the rounding, and bounds what creation holds in fp32 whatever the table sizes.
 _INIT_CHUNK_VALUES = 1 << 18
 # A progress bar when creation rounds at least this many values (a few seconds).
 PROGRESS_VALUES = 1 << 30
+
+
+def initial_rows(table_sizes: list[int], dim: int, seed: int) -> Iterator[tuple[int, int, Tensor]]:
+    """(table, its first row, fp32 values) chunk by chunk: DLRM's uniform(-1/sqrt(n), 1/sqrt(n)) per table from
+    one generator seeded by `seed`. The one draw of initial rows: the collection writes every chunk, each rank
+    of a sharded one keeps its shards' rows. The values tensor is reused: use it before the next chunk."""
+    generator = torch.Generator().manual_seed(seed)  # not the write-back stream: a fresh one
+    chunk_rows = _init_chunk_rows(dim)
+    chunk = torch.empty(chunk_rows, dim)
+    for table, size in enumerate(table_sizes):
+        bound = 1.0 / math.sqrt(size)
+        for first in range(0, size, chunk_rows):
+            count = min(chunk_rows, size - first)
+            yield table, first, chunk[:count].uniform_(generator=generator).mul_(2).sub_(1).mul_(bound)
 
 
 def _init_chunk_rows(dim: int) -> int:
@@ -85,7 +85,9 @@ class CachedEmbeddingBagCollection(nn.Module):
     # True when the caller lets each process of a multi-process job train its own copy (replicas.py)
     independent_replica = False
 
-    def __init__(self, config: EmbeddingConfig) -> None:
+    def __init__(self, config: EmbeddingConfig, *, draw_rows: bool = True) -> None:
+        """`draw_rows` False: every row is loaded right after (a checkpoint), so the initial draw (minutes
+        at the MLPerf sizes) is skipped and the storage left as allocated until then."""
         super().__init__()
         self.config = config
         self.dim = config.dim
@@ -143,7 +145,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.inputs, self.planner, self.cache, self.storage, self.traffic, config.rounding, config.seed
         )
         if not meta:
-            if not _LOAD_FOLLOWS[0]:
+            if draw_rows:
                 self._initialize_rows()
             if self.storage_device.type == "cpu" and self.device.type == "cuda":
                 self.storage.pin_memory_()
@@ -247,24 +249,15 @@ class CachedEmbeddingBagCollection(nn.Module):
         measure precision alone. One reused chunk of about 1 MB of fp32 at a time: the compiled quantize
         pass rounds it while it is still in cache, and creation never holds more than that in fp32.
         """
-        generator = torch.Generator().manual_seed(self.config.seed)  # not the write-back stream: a fresh one
-        chunk_rows = _init_chunk_rows(self.dim)
-        chunk = torch.empty(chunk_rows, self.dim)
         total = sum(self.table_sizes)
+        offsets = self.table_offsets.tolist()
         with tqdm(
             total=total, unit="rows", unit_scale=True, desc="creating tables", leave=False,
             disable=total * self.dim < PROGRESS_VALUES or not sys.stderr.isatty(),
         ) as bar:
-            start = 0
-            for size in self.table_sizes:
-                bound = 1.0 / math.sqrt(size)
-                for chunk_start in range(0, size, chunk_rows):
-                    count = min(chunk_rows, size - chunk_start)
-                    # In place, the same float operations as (rand * 2 - 1) * bound: the same values.
-                    values = chunk[:count].uniform_(generator=generator).mul_(2).sub_(1).mul_(bound)
-                    self.storage.write_range(start + chunk_start, values.to(self.storage_device), "nearest", None)
-                    bar.update(count)
-                start += size
+            for table, first, values in initial_rows(self.table_sizes, self.dim, self.config.seed):
+                self.storage.write_range(offsets[table] + first, values.to(self.storage_device), "nearest", None)
+                bar.update(values.shape[0])
 
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""

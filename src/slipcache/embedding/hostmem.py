@@ -12,8 +12,8 @@ becomes resident and the memory accounting (which counts the tensors' bytes) sta
 
 `SLIPCACHE_HUGE_PAGES` = on | off | auto chooses (auto: tensors of 64 MiB and more, far beyond what the TLB
 covers in 4 KiB pages). Default `off`: on this machine they made the embedding bench 1.12-1.43x faster
-(quiet) but training at the MLPerf sizes no faster (docs/scale.md). `set_huge_pages` sets it for the process
-(`--huge-pages`). Where huge pages are unavailable
+(quiet) but training at the MLPerf sizes no faster (docs/scale.md). `--huge-pages` (and `train`'s setting)
+sets it for the command's duration (`slipcache.options.huge_pages`). Where huge pages are unavailable
 (`never`, not Linux, no `madvise`) every mode allocates as torch does, silently.
 """
 
@@ -46,19 +46,9 @@ AUTO_MIN_BYTES = 64 << 20
 MIN_BYTES = HUGE_PAGE  # a smaller tensor cannot hold a huge page
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
-_mode: list[str | None] = [None]  # set_huge_pages' choice; None: the environment's
-
-
-def set_huge_pages(mode: str | None) -> None:
-    """Huge pages for the tensors allocated from now on in this process; None: back to the environment's."""
-    if mode is not None and mode not in HUGE_PAGE_MODES:
-        raise SlipcacheError(f"huge pages must be one of {', '.join(HUGE_PAGE_MODES)}, got {mode!r}")
-    _mode[0] = mode
-
-
 def huge_pages_mode() -> str:
-    """The mode in force: `set_huge_pages`, else $SLIPCACHE_HUGE_PAGES, else the default."""
-    mode = _mode[0] or os.environ.get(ENV_HUGE_PAGES) or DEFAULT_HUGE_PAGES
+    """The mode in force: $SLIPCACHE_HUGE_PAGES (`--huge-pages` sets it for the command), else the default."""
+    mode = os.environ.get(ENV_HUGE_PAGES) or DEFAULT_HUGE_PAGES
     if mode not in HUGE_PAGE_MODES:
         raise SlipcacheError(f"{ENV_HUGE_PAGES} must be one of {', '.join(HUGE_PAGE_MODES)}, got {mode!r}")
     return mode

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from slipcache.callback import Callback
 from slipcache.errors import SlipcacheError
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.order import HotInputs, schedule_fields
 from slipcache.staleness.schedule import window_plan
-from slipcache.training.callbacks import Callback
 
 if typing.TYPE_CHECKING:
     from slipcache.data.dataset import Batch

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from slipcache.callback import Callback
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.hotset import HotSet
-from slipcache.training.callbacks import Callback
 
 if typing.TYPE_CHECKING:
     from slipcache.data.dataset import SplitArrays

@@ -1,6 +1,6 @@
 """Stale-input skipping inside the training loop: warm-up, the Slipstream cycle and the guard.
 
-The training loop calls `StaleSkipper` through its callback (`staleness/callback.py`), at these hooks:
+The training loop calls `StaleSkipper` through its callback (`training/skip_inputs.py`), at these hooks:
 
     skipper.start_epoch(epoch, batch_in_epoch)   before the epoch's BatchIterator is built
     BatchIterator(..., sample_filter=skipper.sample_filter)

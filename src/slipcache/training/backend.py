@@ -29,9 +29,12 @@ if typing.TYPE_CHECKING:
     from slipcache.training.config import TrainConfig
 
 
-def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int) -> DLRM:
-    """The DLRM of `config` on these tables; the sharded model builds its own (distributed.training)."""
-    embeddings = build_embeddings(list(table_sizes), embeddings=config.embeddings, **config.embedding_options())
+def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int, *, draw_rows: bool = True) -> DLRM:
+    """The DLRM of `config` on these tables (`draw_rows` False: a checkpoint's rows are loaded next); the
+    sharded model builds its own (distributed.training)."""
+    embeddings = build_embeddings(
+        list(table_sizes), embeddings=config.embeddings, draw_rows=draw_rows, **config.embedding_options()
+    )
     return DLRM(config.model_config(table_sizes, num_dense), embeddings)
 
 
@@ -74,7 +77,15 @@ class RunBackend:
         """Take the run directory for this run (`run.lock`): one writer per run directory."""
         raise NotImplementedError
 
-    def build_model(self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path) -> Any:
+    def build_model(
+        self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path, *, draw_rows: bool = True
+    ) -> Any:
+        """The run's model; `draw_rows` False: a checkpoint's rows are loaded next, so none are drawn."""
+        raise NotImplementedError
+
+    def batch_part(self) -> tuple[int, int] | None:
+        """(part, parts): the slice of every global batch this process reads (`BatchIterator(part=...)`);
+        None: the whole batch."""
         raise NotImplementedError
 
     def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any] | None:
@@ -106,8 +117,13 @@ class LocalBackend(RunBackend):
     def claim_run_dir(self, run_dir: Path, record: dict[str, Any]) -> RunLock:
         return runlock.acquire(run_dir, record["run_id"])
 
-    def build_model(self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path) -> DLRM:
-        return build_model(config, table_sizes, num_dense)
+    def build_model(
+        self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path, *, draw_rows: bool = True
+    ) -> DLRM:
+        return build_model(config, table_sizes, num_dense, draw_rows=draw_rows)
+
+    def batch_part(self) -> None:
+        return None
 
     def __init__(self) -> None:
         self._unshard_from: Path | None = None  # a checkpoint of N processes, gathered into one

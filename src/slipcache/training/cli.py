@@ -24,7 +24,6 @@ from slipcache.training.datasets import (
     run_dataset_dir,
 )
 from slipcache.training.flags import add_config_flags
-from slipcache.training.flags import int_list as int_list  # re-exported: its old home
 from slipcache.training.saved_run import find_checkpoint, load_saved_model, saved_config
 from slipcache.training.trainer import evaluate, train
 

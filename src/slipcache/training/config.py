@@ -16,8 +16,7 @@ from typing import Any
 
 from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
-from slipcache.embedding.collection import OPTIMIZERS
-from slipcache.embedding.config import FLOAT32_MAX
+from slipcache.embedding.config import FLOAT32_MAX, OPTIMIZERS
 from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError

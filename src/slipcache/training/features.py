@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typing
 
-from slipcache.training.callbacks import Callback, Callbacks, MetricsLog
+from slipcache.callback import Callback
+from slipcache.training.callbacks import Callbacks, MetricsLog
+from slipcache.training.upcoming import ShowUpcomingBatches, upcoming_batches
 
 if typing.TYPE_CHECKING:
     from slipcache.training.run import Run
@@ -27,13 +29,16 @@ def run_callbacks(run: Run) -> Callbacks:
         callbacks.append(order)  # first: skipping and freezing use the hot set it profiles each epoch
         hot_inputs = order.hot_inputs
     if config.skip_rule is not None:  # --skip-rule stale|random|loss (--skip-stale is stale)
-        from slipcache.staleness.callback import SkipStaleInputs
+        from slipcache.training.skip_inputs import SkipStaleInputs
 
         callbacks.append(SkipStaleInputs(run, hot_inputs))
     if config.freeze_rows is not None:  # --freeze-rows stalest|random
         from slipcache.staleness.freezing import FreezeRows
 
         callbacks.append(FreezeRows(run, hot_inputs))
+    ahead = upcoming_batches(config)  # the lookahead policies' window, or the prefetch's one batch
+    if ahead:
+        callbacks.append(ShowUpcomingBatches(ahead, config.prefetch))
     if run.backend.writes_files:
         callbacks.append(MetricsLog())
         if config.tensorboard is not None:

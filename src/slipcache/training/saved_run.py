@@ -52,13 +52,8 @@ def load_saved_model(
     saved: SavedCheckpoint, state: dict[str, Any], num_dense: int, *, dense: bool = True
 ) -> DLRM:
     """The run's model with the checkpoint's tables (and, with `dense`, its MLPs) in one process."""
-    if saved.sharded:
-        model = build_model(saved_config(saved, state), state["table_sizes"], num_dense)
-    else:
-        from slipcache.embedding.collection import rows_loaded_next
-
-        with rows_loaded_next():  # every row comes from the checkpoint: no initial draw to overwrite
-            model = build_model(saved_config(saved, state), state["table_sizes"], num_dense)
+    # every row comes from the checkpoint: no initial draw to overwrite
+    model = build_model(saved_config(saved, state), state["table_sizes"], num_dense, draw_rows=False)
     if saved.sharded:  # gather the ranks' shards into this process's tables
         from slipcache.distributed.checkpoint import unshard_into
 

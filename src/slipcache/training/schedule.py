@@ -11,7 +11,7 @@ from __future__ import annotations
 import typing
 from typing import Any
 
-from slipcache.training.callbacks import Callback
+from slipcache.callback import Callback
 
 if typing.TYPE_CHECKING:
     from slipcache.training.run import Run

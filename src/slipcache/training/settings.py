@@ -32,14 +32,14 @@ GROUPS = {
     "skipping": "stale-input skipping (docs/skipping.md)",
 }
 # The parts a setting configures (`sets="part.field"`); a setting that names one takes its default.
-PARTS: dict[str, type] = {"embedding": EmbeddingConfig, "model": ModelConfig, "staleness": StalenessConfig}
+PART_CONFIGS: dict[str, type] = {"embedding": EmbeddingConfig, "model": ModelConfig, "staleness": StalenessConfig}
 _INHERIT: Any = object()  # the default of the first part's field the setting sets
 
 
 def _part_default(target: str, scale: float) -> tuple[Any, Any]:
     """(default, factory) of the part's field `target` ("part.field"), in the setting's unit."""
     part, name = target.split(".")
-    f = next(f for f in dataclasses.fields(PARTS[part]) if f.name == name)
+    f = next(f for f in dataclasses.fields(PART_CONFIGS[part]) if f.name == name)
     if f.default_factory is not dataclasses.MISSING:
         return None, f.default_factory
     return (f.default if scale == 1 else f.default / scale), None
@@ -67,7 +67,7 @@ def flag(default: Any = _INHERIT, help: str = "", *, resume: str, group: str, se
 
 
 def part_options(config: Any, fields: dict[str, dataclasses.Field], part: str) -> dict[str, Any]:
-    """The settings of `config` (its `fields`) that set fields of `part` (one of PARTS), as {part's field:
+    """The settings of `config` (its `fields`) that set fields of `part` (one of PART_CONFIGS), as {part's field:
     value}; a scaled setting gives a whole number of the part's unit."""
     options = {}
     for name, f in fields.items():

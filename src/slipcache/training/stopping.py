@@ -20,8 +20,8 @@ import time
 import typing
 from typing import Any
 
+from slipcache.callback import Callback
 from slipcache.errors import RunInterrupted
-from slipcache.training.callbacks import Callback
 
 if typing.TYPE_CHECKING:
     from slipcache.training.run import Run

@@ -20,9 +20,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from slipcache.callback import Callback
 from slipcache.errors import SlipcacheError
 from slipcache.safe_files import ensure_dir
-from slipcache.training.callbacks import Callback
 
 if typing.TYPE_CHECKING:
     from slipcache.training.run import Run

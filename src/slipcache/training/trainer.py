@@ -19,6 +19,7 @@ so an interrupted run resumed with `--resume` ends exactly where the uninterrupt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -30,13 +31,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slipcache import _native
-from slipcache.embedding.cache import LOOKAHEAD_POLICIES
-from slipcache.embedding.hostmem import set_huge_pages
 from slipcache.errors import SlipcacheError
 from slipcache.iostats import AnonPeak
 from slipcache.memory import peak_rss_bytes
 from slipcache.model import DLRM
+from slipcache.options import huge_pages, torch_threads
 from slipcache.progress import progress_bar
 from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
@@ -54,8 +53,8 @@ from slipcache.training.datasets import (
     run_dataset_dir,
     training_batches,
 )
+from slipcache.training.evaluation import evaluate
 from slipcache.training.features import run_callbacks
-from slipcache.training.metrics import evaluate_predictions
 from slipcache.training.run import Progress, Run
 from slipcache.training.run_state import apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, run_record, warn
@@ -64,43 +63,6 @@ from slipcache.training.tensorboard import embedding_event_fields, resolve_setti
 # Re-exported: bench/train.py and benchmarks/runner.py (one seam for a fake trainer in the tests) read
 # these as trainer.<name>; `Run`/`Progress` lived here before `training/run.py`.
 __all__ = ["Progress", "Run", "build_model", "embedding_optimizer", "evaluate", "make_config", "prepare_data", "train"]
-
-# ----------------------------------------------------------------------------------------------------
-# Model, evaluation
-
-
-@torch.no_grad()
-def evaluate(
-    model: DLRM, split: Any, *, max_samples: int | None = None, batch_size: int = 8192
-) -> dict[str, float]:
-    """AUC, log loss, accuracy and normalized entropy on the first `max_samples` of a split (in order)."""
-    from slipcache.data.dataset import BatchIterator
-
-    was_training = model.training
-    model.eval()
-    labels: list[np.ndarray] = []
-    probs: list[np.ndarray] = []
-    seen = 0
-    part = getattr(model, "input_part", None)  # a rank of N reads its slice of every batch
-    for batch in BatchIterator(split, batch_size, drop_last=False, stop=max_samples, part=part):
-        logits = batch.logits(model)
-        labels.append(batch.labels.numpy())
-        probs.append(torch.sigmoid(logits).numpy())
-        seen += len(batch)
-    model.train(was_training)
-    if not labels:
-        raise SlipcacheError("cannot evaluate on an empty split")
-    scores = np.concatenate(probs)
-    if not np.isfinite(scores).all():  # an AUC over NaN scores means nothing
-        bad = int((~np.isfinite(scores)).sum())
-        raise SlipcacheError(
-            f"{bad} of {scores.size} predictions are not finite: the split holds non-finite dense values "
-            "(NaN or inf) or the model diverged"
-        )
-    result = evaluate_predictions(np.concatenate(labels), scores)
-    result["samples"] = seen
-    return result
-
 
 # ----------------------------------------------------------------------------------------------------
 # Schedule
@@ -151,46 +113,49 @@ def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, A
     """
     anon_peak = AnonPeak().start()  # from before the tables are built
     try:
-        run = start_run(config, backend or LocalBackend())
-        run.anon_peak = anon_peak
-        try:
-            return _train_loop(run)
-        finally:
-            run.bar.close()
-            run.callbacks.close(run)
-            if run.lock is not None:
-                run.lock.release()
+        with contextlib.ExitStack() as settings:  # the run's threads and huge pages: the caller's come back after
+            return run_loop(config, backend, settings, anon_peak)
     finally:
         anon_peak.stop()
 
 
-def _train_loop(run: Run) -> dict[str, Any]:
-    """Epochs of steps, with the logging, evaluation and checkpoints they make due; then the summary."""
-    while run.more_epochs():
-        batches = epoch_batches(run)
-        for batch in batches:
-            if run.startup_s is None:
-                run.mark_started()
-            loss, logits = train_step(run, batch, batches)
-            consumed_before = run.consumed
-            last = record_step(run, batch, loss, logits, batches)
-            eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
-            if run.progress.samples % run.config.log_every == 0 or eval_due:
-                log_event(run, evaluate_now=eval_due)
-            every = run.progress.samples % run.config.checkpoint_every == 0
-            if (run.callbacks.checkpoint_due(run) or every) and not last:  # due: time, or a signal
-                save_checkpoint(run)
-            if last:
-                # A filtered (skipping) run's last epoch can end with trained + skipped just under the
-                # budget (the tail that fills no batch is dropped); it must not restart the epoch.
-                run.finished = True
-                break
-            run.restart_clock()  # eval and checkpoints excluded
-        else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
-            end_epoch(run)
-    if not run.checkpointed_here():  # resumed from its final checkpoint (killed before the end): not twice
-        save_checkpoint(run)
-    return finish_run(run)
+def run_loop(
+    config: TrainConfig, backend: RunBackend | None, settings: contextlib.ExitStack, anon_peak: AnonPeak | None = None
+) -> dict[str, Any]:
+    """`train`'s loop; `settings` holds the process settings the run applies until `train` returns."""
+    run = start_run(config, backend or LocalBackend(), settings)
+    run.anon_peak = anon_peak
+    try:
+        while run.more_epochs():
+            batches = epoch_batches(run)
+            for batch in batches:
+                if run.startup_s is None:
+                    run.mark_started()
+                loss, logits = train_step(run, batch, batches)
+                consumed_before = run.consumed
+                last = record_step(run, batch, loss, logits, batches)
+                eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
+                if run.progress.samples % run.config.log_every == 0 or eval_due:
+                    log_event(run, evaluate_now=eval_due)
+                every = run.progress.samples % run.config.checkpoint_every == 0
+                if (run.callbacks.checkpoint_due(run) or every) and not last:  # due: time, or a signal
+                    save_checkpoint(run)
+                if last:
+                    # A filtered (skipping) run's last epoch can end with trained + skipped just under the
+                    # budget (the tail that fills no batch is dropped); it must not restart the epoch.
+                    run.finished = True
+                    break
+                run.restart_clock()  # eval and checkpoints excluded
+            else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
+                end_epoch(run)
+        if not run.checkpointed_here():  # resumed from its final checkpoint (killed before the end): not twice
+            save_checkpoint(run)
+        return finish_run(run)
+    finally:
+        run.bar.close()
+        run.callbacks.close(run)
+        if run.lock is not None:
+            run.lock.release()
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
@@ -198,8 +163,9 @@ def _crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def start_run(config: TrainConfig, backend: RunBackend) -> Run:
-    """A new run, or an interrupted one restored from its checkpoint (`config.resume`)."""
+def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.ExitStack) -> Run:
+    """A new run, or an interrupted one restored from its checkpoint (`config.resume`); `settings` takes
+    this process's threads and huge pages for the run, put back when it closes."""
     config.validate()
     state: dict[str, Any] | None = None
     saved: dict[str, Any] = {}
@@ -209,12 +175,8 @@ def start_run(config: TrainConfig, backend: RunBackend) -> Run:
         run_dir = Path(config.out or "")
     else:
         run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
-    if config.threads is not None:  # --threads: this process's torch threads and compiled-loop threads
-        loops = _native.threads_for(config.threads)  # checked before anything changes
-        torch.set_num_threads(config.threads)
-        _native.set_threads(loops)
-    if config.huge_pages is not None:  # --huge-pages: how this process allocates the tables
-        set_huge_pages(config.huge_pages)
+    settings.enter_context(torch_threads(config.threads))  # torch's and the compiled loops' threads
+    settings.enter_context(huge_pages(config.huge_pages))  # how this process allocates the tables
     if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
         config.data = str(resolve_data(config.data))
 
@@ -254,7 +216,8 @@ def _build_run(
     random.seed(config.seed)
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
-    model = backend.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir)
+    # A resumed run loads every row from its checkpoint: none are drawn (minutes at the MLPerf sizes).
+    model = backend.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir, draw_rows=state is None)
     dense_opt = dense_optimizer(config, model)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
@@ -316,20 +279,19 @@ def epoch_batches(run: Run) -> Any:
         sample_filter=run.callbacks.sample_filter(run),
         groups=run.callbacks.input_groups(run),  # an order of the features (the cold-first order)
         time_order=run.config.time_order,
-        part=None if run.callbacks.reads_batch_ids else getattr(run.model, "input_part", None),
+        part=None if run.callbacks.reads_batch_ids else run.backend.batch_part(),
     )
 
 
 def train_step(run: Run, batch: Any, batches: Any = None) -> tuple[float, torch.Tensor]:
     """Forward, backward and optimizer steps on one batch; returns its mean loss and (detached) logits.
 
-    `batches` (the iterator `batch` came from) lets a lookahead policy or the prefetch see the batches
-    that follow, after the sample filter: those that will be trained.
+    `batches` (the iterator `batch` came from) lets the callbacks see the batches that follow, after the
+    sample filter: those that will be trained.
     """
     t0 = time.perf_counter()
-    ahead = lookahead_batches(run.config)
-    if ahead and batches is not None:
-        run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(ahead)], run.config.prefetch)
+    if batches is not None:
+        run.callbacks.before_step(run, batches)
     logits = batch.logits(run.model)
     weights = run.callbacks.loss_weights(run, batch.labels.shape[0])
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, weight=weights)
@@ -348,15 +310,6 @@ def train_step(run: Run, batch: Any, batches: Any = None) -> tuple[float, torch.
     return loss_value, logits.detach()
 
 
-def lookahead_batches(config: TrainConfig) -> int:
-    """Batches the embeddings are shown ahead: the lookahead policy's window or, with the rows on disk, the
-    read-ahead's (`--lookahead` both); else 1 for the prefetch alone."""
-    if config.embeddings != "cached":
-        return 0
-    ahead = config.policy in LOOKAHEAD_POLICIES or config.storage_path is not None
-    return config.lookahead if ahead else int(config.prefetch)
-
-
 def _non_finite_loss(run: Run, loss_value: float) -> SlipcacheError:
     p = run.progress
     latest = run.run_dir / "checkpoints" / ckpt.LATEST
@@ -371,12 +324,10 @@ def record_step(run: Run, batch: Any, loss_value: float, logits: torch.Tensor, b
     """Per-batch bookkeeping after a step (callbacks, counters, clock); returns whether it was the last."""
     progress = run.progress
     run.callbacks.after_step(run, batch, logits, loss_value)
-    # A filtered epoch has fewer batches: the run's last one is known when none follows.
-    last = (
-        batches.sample_filter is not None and progress.epoch == run.max_epochs - 1 and not batches.peek(1)
-    )
-    elapsed = run.count_span()
     n = batch.labels.shape[0]
+    # The budget is reached, or, in the last epoch, no batch follows (a filtered epoch has fewer batches).
+    last = run.consumed + n >= run.budget or (progress.epoch == run.max_epochs - 1 and not batches.peek(1))
+    elapsed = run.count_span()
     progress.step += 1
     progress.samples += n
     progress.batch_in_epoch += 1
@@ -385,7 +336,7 @@ def record_step(run: Run, batch: Any, loss_value: float, logits: torch.Tensor, b
     progress.window_samples += n
     progress.window_wall_s += elapsed
     run.bar.update(n)
-    return last or run.consumed >= run.budget
+    return last
 
 
 def log_event(run: Run, *, evaluate_now: bool) -> None:
@@ -397,7 +348,9 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
     event.update(run.callbacks.event_fields(run))
     run.bar.set_postfix(_postfix(event), refresh=False)
     if evaluate_now:
-        scores = evaluate(run.model, run.dataset.split("val"), max_samples=run.config.eval_samples)
+        scores = evaluate(
+            run.model, run.dataset.split("val"), max_samples=run.config.eval_samples, part=run.backend.batch_part()
+        )
         event.update({f"val_{k}": v for k, v in scores.items()})
         run.callbacks.after_eval(run, scores)
     progress.events.append(event)
@@ -448,7 +401,7 @@ def end_epoch(run: Run) -> None:
 def finish_run(run: Run) -> dict[str, Any]:
     """Test-set evaluation and the summary; the callbacks write it (summary.json, report.md, ...)."""
     progress, model = run.progress, run.model
-    test = evaluate(model, run.dataset.split("test"))
+    test = evaluate(model, run.dataset.split("test"), part=run.backend.batch_part())
     memory = model.embeddings.memory_report()
     summary: dict[str, Any] = {
         "auc": test["auc"],
@@ -466,7 +419,7 @@ def finish_run(run: Run) -> dict[str, Any]:
         "memory_ratio": float(memory["memory_ratio"]),
         "table_sizes": [int(n) for n in run.dataset.table_sizes],
         "startup_s": run.startup_s,
-        # The OS's peak resident set so far (mapped files' resident pages too), and of the process's own memory.
+        # The OS's peak resident set of this process so far: tables, data loading, evaluation, checkpoints.
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_rss_anon_bytes": run.anon_peak.peak() if run.anon_peak is not None else None,
         # disk bytes of the training loop alone (the span of train_wall_s), and of the start-up before it
@@ -478,8 +431,6 @@ def finish_run(run: Run) -> dict[str, Any]:
         "memory_per_rank": memory.get("per_rank"),  # N processes: each rank's own report
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
-        "skipped_fraction": progress.skipped / (progress.samples + progress.skipped),
-        "staleness": None,  # a skipping run's callback fills it
         "data_quality": run.data_quality,
         "run_dir": str(run.run_dir),
         "config": run.config_dict,

@@ -29,8 +29,8 @@ from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, MISSING_ROW, NEW_ENTIT
 from slipcache.data.synthetic.v4 import GeneratorV4
 from slipcache.data.synthetic.v5 import GeneratorV5
 from slipcache.errors import SlipcacheError
+from slipcache.metrics import auc
 from slipcache.progress import progress_bar
-from slipcache.training.metrics import auc
 
 GENERATOR_VERSIONS = {"v5": 5, "v4": 4, "v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
 DEFAULT_GENERATOR = "v5"

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from slipcache.callback import Callback
 from slipcache.staleness.factory import make_skipper
-from slipcache.training.callbacks import Callback
 
 if typing.TYPE_CHECKING:
     from slipcache.data.dataset import Batch, SampleFilter
@@ -57,7 +57,11 @@ class SkipStaleInputs(Callback):
         self.skipper.after_eval(scores)  # warm-up ends on a flat validation loss; the guard watches AUC
 
     def summary_fields(self, run: Run) -> dict[str, Any]:
-        return {"staleness": self.skipper.summary(_seconds_per_trained_sample(run))}
+        skipped = run.progress.skipped
+        return {
+            "skipped_fraction": skipped / (run.progress.samples + skipped),
+            "staleness": self.skipper.summary(_seconds_per_trained_sample(run)),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return self.skipper.state_dict()
