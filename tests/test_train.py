@@ -342,13 +342,13 @@ def test_a_library_call_puts_the_process_settings_back(
     before = torch.get_num_threads()
     wanted = 1 if before != 1 else 2
     seen: dict[str, object] = {}
-    real_start = train.start_run
+    real_finish = train.finish_run
 
-    def start(config: object, backend: object) -> object:
+    def finish(run: object) -> object:  # inside the run: its settings hold
         seen.update(threads=torch.get_num_threads(), mode=hostmem.huge_pages_mode())
-        return real_start(config, backend)  # type: ignore[arg-type]
+        return real_finish(run)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(train, "start_run", start)
+    monkeypatch.setattr(train, "finish_run", finish)
     train.train(tiny(data_dir, tmp_path / "run", threads=wanted, huge_pages="auto"))
     assert seen == {"threads": wanted, "mode": "auto"}
     assert torch.get_num_threads() == before and hostmem.huge_pages_mode() == hostmem.DEFAULT_HUGE_PAGES
