@@ -49,7 +49,8 @@ def _settings(data: str, out: str, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _events(run: Path) -> list[dict[str, Any]]:
-    drop = {"samples_per_s", "train_wall_s", "train_seconds", "train_cpu_s"}
+    drop = {"samples_per_s", "train_wall_s", "train_seconds", "train_cpu_s", "disk_read_bytes_per_step"}
+    drop |= {"disk_write_bytes_per_step", "train_disk_read_bytes"}
     return [
         {k: v for k, v in json.loads(line).items() if k not in drop} for line in open(run / "metrics.jsonl")
     ]

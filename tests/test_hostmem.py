@@ -180,12 +180,18 @@ def test_collection_with_a_storage_path_trains_bit_for_bit_as_in_memory(tmp_path
                                  storage_path=path)
         coll = CachedEmbeddingBagCollection(config)
         generator = torch.Generator().manual_seed(1)
-        for _ in range(5):
-            ids = torch.stack([torch.randint(0, n, (128,), generator=generator) for n in config.table_sizes], 1)
+        batches = [torch.stack([torch.randint(0, n, (128,), generator=generator) for n in config.table_sizes], 1)
+                   for _ in range(5)]
+        for step, ids in enumerate(batches):
+            coll.set_lookahead(batches[step + 1 : step + 3])  # in a file: the rows are read ahead
             coll(ids).square().sum().backward()
+        readahead = coll.prefetcher.readahead
+        assert (readahead is not None and readahead.requested_pages > 0) is bool(path)
         states.append(coll.state_dict())
-        storage = [b for n, b in coll.named_buffers() if n.endswith(("payload", "bias", "scale_code"))]
-        assert storage and all(_mapped_from(b.data_ptr()).startswith(str(tmp_path)) is bool(path) for b in storage)
+        codes = [b for n, b in coll.named_buffers() if n.endswith("payload")]
+        assert codes and all(_mapped_from(b.data_ptr()).startswith(str(tmp_path)) is bool(path) for b in codes)
+        params = [b for n, b in coll.named_buffers() if n.endswith(("bias", "scale_code"))]
+        assert params and not any(_mapped_from(b.data_ptr()).startswith(str(tmp_path)) for b in params)
     for name, tensor in states[0].items():
         if isinstance(tensor, torch.Tensor):
             assert torch.equal(tensor, states[1][name]), name

@@ -81,7 +81,7 @@ def test_storage_in_files_counts_only_what_stays_in_memory(tmp_path: Path, monke
     in_ram = EmbeddingConfig(sizes, dim=dim, precision="int4", cache_size=0.01, optimizer="rowwise_adagrad")
     in_files = EmbeddingConfig(**{**dataclasses.asdict(in_ram), "storage_path": str(tmp_path / "rows")})
     parts = CachedEmbeddingBagCollection.estimate_memory(in_ram)["components"]
-    storage = parts["storage_payload"] + parts["quantization_params"]
+    storage = parts["storage_payload"]  # the rows' codes; their quantization parameters stay in memory
     assert memory.config_bytes(in_files) == memory.config_bytes(in_ram) - storage
     assert memory.require_storage_room(in_files, "train") == storage
     monkeypatch.setattr(memory.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=storage - 1))

@@ -15,7 +15,7 @@ from tests.helpers import SIZES, make_dataset, tiny_config
 
 # A checkpoint event's bytes vary too: the file holds the events before it, their timings included.
 TIMING = {"samples_per_s", "train_wall_s", "train_seconds", "compute_s", "skip_overhead_s", "time_saved_s", "train_cpu_s",
-          "write_s", "bytes"}
+          "write_s", "bytes", "disk_read_bytes_per_step", "disk_write_bytes_per_step", "train_disk_read_bytes"}
 METRICS = ("auc", "logloss", "accuracy", "normalized_entropy", "train_samples", "skipped_fraction")
 
 

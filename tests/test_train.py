@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from slipcache import iostats
 from slipcache.embedding import hostmem
 from slipcache.errors import SlipcacheError
 from slipcache.training import checkpoint
@@ -38,6 +39,8 @@ SUMMARY_KEYS = {
 }
 # A checkpoint event's bytes vary too: the file holds the events before it, their timings included.
 TIMING = {"samples_per_s", "train_wall_s", "train_seconds", "train_cpu_s", "write_s", "bytes"}
+# and the disk's bytes: what the page cache already held is not read again
+TIMING |= {"disk_read_bytes_per_step", "disk_write_bytes_per_step", "train_disk_read_bytes"}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,14 @@ def test_end_to_end_writes_run_dir(data_dir: Path, tmp_path: Path) -> None:
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train_events = [e for e in events if e["event"] == "train"]
     assert all("samples" in e and "train_loss" in e and "samples_per_s" in e for e in train_events)
+    # the kernel's counts where it keeps them (Linux): disk bytes of the loop, of the start-up, per step
+    disk = ("train_disk_read_bytes", "train_disk_write_bytes", "startup_disk_read_bytes")
+    if iostats.disk_io() is not None:
+        assert all(isinstance(on_disk[k], int) and on_disk[k] >= 0 for k in disk)
+        assert all(e["disk_read_bytes_per_step"] >= 0 and e["disk_write_bytes_per_step"] >= 0 for e in train_events)
+        assert train_events[-1]["train_disk_read_bytes"] == on_disk["train_disk_read_bytes"]
+    if iostats.rss_anon_bytes() is not None:
+        assert 0 < on_disk["peak_rss_anon_bytes"] <= on_disk["peak_rss_bytes"] * 1.05  # sampled later: a little slack
     assert any("val_auc" in e for e in events)
     config = json.loads((run / "config.json").read_text())
     assert config["samples"] == 2 * (2000 // 64) * 64 and config["dataset"] == str(data_dir)
@@ -331,13 +342,13 @@ def test_a_library_call_puts_the_process_settings_back(
     before = torch.get_num_threads()
     wanted = 1 if before != 1 else 2
     seen: dict[str, object] = {}
-    real_start = train.start_run
+    real_finish = train.finish_run
 
-    def start(config: object, backend: object) -> object:
+    def finish(run: object) -> object:  # inside the run: its settings hold
         seen.update(threads=torch.get_num_threads(), mode=hostmem.huge_pages_mode())
-        return real_start(config, backend)  # type: ignore[arg-type]
+        return real_finish(run)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(train, "start_run", start)
+    monkeypatch.setattr(train, "finish_run", finish)
     train.train(tiny(data_dir, tmp_path / "run", threads=wanted, huge_pages="auto"))
     assert seen == {"threads": wanted, "mode": "auto"}
     assert torch.get_num_threads() == before and hostmem.huge_pages_mode() == hostmem.DEFAULT_HUGE_PAGES

@@ -33,8 +33,11 @@ GB = 1e9
 RUNTIME_BYTES = int(1.0 * GB)
 ENV_AVAILABLE = "SLIPCACHE_MEMORY_AVAILABLE_GB"
 # Precision and cache share, best first: what the error suggests when the asked-for tables do not fit.
-# The memory report's components that are the row storage (in files with a storage path).
-STORAGE_COMPONENTS = ("storage_payload", "quantization_params")
+# The memory report's components that are the row storage in files with a storage path (the rows' codes;
+# their quantization parameters stay in memory).
+STORAGE_COMPONENTS = ("storage_payload",)
+# File systems whose reads cross a network: a storage path there is warned about.
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "fuse.sshfs", "afs")
 FALLBACKS = (("fp16", 0.05), ("int8", 0.05), ("int8", 0.01), ("int4", 0.05), ("int4", 0.01))
 
 
@@ -154,6 +157,11 @@ def require_storage_room(config: EmbeddingConfig, what: str) -> int:
         where = "is a file" if existing == directory else f"lies under the file {existing}"
         raise SlipcacheError(f"--storage-path {directory} {where}; give a directory (new or existing)")
     free = shutil.disk_usage(existing).free
+    kind = filesystem_type(existing)
+    if kind in NETWORK_FILESYSTEMS:
+        print(f"slipcache: warning: storage path {directory} is on a network file system ({kind}): every row the "
+              "caches lack is read across the network, 10-100x slower than a local disk (docs/scale.md)",
+              file=sys.stderr)
     if in_files > free:
         raise SlipcacheError(
             f"{what}: the row storage needs {amount(in_files)} on disk under {directory}, which has "
@@ -161,6 +169,25 @@ def require_storage_room(config: EmbeddingConfig, what: str) -> int:
         )
     return in_files
 
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the file system holding `path` (its longest mount point in /proc/self/mountinfo); None
+    where there is no such file."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    target, best, kind = str(Path(path).resolve()), "", None
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields or len(fields) < 5:
+            continue
+        mount = fields[4]
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fields[fields.index("-") + 1]
+    return kind
 
 
 def what_fits(table_sizes: Sequence[int], dim: int, available: int, optimizer: str = "sgd") -> str:

@@ -93,6 +93,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_quantize_arguments(quantize)
     add_threads_flag(quantize)
     add_huge_pages_flag(quantize)
+    from slipcache.bench.disk import add_disk_arguments
+
+    add_disk_arguments(targets.add_parser("disk", help="the disk under a --storage-path: random page reads/s, write MB/s"))
 
 
 def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -239,6 +242,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from slipcache.bench.quantize import run_quantize_bench
 
         return run_quantize_bench(args)
+    if args.target == "disk":
+        from slipcache.bench.disk import run_disk_bench
+
+        return run_disk_bench(args)
     return run_embedding_bench(args)
 
 

@@ -303,6 +303,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             refuse_replicated_training(self)
             self.prefetcher.join()
             window, prefetch = self.prefetcher.take_window()
+            self.prefetcher.read_ahead(window)
             plan = self.planner.plan(lookup, window)
             if self.cache.capacity:
                 if prefetch and window is not None and len(window):
@@ -332,9 +333,14 @@ class CachedEmbeddingBagCollection(nn.Module):
         hit = slots >= 0
         if self.cache.capacity and bool(hit.all()):
             return self.cache.weights[slots]
-        values = self.storage.read(rows, self.device)
-        if self.cache.capacity:
-            values[hit] = self.cache.weights[slots[hit]]
+        if not bool(hit.any()):
+            self.prefetcher.read_now(rows)
+            return self.storage.read(rows, self.device)
+        # Only the rows the cache lacks are read from storage: with storage on disk, each is a page to read.
+        values = torch.empty(rows.numel(), self.dim, device=self.device)
+        values[hit] = self.cache.weights[slots[hit]]
+        self.prefetcher.read_now(rows[~hit])
+        values[~hit] = self.storage.read(rows[~hit], self.device)
         return values
 
     def flush(self) -> None:

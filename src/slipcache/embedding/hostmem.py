@@ -19,6 +19,7 @@ sets it for the command's duration (`slipcache.options.huge_pages`). Where huge 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import math
 import mmap
@@ -104,7 +105,10 @@ def file_backed(shape: tuple[int, ...], dtype: torch.dtype, directory: str | os.
     back when it needs the memory, so the tensor may be larger than RAM.
 
     The file's blocks are reserved up front (a full disk is one line now, not a crash mid-run); it is
-    unlinked at once, so it goes with the process whatever happens and nothing is left in `directory`."""
+    unlinked at once, so it goes with the process whatever happens and nothing is left in `directory`.
+    The map is advised random (`MADV_RANDOM`): a row read from a page that is not resident reads that page
+    alone, where the kernel's read-around for mapped files would read the device's whole readahead window
+    (8 MiB on a virtio disk) for one row of 64 bytes. What is read ahead is what `advise_pages` asks for."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
@@ -128,7 +132,45 @@ def file_backed(shape: tuple[int, ...], dtype: torch.dtype, directory: str | os.
         region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+    if hasattr(mmap, "MADV_RANDOM"):
+        region.madvise(mmap.MADV_RANDOM)
     return torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+def _libc_madvise() -> Callable[..., int] | None:
+    """libc's madvise (by address: a tensor's pages, not a Python map's), None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    call.restype = ctypes.c_int
+    return call
+
+
+_MADVISE = _libc_madvise()
+
+
+def advise_pages(tensor: Tensor, pages: Tensor, advice: int = getattr(mmap, "MADV_WILLNEED", 3)) -> int:
+    """`madvise(advice)` on the given pages (sorted, unique page indices from the tensor's first byte) of a
+    page-aligned tensor, one call per run of consecutive pages; returns the calls made (0 where madvise is
+    unavailable). With MADV_WILLNEED the kernel starts reading the pages that are not resident and returns:
+    a thread can ask for thousands of scattered pages and the disk reads them in parallel."""
+    if _MADVISE is None or not pages.numel():
+        return 0
+    base = tensor.data_ptr()
+    if base % mmap.PAGESIZE:
+        raise ValueError("advise_pages needs a tensor that starts on a page")
+    pages = pages.long()
+    starts = torch.ones_like(pages, dtype=torch.bool)
+    starts[1:] = pages[1:] != pages[:-1] + 1
+    first = torch.nonzero(starts).squeeze(1)
+    lengths = torch.diff(first, append=torch.tensor([pages.numel()]))
+    for page, length in zip(pages[first].tolist(), lengths.tolist(), strict=True):
+        _MADVISE(base + page * mmap.PAGESIZE, length * mmap.PAGESIZE, advice)
+    return int(first.numel())
 
 
 def huge_page_map(nbytes: int) -> Tensor:

@@ -1,5 +1,6 @@
 """Lookahead and prefetch: the next batches' rows (`set_lookahead`) feed the lookahead eviction policies,
-and the next batch's missing rows are brought into the cache in the background.
+the next batch's missing rows are brought into the cache in the background, and with storage in a mapped
+file the farthest batch's missing rows are asked of the disk (`readahead.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from slipcache.embedding.accounting import TrafficCounters
 from slipcache.embedding.cache import RowCache
 from slipcache.embedding.lookahead import Window
 from slipcache.embedding.quant import RowStorage, TableRowStorage
+from slipcache.embedding.readahead import DiskReadahead
 from slipcache.embedding.writeback import RowWriter
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ class Prefetcher:
         self._side_stream: Any = None
         self.generator: torch.Generator | None = None  # made on first use, from the seed
         self.prefetched_rows = 0
+        self.readahead = DiskReadahead(storage) if DiskReadahead.wanted(storage) else None
 
     @property
     def device(self) -> torch.device:
@@ -70,6 +73,20 @@ class Prefetcher:
         window, self.window = self.window, None
         prefetch, self.prefetch_next = self.prefetch_next, False
         return window, prefetch
+
+    def read_ahead(self, window: Window | None) -> None:
+        """Ask the disk for the rows of the window's farthest batch that the cache does not hold (storage in
+        a mapped file only); call it while no prefetch runs (it reads the cache)."""
+        if self.readahead is None or window is None or not len(window):
+            return
+        farthest = window.batches[-1]
+        self.readahead.start(farthest[self.cache.lookup(farthest) < 0])
+
+    def read_now(self, rows: Tensor) -> None:
+        """Storage in a mapped file: ask the disk for all of `rows` at once before they are read one by one
+        (evaluation's reads), so the disk serves them in parallel."""
+        if self.readahead is not None:
+            self.readahead.advise(rows)
 
     def new_generator(self) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.seed + 1)

@@ -196,11 +196,14 @@ class RowStorage(nn.Module):
         path: str | None = None,
     ) -> None:
         """`empty`: leave the rows unset (the caller writes every one): no pass that zeroes gigabytes first.
-        `path`: a directory to keep the rows in, in memory-mapped files (host storage only)."""
+        `path`: a directory to keep the rows' codes in, in a memory-mapped file (host storage only). Their
+        quantization parameters (3 bytes a row) stay in memory: a row read from the disk then costs the pages
+        of its codes alone, one (two where a row straddles a page boundary), not one more per parameter."""
         super().__init__()
-        new = host_empty if empty else host_zeros
+        new = params = host_empty if empty else host_zeros
         if path is not None and torch.device(device).type == "cpu":
             new = functools.partial(_file_backed, path)
+        self.in_file = new is not params  # the payload lives in a mapped file (read ahead from the disk)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.version = 0
@@ -213,8 +216,8 @@ class RowStorage(nn.Module):
         else:
             width = dim if precision == "int8" else (dim + 1) // 2
             self.register_buffer("payload", new((num_rows, width), dtype=torch.uint8, device=device))
-            self.register_buffer("bias", new((num_rows,), dtype=torch.float16, device=device))
-            self.register_buffer("scale_code", new((num_rows,), dtype=torch.uint8, device=device))
+            self.register_buffer("bias", params((num_rows,), dtype=torch.float16, device=device))
+            self.register_buffer("scale_code", params((num_rows,), dtype=torch.uint8, device=device))
 
     def _apply(self, fn: Any, recurse: bool = True) -> RowStorage:
         self.version += 1

@@ -97,8 +97,8 @@ class TrainConfig:
                                                resume="fixed", group="embeddings", sets="embedding.cache_rows")
     policy: str = _flag(help="cache replacement policy; none = no cache", resume="fixed", group="embeddings",
                         sets="embedding.policy", choices=POLICIES)
-    lookahead: int = _flag(4, "batches ahead the lookahead policies (lookahead, lookahead-lfu) see",
-                           resume="fixed", group="embeddings")
+    lookahead: int = _flag(4, "batches ahead the lookahead policies (lookahead, lookahead-lfu) see, and that rows "
+                           "on disk (--storage-path) are read ahead", resume="fixed", group="embeddings")
     prefetch: bool = _flag(False, "read the next batch's rows into the cache in the background while the "
                            "current one computes", resume="fixed", group="embeddings")
     rounding: str = _flag(help="rounding into storage", resume="fixed", group="embeddings",

@@ -4,10 +4,14 @@ in the schedule and the open logging window). A checkpoint saves both (`run_stat
 
 from __future__ import annotations
 
+import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from slipcache.iostats import AnonPeak, DiskIO, disk_io
+from slipcache.memory import process_age_s
 
 if typing.TYPE_CHECKING:
     import torch
@@ -38,9 +42,45 @@ class Progress:
     window_wall_s: float = 0.0
     window_lookups: int = 0
     window_hits: int = 0
+    window_steps: int = 0
+    window_disk_read_bytes: int = 0
+    window_disk_write_bytes: int = 0
+    train_disk_read_bytes: int = 0  # /proc/self/io over the same span as train_wall_s
+    train_disk_write_bytes: int = 0
     train_lookups: int = 0
     train_hits: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
+
+    def close_window(self, disk_counted: bool = True) -> dict[str, Any]:
+        """One `metrics.jsonl` event for the batches since the previous one; resets the window.
+
+        `disk_counted`: whether the kernel counts this process's disk bytes (else the disk fields are None)."""
+        lookups, hits = self.window_lookups, self.window_hits
+        steps = max(self.window_steps, 1)
+        self.train_lookups += lookups
+        self.train_hits += hits
+        event: dict[str, Any] = {
+            "event": "train",
+            "samples": self.samples,
+            "epoch": self.epoch,
+            "train_loss": self.window_loss / max(self.window_samples, 1),
+            "hit_rate": hits / lookups if lookups else None,
+            "samples_per_s": self.window_samples / self.window_wall_s if self.window_wall_s else None,
+            "train_wall_s": self.train_wall_s,
+            # time-to-accuracy axis: cumulative training wall time, evaluation and checkpoints excluded
+            "train_seconds": self.train_wall_s,
+            "train_cpu_s": self.train_cpu_s,  # the same span in process CPU time (one torch thread: robust)
+            # what the disk read, and was given to write, per step of the window (rows, data, all of it)
+            "disk_read_bytes_per_step": self.window_disk_read_bytes / steps if disk_counted else None,
+            "disk_write_bytes_per_step": self.window_disk_write_bytes / steps if disk_counted else None,
+            "train_disk_read_bytes": self.train_disk_read_bytes if disk_counted else None,
+        }
+        self.window_loss = 0.0
+        self.window_samples = 0
+        self.window_wall_s = 0.0
+        self.window_lookups = self.window_hits = 0
+        self.window_steps = self.window_disk_read_bytes = self.window_disk_write_bytes = 0
+        return event
 
 
 @dataclass
@@ -70,11 +110,41 @@ class Run:
     base_hits: int = 0
     tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
     tick_cpu: float = 0.0  # process CPU time at `tick`
+    tick_io: DiskIO | None = None  # the process's disk bytes at `tick`; None where the kernel does not count them
     finished: bool = False  # set by the run's last batch
     changed: frozenset[str] = frozenset()  # settings this resume changed (--allow-changes)
     lock: RunLock | None = None  # run.lock of the run directory (rank 0 of N holds it), released at the end
     startup_s: float | None = None  # process start to the first training step (memory.process_age_s)
+    startup_disk_read_bytes: int | None = None  # disk bytes read from process start to the first step
+    anon_peak: AnonPeak | None = None  # the peak of the process's own (anonymous) memory
     last_checkpoint: dict[str, Any] | None = None  # bytes and write time of the newest checkpoint written
+
+    def mark_started(self) -> None:
+        """At the first step: how long the start-up took, and what it read from the disk."""
+        self.startup_s = process_age_s()
+        started = disk_io()
+        self.startup_disk_read_bytes = None if started is None else started.read_bytes
+
+    def restart_clock(self) -> None:
+        """Start a span of training time: wall clock, CPU time and the disk's bytes count from here."""
+        self.tick = time.perf_counter()
+        self.tick_cpu = time.process_time()
+        self.tick_io = disk_io()
+
+    def count_span(self) -> float:
+        """Add the span since `tick` to the loop's totals (wall, CPU, disk bytes); returns its wall time."""
+        progress = self.progress
+        elapsed = time.perf_counter() - self.tick
+        progress.train_wall_s += elapsed
+        progress.train_cpu_s += time.process_time() - self.tick_cpu
+        now = disk_io()
+        if now is not None and self.tick_io is not None:
+            read, written = now - self.tick_io
+            progress.train_disk_read_bytes += read
+            progress.train_disk_write_bytes += written
+            progress.window_disk_read_bytes += read
+            progress.window_disk_write_bytes += written
+        return elapsed
 
     @property
     def consumed(self) -> int:

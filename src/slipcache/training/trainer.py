@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from slipcache.errors import SlipcacheError
-from slipcache.memory import peak_rss_bytes, process_age_s
+from slipcache.iostats import AnonPeak
+from slipcache.memory import peak_rss_bytes
 from slipcache.model import DLRM
 from slipcache.options import huge_pages, torch_threads
 from slipcache.progress import progress_bar
@@ -110,19 +111,26 @@ def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, A
     must survive a resume goes into `Run` / `checkpoint_state`. Training time (`progress.train_wall_s`)
     runs from `run.tick` to the end of `record_step`; evaluation and checkpoints fall outside it.
     """
-    with contextlib.ExitStack() as settings:  # the run's threads and huge pages: the caller's come back after
-        return run_loop(config, backend, settings)
+    anon_peak = AnonPeak().start()  # from before the tables are built
+    try:
+        with contextlib.ExitStack() as settings:  # the run's threads and huge pages: the caller's come back after
+            return run_loop(config, backend, settings, anon_peak)
+    finally:
+        anon_peak.stop()
 
 
-def run_loop(config: TrainConfig, backend: RunBackend | None, settings: contextlib.ExitStack) -> dict[str, Any]:
+def run_loop(
+    config: TrainConfig, backend: RunBackend | None, settings: contextlib.ExitStack, anon_peak: AnonPeak | None = None
+) -> dict[str, Any]:
     """`train`'s loop; `settings` holds the process settings the run applies until `train` returns."""
     run = start_run(config, backend or LocalBackend(), settings)
+    run.anon_peak = anon_peak
     try:
         while run.more_epochs():
             batches = epoch_batches(run)
             for batch in batches:
                 if run.startup_s is None:
-                    run.startup_s = process_age_s()
+                    run.mark_started()
                 loss, logits = train_step(run, batch, batches)
                 consumed_before = run.consumed
                 last = record_step(run, batch, loss, logits, batches)
@@ -137,8 +145,7 @@ def run_loop(config: TrainConfig, backend: RunBackend | None, settings: contextl
                     # budget (the tail that fills no batch is dropped); it must not restart the epoch.
                     run.finished = True
                     break
-                run.tick = time.perf_counter()  # the training clock restarts: eval and checkpoints excluded
-                run.tick_cpu = time.process_time()
+                run.restart_clock()  # eval and checkpoints excluded
             else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
                 end_epoch(run)
         if not run.checkpointed_here():  # resumed from its final checkpoint (killed before the end): not twice
@@ -261,8 +268,7 @@ def _build_run(
 
 def epoch_batches(run: Run) -> Any:
     """The current epoch's training batches from where the run stands; starts the training clock."""
-    run.tick = time.perf_counter()  # wall time includes reading and filtering batches, not eval or checkpoints
-    run.tick_cpu = time.process_time()
+    run.restart_clock()  # wall time includes reading and filtering batches, not eval or checkpoints
     run.callbacks.start_epoch(run)
     return training_batches(
         run.dataset,
@@ -321,12 +327,11 @@ def record_step(run: Run, batch: Any, loss_value: float, logits: torch.Tensor, b
     n = batch.labels.shape[0]
     # The budget is reached, or, in the last epoch, no batch follows (a filtered epoch has fewer batches).
     last = run.consumed + n >= run.budget or (progress.epoch == run.max_epochs - 1 and not batches.peek(1))
-    elapsed = time.perf_counter() - run.tick
+    elapsed = run.count_span()
     progress.step += 1
     progress.samples += n
     progress.batch_in_epoch += 1
-    progress.train_wall_s += elapsed
-    progress.train_cpu_s += time.process_time() - run.tick_cpu
+    progress.window_steps += 1
     progress.window_loss += loss_value * n
     progress.window_samples += n
     progress.window_wall_s += elapsed
@@ -338,7 +343,7 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
     """Close the logging window into a `metrics.jsonl` event, with validation metrics when `evaluate_now`."""
     progress = run.progress
     _sync_window_counts(run)
-    event = _close_window(progress)
+    event = progress.close_window(disk_counted=run.tick_io is not None)
     event.update(embedding_event_fields(run.model.embeddings, progress.samples, progress.skipped))
     event.update(run.callbacks.event_fields(run))
     run.bar.set_postfix(_postfix(event), refresh=False)
@@ -358,30 +363,6 @@ def _sync_window_counts(run: Run) -> None:
     lookups, hits = _stats_totals(run.model)
     run.progress.window_lookups = lookups - run.base_lookups
     run.progress.window_hits = hits - run.base_hits
-
-
-def _close_window(progress: Progress) -> dict[str, Any]:
-    """One `metrics.jsonl` event for the batches since the previous one; resets the window."""
-    lookups, hits = progress.window_lookups, progress.window_hits
-    progress.train_lookups += lookups
-    progress.train_hits += hits
-    event: dict[str, Any] = {
-        "event": "train",
-        "samples": progress.samples,
-        "epoch": progress.epoch,
-        "train_loss": progress.window_loss / max(progress.window_samples, 1),
-        "hit_rate": hits / lookups if lookups else None,
-        "samples_per_s": progress.window_samples / progress.window_wall_s if progress.window_wall_s else None,
-        "train_wall_s": progress.train_wall_s,
-        # time-to-accuracy axis: cumulative training wall time, evaluation and checkpoints excluded
-        "train_seconds": progress.train_wall_s,
-        "train_cpu_s": progress.train_cpu_s,  # the same span in process CPU time (one torch thread: robust)
-    }
-    progress.window_loss = 0.0
-    progress.window_samples = 0
-    progress.window_wall_s = 0.0
-    progress.window_lookups = progress.window_hits = 0
-    return event
 
 
 def _postfix(event: dict[str, Any]) -> dict[str, str]:
@@ -412,8 +393,7 @@ def end_epoch(run: Run) -> None:
     progress = run.progress
     if progress.batch_in_epoch == 0:
         raise SlipcacheError(f"epoch {progress.epoch} produced no training batches")
-    progress.train_wall_s += time.perf_counter() - run.tick
-    progress.train_cpu_s += time.process_time() - run.tick_cpu
+    run.count_span()
     progress.epoch += 1
     progress.batch_in_epoch = 0
 
@@ -441,6 +421,11 @@ def finish_run(run: Run) -> dict[str, Any]:
         "startup_s": run.startup_s,
         # The OS's peak resident set of this process so far: tables, data loading, evaluation, checkpoints.
         "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_anon_bytes": run.anon_peak.peak() if run.anon_peak is not None else None,
+        # disk bytes of the training loop alone (the span of train_wall_s), and of the start-up before it
+        "train_disk_read_bytes": progress.train_disk_read_bytes if run.tick_io is not None else None,
+        "train_disk_write_bytes": progress.train_disk_write_bytes if run.tick_io is not None else None,
+        "startup_disk_read_bytes": run.startup_disk_read_bytes,
         "last_checkpoint": run.last_checkpoint,  # samples, bytes and write time of the final checkpoint
         "memory_components": memory["components"],
         "memory_per_rank": memory.get("per_rank"),  # N processes: each rank's own report

@@ -14,10 +14,12 @@ if typing.TYPE_CHECKING:
 
 
 def upcoming_batches(config: TrainConfig) -> int:
-    """Batches the embeddings are shown ahead: the lookahead policy's window, or 1 for the prefetch alone."""
+    """Batches the embeddings are shown ahead: the lookahead policy's window or, with the rows on disk, the
+    read-ahead's (`--lookahead` both); else 1 for the prefetch alone."""
     if config.embeddings != "cached":
         return 0
-    return config.lookahead if config.policy in LOOKAHEAD_POLICIES else int(config.prefetch)
+    ahead = config.policy in LOOKAHEAD_POLICIES or config.storage_path is not None
+    return config.lookahead if ahead else int(config.prefetch)
 
 
 class ShowUpcomingBatches(Callback):
