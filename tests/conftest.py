@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from pathlib import Path
 
 import pytest
+
+# One torch thread unless a test asks for more, in this process and in the processes tests start: the runs
+# here are tiny, and on 2 cores (or a loaded machine) a second OpenMP thread mostly spins, tripling the CPU.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads once)
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -100,8 +100,18 @@ def test_a_resume_keeps_the_runs_threads_unless_given(data_dir: Path, tmp_path: 
     config = json.loads((run / "config.json").read_text())
     assert config["threads"] == 1
     torch.set_num_threads(2)
-    train.train(make_config({}, {"resume": str(run), "progress": False}))
-    assert json.loads((run / "config.json").read_text())["threads"] == 1 and torch.get_num_threads() == 1
+    seen: list[int] = []
+    real_finish = train.finish_run
+
+    def finish(run: object) -> object:  # inside the run, where its settings hold
+        seen.append(torch.get_num_threads())
+        return real_finish(run)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "finish_run", finish)
+        train.train(make_config({}, {"resume": str(run), "progress": False}))
+    assert json.loads((run / "config.json").read_text())["threads"] == 1 and seen == [1]
+    assert torch.get_num_threads() == 2  # and the caller's setting is back afterwards
     train.train(make_config({}, {"resume": str(run), "progress": False, "threads": 2}))
     assert json.loads((run / "config.json").read_text())["threads"] == 2
 

@@ -281,6 +281,13 @@ class TrainConfig:
         """The detector's settings; `overrides`: those another setting decides (e.g. the rule for random)."""
         return StalenessConfig(**{**part_options(self, CONFIG_FIELDS, "staleness"), **overrides})
 
+    def __post_init__(self) -> None:
+        # One switch, however the config was built: --skip-stale is --skip-rule stale.
+        if self.skip_stale and self.skip_rule is None:
+            self.skip_rule = "stale"
+        if self.skip_rule == "stale":
+            self.skip_stale = True
+
     def validate(self) -> None:
         for name in CONFIG_FIELDS:  # types first: a crafted checkpoint, a config file or an API call may hold
             value = _coerce(name, getattr(self, name))  # anything ("256", 1e100); what trains is the typed value
@@ -454,10 +461,6 @@ def make_config(
         raise SlipcacheError(f"stale_preset must be one of {', '.join(STALE_PRESETS)}, got {preset!r}")
     # each fills only what the later ones leave: the preset wins over --quick, the user over both
     given = {**(QUICK if user.get("quick") else {}), **(STALE_PRESETS[preset] if preset else {}), **user}
-    if given.get("skip_stale") and given.get("skip_rule") is None:
-        given["skip_rule"] = "stale"  # one switch: --skip-stale is --skip-rule stale
-    if given.get("skip_rule") == "stale":
-        given["skip_stale"] = True
     if "embedding_dim" in user and "bottom_mlp" not in user:
         # The bottom MLP's output meets the embeddings, so its last layer follows --dim.
         base = given.get("bottom_mlp", TrainConfig().bottom_mlp)
