@@ -10,6 +10,7 @@ import torch
 
 from slipcache import torch_private
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+from tests.helpers import FailsInBackward
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "slipcache"
 SIZES = [40, 7, 300, 3]
@@ -150,16 +151,6 @@ def test_without_the_use_count_step_buffers_are_not_reused(monkeypatch: pytest.M
     assert len(rows_buffers(CachedEmbeddingBagCollection(config))) == 3
 
 
-class _FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("boom")
-
-
 @pytest.mark.parametrize("missing", ["graph_task_id", "queue_callback"])
 def test_without_the_api_a_failed_backward_passes_gradients_are_applied(
     missing: str, monkeypatch: pytest.MonkeyPatch
@@ -171,7 +162,7 @@ def test_without_the_api_a_failed_backward_passes_gradients_are_applied(
     aborted, plain, dropped = (CachedEmbeddingBagCollection(config) for _ in range(3))
     g = torch.Generator().manual_seed(1)
     first, second = (torch.stack([torch.randint(0, n, (24,), generator=g) for n in SIZES], dim=1) for _ in range(2))
-    failing = _FailsInBackward.apply(torch.ones(1, requires_grad=True))  # runs after the lookup's backward
+    failing = FailsInBackward.apply(torch.ones(1, requires_grad=True))  # runs after the lookup's backward
     out = aborted(first)
     with pytest.raises(RuntimeError, match="boom"):
         (out.sum() + failing.sum()).backward()

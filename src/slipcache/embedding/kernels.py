@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 def global_rows(
     ids: Tensor, offsets: Tensor, sizes: Tensor, scratch: Scratch
 ) -> tuple[Tensor, tuple[int, int] | None]:
-    """(offsets[t] + ids[:, t] flattened, None) for int64 ids [B, T], or (rows, (table, id)) of an id outside
-    its table `[0, sizes[t])`. The compiled loop writes into the scratch buffer "rows"."""
+    """(offsets[t] + ids[:, t] flattened, None) for int64 ids [B, T]; with an id outside its table
+    `[0, sizes[t])`, (no usable rows, (table, id)). The compiled loop writes into the scratch buffer "rows"."""
     if ids.numel() and _native.usable(ids, offsets):
         rows, bad = _native.global_rows(ids, offsets, scratch.get("rows", (ids.numel(),), torch.int64))
         return rows, None if bad < 0 else (bad % ids.shape[1], int(ids.reshape(-1)[bad]))
