@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from slipcache import _native
+from slipcache._native import filter as native_filter
 from slipcache.errors import InvalidInputError
 from slipcache.staleness.hotset import _global_rows, _to_numpy
 
@@ -55,7 +56,7 @@ def classify(sparse: np.ndarray | torch.Tensor, offsets: np.ndarray, row_flags: 
     num_tables = offsets.size - 1
     ids = _to_numpy(sparse)
     if _compiled(ids, num_tables):
-        result = _native.classify_inputs(ids, offsets, row_flags, required)
+        result = native_filter.classify_inputs(ids, offsets, row_flags, required)
         if result is None:
             raise InvalidInputError("sparse ids out of range for their tables")
         return result
@@ -76,8 +77,8 @@ def filter_inputs(sparse: np.ndarray | torch.Tensor, offsets: np.ndarray, row_fl
     """
     ids = _to_numpy(sparse)
     if _compiled(ids, offsets.size - 1):  # one C pass: a few NumPy passes less
-        result = _native.filter_inputs(ids, offsets, row_flags, required, skipping, control_share,
-                                       seed_mix(seed), position)
+        result = native_filter.filter_inputs(ids, offsets, row_flags, required, skipping, control_share,
+                                             seed_mix(seed), position)
         if result is None:
             raise InvalidInputError("sparse ids out of range for their tables")
         return result
@@ -97,7 +98,7 @@ def uniform(seed: int, positions: np.ndarray) -> np.ndarray:
     """Uniform [0, 1) values for inputs at these positions of a run: splitmix64 of (seed, position).
 
     Stateless, so a resumed run draws exactly what the uninterrupted one drew for the same inputs. The
-    compiled filter (``_native/loops.c``) computes the same values.
+    compiled filter (``_native/filter.c``) computes the same values.
     """
     with np.errstate(over="ignore"):
         z = positions.astype(np.uint64) + np.uint64(seed_mix(seed))
