@@ -1,8 +1,8 @@
 """The optimizer update of an Adagrad / row-wise Adagrad training step, compiled against torch, interleaved.
 
 Each round trains the same skewed batches once with the compiled update and once with the torch update
-(the update module's compiled loops switched off; forward and cache stay compiled in both), alternating which
-goes first, and records the "backward" phase of the step clock (the whole optimizer update: per-row
+(the compiled loops of the row operations, `slipcache.embedding.kernels`, switched off; the cache's
+stay compiled in both), alternating which goes first, and records the "backward" phase of the step clock (the whole optimizer update: per-row
 sums, state and weights, finite check). Prints per-variant medians with min-max over the rounds and the load
 average beside them. Run from the repository root:
 
@@ -20,15 +20,15 @@ import types
 import torch
 
 from slipcache import _native
-from slipcache.embedding import update
+from slipcache.embedding import kernels
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 
 
 def backward_seconds(config: EmbeddingConfig, batches: list[torch.Tensor], compiled: bool) -> float:
     """Seconds per step spent in the optimizer update over `batches` (after one warm-up batch)."""
-    original = update._native
-    if not compiled:  # the update module sees no compiled library; everything else keeps it
-        update._native = types.SimpleNamespace(usable=lambda *tensors: False)
+    original = kernels._native
+    if not compiled:  # the row operations see no compiled library; the cache keeps it
+        kernels._native = types.SimpleNamespace(usable=lambda *tensors: False)
     try:
         coll = CachedEmbeddingBagCollection(config)
         out = coll(batches[0])
@@ -39,7 +39,7 @@ def backward_seconds(config: EmbeddingConfig, batches: list[torch.Tensor], compi
             out.backward(torch.ones_like(out))
         return coll.clock.seconds["backward"] / (len(batches) - 1)
     finally:
-        update._native = original
+        kernels._native = original
 
 
 def main() -> None:

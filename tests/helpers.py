@@ -77,3 +77,15 @@ def record_batches(monkeypatch: Any, when: Callable[[], bool] = lambda: True) ->
 
     monkeypatch.setattr(trainer, "train_step", record)
     return seen
+
+
+class FailsInBackward(torch.autograd.Function):
+    """The identity, whose backward raises: a backward pass that fails midway."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")

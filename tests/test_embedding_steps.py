@@ -12,6 +12,7 @@ from slipcache.embedding.collection import CachedEmbeddingBagCollection, Embeddi
 from slipcache.embedding.plan import PIN_STEPS
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import load_config_file, make_config
+from tests.helpers import FailsInBackward
 
 SIZES = [40, 7, 300, 3]
 DIM = 4
@@ -248,20 +249,10 @@ def test_grad_scaler_is_divided_out_and_its_skipped_steps_skip(optimizer: str) -
     assert torch.allclose(torch.cat(coll.export_tables()), before) and coll.stats()["skipped_updates"] == 1
 
 
-class _FailsInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("boom")
-
-
 def test_a_backward_pass_that_fails_midway_drops_its_update_and_training_goes_on() -> None:
     aborted, plain = collection("sgd", {"cache_rows": 20}), collection("sgd", {"cache_rows": 20})
     weight = torch.ones(1, requires_grad=True)
-    failing = _FailsInBackward.apply(weight)  # created first: runs after the lookup's node in backward
+    failing = FailsInBackward.apply(weight)  # created first: runs after the lookup's node in backward
     out = aborted(random_ids(24, 0))
     with pytest.raises(RuntimeError, match="boom"):
         (out.sum() + failing.sum()).backward()

@@ -1,7 +1,8 @@
-"""Our tables sharded by TorchRec's DistributedModelParallel on 2 gloo processes: against TorchRec's own
-sharded collection (table-wise and column-wise shards, a table two features read; fp32 storage and a cache
-holding every row make the comparison exact), under TorchRec's training pipeline, and in the example's
-train, checkpoint (torch.distributed.checkpoint) and resume on another number of processes."""
+"""Our tables sharded by TorchRec's DistributedModelParallel on 2 gloo processes: against the same tables
+unsharded (table-wise and column-wise shards, two of them on one rank, ranks of unequal output widths, sum
+and mean pooling, a table two features read), against TorchRec's own sharded collection, under TorchRec's
+training pipeline, and in the example's train, checkpoint (torch.distributed.checkpoint) and resume on
+another number of processes. fp32 storage and a cache holding every row make the comparisons exact."""
 
 from __future__ import annotations
 
@@ -34,6 +35,43 @@ def _tables() -> list:
     ]
 
 
+# the shards each rank holds under each plan (a column shard is named by its first column)
+HELD = {
+    "mixed": {0: ["t1", "t2@0"], 1: ["t0", "t2@4", "t3@0", "t3@4"]},
+    "table_wise": {0: ["t0", "t3"], 1: ["t1", "t2"]},
+}
+
+
+def _plan(module: torch.nn.Module, sharder: object, kind: str = "mixed") -> object:
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    per_table = {
+        "t0": table_wise(rank=1),
+        "t1": table_wise(rank=0),
+        "t2": column_wise(ranks=[0, 1]),
+        "t3": column_wise(ranks=[1, 1]),  # two column shards on one rank
+    }
+    if kind == "table_wise":
+        per_table = {
+            "t0": table_wise(rank=0),
+            "t1": table_wise(rank=1),
+            "t2": table_wise(rank=1),
+            "t3": table_wise(rank=0),
+        }
+    plan = construct_module_sharding_plan(module, per_table, sharder=sharder, device_type="cpu")
+    return ShardingPlan({"tables": plan})
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, tables: torch.nn.Module) -> None:
+        super().__init__()
+        self.tables = tables
+
+    def forward(self, kjt: object) -> torch.Tensor:
+        return self.tables(kjt).values()
+
+
 def _batch(step: int, rank: int) -> object:
     """Multi-hot bags, some empty; features listed in another order than the tables'."""
     from torchrec import KeyedJaggedTensor
@@ -48,6 +86,112 @@ def _batch(step: int, rank: int) -> object:
     return KeyedJaggedTensor.from_lengths_sync(
         keys=list(sizes), values=torch.cat(values), lengths=lengths.reshape(-1)
     )
+
+
+def _concat(a: object, b: object) -> object:
+    """Two KJTs of the same keys as one batch (b's samples after a's)."""
+    from torchrec import KeyedJaggedTensor
+
+    keys = list(a.keys())
+    values, lengths = [], []
+    for key in keys:
+        values += [a[key].values(), b[key].values()]
+        lengths += [a[key].lengths(), b[key].lengths()]
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.cat(values), lengths=torch.cat(lengths)
+    )
+
+
+def _sharded_training_equals_unsharded(rank: int, world_size: int, directory: str) -> None:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from slipcache.embedding.replicas import allow_independent_replicas
+    from slipcache.interop.torchrec import (
+        KeyedCachedEmbeddingBagCollection,
+        KeyedCachedEmbeddingBagCollectionSharder,
+    )
+
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    # the reference: every rank trains the same unsharded copy on the global batch
+    reference = allow_independent_replicas(KeyedCachedEmbeddingBagCollection(_tables(), **OPTIONS))
+    sharder = KeyedCachedEmbeddingBagCollectionSharder()
+    model = _Model(KeyedCachedEmbeddingBagCollection(_tables(), **OPTIONS))
+    sharded = DistributedModelParallel(
+        model, device=torch.device("cpu"), sharders=[sharder], plan=_plan(model.tables, sharder)
+    )
+    weights = torch.randn(BATCH * world_size, 36, generator=torch.Generator().manual_seed(7))
+    # a learning-rate schedule reaches the tables through DMP's fused optimizer (a CombinedOptimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(sharded.fused_optimizer, step_size=1, gamma=0.5)
+    for step in range(STEPS):
+        batches = [_batch(step, r) for r in range(world_size)]
+        out = sharded(batches[rank])
+        expected = reference(_concat(*batches))
+        mine = slice(rank * BATCH, (rank + 1) * BATCH)
+        torch.testing.assert_close(out, expected.values()[mine], rtol=0, atol=1e-6)
+        (out * weights[mine]).sum().backward()
+        # the global batch, its gradient divided by the ranks: TorchRec's pooled all-to-all divides the
+        # gradients it returns by the world size (as DDP averages), and the sharded tables step by them
+        ((expected.values() * weights).sum() / world_size).backward()
+        sharded.fused_optimizer.step()
+        scheduler.step()
+        reference.lr = OPTIONS["lr"] * 0.5 ** (step + 1)
+    _check_shards(sharded, reference, HELD["mixed"][rank])
+    _checkpoint_reloads(sharded, reference, rank, directory)
+
+
+def _checkpoint_reloads(sharded: torch.nn.Module, reference: object, rank: int, directory: str) -> None:
+    """torch.distributed.checkpoint saves the 2 ranks' shards; they load into another plan on 2 ranks and
+    into the unsharded collection in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from slipcache.interop.torchrec import (
+        KeyedCachedEmbeddingBagCollection,
+        KeyedCachedEmbeddingBagCollectionSharder,
+    )
+    from slipcache.interop.torchrec_weights import load_torchrec_state_dict, torchrec_state_dict
+
+    dcp.save(sharded.state_dict(), checkpoint_id=directory)
+    sharder = KeyedCachedEmbeddingBagCollectionSharder()
+    model = _Model(KeyedCachedEmbeddingBagCollection(_tables(), **{**OPTIONS, "seed": 9}))  # other rows
+    resharded = DistributedModelParallel(
+        model, device=torch.device("cpu"), sharders=[sharder], plan=_plan(model.tables, sharder, "table_wise")
+    )
+    state = resharded.state_dict()
+    dcp.load(state, checkpoint_id=directory)
+    resharded.load_state_dict(state)
+    _check_shards(resharded, reference, HELD["table_wise"][rank])
+    torch.distributed.barrier()
+    if rank == 0:
+        single = KeyedCachedEmbeddingBagCollection(_tables(), **{**OPTIONS, "seed": 11})
+        state = {f"tables.{key}": value for key, value in torchrec_state_dict(single).items()}
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
+        load_torchrec_state_dict(single, state)
+        for ours, expected in zip(single.export_tables(), reference.export_tables(), strict=True):
+            torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+
+
+def _check_shards(sharded: torch.nn.Module, reference: object, held: list[str]) -> None:
+    """This rank holds the shards `held`, each equal to its columns of the reference table."""
+    module = sharded.module.tables
+    names = reference.table_names
+    full = reference.export_tables()
+    shards = [name for lookup in module.lookups for c in lookup.collections for name in c.table_names]
+    assert sorted(shards) == sorted(held)
+    for lookup in module.lookups:
+        for collection in lookup.collections:
+            for name, rows in zip(collection.table_names, collection.export_tables(), strict=True):
+                table, _, start = name.partition("@")
+                first = int(start or 0)
+                table_rows = full[names.index(table)]
+                torch.testing.assert_close(
+                    rows, table_rows[:, first : first + rows.shape[1]], rtol=0, atol=1e-6
+                )
+
+
+def test_sharded_training_equals_the_unsharded_collection_and_checkpoints_through_dcp(tmp_path: Path) -> None:
+    run_ranks(_sharded_training_equals_unsharded, str(tmp_path / "dcp"))
 
 
 def _dlrm(tables: torch.nn.Module) -> torch.nn.Module:

@@ -47,7 +47,7 @@ def test_compiled_adagrad_is_within_tolerance_of_float64(rowwise: bool) -> None:
     torch_weights, torch_state = weights.clone(), state.clone()
     for grad in grads:
         assert _native.adagrad_update(compiled_weights, slots, compiled_state, rows, grad, LR, EPS)
-        # the torch step, as FusedOptimizer._adagrad_step computes it
+        # the torch step, as kernels.adagrad_update computes it without the compiled loop
         if rowwise:
             torch_state[rows] = torch_state[rows] + grad.pow(2).mean(dim=1)
             denominator = (torch_state[rows].sqrt() + EPS)[:, None]

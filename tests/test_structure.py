@@ -181,3 +181,49 @@ def test_the_design_map_names_every_source_file() -> None:
     files = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
     assert sorted(f for f in files if f not in named and not f.startswith(folders)) == []
     assert sorted(n for n in named if not (PACKAGE.parent / n).exists()) == []
+
+
+def _choices(tree: ast.AST) -> set[str]:
+    """Functions (`Class.method` for methods) that ask whether a compiled loop can run: `_native.usable`,
+    `_native.native` or `quantize.available`."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            where = f"{where}.{node.name}" if where else node.name
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and (node.func.value.id, node.func.attr) in {("_native", "usable"), ("_native", "native"),
+                                                        ("quantize", "available")}
+        ):
+            found.add(where)
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    visit(tree, "")
+    return found
+
+
+def test_the_compiled_or_torch_choice_is_made_once_per_operation() -> None:
+    """Each operation with a compiled loop chooses between it and its torch or NumPy reference in one function;
+    callers call that function and never ask which ran."""
+    asked = {
+        f"{name}:{where}"
+        for name, path in _modules().items()
+        if not name.startswith("slipcache._native")
+        for where in _choices(ast.parse(path.read_text()))
+    }
+    kernels = ["global_rows", "pool_bags", "distinct_rows", "sum_rows", "sgd_scatter", "sgd_scatter_if_finite",
+               "adagrad_update", "all_finite"]
+    assert asked == {
+        *(f"slipcache.embedding.kernels:{name}" for name in kernels),
+        "slipcache.embedding.cache:RowCache._compiled",  # its lookup, fused gather and slot assignment
+        "slipcache.embedding.quant:RowStorage.read",  # the dequantize pass
+        "slipcache.embedding.quant:RowStorage._write_compiled",  # the quantize pass
+        "slipcache.staleness.filtering:_compiled",  # classify and filter_inputs
+        "slipcache.staleness.filtering:count_hot_lookups",
+        "slipcache.bench.quantize:run_quantize_bench",  # compares the two paths: refused without the compiled one
+    }
+    assert _choices(ast.parse("class A:\n    def f(self):\n        return _native.usable(x)\n")) == {"A.f"}

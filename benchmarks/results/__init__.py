@@ -174,11 +174,23 @@ def study_arms(study: Mapping[str, Any]) -> list[dict[str, Any]]:
         runs = [r for r in study["runs"] if r["arm"] == name]
 
         def mean(key: str, runs: list[dict[str, Any]] = runs) -> float | None:
-            values = [r[key] for r in runs if r.get(key) is not None]
+            values = [_run_value(r, key) for r in runs]
+            values = [v for v in values if v is not None]
             return sum(values) / len(values) if values else None
 
-        rows.append({"arm": name, "seeds": len(runs), "planned": arm["seeds"], "mean": mean})
+        cached = arm["overrides"].get("policy", "lru") != "none" and "cache_size" in arm["overrides"]
+        rows.append({"arm": name, "seeds": len(runs), "planned": arm["seeds"], "mean": mean, "cached": cached})
     return rows
+
+
+def _run_value(run: Mapping[str, Any], key: str) -> float | None:
+    """A recorded figure, or one derived from them: throughput per CPU-second (what load and a resume leave
+    alone), and the peak memory only of a run that ran in one process (a resumed one's peak is its last part's)."""
+    if key == "samples_per_cpu_s":
+        return run["train_samples"] / run["cpu_s"] if run.get("cpu_s") else None
+    if key == "peak_rss_bytes" and run.get("run_cpu_s") is not None and run["run_cpu_s"] < 0.5 * run["cpu_s"]:
+        return None
+    return run.get(key)
 
 
 def comparison(study: Mapping[str, Any], arm: str, vs: str, metric: str = "test_auc") -> dict[str, Any] | None:

@@ -143,7 +143,7 @@ class RowCache(nn.Module):
         if not self.capacity:
             return torch.full_like(rows, EMPTY)
         use_count = self.use_count if self.policy in _COUNTING_POLICIES else None
-        if not self.partitioned and _native.usable(self.slot_rows, rows):
+        if self._compiled(rows):
             slots = _native.lookup(
                 self.slot_rows,
                 self.num_sets,
@@ -176,7 +176,7 @@ class RowCache(nn.Module):
         """`lookup_and_touch` of single-hot lookups [B * T] in one compiled pass that also copies each hit's
         row into `out` and adds per-table lookups, hits and misses to `counters` at `columns`; returns
         (slots, hits) (the slots written into `slots` when given), or None when the compiled loop cannot serve this cache (then nothing was done)."""
-        if not self.capacity or self.partitioned or not _native.usable(self.slot_rows, self.weights, rows, out, counters):
+        if not self.capacity or not self._compiled(self.weights, rows, out, counters):
             return None
         use_count = self.use_count if self.policy in _COUNTING_POLICIES else None
         found = _native.lookup_gather(
@@ -198,6 +198,12 @@ class RowCache(nn.Module):
         self._age(step)
         return found
 
+    def _compiled(self, *tensors: Tensor) -> bool:
+        """Whether the compiled loops serve this cache with these tensors: the one choice of its lookups,
+        fused gather and slot assignment (the torch code is the reference). They know one hash, not the
+        partitioned sets, and take contiguous CPU tensors."""
+        return not self.partitioned and _native.usable(self.slot_rows, *tensors)
+
     def _age(self, step: int) -> None:
         if self.policy in _COUNTING_POLICIES and self.lfu_halving_interval and step % self.lfu_halving_interval == 0:
             self.use_count >>= 1  # aging: old popularity fades
@@ -213,7 +219,7 @@ class RowCache(nn.Module):
         if not self.capacity or not rows.numel():
             return Assignment(torch.full_like(rows, EMPTY), empty, empty)
         lookahead = self.policy in LOOKAHEAD_POLICIES and window is not None and len(window)
-        if not lookahead and not self.partitioned and _native.usable(self.slot_rows, rows):
+        if not lookahead and self._compiled(rows):
             use_count = self.use_count if self.policy in _COUNTING_POLICIES else None
             slots, victim_slots, victim_rows = _native.assign_slots(
                 self.slot_rows, self.num_sets, self.ways, self.multiplier, self.last_used, use_count, pin_since, rows

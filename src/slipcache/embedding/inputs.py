@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slipcache import _native
+from slipcache.embedding import kernels
 from slipcache.embedding.scratch import Scratch
 from slipcache.errors import InvalidInputError
 
@@ -96,20 +96,10 @@ class LookupInputs:
                 "use SparseFeatures for multi-hot bags"
             )
         ids = features.to(self.device, torch.int64)
-        if ids.numel() and _native.usable(ids, self.table_offsets):
-            scratch = self.scratch.get("rows", (ids.numel(),), torch.int64)
-            rows, bad = _native.global_rows(ids.contiguous(), self.table_offsets, scratch)
-            if bad >= 0:
-                self._raise_out_of_range(bad % num_tables, int(ids.reshape(-1)[bad]))
-            return _Lookup(rows, ids.shape[0], None, None)
-        if ids.numel():
-            lo, hi = ids.amin(dim=0), ids.amax(dim=0)
-            bad = (lo < 0) | (hi >= self._table_sizes)
-            if bool(bad.any()):
-                t = int(torch.nonzero(bad)[0])
-                value = int(lo[t]) if int(lo[t]) < 0 else int(hi[t])
-                self._raise_out_of_range(t, value)
-        return _Lookup((ids + self.table_offsets[:-1]).reshape(-1), ids.shape[0], None, None)
+        rows, bad = kernels.global_rows(ids, self.table_offsets, self._table_sizes, self.scratch)
+        if bad is not None:
+            self._raise_out_of_range(*bad)
+        return _Lookup(rows, ids.shape[0], None, None)
 
     def prepare_sparse(self, features: SparseFeatures) -> _Lookup:
         values, offsets, num_tables = features.values, features.offsets, len(self.table_sizes)
@@ -170,12 +160,7 @@ class LookupInputs:
         if lookup.bag_of_value is None:
             return values.view(lookup.batch_size, num_tables, self.dim)
         bags, weight = lookup.bag_of_value, lookup.value_weight
-        if values.dtype == torch.float32 and _native.usable(values, bags, *([] if weight is None else [weight])):
-            pooled = _native.pool_bags(values, bags, weight, num_tables * lookup.batch_size)  # one pass
-        else:
-            if weight is not None:
-                values = values * weight[:, None]
-            pooled = values.new_zeros(num_tables * lookup.batch_size, self.dim).index_add_(0, bags, values)
+        pooled = kernels.pool_bags(values, bags, weight, num_tables * lookup.batch_size)
         return pooled.view(num_tables, lookup.batch_size, self.dim).transpose(0, 1)
 
     def unpool(self, grad_out: Tensor, lookup: _Lookup) -> Tensor:

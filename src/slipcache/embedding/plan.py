@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from slipcache import _native
+from slipcache.embedding import kernels
 from slipcache.embedding.accounting import COUNTERS, PhaseClock, TrafficCounters
 from slipcache.embedding.cache import RowCache
 from slipcache.embedding.quant import RowStorage, TableRowStorage
@@ -253,10 +253,7 @@ class StepPlanner:
         self.pin_since()  # drops forwards whose graph is gone, as every training forward does
         counters.count_lookups("lookups", None, lookup)
         counters.count_lookups("misses", None, lookup)
-        if self.order_free and _native.usable(rows):
-            storage_rows, storage_index = _native.unique_rows(rows)
-        else:
-            storage_rows, storage_index = torch.unique(rows, return_inverse=True)
+        storage_rows, storage_index = kernels.distinct_rows(rows, any_order=self.order_free)
         clock.lap("lookup")
         tables = counters.tables_of(storage_rows)
         counters.count_tables("rows_in", tables)

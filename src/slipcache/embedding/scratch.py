@@ -1,7 +1,8 @@
 """Step buffers reused from step to step while nothing else holds them.
 
 A fresh megabytes-large tensor costs its page faults every step; a buffer the last step's output, plan or
-rows still hold must not be written again. Reuse is decided by reference counts.
+rows still hold must not be written again. Reuse is decided by reference counts (the storage's: see
+`slipcache.torch_private`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import sys
 
 import torch
 from torch import Tensor
+
+from slipcache.torch_private import storage_alone
 
 
 class Scratch:
@@ -28,7 +31,7 @@ class Scratch:
             or buffer.shape != shape
             or buffer.dtype != dtype
             or sys.getrefcount(buffer) > 3
-            or not _storage_alone(buffer)
+            or not storage_alone(buffer)  # where torch cannot say: a new buffer
         ):
             buffer = self.buffers[name] = torch.empty(shape, dtype=dtype, device=self.device)
         return buffer
@@ -37,20 +40,3 @@ class Scratch:
         """After a move: buffers are made again on `device`."""
         self.device = device
         self.buffers.clear()
-
-
-def _use_count(tensor: Tensor) -> int | None:
-    """How many tensors share `tensor`'s storage (plus the temporary that asks); None where torch cannot say."""
-    try:
-        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_ALONE = _use_count(torch.empty(1))  # the count of a tensor nothing else shares
-
-
-def _storage_alone(tensor: Tensor) -> bool:
-    """Whether no other tensor (an output the caller kept, a view of it) shares `tensor`'s storage."""
-    count = _use_count(tensor)
-    return _ALONE is not None and count is not None and count <= _ALONE

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from slipcache import _native
+from slipcache.embedding import kernels
 from slipcache.embedding.accounting import PhaseClock, TrafficCounters
 from slipcache.embedding.cache import RowCache
 from slipcache.embedding.config import EmbeddingConfig
 from slipcache.embedding.hostmem import host_zeros
 from slipcache.embedding.quant import VALUE_LIMIT, RowStorage, TableRowStorage, fit_to_range
 from slipcache.embedding.writeback import RowWriter
+from slipcache.torch_private import graph_task_id, queue_callback
 
 if TYPE_CHECKING:
     from slipcache.embedding.plan import _StepPlan
@@ -51,7 +52,7 @@ class FusedOptimizer:
         # divides by its current scale (and, like scaler.step, skips a step whose gradient is not finite).
         self.grad_scaler: Any = None
         self._pending: list[tuple[_StepPlan, Tensor]] = []  # gradients of the running backward pass
-        self._pending_task = -1  # the autograd graph task they belong to
+        self._pending_task: int | None = -1  # the autograd graph task they belong to
 
     @staticmethod
     def state_row_shape(optimizer: str, dim: int) -> tuple[int, ...] | None:
@@ -74,19 +75,18 @@ class FusedOptimizer:
 
     def receive(self, plan: _StepPlan, grad: Tensor) -> None:
         """Collect one forward's gradient; the first one of a backward pass schedules the update."""
-        task = torch._C._current_graph_task_id()
-        if self._pending and task != self._pending_task:
+        task = graph_task_id()
+        if self._pending and task is not None and task != self._pending_task:
             # A backward pass that failed before its end: like a torch optimizer never stepped, its
             # gradients are dropped.
             self._pending.clear()
-        first = not self._pending
+        # Without a task id, the gradients waiting may be a failed pass's, whose callback is gone: each
+        # gradient then schedules one (the first to run applies them all).
+        schedule = not self._pending or task is None
         self._pending.append((plan, grad))
-        if first:
-            self._pending_task = task
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(self.apply_pending)
-            except RuntimeError:  # not inside the autograd engine: apply now
-                self.apply_pending()
+        self._pending_task = task
+        if schedule and not queue_callback(self.apply_pending):  # not inside the autograd engine: apply now
+            self.apply_pending()
 
     def apply_pending(self) -> None:
         """The fused optimizer over every gradient of the backward pass, summed per row: one step per row."""
@@ -97,7 +97,7 @@ class FusedOptimizer:
         if len(entries) == 1 and self._fused_update(*entries[0]):
             self.clock.lap("backward")
             return
-        if not all(_finite(grad) for _, grad in entries):
+        if not all(kernels.all_finite(grad) for _, grad in entries):
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return
         self.steps += 1
@@ -131,7 +131,6 @@ class FusedOptimizer:
         must run: another optimizer, a GradScaler or clipping (the gradient is rescaled), residency changed
         since the forward, no cache, or no compiled loop."""
         scaler = self.grad_scaler
-        weights = self.cache.weights
         if (
             self.config.optimizer != "sgd"
             or self.config.weight_decay
@@ -139,11 +138,12 @@ class FusedOptimizer:
             or self.config.max_grad_norm is not None
             or plan.residency_version != self.cache.version
             or not self.cache.capacity
-            or grad.dtype != torch.float32
-            or not _native.usable(weights, plan.slots, grad)
         ):
             return False
-        applied, finite = _native.sgd_update_finite(weights, plan.slots, grad, self.lr)
+        fused = kernels.sgd_scatter_if_finite(self.cache.weights, plan.slots, grad, self.lr)
+        if fused is None:
+            return False
+        applied, finite = fused
         if not applied:
             self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
             return True
@@ -162,7 +162,7 @@ class FusedOptimizer:
             factor = 1.0 / float(scaler.get_scale())
         if self.config.max_grad_norm is not None:
             rows, inverse = torch.unique(torch.cat([plan.rows for plan, _ in entries]), return_inverse=True)
-            summed = self._sum_rows(inverse, torch.cat([grad for _, grad in entries]), rows.numel())
+            summed = kernels.sum_rows(inverse, torch.cat([grad for _, grad in entries]), rows.numel())
             norm = float(summed.norm()) * factor  # the norm of the dense gradient of the tables
             factor *= min(1.0, self.config.max_grad_norm / (norm + 1e-6))
         return factor
@@ -173,13 +173,7 @@ class FusedOptimizer:
             for slots, grad in parts:  # SGD is linear: one scatter per part equals the summed step
                 if not slots.numel():
                     continue
-                if _native.usable(weights, slots):
-                    finite = _native.sgd_update(weights, slots, grad, self.lr)
-                else:
-                    # index_put_ with accumulate sums repeated slots and is faster than index_add_ on CPU
-                    weights.index_put_((slots,), grad * -self.lr, accumulate=True)
-                    finite = _finite(weights.index_select(0, slots))
-                if not finite:
+                if not kernels.sgd_scatter(weights, slots, grad, self.lr):
                     self._fit_cached(slots)
             return
         parts = [part for part in parts if part[0].numel()]
@@ -187,11 +181,8 @@ class FusedOptimizer:
             return
         slots = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
         grad = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        if _native.usable(slots):  # hashing, not sorting: each row's sum is in batch order either way
-            unique_slots, inverse = _native.unique_rows(slots)
-        else:
-            unique_slots, inverse = torch.unique(slots, return_inverse=True)
-        summed = self._sum_rows(inverse, grad, unique_slots.numel())
+        unique_slots, inverse = kernels.distinct_rows(slots)  # each row's sum is in batch order in any order
+        summed = kernels.sum_rows(inverse, grad, unique_slots.numel())
         rows = self.cache.slot_rows[unique_slots].long()
         if not self._apply_rows(weights, unique_slots, rows, summed):
             self._fit_cached(unique_slots)
@@ -219,21 +210,12 @@ class FusedOptimizer:
             rows, index = torch.unique(torch.cat([p[1][p[2]] for p in parts]), return_inverse=True)
             grad = torch.cat([p[3] for p in parts])
             values = self.storage.read(rows, self.device)
-        summed = self._sum_rows(index, grad, rows.numel())
+        summed = kernels.sum_rows(index, grad, rows.numel())
         if self.config.optimizer == "sgd" and not self.config.weight_decay:
             values.add_(summed, alpha=-self.lr)
         else:
             self._apply_rows(values, None, rows, summed)  # the writer fits what it stores
         self.writer.write(rows, values)
-
-    def _sum_rows(self, index: Tensor, values: Tensor, count: int) -> Tensor:
-        """Rows of `values` summed by `index` into [count, D]."""
-        summed = values.new_zeros(count, self.dim)
-        if _native.usable(summed, index):
-            _native.sgd_update(summed, index, values, -1.0)  # summed[index[i]] += values[i]
-        else:
-            summed.index_put_((index,), values, accumulate=True)
-        return summed
 
     def _apply_rows(self, target: Tensor, slots: Tensor | None, rows: Tensor, grad: Tensor) -> bool:
         """The optimizer's step of unique `rows` (gradient summed per row, weight decay added) in place on
@@ -246,12 +228,12 @@ class FusedOptimizer:
         elif self.config.optimizer == "adam":
             step = self._adam_step(rows, grad)
         else:
-            return self._adagrad_apply(target, slots, rows, grad)
+            return kernels.adagrad_update(target, slots, self.state, rows, grad, self.lr, self.config.eps)
         if slots is None:
             target.add_(step)
             return True
         target.index_add_(0, slots, step)
-        return _finite(target.index_select(0, slots))
+        return kernels.all_finite(target.index_select(0, slots))
 
     def _adam_step(self, rows: Tensor, grad: Tensor) -> Tensor:
         """Adam's moments of unique `rows` updated (rows a step does not touch keep theirs) and the update
@@ -265,39 +247,3 @@ class FusedOptimizer:
         first_hat = first / (1 - beta1**self.steps)
         second_hat = second / (1 - beta2**self.steps)
         return first_hat / (second_hat.sqrt() + self.config.eps) * -self.lr
-
-    def _adagrad_apply(self, target: Tensor, slots: Tensor | None, rows: Tensor, grad: Tensor) -> bool:
-        """Adagrad's step of unique `rows` (gradient summed per row) added in place to `target`'s rows at
-        `slots` (row i of `target` when None). In one compiled pass per row where the library is there and
-        everything is CPU fp32 (within a few ulp of the torch step, not bit for bit: see
-        `_native.adagrad_update`), else in torch. Returns False after an overflow at `slots` (the caller
-        fits those rows); with `slots` None nothing is checked (storage fits what it writes)."""
-        state = self.state
-        tensors = (target, state, grad) if slots is None else (target, state, grad, slots)
-        if all(t.dtype == torch.float32 for t in (target, state, grad)) and _native.usable(*tensors, rows):
-            return _native.adagrad_update(target, slots, state, rows, grad, self.lr, self.config.eps) or slots is None
-        step = self._adagrad_step(rows, grad)
-        if slots is None:
-            target.add_(step)
-            return True
-        target.index_add_(0, slots, step)
-        return _finite(target.index_select(0, slots))
-
-    def _adagrad_step(self, rows: Tensor, grad: Tensor) -> Tensor:
-        """Accumulate squared gradients of unique `rows` and return the update to add."""
-        state = self.state
-        state_rows = rows.to(state.device)
-        if self.config.optimizer == "adagrad":
-            accumulated = state[state_rows].to(self.device) + grad * grad
-            denominator = accumulated.sqrt() + self.config.eps
-        else:
-            accumulated = state[state_rows].to(self.device) + grad.pow(2).mean(dim=1)
-            denominator = (accumulated.sqrt() + self.config.eps)[:, None]
-        state[state_rows] = accumulated.to(state.device)
-        return grad / denominator * -self.lr
-
-
-def _finite(values: Tensor) -> bool:
-    if values.dtype == torch.float32 and _native.usable(values):
-        return _native.all_finite(values)
-    return bool(torch.isfinite(values).all())
