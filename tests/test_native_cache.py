@@ -81,10 +81,27 @@ def test_cache_key_follows_compiler_flags_and_source(monkeypatch: pytest.MonkeyP
     key = _native.cache_key(compiler)
     assert _native.cache_key(compiler) == key
     assert _native.cache_key(compiler, ("-O2", "-shared", "-fPIC")) != key
-    monkeypatch.setattr(build, "_SOURCE", build._SOURCE + "\n/* changed */\n")
-    assert _native.cache_key(compiler) != key
+    for name in (build.HEADER, *build.SOURCES):  # every file compiled, the shared header included
+        with monkeypatch.context() as changed:
+            changed.setitem(build._TEXTS, name, build._TEXTS[name] + "\n/* changed */\n")
+            assert _native.cache_key(compiler) != key, name
+    assert _native.cache_key(compiler) == key
     monkeypatch.setenv("SLIPCACHE_NATIVE_SANITIZE", "1")  # the sanitized build is a library of its own
     assert "-fsanitize=address,undefined" in build.build_flags() and _native.cache_key(compiler) != key
+
+
+def test_each_c_file_compiles_on_its_own(tmp_path: Path) -> None:
+    """No file relies on another pasted before it: each compiles alone against the shared header, without a
+    undeclared name, and every .c file beside the wrappers is one the build compiles."""
+    directory = Path(build.__file__).parent
+    assert sorted(p.name for p in directory.glob("*.c")) == sorted(build.SOURCES)
+    for name in build.SOURCES:
+        result = subprocess.run(
+            [build._compiler(), "-Werror=implicit-function-declaration", "-Werror=implicit-int", "-pthread", "-fPIC", "-c", str(directory / name),
+             "-o", str(tmp_path / f"{name}.o")],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert result.returncode == 0, (name, result.stderr)
 
 
 def test_a_hanging_compiler_times_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,11 +1,15 @@
-"""Optional compiled loops for the CPU hot path: cache lookup, the fused SGD and Adagrad updates, the quantize pass,
-the stale-input filter.
+"""Optional compiled loops for the CPU hot path: cache lookup, the fused SGD and Adagrad updates, the quantize pass
+(`quantize`), the stale-input filter (`filter`).
 
 Each is a plain loop over the lookups of a batch. In torch they take several passes over [lookups, ways]
 temporaries; in C they are one pass. `set_threads(n)` splits the lookup, gather and update loops over n
-threads of a persistent pool (`pool.c`), with results identical to one thread (docs/design.md says how). The C source (`loops.c`) is compiled with the
-system's C compiler on first use (about a second) into a per-user cache and loaded with ctypes (`build`: build flags, cache, safety checks, ctypes signatures);
-without a compiler, or with SLIPCACHE_NATIVE=0, the pure-torch path runs. Tests check the two agree.
+threads of a persistent pool (`pool.c`), with results identical to one thread (docs/design.md says how).
+The C files (`loops.c` the cache, `update.c` the backward, `quantize.c`, `filter.c`, each compiling on its own
+against `pool.h`) are compiled with the system's C compiler on first use (about a second) into a per-user
+cache and loaded with ctypes (`build`: build flags, cache, safety checks, ctypes signatures); without a
+compiler, or with SLIPCACHE_NATIVE=0, the pure-torch path runs. Tests check the two agree. The loops trust
+their pointers: the wrappers here check every tensor (device, dtype, layout, shape) and every index the
+loops do not check themselves.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import os
 import warnings
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,6 +30,7 @@ from slipcache._native.build import (
     load_library,
     private_directory,
 )
+from slipcache.errors import InvalidInputError, SlipcacheError
 
 __all__ = [
     "NoCompilerError",
@@ -90,8 +94,6 @@ def check_thread_count(count: int, what: str = "--threads") -> int:
     `--threads 1000` is a typo more often than a plan)."""
     limit = 4 * usable_cores()
     if count > limit:
-        from slipcache.errors import SlipcacheError
-
         raise SlipcacheError(
             f"{what} {count} is more than 4 per core this process may use ({usable_cores()} cores); at most {limit}"
         )
@@ -105,8 +107,6 @@ def threads_for(requested: int) -> int:
     if not given:
         return requested
     if not given.isdigit() or int(given) < 1:
-        from slipcache.errors import SlipcacheError
-
         raise SlipcacheError(f"{LOOP_THREADS_VARIABLE} must be a positive integer, got {given!r}")
     return check_thread_count(int(given), LOOP_THREADS_VARIABLE)
 
@@ -115,6 +115,14 @@ def threads() -> int:
     """Threads of each compiled loop (1 without the library)."""
     library = native()
     return 1 if library is None else int(library.slipcache_threads())
+
+
+def scratch_bytes() -> int:
+    """Bytes the compiled loops keep between calls, every thread's together (0 without the library): per
+    calling thread, the backward's position lists and the Adagrad step's distinct-row check, grown to the
+    largest batch seen and freed when the thread exits."""
+    library = native()
+    return 0 if library is None else int(library.slipcache_scratch_bytes())
 
 
 def usable(*tensors: Tensor) -> bool:
@@ -147,6 +155,16 @@ def _check_cache_state(slot_rows: Tensor, last_used: Tensor | None, use_count: T
     _check("use_count", use_count, (torch.int32,), (slots,))
 
 
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def _check_step(step: int) -> None:
+    """A step the int32 `last_used` can hold (the loops take it as int32: a larger one would wrap, where the
+    torch path refuses it too)."""
+    if not _INT32[0] <= step <= _INT32[1]:
+        raise InvalidInputError(f"cache step {step} is outside int32 [{_INT32[0]}, {_INT32[1]}], as last_used is")
+
+
 def lookup(
     slot_rows: Tensor,
     num_sets: int,
@@ -163,6 +181,7 @@ def lookup(
     rows = rows.contiguous()
     _check_cache_state(slot_rows, last_used, use_count, num_sets * ways)
     _check("rows", rows, (torch.int64,), (None,))
+    _check_step(step)
     slots = torch.empty_like(rows)
     library.lookup(
         slot_rows.data_ptr(),
@@ -191,6 +210,8 @@ def sgd_update(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> bool:
 
 
 _NOT_FINITE, _OVERFLOWED = -2, -3  # the SGD loops' codes: gradient not finite (nothing written); overflow
+_REPEATED_SLOT, _REPEATED_STATE_ROW, _NO_MEMORY = -4, -5, -6  # Adagrad's refusals (nothing written)
+_REPEATED = {_REPEATED_SLOT: "slot", _REPEATED_STATE_ROW: "state row"}
 
 
 def _run_sgd(loop: Callable[..., int], weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> int:
@@ -249,6 +270,7 @@ def lookup_gather(
     assert library is not None
     slots_count = num_sets * ways
     _check_cache_state(slot_rows, last_used, use_count, slots_count)
+    _check_step(step)
     _check("weights", weights, (torch.float32,), (slots_count, None))
     if tables < 1 or rows.numel() % tables:
         raise ValueError(f"compiled loop: {rows.numel()} lookups are not whole rows of {tables} tables")
@@ -355,7 +377,7 @@ def assign_slots(
         multiplier,
         last_used.data_ptr(),
         use_count.data_ptr() if use_count is not None else None,
-        max(-(2**31), min(pin_since, 2**31 - 1)),
+        max(_INT32[0], min(pin_since, _INT32[1])),  # beyond int32: no step pins, or every one
         rows.data_ptr(),
         rows.numel(),
         slots.data_ptr(),
@@ -381,7 +403,8 @@ def adagrad_update(
 ) -> bool:
     """The Adagrad step of unique rows in one pass: per row, the squared gradient is added to its state
     (`state` [rows, D] per value, or [rows] row-wise: the row's mean square) and `weights[slots[i]]` (row i
-    when `slots` is None) takes `grad[i] / (sqrt(state) + eps) * -lr`. Slots must be distinct.
+    when `slots` is None) takes `grad[i] / (sqrt(state) + eps) * -lr`. Slots and state rows must be distinct
+    (sum a row's gradients first): a repeat raises InvalidInputError, and nothing is written.
 
     Not bit-identical to the torch step in every case (row-wise, torch sums the squares in fp32 in its own
     order; here they are summed in double), so tests compare both with a float64 reference within a stated
@@ -414,78 +437,13 @@ def adagrad_update(
     )
     if code >= 0:
         raise ValueError(f"compiled loop: Adagrad row {code} has a slot or state row out of range")
-    return code != _OVERFLOWED
-
-
-def classify_inputs(
-    ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, required: int
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """(stale, hot) bool[n] for int32 ids [n, T] over per-row flag bytes; None if an id is out of its table.
-
-    The caller checks that the library is there and that ids is a C-contiguous int32 [n, T] array.
-    """
-    library = native()
-    assert library is not None
-    n, tables = ids.shape
-    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    if (
-        ids.dtype != np.int32
-        or not ids.flags.c_contiguous
-        or flags.dtype != np.uint8
-        or not flags.flags.c_contiguous
-        or offsets.shape != (tables + 1,)
-        or flags.shape[0] < offsets[-1]
-    ):
-        raise ValueError(
-            "compiled loop: ids must be C-contiguous int32 [n, T], offsets [T + 1], flags uint8 covering every row"
+    if code in _REPEATED:
+        what, index = _REPEATED[code], slots if code == _REPEATED_SLOT else state_rows
+        values, counts = torch.unique(index, return_counts=True)
+        raise InvalidInputError(
+            f"Adagrad step: {what} {int(values[counts > 1][0])} appears {int(counts[counts > 1][0])} times; each row must"
+            " appear once (sum its gradients first)"
         )
-    stale, hot = np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.bool_)
-    bad = library.classify_inputs(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data, required,
-                                  stale.ctypes.data, hot.ctypes.data)
-    return None if bad >= 0 else (stale, hot)
-
-
-def filter_inputs(
-    ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, required: int, skipping: bool, control_share: float,
-    seed_mix: int, start: int,
-) -> tuple[np.ndarray, np.ndarray, int, int, int] | None:
-    """(keep, control, hot inputs, would-be-skipped, controls) of the skip filter; None if an id is out of range.
-
-    Same contract as `classify_inputs` for ids/offsets/flags; the control draw is filtering.uniform's.
-    """
-    library = native()
-    assert library is not None
-    n, tables = ids.shape
-    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    if (ids.dtype != np.int32 or not ids.flags.c_contiguous or flags.dtype != np.uint8 or not flags.flags.c_contiguous
-            or offsets.shape != (tables + 1,) or flags.shape[0] < offsets[-1]):
-        raise ValueError("compiled loop: bad arrays for filter_inputs")
-    keep, control = np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.bool_)
-    counts = np.zeros(3, dtype=np.int64)
-    bad = library.filter_inputs(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data, required,
-                                int(skipping), float(control_share), seed_mix, start, keep.ctypes.data,
-                                control.ctypes.data, counts.ctypes.data)
-    return None if bad >= 0 else (keep, control, int(counts[0]), int(counts[1]), int(counts[2]))
-
-
-def count_hot_updates(ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                      counts: np.ndarray) -> int:
-    """counts[hot position of each hot lookup] += 1, in one pass; returns the lookups counted.
-
-    `keys`/`values` are a HotIndex's table (its size a power of two), `flags` the detector's per-row bytes
-    (non-zero = hot). The caller checks that the library is there; ids must be valid C-contiguous int32 [n, T].
-    """
-    library = native()
-    assert library is not None
-    n, tables = ids.shape
-    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    bits = int(keys.size).bit_length() - 1
-    if (
-        ids.dtype != np.int32 or not ids.flags.c_contiguous or offsets.shape != (tables + 1,)
-        or flags.dtype != np.uint8 or flags.shape[0] < offsets[-1] or keys.dtype != np.int64
-        or values.dtype != np.int32 or keys.size != 1 << bits or values.size != keys.size
-        or counts.dtype != np.int64 or not counts.flags.c_contiguous
-    ):
-        raise ValueError("compiled loop: bad arrays for count_hot_updates")
-    return int(library.count_hot_updates(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data,
-                                         keys.ctypes.data, values.ctypes.data, bits, counts.ctypes.data))
+    if code == _NO_MEMORY:
+        raise MemoryError("compiled loop: no memory to check that the Adagrad rows are distinct")
+    return code != _OVERFLOWED

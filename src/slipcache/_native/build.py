@@ -1,10 +1,11 @@
-"""Building and loading the compiled loops: `loops.c` compiled with the system's C compiler on first use
-into a private per-user cache, loaded with ctypes.
+"""Building and loading the compiled loops: the C files beside this one compiled with the system's C compiler
+on first use into one library in a private per-user cache, loaded with ctypes.
 
 The cache (`$SLIPCACHE_CACHE_DIR/native`, default `~/.cache/slipcache/native`) is a directory of mode 0700;
 a directory or library that another user owns or could write is refused (the torch path runs, with a
-warning), builds are renamed into place whole, the file name keys the source, compiler, flags and CPU
-architecture, and a cached library that fails to load is rebuilt once.
+warning), builds are renamed into place whole, the file name keys the sources (every .c file and the
+header they share), compiler, flags and CPU architecture, and a cached library that fails to load is
+rebuilt once.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# The loops themselves: plain C beside this file, shipped as package data and compiled on first use as one
-# unit: the worker pool (`pool.c`) first, then the loops that hand it their parts (`loops.c`).
-_SOURCE = "\n".join(Path(__file__).with_name(name).read_text() for name in ("pool.c", "loops.c"))
+# The loops themselves: plain C beside this file, shipped as package data. Each .c file compiles on its own
+# against the header they share (`pool.h`: the worker pool's interface and the loops' helpers); one compiler
+# run builds them into one library. Read once: what is compiled is what keys the cache.
+HEADER = "pool.h"
+SOURCES = ("pool.c", "loops.c", "filter.c", "update.c", "quantize.c")
+_TEXTS = {name: Path(__file__).with_name(name).read_text() for name in (HEADER, *SOURCES)}
 
 _FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
 # SLIPCACHE_NATIVE_SANITIZE=1 builds the loops with AddressSanitizer and UndefinedBehaviorSanitizer (a library
@@ -62,7 +66,8 @@ def cache_key(compiler: str, flags: tuple[str, ...] | None = None) -> str:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    parts = (_SOURCE, os.path.realpath(compiler), version, " ".join(flags), platform.machine(), sys.platform)
+    sources = [f"{name}\0{text}" for name, text in _TEXTS.items()]
+    parts = (*sources, os.path.realpath(compiler), version, " ".join(flags), platform.machine(), sys.platform)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -95,13 +100,14 @@ def private_directory(path: Path) -> Path:
 def _build(compiler: str, target: Path) -> None:
     """Compile into a private temporary directory beside `target`, then rename: never half-written."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "native.c"
-        source.write_text(_SOURCE)
+        for name, text in _TEXTS.items():
+            (Path(tmp) / name).write_text(text)
+        sources = [str(Path(tmp) / name) for name in SOURCES]
         built = Path(tmp) / target.name
         for extra in ((), _FALLBACK_FLAGS):
             try:
                 result = subprocess.run(
-                    [compiler, *build_flags(), *extra, "-o", str(built), str(source)],
+                    [compiler, *build_flags(), *extra, "-o", str(built), *sources],
                     capture_output=True,
                     text=True,
                     timeout=BUILD_TIMEOUT_S,
@@ -180,7 +186,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.filter_inputs.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ctypes.c_double, ctypes.c_uint64,
                                       ctypes.c_uint64, ptr, ptr, ptr]
     library.filter_inputs.restype = i64
-    library.count_hot_updates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr]
+    library.count_hot_updates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64]
     library.count_hot_updates.restype = i64
     library.global_rows.argtypes = [ptr, i64, i64, ptr, ptr]
     library.global_rows.restype = i64
@@ -220,3 +226,5 @@ def _declare(library: ctypes.CDLL) -> None:
     library.slipcache_threads.restype = i64
     library.slipcache_pool_workers.argtypes = []
     library.slipcache_pool_workers.restype = i64
+    library.slipcache_scratch_bytes.argtypes = []
+    library.slipcache_scratch_bytes.restype = i64

@@ -1,4 +1,4 @@
-/* The worker pool of the compiled loops (compiled ahead of loops.c, as one unit with it).
+/* The worker pool of the compiled loops (its interface: pool.h), and their per-thread scratch memory.
 
    Started once, on the first job that wants more than one thread, with slipcache_set_threads(n) - 1 workers
    (the calling thread works on every job too); no thread is started per call. A job is a function of
@@ -13,7 +13,11 @@
    the GIL) runs every part of its job itself, in part order. The parts write disjoint memory, so the result
    is the same either way. fork: the child has no workers; the atfork handlers hold the job lock across the
    fork (no job in flight) and the child starts afresh, building its own workers on its first job (DataLoader
-   workers and torchrun fork). Exit: a destructor stops and joins idle workers. */
+   workers and torchrun fork). Exit: a destructor stops and joins idle workers.
+
+   Scratch: a loop that needs a buffer per call takes its calling thread's (thread_scratch), kept between
+   calls and grown when a larger one is needed, so a backward does not malloc; a thread's buffers are freed
+   when it exits, and slipcache_scratch_bytes() says what every thread holds. */
 #include <pthread.h>
 #include <signal.h>
 #include <time.h>
@@ -21,9 +25,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-typedef void (*part_fn)(void *args, int64_t part, int64_t parts);
+#include "pool.h"
 
-#define POOL_MAX 256
 #define PARTS_BITS 16 /* generation = (job << PARTS_BITS) | parts; claim = (job << PARTS_BITS) | next part */
 #define PARTS_MASK ((UINT64_C(1) << PARTS_BITS) - 1)
 #define SPIN_NS 100000 /* polling before sleeping, in ns: catches the next loop of the same step, yet costs a
@@ -187,8 +190,7 @@ int64_t slipcache_threads(void) { return __atomic_load_n(&pool.wanted, __ATOMIC_
 /* Workers running now (0 until the first job that uses them, and in a fresh fork child). */
 int64_t slipcache_pool_workers(void) { return __atomic_load_n(&pool.started, __ATOMIC_RELAXED); }
 
-/* Parts for n items of which each part should get at least `grain`: at most the pool's threads. */
-static int64_t parts_for(int64_t n, int64_t grain) {
+int64_t parts_for(int64_t n, int64_t grain) {
     int64_t parts = __atomic_load_n(&pool.wanted, __ATOMIC_RELAXED);
     if (grain > 0 && n / grain < parts) parts = n / grain;
     return parts < 1 ? 1 : parts;
@@ -197,7 +199,7 @@ static int64_t parts_for(int64_t n, int64_t grain) {
 /* Parts for a split by position, where more parts cost nothing: up to CHUNKS per thread, so that a worker
    that arrives late (or is preempted) holds back a small part, not a thread's whole share. */
 #define CHUNKS 4
-static int64_t chunks_for(int64_t n, int64_t grain) {
+int64_t chunks_for(int64_t n, int64_t grain) {
     int64_t threads = __atomic_load_n(&pool.wanted, __ATOMIC_RELAXED);
     if (threads <= 1) return 1;
     int64_t parts = threads * CHUNKS > POOL_MAX ? POOL_MAX : threads * CHUNKS;
@@ -205,9 +207,8 @@ static int64_t chunks_for(int64_t n, int64_t grain) {
     return parts < 1 ? 1 : parts;
 }
 
-/* fn(args, p, parts) for p in [0, parts), on the pool when it is free (with however many workers run, none
-   included), else all on the calling thread. */
-static void run_parts(part_fn fn, void *args, int64_t parts) {
+/* run_parts: on the pool with however many workers run (none included). */
+void run_parts(part_fn fn, void *args, int64_t parts) {
     if (parts <= 1 || pthread_mutex_trylock(&pool.job_lock) != 0) {
         for (int64_t p = 0; p < parts; p++) fn(args, p, parts);
         return;
@@ -237,8 +238,48 @@ static void run_parts(part_fn fn, void *args, int64_t parts) {
     pthread_mutex_unlock(&pool.job_lock);
 }
 
-/* [lo, hi) of part p of n items split into `parts` contiguous ranges. */
-static inline void part_range(int64_t n, int64_t p, int64_t parts, int64_t *lo, int64_t *hi) {
-    *lo = (int64_t)((__int128)n * p / parts);
-    *hi = (int64_t)((__int128)n * (p + 1) / parts);
+/* ------------------------------------------------------------------ per-thread scratch */
+typedef struct { void *buffer[SCRATCH_KINDS]; size_t bytes[SCRATCH_KINDS]; } scratch_set;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_ready;
+static int64_t scratch_total;  /* atomic: bytes held by every thread's scratch */
+
+static void scratch_release(void *set_) {  /* the key's destructor: its thread exits */
+    scratch_set *set = set_;
+    for (int k = 0; k < SCRATCH_KINDS; k++) {
+        free(set->buffer[k]);
+        __atomic_sub_fetch(&scratch_total, (int64_t)set->bytes[k], __ATOMIC_RELAXED);
+    }
+    free(set);
 }
+
+static void scratch_init(void) { scratch_ready = pthread_key_create(&scratch_key, scratch_release) == 0; }
+
+void *thread_scratch(int kind, size_t bytes) {
+    pthread_once(&scratch_once, scratch_init);
+    if (!scratch_ready || kind < 0 || kind >= SCRATCH_KINDS) return 0;
+    scratch_set *set = pthread_getspecific(scratch_key);
+    if (!set) {
+        set = calloc(1, sizeof *set);
+        if (!set || pthread_setspecific(scratch_key, set) != 0) {
+            free(set);
+            return 0;
+        }
+    }
+    if (set->bytes[kind] < bytes) {  /* grow by half at least: a batch a little larger does not reallocate */
+        size_t grown = set->bytes[kind] + set->bytes[kind] / 2;
+        grown = grown > bytes ? grown : bytes;
+        void *buffer = calloc(grown, 1);
+        if (!buffer) return 0;
+        free(set->buffer[kind]);
+        __atomic_add_fetch(&scratch_total, (int64_t)grown - (int64_t)set->bytes[kind], __ATOMIC_RELAXED);
+        set->buffer[kind] = buffer;
+        set->bytes[kind] = grown;
+    }
+    return set->buffer[kind];
+}
+
+/* Bytes of scratch that every thread holds now (the memory report counts them). */
+int64_t slipcache_scratch_bytes(void) { return __atomic_load_n(&scratch_total, __ATOMIC_RELAXED); }

@@ -137,10 +137,15 @@ def uniform(shape: tuple[int, ...], generator: torch.Generator | None) -> Tensor
     return _draw(shape, generator)
 
 
+_MT_STATE_BYTES = 24 + 624 * 8  # what torch_uniform reads of a CPU generator's state
+
+
 def _draw(shape: tuple[int, ...], generator: torch.Generator) -> Tensor | None:
     library = _native.native()
     assert library is not None
     state = generator.get_state()
+    if state.dtype != torch.uint8 or state.numel() < _MT_STATE_BYTES or not state.is_contiguous():
+        return None  # not the mt19937 layout the loop reads (seed, left, seeded, next, 624 words)
     out = torch.empty(shape)
     if library.torch_uniform(state.data_ptr(), out.data_ptr(), out.numel()) != 0:
         return None

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from slipcache import _native
+from slipcache._native import filter as native_filter
 from slipcache.errors import InvalidInputError
 from slipcache.staleness.hotset import HotIndex, _global_rows, _to_numpy
 
@@ -56,7 +57,7 @@ def classify(sparse: np.ndarray | torch.Tensor, offsets: np.ndarray, row_flags: 
     num_tables = offsets.size - 1
     ids = _to_numpy(sparse)
     if _compiled(ids, num_tables):
-        result = _native.classify_inputs(ids, offsets, row_flags, required)
+        result = native_filter.classify_inputs(ids, offsets, row_flags, required)
         if result is None:
             raise InvalidInputError("sparse ids out of range for their tables")
         return result
@@ -77,8 +78,8 @@ def filter_inputs(sparse: np.ndarray | torch.Tensor, offsets: np.ndarray, row_fl
     """
     ids = _to_numpy(sparse)
     if _compiled(ids, offsets.size - 1):  # one C pass: a few NumPy passes less
-        result = _native.filter_inputs(ids, offsets, row_flags, required, skipping, control_share,
-                                       seed_mix(seed), position)
+        result = native_filter.filter_inputs(ids, offsets, row_flags, required, skipping, control_share,
+                                             seed_mix(seed), position)
         if result is None:
             raise InvalidInputError("sparse ids out of range for their tables")
         return result
@@ -99,13 +100,13 @@ def count_hot_lookups(ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, i
     """Count the hot lookups of trained ids [n, T] (in range: the filter checked them) per hot-set position.
 
     The compiled pass adds them to ``counts`` (flag byte, hash probe and increment per lookup; ~6x faster
-    than NumPy) and returns no position; the NumPy reference returns the hot positions for the caller to
+    than NumPy; it checks every id against its table first, a sequential pass) and returns no position; the NumPy reference returns the hot positions for the caller to
     add, with other batches', in one ``np.bincount``. Either way the sums are the same.
     """
     if ids.ndim == 2 and ids.dtype.kind in "iu" and _native.native() is not None:
         # Batches hold int64 ids; ids index a table, so int32 holds them (the copy is of the counted share).
         ids = np.ascontiguousarray(ids, dtype=np.int32)
-        _native.count_hot_updates(ids, offsets, flags, index.keys, index.values, counts)
+        native_filter.count_hot_updates(ids, offsets, flags, index.keys, index.values, counts)
         return np.zeros(0, dtype=np.int32)
     rows = (ids + offsets[:-1].astype(ids.dtype)).reshape(-1)
     rows = rows[np.take(flags, rows) != 0]  # hot lookups only: the flag byte says so
@@ -117,7 +118,7 @@ def uniform(seed: int, positions: np.ndarray) -> np.ndarray:
     """Uniform [0, 1) values for inputs at these positions of a run: splitmix64 of (seed, position).
 
     Stateless, so a resumed run draws exactly what the uninterrupted one drew for the same inputs. The
-    compiled filter (``_native/loops.c``) computes the same values.
+    compiled filter (``_native/filter.c``) computes the same values.
     """
     with np.errstate(over="ignore"):
         z = positions.astype(np.uint64) + np.uint64(seed_mix(seed))
