@@ -127,10 +127,16 @@ def train_dmp(args: argparse.Namespace, table_sizes: list[int]) -> None:
     )
     model = DistributedModelParallel(model, device=torch.device("cpu"), sharders=sharders, plan=plan)
     optimizer = torch.optim.SGD(dict(in_backward_optimizer_filter(model.named_parameters())).values(), lr=0.5)
-    state = {"model": model.state_dict(), "step": torch.zeros((), dtype=torch.int64)}
+    # the tables' rows and their fused optimizer's state (empty for SGD; Adagrad's sums, Adam's moments)
+    state = {
+        "model": model.state_dict(),
+        "optim": model.fused_optimizer.state_dict(),
+        "step": torch.zeros((), dtype=torch.int64),
+    }
     if args.resume:
         dcp.load(state, checkpoint_id=args.resume)
         model.load_state_dict(state["model"])
+        model.fused_optimizer.load_state_dict(state["optim"])
     start = int(state["step"])
     feature_names = [f"cat_{t}" for t in range(len(table_sizes))]
     mine = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
@@ -149,9 +155,12 @@ def train_dmp(args: argparse.Namespace, table_sizes: list[int]) -> None:
     loss = loss.detach().clone()
     dist.all_reduce(loss)
     if args.checkpoint_dir:
-        dcp.save(
-            {"model": model.state_dict(), "step": torch.tensor(args.steps)}, checkpoint_id=args.checkpoint_dir
-        )
+        state = {
+            "model": model.state_dict(),
+            "optim": model.fused_optimizer.state_dict(),
+            "step": torch.tensor(args.steps),
+        }
+        dcp.save(state, checkpoint_id=args.checkpoint_dir)
     if rank == 0:
         print(f"step {args.steps} loss {float(loss) / world:.6f}")
     dist.destroy_process_group()

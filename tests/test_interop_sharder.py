@@ -15,91 +15,9 @@ import torch
 
 pytest.importorskip("torchrec", reason="torchrec not installed (the torchrec extra)")
 
+from tests import torchrec_shards as shards  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
-
-BATCH = 3  # per rank
-STEPS = 3
-OPTIONS = dict(precision="fp32", cache_size=1.0, lr=0.5, seed=5)
-
-
-def _tables() -> list:
-    from torchrec import EmbeddingBagConfig, PoolingType
-
-    return [
-        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=40, feature_names=["f0"]),
-        EmbeddingBagConfig(
-            name="t1", embedding_dim=4, num_embeddings=20, feature_names=["f1"], pooling=PoolingType.MEAN
-        ),
-        EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=30, feature_names=["f2", "f3"]),
-        EmbeddingBagConfig(name="t3", embedding_dim=8, num_embeddings=25, feature_names=["f4"]),
-    ]
-
-
-# the shards each rank holds under each plan (a column shard is named by its first column)
-HELD = {
-    "mixed": {0: ["t1", "t2@0"], 1: ["t0", "t2@4", "t3@0", "t3@4"]},
-    "table_wise": {0: ["t0", "t3"], 1: ["t1", "t2"]},
-}
-
-
-def _plan(module: torch.nn.Module, sharder: object, kind: str = "mixed") -> object:
-    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingPlan
-
-    per_table = {
-        "t0": table_wise(rank=1),
-        "t1": table_wise(rank=0),
-        "t2": column_wise(ranks=[0, 1]),
-        "t3": column_wise(ranks=[1, 1]),  # two column shards on one rank
-    }
-    if kind == "table_wise":
-        per_table = {
-            "t0": table_wise(rank=0),
-            "t1": table_wise(rank=1),
-            "t2": table_wise(rank=1),
-            "t3": table_wise(rank=0),
-        }
-    plan = construct_module_sharding_plan(module, per_table, sharder=sharder, device_type="cpu")
-    return ShardingPlan({"tables": plan})
-
-
-class _Model(torch.nn.Module):
-    def __init__(self, tables: torch.nn.Module) -> None:
-        super().__init__()
-        self.tables = tables
-
-    def forward(self, kjt: object) -> torch.Tensor:
-        return self.tables(kjt).values()
-
-
-def _batch(step: int, rank: int) -> object:
-    """Multi-hot bags, some empty; features listed in another order than the tables'."""
-    from torchrec import KeyedJaggedTensor
-
-    sizes = {"f3": 30, "f0": 40, "f4": 25, "f1": 20, "f2": 30}
-    generator = torch.Generator().manual_seed(100 * step + rank)
-    lengths = torch.randint(0, 3, (len(sizes), BATCH), generator=generator)
-    values = [
-        torch.randint(0, n, (int(lengths[i].sum()),), generator=generator)
-        for i, n in enumerate(sizes.values())
-    ]
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=list(sizes), values=torch.cat(values), lengths=lengths.reshape(-1)
-    )
-
-
-def _concat(a: object, b: object) -> object:
-    """Two KJTs of the same keys as one batch (b's samples after a's)."""
-    from torchrec import KeyedJaggedTensor
-
-    keys = list(a.keys())
-    values, lengths = [], []
-    for key in keys:
-        values += [a[key].values(), b[key].values()]
-        lengths += [a[key].lengths(), b[key].lengths()]
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=keys, values=torch.cat(values), lengths=torch.cat(lengths)
-    )
+from tests.torchrec_shards import BATCH, HELD, OPTIONS, STEPS  # noqa: E402
 
 
 def _sharded_training_equals_unsharded(rank: int, world_size: int, directory: str) -> None:
@@ -114,19 +32,19 @@ def _sharded_training_equals_unsharded(rank: int, world_size: int, directory: st
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
     # the reference: every rank trains the same unsharded copy on the global batch
-    reference = allow_independent_replicas(KeyedCachedEmbeddingBagCollection(_tables(), **OPTIONS))
+    reference = allow_independent_replicas(KeyedCachedEmbeddingBagCollection(shards.tables(), **OPTIONS))
     sharder = KeyedCachedEmbeddingBagCollectionSharder()
-    model = _Model(KeyedCachedEmbeddingBagCollection(_tables(), **OPTIONS))
+    model = shards.TablesModel(KeyedCachedEmbeddingBagCollection(shards.tables(), **OPTIONS))
     sharded = DistributedModelParallel(
-        model, device=torch.device("cpu"), sharders=[sharder], plan=_plan(model.tables, sharder)
+        model, device=torch.device("cpu"), sharders=[sharder], plan=shards.plan(model.tables, sharder)
     )
     weights = torch.randn(BATCH * world_size, 36, generator=torch.Generator().manual_seed(7))
     # a learning-rate schedule reaches the tables through DMP's fused optimizer (a CombinedOptimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(sharded.fused_optimizer, step_size=1, gamma=0.5)
     for step in range(STEPS):
-        batches = [_batch(step, r) for r in range(world_size)]
+        batches = [shards.batch(step, r) for r in range(world_size)]
         out = sharded(batches[rank])
-        expected = reference(_concat(*batches))
+        expected = reference(shards.concat(*batches))
         mine = slice(rank * BATCH, (rank + 1) * BATCH)
         torch.testing.assert_close(out, expected.values()[mine], rtol=0, atol=1e-6)
         (out * weights[mine]).sum().backward()
@@ -154,9 +72,14 @@ def _checkpoint_reloads(sharded: torch.nn.Module, reference: object, rank: int, 
 
     dcp.save(sharded.state_dict(), checkpoint_id=directory)
     sharder = KeyedCachedEmbeddingBagCollectionSharder()
-    model = _Model(KeyedCachedEmbeddingBagCollection(_tables(), **{**OPTIONS, "seed": 9}))  # other rows
+    model = shards.TablesModel(
+        KeyedCachedEmbeddingBagCollection(shards.tables(), **{**OPTIONS, "seed": 9})
+    )  # other rows
     resharded = DistributedModelParallel(
-        model, device=torch.device("cpu"), sharders=[sharder], plan=_plan(model.tables, sharder, "table_wise")
+        model,
+        device=torch.device("cpu"),
+        sharders=[sharder],
+        plan=shards.plan(model.tables, sharder, "table_wise"),
     )
     state = resharded.state_dict()
     dcp.load(state, checkpoint_id=directory)
@@ -164,7 +87,7 @@ def _checkpoint_reloads(sharded: torch.nn.Module, reference: object, rank: int, 
     _check_shards(resharded, reference, HELD["table_wise"][rank])
     torch.distributed.barrier()
     if rank == 0:
-        single = KeyedCachedEmbeddingBagCollection(_tables(), **{**OPTIONS, "seed": 11})
+        single = KeyedCachedEmbeddingBagCollection(shards.tables(), **{**OPTIONS, "seed": 11})
         state = {f"tables.{key}": value for key, value in torchrec_state_dict(single).items()}
         dcp.load(state, checkpoint_id=directory, no_dist=True)
         load_torchrec_state_dict(single, state)
@@ -224,7 +147,7 @@ def _dlrm_under_dmp_equals_torchrec(rank: int, world_size: int) -> None:
     warnings.simplefilter("ignore")
     lr = 0.1
     torch.manual_seed(0)
-    tables = [t for t in _tables() if t.embedding_dim == 8]  # DLRM's interaction: one dim
+    tables = [t for t in shards.tables() if t.embedding_dim == 8]  # DLRM's interaction: one dim
     theirs = _dlrm(EmbeddingBagCollection(tables=tables, device=torch.device("cpu")))
     ours = _dlrm(
         from_torchrec(theirs.sparse_arch.embedding_bag_collection, precision="fp32", cache_size=1.0, lr=lr)
@@ -257,7 +180,7 @@ def _dlrm_under_dmp_equals_torchrec(rank: int, world_size: int) -> None:
     models[1][0].load_state_dict(models[0][0].state_dict())  # TorchRec's sharded rows (ShardedTensors)
     generator = torch.Generator().manual_seed(rank)
     for step in range(STEPS):
-        kjt = _batch(step, rank)
+        kjt = shards.batch(step, rank)
         dense_features = torch.randn(BATCH, 3, generator=generator)
         outputs = []
         for sharded, optimizer in models:
@@ -324,7 +247,7 @@ def _pipeline_trains(rank: int, world_size: int) -> None:
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    tables = [t for t in _tables() if t.embedding_dim == 8]
+    tables = [t for t in shards.tables() if t.embedding_dim == 8]
     ebc = KeyedCachedEmbeddingBagCollection(tables, **OPTIONS)
     model = DistributedModelParallel(
         DLRMTrain(_dlrm(ebc)),
@@ -337,7 +260,7 @@ def _pipeline_trains(rank: int, world_size: int) -> None:
     batches = [
         Batch(
             dense_features=torch.randn(BATCH, 3, generator=generator),
-            sparse_features=_batch(step, rank),
+            sparse_features=shards.batch(step, rank),
             labels=torch.ones(BATCH),
         )
         for step in range(STEPS)

@@ -13,8 +13,12 @@ the placement TorchRec's sharding gave them. Loading rounds them into each shard
 empties the caches. One process reads the same checkpoint into an unsharded collection through
 `slipcache.interop.torchrec_weights` (`torchrec_state_dict`, then `load_torchrec_state_dict`).
 
-Only the rows are saved: the cache's contents and the fused optimizer's state (Adagrad's sums, Adam's
-moments) start afresh on load; with SGD a resumed run continues as the saved one would.
+The fused optimizer's state is TorchRec's too: `model.fused_optimizer.state_dict()` holds, per table,
+`<table>.momentum1` (Adagrad's sums; Adam's first moment), `<table>.momentum2` (Adam's second moment) as
+ShardedTensors placed as the rows are, and Adam's `<table>.step`; row-wise Adagrad's one value per row and
+column cut is a [rows, cuts] ShardedTensor. Saved and loaded with the rows, a resumed run continues as the
+saved one would (with fp32 storage exactly; lower precisions round as they would have). The cache's
+contents start afresh on load.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharding_spec import ShardMetadata
 from torch.nn.modules.module import _IncompatibleKeys
 
 from slipcache.errors import InvalidInputError
@@ -83,3 +89,92 @@ def _shard_rows(value: Any, table: Any) -> Tensor:
     if not isinstance(value, Tensor) or value.dim() != 2:
         raise InvalidInputError(f"table {table.name!r}: expected a ShardedTensor or a [rows, dim] tensor")
     return value[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
+
+
+def shard_name(table: Any) -> str:
+    """A shard's table name: the table's, with its first column where it holds only some."""
+    columns = table.local_metadata.shard_sizes[1]
+    return (
+        table.name
+        if columns == table.embedding_dim
+        else f"{table.name}@{table.local_metadata.shard_offsets[1]}"
+    )
+
+
+def _held_shards(module: Any) -> dict[str, list[tuple[Any, Any, int]]]:
+    """Per table this rank holds a shard of: (TorchRec's shard description, its collection, its index
+    there), in the order of the rank's local shards."""
+    held: dict[str, list[tuple[Any, Any, int]]] = {}
+    for lookup, tables in zip(module.lookups, module.local_tables, strict=True):
+        where = {name: (c, i) for c in lookup.collections for i, name in enumerate(c.table_names)}
+        for table in tables:
+            held.setdefault(table.name, []).append((table, *where[shard_name(table)]))
+    return held
+
+
+def _state_rows(collection: Any, index: int, rows: int) -> Tensor:
+    start = int(collection.table_offsets[index])
+    return collection.optimizer_state[start : start + rows]
+
+
+def _cut_metadata(table: Any) -> tuple[ShardMetadata, ShardedTensorMetadata]:
+    """Row-wise state of a column-cut table: [rows, cuts], cut i (by first column) in column i."""
+    shards = sorted(table.global_metadata.shards_metadata, key=lambda m: m.shard_offsets[1])
+    rows = int(table.num_embeddings)
+    cuts = [ShardMetadata([0, i], [rows, 1], m.placement) for i, m in enumerate(shards)]
+    first = [m.shard_offsets[1] for m in shards].index(table.local_metadata.shard_offsets[1])
+    properties = table.global_metadata.tensor_properties
+    return cuts[first], ShardedTensorMetadata(cuts, torch.Size([rows, len(cuts)]), properties)
+
+
+def optimizer_state(module: Any) -> dict[str, dict[str, Any]]:
+    """The fused optimizer's state of every table this rank holds a shard of, fp32 copies as
+    ShardedTensors (TorchRec's state names), empty for SGD."""
+    state: dict[str, dict[str, Any]] = {}
+    for name, shards in _held_shards(module).items():
+        kind = shards[0][1].config.optimizer
+        if kind == "sgd":
+            continue
+        values: dict[str, list[Shard]] = {}
+        metadata = shards[0][0].global_metadata
+        for table, collection, index in shards:
+            rows = _state_rows(collection, index, int(table.local_rows)).detach().float().clone()
+            if kind == "rowwise_adagrad":
+                local, metadata = _cut_metadata(table)
+                parts = {"momentum1": (rows.unsqueeze(1), local)}
+            elif kind == "adam":  # the two moments side by side
+                cols = int(table.local_cols)
+                parts = {
+                    "momentum1": (rows[:, :cols].contiguous(), table.local_metadata),
+                    "momentum2": (rows[:, cols:].contiguous(), table.local_metadata),
+                }
+            else:
+                parts = {"momentum1": (rows, table.local_metadata)}
+            for key, (tensor, local_metadata) in parts.items():
+                values.setdefault(key, []).append(Shard(tensor, local_metadata))
+        state[name] = {
+            f"{name}.{key}": ShardedTensor._init_from_local_shards_and_global_metadata(
+                shards_of_key, metadata, process_group=module.process_group
+            )
+            for key, shards_of_key in values.items()
+        }
+        if kind == "adam":
+            state[name][f"{name}.step"] = torch.tensor(shards[0][1].optimizer.steps, dtype=torch.int64)
+    return state
+
+
+def load_optimizer_state(module: Any, state: Mapping[str, Mapping[str, Any]]) -> None:
+    """Write `optimizer_state(module)`-shaped values (loaded in place) back into the collections."""
+    for name, shards in _held_shards(module).items():
+        if name not in state:
+            continue
+        values = state[name]
+        kind = shards[0][1].config.optimizer
+        locals_ = {key: values[key].local_shards() for key in values if key != f"{name}.step"}
+        for position, (table, collection, index) in enumerate(shards):
+            parts = [locals_[key][position].tensor for key in sorted(locals_)]
+            loaded = parts[0].squeeze(1) if kind == "rowwise_adagrad" else torch.cat(parts, dim=1)
+            rows = _state_rows(collection, index, int(table.local_rows))
+            rows.copy_(loaded.to(rows.dtype))
+            if f"{name}.step" in values:
+                collection.optimizer.steps = int(values[f"{name}.step"])

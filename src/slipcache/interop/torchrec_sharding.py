@@ -49,7 +49,7 @@ from slipcache.embedding.config import EmbeddingConfig
 from slipcache.errors import SlipcacheError
 from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection
 from slipcache.interop.tables import table_precision
-from slipcache.interop.torchrec_checkpoint import load_sharded_state_dict, sharded_state_dict
+from slipcache.interop.torchrec_checkpoint import load_sharded_state_dict, shard_name, sharded_state_dict
 from slipcache.interop.torchrec_optim import CachedTablesOptimizer
 
 SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value)
@@ -141,7 +141,7 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         self._dist_names = [n for s in self._shardings for n in s.embedding_names()]
         self._kt_dims = [int(t.embedding_dim) for t in self._configs for _ in t.feature_names]
         self.register_buffer("_columns", _output_columns(self._shardings, self._configs), persistent=False)
-        self._optimizer = CachedTablesOptimizer(self.local_collections())
+        self._optimizer = CachedTablesOptimizer(self)
 
     @property
     def fused_optimizer(self) -> CachedTablesOptimizer:
@@ -276,16 +276,6 @@ def _sharding(kind: str, infos: list[EmbeddingShardingInfo], env: ShardingEnv, d
     return CwPooledEmbeddingSharding(infos, env, device, permute_embeddings=False)
 
 
-def _shard_name(table: Any) -> str:
-    """A shard's table name: the table's, with its first column where it holds only some."""
-    columns = table.local_metadata.shard_sizes[1]
-    return (
-        table.name
-        if columns == table.embedding_dim
-        else f"{table.name}@{table.local_metadata.shard_offsets[1]}"
-    )
-
-
 class _NoShards(nn.Module):
     """The lookup of a rank that holds no table of a sharding type: it still takes part in the
     all-to-alls (and in their backward, so it answers with an empty output that takes gradients)."""
@@ -344,18 +334,18 @@ def _shard_options(
     precision (its data_type or the precision option), and the cache share its plan entry gives."""
     configs = {str(t.name): t for t in module.embedding_bag_configs()}
     options = dict(module.options)
-    options["precision"] = {_shard_name(t): table_precision(module.options, configs[t.name]) for t in mine}
+    options["precision"] = {shard_name(t): table_precision(module.options, configs[t.name]) for t in mine}
     for key in ("cache_size", "cache_rows"):
         if isinstance(options.get(key), Mapping):
-            options[key] = {_shard_name(t): options[key][t.name] for t in mine if t.name in options[key]}
+            options[key] = {shard_name(t): options[key][t.name] for t in mine if t.name in options[key]}
     shares = {
-        _shard_name(t): params[t.name].cache_params.load_factor
+        shard_name(t): params[t.name].cache_params.load_factor
         for t in mine
         if params[t.name].cache_params is not None and params[t.name].cache_params.load_factor is not None
     }
     if shares:
         default = options.get("cache_size", EmbeddingConfig.cache_size)
-        per_table = default if isinstance(default, Mapping) else {_shard_name(t): default for t in mine}
+        per_table = default if isinstance(default, Mapping) else {shard_name(t): default for t in mine}
         options["cache_size"] = {**per_table, **shares}
     return options
 
@@ -386,7 +376,7 @@ def _local_lookup(
             EmbeddingBagConfig(
                 num_embeddings=int(table.local_rows),
                 embedding_dim=int(table.local_cols),
-                name=_shard_name(table),
+                name=shard_name(table),
                 feature_names=[str(p) for p in range(position, position + count)],
                 pooling=table.pooling,
             )

@@ -1,0 +1,100 @@
+"""Tables, batches and plans the DMP tests share: four tables (dims 8 and 4, sum and mean pooling, one read
+by two features), multi-hot batches, and plans of table-wise and column-wise shards."""
+
+from __future__ import annotations
+
+import torch
+
+BATCH = 3  # per rank
+STEPS = 3
+OPTIONS = dict(precision="fp32", cache_size=1.0, lr=0.5, seed=5)
+
+
+def tables() -> list:
+    from torchrec import EmbeddingBagConfig, PoolingType
+
+    return [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=40, feature_names=["f0"]),
+        EmbeddingBagConfig(
+            name="t1", embedding_dim=4, num_embeddings=20, feature_names=["f1"], pooling=PoolingType.MEAN
+        ),
+        EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=30, feature_names=["f2", "f3"]),
+        EmbeddingBagConfig(name="t3", embedding_dim=8, num_embeddings=25, feature_names=["f4"]),
+    ]
+
+
+# the shards each rank holds under each plan (a column shard is named by its first column)
+HELD = {
+    "mixed": {0: ["t1", "t2@0"], 1: ["t0", "t2@4", "t3@0", "t3@4"]},
+    "table_wise": {0: ["t0", "t3"], 1: ["t1", "t2"]},
+}
+
+
+def plan(module: torch.nn.Module, sharder: object, kind: str = "mixed") -> object:
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    per_table = {
+        "t0": table_wise(rank=1),
+        "t1": table_wise(rank=0),
+        "t2": column_wise(ranks=[0, 1]),
+        "t3": column_wise(ranks=[1, 1]),  # two column shards on one rank
+    }
+    if kind == "one_rank":  # the mixed plan's cuts, every shard on rank 0 of a group of one
+        per_table = {
+            "t0": table_wise(rank=0),
+            "t1": table_wise(rank=0),
+            "t2": column_wise(ranks=[0, 0]),
+            "t3": column_wise(ranks=[0, 0]),
+        }
+    if kind == "table_wise":
+        per_table = {
+            "t0": table_wise(rank=0),
+            "t1": table_wise(rank=1),
+            "t2": table_wise(rank=1),
+            "t3": table_wise(rank=0),
+        }
+    world_size = 1 if kind == "one_rank" else None
+    plan = construct_module_sharding_plan(
+        module, per_table, sharder=sharder, device_type="cpu", world_size=world_size
+    )
+    return ShardingPlan({"tables": plan})
+
+
+class TablesModel(torch.nn.Module):
+    def __init__(self, tables: torch.nn.Module) -> None:
+        super().__init__()
+        self.tables = tables
+
+    def forward(self, kjt: object) -> torch.Tensor:
+        return self.tables(kjt).values()
+
+
+def batch(step: int, rank: int) -> object:
+    """Multi-hot bags, some empty; features listed in another order than the tables'."""
+    from torchrec import KeyedJaggedTensor
+
+    sizes = {"f3": 30, "f0": 40, "f4": 25, "f1": 20, "f2": 30}
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    lengths = torch.randint(0, 3, (len(sizes), BATCH), generator=generator)
+    values = [
+        torch.randint(0, n, (int(lengths[i].sum()),), generator=generator)
+        for i, n in enumerate(sizes.values())
+    ]
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=list(sizes), values=torch.cat(values), lengths=lengths.reshape(-1)
+    )
+
+
+def concat(a: object, b: object) -> object:
+    """Two KJTs of the same keys as one batch (b's samples after a's)."""
+    from torchrec import KeyedJaggedTensor
+
+    keys = list(a.keys())
+    values, lengths = [], []
+    for key in keys:
+        values += [a[key].values(), b[key].values()]
+        lengths += [a[key].lengths(), b[key].lengths()]
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.cat(values), lengths=torch.cat(lengths)
+    )
