@@ -184,17 +184,17 @@ def test_the_backward_reuses_its_scratch_and_a_thread_frees_its_own() -> None:
         assert held >= 2 * 20_000 * 8  # the position lists: a part's per lookup
         for _ in range(3):
             _native.sgd_update(weights, slots, grad, 1.0)
-        assert _native.scratch_bytes() == held  # reused, not allocated again
+        assert _native.scratch_bytes() <= held  # reused, not allocated again (another thread's may have gone)
         expected = torch.zeros(4096, 8).index_add_(0, slots, -4 * grad)
         assert torch.equal(weights, expected)
         worker = threading.Thread(target=_native.sgd_update, args=(weights, slots, grad, 1.0))
         worker.start()
         worker.join()
         for _ in range(1000):  # the buffer goes as the thread ends, just after join() returns
-            if _native.scratch_bytes() == held:
+            if _native.scratch_bytes() <= held:
                 break
             time.sleep(0.01)
-        assert _native.scratch_bytes() == held  # the thread's own buffer went with it
+        assert _native.scratch_bytes() <= held  # the thread's own buffer went with it
     finally:
         _native.set_threads(previous)
 
