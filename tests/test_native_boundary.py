@@ -113,8 +113,17 @@ def test_adagrad_refuses_repeated_slots_or_state_rows_and_writes_nothing() -> No
     with pytest.raises(InvalidInputError, match="state row 2 appears 2 times"):
         _native.adagrad_update(weights, None, state, torch.tensor([2, 1, 2]), grad, 0.1, 1e-8)
     assert torch.equal(weights, before[0]) and torch.equal(state, before[1])
+    sparse_weights, sparse_state = torch.ones(5000, 4), torch.zeros(5000)  # few rows of many: a set, not a bit each
+    with pytest.raises(InvalidInputError, match="slot 4500 appears 2 times"):
+        _native.adagrad_update(sparse_weights, torch.tensor([4500, 2, 4500]), state, torch.tensor([0, 1, 2]), grad, 0.1,
+                               1e-8)
+    with pytest.raises(InvalidInputError, match="state row 4000 appears 2 times"):
+        _native.adagrad_update(weights, None, sparse_state, torch.tensor([4000, 1, 4000]), grad, 0.1, 1e-8)
+    assert (sparse_weights == 1).all() and not sparse_state.any() and torch.equal(state, before[1])
     assert _native.adagrad_update(weights, torch.tensor([5, 1, 6]), state, torch.tensor([0, 1, 2]), grad, 0.1, 1e-8)
     assert (state[:3] == 1).all() and (weights[[5, 1, 6]] < 1).all() and torch.equal(weights[0], before[0][0])
+    assert _native.adagrad_update(torch.ones(0, 4), torch.zeros(0, dtype=torch.int64), torch.zeros(0),
+                                  torch.zeros(0, dtype=torch.int64), torch.ones(0, 4), 0.1, 1e-8)  # nothing to do
     many = torch.randperm(5000, generator=torch.Generator().manual_seed(0))  # more than the scratch's first size
     repeated = torch.cat([many, many[:1]])
     with pytest.raises(InvalidInputError, match="appears 2 times"):
@@ -175,17 +184,17 @@ def test_the_backward_reuses_its_scratch_and_a_thread_frees_its_own() -> None:
         assert held >= 2 * 20_000 * 8  # the position lists: a part's per lookup
         for _ in range(3):
             _native.sgd_update(weights, slots, grad, 1.0)
-        assert _native.scratch_bytes() == held  # reused, not allocated again
+        assert _native.scratch_bytes() <= held  # reused, not allocated again (another thread's may have gone)
         expected = torch.zeros(4096, 8).index_add_(0, slots, -4 * grad)
         assert torch.equal(weights, expected)
         worker = threading.Thread(target=_native.sgd_update, args=(weights, slots, grad, 1.0))
         worker.start()
         worker.join()
         for _ in range(1000):  # the buffer goes as the thread ends, just after join() returns
-            if _native.scratch_bytes() == held:
+            if _native.scratch_bytes() <= held:
                 break
             time.sleep(0.01)
-        assert _native.scratch_bytes() == held  # the thread's own buffer went with it
+        assert _native.scratch_bytes() <= held  # the thread's own buffer went with it
     finally:
         _native.set_threads(previous)
 

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "pool.h"
 
 /* Whether all n floats are finite (no exponent of all ones: inf or NaN). */
@@ -189,12 +190,26 @@ static void adagrad_part(void *job_, int64_t part, int64_t parts) {
     job->nonfinite[part] = adagrad_all(&a);
 }
 
-/* Whether index[0..n) (values >= 0) holds a value twice (1), or not (0); -1 without scratch memory. A set of
-   the values seen, in the calling thread's scratch: open addressing, Fibonacci hash, at most half full. */
-static int64_t repeats(const int64_t *index, int64_t n) {
+/* Whether index[0..n) (each value in [0, bound)) holds a value twice (1), or not (0); -1 without scratch
+   memory. The values seen are marked in the calling thread's scratch: a bit per possible value where that
+   takes no more memory than a hash set of them (no probing then), else the set (open addressing, Fibonacci
+   hash, at most half full). Either way the scratch is batch-sized: at most 16 bytes per index. */
+static int64_t repeats(const int64_t *index, int64_t n, int64_t bound) {
+    if (n < 2) return 0;
     int64_t bits = 4;
     while (bits < 62 && ((int64_t)1 << bits) < 2 * n) bits++;
-    uint64_t capacity = (uint64_t)1 << bits, mask = capacity - 1;
+    uint64_t capacity = (uint64_t)1 << bits, mask = capacity - 1, words = ((uint64_t)bound + 63) / 64;
+    if (words <= capacity) {
+        uint64_t *marks = thread_scratch(SCRATCH_MARKS, words * sizeof(uint64_t));
+        if (!marks) return -1;
+        memset(marks, 0, words * sizeof(uint64_t));
+        for (int64_t i = 0; i < n; i++) {
+            uint64_t v = (uint64_t)index[i], bit = (uint64_t)1 << (v & 63);
+            if (marks[v >> 6] & bit) return 1;
+            marks[v >> 6] |= bit;
+        }
+        return 0;
+    }
     int64_t *seen = thread_scratch(SCRATCH_MARKS, capacity * sizeof(int64_t));
     if (!seen) return -1;
     for (uint64_t k = 0; k < capacity; k++) seen[k] = -1;
@@ -219,9 +234,9 @@ int64_t adagrad_update(float *weights, int64_t num_slots, int64_t dim, const int
         int64_t t = slots ? slots[i] : i;
         if (t < 0 || t >= num_slots || state_rows[i] < 0 || state_rows[i] >= num_state_rows) return i;
     }
-    int64_t repeated = slots ? repeats(slots, n) : 0;  /* without slots the targets are rows 0..n-1 */
+    int64_t repeated = slots ? repeats(slots, n, num_slots) : 0;  /* without slots the targets are 0..n-1 */
     if (repeated) return repeated < 0 ? -6 : -4;
-    if ((repeated = repeats(state_rows, n))) return repeated < 0 ? -6 : -5;
+    if ((repeated = repeats(state_rows, n, num_state_rows))) return repeated < 0 ? -6 : -5;
     adagrad_job job = {{weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps}, {0}};
     int64_t parts = chunks_for(n, ADAGRAD_GRAIN), nonfinite = 0;
     run_parts(adagrad_part, &job, parts);
