@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("torchrec", reason="torchrec not installed (the torchrec extra)")
 
+from tests import torchrec_shards as shards  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 
 ROWS, DIM, TABLES = 500, 8, 4
@@ -56,15 +57,9 @@ def _models(seed: int) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
     """TorchRec's DLRM with TorchRec's fused tables, and the same DLRM with ours (INT8, 5 % cache), both
     under DMP with the same plan (table-wise and column-wise shards)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.sharding_plan import column_wise, table_wise
     from torchrec.models.dlrm import DLRM
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollectionSharder
     from slipcache.interop.torchrec_weights import from_torchrec
 
     torch.manual_seed(seed)
@@ -87,35 +82,13 @@ def _models(seed: int) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
             theirs.sparse_arch.embedding_bag_collection, precision="int8", cache_size=0.05, lr=LR, seed=seed
         )
     )
-    ours.dense_arch.load_state_dict(theirs.dense_arch.state_dict())
-    ours.over_arch.load_state_dict(theirs.over_arch.state_dict())
-    apply_optimizer_in_backward(
-        torch.optim.SGD, theirs.sparse_arch.embedding_bag_collection.parameters(), {"lr": LR}
-    )
     per_table = {
         "t0": table_wise(rank=0, compute_kernel="fused"),
         "t1": table_wise(rank=1, compute_kernel="fused"),
         "t2": column_wise(ranks=[0, 1], compute_kernel="fused"),
         "t3": table_wise(rank=1, compute_kernel="fused"),
     }
-    models = []
-    for model, sharder in (
-        (theirs, EmbeddingBagCollectionSharder()),
-        (ours, KeyedCachedEmbeddingBagCollectionSharder()),
-    ):
-        ebc = model.sparse_arch.embedding_bag_collection
-        plan = construct_module_sharding_plan(ebc, per_table, sharder=sharder, device_type="cpu")
-        sharded = DistributedModelParallel(
-            model,
-            device=torch.device("cpu"),
-            sharders=[sharder],
-            plan=ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
-        )
-        dense = dict(in_backward_optimizer_filter(sharded.named_parameters()))
-        models.append((sharded, torch.optim.Adam(dense.values(), lr=0.01)))
-    # TorchRec's sharding draws its tables' rows again: ours start from those (its ShardedTensors)
-    models[1][0].load_state_dict(models[0][0].state_dict())
-    return models
+    return shards.shard_pair(theirs, ours, per_table, LR, lambda params: torch.optim.Adam(params, lr=0.01))
 
 
 def paired_aucs(rank: int, world_size: int, seed: int) -> tuple[float, float]:

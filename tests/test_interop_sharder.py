@@ -133,14 +133,8 @@ def _dlrm_under_dmp_equals_torchrec(rank: int, world_size: int) -> None:
     under DMP with the same plan: equal outputs step by step. Ours loads TorchRec's sharded state_dict
     (its ShardedTensors) after sharding."""
     from torchrec import EmbeddingBagCollection
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingPlan
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.distributed.sharding_plan import column_wise, table_wise
 
-    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollectionSharder
     from slipcache.interop.torchrec_weights import from_torchrec
 
     logging.getLogger("torchrec").setLevel(logging.ERROR)
@@ -152,32 +146,12 @@ def _dlrm_under_dmp_equals_torchrec(rank: int, world_size: int) -> None:
     ours = _dlrm(
         from_torchrec(theirs.sparse_arch.embedding_bag_collection, precision="fp32", cache_size=1.0, lr=lr)
     )
-    ours.dense_arch.load_state_dict(theirs.dense_arch.state_dict())
-    ours.over_arch.load_state_dict(theirs.over_arch.state_dict())
-    apply_optimizer_in_backward(
-        torch.optim.SGD, theirs.sparse_arch.embedding_bag_collection.parameters(), {"lr": lr}
-    )
-    models = []
-    for model, sharder in (
-        (theirs, EmbeddingBagCollectionSharder()),
-        (ours, KeyedCachedEmbeddingBagCollectionSharder()),
-    ):
-        per_table = {
-            "t0": table_wise(rank=1, compute_kernel="fused"),
-            "t2": column_wise(ranks=[0, 1], compute_kernel="fused"),
-            "t3": table_wise(rank=0, compute_kernel="fused"),
-        }
-        ebc = model.sparse_arch.embedding_bag_collection
-        plan = construct_module_sharding_plan(ebc, per_table, sharder=sharder, device_type="cpu")
-        sharded = DistributedModelParallel(
-            model,
-            device=torch.device("cpu"),
-            sharders=[sharder],
-            plan=ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
-        )
-        dense = dict(in_backward_optimizer_filter(sharded.named_parameters()))
-        models.append((sharded, torch.optim.SGD(dense.values(), lr=lr)))
-    models[1][0].load_state_dict(models[0][0].state_dict())  # TorchRec's sharded rows (ShardedTensors)
+    per_table = {
+        "t0": table_wise(rank=1, compute_kernel="fused"),
+        "t2": column_wise(ranks=[0, 1], compute_kernel="fused"),
+        "t3": table_wise(rank=0, compute_kernel="fused"),
+    }
+    models = shards.shard_pair(theirs, ours, per_table, lr, lambda params: torch.optim.SGD(params, lr=lr))
     generator = torch.Generator().manual_seed(rank)
     for step in range(STEPS):
         kjt = shards.batch(step, rank)

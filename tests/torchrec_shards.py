@@ -3,6 +3,9 @@ by two features), multi-hot batches, and plans of table-wise and column-wise sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 BATCH = 3  # per rank
@@ -98,3 +101,47 @@ def concat(a: object, b: object) -> object:
     return KeyedJaggedTensor.from_lengths_sync(
         keys=keys, values=torch.cat(values), lengths=torch.cat(lengths)
     )
+
+
+def shard_pair(
+    theirs: torch.nn.Module,
+    ours: torch.nn.Module,
+    per_table: dict,
+    table_lr: float,
+    dense_optimizer: Callable[..., Any],
+) -> list[tuple[torch.nn.Module, Any]]:
+    """A DLRM with TorchRec's tables (SGD at `table_lr`, fused in backward) and the same DLRM with ours
+    (their dense layers copied), each under DMP with the same plan (`per_table`) and `dense_optimizer(params)`
+    over its dense layers. TorchRec's sharding draws its rows again, so ours then load them (its
+    ShardedTensors)."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollectionSharder
+
+    ours.dense_arch.load_state_dict(theirs.dense_arch.state_dict())
+    ours.over_arch.load_state_dict(theirs.over_arch.state_dict())
+    apply_optimizer_in_backward(
+        torch.optim.SGD, theirs.sparse_arch.embedding_bag_collection.parameters(), {"lr": table_lr}
+    )
+    models = []
+    for model, sharder in (
+        (theirs, EmbeddingBagCollectionSharder()),
+        (ours, KeyedCachedEmbeddingBagCollectionSharder()),
+    ):
+        ebc = model.sparse_arch.embedding_bag_collection
+        plan = construct_module_sharding_plan(ebc, per_table, sharder=sharder, device_type="cpu")
+        sharded = DistributedModelParallel(
+            model,
+            device=torch.device("cpu"),
+            sharders=[sharder],
+            plan=ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
+        )
+        dense = dict(in_backward_optimizer_filter(sharded.named_parameters()))
+        models.append((sharded, dense_optimizer(dense.values())))
+    models[1][0].load_state_dict(models[0][0].state_dict())
+    return models
