@@ -17,8 +17,8 @@ The fused optimizer's state is TorchRec's too: `model.fused_optimizer.state_dict
 `<table>.momentum1` (Adagrad's sums; Adam's first moment), `<table>.momentum2` (Adam's second moment) as
 ShardedTensors placed as the rows are, and Adam's `<table>.step`; row-wise Adagrad's one value per row and
 column cut is a [rows, cuts] ShardedTensor. Saved and loaded with the rows, a resumed run continues as the
-saved one would (with fp32 storage exactly; lower precisions round as they would have). The cache's
-contents start afresh on load.
+saved one would: exactly with fp32 storage, within rounding below it (loading rounds the rows the cache
+held in fp32 into storage, and the cache starts empty).
 """
 
 from __future__ import annotations
