@@ -117,3 +117,19 @@ def test_a_resume_from_dcp_continues_as_the_uninterrupted_run_on_two_processes_a
     tmp_path: Path,
 ) -> None:
     run_ranks(_resumes_exactly, str(tmp_path))
+
+
+def _refuses_a_state_of_another_shape(rank: int, world_size: int) -> None:
+    """Row-wise Adagrad's state ([rows, cuts]) given to Adagrad's ([rows, dim]), under the same keys."""
+    from slipcache.errors import InvalidInputError
+
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    state = _sharded("rowwise_adagrad", seed=5, kind="one_rank").fused_optimizer.state_dict()
+    model = _sharded("adagrad", seed=5, kind="one_rank")
+    with pytest.raises(InvalidInputError, match="optimizer state .* another optimizer"):
+        model.fused_optimizer.load_state_dict(state)
+
+
+def test_an_optimizer_state_of_another_shape_is_refused_in_one_line() -> None:
+    run_ranks(_refuses_a_state_of_another_shape, world_size=1)

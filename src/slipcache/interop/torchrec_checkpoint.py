@@ -175,6 +175,12 @@ def load_optimizer_state(module: Any, state: Mapping[str, Mapping[str, Any]]) ->
             parts = [locals_[key][position].tensor for key in sorted(locals_)]
             loaded = parts[0].squeeze(1) if kind == "rowwise_adagrad" else torch.cat(parts, dim=1)
             rows = _state_rows(collection, index, int(table.local_rows))
+            if loaded.shape != rows.shape:
+                raise InvalidInputError(
+                    f"table {name!r}: the loaded optimizer state of its shard {shard_name(table)!r} is "
+                    f"{list(loaded.shape)}, this shard's is {list(rows.shape)} (a checkpoint of another "
+                    "optimizer, or of other column cuts)"
+                )
             rows.copy_(loaded.to(rows.dtype))
             if f"{name}.step" in values:
                 collection.optimizer.steps = int(values[f"{name}.step"])
