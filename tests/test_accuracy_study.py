@@ -120,6 +120,7 @@ def _fake_train(config: FakeConfig) -> dict[str, Any]:
     return summary
 
 
+@pytest.mark.slow
 def test_accuracy_study_with_a_fake_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = types.SimpleNamespace(
         TrainConfig=FakeConfig,

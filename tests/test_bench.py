@@ -63,6 +63,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _run(tmp_path_factory.mktemp("bench"), "--dims", "8,16")
 
 
+@pytest.mark.slow
 def test_schema(result: dict[str, Any]) -> None:
     assert {"machine", "command", "date", "rows"} <= set(result)
     assert result["command"].startswith("slipcache bench embedding")
@@ -77,6 +78,7 @@ def test_schema(result: dict[str, Any]) -> None:
         assert r["status"] in ("ok", "not installed") or r["status"].startswith("skipped: "), r
 
 
+@pytest.mark.slow
 def test_numbers_are_positive_and_finite(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         if r["impl"] != "fbgemm":
@@ -95,6 +97,7 @@ def test_numbers_are_positive_and_finite(result: dict[str, Any]) -> None:
             assert r["hit_rate"] is None and r["bytes_moved_per_sample"] is None
 
 
+@pytest.mark.slow
 def test_peer_memory_ratios_and_fbgemm_ratio(result: dict[str, Any]) -> None:
     by = {(r["name"], r["dim"]): r for r in result["rows"]}
     for dim in (8, 16):
@@ -110,6 +113,7 @@ def test_peer_memory_ratios_and_fbgemm_ratio(result: dict[str, Any]) -> None:
                 assert r["ratio_vs_fbgemm_fp32"] == pytest.approx(r["samples_per_s"] / fb32["samples_per_s"])
 
 
+@pytest.mark.slow
 def test_memory_ratios_match_memory_report(result: dict[str, Any]) -> None:
     from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
@@ -127,6 +131,7 @@ def test_memory_ratios_match_memory_report(result: dict[str, Any]) -> None:
             assert estimate["memory_ratio"] == pytest.approx(report["memory_ratio"])
 
 
+@pytest.mark.slow
 def test_targets_reported(result: dict[str, Any]) -> None:
     # dims 8/16 measure no target dim for memory (64, 128): those are N/A, never a silent PASS.
     targets = {t["target"]: t for t in result["targets"]}
@@ -152,6 +157,7 @@ def test_over_budget_configurations_are_skipped_not_allocated(tmp_path: Path) ->
     assert targets["slipcache-int8-lru5 memory ratio at dim 64 >= 3.0x"]["result"] == "PASS"
 
 
+@pytest.mark.slow
 def test_missing_fbgemm_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench_timing, "fbgemm_available", lambda: "ImportError: no module named fbgemm_gpu")
     result = _run(tmp_path, "--dims", "16", "--configs", "torch-fp32,fbgemm-fp32,fbgemm-fp16")
@@ -169,6 +175,7 @@ def test_user_errors() -> None:
         bench.run_bench(_args("--memory-budget-gb", "-1", "--out", "unused"))
 
 
+@pytest.mark.slow
 def test_cached_configurations_warm_up_longer() -> None:
     work = bench_workload.make_workload([100, 200], batch_size=8, warmup_steps=2, timed_steps=3, cache_warmup_steps=5)
     assert work.batches.shape[0] == 8 and work.first_timed == 5
@@ -222,6 +229,7 @@ def test_one_scale_for_the_generator_and_the_benchmarks() -> None:
     assert min(q for q, n in zip(quick, full, strict=True) if n > 100) == 100  # bigger ones stop at 100
 
 
+@pytest.mark.slow
 def test_rounds_are_combined_and_ours_is_profiled(result: dict[str, Any]) -> None:
     assert result["rounds"] == 2 and result["machine"]["torch_threads"] >= 1
     for r in result["rows"]:
@@ -254,6 +262,7 @@ def _steady_clock(monkeypatch: pytest.MonkeyPatch, step_s: float = 0.01) -> None
     monkeypatch.setattr(bench_timing, "time", types.SimpleNamespace(perf_counter=lambda: step_s * next(ticks)))
 
 
+@pytest.mark.slow
 def test_timed_section_lasts_at_least_min_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     _steady_clock(monkeypatch)
     work = bench_workload.make_workload([100, 200], batch_size=8, warmup_steps=1, timed_steps=2)
@@ -268,6 +277,7 @@ def test_busy_machine_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert any("machine was busy" in w for w in result["warnings"])
 
 
+@pytest.mark.slow
 def test_bench_train_runs_each_implementation_on_the_same_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from slipcache.bench import train as bench_train
     from tests.helpers import make_dataset
@@ -354,6 +364,7 @@ def test_prefill_fills_the_cache_so_timing_evicts() -> None:
     assert not bench_workload.make_workload(sizes, batch_size=64, warmup_steps=0, timed_steps=3).describe()["prefill"]
 
 
+@pytest.mark.slow
 def test_bench_reports_evictions_per_step_and_keeps_no_prefill(tmp_path: Path) -> None:
     result = _run(tmp_path, "--dims", "8", "--configs", "slipcache-int8-lru5", "--rounds", "1", "--no-prefill")
     (row,) = result["rows"]
@@ -364,6 +375,7 @@ def test_bench_reports_evictions_per_step_and_keeps_no_prefill(tmp_path: Path) -
     assert row["prefill_steps"] > 0 and "evict/step" in (tmp_path / "out" / "bench.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_cache_replaying_its_timed_batches_is_warned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _steady_clock(monkeypatch)  # 0.2 s is 20 steps of the 3 batches, on any machine
     argv = ["--dims", "8", "--configs", "slipcache-int8-lru5", "--rounds", "1"]

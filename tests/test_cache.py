@@ -1,5 +1,6 @@
 """Property tests of the row cache: maps consistent, capacity respected, no update ever lost."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,6 +41,7 @@ batches = st.lists(
     optimizer=st.sampled_from(["sgd", "rowwise_adagrad"]),
     per_table=st.booleans(),
 )
+@pytest.mark.slow
 def test_cache_never_loses_an_update(batches, capacity, ways, policy, optimizer, per_table) -> None:
     """With fp32 storage, any sequence of batches and any (even tiny, or per-table) cache trains exactly as
     no cache."""

@@ -110,6 +110,7 @@ def recorders(monkeypatch: pytest.MonkeyPatch) -> list[_Recorder]:
     return made
 
 
+@pytest.mark.slow
 def test_a_callback_sees_every_hook_and_its_state_survives_a_resume(
     tmp_path: Path, recorders: list[_Recorder]
 ) -> None:

@@ -4,6 +4,8 @@ in summary.json; a resumed run keeps the events of the checkpoints before it."""
 import json
 from pathlib import Path
 
+import pytest
+
 from slipcache.training import trainer as train
 from tests.helpers import make_dataset, tiny_config
 
@@ -12,6 +14,7 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_checkpoints_are_events_with_size_and_write_time(tmp_path: Path) -> None:
     data = make_dataset(tmp_path / "data", n=640)
     run = tmp_path / "run"

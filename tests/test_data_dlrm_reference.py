@@ -108,6 +108,7 @@ def test_leftover_rows_go_to_the_first_days(tmp_path: Path) -> None:
     np.testing.assert_array_equal(np.asarray(ds.split("test").sparse), x_cat[852:923])
 
 
+@pytest.mark.slow
 def test_reference_output_trains(tmp_path: Path) -> None:
     write_reference_output(tmp_path / "dlrm")
     config = tiny_config(tmp_path / "dlrm", tmp_path / "run", epochs=2, eval_every=None, checkpoint_every=None)

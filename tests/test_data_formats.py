@@ -173,6 +173,7 @@ def test_stored_npz_members_are_memory_mapped_at_the_right_offset(tmp_path: Path
 
 
 @pytest.mark.parametrize("kind", ["torchrec", "dlrm", "dlrm-compressed", "mlperf"])
+@pytest.mark.slow
 def test_a_run_trains_on_each_format(tmp_path: Path, kind: str) -> None:
     data = tmp_path / kind
     if kind == "torchrec":

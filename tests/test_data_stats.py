@@ -328,6 +328,7 @@ def test_synthetic_dataset_matches_its_arrays(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------- output
 
 
+@pytest.mark.slow
 def test_format_plot_and_json(tmp_path: Path) -> None:
     stats = compute_stats_arrays(_zipf_rows(3000, 26), missing_value=1, chunk_rows=1000)
     text = format_stats(stats)
@@ -340,6 +341,7 @@ def test_format_plot_and_json(tmp_path: Path) -> None:
     assert "approximate: co_recurrence" in format_stats(approx)
 
 
+@pytest.mark.slow
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files = _write_formats(tmp_path / "raw")
     json_path, png = tmp_path / "s.json", tmp_path / "s.png"

@@ -48,6 +48,7 @@ def test_table_sizes() -> None:
         synthetic_table_sizes(0.0)
 
 
+@pytest.mark.slow
 def test_format_and_meta(small: tuple[Path, dict]) -> None:
     path, meta = small
     ds = CriteoDataset(path)
@@ -88,6 +89,7 @@ def test_power_law_popularity(small: tuple[Path, dict]) -> None:
     assert (hottest < size // 10).mean() < 0.3  # hot rows are spread over the table, not the low ids
 
 
+@pytest.mark.slow
 def test_deterministic_per_seed(tmp_path: Path) -> None:
     def arrays(path: Path) -> list[np.ndarray]:
         ds = CriteoDataset(path)
@@ -103,6 +105,7 @@ def test_deterministic_per_seed(tmp_path: Path) -> None:
     assert metas[0]["generator"] == metas[1]["generator"]
 
 
+@pytest.mark.slow
 def test_default_synthetic_path_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
     path = default_synthetic_path(None, 3000, 0.001, 1, progress=False)
@@ -132,6 +135,7 @@ def run_cli(argv: list[str]) -> int:
     return synth_cli.run_synth(parser.parse_args(argv))
 
 
+@pytest.mark.slow
 def test_cli_synth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(["--out", str(tmp_path / "d"), "--samples", "2000", "--scale", "0.001", "--quiet"]) == 0
     assert "teacher AUC" in capsys.readouterr().out
@@ -162,6 +166,7 @@ def test_v2_reproduces_earlier_output(tmp_path: Path) -> None:
     assert ds.meta["generator"]["version"] == 2 and not ds.meta["time_ordered"]
 
 
+@pytest.mark.slow
 def test_v3_big_tables_co_recur_far_above_independent() -> None:
     """C3, C4, C12, C16, C21 are views of one entity: they recur together far more often than the product
     of their recurrence shares (what independent tables, as in v2, give; see test_cli_compare)."""
@@ -175,6 +180,7 @@ def _unseen_share(first: np.ndarray, later: np.ndarray) -> float:
     return float(1.0 - np.isin(later, first).mean())
 
 
+@pytest.mark.slow
 def test_v3_new_ids_appear_over_time() -> None:
     """Later days bring values unseen on the first day, more so with new entities and drift than without."""
     log = dict(num_samples=700_000, scale=0.01, seed=2)
@@ -190,6 +196,7 @@ def test_v3_new_ids_appear_over_time() -> None:
     assert drifting[1] > stationary[1] + 0.1  # with churn, many more of day 7's values are new
 
 
+@pytest.mark.slow
 def test_v3_splits_follow_time(tmp_path: Path) -> None:
     """Train holds the earliest rows of the log, test the latest: the split respects time order."""
     meta = generate_synthetic(tmp_path, num_samples=10_000, scale=0.001, seed=3, progress=False)
@@ -232,6 +239,7 @@ def test_generator_choice_errors() -> None:
         synthetic.make_generator("v3", 0.01, 0, num_samples=100, new_entity_rate=1.5)
 
 
+@pytest.mark.slow
 def test_default_path_keys_on_generator(tmp_path: Path) -> None:
     v5 = default_synthetic_path(tmp_path, 2000, 0.001, 0, progress=False)
     v4 = default_synthetic_path(tmp_path, 2000, 0.001, 0, generator="v4", progress=False)
@@ -248,6 +256,7 @@ def test_default_path_keys_on_generator(tmp_path: Path) -> None:
 
 
 @needs_shared
+@pytest.mark.slow
 def test_cli_compare(capsys: pytest.CaptureFixture[str]) -> None:
     """`synth --compare` on the shared real rows: v4 and v3 recur together as the real rows do, v2 does
     not; the signal figures (target AUC, dense shapes, ad/site heads, links) tell v4 apart from v3."""
@@ -283,6 +292,7 @@ def test_train_picks_the_generator(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         make_config({}, {"synthetic_generator": "v9"})
 
 
+@pytest.mark.slow
 def test_v3_reproduces_earlier_output(tmp_path: Path) -> None:
     """`--generator v3` writes exactly what v3 wrote before v4 became the default."""
     generate_synthetic(tmp_path, num_samples=70000, scale=0.01, seed=3, generator="v3", progress=False)
@@ -297,6 +307,7 @@ def test_v4_reproduces_earlier_output(tmp_path: Path) -> None:
     assert _splits_digest(CriteoDataset(tmp_path)).hexdigest()[:16] == "a07c0c1b30440670"
 
 
+@pytest.mark.slow
 def test_v5_is_the_default_and_its_big_tables_carry_more_signal_than_v4s() -> None:
     """On 1,999-row windows (the real sample's size) of 4 seeds, v5's big tables' target AUC lies above
     v4's, near the real rows' 0.58-0.62; the teacher's own AUC target is unchanged."""
@@ -314,6 +325,7 @@ def test_v5_is_the_default_and_its_big_tables_carry_more_signal_than_v4s() -> No
     assert big["v5"] > big["v4"] + 0.015 and 0.57 < big["v5"] < 0.62, big
 
 
+@pytest.mark.slow
 def test_v4_puts_signal_shapes_and_links_where_real_rows_have_them() -> None:
     """On 60 k rows: big tables' per-value mean label predicts later rows (v3's barely), dense features
     have zeros and I2 negatives, C11 determines C13, the C19 missing group follows the user (C3)."""

@@ -64,6 +64,7 @@ def _resume_and_continue(rank: int, world_size: int, directory: str) -> None:
 
 
 @pytest.mark.parametrize("new_world_size", [1, 3])
+@pytest.mark.slow
 def test_a_checkpoint_of_2_ranks_resumes_on_another_world_size(tmp_path: Path, new_world_size: int) -> None:
     run_ranks(_train_and_save, str(tmp_path))
     run_ranks(_resume_and_continue, str(tmp_path), world_size=new_world_size)

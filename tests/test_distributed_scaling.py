@@ -35,10 +35,12 @@ def _measure(rank: int, world_size: int) -> None:
     assert measured["gradient_bytes_per_sample"] == pytest.approx(model.gradients)
 
 
+@pytest.mark.slow
 def test_traffic_model_matches_the_counted_bytes_of_a_run() -> None:
     run_ranks(_measure)
 
 
+@pytest.mark.slow
 def test_memory_per_rank_falls_with_the_world_and_the_tables_print(capsys: pytest.CaptureFixture[str]) -> None:
     sizes = scaling.KAGGLE_CARDINALITIES
     per_rank = [scaling.max_rank_gib(sizes, 16, "int8", 0.05, n) for n in (1, 8, 64)]

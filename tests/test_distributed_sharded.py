@@ -106,6 +106,7 @@ def _check_multi_hot_against_one_process(rank: int, world_size: int, pooling: st
 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.slow
 def test_multi_hot_bags_equal_one_process(pooling: str) -> None:
     """Bags of several ids, empty bags, bags cut over two owners (row-wise split tables)."""
     run_ranks(_check_multi_hot_against_one_process, pooling)
@@ -120,6 +121,7 @@ def _all_on_rank_0(world_size: int) -> ShardingPlan:
     ("optimizer", "cache_size", "plan_kind"),
     [("sgd", 0, "split"), ("rowwise_adagrad", None, "split"), ("adagrad", 0.5, "all_on_rank_0")],
 )
+@pytest.mark.slow
 def test_sharded_forward_backward_equals_one_process(
     optimizer: str, cache_size: float | None, plan_kind: str
 ) -> None:
@@ -189,6 +191,7 @@ def _check_half_precision_wire(rank: int, world_size: int, mine: torch.Tensor) -
         ShardedEmbeddingCollection(config, plan, rank, wire_precision="int8")
 
 
+@pytest.mark.slow
 def test_int8_shards_start_from_the_single_process_rows_and_count_their_traffic() -> None:
     run_ranks(_check_int8_initial_rows_and_traffic)
 
@@ -229,5 +232,6 @@ def _check_stale_flags_agree(rank: int, world_size: int) -> None:
     assert mine.threshold is not None and mine.threshold == single.threshold
 
 
+@pytest.mark.slow
 def test_stale_skipping_takes_one_decision_on_every_rank() -> None:
     run_ranks(_check_stale_flags_agree)

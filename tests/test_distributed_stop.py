@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.ranks import free_port
 
 SCRIPT = """
@@ -29,6 +31,7 @@ while time.monotonic() < deadline:  # busy, in no collective
 """
 
 
+@pytest.mark.slow
 def test_surviving_ranks_print_one_line_before_torchruns_report(tmp_path: Path) -> None:
     script = tmp_path / "ranks.py"
     script.write_text(SCRIPT)

@@ -61,6 +61,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("data"), n=1500)
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_step_by_step(data_dir: Path, tmp_path: Path) -> None:
     """fp32 tables, no stochastic rounding: the same global batches give the same losses and metrics."""
     settings = {"precision": "fp32", "cache_size": 0.25, "batch_size": 63}  # 63 = 32 + 31: uneven slices
@@ -92,6 +93,7 @@ def test_two_processes_train_like_one_step_by_step(data_dir: Path, tmp_path: Pat
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_path: Path) -> None:
     settings = {"precision": "int8", "cache_size": 0.25, "policy": "lfu", "samples": 1280}
     run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "full"), settings))
@@ -115,6 +117,7 @@ def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_pat
                 assert torch.equal(tensor, again[name]), (rank, name)
 
 
+@pytest.mark.slow
 def test_runs_resume_on_another_number_of_processes(
     data_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -158,6 +161,7 @@ def _die_midway(rank: int, world_size: int, data: str, out: str, result: str) ->
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_others_with_one_line(data_dir: Path, tmp_path: Path) -> None:
     result = tmp_path / "rank0.txt"
     assert exit_codes(_die_midway, str(data_dir), str(tmp_path / "run"), str(result)) == [0, 3]

@@ -53,6 +53,7 @@ def mp_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, lis
         yield out, lines
 
 
+@pytest.mark.slow
 def test_results_schema(mp_run: tuple[Path, list[str]]) -> None:
     out, lines = mp_run
     results = json.loads((out / "results.json").read_text())
@@ -87,6 +88,7 @@ def test_results_schema(mp_run: tuple[Path, list[str]]) -> None:
     assert setups["int4 no cache"]["metrics"]["memory_ratio"]["mean"] > 3
 
 
+@pytest.mark.slow
 def test_cell_result_equals_its_summary(mp_run: tuple[Path, list[str]]) -> None:
     out, _ = mp_run
     results = json.loads((out / "results.json").read_text())
@@ -96,6 +98,7 @@ def test_cell_result_equals_its_summary(mp_run: tuple[Path, list[str]]) -> None:
         assert not (cell_dir / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_report_has_every_plot_and_answer(mp_run: tuple[Path, list[str]]) -> None:
     out, _ = mp_run
     report = (out / "report.md").read_text()
@@ -107,6 +110,7 @@ def test_report_has_every_plot_and_answer(mp_run: tuple[Path, list[str]]) -> Non
     assert "n/a" not in report.split("### RQ5")[1].split("###")[0]  # traffic was found for every run
 
 
+@pytest.mark.slow
 def test_second_invocation_runs_nothing_and_a_crashed_cell_reruns(mp_run: tuple[Path, list[str]]) -> None:
     out, _ = mp_run
     first = json.loads((out / "results.json").read_text())
@@ -122,6 +126,7 @@ def test_second_invocation_runs_nothing_and_a_crashed_cell_reruns(mp_run: tuple[
     assert _ran(lines) == 1 and (crashed / "cell.json").is_file()
 
 
+@pytest.mark.slow
 def test_slipstream_runs_with_the_real_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole slipstream grid end to end at a tiny scale: every setup, the report and its plots."""
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
@@ -208,6 +213,7 @@ def _fake_train(config: FakeConfig) -> dict[str, Any]:
     return summary
 
 
+@pytest.mark.slow
 def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = types.SimpleNamespace(
         TrainConfig=FakeConfig,

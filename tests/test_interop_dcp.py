@@ -113,6 +113,7 @@ def _resumes_exactly(rank: int, world_size: int, directory: str) -> None:
         dist.barrier()
 
 
+@pytest.mark.slow
 def test_a_resume_from_dcp_continues_as_the_uninterrupted_run_on_two_processes_and_on_one(
     tmp_path: Path,
 ) -> None:
@@ -131,5 +132,6 @@ def _refuses_a_state_of_another_shape(rank: int, world_size: int) -> None:
         model.fused_optimizer.load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_an_optimizer_state_of_another_shape_is_refused_in_one_line() -> None:
     run_ranks(_refuses_a_state_of_another_shape, world_size=1)

@@ -110,10 +110,12 @@ def _check_refused(rank: int, wrapper: str) -> None:
         assert wrapped(dense, kjt).shape == (4, 1)  # read-only lookups are equal on every rank: allowed
 
 
+@pytest.mark.slow
 def test_training_under_dmp_ddp_or_a_custom_wrapper_is_refused_on_every_rank() -> None:
     run_ranks(_wrapped_training_is_refused, ("dmp", "ddp", "custom"))
 
 
+@pytest.mark.slow
 def test_training_under_fsdp_is_refused_on_every_rank() -> None:
     run_ranks(_wrapped_training_is_refused, ("fsdp",))
 
@@ -130,6 +132,7 @@ def _independent_replicas_train(rank: int, world_size: int) -> None:
     assert not all(torch.equal(a, b) for a, b in zip(after, tables_before, strict=True))
 
 
+@pytest.mark.slow
 def test_a_model_marked_as_independent_replicas_trains_in_a_multi_process_job() -> None:
     run_ranks(_independent_replicas_train)
 

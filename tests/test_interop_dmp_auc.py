@@ -134,6 +134,7 @@ def _within_bound(rank: int, world_size: int) -> None:
     )
 
 
+@pytest.mark.slow
 def test_int8_with_a_5_percent_cache_stays_near_torchrecs_auc_under_dmp() -> None:
     run_ranks(_within_bound)
 

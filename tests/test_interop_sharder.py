@@ -113,6 +113,7 @@ def _check_shards(sharded: torch.nn.Module, reference: object, held: list[str]) 
                 )
 
 
+@pytest.mark.slow
 def test_sharded_training_equals_the_unsharded_collection_and_checkpoints_through_dcp(tmp_path: Path) -> None:
     run_ranks(_sharded_training_equals_unsharded, str(tmp_path / "dcp"))
 
@@ -166,10 +167,12 @@ def _dlrm_under_dmp_equals_torchrec(rank: int, world_size: int) -> None:
         torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_dlrm_under_dmp_trains_as_with_torchrecs_own_collection() -> None:
     run_ranks(_dlrm_under_dmp_equals_torchrec)
 
 
+@pytest.mark.slow
 def test_the_example_trains_under_dmp_on_two_processes_and_resumes_on_one(tmp_path: Path) -> None:
     import re
     import subprocess
@@ -257,5 +260,6 @@ def _pipeline_trains(rank: int, world_size: int) -> None:
     assert not torch.equal(before, after)
 
 
+@pytest.mark.slow
 def test_torchrecs_train_pipeline_trains_our_tables() -> None:
     run_ranks(_pipeline_trains)

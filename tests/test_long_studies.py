@@ -50,6 +50,7 @@ def test_time_to_target_reads_the_baselines_final_auc() -> None:
     assert runs[0]["cpu_s_to_target_ratio"] == 1.0
 
 
+@pytest.mark.slow
 def test_study_runs_each_arm_and_seed_once_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(long_studies.STUDIES, "tiny", TINY)
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -163,6 +164,7 @@ def test_a_window_serves_one_step_only() -> None:
     assert coll.stats()["prefetched_rows"] == 2  # rows 0 of both tables
 
 
+@pytest.mark.slow
 def test_trainer_with_prefetch_equals_trainer_without(tmp_path) -> None:
     """The whole DLRM run, fp32 storage, no skipping: prefetch and the lookahead window change no bit."""
     from slipcache.training import checkpoint

@@ -62,6 +62,7 @@ def test_a_directory_of_another_user_is_refused(tmp_path: Path) -> None:
         _native.load_library(directory)
 
 
+@pytest.mark.slow
 def test_a_planted_or_corrupt_library_is_replaced_by_a_fresh_build(tmp_path: Path) -> None:
     """Each case in a fresh directory: a library once loaded stays mapped under its name in this process."""
     _native.load_library(tmp_path / "reference")

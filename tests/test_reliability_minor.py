@@ -91,6 +91,7 @@ def test_torchrec_ids_that_cannot_size_a_table(tmp_path: Path, capsys: pytest.Ca
     one_line(_train(tmp_path / "t", tmp_path), capsys, expected)
 
 
+@pytest.mark.slow
 def test_unsigned_and_integral_float_ids_train(tmp_path: Path) -> None:
     for kind, dtype in (("u", np.uint64), ("f", np.float64)):
         write_torchrec(tmp_path / kind, days=2, n=200)
@@ -109,6 +110,7 @@ def test_symlink_loop_and_pipe_as_data(tmp_path: Path, capsys: pytest.CaptureFix
     one_line(_train(tmp_path / "fifo", tmp_path), capsys, "is a pipe")
 
 
+@pytest.mark.slow
 def test_subdirectories_of_raw_data_are_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     raw = tmp_path / "raw"
     (raw / "day_2").mkdir(parents=True)
@@ -207,6 +209,7 @@ def test_crafted_cache_state_with_a_valid_checksum(tmp_path: Path, capsys: pytes
     one_line(["eval", "--checkpoint", str(latest)], capsys, expected)
 
 
+@pytest.mark.slow
 def test_plan_out_replaces_only_a_plan(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     data = make_dataset(tmp_path / "d", n=400)
     notes = tmp_path / "notes.toml"

@@ -162,6 +162,7 @@ def _checkpoint_events(run: Path) -> list[int]:
     return [e["samples"] for e in events if e["event"] == "checkpoint"]
 
 
+@pytest.mark.slow
 def test_the_newest_checkpoint_wins_across_process_counts(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

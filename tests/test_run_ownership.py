@@ -295,6 +295,7 @@ def _rank_apart(rank: int, world_size: int, data: list[str], out: str, results: 
     ],
     ids=["lr", "data", "locked"],
 )
+@pytest.mark.slow
 def test_ranks_stop_together_on_different_settings_or_a_held_run(
     data_dir: Path, tmp_path: Path, rank1: dict[str, Any], other_data: bool, hold_lock: bool, expected: str
 ) -> None:
@@ -320,6 +321,7 @@ def _train_pair(rank: int, world_size: int, data: str, out: str, extra: dict[str
         Path(result, f"rank-{rank}.txt").write_text(str(exc))
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_step_of_n_ranks_can_be_skipped(data_dir: Path, tmp_path: Path) -> None:
     from tests.ranks import exit_codes
 

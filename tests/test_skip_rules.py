@@ -121,6 +121,7 @@ def test_loss_pruning_prunes_only_below_mean_and_at_the_requested_share() -> Non
     assert (pruner.files[1][np.flatnonzero(~keep)] == quantize(np.array([0.2]))[0]).all()  # carried forward
 
 
+@pytest.mark.slow
 def test_loss_rule_trains_end_to_end_and_resumes_exactly(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,6 +197,7 @@ def test_batch_iterator_passes_positions_to_filters_that_want_them(data_dir: Pat
 
 
 @pytest.mark.parametrize("order, expected", [("first", [True, False, False]), ("every", [True, True, True])])
+@pytest.mark.slow
 def test_time_ordered_data_goes_through_time_in_the_first_epoch_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str, expected: list[bool]
 ) -> None:

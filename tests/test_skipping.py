@@ -111,6 +111,7 @@ def test_off_is_the_plain_loop(data_dir: Path, tmp_path: Path, monkeypatch: pyte
     assert events(tmp_path / "a") == events(tmp_path / "b")
 
 
+@pytest.mark.slow
 def test_skipping_is_deterministic_and_reported(data_dir: Path, tmp_path: Path) -> None:
     a = train.train(tiny(data_dir, tmp_path / "a"))
     b = train.train(tiny(data_dir, tmp_path / "b"))
@@ -223,6 +224,7 @@ def test_epoch_warm_up_never_skips_in_a_single_epoch_run(data_dir: Path, tmp_pat
 @pytest.mark.parametrize("rule, warmup, crash_step, reweight", [("convergence", "val", 45, False),
                                                                ("paper", "none", 35, False),
                                                                ("convergence", "none", 35, True)])
+@pytest.mark.slow
 def test_resumed_skip_run_ends_where_the_uninterrupted_one_ends(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rule: str, warmup: str, crash_step: int,
     reweight: bool,
@@ -317,6 +319,7 @@ def test_guard_sums_from_the_step_loss_match_per_input_losses(data_dir: Path, tm
     assert skipper.control_sums[0::2] == pytest.approx(exact[0::2], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_full_keep_share_trains_exactly_as_without_skipping(data_dir: Path, tmp_path: Path) -> None:
     """p = 1 keeps every would-be-skipped input at weight 1: the run is the plain one, bit for bit."""
     plain = train.train(tiny(data_dir, tmp_path / "a", skip_stale=False))

@@ -48,6 +48,7 @@ def _signal_at_call(monkeypatch: pytest.MonkeyPatch, n: int, signum: int) -> Non
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.slow
 def test_a_signal_writes_a_checkpoint_at_the_step_and_the_resume_ends_as_uninterrupted(
     signum: int, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

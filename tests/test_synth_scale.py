@@ -55,6 +55,7 @@ def test_mlperf_preset_ids_stay_inside_their_tables() -> None:
     assert gen.describe()["table_sizes"] == MLPERF_SIZES
 
 
+@pytest.mark.slow
 def test_generation_memory_does_not_grow_with_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Peak Python/numpy allocations writing 4x the rows stay those of one chunk (tracemalloc counts
     numpy's buffers); rows are appended to files, never mapped."""

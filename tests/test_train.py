@@ -102,6 +102,7 @@ def test_cached_embeddings_end_to_end(data_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "embeddings", ["torch", "cached", "cached-streamed", "cached-streamed-mapped", "cached-streamed-files"]
 )
+@pytest.mark.slow
 def test_resume_matches_uninterrupted(
     embeddings: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -334,6 +335,7 @@ def test_summary_table_shows_the_skipped_share_of_a_skipping_run() -> None:
     assert "skipped as stale    15.9% of inputs" in format_summary(summary)
 
 
+@pytest.mark.slow
 def test_a_library_call_puts_the_process_settings_back(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -354,6 +356,7 @@ def test_a_library_call_puts_the_process_settings_back(
     assert torch.get_num_threads() == before and hostmem.huge_pages_mode() == hostmem.DEFAULT_HUGE_PAGES
 
 
+@pytest.mark.slow
 def test_a_resume_draws_no_initial_rows(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every row comes from the checkpoint: the initial draw (minutes at the MLPerf sizes) is skipped."""
     from slipcache.embedding.collection import CachedEmbeddingBagCollection
