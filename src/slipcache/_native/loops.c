@@ -73,28 +73,22 @@ static void lookup_all(lookup_args *a) {
    touches (see touch_slot). */
 #define LOOKUP_GRAIN 1024 /* lookups per part at least: smaller batches stay on one thread */
 
-typedef struct { lookup_args base; int64_t hits[POOL_MAX]; } lookup_job;
-
-static void lookup_part(void *job_, int64_t part, int64_t parts) {
-    lookup_job *job = job_;
-    lookup_args a = job->base;
-    int64_t lo, hi;
-    part_range(a.n, part, parts, &lo, &hi);
+static int64_t lookup_range(void *args, int64_t lo, int64_t hi, int64_t part) {
+    (void)part;
+    lookup_args a = *(const lookup_args *)args;
     a.rows += lo, a.out_slots += lo, a.n = hi - lo;
     lookup_all(&a);
-    job->hits[part] = a.hits;
+    return a.hits;
 }
 
 /* Slot of each row (-1 on a miss); hits get last_used = step and use_count += 1. Returns the hits. */
 int64_t lookup(const void *slot_rows, int wide, int64_t num_sets, int64_t ways, int64_t multiplier,
                const int64_t *rows, int64_t n, int64_t *out_slots, int32_t *last_used, int32_t *use_count,
                int32_t step) {
-    int64_t parts = chunks_for(n, LOOKUP_GRAIN), hits = 0;
-    lookup_job job = {{slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count,
-                       step, 0, parts > 1}, {0}};
-    run_parts(lookup_part, &job, parts);
-    for (int64_t p = 0; p < parts; p++) hits += job.hits[p];
-    return hits;
+    int64_t parts = chunks_for(n, LOOKUP_GRAIN);
+    lookup_args a = {slot_rows, wide, num_sets, ways, multiplier, rows, n, out_slots, last_used, use_count, step, 0,
+                     parts > 1};
+    return run_ranges(lookup_range, &a, n, parts, NULL);
 }
 
 /* Global row of each single-hot id: rows[i] = offsets[i % tables] + ids[i] for ids [batch, tables].
@@ -163,20 +157,15 @@ ROW_LOOPS static void lookup_gather_all(gather_args *g) {
     a->hits = hits;
 }
 
-typedef struct { gather_args base; int64_t hits[POOL_MAX]; } gather_job;
-
 /* Part p of the forward: its range of lookups, its own row of per-table hit counts. */
-static void gather_part(void *job_, int64_t part, int64_t parts) {
-    gather_job *job = job_;
-    gather_args g = job->base;
-    int64_t lo, hi;
-    part_range(g.probe.n, part, parts, &lo, &hi);
+static int64_t gather_range(void *args, int64_t lo, int64_t hi, int64_t part) {
+    gather_args g = *(const gather_args *)args;
     g.probe.rows += lo, g.probe.out_slots += lo, g.probe.n = hi - lo;
     g.out += lo * g.dim;
     g.first_table = lo % g.tables;
     g.table_hits += part * g.tables;
     lookup_gather_all(&g);
-    job->hits[part] = g.probe.hits;
+    return g.probe.hits;
 }
 
 /* `lookup` over single-hot lookups [batch, tables] that also copies each hit's cached row into out[i]
@@ -188,14 +177,13 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
                       int32_t *last_used, int32_t *use_count, int32_t step, const float *weights, int64_t dim,
                       float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
                       int64_t misses_col) {
-    int64_t parts = chunks_for(batch * tables, LOOKUP_GRAIN), hits = 0;
+    int64_t parts = chunks_for(batch * tables, LOOKUP_GRAIN);
     int64_t *table_hits = calloc((size_t)(tables * parts), sizeof(int64_t));  /* [parts, tables] */
     if (!table_hits) return -1;
-    gather_job job = {{{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
-                        use_count, step, 0, parts > 1},
-                       weights, dim, out, tables, table_hits, 0}, {0}};
-    run_parts(gather_part, &job, parts);
-    for (int64_t p = 0; p < parts; p++) hits += job.hits[p];
+    gather_args g = {{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
+                      use_count, step, 0, parts > 1},
+                     weights, dim, out, tables, table_hits, 0};
+    int64_t hits = run_ranges(gather_range, &g, batch * tables, parts, NULL);
     for (int64_t k = 0; k < tables; k++) {
         int64_t table = 0;
         for (int64_t p = 0; p < parts; p++) table += table_hits[p * tables + k];

@@ -207,6 +207,23 @@ int64_t chunks_for(int64_t n, int64_t grain) {
     return parts < 1 ? 1 : parts;
 }
 
+typedef struct { range_fn fn; void *args; int64_t n; int64_t *results; } range_job;
+
+static void range_part(void *job_, int64_t part, int64_t parts) {
+    range_job *job = job_;
+    int64_t lo, hi;
+    part_range(job->n, part, parts, &lo, &hi);
+    job->results[part] = job->fn(job->args, lo, hi, part);
+}
+
+int64_t run_ranges(range_fn fn, void *args, int64_t n, int64_t parts, int64_t *results) {
+    int64_t own[POOL_MAX], sum = 0;
+    range_job job = {fn, args, n, results ? results : own};
+    run_parts(range_part, &job, parts);
+    for (int64_t p = 0; p < parts; p++) sum += job.results[p];
+    return sum;
+}
+
 /* run_parts: on the pool with however many workers run (none included). */
 void run_parts(part_fn fn, void *args, int64_t parts) {
     if (parts <= 1 || pthread_mutex_trylock(&pool.job_lock) != 0) {

@@ -28,6 +28,12 @@ static inline void part_range(int64_t n, int64_t p, int64_t parts, int64_t *lo, 
     *hi = (int64_t)((__int128)n * (p + 1) / parts);
 }
 
+/* A split by position: part p handles items [lo, hi) and returns what it found (hits, bad rows, a flag). */
+typedef int64_t (*range_fn)(void *args, int64_t lo, int64_t hi, int64_t part);
+/* n items split into `parts` (at most POOL_MAX) contiguous ranges, run with run_parts: the sum of what the
+   parts return; results (NULL, or room for `parts`) gets each part's own answer, in part order. */
+SLIPCACHE_INTERNAL int64_t run_ranges(range_fn fn, void *args, int64_t n, int64_t parts, int64_t *results);
+
 /* ------------------------------------------------------------------ per-thread scratch (pool.c)
    A buffer per kind and per calling thread, kept between calls and grown on demand (zeroed when it grows),
    instead of a malloc per call; freed when its thread exits. NULL when the memory cannot be had. Each kind

@@ -214,14 +214,12 @@ ROW_LOOPS static void quantize_all(quantize_args *a) {
    disjoint storage rows; the noise was drawn before, row by row. */
 #define QUANTIZE_GRAIN 512 /* rows per part at least */
 
-typedef struct { quantize_args base; int64_t bad_count[POOL_MAX]; } quantize_job;
-
-static void quantize_part(void *job_, int64_t part, int64_t parts) {
-    quantize_job *job = job_;
-    quantize_args a = job->base;
-    part_range(a.n, part, parts, &a.start, &a.stop);
+static int64_t quantize_range(void *args, int64_t lo, int64_t hi, int64_t part) {
+    (void)part;
+    quantize_args a = *(const quantize_args *)args;
+    a.start = lo, a.stop = hi;
     quantize_all(&a);
-    job->bad_count[part] = a.bad_count;
+    return a.bad_count;
 }
 
 /* Quantize fp32 rows values[n, dim] into storage: row i goes to storage row rows[i] (i when rows is NULL)
@@ -235,12 +233,9 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
                       const float *scales, float limit, float max_span, const int64_t *rows, void *payload,
                       uint16_t *bias, uint8_t *scale_code, uint8_t *bad, const int64_t *source) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
-    quantize_job job = {{values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code,
-                         bad, 0, n, 0, source}, {0}};
-    int64_t parts = chunks_for(n, QUANTIZE_GRAIN), bad_count = 0;
-    run_parts(quantize_part, &job, parts);
-    for (int64_t p = 0; p < parts; p++) bad_count += job.bad_count[p];
-    return bad_count;
+    quantize_args a = {values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code, bad,
+                       0, n, 0, source};
+    return run_ranges(quantize_range, &a, n, chunks_for(n, QUANTIZE_GRAIN), NULL);
 }
 
 /* Storage rows -> fp32: out[i] = row rows[i] decoded, as quant.dequantize_int does (bias + scale * code,
@@ -290,25 +285,24 @@ ROW_LOOPS static int64_t dequantize_span(const void *payload, int kind, const ui
 
 typedef struct {
     const void *payload; int kind; const uint16_t *bias; const uint8_t *scale_code; const float *scales;
-    const int64_t *rows; int64_t n, dim; float *out; int64_t status[POOL_MAX];
-} dequantize_job;
+    const int64_t *rows; int64_t dim; float *out;
+} dequantize_args;
 
-static void dequantize_part(void *job_, int64_t part, int64_t parts) {
-    dequantize_job *j = job_;
-    int64_t lo, hi;
-    part_range(j->n, part, parts, &lo, &hi);
-    j->status[part] = dequantize_span(j->payload, j->kind, j->bias, j->scale_code, j->scales, j->rows + lo, hi - lo,
-                                      j->dim, j->out + lo * j->dim);
+static int64_t dequantize_range(void *args, int64_t lo, int64_t hi, int64_t part) {
+    (void)part;
+    const dequantize_args *j = args;
+    return dequantize_span(j->payload, j->kind, j->bias, j->scale_code, j->scales, j->rows + lo, hi - lo, j->dim,
+                           j->out + lo * j->dim);
 }
 
 int64_t dequantize_rows(const void *payload, int kind, const uint16_t *bias, const uint8_t *scale_code,
                         const float *scales, const int64_t *rows, int64_t n, int64_t dim, float *out) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
-    dequantize_job job = {payload, kind, bias, scale_code, scales, rows, n, dim, out, {0}};
-    int64_t parts = chunks_for(n, DEQUANTIZE_GRAIN);
-    run_parts(dequantize_part, &job, parts);
+    dequantize_args a = {payload, kind, bias, scale_code, scales, rows, dim, out};
+    int64_t parts = chunks_for(n, DEQUANTIZE_GRAIN), status[POOL_MAX];
+    run_ranges(dequantize_range, &a, n, parts, status);
     for (int64_t p = 0; p < parts; p++) {
-        if (job.status[p] != 0) return job.status[p];
+        if (status[p] != 0) return status[p];
     }
     return 0;
 }

@@ -92,23 +92,13 @@ static int sgd_split(float *weights, int64_t num_slots, int64_t dim, const int64
 /* all_finite over contiguous ranges, one per part. */
 #define FINITE_GRAIN 65536 /* values per part at least */
 
-typedef struct { const float *values; int64_t n; int finite[POOL_MAX]; } finite_job;
-
-static void finite_part(void *job_, int64_t part, int64_t parts) {
-    finite_job *job = job_;
-    int64_t lo, hi;
-    part_range(job->n, part, parts, &lo, &hi);
-    job->finite[part] = all_finite(job->values + lo, hi - lo);
+static int64_t nonfinite_range(void *args, int64_t lo, int64_t hi, int64_t part) {
+    (void)part;
+    return !all_finite((const float *)args + lo, hi - lo);
 }
 
 static int all_finite_split(const float *values, int64_t n) {
-    int64_t parts = chunks_for(n, FINITE_GRAIN);
-    finite_job job = {values, n, {0}};
-    run_parts(finite_part, &job, parts);
-    for (int64_t p = 0; p < parts; p++) {
-        if (!job.finite[p]) return 0;
-    }
-    return 1;
+    return run_ranges(nonfinite_range, (void *)values, n, chunks_for(n, FINITE_GRAIN), NULL) == 0;
 }
 
 /* weights[slots[i]] -= lr * grad[i] in batch order per slot. Returns -1, -3 when an updated value is inf or
@@ -177,17 +167,13 @@ ROW_LOOPS static int adagrad_all(const adagrad_args *a) {
    weight and state rows, with one thread's arithmetic. */
 #define ADAGRAD_GRAIN 256 /* rows per part at least */
 
-typedef struct { adagrad_args base; int nonfinite[POOL_MAX]; } adagrad_job;
-
-static void adagrad_part(void *job_, int64_t part, int64_t parts) {
-    adagrad_job *job = job_;
-    adagrad_args a = job->base;
-    int64_t lo, hi;
-    part_range(a.n, part, parts, &lo, &hi);
+static int64_t adagrad_range(void *args, int64_t lo, int64_t hi, int64_t part) {
+    (void)part;
+    adagrad_args a = *(const adagrad_args *)args;
     if (a.slots) a.slots += lo;
     else a.weights += lo * a.dim;  /* target row i */
     a.state_rows += lo, a.grad += lo * a.dim, a.n = hi - lo;
-    job->nonfinite[part] = adagrad_all(&a);
+    return adagrad_all(&a);
 }
 
 /* Whether index[0..n) (each value in [0, bound)) holds a value twice (1), or not (0); -1 without scratch
@@ -237,11 +223,8 @@ int64_t adagrad_update(float *weights, int64_t num_slots, int64_t dim, const int
     int64_t repeated = slots ? repeats(slots, n, num_slots) : 0;  /* without slots the targets are 0..n-1 */
     if (repeated) return repeated < 0 ? -6 : -4;
     if ((repeated = repeats(state_rows, n, num_state_rows))) return repeated < 0 ? -6 : -5;
-    adagrad_job job = {{weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps}, {0}};
-    int64_t parts = chunks_for(n, ADAGRAD_GRAIN), nonfinite = 0;
-    run_parts(adagrad_part, &job, parts);
-    for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
-    return nonfinite ? -3 : -1;
+    adagrad_args a = {weights, dim, slots, state, state_rows, grad, n, rowwise, lr, eps};
+    return run_ranges(adagrad_range, &a, n, chunks_for(n, ADAGRAD_GRAIN), NULL) ? -3 : -1;
 }
 
 /* Whether all n floats are finite (exported: the general update's check). */

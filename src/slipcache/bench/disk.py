@@ -18,11 +18,9 @@ reads are the disk's, as `/proc/self/io` confirms (printed beside).
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Any
 
 import torch
 
+from slipcache.bench.figures import median_range, write_result
 from slipcache.embedding.hostmem import advise_pages
 from slipcache.errors import SlipcacheError
 from slipcache.iostats import disk_io
@@ -122,11 +121,9 @@ def run_disk_bench(args: argparse.Namespace) -> int:
                              ("one_at_a_time_reads_s", "random reads, one at a time", "reads/s"),
                              ("at_once_reads_s", "random reads, asked at once", "reads/s")):
         values = figures[key]
-        print(f"  {label:<30} {statistics.median(values):10,.0f} {unit} ({min(values):,.0f}-{max(values):,.0f})")
+        print(f"  {label:<30} {median_range(values, unit, ',.0f', 10)}")
     if read_bytes:
         print(f"  disk bytes read per measurement (/proc/self/io): {min(read_bytes):,}-{max(read_bytes):,} "
               f"for {args.reads:,} pages of {PAGE:,} bytes")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+    write_result(args.json, result)
     return 0
