@@ -226,7 +226,8 @@ def accuracy_section(out: Path, results: dict[str, Any], entries: list[dict[str,
              "mean ± t(0.975, n-1) · sd / √n of the per-seed differences.", ""]
     if base:
         slopes = validation_slopes(curves.get(BASELINE, []), epochs)
-        lines += [f"Reference `{BASELINE}`: test AUC {fmt_mean_std(base, 'auc')}, log loss {fmt_mean_std(base, 'logloss')} "
+        lines += [f"Reference `{BASELINE}`: test AUC {fmt_mean_std(base, 'auc')}, "
+                  f"log loss {fmt_mean_std(base, 'logloss')} "
                   f"(mean ± sd over {base['seeds']} seed(s))."
                   + (f" Its validation AUC (mean over seeds) moved by {slopes[0]:+.4f} per epoch at the end of "
                      f"training, against {slopes[1]:+.4f} per epoch at the start." if slopes else ""), ""]
@@ -236,7 +237,8 @@ def accuracy_section(out: Path, results: dict[str, Any], entries: list[dict[str,
         [[r["setup"], str(r["auc_delta"]["n"] if r["auc_delta"] else 0), fmt_mean_std(by[r["setup"]], "auc"),
           _interval_text(r["auc_delta"]), _interval_text(r["logloss_delta"]),
           fmt_value(metric(by[r["setup"]], "memory_ratio"), ".2f") + "x",
-          fmt_value(100 * metric(by[r["setup"]], "cache_hit_rate"), ".1f") + "%" if metric(by[r["setup"]], "cache_hit_rate") else "-",
+          fmt_value(100 * metric(by[r["setup"]], "cache_hit_rate"), ".1f") + "%"
+          if metric(by[r["setup"]], "cache_hit_rate") else "-",
           r["verdict"]] for r in rows],
     )
     if plot:

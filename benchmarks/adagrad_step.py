@@ -2,9 +2,9 @@
 
 Each round trains the same skewed batches once with the compiled update and once with the torch update
 (the compiled loops of the row operations, `slipcache.embedding.kernels`, switched off; the cache's
-stay compiled in both), alternating which goes first, and records the "backward" phase of the step clock (the whole optimizer update: per-row
-sums, state and weights, finite check). Prints per-variant medians with min-max over the rounds and the load
-average beside them. Run from the repository root:
+stay compiled in both), alternating which goes first, and records the "backward" phase of the step clock (the
+whole optimizer update: per-row sums, state and weights, finite check). Prints per-variant medians with
+min-max over the rounds and the load average beside them. Run from the repository root:
 
     python -m benchmarks.adagrad_step --rounds 5
 """

@@ -370,7 +370,8 @@ def run_one(
     (run_dir / "finished.json").write_text(json.dumps(record, indent=2) + "\n")
     log(
         f"{study.name}: {arm.name} seed {seed} done in {time.perf_counter() - start:.0f} s: test AUC "
-        f"{record['test_auc']:.4f}, {record['samples_per_s']:.0f} samples/s, peak {child['peak_rss_bytes'] / 2**30:.1f} GiB"
+        f"{record['test_auc']:.4f}, {record['samples_per_s']:.0f} samples/s, "
+        f"peak {child['peak_rss_bytes'] / 2**30:.1f} GiB"
     )
     return record
 

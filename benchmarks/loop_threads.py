@@ -3,8 +3,8 @@
 One collection per precision trains the same skewed batches; each round runs the timed steps once per thread
 count (the order alternating from round to round), switching the pool's size in between
 (`_native.set_threads`; torch stays on one thread). Prints per thread count the step's median wall time with
-min-max over the rounds, the phases the split loops serve (`lookup`: the fused forward gather; `evict`: victims quantized;
-`fill`: misses; `backward`: the fused update), the gather and the scatter loops alone (best of
+min-max over the rounds, the phases the split loops serve (`lookup`: the fused forward gather; `evict`:
+victims quantized; `fill`: misses; `backward`: the fused update), the gather and the scatter loops alone (best of
 `--repeats` runs per round), and the load average beside them: a busy machine's figures are checks, not
 verdicts. Run from the repository root:
 

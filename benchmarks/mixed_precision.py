@@ -134,7 +134,8 @@ def plot_accuracy_memory(entries: list[dict[str, Any]], path: Path) -> str | Non
     from matplotlib.lines import Line2D
 
     most = max((e["seeds"] for e in entries), default=0)
-    pts = [e for e in entries if e["seeds"] == most and metric(e, "embedding_bytes") and metric(e, "auc_delta") is not None]
+    pts = [e for e in entries
+           if e["seeds"] == most and metric(e, "embedding_bytes") and metric(e, "auc_delta") is not None]
     if not pts:
         return None
     fig, ax = plt.subplots(figsize=(9.5, 5.5))
@@ -186,7 +187,8 @@ def plot_cache_sweep(entries: list[dict[str, Any]], path: Path) -> str | None:
         ("embedding_bytes", 1 / 2**20, "embedding memory (MiB)", "Memory"),
     ]
     for policy, color in (("lru", "tab:blue"), ("lfu", "tab:orange")):
-        pts = sorted((e for e in sweep if e["overrides"]["policy"] == policy), key=lambda e: e["overrides"]["cache_size"])
+        pts = sorted((e for e in sweep if e["overrides"]["policy"] == policy),
+                     key=lambda e: e["overrides"]["cache_size"])
         xs = [100 * e["overrides"]["cache_size"] for e in pts]
         for ax, (key, scale, ylabel, title) in zip(axes, panels, strict=True):
             ys = [(metric(e, key) or math.nan) * scale for e in pts]
@@ -301,7 +303,8 @@ def mixed_precision_section(entries: list[dict[str, Any]], plots: dict[str, str 
     base = by.get(BASELINE)
     lines = ["## Mixed-precision embeddings with an fp32 row cache", ""]
     if base:
-        lines += [f"Reference: `{BASELINE}`, test AUC {fmt_mean_std(base, 'auc')}, log loss {fmt_mean_std(base, 'logloss')} "
+        lines += [f"Reference: `{BASELINE}`, test AUC {fmt_mean_std(base, 'auc')}, "
+                  f"log loss {fmt_mean_std(base, 'logloss')} "
                   f"over {base['seeds']} seed(s). Deltas are paired by seed (mean ± std over seeds). A change is "
                   f"called measurable when it exceeds {MIN_EFFECT} AUC and twice its standard error over seeds.", ""]
 
@@ -311,9 +314,10 @@ def mixed_precision_section(entries: list[dict[str, Any]], plots: dict[str, str 
     lines += markdown_table(
         ["setup", "seeds", "test AUC", "ΔAUC vs fp32", "Δ log loss", "memory (MiB)", "memory saving", "hit rate"],
         [[e["name"], str(e["seeds"]), fmt_mean_std(e, "auc"), fmt_mean_std(e, "auc_delta", fmt=".4f", sign=True),
-          fmt_mean_std(e, "logloss_delta", fmt=".4f", sign=True), fmt_value(mib(metric(e, "embedding_bytes") or 0), ".1f"),
-          fmt_value(metric(e, "memory_ratio"), ".2f") + "x", fmt_value(100 * (metric(e, "cache_hit_rate") or 0), ".1f") + "%"
-          if metric(e, "cache_hit_rate") else "-"] for e in rq1],
+          fmt_mean_std(e, "logloss_delta", fmt=".4f", sign=True),
+          fmt_value(mib(metric(e, "embedding_bytes") or 0), ".1f"), fmt_value(metric(e, "memory_ratio"), ".2f") + "x",
+          fmt_value(100 * (metric(e, "cache_hit_rate") or 0), ".1f") + "%" if metric(e, "cache_hit_rate") else "-"]
+         for e in rq1],
     )
     if plots.get("accuracy_memory"):
         lines += ["", f"![accuracy vs memory]({plots['accuracy_memory']})"]
@@ -328,7 +332,8 @@ def mixed_precision_section(entries: list[dict[str, Any]], plots: dict[str, str 
         ["policy", "cache", "seeds", "hit rate", "ΔAUC vs fp32", "memory (MiB)", "memory saving"],
         [[e["overrides"]["policy"].upper(), fmt_percent(e["overrides"]["cache_size"]), str(e["seeds"]),
           fmt_mean_std(e, "cache_hit_rate", 100, ".1f") + "%", fmt_mean_std(e, "auc_delta", sign=True),
-          fmt_value(mib(metric(e, "embedding_bytes") or 0), ".1f"), fmt_value(metric(e, "memory_ratio"), ".2f") + "x"] for e in sweep],
+          fmt_value(mib(metric(e, "embedding_bytes") or 0), ".1f"), fmt_value(metric(e, "memory_ratio"), ".2f") + "x"]
+         for e in sweep],
     )
     if plots.get("cache_sweep"):
         lines += ["", f"![cache sweep]({plots['cache_sweep']})"]
@@ -350,9 +355,12 @@ def mixed_precision_section(entries: list[dict[str, Any]], plots: dict[str, str 
     lines += markdown_table(
         ["setup", "rows moved / sample", "bytes moved / sample", "no-cache unified memory bytes / sample",
          "bytes touched / sample", "step (ms)", "measured samples/s", "memory bound samples/s", "of bound"],
-        [[e["name"], fmt_value(metric(e, "rows_moved_per_sample"), ".2f"), fmt_value(metric(e, "bytes_moved_per_sample"), ".0f"),
-          fmt_value(metric(e, "unified_bytes_per_sample"), ".0f"), fmt_value(metric(e, "touched_bytes_per_sample"), ".0f"),
-          fmt_mean_std(e, "step_ms", fmt=".2f"), fmt_value(metric(e, "samples_per_s"), ",.0f"), fmt_value(metric(e, "bound_samples_per_s"), ",.0f"),
+        [[e["name"], fmt_value(metric(e, "rows_moved_per_sample"), ".2f"),
+          fmt_value(metric(e, "bytes_moved_per_sample"), ".0f"),
+          fmt_value(metric(e, "unified_bytes_per_sample"), ".0f"),
+          fmt_value(metric(e, "touched_bytes_per_sample"), ".0f"),
+          fmt_mean_std(e, "step_ms", fmt=".2f"), fmt_value(metric(e, "samples_per_s"), ",.0f"),
+          fmt_value(metric(e, "bound_samples_per_s"), ",.0f"),
           fmt_value(100 * (metric(e, "bound_fraction") or math.nan), ".1f") + "%"] for e in rq5],
     )
     if plots.get("traffic"):
@@ -377,24 +385,31 @@ def answer_rq1(rq1: list[dict[str, Any]]) -> str:
     best = max(kept, key=lambda e: metric(e, "memory_ratio") or 0, default=None)
     if best:
         text += (f"The largest memory saving without a measurable loss is {best['name']}: "
-                 f"{metric(best, 'memory_ratio'):.2f}x less embedding memory at ΔAUC {fmt_mean_std(best, 'auc_delta', sign=True)}. ")
-    close = max((e for e in lowp if abs(metric(e, "auc_delta")) < MIN_EFFECT), key=lambda e: metric(e, "memory_ratio") or 0,
-                default=None)
+                 f"{metric(best, 'memory_ratio'):.2f}x less embedding memory at "
+                 f"ΔAUC {fmt_mean_std(best, 'auc_delta', sign=True)}. ")
+    close = max((e for e in lowp if abs(metric(e, "auc_delta")) < MIN_EFFECT),
+                key=lambda e: metric(e, "memory_ratio") or 0, default=None)
     if close and close is not best:
         text += (f"The largest saving whose mean change is also below {MIN_EFFECT} AUC is {close['name']} "
                  f"({metric(close, 'memory_ratio'):.2f}x, ΔAUC {fmt_mean_std(close, 'auc_delta', sign=True)}). ")
     worst = min(lowp, key=lambda e: metric(e, "auc_delta"))
     if worst not in hurt and metric(worst, "auc_delta") < -MIN_EFFECT:
-        text += (f"The largest mean loss, {worst['name']} ({fmt_mean_std(worst, 'auc_delta', sign=True)}), is not separable "
+        text += (f"The largest mean loss, {worst['name']} ({fmt_mean_std(worst, 'auc_delta', sign=True)}), "
+                 "is not separable "
                  f"from seed noise with {worst['seeds']} seed(s). ")
     for p in ("int8", "int4"):
-        nocache = next((e for e in lowp if e["overrides"]["precision"] == p and e["overrides"]["cache_size"] == 0), None)
+        nocache = next(
+            (e for e in lowp if e["overrides"]["precision"] == p and e["overrides"]["cache_size"] == 0), None
+        )
         cached = sorted((e for e in lowp if e["overrides"]["precision"] == p and e["overrides"]["cache_size"] > 0),
                         key=lambda e: abs(e["overrides"]["cache_size"] - 0.05))
         diff = paired_difference(cached[0], nocache) if nocache and cached else None
         if diff:
-            verdict = ("a measurable gain" if diff["mean"] > 0 else "a measurable loss") if diff["measurable"] else "within noise"
-            text += (f"For {p}, a {fmt_percent(cached[0]['overrides']['cache_size'])} cache changes AUC by {diff['mean']:+.4f} "
+            verdict = "within noise"
+            if diff["measurable"]:
+                verdict = "a measurable gain" if diff["mean"] > 0 else "a measurable loss"
+            text += (f"For {p}, a {fmt_percent(cached[0]['overrides']['cache_size'])} cache changes AUC by "
+                     f"{diff['mean']:+.4f} "
                      f"against no cache (paired over {diff['n']} seed(s): {verdict}). ")
     return text.strip()
 
@@ -406,12 +421,16 @@ def _policy_pairs(sweep: list[dict[str, Any]]) -> list[tuple[float, dict[str, An
 
 
 def answer_rq2(sweep: list[dict[str, Any]]) -> str:
-    pairs = [(c, a, b) for c, a, b in _policy_pairs(sweep) if metric(a, "cache_hit_rate") and metric(b, "cache_hit_rate")]
+    pairs = [(c, a, b) for c, a, b in _policy_pairs(sweep)
+             if metric(a, "cache_hit_rate") and metric(b, "cache_hit_rate")]
     if not pairs:
         return "No cache size was run with both policies."
     diffs = [100 * (metric(b, "cache_hit_rate") - metric(a, "cache_hit_rate")) for _, a, b in pairs]
-    detail = ", ".join(f"{fmt_percent(c)}: LRU {100 * metric(a, 'cache_hit_rate'):.1f}% vs LFU {100 * metric(b, 'cache_hit_rate'):.1f}%"
-                       for c, a, b in pairs)
+    detail = ", ".join(
+        f"{fmt_percent(c)}: LRU {100 * metric(a, 'cache_hit_rate'):.1f}% "
+        f"vs LFU {100 * metric(b, 'cache_hit_rate'):.1f}%"
+        for c, a, b in pairs
+    )
     mean = statistics.fmean(diffs)
     winner = "LFU" if mean > 0 else "LRU"
     auc = [(c, paired_difference(b, a)) for c, a, b in pairs]
@@ -445,9 +464,12 @@ def answer_rq3(sweep: list[dict[str, Any]]) -> str:
                 if not moved else f"AUC moves by up to {spread:.4f} against the smallest cache")
     if any(d and d["n"] == 1 for d in diffs):
         accuracy += " (one seed: indicative only)"
-    return (f"From {fmt_percent(lo['overrides']['cache_size'])} to {fmt_percent(hi['overrides']['cache_size'])} of rows (LRU), the "
-            f"hit rate rises from {100 * metric(lo, 'cache_hit_rate'):.1f}% to {100 * metric(hi, 'cache_hit_rate'):.1f}% while "
-            f"the memory saving falls from {metric(lo, 'memory_ratio'):.2f}x to {metric(hi, 'memory_ratio'):.2f}x (every "
+    return (f"From {fmt_percent(lo['overrides']['cache_size'])} to {fmt_percent(hi['overrides']['cache_size'])} "
+            "of rows (LRU), the "
+            f"hit rate rises from {100 * metric(lo, 'cache_hit_rate'):.1f}% to "
+            f"{100 * metric(hi, 'cache_hit_rate'):.1f}% while "
+            f"the memory saving falls from {metric(lo, 'memory_ratio'):.2f}x to "
+            f"{metric(hi, 'memory_ratio'):.2f}x (every "
             f"cached row costs an fp32 copy plus bookkeeping); {accuracy}. Past a few percent the cache buys "
             "traffic (RQ5), not accuracy.")
 
@@ -475,10 +497,12 @@ def answer_rq5(rq5: list[dict[str, Any]]) -> str:
     cached = [e for e in rq5 if e["overrides"]["cache_size"] > 0 and metric(e, "bytes_moved_per_sample") is not None]
     if not cached:
         return "**RQ5.** No cached run reported its traffic."
-    ratios = [(e, metric(e, "unified_bytes_per_sample") / max(metric(e, "bytes_moved_per_sample"), 1e-9)) for e in cached]
+    ratios = [(e, metric(e, "unified_bytes_per_sample") / max(metric(e, "bytes_moved_per_sample"), 1e-9))
+              for e in cached]
     lo, hi = min(ratios, key=lambda x: x[1]), max(ratios, key=lambda x: x[1])
     rows = sorted(metric(e, "rows_moved_per_sample") for e in cached)
-    span = f"{lo[1]:.1f}x" if hi[1] < 1.05 * lo[1] else f"{lo[1]:.1f}x ({lo[0]['name']}) to {hi[1]:.1f}x ({hi[0]['name']})"
+    span = (f"{lo[1]:.1f}x" if hi[1] < 1.05 * lo[1]
+            else f"{lo[1]:.1f}x ({lo[0]['name']}) to {hi[1]:.1f}x ({hi[0]['name']})")
     moved = f"{rows[0]:.2f}" if rows[-1] - rows[0] < 0.005 else f"{rows[0]:.2f}-{rows[-1]:.2f}"
     text = (f"**RQ5.** With a cache, a training sample moves {moved} rows between storage and "
             f"cache instead of the 52 (26 each way) of a no-cache unified-memory design: {span} fewer bytes. "

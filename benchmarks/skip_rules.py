@@ -6,8 +6,9 @@ without skipping stopped early at the same trained samples, paired by seed.
 
 `run` trains, per seed, the baseline (no skipping), each rule, and for each rule the random control at
 the share that rule skipped (so a rule's control starts once the rule's run has finished); up to
-`--workers` runs at a time, each one torch thread, at the driver's niceness (run it under `nice`). Every run evaluates on the whole
-validation split at one fixed schedule (every `--eval-every` consumed inputs, trained or skipped).
+`--workers` runs at a time, each one torch thread, at the driver's niceness (run it under `nice`). Every run
+evaluates on the whole validation split at one fixed schedule (every `--eval-every` consumed inputs,
+trained or skipped).
 `report` writes results.json (the raw figures of every run), report.md and auc.png beside them.
 """
 
@@ -215,7 +216,8 @@ def report(args: argparse.Namespace) -> None:
                "settings": vars(args)}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     lines = ["| rule | skipped (rule / random) | val AUC − random | test AUC − random | val AUC − baseline stopped "
-             "at the same trained samples | val AUC − full baseline | CPU-time speedup to baseline − 0.0005 / − 0.001 / − 0.002 |",
+             "at the same trained samples | val AUC − full baseline "
+             "| CPU-time speedup to baseline − 0.0005 / − 0.001 / − 0.002 |",
              "|---|---|---|---|---|---|---|"]
 
     def fmt(c: dict[str, Any]) -> str:
@@ -224,10 +226,12 @@ def report(args: argparse.Namespace) -> None:
     for r in rows:
         sp = " / ".join("–" if all(math.isnan(v) for v in vals) else
                         f"{np.nanmedian(vals):.2f}x" for vals in r["cpu_speedup_to_target"].values())
-        lines.append(f"| {r['rule']} | {r['skipped_fraction']['mean']:.3f} / {r['random_skipped_fraction']['mean']:.3f} "
+        lines.append(f"| {r['rule']} | {r['skipped_fraction']['mean']:.3f} / "
+                     f"{r['random_skipped_fraction']['mean']:.3f} "
                      f"| {fmt(r['val_auc_minus_random'])} | {fmt(r['test_auc_minus_random'])} "
                      f"| {fmt(r['val_auc_minus_early_stop'])} | {fmt(r['val_auc_minus_baseline'])} | {sp} |")
-    lines += ["", "| run | hot inputs / inputs seen while classifying | skip bookkeeping, share of the loop's wall time |",
+    lines += ["",
+              "| run | hot inputs / inputs seen while classifying | skip bookkeeping, share of the loop's wall time |",
               "|---|---|---|"]
     for name, by_seed in sorted(runs.items()):
         blocks = [r["staleness"] for r in by_seed.values() if r["staleness"]]

@@ -269,9 +269,9 @@ def slipstream_section(entries: list[dict[str, Any]], plots: dict[str, str | Non
         f"Timing protocol: seed 0 of every setup ran {repeats} time(s), interleaved (every setup once, then "
         f"again: A B A B ...), {threads} torch thread(s) per run; medians with min-max over the repeats; "
         "speedup = baseline time / skipping time within the same repeat, by the loop's wall clock and by its "
-        "process CPU time (robust to other jobs on the machine with one thread per run). Test AUC at equal epochs is paired "
-        "by seed (mean +- std of the per-seed differences). Overhead: skipping's bookkeeping as a share of the "
-        "training loop's wall time, split into its parts (%).", "",
+        "process CPU time (robust to other jobs on the machine with one thread per run). Test AUC at equal "
+        "epochs is paired by seed (mean +- std of the per-seed differences). Overhead: skipping's bookkeeping "
+        "as a share of the training loop's wall time, split into its parts (%).", "",
     ]
     lines += markdown_table(
         ["setup", "seeds", "skipped", "test AUC", "ΔAUC vs no skipping", "time to target (s)", "speedup",
@@ -280,7 +280,8 @@ def slipstream_section(entries: list[dict[str, Any]], plots: dict[str, str | Non
           fmt_mean_std(e, "auc_delta", sign=True),
           _spread_text(e["metrics"].get("time_to_target"), ".1f")
           + (f", missed {e['metrics']['target_missed']}x" if e["metrics"].get("target_missed") else ""),
-          _spread_text(e["metrics"].get("speedup"), ".2f", "x"), _spread_text(e["metrics"].get("cpu_speedup"), ".2f", "x"),
+          _spread_text(e["metrics"].get("speedup"), ".2f", "x"),
+          _spread_text(e["metrics"].get("cpu_speedup"), ".2f", "x"),
           _overhead_text(e),
           str(e["metrics"].get("guard_actions", 0))] for e in entries],
     )

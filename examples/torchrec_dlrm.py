@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torchrec import EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM
 
-from slipcache.data.dataset import BatchIterator
+from slipcache.data.batches import BatchIterator
 from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollection, sparse_to_kjt
 
 
@@ -207,7 +207,8 @@ def main() -> None:
     first, last = sum(losses[:tenth]) / tenth, sum(losses[-tenth:]) / tenth
     stats = model.sparse_arch.embedding_bag_collection.stats()
     print(
-        f"{len(losses)} steps: loss {first:.4f} (first tenth) -> {last:.4f} (last tenth); cache hit rate {stats['hit_rate']:.3f}"
+        f"{len(losses)} steps: loss {first:.4f} (first tenth) -> {last:.4f} (last tenth); "
+        f"cache hit rate {stats['hit_rate']:.3f}"
     )
 
 

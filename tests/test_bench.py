@@ -248,7 +248,8 @@ def test_rounds_are_combined_and_ours_is_profiled(result: dict[str, Any]) -> Non
 
 
 def test_combine_rounds_takes_the_median() -> None:
-    rows = [{**bench_timing._row(bench_peers.CONFIGS[0], 8), "samples_per_s": v, "load_avg_1m": 0.1} for v in (5.0, 1.0, 3.0)]
+    rows = [{**bench_timing._row(bench_peers.CONFIGS[0], 8), "samples_per_s": v, "load_avg_1m": 0.1}
+            for v in (5.0, 1.0, 3.0)]
     row = bench_timing.combine_rounds(rows)
     assert (row["samples_per_s"], row["samples_per_s_min"], row["samples_per_s_max"]) == (3.0, 1.0, 5.0)
     rows[1]["status"] = "skipped: failed (RuntimeError: x)"

@@ -39,7 +39,8 @@ def test_popularity_ranks_rows_by_use() -> None:
 
 def test_the_hot_share_is_priced_at_the_l3s_size() -> None:
     costs = AccessCosts(0.1, max_probe_bytes=1 << 30, probe=fake_probe, cache_bytes=2 << 20)
-    row = {"impl": "fbgemm", "precision": "fp32", "dim": 16, "cache_fraction": 0.0, "status": "ok", "samples_per_s": 1e6}
+    row = {"impl": "fbgemm", "precision": "fp32", "dim": 16, "cache_fraction": 0.0, "status": "ok",
+           "samples_per_s": 1e6}
     attach_bounds([row], [1_000_000], 0.5, costs, Flat(0.5))
     assert row["bound_ns_per_lookup"] == {"table row": pytest.approx(1.5 * (0.5 * 1.0 + 0.5 * 100.0))}
 

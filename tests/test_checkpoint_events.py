@@ -25,7 +25,8 @@ def test_checkpoints_are_events_with_size_and_write_time(tmp_path: Path) -> None
         assert event["bytes"] == (run / "checkpoints" / f"ckpt-{event['samples']:012d}.pt").stat().st_size
         assert event["write_s"] > 0
     on_disk = json.loads((run / "summary.json").read_text())
-    assert on_disk["last_checkpoint"] == summary["last_checkpoint"] == {k: saved[-1][k] for k in ("samples", "bytes", "write_s")}
+    newest = {k: saved[-1][k] for k in ("samples", "bytes", "write_s")}
+    assert on_disk["last_checkpoint"] == summary["last_checkpoint"] == newest
     samples = [e["samples"] for e in _events(run)]
     assert samples == sorted(samples)  # in the order they happened
 

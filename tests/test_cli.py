@@ -15,7 +15,9 @@ def test_unknown_flag_is_reported_by_its_subcommand(capsys: pytest.CaptureFixtur
         main(["eval", "--checkpoint", "run", "--no-progress"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err == "slipcache eval: error: unrecognized arguments: --no-progress (`slipcache eval --help` lists the flags)\n"
+    assert err == (
+        "slipcache eval: error: unrecognized arguments: --no-progress (`slipcache eval --help` lists the flags)\n"
+    )
 
 
 def test_a_misspelt_flag_names_the_closest_one_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

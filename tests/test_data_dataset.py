@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from slipcache.data.dataset import BatchIterator, CriteoDataset, DatasetWriter, SplitArrays
+from slipcache.data.batches import BatchIterator
+from slipcache.data.dataset import CriteoDataset, DatasetWriter, SplitArrays
 from slipcache.errors import SlipcacheError
 
 

@@ -185,7 +185,8 @@ def test_missing_and_bad_files(tmp_path: Path) -> None:
 def test_dense_values_beyond_float32_are_malformed(tmp_path: Path) -> None:
     path = tmp_path / "big.tsv"
     huge = "1" * 44  # parsed by float() as 1e43: stored as float32 it would become inf (then 88.72 after log1p)
-    path.write_text("\n".join([tsv_line(), tsv_line(dense=[huge] + ["1"] * 12), tsv_line(dense=["1e39"] + ["1"] * 12)]) + "\n")
+    lines = [tsv_line(), tsv_line(dense=[huge] + ["1"] * 12), tsv_line(dense=["1e39"] + ["1"] * 12)]
+    path.write_text("\n".join(lines) + "\n")
     labels, dense, _, stats = read_all(path)
     assert len(labels) == 1 and stats.bad == 2 and np.isfinite(dense).all()
     assert "I1 beyond the float32 range" in stats.examples[0]

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from slipcache.data import synthetic
-from slipcache.data.dataset import BatchIterator, CriteoDataset, SplitArrays
+from slipcache.data.batches import BatchIterator
+from slipcache.data.dataset import CriteoDataset, SplitArrays
 from slipcache.data.stats import compute_stats_arrays
 from slipcache.data.synthetic import (
     KAGGLE_CARDINALITIES,
@@ -93,7 +94,8 @@ def test_power_law_popularity(small: tuple[Path, dict]) -> None:
 def test_deterministic_per_seed(tmp_path: Path) -> None:
     def arrays(path: Path) -> list[np.ndarray]:
         ds = CriteoDataset(path)
-        return [np.asarray(a) for name in ds.splits for a in (ds.split(name).labels, ds.split(name).dense, ds.split(name).sparse)]
+        return [np.asarray(a) for name in ds.splits
+                for a in (ds.split(name).labels, ds.split(name).dense, ds.split(name).sparse)]
 
     metas = [
         generate_synthetic(tmp_path / name, num_samples=5000, scale=0.001, seed=seed, progress=False)
@@ -273,7 +275,8 @@ def test_cli_compare(capsys: pytest.CaptureFixture[str]) -> None:
     for line in out:
         if line.startswith(("link C11->C13", "I2 negative share", "C15 lookups to values seen 2-9")):
             assert line.split()[-4:-1] == ["ok", "ok", "FAIL"], line  # v5 and v4 ok, v3 not
-    big = [line.split() for line in out if line.startswith(("C3 ", "C4 ", "C12 ", "C16 ", "C21 ")) and "target AUC" in line]
+    big = [line.split() for line in out
+           if line.startswith(("C3 ", "C4 ", "C12 ", "C16 ", "C21 ")) and "target AUC" in line]
     assert len(big) == 5 and all(row[-4] == "ok" for row in big)  # v5 within tolerance on every big table
 
 

@@ -201,7 +201,8 @@ def _check_stale_flags_agree(rank: int, world_size: int) -> None:
     snapshots, so the detector's fitted threshold and stale flags are one global decision."""
     import numpy as np
 
-    from slipcache.staleness.detector import StaleInputDetector, StalenessConfig
+    from slipcache.staleness.config import StalenessConfig
+    from slipcache.staleness.detector import StaleInputDetector
 
     config = EmbeddingConfig(table_sizes=SIZES, dim=4, precision="fp32", cache_size=0.25, lr=0.01)
     sharded = ShardedEmbeddingCollection(config, _split_plan(world_size), rank)
@@ -209,7 +210,9 @@ def _check_stale_flags_agree(rank: int, world_size: int) -> None:
     generator = torch.Generator().manual_seed(5)
     inputs = torch.stack([torch.randint(0, n // 2 + 1, (64,), generator=generator) for n in SIZES], 1)
     detectors = [
-        StaleInputDetector.from_collection(coll, StalenessConfig(target_drop=0.3, seed=0, rule="paper", count_share=1.0))
+        StaleInputDetector.from_collection(
+            coll, StalenessConfig(target_drop=0.3, seed=0, rule="paper", count_share=1.0)
+        )
         for coll in (sharded, reference)
     ]
     for detector, coll in zip(detectors, (sharded, reference), strict=True):

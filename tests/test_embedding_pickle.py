@@ -77,7 +77,8 @@ def test_a_torchrec_dlrm_holding_our_tables_is_saved_whole() -> None:
     )
     ids = _ids(0)
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=[f"f{t}" for t in range(len(SIZES))], values=ids.t().reshape(-1), lengths=torch.ones(ids.numel(), dtype=torch.int64)
+        keys=[f"f{t}" for t in range(len(SIZES))], values=ids.t().reshape(-1),
+        lengths=torch.ones(ids.numel(), dtype=torch.int64),
     )
     dense = torch.randn(16, 3)
     model(dense, kjt).sum().backward()

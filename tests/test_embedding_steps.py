@@ -199,7 +199,7 @@ def test_cache_size_is_a_share_and_cache_rows_a_count() -> None:
 
 
 def test_train_config_takes_cache_share_or_rows(tmp_path) -> None:
-    from slipcache.training.trainer import build_model
+    from slipcache.training.backend import build_model
 
     with pytest.raises(SlipcacheError, match="use --cache-rows 5000"):
         make_config(flag_values={"cache_size": 5000.0})

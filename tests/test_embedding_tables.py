@@ -114,7 +114,7 @@ def test_mixed_configuration_resumes_bit_identically() -> None:
 
 
 def test_config_file_takes_per_table_lists(tmp_path) -> None:
-    from slipcache.training.trainer import build_model
+    from slipcache.training.backend import build_model
 
     path = tmp_path / "plan.toml"
     path.write_text('precision = ["int8", "fp32"]\ncache_size = [0.05, 1]\npolicy = "lfu"\n')

@@ -10,6 +10,7 @@ from torch import nn
 from slipcache import cli, export
 from slipcache.training import checkpoint as ckpt
 from slipcache.training import trainer as train
+from slipcache.training.backend import build_model
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig
 from tests.helpers import make_dataset, tiny_config
 
@@ -27,7 +28,7 @@ def _trained_lookups(run: Path, ids: torch.Tensor) -> torch.Tensor:
     """Pooled rows [B, T, D] of the checkpoint's own collection (its forward, not export_tables)."""
     state = ckpt.load_checkpoint(run / "checkpoints")
     config = TrainConfig(**{k: v for k, v in state["config"].items() if k in CONFIG_FIELDS})
-    model = train.build_model(config, state["table_sizes"], num_dense=13)
+    model = build_model(config, state["table_sizes"], num_dense=13)
     model.embeddings.load_state_dict(state["embeddings"])
     model.eval()
     with torch.no_grad():
@@ -88,7 +89,8 @@ def test_tbe_int8_export_loads_into_fbgemms_inference_tables(run_dir: Path, tmp_
     out = tmp_path / "exported"
     assert cli.main(["export", "--checkpoint", str(run_dir), "--out", str(out), "--format", "tbe-int8"]) == 0
     info = json.loads((out / "tables.json").read_text())
-    specs = [(t["name"], t["num_embeddings"], t["embedding_dim"], SparseType.INT8, EmbeddingLocation.HOST) for t in info]
+    specs = [(t["name"], t["num_embeddings"], t["embedding_dim"], SparseType.INT8, EmbeddingLocation.HOST)
+             for t in info]
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
         specs,
         weight_lists=torch.load(out / "fbgemm_tbe_int8.pt"),
@@ -146,7 +148,8 @@ def test_export_refuses_in_one_line_when_disk_or_memory_is_short(
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
-    with pytest.raises(memory.SlipcacheError, match=r"^export: fp32 of .* rows at dim .* need .* GB on disk \(fp32 .* GB\), .* free"):
+    need = r"^export: fp32 of .* rows at dim .* need .* GB on disk \(fp32 .* GB\), .* free"
+    with pytest.raises(memory.SlipcacheError, match=need):
         export.check_room(run_dir, tmp_path / "new" / "dir", ("fp32",))
     assert not (tmp_path / "new").exists()  # nothing written
     monkeypatch.undo()

@@ -216,7 +216,9 @@ def test_a_nonfinite_gradient_skips_the_general_update_too() -> None:
     assert all(torch.equal(before[k], after[k]) for k in before) and coll.skipped_updates == 1
 
 
-@pytest.mark.parametrize(("precision", "rounding"), [("fp32", "stochastic"), ("int8", "nearest"), ("int8", "stochastic")])
+@pytest.mark.parametrize(
+    ("precision", "rounding"), [("fp32", "stochastic"), ("int8", "nearest"), ("int8", "stochastic")]
+)
 def test_no_cache_equals_the_torch_reference(precision: str, rounding: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a cache, distinct rows found by hashing (fp32, nearest rounding) or sorting: the same training."""
     def build() -> CachedEmbeddingBagCollection:

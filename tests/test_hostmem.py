@@ -29,7 +29,8 @@ def _ranges(address: int, nbytes: int) -> list[dict[str, int]]:
             head = line.split()
             if head and "-" in head[0] and not head[0].endswith(":"):
                 start, end = (int(v, 16) for v in head[0].split("-"))
-                current = {"start": start, "end": end, "huge": 0} if start < address + nbytes and end > address else None
+                overlaps = start < address + nbytes and end > address
+                current = {"start": start, "end": end, "huge": 0} if overlaps else None
                 if current:
                     found.append(current)
             elif current is not None and head[0] == "AnonHugePages:":

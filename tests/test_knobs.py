@@ -92,7 +92,8 @@ def test_a_run_trains_with_the_knobs_records_them_and_a_resume_keeps_them(data_d
     real_step = trainer.train_step
 
     def step(r: Any, batch: Any, batches: Any = None) -> Any:
-        seen.append((r.dense_opt.param_groups[0]["lr"], r.emb_opt.param_groups[0]["lr"]))  # torch tables: their optimizer
+        # torch tables: their optimizer
+        seen.append((r.dense_opt.param_groups[0]["lr"], r.emb_opt.param_groups[0]["lr"]))
         return real_step(r, batch, batches)
 
     with pytest.MonkeyPatch.context() as patch:

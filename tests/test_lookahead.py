@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from slipcache.embedding.cache import EMPTY, LOOKAHEAD_POLICIES
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.embedding.lookahead import Window, belady_hits
+from slipcache.training.backend import build_model
 from slipcache.training.config import TrainConfig, make_config
 
 
@@ -188,16 +189,16 @@ def test_trainer_with_prefetch_equals_trainer_without(tmp_path) -> None:
     # Values, not placement: rows sit in different slots, so compare tables with the cache written back.
     tables = []
     for name in ("plain", "prefetch", "ahead"):
-        coll = _restore_embeddings(train, checkpoint, tmp_path / name)
+        coll = _restore_embeddings(checkpoint, tmp_path / name)
         tables.append(torch.cat(coll.export_tables()))
     assert torch.equal(tables[0], tables[1]) and torch.equal(tables[0], tables[2])
 
 
-def _restore_embeddings(train, checkpoint, run):
+def _restore_embeddings(checkpoint, run):
     state = checkpoint.load_checkpoint(run / "checkpoints")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = make_config({}, {k: v for k, v in state["config"].items() if k in fields})
-    model = train.build_model(config, state["table_sizes"], 13)
+    model = build_model(config, state["table_sizes"], 13)
     model.embeddings.load_state_dict(state["embeddings"])
     return model.embeddings
 

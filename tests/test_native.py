@@ -7,7 +7,8 @@ import torch
 from slipcache import _native
 from slipcache.embedding.cache import RowCache
 from slipcache.errors import InvalidInputError
-from slipcache.staleness.detector import StaleInputDetector, StalenessConfig
+from slipcache.staleness.config import StalenessConfig
+from slipcache.staleness.detector import StaleInputDetector
 
 pytestmark = pytest.mark.skipif(_native.native() is None, reason="no C compiler: only the torch path exists")
 
@@ -100,6 +101,7 @@ def test_compiled_pooling_is_index_add(dim: int) -> None:
     weights = torch.rand(3000, generator=g)
     for weight in (None, weights):
         weighted = values if weight is None else values * weight[:, None]
-        assert torch.equal(_native.pool_bags(values, bags, weight, 200), torch.zeros(200, dim).index_add_(0, bags, weighted))
+        expected = torch.zeros(200, dim).index_add_(0, bags, weighted)
+        assert torch.equal(_native.pool_bags(values, bags, weight, 200), expected)
     with pytest.raises(ValueError, match="bag 200 is outside"):
         _native.pool_bags(values[:2], torch.tensor([0, 200]), None, 200)

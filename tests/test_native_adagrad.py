@@ -84,7 +84,9 @@ def test_compiled_adagrad_without_slots_updates_rows_in_order_and_checks_ranges(
 def test_compiled_adagrad_reports_an_overflow() -> None:
     weights = torch.full((2, 4), 3e38)
     state = torch.zeros(2, 4)
-    assert not _native.adagrad_update(weights, torch.tensor([1]), state, torch.tensor([0]), -torch.ones(1, 4), 1e38, EPS)
+    assert not _native.adagrad_update(
+        weights, torch.tensor([1]), state, torch.tensor([0]), -torch.ones(1, 4), 1e38, EPS
+    )
     assert torch.isinf(weights[1]).all() and torch.equal(weights[0], torch.full((4,), 3e38))
 
 

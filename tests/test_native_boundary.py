@@ -41,7 +41,8 @@ def test_hot_update_counting_matches_numpy_and_a_one_key_index_works() -> None:
     index = HotIndex(hot)
     counts = np.zeros(hot.size, np.int64)
     counted = native_filter.count_hot_updates(ids, offsets, flags, index.keys, index.values, counts)
-    assert counted == counts.sum() > 0 and np.array_equal(counts, hot_counts_numpy(ids, offsets, flags, index, hot.size))
+    assert counted == counts.sum() > 0
+    assert np.array_equal(counts, hot_counts_numpy(ids, offsets, flags, index, hot.size))
     # An index of one slot: the hash takes no bits (in C a shift by 64 would be undefined).
     row = 51  # table 1, id 1
     one = np.zeros(1, np.int64)
@@ -168,7 +169,8 @@ def test_global_rows_and_slot_assignment_match_torch(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(_native, "native", lambda: None)
     expected = cache.assign(missing, pin_since=2)
     assert torch.equal(compiled_result[0], expected.slots)
-    assert torch.equal(compiled_result[1], expected.victim_slots) and torch.equal(compiled_result[2], expected.victim_rows)
+    assert torch.equal(compiled_result[1], expected.victim_slots)
+    assert torch.equal(compiled_result[2], expected.victim_rows)
     assert compiled_result[1].numel() > 0 and (compiled_result[0] >= 0).any()  # victims and placements both occur
 
 
@@ -205,7 +207,8 @@ def test_the_backward_reuses_its_scratch_and_a_thread_frees_its_own() -> None:
 def sanitized_test_files() -> list[Path]:
     """The test files .ci/run runs against the sanitizer build (after SLIPCACHE_NATIVE_SANITIZE=1)."""
     script = (ROOT / ".ci" / "run").read_text()
-    return [ROOT / name for name in re.findall(r"tests/test_\w+\.py", script[script.index("SLIPCACHE_NATIVE_SANITIZE=1"):])]
+    sanitized = script[script.index("SLIPCACHE_NATIVE_SANITIZE=1"):]
+    return [ROOT / name for name in re.findall(r"tests/test_\w+\.py", sanitized)]
 
 
 def exported_entry_points() -> set[str]:

@@ -98,8 +98,8 @@ def test_each_c_file_compiles_on_its_own(tmp_path: Path) -> None:
     assert sorted(p.name for p in directory.glob("*.c")) == sorted(build.SOURCES)
     for name in build.SOURCES:
         result = subprocess.run(
-            [build._compiler(), "-Werror=implicit-function-declaration", "-Werror=implicit-int", "-pthread", "-fPIC", "-c", str(directory / name),
-             "-o", str(tmp_path / f"{name}.o")],
+            [build._compiler(), "-Werror=implicit-function-declaration", "-Werror=implicit-int", "-pthread", "-fPIC",
+             "-c", str(directory / name), "-o", str(tmp_path / f"{name}.o")],
             capture_output=True, text=True,
         )  # fmt: skip
         assert result.returncode == 0, (name, result.stderr)
@@ -118,7 +118,8 @@ def test_a_hanging_compiler_times_out(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_a_compiler_without_target_clones_still_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = build._compiler()
     fake = tmp_path / "oldcc"  # rejects the AVX2 clones (no ifunc), as old compilers or musl do
-    fake.write_text(f'#!/bin/sh\ncase " $* " in *" -DSLIPCACHE_NO_CLONES "*) ;; *) [ "$1" = --version ] || exit 1;; esac\n'
+    fake.write_text('#!/bin/sh\n'
+                    'case " $* " in *" -DSLIPCACHE_NO_CLONES "*) ;; *) [ "$1" = --version ] || exit 1;; esac\n'
                     f'exec {real} "$@"\n')
     fake.chmod(0o700)
     monkeypatch.setenv("CC", str(fake))

@@ -123,7 +123,9 @@ def multi_hot(count: int) -> list[SparseFeatures]:
 
 
 @pytest.mark.parametrize("loop_threads", THREADS, indirect=True)
-def test_split_backward_of_multi_hot_bags_equals_the_reference(loop_threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_backward_of_multi_hot_bags_equals_the_reference(
+    loop_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     inputs = multi_hot(3)
     fused = make("int8")
     calls = spy(monkeypatch)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from slipcache.data.dataset import BatchIterator
+from slipcache.data.batches import BatchIterator
 from slipcache.staleness.order import HotInputs
 from slipcache.training import trainer as train
 from slipcache.training.config import make_config
@@ -168,8 +168,9 @@ def test_freezing_holds_exactly_the_chosen_rows(
 
     seen = record_batches(monkeypatch, when=lambda: "frozen" in chosen)  # the batches after the freeze
     monkeypatch.setattr(FreezeRows, "_freeze", freeze)
-    config = tiny_config(data_dir, tmp_path / "run", stale_preset="paper", freeze_rows=mode, embeddings=embeddings, precision="fp32",
-                         stale_window_count="epoch", stale_window_start=0.25, stale_window=0.1, **STUDY)
+    config = tiny_config(data_dir, tmp_path / "run", stale_preset="paper", freeze_rows=mode, embeddings=embeddings,
+                         precision="fp32", stale_window_count="epoch", stale_window_start=0.25, stale_window=0.1,
+                         **STUDY)
     block = train.train(config)["staleness"]
     frozen, before, hot = chosen["frozen"], chosen["all"], chosen["hot"]
     assert block["frozen_rows"] == len(frozen) == round(0.5 * len(hot)) and set(frozen) <= set(hot)

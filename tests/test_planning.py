@@ -13,6 +13,7 @@ from slipcache.embedding.collection import CachedEmbeddingBagCollection, Embeddi
 from slipcache.errors import SlipcacheError
 from slipcache.planning.planner import CostModel, make_plan, uniform_choice
 from slipcache.planning.profile import TableProfile, profile_split
+from slipcache.training.backend import build_model
 from slipcache.training.config import load_config_file, make_config
 from tests.helpers import SIZES, make_dataset
 
@@ -132,7 +133,7 @@ def test_plan_drives_a_training_run(tmp_path: Path) -> None:
     summary = train.train(config)
     assert summary["config"]["precision"] == planned["train"]["precision"]
     assert summary["config"]["cache_rows"] == planned["train"]["cache_rows"]
-    tables = train.build_model(config, SIZES, 13).embeddings
+    tables = build_model(config, SIZES, 13).embeddings
     assert (
         sum(t["total_bytes"] for t in tables.memory_report()["per_table"]) == planned["plan"]["planned_bytes"]
     )

@@ -136,12 +136,15 @@ def test_failed_preprocessing_leaves_no_empty_directory(tmp_path: Path, capsys: 
     assert not (tmp_path / "o").exists()
 
 
-def test_bom_and_unknown_formats_are_named_without_echoing_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_bom_and_unknown_formats_are_named_without_echoing_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     header = "label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + ",".join(f"C{i}" for i in range(1, 27))
     (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + header.encode() + b"\n")
     one_line(["train", "--data", str(tmp_path / "bom.csv"), "--out", str(tmp_path / "r")], capsys, "byte-order mark")
     (tmp_path / "secret.txt").write_text("password=hunter2\n")
-    one_line(["train", "--data", str(tmp_path / "secret.txt"), "--out", str(tmp_path / "r")], capsys, "unrecognized format")
+    train = ["train", "--data", str(tmp_path / "secret.txt"), "--out", str(tmp_path / "r")]
+    one_line(train, capsys, "unrecognized format")
     assert "hunter2" not in capsys.readouterr().err
 
 
@@ -167,7 +170,9 @@ def test_nan_dense_values_in_the_test_split_stop_eval(tmp_path: Path, monkeypatc
              "1 of 160 predictions are not finite")
 
 
-def test_eval_of_a_damaged_checkpoint_names_the_older_one_for_eval(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_eval_of_a_damaged_checkpoint_names_the_older_one_for_eval(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     data = make_dataset(tmp_path / "d", n=640)
     assert main(_train(data, tmp_path, "--checkpoint-every", "128")) == 0
     latest = tmp_path / "run" / "checkpoints" / "latest.pt"
@@ -196,7 +201,9 @@ def test_plan_toml_parses_with_a_newline_in_the_data_path(tmp_path: Path) -> Non
     ],
     ids=["row out of range", "row twice"],
 )
-def test_crafted_cache_state_with_a_valid_checksum(tmp_path: Path, capsys: pytest.CaptureFixture, craft, expected) -> None:  # noqa: ANN001
+def test_crafted_cache_state_with_a_valid_checksum(
+    tmp_path: Path, capsys: pytest.CaptureFixture, craft, expected
+) -> None:  # noqa: ANN001
     from slipcache.training import checkpoint
 
     data = make_dataset(tmp_path / "d", n=640)

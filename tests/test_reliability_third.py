@@ -374,7 +374,8 @@ def test_threads_and_memory_settings_out_of_range(
 def test_a_config_file_value_of_the_wrong_type_is_one_line(value: object, expected: str) -> None:
     with pytest.raises(SlipcacheError, match=expected):
         make_config({"batch_size": value})
-    assert make_config({"batch_size": 256.0}).batch_size == 256 and isinstance(make_config({"batch_size": 256.0}).batch_size, int)
+    batch_size = make_config({"batch_size": 256.0}).batch_size
+    assert batch_size == 256 and isinstance(batch_size, int)
 
 
 def test_storage_path_on_a_file_and_sizes_on_a_tiny_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -410,7 +411,8 @@ def test_under_torchrun_the_error_line_says_torchrun_reports_next(
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["train", "--quick"]) == 2  # torchrun's variables, but not all of them
-    assert "torchrun's report of the stopped processes, a ChildFailedError traceback, follows" in capsys.readouterr().err
+    cause = "torchrun's report of the stopped processes, a ChildFailedError traceback, follows"
+    assert cause in capsys.readouterr().err
 
 
 def test_an_external_file_changed_in_place_with_its_time_kept_is_measured_again(tmp_path: Path) -> None:

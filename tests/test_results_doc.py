@@ -10,7 +10,8 @@ from benchmarks import results
 
 
 def test_results_page_is_generated_from_the_committed_json() -> None:
-    assert results.OUTPUT.read_text() == results.render(), "docs/results.md is stale: run `python -m benchmarks.results`"
+    stale = "docs/results.md is stale: run `python -m benchmarks.results`"
+    assert results.OUTPUT.read_text() == results.render(), stale
 
 
 def test_filters_render_missing_values_as_a_dash_and_signs_with_a_minus() -> None:

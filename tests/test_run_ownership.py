@@ -130,7 +130,9 @@ def test_without_flock_a_live_pid_on_this_host_still_holds_the_run(
     runlock.acquire(tmp_path, "me").release()
 
 
-def test_cleanup_deletes_only_our_temporary_files(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cleanup_deletes_only_our_temporary_files(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run = tmp_path / "run"
     interrupted(data_dir, run, monkeypatch)
     mine = [run / ".notes.tmp", run / "checkpoints" / ".draft.tmp"]
@@ -187,7 +189,9 @@ def test_changed_settings_on_resume_are_what_trains(
     assert len([p for p in (run / "checkpoints").iterdir() if p.name.startswith("ckpt-")]) == 3
 
 
-def test_the_baseline_optimizer_takes_the_new_lr(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_baseline_optimizer_takes_the_new_lr(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run = tmp_path / "run"
     interrupted(data_dir, run, monkeypatch)  # embeddings "torch": a torch SGD keeps the lr
     train.train(make_config({}, {"resume": str(run), "progress": False, "allow_changes": True, "lr": 0.05}))
@@ -289,7 +293,8 @@ def _rank_apart(rank: int, world_size: int, data: list[str], out: str, results: 
 @pytest.mark.parametrize(
     ("rank1", "other_data", "hold_lock", "expected"),
     [
-        ({"lr": 0.5}, False, False, "SlipcacheError: the ranks were started with different settings: lr is 0.3 on rank 0 but 0.5 on rank 1"),
+        ({"lr": 0.5}, False, False,
+         "SlipcacheError: the ranks were started with different settings: lr is 0.3 on rank 0 but 0.5 on rank 1"),
         ({}, True, False, "SlipcacheError: the ranks were started with different settings: the data differ"),
         ({}, False, True, f"RunLockedError: run directory {{out}} is in use by host {socket.gethostname()}"),
     ],

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from slipcache.data.dataset import Batch
+from slipcache.data.batches import Batch
 from slipcache.staleness.config import STALE_PRESETS, StalenessConfig
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.hotset import frequent_rows
@@ -177,7 +177,8 @@ def test_paper_preset_fills_what_the_user_did_not_set() -> None:
 
 
 def test_batch_iterator_passes_positions_to_filters_that_want_them(data_dir: Path) -> None:
-    from slipcache.data.dataset import BatchIterator, CriteoDataset
+    from slipcache.data.batches import BatchIterator
+    from slipcache.data.dataset import CriteoDataset
 
     split = CriteoDataset(data_dir).split("train")
     seen: list[np.ndarray] = []

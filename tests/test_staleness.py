@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from slipcache.errors import InvalidInputError
 from slipcache.staleness.config import GuardConfig
-from slipcache.staleness.detector import HotIndex, SkipGuard, StaleInputDetector
-from slipcache.staleness.detector import StalenessConfig as _StalenessConfig
+from slipcache.staleness.config import StalenessConfig as _StalenessConfig
+from slipcache.staleness.detector import StaleInputDetector
+from slipcache.staleness.guard import SkipGuard
+from slipcache.staleness.hotset import HotIndex
 
 
 def StalenessConfig(**kw: object) -> _StalenessConfig:  # noqa: N802 - stands in for the class below

@@ -117,7 +117,9 @@ def test_a_resume_keeps_the_runs_threads_unless_given(data_dir: Path, tmp_path: 
     assert json.loads((run / "config.json").read_text())["threads"] == 2
 
 
-def test_a_checkpoint_every_few_minutes_of_training(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checkpoint_every_few_minutes_of_training(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     clock = {"now": 0.0}
     monkeypatch.setattr(stopping, "time", types.SimpleNamespace(monotonic=lambda: clock["now"]))
     real_loss = train.F.binary_cross_entropy_with_logits

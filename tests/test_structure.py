@@ -95,7 +95,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
-    tree = ast.parse("import typing\nif typing.TYPE_CHECKING:\n    import slipcache.x\ndef f():\n    import slipcache.y\n")
+    tree = ast.parse(
+        "import typing\nif typing.TYPE_CHECKING:\n    import slipcache.x\ndef f():\n    import slipcache.y\n"
+    )
     assert _runtime_imports(tree, {"slipcache.x": Path(), "slipcache.y": Path()}) == {"slipcache.y"}
 
 

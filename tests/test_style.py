@@ -11,5 +11,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is installed with the [test] extra")
 def test_ruff_clean() -> None:
-    result = subprocess.run(["ruff", "check", "src", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True)
+    paths = ["src", "tests", "benchmarks", "tools", "examples"]
+    result = subprocess.run(["ruff", "check", *paths], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

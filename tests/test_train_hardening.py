@@ -104,7 +104,9 @@ def test_damaged_latest_names_the_complete_older_checkpoints(
     assert summary["train_samples"] == 1984 and Path(summary["run_dir"]) == run
 
 
-def test_malformed_lines_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_malformed_lines_are_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     raw = tmp_path / "day.tsv"
@@ -149,7 +151,9 @@ def test_bad_flags_are_one_line_errors(
     assert not (tmp_path / "run").exists()
 
 
-def test_out_must_be_new_empty_or_a_run(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_out_must_be_new_empty_or_a_run(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
     for out, message in [

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from slipcache.bench.cache import dataset_trace
-from slipcache.data.dataset import BatchIterator
+from slipcache.data.batches import BatchIterator
 from slipcache.training import trainer as train
 from slipcache.training.datasets import open_dataset, training_batches
 from tests.helpers import make_dataset, record_batches

@@ -438,7 +438,9 @@ def main() -> int:
         "changed_setting_trials": len(changes),
         "changed_setting_failures": sum(t["verdict"] == "FAILURE" for t in changes),
         "changed_data_trials": len(data_changes),
-        "changed_data_verdicts": {v: sum(t["verdict"] == v for t in data_changes) for v in {t["verdict"] for t in data_changes}},
+        "changed_data_verdicts": {
+            v: sum(t["verdict"] == v for t in data_changes) for v in {t["verdict"] for t in data_changes}
+        },
         "link_verdicts": {t["file"]: t["verdict"] for t in links},
         "export_verdicts": {t["out"]: t["verdict"] for t in exports},
         "chain_trials": len(chains),

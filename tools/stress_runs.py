@@ -86,7 +86,8 @@ def concurrent_trials(runner: Any, workdir: Path, expected: dict[str, Any], tria
         if code == 0 and second.returncode == 0 and same:  # the second started after the first had ended
             result["verdict"] = "void: no overlap"
         else:
-            result["verdict"] = "one refused, the other identical" if refused and len(errors) == 1 and same else "FAILURE"
+            one_refused = refused and len(errors) == 1 and same
+            result["verdict"] = "one refused, the other identical" if one_refused else "FAILURE"
         results.append(result)
         if result["verdict"] != "FAILURE":
             shutil.rmtree(run)
@@ -177,7 +178,8 @@ def changed_data_trials(cli: Any, runner: Any, workdir: Path, trials: int, rng: 
         ev = cli(["eval", "--checkpoint", str(run), "--samples", "2000"])
         copy = truncated_copy(run, workdir / f"data-{i}")
         res = cli(["train", "--resume", str(copy), "--no-progress"])
-        refused = [r["code"] == 2 and r["one_line"] and "not the data the run trained on" in r["err"] for r in (ev, res)]
+        refused = [r["code"] == 2 and r["one_line"] and "not the data the run trained on" in r["err"]
+                   for r in (ev, res)]
         allowed = cli(["eval", "--checkpoint", str(run), "--samples", "2000", "--allow-changes"])["code"] == 0
         clean = all(r["code"] == 0 or (r["code"] == 2 and r["one_line"]) for r in (ev, res))
         if regenerate:

@@ -33,7 +33,7 @@ if typing.TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from slipcache.data.dataset import Batch, SampleFilter
+    from slipcache.data.batches import Batch, SampleFilter
     from slipcache.training.run import Run
 
 

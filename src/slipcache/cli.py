@@ -108,7 +108,9 @@ def _torchrun_note() -> str:
     the line says so, so that the traceback is not taken for the cause."""
     if not os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
         return ""
-    return " (torchrun's report of the stopped processes, a ChildFailedError traceback, follows: this line is the cause)"
+    return (
+        " (torchrun's report of the stopped processes, a ChildFailedError traceback, follows: this line is the cause)"
+    )
 
 
 if __name__ == "__main__":

@@ -262,7 +262,9 @@ def check_out(out: Path, force: bool, source: Path | None = None) -> None:
             )
     if out.is_dir() and any(out.iterdir()):
         if not force:
-            raise SlipcacheError(f"--out {out} is not empty; choose a new directory, or --force to replace its contents")
+            raise SlipcacheError(
+                f"--out {out} is not empty; choose a new directory, or --force to replace its contents"
+            )
         _refuse_runs_and_datasets(out)
 
 
@@ -327,7 +329,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 # Bytes per row of each format's file (fp32 rows: dim * 4; int8: codes + fp32 scale and bias; tbe-int8:
 # codes + fp16 scale and bias), and per table and per file: the zip records' headers, alignment, the pickle.
-_ROW_BYTES = {"fp32": lambda d: 4 * d, "torchrec": lambda d: 4 * d, "int8": lambda d: d + 8, "tbe-int8": lambda d: d + 4}
+_ROW_BYTES = {
+    "fp32": lambda d: 4 * d, "torchrec": lambda d: 4 * d, "int8": lambda d: d + 8, "tbe-int8": lambda d: d + 4
+}
 _TABLE_BYTES = 512
 _FILE_BYTES = 1 << 16
 
@@ -388,5 +392,6 @@ def run_export(args: argparse.Namespace) -> int:
     print(f"{len(rows.sizes)} tables, {sum(rows.sizes):,} rows of dim {rows.dim}")
     for fmt, path in written.items():
         print(f"  {fmt:<9} {path} ({np.format_float_positional(path.stat().st_size / 2**20, 2)} MiB)")
-    print(f"{time.perf_counter() - started:.1f} s (reading the checkpoint included), peak RSS {peak_rss_bytes() / GB:.2f} GB")
+    print(f"{time.perf_counter() - started:.1f} s (reading the checkpoint included), "
+          f"peak RSS {peak_rss_bytes() / GB:.2f} GB")
     return 0

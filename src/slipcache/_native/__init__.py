@@ -441,8 +441,8 @@ def adagrad_update(
         what, index = _REPEATED[code], slots if code == _REPEATED_SLOT else state_rows
         values, counts = torch.unique(index, return_counts=True)
         raise InvalidInputError(
-            f"Adagrad step: {what} {int(values[counts > 1][0])} appears {int(counts[counts > 1][0])} times; each row must"
-            " appear once (sum its gradients first)"
+            f"Adagrad step: {what} {int(values[counts > 1][0])} appears {int(counts[counts > 1][0])} times; "
+            "each row must appear once (sum its gradients first)"
         )
     if code == _NO_MEMORY:
         raise MemoryError("compiled loop: no memory to check that the Adagrad rows are distinct")

@@ -21,9 +21,12 @@ def _check_arrays(ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, what:
     if ids.ndim != 2 or ids.dtype != np.int32 or not ids.flags.c_contiguous:
         raise ValueError(f"compiled loop: {what} needs C-contiguous int32 ids [n, T], got {ids.dtype} {ids.shape}")
     if flags.ndim != 1 or flags.dtype != np.uint8 or not flags.flags.c_contiguous:
-        raise ValueError(f"compiled loop: {what} needs C-contiguous uint8 flags [rows], got {flags.dtype} {flags.shape}")
+        raise ValueError(
+            f"compiled loop: {what} needs C-contiguous uint8 flags [rows], got {flags.dtype} {flags.shape}"
+        )
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    if offsets.shape != (ids.shape[1] + 1,) or offsets[0] < 0 or (np.diff(offsets) < 0).any() or offsets[-1] > flags.size:
+    if (offsets.shape != (ids.shape[1] + 1,) or offsets[0] < 0 or (np.diff(offsets) < 0).any()
+            or offsets[-1] > flags.size):
         raise ValueError(
             f"compiled loop: {what} needs offsets [T + 1] rising from 0 or more to at most {flags.size} "
             f"(the flag bytes), got {offsets.tolist()[:8]}"
@@ -82,7 +85,9 @@ def count_hot_updates(ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, k
         if array.ndim != 1 or array.dtype != dtype or not array.flags.c_contiguous:
             raise ValueError(f"compiled loop: count_hot_updates needs C-contiguous {np.dtype(dtype)} {name} [size]")
     if keys.size != 1 << bits or bits > 62 or values.size != keys.size:
-        raise ValueError(f"compiled loop: a hot index of {keys.size} keys and {values.size} values (a power of two each)")
+        raise ValueError(
+            f"compiled loop: a hot index of {keys.size} keys and {values.size} values (a power of two each)"
+        )
     code = int(library.count_hot_updates(ids.ctypes.data, n, tables, offsets.ctypes.data, flags.ctypes.data,
                                          keys.ctypes.data, values.ctypes.data, bits, counts.ctypes.data, counts.size))
     if code == -1:

@@ -264,7 +264,8 @@ def format_cache_table(
         lines.append(cells)
     if markdown:
         return "\n".join(
-            ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(c) + " |" for c in lines]
+            ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(c) + " |" for c in lines]
         )
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(header)]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) for cells in [header, *lines])

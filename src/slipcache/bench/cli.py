@@ -95,7 +95,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_huge_pages_flag(quantize)
     from slipcache.bench.disk import add_disk_arguments
 
-    add_disk_arguments(targets.add_parser("disk", help="the disk under a --storage-path: random page reads/s, write MB/s"))
+    disk_help = "the disk under a --storage-path: random page reads/s, write MB/s"
+    add_disk_arguments(targets.add_parser("disk", help=disk_help))
 
 
 def add_embedding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -379,7 +380,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     # Past `--steps` the timed section runs the same batches again: a cache then holds the rows they need,
     # so hit rate and evictions per step drift from the steady state toward a replay of a short trace.
     replayed = [
-        f"{r['name']}@{r['dim']}" for r in rows if r["status"] == "ok" and r["cache_fraction"] and r.get("replayed_batches")
+        f"{r['name']}@{r['dim']}" for r in rows
+        if r["status"] == "ok" and r["cache_fraction"] and r.get("replayed_batches")
     ]
     if replayed:
         warnings.append(

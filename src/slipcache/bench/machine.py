@@ -98,7 +98,8 @@ def _physical_cores() -> int | None:
 
 
 def describe_machine() -> dict[str, Any]:
-    """A JSON-ready description: CPU, cores, torch and compiled-loop threads, memory, library versions, CUDA device if any."""
+    """A JSON-ready description: CPU, cores, torch and compiled-loop threads, memory, library versions, CUDA
+    device if any."""
     info = _meminfo()
     try:
         affinity = len(os.sched_getaffinity(0))

@@ -10,15 +10,14 @@ figure is what a user waits). The load average is printed beside them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from slipcache.bench.figures import median_range, write_result
 from slipcache.errors import SlipcacheError
 
 
@@ -72,15 +71,14 @@ def run_quantize_bench(args: argparse.Namespace) -> int:
         "dim": args.dim, "precision": args.precision, "rows": args.rows, "rounds": args.rounds,
         "load_average": [load_before, load_after], "threads": torch.get_num_threads(),
     }
-    print(f"{args.precision} at dim {args.dim}, {args.rounds} rounds, load average {load_before:.1f} -> {load_after:.1f}")
+    print(f"{args.precision} at dim {args.dim}, {args.rounds} rounds, "
+          f"load average {load_before:.1f} -> {load_after:.1f}")
     for name, label in (("compiled", "compiled quantize pass"), ("torch", "torch quantize path"),
                         ("create", f"create a {args.rows:,}-row table")):
         wall = [w for w, _ in figures[name]]
         cpu = [c for _, c in figures[name]]
         result[name] = {"wall_mvalues_s": wall, "cpu_mvalues_s": cpu}
-        print(f"  {label:<32} {statistics.median(wall):7.0f} M values/s wall ({min(wall):.0f}-{max(wall):.0f}), "
-              f"{statistics.median(cpu):7.0f} per CPU second ({min(cpu):.0f}-{max(cpu):.0f})")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+        print(f"  {label:<32} {median_range(wall, 'M values/s wall', width=7)}, "
+              f"{median_range(cpu, 'per CPU second', width=7)}")
+    write_result(args.json, result)
     return 0

@@ -114,15 +114,16 @@ def _run_torchrec(config: Any, out: Path) -> dict[str, Any]:
 
 def _run_ours(impl: str, base: dict[str, Any], out: Path) -> dict[str, Any]:
     from slipcache.training import trainer
+    from slipcache.training.config import make_config
 
-    config = trainer.make_config({}, {**base, **_OURS[impl], "out": str(out), "progress": False})
+    config = make_config({}, {**base, **_OURS[impl], "out": str(out), "progress": False})
     summary = trainer.train(config)
     keys = ("auc", "logloss", "samples_per_s", "train_wall_s", "train_samples", "embedding_bytes")
     return {k: summary[k] for k in keys}
 
 
 def run_train_bench(args: argparse.Namespace) -> int:
-    from slipcache.training import trainer
+    from slipcache.training.config import make_config
 
     impls = [i.strip() for i in (args.impls or ",".join(IMPLS)).split(",") if i.strip()]
     unknown = [i for i in impls if i not in IMPLS]
@@ -149,7 +150,7 @@ def run_train_bench(args: argparse.Namespace) -> int:
             progress(f"[round {r + 1}/{args.rounds}] {impl} ...")
             run_dir = out / f"{impl}-round{r}"
             if impl == "torchrec-fbgemm":
-                config = trainer.make_config({}, {**base, "out": str(run_dir), "progress": False})
+                config = make_config({}, {**base, "out": str(run_dir), "progress": False})
                 outcome = _run_torchrec(config, out)
             else:
                 outcome = _run_ours(impl, base, run_dir)
@@ -210,7 +211,8 @@ def format_train_report(result: dict[str, Any], table: str) -> str:
         f"- date: {result['date']}",
         f"- command: `{result['command']}`",
         f"- machine: {machine.get('cpu_model')}, {machine.get('usable_cores')} usable cores, torch threads "
-        f"{machine.get('torch_threads')}, compiled-loop threads {machine.get('loop_threads', 1)}; torch {machine.get('torch')}, fbgemm_gpu {machine.get('fbgemm_gpu')}",
+        f"{machine.get('torch_threads')}, compiled-loop threads {machine.get('loop_threads', 1)}; "
+        f"torch {machine.get('torch')}, fbgemm_gpu {machine.get('fbgemm_gpu')}",
         f"- settings: {json.dumps(result['settings'], sort_keys=True)}",
         "",
         table,

@@ -143,7 +143,9 @@ class BatchIterator:
         starts = np.arange(0, self.rows, self.chunk_size, dtype=np.int64)
         self._chunks = [(int(s), int(min(s + self.chunk_size, self.rows))) for s in starts]
         if groups is not None and np.shape(groups) != (len(split),):
-            raise SlipcacheError(f"groups must hold one value per row of the split ({len(split)}), got {np.shape(groups)}")
+            raise SlipcacheError(
+                f"groups must hold one value per row of the split ({len(split)}), got {np.shape(groups)}"
+            )
         self.groups = groups
         passes = [None] if groups is None else [int(g) for g in np.flatnonzero(np.bincount(groups[: self.rows]))]
         if shuffle and not in_order:
@@ -241,7 +243,9 @@ class BatchIterator:
     def _read(self, batches: list[np.ndarray], ids: list[np.ndarray | None]) -> list[Batch]:
         """The batches of these positions (this rank's part of each with `part`), read together: one read
         per column for all of them. `ids`: each batch's ids when the sample filter read them already."""
-        bounds = [(0, len(p)) if self.part is None else slice_bounds(len(p), self.part[1], self.part[0]) for p in batches]
+        bounds = [
+            (0, len(p)) if self.part is None else slice_bounds(len(p), self.part[1], self.part[0]) for p in batches
+        ]
         mine = [p[start:end] for p, (start, end) in zip(batches, bounds, strict=True)]
         cuts = np.cumsum([0] + [len(p) for p in batches])
         mine_cuts = np.cumsum([0] + [len(p) for p in mine])
@@ -298,7 +302,10 @@ class BatchIterator:
             offset = 0
             # Filter a batch-sized piece at a time, as late as possible: a stateful filter (stale-input
             # skipping) then decides with its state as of the batches consumed so far.
-            pieces = [positions] if self.sample_filter is None else [positions[i : i + B] for i in range(0, len(positions), B)]
+            pieces = (
+                [positions] if self.sample_filter is None
+                else [positions[i : i + B] for i in range(0, len(positions), B)]
+            )
             for piece in pieces:
                 ids = None
                 if self.sample_filter is not None:

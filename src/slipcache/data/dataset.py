@@ -1,5 +1,5 @@
 """The binary dataset format of docs/design.md (`CriteoDataset`, `DatasetWriter`); batches are cut by
-`slipcache.data.batches` (`Batch`, `BatchIterator`, re-exported here).
+`slipcache.data.batches` (`Batch`, `BatchIterator`).
 
 A dataset is a directory of `.npy` arrays per split plus `meta.json`; arrays are memory-mapped so a
 split never has to fit in memory. `meta.json` is written last (see `DatasetWriter`), so a directory
@@ -20,12 +20,14 @@ from typing import Any
 
 import numpy as np
 
-# Re-exported from their old home (BatchIterator reads SplitArrays, defined here: no cycle at run time).
-from slipcache.data.batches import Batch as Batch
-from slipcache.data.batches import BatchIterator as BatchIterator
-from slipcache.data.batches import SampleFilter as SampleFilter
+from slipcache._moved import moved_names
 from slipcache.data.batches import check_labels
 from slipcache.errors import SlipcacheError
+
+# Old paths of names that moved to `slipcache.data.batches`: each warns once.
+__getattr__ = moved_names(
+    __name__, {name: f"slipcache.data.batches.{name}" for name in ("Batch", "BatchIterator", "SampleFilter")}
+)
 
 FORMAT = "slipcache-dataset"
 VERSION = 1
@@ -238,7 +240,9 @@ def check_output_dir(path: str | os.PathLike[str], *, force: bool) -> Path:
         # ours when every file has the name of one of our dataset files.
         ours = all(_DATASET_FILE.match(p.name) and p.is_file() for p in entries)
     if not ours:
-        raise SlipcacheError(f"--out {out} is not empty and is not a slipcache dataset; choose a new or empty directory")
+        raise SlipcacheError(
+            f"--out {out} is not empty and is not a slipcache dataset; choose a new or empty directory"
+        )
     if not force:
         raise SlipcacheError(f"--out {out} already holds a dataset; pass --force to overwrite it")
     return out

@@ -47,7 +47,9 @@ def fingerprint(dataset: Any) -> dict[str, Any]:
             total += size
             sha.update(f"\n{path.name} {size} {sampled_digest(path, size)}".encode())
     except OSError as exc:
-        raise SlipcacheError(f"cannot read the dataset to fingerprint it: {exc.strerror or exc}: {exc.filename}") from exc
+        raise SlipcacheError(
+            f"cannot read the dataset to fingerprint it: {exc.strerror or exc}: {exc.filename}"
+        ) from exc
     return {
         "version": VERSION,
         "bytes": total,

@@ -2,9 +2,9 @@
 
 Three families, recognised by their file names in a directory:
 
-- ``torchrec``: ``day_{i}_dense.npy`` (float32 [n, 13], already log(x - m + 2), m the file's smallest raw value: TorchRec's ``tsv_to_npys``), ``day_{i}_sparse.npy``
-  (int [n, 26]) and ``day_{i}_labels.npy`` (int [n] or [n, 1]). Days 0..N-2 train; the last day is split
-  in halves, validation then test (TorchRec's convention).
+- ``torchrec``: ``day_{i}_dense.npy`` (float32 [n, 13], already log(x - m + 2), m the file's smallest raw
+  value: TorchRec's ``tsv_to_npys``), ``day_{i}_sparse.npy`` (int [n, 26]) and ``day_{i}_labels.npy`` (int [n]
+  or [n, 1]). Days 0..N-2 train; the last day is split in halves, validation then test (TorchRec's convention).
 - ``dlrm``: ``kaggleAdDisplayChallenge_processed.npz`` (7 days), ``terabyte_processed.npz`` (24 days) or
   per-day ``<prefix>_{i}_processed.npz``, each with ``X_int`` (raw counts), ``X_cat``, ``y`` and maybe
   ``counts``. The last day is split test then validation (the DLRM reference's convention).
@@ -16,8 +16,8 @@ copied: labels to float32, raw counts through `dense_transform` (values TorchRec
 left alone; `meta["dense_transform"]` says which), ids to int32, taken modulo the table sizes when those
 are given. Compressed ``.npz`` files cannot be memory-mapped, and Fortran-ordered ones (the DLRM
 reference stores ``X_cat`` as the transpose of a float64 array) would read one page per column for every
-shuffled row: both are converted once into the binary dataset format under the cache directory (``$SLIPCACHE_CACHE_DIR`` or ``~/.cache/slipcache``,
-``converted/``) and read from there.
+shuffled row: both are converted once into the binary dataset format under the cache directory
+(``$SLIPCACHE_CACHE_DIR`` or ``~/.cache/slipcache``, ``converted/``) and read from there.
 
 Table sizes: given (``table_sizes``; ids are taken modulo them, as TorchRec's ``hashes`` do), else the
 ``counts`` array of the data (or of a ``*_fea_count.npz`` beside it), else max id + 1 found in one pass
@@ -295,7 +295,9 @@ def _read_counts(layout: Layout) -> list[int] | None:
 def _files_key(files: Sequence[Path], *extra: str) -> str:
     """What the cache's records of these files are keyed by: each file's path, size, time and sampled
     content (a file rewritten in place with its time kept gets another key, as far as sampling sees)."""
-    parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}:{sampled_digest(p, p.stat().st_size)}" for p in files]
+    parts = [
+        f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}:{sampled_digest(p, p.stat().st_size)}" for p in files
+    ]
     return hashlib.sha256("\n".join([*parts, *extra]).encode()).hexdigest()[:16]
 
 
@@ -401,7 +403,9 @@ def _convert_to_cache(
                 if k not in ("format", "num_dense", "num_tables", "splits")
             }
             meta["dense_transform"] = "log(1 + max(x, 0)), applied when converting"
-            meta["source"] = {**source.meta["source"], "files": [str(f) for f in layout.files], "converted_from": reason}
+            meta["source"] = {
+                **source.meta["source"], "files": [str(f) for f in layout.files], "converted_from": reason
+            }
             writer.commit(meta)
     finally:
         for file in scratch.glob("*/*"):

@@ -130,7 +130,9 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
 
 
 def _malformed(manifest: dict[str, Any], path: Path, field: str, problem: str) -> SlipcacheError:
-    return SlipcacheError(f"checkpoint manifest {path} is malformed: {field} {problem}, got {manifest.get(field)!r:.60}")
+    return SlipcacheError(
+        f"checkpoint manifest {path} is malformed: {field} {problem}, got {manifest.get(field)!r:.60}"
+    )
 
 
 def _check_files(manifest: dict[str, Any], path: Path) -> None:
@@ -145,7 +147,8 @@ def _check_files(manifest: dict[str, Any], path: Path) -> None:
     files = manifest.get("files")
     expected = {rank_file(path.parent, r).name for r in range(world)}
     if not isinstance(files, dict) or set(files) != expected:
-        raise bad("files", f"must name {', '.join(sorted(expected)[:3])}{', ...' if world > 3 else ''} (one file per rank)")
+        named = f"{', '.join(sorted(expected)[:3])}{', ...' if world > 3 else ''}"
+        raise bad("files", f"must name {named} (one file per rank)")
     if not all(type(size) is int and size >= 0 for size in files.values()):
         raise bad("files", "must give each file's size in bytes")
 

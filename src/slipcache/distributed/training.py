@@ -14,8 +14,9 @@ gradient equals the one-process gradient of the same global batch up to float su
 
 Every rank reads only its slice of each global batch from the memory-mapped dataset (the same shuffle on
 every rank: `BatchIterator(part=(rank, N))`), plus the global batch's labels; a run whose callbacks read
-the ids of every sample (skipping) reads whole batches and keeps its slice. Rank 0 alone prints and writes config.json, metrics.jsonl, summary.json,
-report.md and the plan (plan.json); other ranks write their output to rank-<r>.log in the run directory.
+the ids of every sample (skipping) reads whole batches and keeps its slice. Rank 0 alone prints and writes
+config.json, metrics.jsonl, summary.json, report.md and the plan (plan.json); other ranks write their output
+to rank-<r>.log in the run directory.
 Cache statistics and memory are collectives that sum over ranks and keep each rank's figures
 (`ShardedEmbeddingCollection.stats` / `memory_report`), called at the same points on every rank.
 """
@@ -162,7 +163,8 @@ class DistributedBackend(RunBackend):
         n = self.ctx.world_size
         if config.embeddings != "cached":
             raise SlipcacheError(
-                f"--embeddings {config.embeddings} is not supported with {n} > 1 processes (only cached tables are sharded)"
+                f"--embeddings {config.embeddings} is not supported with {n} > 1 processes "
+                "(only cached tables are sharded)"
             )
 
     def check_same_settings(self, record: dict[str, Any], *, ignore: tuple[str, ...] = ()) -> None:
@@ -180,8 +182,10 @@ class DistributedBackend(RunBackend):
             if name == "data_fingerprint":
                 detail = "the data differ (their dataset fingerprints)"
             else:
-                detail = f"{name} is {mine.get(name, '(unset)')!r} on rank 0 but {theirs.get(name, '(unset)')!r} on rank {rank}"
-            raise SlipcacheError(f"the ranks were started with different settings: {detail}; start every rank with the same command and data")
+                detail = (f"{name} is {mine.get(name, '(unset)')!r} on rank 0 but {theirs.get(name, '(unset)')!r} "
+                          f"on rank {rank}")
+            raise SlipcacheError(f"the ranks were started with different settings: {detail}; "
+                                 "start every rank with the same command and data")
         if "run_id" in record:
             record["run_id"] = self.agree(record["run_id"])
 
@@ -276,7 +280,8 @@ class DistributedBackend(RunBackend):
                 )
             state = load_training_checkpoint(single)
             self._reshard_single = state.pop("embeddings")
-            self._say(f"re-sharding {single}, written by 1 process, over {self.ctx.world_size} processes: {dckpt.RESHARDED}")
+            self._say(f"re-sharding {single}, written by 1 process, over {self.ctx.world_size} processes: "
+                      f"{dckpt.RESHARDED}")
             return state
         manifest = dckpt.read_manifest(step_dir)
         state = dckpt.load_rank_state(step_dir, 0)

@@ -175,7 +175,8 @@ class RowCache(nn.Module):
     ) -> tuple[Tensor, int] | None:
         """`lookup_and_touch` of single-hot lookups [B * T] in one compiled pass that also copies each hit's
         row into `out` and adds per-table lookups, hits and misses to `counters` at `columns`; returns
-        (slots, hits) (the slots written into `slots` when given), or None when the compiled loop cannot serve this cache (then nothing was done)."""
+        (slots, hits) (the slots written into `slots` when given), or None when the compiled loop cannot serve
+        this cache (then nothing was done)."""
         if not self.capacity or not self._compiled(self.weights, rows, out, counters):
             return None
         use_count = self.use_count if self.policy in _COUNTING_POLICIES else None

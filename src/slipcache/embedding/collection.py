@@ -104,7 +104,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         num_rows = config.num_rows
         precisions = config.precisions
         self.storage: RowStorage | TableRowStorage = (
-            RowStorage(num_rows, config.dim, precisions[0], self.storage_device, empty=not meta, path=config.storage_path)
+            RowStorage(
+                num_rows, config.dim, precisions[0], self.storage_device, empty=not meta, path=config.storage_path
+            )
             if len(set(precisions)) == 1
             else TableRowStorage(
                 self.table_sizes, config.dim, precisions, self.storage_device, empty=not meta, path=config.storage_path
@@ -134,7 +136,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         generator = None if meta else torch.Generator(device=self.device).manual_seed(config.seed)
         self.writer = RowWriter(self.storage, self.traffic, config.rounding, generator)
         self.inputs = LookupInputs(
-            self.table_sizes, self.table_names, config.dim, config.pooling, self.scratch, self.table_offsets, self._table_sizes
+            self.table_sizes, self.table_names, config.dim, config.pooling, self.scratch, self.table_offsets,
+            self._table_sizes,
         )
         order_free = config.rounding == "nearest" or all(p == "fp32" for p in precisions)
         self.planner = StepPlanner(

@@ -107,7 +107,8 @@ class EmbeddingConfig:
             self.lfu_halving_interval < 0
         ):
             raise ValueError(
-                f"lfu_halving_interval must be a whole number of steps >= 0 (0: never), got {self.lfu_halving_interval!r}"
+                "lfu_halving_interval must be a whole number of steps >= 0 (0: never), "
+                f"got {self.lfu_halving_interval!r}"
             )
         if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
             raise ValueError(f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm}")

@@ -36,7 +36,8 @@ class Window:
         if self._merged is None:
             rows = torch.cat(self.batches)
             distance = torch.cat(
-                [torch.full((b.numel(),), j + 1, dtype=torch.int64, device=rows.device) for j, b in enumerate(self.batches)]
+                [torch.full((b.numel(),), j + 1, dtype=torch.int64, device=rows.device)
+                 for j, b in enumerate(self.batches)]
             )
             rows, order = torch.sort(rows, stable=True)  # within a row, the nearest batch comes first
             first = torch.ones_like(rows, dtype=torch.bool)

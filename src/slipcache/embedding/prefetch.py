@@ -61,7 +61,8 @@ class Prefetcher:
         """See `CachedEmbeddingBagCollection.set_lookahead`."""
         known = {id(features): rows for features, rows in self._upcoming_rows}
         self._upcoming_rows = [
-            (features, known[id(features)] if id(features) in known else torch.unique(self.inputs.prepare(features).rows))
+            (features,
+             known[id(features)] if id(features) in known else torch.unique(self.inputs.prepare(features).rows))
             for features in upcoming
         ]
         self.window = Window([rows for _, rows in self._upcoming_rows])

@@ -246,7 +246,8 @@ class RowStorage(nn.Module):
     def read(self, rows: Tensor, device: torch.device) -> Tensor:
         """fp32 values [n, D] of `rows`, on `device`."""
         rows = rows.to(self.payload.device)
-        if torch.device(device).type == "cpu" and self.payload.device.type == "cpu" and self.dim and quantize.available():
+        on_cpu = torch.device(device).type == "cpu" and self.payload.device.type == "cpu"
+        if on_cpu and self.dim and quantize.available():
             buffers = list(self.buffers())  # payload, and bias and scale code for the int precisions
             buffers += [None] * (3 - len(buffers))
             return quantize.dequantize_rows(

@@ -28,7 +28,8 @@ REFUSAL = (
     "them: under DistributedModelParallel without our sharder, DDP, FSDP or any wrapper every process would "
     "train its own full copy of the tables and the copies would diverge; shard them with "
     "DistributedModelParallel(model, sharders=[KeyedCachedEmbeddingBagCollectionSharder()]) "
-    "(slipcache.interop.torchrec), train with `torchrun --nproc-per-node N --no-python slipcache train ...`, which shards the tables itself, or call "
+    "(slipcache.interop.torchrec), train with `torchrun --nproc-per-node N --no-python slipcache train ...`, "
+    "which shards the tables itself, or call "
     "slipcache.embedding.replicas.allow_independent_replicas(model) if every process trains its own tables "
     "on purpose (docs/scaling.md)"
 )

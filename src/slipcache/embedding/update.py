@@ -1,6 +1,6 @@
 """The fused optimizer of `CachedEmbeddingBagCollection`: gradients collected as backward runs, then one
-SGD, Adagrad, row-wise Adagrad or Adam step per row (with optional L2 weight decay), applied where the row lives (cache slot in fp32, or storage:
-read, updated in fp32, rounded back).
+SGD, Adagrad, row-wise Adagrad or Adam step per row (with optional L2 weight decay), applied where the row
+lives (cache slot in fp32, or storage: read, updated in fp32, rounded back).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ class FusedOptimizer:
     """The optimizer update, run once at the end of each backward pass, over the given cache and storage.
 
     Owns the learning rate, the optimizer state (`state`: Adagrad's squared-gradient sums, Adam's two
-    moments side by side, None for SGD), the count of steps taken (Adam's bias correction), of skipped updates and the gradients of the running backward pass: they are applied together
-    when the pass ends, so a row read several times in one step takes one step.
+    moments side by side, None for SGD), the count of steps taken (Adam's bias correction), of skipped updates
+    and the gradients of the running backward pass: they are applied together when the pass ends, so a row
+    read several times in one step takes one step.
     """
 
     def __init__(

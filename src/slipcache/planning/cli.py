@@ -162,7 +162,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", default=None, help="write the plan as a TOML config for `slipcache train --config`"
     )
-    parser.add_argument("--plot", type=image_file, default=None, help="PNG of the hit-rate curves (default: beside --out)")
+    parser.add_argument(
+        "--plot", type=image_file, default=None, help="PNG of the hit-rate curves (default: beside --out)"
+    )
     parser.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="cache policy (default lru)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     parser.add_argument(

@@ -252,7 +252,8 @@ def uniform_choice(
     policy: str = "lru",
     optimizer: str = "sgd",
 ) -> dict[str, float]:
-    """Bytes and expected hit rate of one precision for all tables behind one shared cache of `cache_share` of all rows."""
+    """Bytes and expected hit rate of one precision for all tables behind one shared cache of `cache_share` of
+    all rows."""
     rows = sum(t.rows for t in profile.tables)
     model = CostModel.from_modules(dim, policy=policy, optimizer=optimizer, total_rows=rows)
     cache_rows = max(1, round(cache_share * rows)) if cache_share else 0

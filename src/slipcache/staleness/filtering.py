@@ -100,8 +100,9 @@ def count_hot_lookups(ids: np.ndarray, offsets: np.ndarray, flags: np.ndarray, i
     """Count the hot lookups of trained ids [n, T] (in range: the filter checked them) per hot-set position.
 
     The compiled pass adds them to ``counts`` (flag byte, hash probe and increment per lookup; ~6x faster
-    than NumPy; it checks every id against its table first, a sequential pass) and returns no position; the NumPy reference returns the hot positions for the caller to
-    add, with other batches', in one ``np.bincount``. Either way the sums are the same.
+    than NumPy; it checks every id against its table first, a sequential pass) and returns no position; the
+    NumPy reference returns the hot positions for the caller to add, with other batches', in one
+    ``np.bincount``. Either way the sums are the same.
     """
     if ids.ndim == 2 and ids.dtype.kind in "iu" and _native.native() is not None:
         # Batches hold int64 ids; ids index a table, so int32 holds them (the copy is of the counted share).

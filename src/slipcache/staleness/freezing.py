@@ -29,7 +29,7 @@ from slipcache.staleness.order import HotInputs, schedule_fields
 from slipcache.staleness.schedule import window_plan
 
 if typing.TYPE_CHECKING:
-    from slipcache.data.dataset import Batch
+    from slipcache.data.batches import Batch
     from slipcache.training.run import Run
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slipcache.data.dataset import Batch
+from slipcache.data.batches import Batch
 from slipcache.errors import SlipcacheError
 from slipcache.safe_files import ensure_dir, open_fd
 from slipcache.staleness.filtering import uniform

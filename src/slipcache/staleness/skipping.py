@@ -23,10 +23,10 @@ The training loop calls `StaleSkipper` through its callback (`training/skip_inpu
    one decision per epoch, fixed until the next.
 5. **Guard**: `stale_keep` (5 %) of the would-be-skipped inputs are trained anyway, as a control group.
    Their training loss, relative to that of all trained inputs in the same batches, is followed: if it
-   rises by more than the guard's margin (`GuardConfig.margin`, 10 %) against its value when skipping (re)started, on 2 consecutive
-   checks, skipped inputs were still teaching (the rest of the model moved on without them) and D is
-   halved, then skipping stops. At each validation, a drop of validation AUC by more than `VAL_DROP`
-   below its best since skipping began lowers D at once. Every action is reported.
+   rises by more than the guard's margin (`GuardConfig.margin`, 10 %) against its value when skipping
+   (re)started, on 2 consecutive checks, skipped inputs were still teaching (the rest of the model moved on
+   without them) and D is halved, then skipping stops. At each validation, a drop of validation AUC by
+   more than `VAL_DROP` below its best since skipping began lowers D at once. Every action is reported.
    The controls also keep stale rows receiving updates, so the convergence rule can notice one that moves
    again.
 
@@ -44,7 +44,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slipcache.data.dataset import Batch, SplitArrays
+from slipcache.data.batches import Batch
+from slipcache.data.dataset import SplitArrays
 from slipcache.model import DLRM
 from slipcache.staleness.config import GuardConfig
 from slipcache.staleness.detector import StaleInputDetector

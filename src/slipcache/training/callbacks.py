@@ -16,7 +16,7 @@ from slipcache.safe_files import open_append
 from slipcache.training.rundir import write_events, write_json
 
 if typing.TYPE_CHECKING:
-    from slipcache.data.dataset import Batch, SampleFilter
+    from slipcache.data.batches import Batch, SampleFilter
     from slipcache.training.run import Run
 
 

@@ -101,7 +101,8 @@ def _bytes_of(tensor: Tensor) -> memoryview:
 def _split_raw(obj: Any, raw: list[tuple[Tensor, dict[str, Any]]]) -> Any:
     """`obj` with every large CPU tensor replaced by a record (filled in once its bytes are written)."""
     if isinstance(obj, Tensor):
-        if obj.device.type == "cpu" and obj.numel() * obj.element_size() >= RAW_MIN_BYTES and obj.layout == torch.strided:
+        large = obj.numel() * obj.element_size() >= RAW_MIN_BYTES
+        if obj.device.type == "cpu" and large and obj.layout == torch.strided:
             record: dict[str, Any] = {_RAW_KEY: True, "dtype": str(obj.dtype).removeprefix("torch."),
                                       "shape": list(obj.shape)}
             raw.append((obj, record))
@@ -274,7 +275,8 @@ def _attach_raw(obj: Any, path: Path, limit: int) -> Any:
         if obj.get(_RAW_KEY) is True:
             raw = _raw_record(obj, path)
             itemsize = torch.empty(0, dtype=raw.dtype).element_size()
-            if raw.offset < HEADER_BYTES or raw.offset + raw.nbytes > limit or raw.nbytes != itemsize * _count(raw.shape):
+            outside = raw.offset < HEADER_BYTES or raw.offset + raw.nbytes > limit
+            if outside or raw.nbytes != itemsize * _count(raw.shape):
                 raise CorruptCheckpointError(f"checkpoint {path} is corrupt (a tensor lies outside the file)")
             return raw
         for key in list(obj):
@@ -331,7 +333,9 @@ def _stream_raw(raw: RawTensor, into: memoryview | None) -> None:
                 raise CorruptCheckpointError(f"checkpoint {raw.path} is corrupt (truncated tensor bytes)")
             sha.update(target)
     if sha.hexdigest() != raw.sha256:
-        raise CorruptCheckpointError(f"checkpoint {raw.path} is corrupt (checksum mismatch in a tensor of shape {list(raw.shape)})")
+        raise CorruptCheckpointError(
+            f"checkpoint {raw.path} is corrupt (checksum mismatch in a tensor of shape {list(raw.shape)})"
+        )
 
 
 def materialize(obj: Any, targets: Any = None) -> Any:

@@ -275,7 +275,8 @@ class TrainConfig:
         return part_options(self, CONFIG_FIELDS, "embedding")
 
     def model_config(self, table_sizes: list[int], num_dense: int) -> ModelConfig:
-        return ModelConfig(table_sizes=list(table_sizes), num_dense=num_dense, **part_options(self, CONFIG_FIELDS, "model"))
+        options = part_options(self, CONFIG_FIELDS, "model")
+        return ModelConfig(table_sizes=list(table_sizes), num_dense=num_dense, **options)
 
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
         """The detector's settings; `overrides`: those another setting decides (e.g. the rule for random)."""
@@ -389,8 +390,11 @@ class TrainConfig:
             raise SlipcacheError(f"stale_window_start must be in [0, 1], got {self.stale_window_start}")
         if self.stale_window_start_max is not None and self.stale_window_start_max < 0:
             raise SlipcacheError(f"stale_window_start_max must be >= 0, got {self.stale_window_start_max}")
-        if self.stale_window_count == "hot" and self.stale_window_start is not None and self.input_order != "cold_first":
-            raise SlipcacheError("a window counted in hot batches (stale_window_count hot) needs input_order cold_first")
+        counted_hot = self.stale_window_count == "hot" and self.stale_window_start is not None
+        if counted_hot and self.input_order != "cold_first":
+            raise SlipcacheError(
+                "a window counted in hot batches (stale_window_count hot) needs input_order cold_first"
+            )
         if self.freeze_rows is not None and self.skip_rule is not None:
             raise SlipcacheError("freeze_rows and skip_rule are separate arms: set one of them")
         if self.freeze_rows is not None and self.stale_window_start is None:

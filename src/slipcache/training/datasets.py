@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from slipcache.cache_dir import default_cache_root
-from slipcache.data.dataset import BatchIterator, SampleFilter
+from slipcache.data.batches import BatchIterator, SampleFilter
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import TrainConfig
 
@@ -39,7 +39,8 @@ def _raw_inputs(path: Path) -> list[Path]:
     files = sorted(p for p in entries if p.is_file())
     nested = sorted(p.name for p in entries if p.is_dir())
     if nested:
-        warn_line(f"--data {path}: subdirectories are not read ({', '.join(nested[:3])}{', ...' if len(nested) > 3 else ''})")
+        named = f"{', '.join(nested[:3])}{', ...' if len(nested) > 3 else ''}"
+        warn_line(f"--data {path}: subdirectories are not read ({named})")
     if not files:
         raise SlipcacheError(f"no data files in {path}")
     return files

@@ -19,7 +19,7 @@ def evaluate(
 ) -> dict[str, float]:
     """AUC, log loss, accuracy and normalized entropy on the first `max_samples` of a split (in order);
     `part`: the part of every batch this process reads (`RunBackend.batch_part`)."""
-    from slipcache.data.dataset import BatchIterator
+    from slipcache.data.batches import BatchIterator
 
     was_training = model.training
     model.eval()

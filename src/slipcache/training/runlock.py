@@ -77,7 +77,9 @@ def _read(fd: int) -> dict[str, Any]:
 def describe(owner: dict[str, Any]) -> str:
     """'host H, PID P (started T)': who a lock names."""
     started = owner.get("started")
-    when = time.strftime(" (started %Y-%m-%d %H:%M:%S UTC)", time.gmtime(started)) if isinstance(started, (int, float)) else ""
+    when = ""
+    if isinstance(started, (int, float)):
+        when = time.strftime(" (started %Y-%m-%d %H:%M:%S UTC)", time.gmtime(started))
     return f"host {owner.get('host', '?')}, PID {owner.get('pid', '?')}{when}"
 
 
@@ -152,7 +154,9 @@ def _judge(run_dir: Path, previous: dict[str, Any], me: dict[str, Any], flock_wo
     pid = previous.get("pid")
     if not flock_works and not copied:
         if not same_host:
-            raise _refuse(run_dir, previous, f" (another machine; if that process is gone, delete {run_dir / LOCK_NAME})")
+            raise _refuse(
+                run_dir, previous, f" (another machine; if that process is gone, delete {run_dir / LOCK_NAME})"
+            )
         if isinstance(pid, int) and pid != me["pid"] and _alive(pid):
             raise _refuse(run_dir, previous)
     if copied:

@@ -12,7 +12,7 @@ from slipcache.callback import Callback
 from slipcache.staleness.factory import make_skipper
 
 if typing.TYPE_CHECKING:
-    from slipcache.data.dataset import Batch, SampleFilter
+    from slipcache.data.batches import Batch, SampleFilter
     from slipcache.staleness.order import HotInputs
     from slipcache.training.run import Run
 

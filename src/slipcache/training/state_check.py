@@ -38,7 +38,10 @@ def _bad(path: Path, field: str, problem: str) -> MalformedCheckpointError:
 
 
 def _shown(value: Any) -> str:
-    text = repr(value) if not isinstance(value, torch.Tensor) else f"a {value.dtype} tensor of shape {list(value.shape)}"
+    if isinstance(value, torch.Tensor):
+        text = f"a {value.dtype} tensor of shape {list(value.shape)}"
+    else:
+        text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -25,12 +25,13 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from slipcache._moved import moved_names
 from slipcache.errors import SlipcacheError
 from slipcache.iostats import AnonPeak
 from slipcache.memory import peak_rss_bytes
@@ -39,10 +40,9 @@ from slipcache.options import huge_pages, torch_threads
 from slipcache.progress import progress_bar
 from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
+from slipcache.training import run as runs
 from slipcache.training.backend import LocalBackend, RunBackend, dense_optimizer, embedding_optimizer
-from slipcache.training.backend import build_model as build_model  # re-exported: eval, export, tests
 from slipcache.training.config import TrainConfig
-from slipcache.training.config import make_config as make_config  # re-exported (bench_train, runner)
 from slipcache.training.datasets import (
     check_table_sizes,
     data_quality,
@@ -55,14 +55,23 @@ from slipcache.training.datasets import (
 )
 from slipcache.training.evaluation import evaluate
 from slipcache.training.features import run_callbacks
-from slipcache.training.run import Progress, Run
 from slipcache.training.run_state import apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, run_record, warn
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 
-# Re-exported: bench/train.py and benchmarks/runner.py (one seam for a fake trainer in the tests) read
-# these as trainer.<name>; `Run`/`Progress` lived here before `training/run.py`.
-__all__ = ["Progress", "Run", "build_model", "embedding_optimizer", "evaluate", "make_config", "prepare_data", "train"]
+if TYPE_CHECKING:
+    from slipcache.training.run import Run
+
+# bench/train.py and benchmarks/runner.py read these as trainer.<name>: one seam for a fake trainer in the tests.
+__all__ = ["TrainConfig", "evaluate", "open_dataset", "prepare_data", "resolve_schedule", "train"]
+
+# Old paths: each warns once (they moved when the loop was split up; see CHANGELOG.md).
+__getattr__ = moved_names(__name__, {
+    "Run": "slipcache.training.run.Run",
+    "Progress": "slipcache.training.run.Progress",
+    "build_model": "slipcache.training.backend.build_model",
+    "make_config": "slipcache.training.config.make_config",
+})
 
 # ----------------------------------------------------------------------------------------------------
 # Schedule
@@ -223,7 +232,7 @@ def _build_run(
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
     batches_per_epoch = dataset.splits["train"] // config.batch_size
     total_steps = math.ceil(config.samples / config.batch_size)
-    run = Run(
+    run = runs.Run(
         config=config,
         config_dict=config_dict,
         run_dir=run_dir,
@@ -231,7 +240,7 @@ def _build_run(
         model=model,
         dense_opt=dense_opt,
         emb_opt=embedding_optimizer(config, model),
-        progress=Progress(),
+        progress=runs.Progress(),
         backend=backend,
         callbacks=None,  # type: ignore[arg-type]  # built next: callbacks may read the run
         budget=total_steps * config.batch_size,
@@ -382,7 +391,9 @@ def save_checkpoint(run: Run) -> None:
     event: dict[str, Any] = {"event": "checkpoint", "samples": run.progress.samples, "bytes": None, "write_s": None}
     run.progress.events.append(event)
     state = checkpoint_state(run)  # a copy of the events: this one stays open below
-    event["bytes"] = run.backend.save_checkpoint(run.run_dir, state, run.progress.samples, keep=run.config.keep_checkpoints)
+    event["bytes"] = run.backend.save_checkpoint(
+        run.run_dir, state, run.progress.samples, keep=run.config.keep_checkpoints
+    )
     event["write_s"] = time.perf_counter() - start
     run.callbacks.on_event(run, event)
     run.last_checkpoint = {k: event[k] for k in ("samples", "bytes", "write_s")}

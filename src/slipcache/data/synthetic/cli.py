@@ -54,7 +54,8 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         "--generator",
         choices=tuple(GENERATOR_VERSIONS),
         default=DEFAULT_GENERATOR,
-        help="v4 (default): v3 with the label signal, dense shapes and links of real rows; v3: latent entities, time order; v2: independent tables",
+        help="v4 (default): v3 with the label signal, dense shapes and links of real rows; "
+        "v3: latent entities, time order; v2: independent tables",
     )
     parser.add_argument("--days", type=int, default=DAYS, help="v3/v4: days the log spans (default %(default)s)")
     parser.add_argument(

@@ -136,7 +136,8 @@ def generate_synthetic(
         writer: Any = TorchRecWriter(out_dir, days_rows)
     else:
         writer = StreamingDatasetWriter(out_dir, split_rows)
-    with writer, progress_bar(total=num_samples, unit="rows", unit_scale=True, desc="synth", disable=not progress) as bar:
+    bar_settings = {"unit": "rows", "unit_scale": True, "desc": "synth", "disable": not progress}
+    with writer, progress_bar(total=num_samples, **bar_settings) as bar:
         for chunk, start in enumerate(range(0, num_samples, CHUNK_ROWS)):
             end = min(start + CHUNK_ROWS, num_samples)
             rng = _chunk_rng(seed, chunk)

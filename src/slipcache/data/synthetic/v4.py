@@ -105,7 +105,9 @@ class GeneratorV4(GeneratorV3):
             rank[picked] = np.minimum((u[picked] / one_off * pool).astype(np.int64), pool - 1)
         return rank
 
-    def entity_keys_v4(self, name: str, rank: np.ndarray, days: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def entity_keys_v4(
+        self, name: str, rank: np.ndarray, days: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """v3's drift and new entities on given ranks; every entity carries signal."""
         pool = int(self.sizes[ENTITY_ROOT[name]])
         epoch = np.floor(self.drift_rate * days + _unit(_mix(rank, self.salt(name, 1)))).astype(np.int64)
