@@ -46,7 +46,6 @@ for _i, _c in enumerate(b"0123456789abcdef"):
 for _i, _c in enumerate(b"ABCDEF"):
     _HEX[_c] = 10 + _i
 _HEX[0] = 16
-_HEX_WEIGHTS = 16 ** np.arange(7, -1, -1, dtype=np.int64)
 _LABELS = {b"0": 0.0, b"1": 1.0, b"0.0": 0.0, b"1.0": 1.0}
 
 
