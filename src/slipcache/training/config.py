@@ -275,8 +275,7 @@ class TrainConfig:
         return part_options(self, CONFIG_FIELDS, "embedding")
 
     def model_config(self, table_sizes: list[int], num_dense: int) -> ModelConfig:
-        options = part_options(self, CONFIG_FIELDS, "model")
-        return ModelConfig(table_sizes=list(table_sizes), num_dense=num_dense, **options)
+        return ModelConfig(list(table_sizes), num_dense, **part_options(self, CONFIG_FIELDS, "model"))
 
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
         """The detector's settings; `overrides`: those another setting decides (e.g. the rule for random)."""
@@ -379,7 +378,6 @@ class TrainConfig:
                 "stale_recheck must be >= 0 (0 = window length) or None, stale_min_accesses >= 0"
             )
 
-
     def _validate_schedule(self) -> None:
         """The window's position, the order and freezing (`slipcache.staleness.schedule`, `freezing`)."""
         if self.stale_hot_share is not None and not 0.0 < self.stale_hot_share <= 1.0:
@@ -392,9 +390,8 @@ class TrainConfig:
             raise SlipcacheError(f"stale_window_start_max must be >= 0, got {self.stale_window_start_max}")
         counted_hot = self.stale_window_count == "hot" and self.stale_window_start is not None
         if counted_hot and self.input_order != "cold_first":
-            raise SlipcacheError(
-                "a window counted in hot batches (stale_window_count hot) needs input_order cold_first"
-            )
+            raise SlipcacheError("a window counted in hot batches (stale_window_count hot) needs "
+                                 "input_order cold_first")
         if self.freeze_rows is not None and self.skip_rule is not None:
             raise SlipcacheError("freeze_rows and skip_rule are separate arms: set one of them")
         if self.freeze_rows is not None and self.stale_window_start is None:
@@ -416,7 +413,6 @@ QUICK: dict[str, Any] = {
 }
 
 CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-
 
 _TYPES = typing.get_type_hints(TrainConfig)
 
