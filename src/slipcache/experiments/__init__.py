@@ -27,7 +27,9 @@ MOVED: dict[str, str] = {
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Resolves `slipcache.experiments.X` to the very module object it moved to (so patches reach it)."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         prefix, _, name = fullname.rpartition(".")
         if prefix != __name__ or name not in MOVED:
             return None

@@ -1,4 +1,5 @@
-"""`slipcache train` and `slipcache eval`: their flags, evaluating a saved run, and the summary table a run ends with."""
+"""`slipcache train` and `slipcache eval`: their flags, evaluating a saved run, and the summary table a run
+ends with."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """`TrainConfig`'s flags (`training/flags.py`), `--config` and the progress flags."""
     parser.add_argument(
-        "--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML or YAML file of config keys; flags override it"
+        "--config", metavar="FILE", default=argparse.SUPPRESS,
+        help="TOML or YAML file of config keys; flags override it",
     )
     add_config_flags(parser)
     add_progress_flag(parser, default=argparse.SUPPRESS)
@@ -95,7 +97,9 @@ def run_train(args: argparse.Namespace) -> int:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     parser.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
-    parser.add_argument("--split", default="test", choices=("train", "val", "test"), help="split to evaluate (default test)")
+    parser.add_argument(
+        "--split", default="test", choices=("train", "val", "test"), help="split to evaluate (default test)"
+    )
     parser.add_argument(
         "--eval-samples", dest="samples", metavar="N", type=positive_int, default=None,
         help="evaluate the first N samples of the split, as `train --eval-samples` (default: all)",
@@ -140,7 +144,8 @@ def evaluate_checkpoint(
         from slipcache.data.fingerprint import check_same_data, fingerprint
 
         what = f"dataset {dataset_dir} of checkpoint {path}"
-        diff = check_same_data(state["config"].get("data_fingerprint"), fingerprint(dataset), allow=allow_changes, what=what)
+        saved = state["config"].get("data_fingerprint")
+        diff = check_same_data(saved, fingerprint(dataset), allow=allow_changes, what=what)
         if diff is not None:
             print(f"slipcache eval: warning: {what} is not the data the run trained on ({diff})", file=sys.stderr)
     if split not in dataset.splits or not dataset.splits[split]:

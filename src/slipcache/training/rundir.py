@@ -160,7 +160,9 @@ def newest_checkpoint(directory: Path) -> tuple[Path, bool] | None:
 
     if not directory.is_dir():
         return None
-    candidates = [(samples, _written(step / "manifest.json"), step, True) for samples, step in complete_steps(directory)]
+    candidates = [
+        (samples, _written(step / "manifest.json"), step, True) for samples, step in complete_steps(directory)
+    ]
     periodic = ckpt.periodic_checkpoints(directory)  # (samples, path), newest last
     latest = directory / ckpt.LATEST
     single: tuple[int, Path] | None = periodic[-1] if periodic else None

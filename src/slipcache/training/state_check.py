@@ -38,10 +38,7 @@ def _bad(path: Path, field: str, problem: str) -> MalformedCheckpointError:
 
 
 def _shown(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        text = f"a {value.dtype} tensor of shape {list(value.shape)}"
-    else:
-        text = repr(value)
+    text = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
