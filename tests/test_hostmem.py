@@ -219,7 +219,9 @@ def test_a_checkpoint_of_rows_on_disk_reads_each_chunk_ahead(tmp_path: Path, mon
 
     asked: list[tuple[int, int]] = []
     real = ckpt.read_ahead
-    monkeypatch.setattr(ckpt, "read_ahead", lambda t, start, length: asked.append((start, length)) or real(t, start, length))
+    monkeypatch.setattr(
+        ckpt, "read_ahead", lambda t, start, length: asked.append((start, length)) or real(t, start, length)
+    )
     monkeypatch.setattr(ckpt, "CHUNK_BYTES", 1 << 16)
     monkeypatch.setattr(ckpt, "RAW_MIN_BYTES", 1 << 20)
     rows = hostmem.file_backed((1 << 19,), torch.int32, tmp_path / "rows")  # 2 MiB: stored raw, in 32 chunks
