@@ -378,3 +378,15 @@ def test_studies_module_entry_point_reports_bad_input_in_one_line(
 ) -> None:
     assert studies.main(["mixed-precision", "--out", str(tmp_path / "out"), "--threads", "0"]) == 2
     assert capsys.readouterr().err.strip() == "benchmarks.studies: error: --threads must be at least 1, got 0"
+
+
+def test_the_benchmarks_old_paths_warn_and_the_studies_old_paths_are_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from slipcache.bench import cache
+
+    monkeypatch.delitem(sys.modules, "slipcache.experiments.bench_cache", raising=False)  # warns when imported
+    with pytest.warns(DeprecationWarning, match="slipcache.bench.cache"):
+        assert importlib.import_module("slipcache.experiments.bench_cache") is cache
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("slipcache.experiments.runner")
