@@ -196,3 +196,34 @@ def test_collection_with_a_storage_path_trains_bit_for_bit_as_in_memory(tmp_path
         if isinstance(tensor, torch.Tensor):
             assert torch.equal(tensor, states[1][name]), name
     assert list((tmp_path / "rows").iterdir()) == []
+
+
+def test_read_ahead_asks_for_the_pages_of_the_bytes_within_the_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(hostmem, "_MADVISE", lambda address, length, advice: calls.append((address, length, advice)))
+    rows = hostmem.file_backed((5, 4096), torch.uint8, tmp_path)  # 5 pages
+    base, page = rows.data_ptr(), 4096
+    assert hostmem.read_ahead(rows, page + 10, 100)
+    assert calls[-1][:2] == (base + page, 110)  # from the page holding the first byte
+    assert hostmem.read_ahead(rows, 3 * page, 10 * page)  # clipped at the tensor's end
+    assert calls[-1][:2] == (base + 3 * page, 2 * page)
+    assert not hostmem.read_ahead(rows, 5 * page, page)  # nothing left: no call
+    assert len(calls) == 2
+
+
+def test_a_checkpoint_of_rows_on_disk_reads_each_chunk_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipcache.training import checkpoint as ckpt
+
+    asked: list[tuple[int, int]] = []
+    real = ckpt.read_ahead
+    monkeypatch.setattr(ckpt, "read_ahead", lambda t, start, length: asked.append((start, length)) or real(t, start, length))
+    monkeypatch.setattr(ckpt, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(ckpt, "RAW_MIN_BYTES", 1 << 20)
+    rows = hostmem.file_backed((1 << 19,), torch.int32, tmp_path / "rows")  # 2 MiB: stored raw, in 32 chunks
+    rows.copy_(torch.arange(1 << 19, dtype=torch.int32))
+    path = ckpt.save_checkpoint(tmp_path / "ckpt.pt", {"rows": rows})
+    assert asked[:3] == [(0, 1 << 16), (1 << 16, 1 << 16), (2 << 16, 1 << 16)]
+    assert len(asked) == 33  # the first chunk, then the one after each chunk written
+    assert torch.equal(ckpt.load_checkpoint(path)["rows"], rows)

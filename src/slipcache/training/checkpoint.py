@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import Tensor
 
+from slipcache.embedding.hostmem import read_ahead
 from slipcache.errors import SlipcacheError
 
 LATEST = "latest.pt"
@@ -126,10 +127,13 @@ def _split_raw(obj: Any, raw: list[tuple[Tensor, dict[str, Any]]]) -> Any:
 def _write_raw(f: BinaryIO, raw: list[tuple[Tensor, dict[str, Any]]]) -> None:
     """Each large tensor's bytes, a chunk at a time, hashed on the way; its record gets offset and digest."""
     for tensor, record in raw:
-        data = _bytes_of(tensor.detach().contiguous())
+        source = tensor.detach().contiguous()
+        data = _bytes_of(source)
         sha = hashlib.sha256()
         record["offset"] = f.tell()
+        read_ahead(source, 0, CHUNK_BYTES)
         for start in range(0, len(data), CHUNK_BYTES):
+            read_ahead(source, start + CHUNK_BYTES, CHUNK_BYTES)  # rows on disk: the next chunk streams meanwhile
             chunk = data[start : start + CHUNK_BYTES]
             sha.update(chunk)
             f.write(chunk)
