@@ -349,12 +349,28 @@ def test_experiment_command_says_where_the_studies_are_when_they_are_not_install
     from slipcache import cli
     from slipcache.bench import experiment
 
-    monkeypatch.setitem(sys.modules, "benchmarks.studies", None)  # as in an installed wheel
-    monkeypatch.setattr(experiment.import_studies, "__defaults__", (tmp_path,))
+    monkeypatch.setattr(experiment, "CHECKOUT", tmp_path)  # no benchmarks/ beside the package: a wheel
     assert cli.main(["experiment", "mixed-precision", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "python -m benchmarks.studies" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_experiment_command_runs_the_studies_apart_in_the_working_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`slipcache experiment` runs `python -m benchmarks.studies` in a child process: this process's import
+    path is left alone, and a relative --out means the working directory's."""
+    from slipcache import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").write_text("mine")
+    path = list(sys.path)
+    assert cli.main(["experiment", "mixed-precision", "--out", "notes"]) == 2
+    assert sys.path == path
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exists and is not a directory" in err[0] and "notes" in err[0]
+    assert (tmp_path / "notes").read_text() == "mine"
 
 
 def test_studies_module_entry_point_reports_bad_input_in_one_line(
@@ -362,3 +378,15 @@ def test_studies_module_entry_point_reports_bad_input_in_one_line(
 ) -> None:
     assert studies.main(["mixed-precision", "--out", str(tmp_path / "out"), "--threads", "0"]) == 2
     assert capsys.readouterr().err.strip() == "benchmarks.studies: error: --threads must be at least 1, got 0"
+
+
+def test_the_benchmarks_old_paths_warn_and_the_studies_old_paths_are_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from slipcache.bench import cache
+
+    monkeypatch.delitem(sys.modules, "slipcache.experiments.bench_cache", raising=False)  # warns when imported
+    with pytest.warns(DeprecationWarning, match="slipcache.bench.cache"):
+        assert importlib.import_module("slipcache.experiments.bench_cache") is cache
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("slipcache.experiments.runner")

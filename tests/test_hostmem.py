@@ -212,6 +212,9 @@ def test_read_ahead_asks_for_the_pages_of_the_bytes_within_the_tensor(
     assert calls[-1][:2] == (base + 3 * page, 2 * page)
     assert not hostmem.read_ahead(rows, 5 * page, page)  # nothing left: no call
     assert len(calls) == 2
+    monkeypatch.setattr(hostmem, "READ_AHEAD_PIECE", 2 * page)  # the kernel reads one window per call
+    hostmem.read_ahead(rows, 0, 5 * page)
+    assert [c[:2] for c in calls[2:]] == [(base, 2 * page), (base + 2 * page, 2 * page), (base + 4 * page, page)]
 
 
 def test_a_checkpoint_of_rows_on_disk_reads_each_chunk_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

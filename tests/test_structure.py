@@ -171,6 +171,17 @@ def test_dependencies_point_down_to_the_loop() -> None:
     assert up == []
 
 
+def test_training_does_not_import_distributed() -> None:
+    """`distributed` builds on `training`; the one-process side reads a checkpoint of N processes through
+    the reader `slipcache/__init__.py` registers (`training.step_reader`), and `slipcache train` picks one
+    process or N in `train_command.py`."""
+    up = sorted(
+        f"{name} -> {target}" for name, imports in import_graph().items() if name.startswith("slipcache.training")
+        for target in imports if target.startswith("slipcache.distributed")
+    )  # fmt: skip
+    assert up == []
+
+
 def _design_map() -> set[str]:
     """The source files docs/design.md's tables name: `a/b.py`, then `c.py` in the same cell means `a/c.py`."""
     named: set[str] = set()

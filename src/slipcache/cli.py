@@ -13,7 +13,7 @@ from slipcache.options import huge_pages, torch_threads
 
 # name -> (module, help). The module defines add_<name>_arguments(parser) and run_<name>(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("slipcache.training.cli", "train a DLRM model (synthetic data by default)"),
+    "train": ("slipcache.train_command", "train a DLRM model (synthetic data by default)"),
     "eval": ("slipcache.training.cli", "evaluate a checkpoint on a dataset split"),
     "synth": ("slipcache.data.synthetic.cli", "generate a synthetic Criteo-shaped dataset"),
     "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),

@@ -105,9 +105,8 @@ def open_tables(checkpoint: str | Path) -> TableRows:
     N processes is read from its newest complete checkpoint, every rank's shards), read chunk by chunk."""
     from slipcache.training.saved_run import find_checkpoint, load_saved_model
 
-    saved = find_checkpoint(checkpoint, "--checkpoint")
-    state = saved.read()
-    model = load_saved_model(saved, state, num_dense=1, dense=False)  # the dense part is not exported
+    saved = find_checkpoint(checkpoint, "--checkpoint").read()
+    model = load_saved_model(saved, num_dense=1, dense=False)  # the dense part is not exported
     return TableRows.of_model(model.embeddings)
 
 
@@ -347,7 +346,7 @@ def check_room(checkpoint: str | Path, out: str | Path, formats: tuple[str, ...]
     from slipcache.memory import GB, require_tables_fit
     from slipcache.training.saved_run import find_checkpoint
 
-    state = find_checkpoint(checkpoint, "--checkpoint").read()  # the small part: sizes and config
+    state = find_checkpoint(checkpoint, "--checkpoint").read().state  # the small part: sizes and config
     sizes, dim = [int(n) for n in state["table_sizes"]], int(state["config"].get("embedding_dim", 16))
     rows = sum(sizes)
     chunk_rows = min(max(1, CHUNK_BYTES // (4 * dim)), max(sizes))

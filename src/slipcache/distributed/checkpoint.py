@@ -14,8 +14,8 @@ optimizer state, exactly); caches start empty and cache counters from zero.
 from __future__ import annotations
 
 import json
-import re
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +27,15 @@ from slipcache.embedding.collection import CachedEmbeddingBagCollection
 from slipcache.errors import SlipcacheError
 from slipcache.safe_files import ensure_dir, write_atomic
 from slipcache.training import checkpoint as ckpt
+from slipcache.training.run_state import TrainingCheckpoint, check_checkpoint
 
-MANIFEST = "manifest.json"
+MANIFEST = ckpt.STEP_MANIFEST
 RESHARDED = (
     "each rank copied the rows it now holds from the saved shards (their caches flushed into storage first; "
     "rows and optimizer state exact); caches start empty"
 )
 MANIFEST_FORMAT = "slipcache-sharded-checkpoint"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = ckpt.STEP_DIR
 MAX_WORLD_SIZE = 1 << 16  # a manifest naming more processes is not one slipcache wrote
 
 
@@ -88,13 +89,6 @@ def _prune(directory: Path, keep: int) -> None:
     for path in steps:
         if path < oldest_kept:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def complete_steps(directory: Path) -> list[tuple[int, Path]]:
-    """(samples, step directory) of the steps of a checkpoints directory that have their manifest (written
-    last, once every rank's file was complete), oldest first; unverified."""
-    found = ((_STEP_DIR.match(p.name), p) for p in Path(directory).iterdir()) if Path(directory).is_dir() else ()
-    return sorted((int(m.group(1)), p) for m, p in found if m is not None and (p / MANIFEST).is_file())
 
 
 def latest_sharded(path: Path) -> Path | None:
@@ -260,3 +254,20 @@ def unshard_into(collection: CachedEmbeddingBagCollection, step_dir: Path) -> No
             dst = offsets[shard.table] + shard.row_start
             for target, source in _row_buffers(collection, old):
                 target[dst : dst + shard.rows].copy_(source[sources[i] : sources[i] + shard.rows])
+
+
+def read_in_one_process(step_dir: Path) -> TrainingCheckpoint:
+    """A step directory read by one process (`--resume` without torchrun, `slipcache eval`, `export`):
+    rank 0's trainer state now; every rank's shards gathered into the tables when it is loaded."""
+    manifest = read_manifest(step_dir)  # every rank's file present, with its recorded size
+    state = load_rank_state(step_dir, 0)
+    check_checkpoint(state, step_dir)
+    del state["embeddings"]  # rank 0's shards alone: the tables come from every rank's
+    return TrainingCheckpoint(
+        step_dir,
+        state,
+        load_tables=partial(unshard_into, step_dir=step_dir),
+        resharding=(
+            f"re-sharding {step_dir}, written by {manifest['world_size']} processes, into 1: {RESHARDED}"
+        ),
+    )

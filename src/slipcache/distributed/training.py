@@ -27,6 +27,7 @@ import json
 import re
 import warnings
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from slipcache.safe_files import write_atomic
 from slipcache.training import checkpoint as ckpt
 from slipcache.training import runlock
 from slipcache.training.backend import RunBackend
-from slipcache.training.run_state import check_checkpoint, load_model_state
+from slipcache.training.run_state import TrainingCheckpoint, check_checkpoint
 from slipcache.training.rundir import load_training_checkpoint
 from slipcache.training.runlock import RunLock
 
@@ -137,9 +138,6 @@ class DistributedBackend(RunBackend):
     def __init__(self, ctx: DistributedContext) -> None:
         self.ctx = ctx
         self.plan: ShardingPlan | None = None  # from the checkpoint on resume, else made at model build
-        # Resuming with another world size: (checkpoint dir, its manifest) to re-shard the tables from.
-        self._reshard_from: tuple[Path, dict[str, Any]] | None = None
-        self._reshard_single: dict[str, Any] | None = None  # a one-process checkpoint's tables
 
     @property
     def is_main(self) -> bool:
@@ -260,12 +258,12 @@ class DistributedBackend(RunBackend):
         )
         return sum(dckpt.read_manifest(step_dir)["files"].values()) if self.is_main else None
 
-    def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any]:
+    def read_resume_checkpoint(self, path: Path, home: Path | None) -> TrainingCheckpoint:
         """The trainer state to resume from: rank 0's file, with this rank's shards as "embeddings".
 
         With the world size it was written with, the plan and the shards are taken as saved (exact
-        resume); with another (a one-process checkpoint included), a new plan is made and
-        `load_model_state` re-shards the tables; rank 0 prints what it did.
+        resume); with another (a one-process checkpoint included), a new plan is made and loading the
+        checkpoint re-shards the tables (`reshard_into`, `reshard_from_single`); rank 0 prints what it did.
         """
         path = Path(path)  # the newest complete checkpoint, or the one --resume names (`find_checkpoint`)
         step_dir = path if (path / dckpt.MANIFEST).is_file() else None
@@ -279,10 +277,13 @@ class DistributedBackend(RunBackend):
                     "start the run again with its --out"
                 )
             state = load_training_checkpoint(single)
-            self._reshard_single = state.pop("embeddings")
-            self._say(f"re-sharding {single}, written by 1 process, over {self.ctx.world_size} processes: "
-                      f"{dckpt.RESHARDED}")
-            return state
+            tables = partial(dckpt.reshard_from_single, embeddings=state.pop("embeddings"))
+            line = (
+                f"re-sharding {single}, written by 1 process, over {self.ctx.world_size} processes: "
+                f"{dckpt.RESHARDED}"
+            )
+            self._say(line)
+            return TrainingCheckpoint(single, state, load_tables=tables, resharding=line)
         manifest = dckpt.read_manifest(step_dir)
         state = dckpt.load_rank_state(step_dir, 0)
         check_checkpoint(state, step_dir)
@@ -290,28 +291,19 @@ class DistributedBackend(RunBackend):
             self.plan = ShardingPlan.from_dict(manifest["plan"])
             if self.ctx.rank != 0:
                 state["embeddings"] = dckpt.load_rank_state(step_dir, self.ctx.rank)["embeddings"]
-        else:
-            del state["embeddings"]  # rank 0's shards under the old plan: re-sharded instead
-            self._reshard_from = (step_dir, manifest)
-            self._say(
-                f"re-sharding {step_dir}, written by {manifest['world_size']} processes, over "
-                f"{self.ctx.world_size}: {dckpt.RESHARDED}"
-            )
-        return state
+            return TrainingCheckpoint(step_dir, state)
+        del state["embeddings"]  # rank 0's shards under the old plan: re-sharded instead
+        line = (
+            f"re-sharding {step_dir}, written by {manifest['world_size']} processes, over "
+            f"{self.ctx.world_size}: {dckpt.RESHARDED}"
+        )
+        self._say(line)
+        tables = partial(dckpt.reshard_into, step_dir=step_dir, manifest=manifest)
+        return TrainingCheckpoint(step_dir, state, load_tables=tables, resharding=line)
 
     def _say(self, line: str) -> None:
         if self.is_main:
             print(line, flush=True)
-
-    def load_model_state(self, state: dict[str, Any], model: DistributedDLRM) -> None:
-        if self._reshard_from is None and self._reshard_single is None:
-            load_model_state(state, model)
-            return
-        load_model_state(state, model, embeddings=False)
-        if self._reshard_from is not None:
-            dckpt.reshard_into(model.embeddings, *self._reshard_from)
-        else:
-            dckpt.reshard_from_single(model.embeddings, self._reshard_single)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------- summary
     def summary(self, model: DistributedDLRM) -> dict[str, Any]:

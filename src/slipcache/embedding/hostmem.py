@@ -152,10 +152,20 @@ def _libc_madvise() -> Callable[..., int] | None:
 
 _MADVISE = _libc_madvise()
 
+# MADV_WILLNEED reads at most the device's readahead window per call (8 MiB on a virtio disk, 128 KiB by
+# default) and drops the rest of a longer range: a range is asked for in pieces no longer than this.
+READ_AHEAD_PIECE = 1 << 20
+
+
+def _advise_range(start: int, end: int, advice: int) -> None:
+    """madvise on the addresses [start, end), start on a page, in pieces of at most READ_AHEAD_PIECE."""
+    for address in range(start, end, READ_AHEAD_PIECE):
+        _MADVISE(address, min(READ_AHEAD_PIECE, end - address), advice)
+
 
 def advise_pages(tensor: Tensor, pages: Tensor, advice: int = getattr(mmap, "MADV_WILLNEED", 3)) -> int:
     """`madvise(advice)` on the given pages (sorted, unique page indices from the tensor's first byte) of a
-    page-aligned tensor, one call per run of consecutive pages; returns the calls made (0 where madvise is
+    page-aligned tensor, a run of consecutive pages at a time; returns the runs (0 where madvise is
     unavailable). With MADV_WILLNEED the kernel starts reading the pages that are not resident and returns:
     a thread can ask for thousands of scattered pages and the disk reads them in parallel."""
     if _MADVISE is None or not pages.numel():
@@ -169,7 +179,7 @@ def advise_pages(tensor: Tensor, pages: Tensor, advice: int = getattr(mmap, "MAD
     first = torch.nonzero(starts).squeeze(1)
     lengths = torch.diff(first, append=torch.tensor([pages.numel()]))
     for page, length in zip(pages[first].tolist(), lengths.tolist(), strict=True):
-        _MADVISE(base + page * mmap.PAGESIZE, length * mmap.PAGESIZE, advice)
+        _advise_range(base + page * mmap.PAGESIZE, base + (page + length) * mmap.PAGESIZE, advice)
     return int(first.numel())
 
 
@@ -183,7 +193,7 @@ def read_ahead(tensor: Tensor, start: int, length: int) -> bool:
     if _MADVISE is None or end <= start:
         return False
     first = (tensor.data_ptr() + start) // mmap.PAGESIZE * mmap.PAGESIZE
-    _MADVISE(first, tensor.data_ptr() + end - first, getattr(mmap, "MADV_WILLNEED", 3))
+    _advise_range(first, tensor.data_ptr() + end, getattr(mmap, "MADV_WILLNEED", 3))
     return True
 
 

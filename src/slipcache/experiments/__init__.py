@@ -1,5 +1,6 @@
-"""Deprecated import paths: the benchmarks moved to `slipcache.bench`, the studies to the source tree's
-`benchmarks/` (not installed). Each old module name is an alias of its new module, with a warning."""
+"""Deprecated import paths: the benchmarks moved to `slipcache.bench`. Each old module name is an alias of
+its new module, with a warning. (The studies moved to the source tree's `benchmarks/`, not installed: their
+old names are gone; import `benchmarks.<module>` from a checkout.)"""
 
 from __future__ import annotations
 
@@ -19,9 +20,7 @@ MOVED: dict[str, str] = {
     "bench_cache": "slipcache.bench.cache",
     "bench_train": "slipcache.bench.train",
     "machine": "slipcache.bench.machine",
-    **{name: f"benchmarks.{name}" for name in (
-        "studies", "runner", "mixed_precision", "slipstream", "accuracy", "paired", "render")},
-}  # fmt: skip
+}
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -38,10 +37,6 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         new = MOVED[spec.name.rpartition(".")[2]]
         warnings.warn(f"{spec.name} moved to {new}; the old path will be removed", DeprecationWarning, stacklevel=2)
-        if new.startswith("benchmarks."):
-            from slipcache.bench.experiment import import_studies
-
-            import_studies()  # puts a source checkout's root on sys.path, or says where the studies are
         return importlib.import_module(new)
 
     def exec_module(self, module: types.ModuleType) -> None:

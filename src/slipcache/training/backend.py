@@ -1,9 +1,11 @@
 """Where a run executes: one process (`LocalBackend`) or N (`distributed.training.DistributedBackend`).
 
 The backend is everything the training loop does differently across processes: building the model,
-reading the checkpoint to resume from and putting it back (re-sharding included), writing checkpoints,
-which process writes the run directory, and what the summary adds. The loop calls it and never asks
-which one it has.
+reading the checkpoint to resume from (a `TrainingCheckpoint` that puts its tables back itself, re-sharded
+where another number of processes wrote it), writing checkpoints, which process writes the run directory,
+and what the summary adds. The loop calls it and never asks which one it has. The one-process backend
+knows only one-process files; a step directory of N processes is read by the reader `distributed` provides
+(`step_reader`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from slipcache.model import DLRM, build_embeddings
 from slipcache.safe_files import ensure_dir
 from slipcache.training import checkpoint as ckpt
 from slipcache.training import runlock
-from slipcache.training.run_state import check_checkpoint, load_model_state
+from slipcache.training.run_state import TrainingCheckpoint
 from slipcache.training.rundir import has_checkpoint, load_training_checkpoint
 from slipcache.training.runlock import RunLock
+from slipcache.training.step_reader import read_step
 
 if typing.TYPE_CHECKING:
     from torch import nn
@@ -88,13 +91,10 @@ class RunBackend:
         None: the whole batch."""
         raise NotImplementedError
 
-    def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any] | None:
-        """The state to resume from (`path`: the checkpoint `--resume` names, inside run dir `home`), or
-        None when the run stopped before its first checkpoint (it starts again from its config.json)."""
-        raise NotImplementedError
-
-    def load_model_state(self, state: dict[str, Any], model: Any) -> None:
-        """Dense and embedding state of `read_resume_checkpoint`'s state into the freshly built model."""
+    def read_resume_checkpoint(self, path: Path, home: Path | None) -> TrainingCheckpoint | None:
+        """The checkpoint to resume from (`path`: the one `--resume` names, inside run dir `home`): its state
+        and how its tables go into this backend's model (`TrainingCheckpoint.load_into`), or None when the
+        run stopped before its first checkpoint (it starts again from its config.json)."""
         raise NotImplementedError
 
     def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> int | None:
@@ -125,32 +125,15 @@ class LocalBackend(RunBackend):
     def batch_part(self) -> None:
         return None
 
-    def __init__(self) -> None:
-        self._unshard_from: Path | None = None  # a checkpoint of N processes, gathered into one
-
-    def read_resume_checkpoint(self, path: Path, home: Path | None) -> dict[str, Any] | None:
-        if path.is_dir():  # a step written by N processes: rank 0's trainer state, every rank's tables
-            from slipcache.distributed import checkpoint as dckpt
-
-            world_size = dckpt.read_manifest(path)["world_size"]
-            state = dckpt.load_rank_state(path, 0)
-            check_checkpoint(state, path)
-            del state["embeddings"]
-            self._unshard_from = path
-            print(f"re-sharding {path}, written by {world_size} processes, into 1: {dckpt.RESHARDED}")
-            return state
+    def read_resume_checkpoint(self, path: Path, home: Path | None) -> TrainingCheckpoint | None:
+        if path.is_dir():  # a step of N processes: read by its writer's reader, its tables gathered into one
+            checkpoint = read_step(path)
+            if checkpoint.resharding:
+                print(checkpoint.resharding)
+            return checkpoint
         if home is not None and path.name == ckpt.LATEST and not has_checkpoint(home):
             return None
-        return load_training_checkpoint(path)
-
-    def load_model_state(self, state: dict[str, Any], model: DLRM) -> None:
-        if self._unshard_from is None:
-            load_model_state(state, model)
-            return
-        from slipcache.distributed import checkpoint as dckpt
-
-        load_model_state(state, model, embeddings=False)
-        dckpt.unshard_into(model.embeddings, self._unshard_from)
+        return TrainingCheckpoint(path, load_training_checkpoint(path))
 
     def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> int | None:
         """`checkpoints/ckpt-<samples>.pt` and `latest.pt`; a failed write names what is left to resume."""

@@ -39,6 +39,10 @@ from slipcache.errors import SlipcacheError
 
 LATEST = "latest.pt"
 _PERIODIC = re.compile(r"^ckpt-(\d+)\.pt$")
+# A checkpoint of N processes is a step directory, complete once its manifest (written last) is there; what
+# the directory holds is `slipcache.distributed.checkpoint`'s format.
+STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_MANIFEST = "manifest.json"
 MAGIC = "slipcache-checkpoint"
 # Bumped whenever what a training state holds changes (run_state records it; readers accept only their own).
 FORMAT_VERSION = 2
@@ -445,6 +449,14 @@ def periodic_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, P
         return []
     found = ((_PERIODIC.match(p.name), p) for p in directory.iterdir())
     return sorted((int(m.group(1)), p) for m, p in found if m is not None and p.is_file())
+
+
+def complete_steps(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """(samples, step directory) of the steps of a checkpoints directory that have their manifest (written
+    last, once every rank's file was complete), oldest first; unverified."""
+    directory = Path(directory)
+    found = ((STEP_DIR.match(p.name), p) for p in directory.iterdir()) if directory.is_dir() else ()
+    return sorted((int(m.group(1)), p) for m, p in found if m is not None and (p / STEP_MANIFEST).is_file())
 
 
 def complete_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:

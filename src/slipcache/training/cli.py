@@ -1,5 +1,5 @@
-"""`slipcache train` and `slipcache eval`: their flags, evaluating a saved run, and the summary table a run
-ends with."""
+"""`slipcache train`'s flags and the summary table a run ends with (the command, one process or a rank
+of N, is `slipcache/train_command.py`), and `slipcache eval`: evaluating a saved run."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from slipcache.options import (
     add_threads_flag,
     positive_int,
 )
-from slipcache.training.config import CONFIG_FIELDS, load_config_file, make_config
 from slipcache.training.datasets import (
     check_table_sizes,
     open_dataset,
@@ -26,7 +25,7 @@ from slipcache.training.datasets import (
 )
 from slipcache.training.flags import add_config_flags
 from slipcache.training.saved_run import find_checkpoint, load_saved_model, saved_config
-from slipcache.training.trainer import evaluate, train
+from slipcache.training.trainer import evaluate
 
 
 def fmt_bytes(n: float) -> str:
@@ -74,26 +73,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_progress_flag(parser, default=argparse.SUPPRESS)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    flags = {k: v for k, v in vars(args).items() if k in CONFIG_FIELDS}
-    file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
-    config = make_config(file_values, flags)
-    from slipcache.distributed.launch import init_from_env
-
-    context = init_from_env()  # None unless started by torchrun with more than one process
-    if context is None:
-        summary = train(config)
-    else:
-        from slipcache.distributed.training import train_on_ranks
-
-        summary = train_on_ranks(config, context)
-        if not context.is_main:
-            return 0
-    print(f"run: {summary['run_dir']}")
-    print(format_summary(summary))
-    return 0
-
-
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     parser.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
@@ -128,10 +107,9 @@ def evaluate_checkpoint(
     still be the data the run trained on (its fingerprint), unless `allow_changes`."""
     if samples is not None and samples < 1:
         raise SlipcacheError(f"--eval-samples / --samples must be at least 1, got {samples}")
-    saved = find_checkpoint(checkpoint_path, "--checkpoint")
-    state = saved.read()
-    path = saved.path
-    config = saved_config(saved, state)
+    saved = find_checkpoint(checkpoint_path, "--checkpoint").read()
+    state, path = saved.state, saved.path
+    config = saved_config(saved)
     if data is not None:
         config.data = str(resolve_data(data))
         dataset_dir = prepare_data(config)
@@ -150,7 +128,7 @@ def evaluate_checkpoint(
             print(f"slipcache eval: warning: {what} is not the data the run trained on ({diff})", file=sys.stderr)
     if split not in dataset.splits or not dataset.splits[split]:
         raise SlipcacheError(f"dataset {dataset_dir} has no {split!r} split")
-    model = load_saved_model(saved, state, dataset.num_dense)
+    model = load_saved_model(saved, dataset.num_dense)
     return evaluate(model, dataset.split(split), max_samples=samples)
 
 
@@ -162,9 +140,3 @@ def run_eval(args: argparse.Namespace) -> int:
     for name in ("auc", "logloss", "accuracy", "normalized_entropy"):
         print(f"  {name:<20} {scores[name]:.4f}")
     return 0
-
-
-if __name__ == "__main__":  # python -m slipcache.training.cli
-    parser = argparse.ArgumentParser(prog="slipcache train")
-    add_train_arguments(parser)
-    sys.exit(run_train(parser.parse_args()))

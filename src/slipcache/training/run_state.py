@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import random
 import typing
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,27 @@ if typing.TYPE_CHECKING:
     from slipcache.training.run import Run
 
 CHECKPOINT_FORMAT = ckpt.MAGIC
+
+
+@dataclass(frozen=True)
+class TrainingCheckpoint:
+    """A checkpoint read to continue from or to evaluate: the trainer state, and how its tables go into a
+    model. The reader of each layout says how (one file: as saved; another number of processes: re-sharded),
+    so whoever loads it needs to know no layout and nothing is kept between reading and loading."""
+
+    path: Path  # the file, or the step directory of N processes
+    state: dict[str, Any]  # `checkpoint_state`'s; without "embeddings" when `load_tables` fills them
+    # Fills a freshly built model's embedding collection from the checkpoint; None: `state["embeddings"]`.
+    load_tables: Callable[[Any], None] | None = None
+    resharding: str | None = None  # one line saying how the tables are re-sharded as they load
+
+    def load_into(self, model: DLRM, *, dense: bool = True) -> None:
+        """Dense state (unless `dense` is False) and the tables into `model`, built for this checkpoint."""
+        if self.load_tables is None:
+            load_model_state(self.state, model, dense=dense)
+            return
+        load_model_state(self.state, model, dense=dense, embeddings=False)
+        self.load_tables(model.embeddings)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -62,10 +84,11 @@ def checkpoint_state(run: Run) -> dict[str, Any]:
     }
 
 
-def restore(state: dict[str, Any], run: Run) -> None:
+def restore(checkpoint: TrainingCheckpoint, run: Run) -> None:
     """Load what `checkpoint_state` saved (checked by `check_checkpoint`) into the run's freshly built
     objects; what does not fit them is one line, before the run writes anything."""
-    run.backend.load_model_state(state, run.model)
+    checkpoint.load_into(run.model)
+    state = checkpoint.state
     _load_optimizer(run.dense_opt, state["dense_optimizer"], "dense_optimizer")
     if run.emb_opt is not None and state["embedding_optimizer"] is not None:
         _load_optimizer(run.emb_opt, state["embedding_optimizer"], "embedding_optimizer")

@@ -24,6 +24,7 @@ from slipcache.training.runlock import LOCK_NAME
 
 if typing.TYPE_CHECKING:
     from slipcache.training.backend import RunBackend
+    from slipcache.training.run_state import TrainingCheckpoint
 
 
 def new_run_dir() -> Path:
@@ -139,7 +140,7 @@ def resolve_checkpoint(name: str | Path, flag: str = "--checkpoint") -> tuple[Pa
     checkpoints directory, its latest.pt) the newest complete checkpoint there (`newest_checkpoint`)."""
     file, run_dir = locate_checkpoint(name, flag)
     if file.name == ckpt.LATEST:
-        if (file.parent / "manifest.json").is_file():  # a step directory of N processes, named
+        if (file.parent / ckpt.STEP_MANIFEST).is_file():  # a step directory of N processes, named
             return file.parent, run_dir, True
         newest = newest_checkpoint(file.parent)
         if newest is not None:
@@ -156,13 +157,10 @@ def newest_checkpoint(directory: Path) -> tuple[Path, bool] | None:
     manifest (written last). `latest.pt` is the newest periodic file unless a kill fell between writing
     that file and linking it; then the newer periodic file wins. Damaged bytes are found when it is read
     (the error names the older complete ones)."""
-    from slipcache.distributed.checkpoint import complete_steps
-
     if not directory.is_dir():
         return None
-    candidates = [
-        (samples, _written(step / "manifest.json"), step, True) for samples, step in complete_steps(directory)
-    ]
+    steps = ckpt.complete_steps(directory)
+    candidates = [(samples, _written(step / ckpt.STEP_MANIFEST), step, True) for samples, step in steps]
     periodic = ckpt.periodic_checkpoints(directory)  # (samples, path), newest last
     latest = directory / ckpt.LATEST
     single: tuple[int, Path] | None = periodic[-1] if periodic else None
@@ -196,8 +194,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def load_resume(
     config: TrainConfig, backend: RunBackend
-) -> tuple[dict[str, Any] | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
-    """(checkpoint state or None, the run's saved config, the config to continue with, changed settings).
+) -> tuple[TrainingCheckpoint | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
+    """(checkpoint or None, the run's saved config, the config to continue with, changed settings).
 
     The resumed run writes into the directory `--resume` names, whatever the checkpoint says (a copied
     run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
@@ -210,15 +208,15 @@ def load_resume(
         raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
     else:
         run_dir = home
-    state = backend.read_resume_checkpoint(path, home)
-    if state is not None:
-        fill_checkpoint_event(state, path)
-    if state is None:
+    checkpoint = backend.read_resume_checkpoint(path, home)
+    if checkpoint is not None:
+        fill_checkpoint_event(checkpoint.state, path)
+    if checkpoint is None:
         assert home is not None
         warn(f"{home} has no checkpoint (it stopped before the first one); starting it again from the beginning")
         saved, where = json.loads((home / "config.json").read_text()), f"{home / 'config.json'}"
     else:
-        saved, where = state["config"], f"checkpoint {path}"
+        saved, where = checkpoint.state["config"], f"checkpoint {path}"
     resumed = config_from_saved(saved, where)
     changes = _resume_changes(config, resumed)
     if changes:
@@ -243,7 +241,7 @@ def load_resume(
         if f.metadata["resume"] == "free" and name not in _THIS_INVOCATION and _given(config, name):
             setattr(resumed, name, getattr(config, name))
     resumed.out = str(run_dir)
-    return state, saved, resumed, {k: list(v) for k, v in changes.items()}
+    return checkpoint, saved, resumed, {k: list(v) for k, v in changes.items()}
 
 
 def fill_checkpoint_event(state: dict[str, Any], path: Path) -> None:

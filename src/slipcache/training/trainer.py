@@ -55,7 +55,7 @@ from slipcache.training.datasets import (
 )
 from slipcache.training.evaluation import evaluate
 from slipcache.training.features import run_callbacks
-from slipcache.training.run_state import apply_settings, checkpoint_state, restore
+from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, run_record, warn
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 
@@ -176,11 +176,11 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`); `settings` takes
     this process's threads and huge pages for the run, put back when it closes."""
     config.validate()
-    state: dict[str, Any] | None = None
+    checkpoint: TrainingCheckpoint | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
     if config.resume is not None:
-        state, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
+        checkpoint, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
         run_dir = Path(config.out or "")
     else:
         run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
@@ -195,10 +195,11 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
     config = resolve_schedule(config, dataset.splits["train"])
     config.out = str(run_dir)
     config.tensorboard = resolve_setting(config.tensorboard, run_dir)
+    state = checkpoint.state if checkpoint is not None else None
     config_dict = run_record(config, dataset, dataset_dir, saved, changes, state)
     lock = backend.claim_run_dir(run_dir, config_dict)  # one writer per run directory from here on
     try:
-        run = _build_run(config, config_dict, run_dir, dataset, state, changes, backend)
+        run = _build_run(config, config_dict, run_dir, dataset, checkpoint, changes, backend)
     except BaseException:
         lock.release()
         raise
@@ -211,7 +212,7 @@ def _build_run(
     config_dict: dict[str, Any],
     run_dir: Path,
     dataset: Any,
-    state: dict[str, Any] | None,
+    checkpoint: TrainingCheckpoint | None,
     changes: dict[str, list[Any]],
     backend: RunBackend,
 ) -> Run:
@@ -226,7 +227,9 @@ def _build_run(
     np.random.seed(config.seed)
     torch.manual_seed(config.seed)
     # A resumed run loads every row from its checkpoint: none are drawn (minutes at the MLPerf sizes).
-    model = backend.build_model(config, dataset.table_sizes, dataset.num_dense, run_dir, draw_rows=state is None)
+    model = backend.build_model(
+        config, dataset.table_sizes, dataset.num_dense, run_dir, draw_rows=checkpoint is None
+    )
     dense_opt = dense_optimizer(config, model)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
@@ -250,9 +253,9 @@ def _build_run(
         changed=frozenset(changes),
     )
     run.callbacks = run_callbacks(run)
-    if state is not None:
-        check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
-        restore(state, run)
+    if checkpoint is not None:
+        check_table_sizes(checkpoint.state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
+        restore(checkpoint, run)
         apply_settings(run)  # config.json is what runs (callbacks apply theirs in on_start)
     if backend.writes_files:  # the checkpoint is restored: from here on the run changes its directory
         refuse_link(run_dir / "checkpoints")  # everything written into it would land elsewhere
