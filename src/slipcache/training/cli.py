@@ -122,8 +122,8 @@ def evaluate_checkpoint(
         from slipcache.data.fingerprint import check_same_data, fingerprint
 
         what = f"dataset {dataset_dir} of checkpoint {path}"
-        saved = state["config"].get("data_fingerprint")
-        diff = check_same_data(saved, fingerprint(dataset), allow=allow_changes, what=what)
+        trained_on = state["config"].get("data_fingerprint")
+        diff = check_same_data(trained_on, fingerprint(dataset), allow=allow_changes, what=what)
         if diff is not None:
             print(f"slipcache eval: warning: {what} is not the data the run trained on ({diff})", file=sys.stderr)
     if split not in dataset.splits or not dataset.splits[split]:
