@@ -6,6 +6,7 @@ import json
 import mmap
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,9 @@ def test_readahead_asks_for_the_pages_of_the_rows_and_no_others(on_disk: Path) -
     wanted = torch.tensor([5, 40, 41, 9000])  # pages 0, 1, 281
     assert readahead.start(wanted)
     readahead.join()
+    deadline = time.monotonic() + 30  # MADV_WILLNEED queues the reads and returns: they land a little later
+    while not all(_resident(storage.payload, 0, pages)[p] for p in (0, 1, 281)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     resident = _resident(storage.payload, 0, pages)
     assert [p for p in range(pages) if resident[p]] == [0, 1, 281]
     assert readahead.requested_pages == 3
