@@ -159,20 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     procs = make_cgroup(int(args.memory_limit_gb * 1e9))
     from slipcache.bench.machine import describe_machine
 
-    runs: list[dict[str, Any]] = []
+    result: dict[str, Any] = {
+        "command": "python -m benchmarks.beyond_ram " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": describe_machine(),
+        "memory_limit_bytes": int(args.memory_limit_gb * 1e9),
+        "runs": [],
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     for round_ in range(args.rounds):
         for arm in ("ram", "disk") if round_ % 2 == 0 else ("disk", "ram"):
-            runs.append(run_arm(args, arm, round_, procs))
-            result = {
-                "command": "python -m benchmarks.beyond_ram " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "machine": describe_machine(),
-                "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                "memory_limit_bytes": int(args.memory_limit_gb * 1e9),
-                "runs": runs,
-                "summary": summarize(runs),
-            }
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
+            result["runs"].append(run_arm(args, arm, round_, procs))
+            result.update(date=datetime.now(UTC).isoformat(timespec="seconds"), summary=summarize(result["runs"]))
+            args.json.write_text(json.dumps(result, indent=2) + "\n")  # each finished run recorded at once
     print(json.dumps(result["summary"]["disk_vs_ram_throughput"]))
     return 0
 

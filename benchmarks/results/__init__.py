@@ -198,6 +198,13 @@ def comparison(study: Mapping[str, Any], arm: str, vs: str, metric: str = "test_
     return next((c for c in study["comparisons"] if (c["arm"], c["vs"], c["metric"]) == (arm, vs, metric)), None)
 
 
+def paired_diffs(study: Mapping[str, Any], arm: str, vs: str, metric: str = "test_auc") -> list[float]:
+    """arm - vs of one metric, per seed both arms finished (the comparisons' inputs, one by one)."""
+    theirs = {r["seed"]: r.get(metric) for r in study["runs"] if r["arm"] == vs}
+    return [r[metric] - theirs[r["seed"]] for r in study["runs"]
+            if r["arm"] == arm and r.get(metric) is not None and theirs.get(r["seed"]) is not None]
+
+
 def diff_ci(c: Mapping[str, Any] | None, digits: int = 4) -> str:
     """mean [low, high] (n) of a paired comparison; a dash before any pair finished."""
     if c is None:
@@ -229,7 +236,7 @@ def render() -> str:
     env.filters.update(n=n, f=f, sgn=sgn, x=x, pct=pct, k=k)
     env.globals.update(load=load, table=table, provenance=provenance, machine=machine, bench_row=bench_row,
                        setup=setup, cell=cell, verdict=verdict, study_arms=study_arms, comparison=comparison,
-                       diff_ci=diff_ci, equal_within=equal_within)
+                       diff_ci=diff_ci, equal_within=equal_within, paired_diffs=paired_diffs)
     names = sorted(p.name for p in SECTIONS.glob("*.md"))
     sections = [env.get_template(name).render().strip() for name in names]
     return HEADER + "\n\n".join(sections) + "\n"
