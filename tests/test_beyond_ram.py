@@ -8,8 +8,8 @@ from benchmarks import beyond_ram
 
 
 def _args(tmp_path: Path) -> argparse.Namespace:
-    return argparse.Namespace(data=tmp_path / "data", dim=128, precision="int4", cache_size=0.01, samples=512,
-                              eval_samples=100)
+    return argparse.Namespace(data=tmp_path / "data", dim=128, disk_dim=None, precision="int4", cache_size=0.01,
+                              samples=512, eval_samples=100)
 
 
 def test_the_arms_differ_only_in_where_the_rows_live(tmp_path: Path) -> None:
@@ -17,6 +17,17 @@ def test_the_arms_differ_only_in_where_the_rows_live(tmp_path: Path) -> None:
     disk = beyond_ram.train_command(_args(tmp_path), tmp_path / "run", tmp_path / "rows")
     assert disk == ram + ["--storage-path", str(tmp_path / "rows")]
     assert ram[ram.index("--seed") + 1] == "0" and ram[ram.index("--threads") + 1] == "1"
+
+
+def test_a_disk_dim_changes_the_disk_arms_dim_alone(tmp_path: Path) -> None:
+    args = _args(tmp_path)
+    args.disk_dim = 256
+    ram = beyond_ram.train_command(args, tmp_path / "run", None)
+    disk = beyond_ram.train_command(args, tmp_path / "run", tmp_path / "rows")
+    assert ram[ram.index("--dim") + 1] == "128" and disk[disk.index("--dim") + 1] == "256"
+    assert [a for a in disk if a not in ("256", "--storage-path", str(tmp_path / "rows"))] == [
+        a for a in ram if a != "128"
+    ]
 
 
 def test_each_round_is_paired_with_itself() -> None:

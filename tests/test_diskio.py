@@ -102,7 +102,7 @@ def _vm_flags(address: int) -> list[str]:
 
 
 def test_the_storage_map_is_advised_random(tmp_path: Path) -> None:
-    rows = hostmem.file_backed((1000, 64), torch.uint8, tmp_path)
+    rows = hostmem.StorageFile(64_000, tmp_path).tensor
     assert "rr" in _vm_flags(rows.data_ptr())  # MADV_RANDOM: no read-around on a fault
 
 
@@ -121,10 +121,28 @@ def test_in_a_file_only_the_codes_live_on_disk(tmp_path: Path) -> None:
     assert not DiskReadahead.wanted(RowStorage(1000, 16, "int4"))
 
 
+def test_whole_ranges_reach_a_file_through_pwrite_not_the_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    writes: list[tuple[int, int]] = []
+    write = hostmem.StorageFile.write
+
+    def spy(self: hostmem.StorageFile, offset: int, data: torch.Tensor) -> None:
+        writes.append((offset, data.numel() * data.element_size()))
+        write(self, offset, data)
+
+    monkeypatch.setattr(hostmem.StorageFile, "write", spy)
+    values = torch.randn(300, 10)
+    in_ram, in_file = RowStorage(1000, 10, "int4"), RowStorage(1000, 10, "int4", path=str(tmp_path))
+    for storage in (in_ram, in_file):
+        storage.write_range(500, values, "nearest", None)
+    assert writes == [(500 * 5, 300 * 5)]  # int4 at dim 10: 5 bytes a row
+    for name, tensor in in_ram.state_dict().items():
+        assert torch.equal(tensor, in_file.state_dict()[name]), name
+
+
 @COUNTED
 @LINUX
 def test_a_missed_row_reads_at_most_two_pages(on_disk: Path) -> None:
-    rows = hostmem.file_backed((1 << 14, 100), torch.uint8, on_disk)  # 1.6 MB, rows straddling pages
+    rows = hostmem.StorageFile(100 << 14, on_disk).tensor.view(1 << 14, 100)  # 1.6 MB, rows straddling pages
     rows.fill_(3)
     _evicted(rows)
     before = iostats.disk_io()

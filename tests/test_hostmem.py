@@ -2,6 +2,7 @@
 
 import argparse
 import gc
+import mmap
 import os
 from pathlib import Path
 
@@ -154,12 +155,23 @@ def _mapped_from(address: int) -> str:
 
 
 def test_file_backed_rows_live_in_an_unnamed_file_in_the_directory(tmp_path: Path) -> None:
-    rows = hostmem.file_backed((1000, 16), torch.uint8, tmp_path / "rows")
+    rows = hostmem.StorageFile(16_000, tmp_path / "rows").tensor.view(1000, 16)
     assert not rows.any()
     rows[7] = 9
     assert int(rows[7, 3]) == 9 and rows.sum() == 9 * 16
     assert list((tmp_path / "rows").iterdir()) == []  # unlinked at once: nothing left whatever happens
     assert _mapped_from(rows.data_ptr()).startswith(str(tmp_path / "rows"))
+
+
+def test_bytes_written_to_a_storage_file_show_in_its_map(tmp_path: Path) -> None:
+    file = hostmem.StorageFile(3 * mmap.PAGESIZE, tmp_path)
+    file.tensor[:10] = 1
+    file.write(mmap.PAGESIZE - 2, torch.arange(5, dtype=torch.int16))  # 10 bytes across a page boundary
+    assert file.tensor[:10].tolist() == [1] * 10  # bytes before the offset are kept
+    shown = file.tensor[mmap.PAGESIZE - 2 : mmap.PAGESIZE + 8].view(torch.int16)
+    assert shown.tolist() == [0, 1, 2, 3, 4]
+    assert file.holds(file.tensor[5:]) and not file.holds(file.tensor.clone())
+    assert not hostmem.StorageFile(0, tmp_path).holds(torch.empty(0))
 
 
 def test_file_backed_rows_that_do_not_fit_the_disk_are_one_line(
@@ -170,7 +182,7 @@ def test_file_backed_rows_that_do_not_fit_the_disk_are_one_line(
 
     monkeypatch.setattr(hostmem.os, "posix_fallocate", full)
     with pytest.raises(SlipcacheError, match="do not fit the .* GB free there"):
-        hostmem.file_backed((1 << 20,), torch.float32, tmp_path)
+        hostmem.StorageFile(4 << 20, tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -204,7 +216,7 @@ def test_read_ahead_asks_for_the_pages_of_the_bytes_within_the_tensor(
 ) -> None:
     calls: list[tuple[int, int, int]] = []
     monkeypatch.setattr(hostmem, "_MADVISE", lambda address, length, advice: calls.append((address, length, advice)))
-    rows = hostmem.file_backed((5, 4096), torch.uint8, tmp_path)  # 5 pages
+    rows = hostmem.StorageFile(5 * 4096, tmp_path).tensor  # 5 pages
     base, page = rows.data_ptr(), 4096
     assert hostmem.read_ahead(rows, page + 10, 100)
     assert calls[-1][:2] == (base + page, 110)  # from the page holding the first byte
@@ -227,7 +239,7 @@ def test_a_checkpoint_of_rows_on_disk_reads_each_chunk_ahead(tmp_path: Path, mon
     )
     monkeypatch.setattr(ckpt, "CHUNK_BYTES", 1 << 16)
     monkeypatch.setattr(ckpt, "RAW_MIN_BYTES", 1 << 20)
-    rows = hostmem.file_backed((1 << 19,), torch.int32, tmp_path / "rows")  # 2 MiB: stored raw, in 32 chunks
+    rows = hostmem.StorageFile(2 << 20, tmp_path / "rows").tensor.view(torch.int32)  # stored raw, in 32 chunks
     rows.copy_(torch.arange(1 << 19, dtype=torch.int32))
     path = ckpt.save_checkpoint(tmp_path / "ckpt.pt", {"rows": rows})
     assert asked[:3] == [(0, 1 << 16), (1 << 16, 1 << 16), (2 << 16, 1 << 16)]

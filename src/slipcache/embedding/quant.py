@@ -14,14 +14,13 @@ are counted per row and reported by the collection's `stats()`. No byte is added
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from slipcache._native import quantize
-from slipcache.embedding.hostmem import file_backed, host_empty, host_zeros
+from slipcache.embedding.hostmem import StorageFile, host_empty, host_zeros
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 ROUNDINGS = ("stochastic", "nearest")
@@ -200,24 +199,30 @@ class RowStorage(nn.Module):
         quantization parameters (3 bytes a row) stay in memory: a row read from the disk then costs the pages
         of its codes alone, one (two where a row straddles a page boundary), not one more per parameter."""
         super().__init__()
-        new = params = host_empty if empty else host_zeros
-        if path is not None and torch.device(device).type == "cpu":
-            new = functools.partial(_file_backed, path)
-        self.in_file = new is not params  # the payload lives in a mapped file (read ahead from the disk)
+        new = host_empty if empty else host_zeros
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.version = 0
         self.num_rows, self.dim, self.precision = num_rows, dim, precision
         device = torch.device(device)
         if precision in FLOAT_DTYPES:
-            self.register_buffer(
-                "payload", new((num_rows, dim), dtype=FLOAT_DTYPES[precision], device=device)
-            )
+            shape, dtype = (num_rows, dim), FLOAT_DTYPES[precision]
         else:
-            width = dim if precision == "int8" else (dim + 1) // 2
-            self.register_buffer("payload", new((num_rows, width), dtype=torch.uint8, device=device))
-            self.register_buffer("bias", params((num_rows,), dtype=torch.float16, device=device))
-            self.register_buffer("scale_code", params((num_rows,), dtype=torch.uint8, device=device))
+            shape, dtype = (num_rows, dim if precision == "int8" else (dim + 1) // 2), torch.uint8
+        self.file: StorageFile | None = None  # where the payload lives in a mapped file (read ahead from the disk)
+        if path is not None and device.type == "cpu":
+            self.file = StorageFile(num_rows * shape[1] * dtype.itemsize, path)
+            self.register_buffer("payload", self.file.tensor.view(dtype).view(shape))
+        else:
+            self.register_buffer("payload", new(shape, dtype=dtype, device=device))
+        if precision in INT_BITS:
+            self.register_buffer("bias", new((num_rows,), dtype=torch.float16, device=device))
+            self.register_buffer("scale_code", new((num_rows,), dtype=torch.uint8, device=device))
+
+    @property
+    def in_file(self) -> bool:
+        """Whether the payload is (still) the mapped file's: a move off the CPU or a replaced buffer ends it."""
+        return self.file is not None and self.file.holds(self.payload)
 
     def _apply(self, fn: Any, recurse: bool = True) -> RowStorage:
         self.version += 1
@@ -281,10 +286,11 @@ class RowStorage(nn.Module):
         rounding: str,
         generator: torch.Generator | None,
         rows: Tensor | None,
-        start: int,
+        targets: list[Tensor],
         source: Tensor | None = None,
     ) -> Fitted | None:
-        """`write` (at `rows`) or `write_range` (from `start`) in the compiled pass; None where it cannot run.
+        """`write` (`targets` the buffers, at `rows`) or `write_range` (`targets` the buffers' slices, rows
+        None) in the compiled pass; None where it cannot run.
 
         Draws the same noise as `encode` (compiled too, from the same generator stream) and fits the same
         rows, so the stored bytes and the generator's state after are the same. With `source`, row i is
@@ -301,9 +307,6 @@ class RowStorage(nn.Module):
         values = values.contiguous()
         n = values.shape[0] if source is None else source.numel()
         bits = INT_BITS.get(self.precision)
-        buffers = list(self.buffers())
-        if rows is None:
-            buffers = [buf[start : start + n] for buf in buffers]
         noise = None
         if rounding == "stochastic" and self.precision != "fp32":
             shape = (n, self.dim)
@@ -314,7 +317,7 @@ class RowStorage(nn.Module):
         limit, max_span = VALUE_LIMIT[self.precision], INT_MAX_SPAN[bits] if bits else None
         kwargs = {"scales": _SCALES}
         count = quantize.quantize_rows(
-            values, self.precision, *buffers, noise=noise, rows=rows, bad=bad, limit=limit, max_span=max_span,
+            values, self.precision, *targets, noise=noise, rows=rows, bad=bad, limit=limit, max_span=max_span,
             source=source, **kwargs,
         )
         if not count:
@@ -323,7 +326,7 @@ class RowStorage(nn.Module):
         fitted = fit_to_range(values[fix if source is None else source[fix]], limit, max_span)
         # Fitted rows are stored as they are (a window's float rounding may exceed max_span by an ulp).
         quantize.quantize_rows(
-            fitted.values.contiguous(), self.precision, *buffers, noise=None if noise is None else noise[fix],
+            fitted.values.contiguous(), self.precision, *targets, noise=None if noise is None else noise[fix],
             rows=fix if rows is None else rows[fix], limit=float("inf"), **kwargs,
         )
         counts = []
@@ -348,7 +351,7 @@ class RowStorage(nn.Module):
         compiled pass reads them in place, the torch path gathers them first."""
         rows = rows.to(self.payload.device)
         self.version += 1
-        done = self._write_compiled(values, rounding, generator, rows.contiguous(), 0, source)
+        done = self._write_compiled(values, rounding, generator, rows.contiguous(), list(self.buffers()), source)
         if done is not None:
             return done
         if source is not None:
@@ -361,20 +364,22 @@ class RowStorage(nn.Module):
     def write_range(
         self, start: int, values: Tensor, rounding: str, generator: torch.Generator | None
     ) -> Fitted:
-        """Contiguous write, for initialization and loading whole tables."""
+        """Contiguous write, for initialization and loading whole tables. Rows in a file are rounded into a
+        buffer and written with pwrite (`StorageFile.write`), never through the map."""
         end = start + values.shape[0]
         self.version += 1
-        done = self._write_compiled(values, rounding, generator, None, start)
-        if done is not None:
-            return done
-        encoded, fitted = self.encode(values, rounding, generator)
-        for buf, tensor in zip(self.buffers(), encoded, strict=True):
-            buf[start:end].copy_(tensor)
+        targets = [buf[start:end] for buf in self.buffers()]
+        file = self.file if self.in_file else None
+        if file is not None:
+            targets[0] = torch.empty_like(targets[0])
+        fitted = self._write_compiled(values, rounding, generator, None, targets)
+        if fitted is None:
+            encoded, fitted = self.encode(values, rounding, generator)
+            for target, tensor in zip(targets, encoded, strict=True):
+                target.copy_(tensor)
+        if file is not None:
+            file.write(start * self.payload.stride(0) * self.payload.element_size(), targets[0])
         return fitted
-
-
-def _file_backed(path: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    return file_backed(shape, dtype, path)
 
 
 class TableRowStorage(nn.Module):

@@ -1,6 +1,6 @@
 """Reading rows ahead from storage in a mapped file (`--storage-path`), so that a step does not wait on the disk.
 
-The storage map is advised random (`hostmem.file_backed`): the kernel reads only the page a miss touches.
+The storage map is advised random (`hostmem.StorageFile`): the kernel reads only the page a miss touches.
 A miss that faults still waits for the disk, one page at a time. The training loop knows the batches ahead
 (`set_lookahead`), so the rows of the farthest one that the cache does not hold are asked for here, each
 step, with `madvise(MADV_WILLNEED)` on their pages: the kernel queues every read at once and returns, and
