@@ -291,7 +291,7 @@ def test_train_picks_the_generator(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     for flags in ({}, {"synthetic_generator": "v2"}):
         prepare_data(make_config({}, flags), tmp_path)
     assert asked == ["v5", "v2"]
-    with pytest.raises(SlipcacheError, match="synthetic_generator must be one of"):
+    with pytest.raises(SlipcacheError, match=r"--generator \(synthetic_generator\) must be one of"):
         make_config({}, {"synthetic_generator": "v9"})
 
 

@@ -22,6 +22,15 @@ def test_compiled_draws_are_torch_rand(draws: int) -> None:
         assert torch.equal(ours.get_state(), theirs.get_state())
 
 
+def test_a_compiled_draw_into_a_buffer_is_torch_rand() -> None:
+    ours, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    buffer = torch.full((10, 7), -1.0)
+    assert quantize.uniform((4, 7), ours, out=buffer[:4]) is not None  # a view: the buffer's rows, filled
+    assert torch.equal(buffer[:4], torch.rand((4, 7), generator=theirs)) and bool((buffer[4:] == -1).all())
+    with pytest.raises(ValueError, match="out must be a contiguous CPU float32"):
+        quantize.uniform((4, 7), ours, out=buffer[:5])
+
+
 def test_the_compiled_draw_refuses_a_state_out_of_range() -> None:
     state = torch.Generator().manual_seed(1).get_state()
     state[8:12] = 0  # `left` 0: not a state torch leaves (then the caller draws with torch)

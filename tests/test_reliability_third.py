@@ -369,7 +369,7 @@ def test_threads_and_memory_settings_out_of_range(
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize(("value", "expected"), [(1e100, "batch_size must fit a 64-bit integer"),
+@pytest.mark.parametrize(("value", "expected"), [(1e100, "--batch-size must fit a 64-bit integer"),
                                                  ("256", "batch_size: expected int, got '256'")])
 def test_a_config_file_value_of_the_wrong_type_is_one_line(value: object, expected: str) -> None:
     with pytest.raises(SlipcacheError, match=expected):

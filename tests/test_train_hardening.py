@@ -136,11 +136,13 @@ def test_malformed_lines_are_reported(
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--cache-size", "inf"], "cache_size must be a finite number, got inf"),
-        (["--lr", "inf"], "lr must be a finite number, got inf"),
-        (["--lr", "nan"], "lr must be a finite number"),
-        (["--seed", "-1"], "seed must be in"),
-        (["--seed", str(2**40)], "seed must be in"),
+        (["--cache-size", "inf"], "--cache-size must be a finite number, got inf"),
+        (["--lr", "inf"], "--lr must be a finite number, got inf"),
+        (["--lr", "nan"], "--lr must be a finite number"),
+        (["--seed", "-1"], "--seed must be in"),
+        (["--seed", str(2**40)], "--seed must be in"),
+        (["--samples", "-3"], "--samples must be positive, got -3"),  # the flag the user typed, named
+        (["--dim", "0"], "--dim (embedding_dim) must be positive, got 0"),
     ],
 )
 def test_bad_flags_are_one_line_errors(
@@ -251,7 +253,7 @@ def test_eval_rejects_bad_samples_and_crafted_checkpoints(
     for bad_config, message in [
         ({**state["config"], "lr": "fast"}, "holds an invalid run config: lr: expected float"),
         ({**state["config"], "bottom_mlp": [-3, 8]}, "MLP layer sizes must be positive"),
-        ({**state["config"], "batch_size": 0}, "batch_size must be positive"),
+        ({**state["config"], "batch_size": 0}, "--batch-size must be positive"),
         ("rm -rf /", "holds no run config"),
     ]:
         checkpoint.save_checkpoint(tmp_path / "crafted.pt", {**state, "config": bad_config})
@@ -269,3 +271,38 @@ def test_dim_moves_the_bottom_mlp(data_dir: Path, tmp_path: Path) -> None:
     config = make_config({}, {"data": str(data_dir), "out": str(tmp_path / "run"), "embedding_dim": 32,
                                     "embeddings": "torch", "samples": 256, "progress": False})  # fmt: skip
     assert train.train(config)["train_samples"] == 256
+
+
+@pytest.mark.parametrize(
+    ("free_gb", "said"),
+    [
+        (2.5, "room for 2: the run will stop at a checkpoint that does not fit; give --keep-checkpoints 1"),
+        (1.5, "room for 1: the run will stop at a checkpoint that does not fit; give --checkpoint-every"),
+        (3.5, None),  # three at once fit: nothing said
+    ],
+)
+def test_checkpoints_the_disk_cannot_hold_are_said_at_the_start(
+    free_gb: float, said: str | None, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    monkeypatch.setattr(checkpoint, "tensor_bytes", lambda state: 10**9)  # each checkpoint: 1 GB
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage._replace(free=int(free_gb * 1e9)))
+    train.train(tiny(data_dir, tmp_path / "run", epochs=1))  # 4 checkpoints, 2 kept: 3 on disk at once
+    err = capsys.readouterr().err
+    if said is None:
+        assert "checkpoint" not in err
+    else:
+        assert said in err and "take about 1.0 GB each and 3 are on disk at once" in err
+        assert err.count("\n") == 1
+
+
+def test_a_run_whose_checkpoint_cannot_fit_stops_before_training(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpoint, "tensor_bytes", lambda state: 10**9)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage._replace(free=int(0.4e9)))
+    with pytest.raises(SlipcacheError, match=r"takes about 1\.0 GB and .* has 400\.0 MB free: not one fits"):
+        train.train(tiny(data_dir, tmp_path / "run", epochs=1))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

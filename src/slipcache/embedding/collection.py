@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from slipcache._native import quantize
 from slipcache.embedding.accounting import COUNTERS, PhaseClock, TrafficCounters, memory_report, row_bytes
 from slipcache.embedding.cache import RowCache
 from slipcache.embedding.config import FLOAT32_MAX, EmbeddingConfig
@@ -64,7 +65,10 @@ def initial_rows(table_sizes: list[int], dim: int, seed: int) -> Iterator[tuple[
         bound = 1.0 / math.sqrt(size)
         for first in range(0, size, chunk_rows):
             count = min(chunk_rows, size - first)
-            yield table, first, chunk[:count].uniform_(generator=generator).mul_(2).sub_(1).mul_(bound)
+            values = chunk[:count]
+            if quantize.uniform((count, dim), generator, out=values) is None:  # compiled: torch's values, faster
+                values.uniform_(generator=generator)
+            yield table, first, values.mul_(2).sub_(1).mul_(bound)
 
 
 def _init_chunk_rows(dim: int) -> int:

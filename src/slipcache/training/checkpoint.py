@@ -25,6 +25,7 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -236,6 +237,28 @@ def save_run_checkpoint(
     for old in periodic_files[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
     return latest
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested state: what a checkpoint of it holds, less its small payload."""
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def checkpoints_that_fit(directory: Path, checkpoint_bytes: int, writes: int, keep: int) -> tuple[int, int, int]:
+    """(new checkpoints on disk at once, how many fit the free space, free bytes) for a run that will write
+    `writes` more checkpoints of `checkpoint_bytes` into `directory`, keeping `keep`: the newest is complete
+    before the oldest goes, so up to keep + 1 are there at once, those already there among them."""
+    there = len(periodic_checkpoints(directory)) + len(complete_steps(directory))
+    at_once = max(0, min(there + writes, keep + 1) - there)
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    return at_once, free // max(checkpoint_bytes, 1), free
 
 
 def _read_header(path: Path, f: BinaryIO) -> tuple[str, int, int]:

@@ -34,7 +34,7 @@ from slipcache.staleness.config import (
     preset_help,
 )
 from slipcache.staleness.skipping import DECISIONS, WARMUPS
-from slipcache.training.settings import coerce, part_options
+from slipcache.training.settings import coerce, part_options, read_settings_file, setting_name
 from slipcache.training.settings import flag as _flag  # the one way a setting is described
 
 VOCABS = ("hash", "frequency")
@@ -292,56 +292,56 @@ class TrainConfig:
         for name in CONFIG_FIELDS:  # types first: a crafted checkpoint, a config file or an API call may hold
             value = _coerce(name, getattr(self, name))  # anything ("256", 1e100); what trains is the typed value
             if isinstance(value, float) and not math.isfinite(value):
-                raise SlipcacheError(f"{name} must be a finite number, got {value}")
+                raise SlipcacheError(f"{_named(name)} must be a finite number, got {value}")
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
-                raise SlipcacheError(f"{name} must fit a 64-bit integer, got {getattr(self, name)!r}")
+                raise SlipcacheError(f"{_named(name)} must fit a 64-bit integer, got {getattr(self, name)!r}")
             setattr(self, name, value)
         for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
             if precision not in PRECISIONS:
-                raise SlipcacheError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+                raise SlipcacheError(f"{_named('precision')} must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         for name, f in CONFIG_FIELDS.items():  # the choices the flags offer (precision: per table, above)
             allowed = f.metadata.get("choices")
             if allowed is not None and name != "precision" and getattr(self, name) not in (*allowed, None):
                 raise SlipcacheError(
-                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                    f"{_named(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
         positive = ["batch_size", "epochs", "embedding_dim", "samples", "log_every", "eval_every", "lookahead"]
         positive += ["checkpoint_every", "eval_samples", "synthetic_samples", "max_rows", "min_count", "threads"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise SlipcacheError(f"{name} must be positive, got {value}")
+                raise SlipcacheError(f"{_named(name)} must be positive, got {value}")
         for name in ("lr", "dense_lr", "synthetic_scale"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # also rejects nan
-                raise SlipcacheError(f"{name} must be positive, got {value}")
+                raise SlipcacheError(f"{_named(name)} must be positive, got {value}")
         if self.batch_size > 2**31:  # rows of a batch are indexed with int32 offsets
-            raise SlipcacheError(f"batch_size must be at most 2**31, got {self.batch_size}")
+            raise SlipcacheError(f"{_named('batch_size')} must be at most 2**31, got {self.batch_size}")
         if self.max_rows > 2**31:  # rows are int32 ids
-            raise SlipcacheError(f"max_rows must be at most 2**31, got {self.max_rows}")
+            raise SlipcacheError(f"{_named('max_rows')} must be at most 2**31, got {self.max_rows}")
         if self.out == "" or self.resume == "":
             raise SlipcacheError("--out and --resume need a directory name, got an empty one")
         for name in ("lr", "dense_lr"):  # the update multiplies float32 parameters by it
             value = getattr(self, name)
             if value is not None and value > FLOAT32_MAX:
-                raise SlipcacheError(f"{name} must fit a float32 (at most {FLOAT32_MAX:.3g}), got {value}")
+                raise SlipcacheError(f"{_named(name)} must fit a float32 (at most {FLOAT32_MAX:.3g}), got {value}")
         if self.table_sizes is not None and (not self.table_sizes or min(self.table_sizes) < 1):
-            raise SlipcacheError(f"table_sizes must be positive row counts, got {self.table_sizes}")
+            raise SlipcacheError(f"{_named('table_sizes')} must be positive row counts, got {self.table_sizes}")
         for share in self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]:
             if not 0.0 <= share <= 1.0:  # also rejects nan and inf
                 hint = f" (for a number of rows use --cache-rows {share:g})" if share > 1 else ""
-                raise SlipcacheError(f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}")
+                raise SlipcacheError(f"{_named('cache_size')} is the share of rows cached in [0, 1]; got {share}{hint}")
         for count in self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows]:
             if count is not None and count < 0:
-                raise SlipcacheError(f"cache_rows must be >= 0, got {count}")
+                raise SlipcacheError(f"{_named('cache_rows')} must be >= 0, got {count}")
         if not 0 <= self.seed < 2**32:
-            raise SlipcacheError(f"seed must be in [0, 2**32), got {self.seed}")
+            raise SlipcacheError(f"{_named('seed')} must be in [0, 2**32), got {self.seed}")
         for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps", "checkpoint_minutes"):
             value = getattr(self, name)
             if value is not None and not value >= 0:  # also rejects nan
-                raise SlipcacheError(f"{name} must be 0 or more, got {value}")
+                raise SlipcacheError(f"{_named(name)} must be 0 or more, got {value}")
         if self.keep_checkpoints < 1:
-            raise SlipcacheError(f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
+            raise SlipcacheError(f"{_named('keep_checkpoints')} must be at least 1, got {self.keep_checkpoints}")
         if self.bottom_mlp[-1:] != [self.embedding_dim]:
             raise SlipcacheError(
                 f"bottom_mlp must end in the embedding dim {self.embedding_dim}, got {self.bottom_mlp}"
@@ -414,6 +414,10 @@ QUICK: dict[str, Any] = {
 
 CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
+
+def _named(name: str) -> str:
+    return setting_name(name, CONFIG_FIELDS[name])
+
 _TYPES = typing.get_type_hints(TrainConfig)
 
 
@@ -423,32 +427,7 @@ def _coerce(name: str, value: Any) -> Any:
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML (.toml) or YAML (.yaml/.yml/.json) config file into {field: value}."""
-    path = Path(path)
-    if not path.is_file():
-        raise SlipcacheError(f"config file not found: {path}")
-    try:
-        if path.suffix == ".toml":
-            import tomllib
-
-            raw = tomllib.loads(path.read_text())
-        else:
-            import yaml
-
-            raw = yaml.safe_load(path.read_text()) or {}
-    except Exception as exc:  # parse errors of either format
-        raise SlipcacheError(f"cannot parse config file {path}: {exc}".splitlines()[0]) from exc
-    if not isinstance(raw, dict):
-        raise SlipcacheError(f"config file {path} must hold a mapping of keys to values")
-    raw = raw.get("train", raw) if isinstance(raw.get("train"), dict) else raw
-    values = {}
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in CONFIG_FIELDS:
-            raise SlipcacheError(
-                f"unknown key {key!r} in config file {path}; valid keys: {', '.join(sorted(CONFIG_FIELDS))}"
-            )
-        values[name] = _coerce(name, value)
-    return values
+    return read_settings_file(path, CONFIG_FIELDS, _coerce)
 
 
 def make_config(

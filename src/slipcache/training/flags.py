@@ -13,7 +13,7 @@ from typing import Any
 from slipcache.data.presets import parse_table_sizes
 from slipcache.options import positive_int
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig
-from slipcache.training.settings import GROUPS
+from slipcache.training.settings import GROUPS, flag_strings
 
 _TYPES = typing.get_type_hints(TrainConfig)
 
@@ -63,7 +63,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         if "help" not in meta:
             continue
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": flag_help(f)}
-        strings = meta.get("flag") or (f"--{name.replace('_', '-')}",)
+        strings = flag_strings(name, f)
         if _TYPES[name] is bool:
             kwargs["action"] = "store_false" if f.default else "store_true"
         else:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import field
+from pathlib import Path
 from typing import Any
 
 from slipcache.embedding.config import EmbeddingConfig
@@ -114,3 +116,49 @@ def _matches(kind: type, value: Any) -> bool:
     if kind is int:
         return number and float(value).is_integer()
     return isinstance(value, kind)
+
+
+def flag_strings(name: str, f: dataclasses.Field) -> tuple[str, ...]:
+    """A setting's flags (`--dim` for embedding_dim): the field's own spelling, else its name with dashes."""
+    return f.metadata.get("flag") or (f"--{name.replace('_', '-')}",)
+
+
+def setting_name(name: str, f: dataclasses.Field) -> str:
+    """A setting as errors name it: its flag (what most users typed), and its config key where they differ."""
+    if "help" not in f.metadata:  # no flag: a config file's key alone
+        return name
+    spelled = flag_strings(name, f)[0]
+    return spelled if spelled == f"--{name.replace('_', '-')}" else f"{spelled} ({name})"
+
+
+def read_settings_file(
+    path: str | Path, fields: dict[str, dataclasses.Field], coerce_value: Callable[[str, Any], Any]
+) -> dict[str, Any]:
+    """Read a TOML (.toml) or YAML (.yaml/.yml/.json) file of settings into {field: value}, each value checked
+    by `coerce_value(name, value)`; a key that is not one of `fields` is one line naming the valid ones."""
+    path = Path(path)
+    if not path.is_file():
+        raise SlipcacheError(f"config file not found: {path}")
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            raw = tomllib.loads(path.read_text())
+        else:
+            import yaml
+
+            raw = yaml.safe_load(path.read_text()) or {}
+    except Exception as exc:  # parse errors of either format
+        raise SlipcacheError(f"cannot parse config file {path}: {exc}".splitlines()[0]) from exc
+    if not isinstance(raw, dict):
+        raise SlipcacheError(f"config file {path} must hold a mapping of keys to values")
+    raw = raw.get("train", raw) if isinstance(raw.get("train"), dict) else raw
+    values = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            raise SlipcacheError(
+                f"unknown key {key!r} in config file {path}; valid keys: {', '.join(sorted(fields))}"
+            )
+        values[name] = coerce_value(name, value)
+    return values

@@ -58,6 +58,7 @@ from slipcache.training.features import run_callbacks
 from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, run_record, warn
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
+from slipcache.units import amount
 
 if TYPE_CHECKING:
     from slipcache.training.run import Run
@@ -261,6 +262,7 @@ def _build_run(
         refuse_link(run_dir / "checkpoints")  # everything written into it would land elsewhere
         for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
             ckpt.remove_partial_writes(directory)
+        check_checkpoint_room(run)
     run.callbacks.on_start(run)
     run.bar = progress_bar(  # off a terminal: a plain line every 30 s
         total=run.budget,
@@ -382,6 +384,35 @@ def _postfix(event: dict[str, Any]) -> dict[str, str]:
     if event["hit_rate"] is not None:
         postfix["hit"] = f"{100 * event['hit_rate']:.1f}%"
     return postfix
+
+
+def check_checkpoint_room(run: Run) -> None:
+    """Say at the start what a full disk would otherwise say at a checkpoint hours in: a warning when the
+    checkpoints the run keeps at once do not all fit, an error when not one does."""
+    config = run.config
+    each = ckpt.tensor_bytes(checkpoint_state(run)) * run.backend.processes
+    writes = 1 + max(0, (run.budget - 1) // config.checkpoint_every - run.progress.samples // config.checkpoint_every)
+    if config.checkpoint_minutes:  # timed checkpoints too: a long run reaches every one it keeps
+        writes = max(writes, config.keep_checkpoints + 1)
+    directory = run.run_dir / "checkpoints"
+    at_once, fit, free = ckpt.checkpoints_that_fit(directory, each, writes, config.keep_checkpoints)
+    if at_once <= fit:
+        return
+    have = f"{directory} has {amount(free)} free"
+    if not fit:
+        raise SlipcacheError(
+            f"a checkpoint of this run takes about {amount(each)} and {have}: not one fits; free space, or give "
+            "--out a directory on a disk with room"
+        )
+    fix = (
+        f"give --keep-checkpoints {fit - 1}" if fit > 1 else
+        f"give --checkpoint-every {run.budget} --checkpoint-minutes 0 (the final checkpoint alone)"
+    )
+    warn(
+        f"checkpoints of this run take about {amount(each)} each and {at_once} are on disk at once (the newest is "
+        f"complete before the oldest of --keep-checkpoints {config.keep_checkpoints} goes), but {have}, room for "
+        f"{fit}: the run will stop at a checkpoint that does not fit; {fix}, or --out on a disk with room"
+    )
 
 
 def save_checkpoint(run: Run) -> None:
