@@ -203,3 +203,30 @@ def test_a_storage_path_on_a_network_file_system_is_warned_in_one_line(
 @pytest.mark.skipif(not Path("/proc/self/mountinfo").exists(), reason="no /proc/self/mountinfo")
 def test_filesystem_type_names_the_root() -> None:
     assert memory.filesystem_type(Path("/")) and memory.filesystem_type(Path("/proc/self")) == "proc"
+
+
+def test_a_checkpoints_rows_reach_a_file_through_pwrite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+    from slipcache.training import checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "RAW_MIN_BYTES", 1 << 10)  # the codes (28 kB) stored raw, read in 7 chunks
+    monkeypatch.setattr(ckpt, "CHUNK_BYTES", 1 << 12)
+    config = EmbeddingConfig([3000, 500], dim=16, precision="int4", cache_size=0.05, storage_path=str(tmp_path / "a"))
+    saved = CachedEmbeddingBagCollection(config)
+    path = ckpt.save_checkpoint(tmp_path / "c.pt", {"embeddings": saved.state_dict()})
+    fresh = CachedEmbeddingBagCollection(
+        EmbeddingConfig([3000, 500], dim=16, precision="int4", cache_size=0.05, storage_path=str(tmp_path / "b")),
+        draw_rows=False,
+    )
+    writes: list[tuple[int, int]] = []
+    write = hostmem.StorageFile.write
+    monkeypatch.setattr(
+        hostmem.StorageFile, "write", lambda self, at, data: writes.append((at, len(data))) or write(self, at, data)
+    )
+    state = ckpt.load_checkpoint(path, lazy=True)
+    ckpt.materialize(state, {"embeddings": fresh.state_dict()}, fresh.storage_files())
+    fresh.load_state_dict(state["embeddings"])
+    assert writes[:2] == [(0, 1 << 12), (1 << 12, 1 << 12)] and sum(n for _, n in writes) == 3500 * 8
+    for name, tensor in saved.state_dict().items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(tensor, fresh.state_dict()[name]), name

@@ -231,6 +231,12 @@ def test_config_file_errors(tmp_path: Path) -> None:
     bad_key.write_text("learning_rate: 0.1\n")
     with pytest.raises(SlipcacheError, match="unknown key 'learning_rate'"):
         load_config_file(bad_key)
+    for text, meant in [("dim: 8\n", "the flag --dim is the key 'embedding_dim'"),
+                        ("batchsize: 8\n", "did you mean 'batch_size'"),
+                        ("zzz: 1\n", "valid keys: allow_changes, ")]:
+        bad_key.write_text(text)
+        with pytest.raises(SlipcacheError, match=meant):
+            load_config_file(bad_key)
     bad_type = tmp_path / "t.toml"
     bad_type.write_text('batch_size = "big"\n')
     with pytest.raises(SlipcacheError, match="batch_size"):

@@ -34,6 +34,7 @@ from slipcache._native import quantize
 from slipcache.embedding.accounting import COUNTERS, PhaseClock, TrafficCounters, memory_report, row_bytes
 from slipcache.embedding.cache import RowCache
 from slipcache.embedding.config import FLOAT32_MAX, EmbeddingConfig
+from slipcache.embedding.hostmem import StorageFile
 from slipcache.embedding.inputs import LookupInputs, SparseFeatures
 from slipcache.embedding.plan import StepPlanner, _FusedLookup
 from slipcache.embedding.prefetch import Prefetcher
@@ -265,6 +266,11 @@ class CachedEmbeddingBagCollection(nn.Module):
             for table, first, values in initial_rows(self.table_sizes, self.dim, self.config.seed):
                 self.storage.write_range(offsets[table] + first, values.to(self.storage_device), "nearest", None)
                 bar.update(values.shape[0])
+
+    def storage_files(self) -> list[StorageFile]:
+        """The mapped files that hold the rows (`storage_path`): a checkpoint's rows go into them with pwrite."""
+        parts = self.storage.parts.values() if isinstance(self.storage, TableRowStorage) else [self.storage]
+        return [part.file for part in parts if part.in_file and part.file is not None]
 
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""

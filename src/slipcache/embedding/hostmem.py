@@ -154,11 +154,13 @@ class StorageFile:
         base = self.tensor.data_ptr()
         return self.fd is not None and base <= tensor.data_ptr() < base + self.tensor.numel()
 
-    def write(self, offset: int, data: Tensor) -> None:
-        """Write the bytes of a contiguous CPU tensor at byte `offset` of the file (what the map then shows)."""
+    def write(self, offset: int, data: Tensor | memoryview) -> None:
+        """Write bytes (a CPU tensor's, or a buffer's) at byte `offset` of the file (what the map then shows)."""
         if self.fd is None:
             raise SlipcacheError("an empty storage file holds no bytes to write")
-        view = memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy())
+        if isinstance(data, Tensor):
+            data = memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy())
+        view = data.cast("B")
         while view:
             written = os.pwrite(self.fd, view, offset)
             view, offset = view[written:], offset + written

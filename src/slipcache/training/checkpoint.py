@@ -28,6 +28,7 @@ import re
 import shutil
 import tempfile
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -35,7 +36,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import Tensor
 
-from slipcache.embedding.hostmem import read_ahead
+from slipcache.embedding.hostmem import StorageFile, read_ahead
 from slipcache.errors import SlipcacheError
 
 LATEST = "latest.pt"
@@ -350,8 +351,9 @@ def _count(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _stream_raw(raw: RawTensor, into: memoryview | None) -> None:
-    """Read a large tensor's bytes into `into` (or only hash them), a chunk at a time; check its digest."""
+def _stream_raw(raw: RawTensor, into: memoryview | None, put: Callable[[int, memoryview], None] | None = None) -> None:
+    """Read a large tensor's bytes into `into`, or a chunk at a time into a scratch buffer handed to
+    `put(offset, chunk)` (or only hashed); check its digest."""
     sha = hashlib.sha256()
     scratch = None if into is not None else bytearray(min(CHUNK_BYTES, raw.nbytes))
     with open(raw.path, "rb") as f:
@@ -363,16 +365,19 @@ def _stream_raw(raw: RawTensor, into: memoryview | None) -> None:
             if got != stop - start:
                 raise CorruptCheckpointError(f"checkpoint {raw.path} is corrupt (truncated tensor bytes)")
             sha.update(target)
+            if put is not None:
+                put(start, target)
     if sha.hexdigest() != raw.sha256:
         raise CorruptCheckpointError(
             f"checkpoint {raw.path} is corrupt (checksum mismatch in a tensor of shape {list(raw.shape)})"
         )
 
 
-def materialize(obj: Any, targets: Any = None) -> Any:
+def materialize(obj: Any, targets: Any = None, files: Sequence[StorageFile] = ()) -> Any:
     """`obj` with every `RawTensor` read (in place for dicts and lists); where `targets` (a structure of
     the same keys, e.g. a model's state_dict) holds a CPU tensor of the same dtype and shape, the bytes go
-    straight into it, so loading the tables needs no second copy. Digests are checked as they are read."""
+    straight into it, so loading the tables needs no second copy. Into a tensor that one of `files` maps
+    (rows on disk) they go with pwrite, not through the map. Digests are checked as they are read."""
     if isinstance(obj, RawTensor):
         target = targets if isinstance(targets, Tensor) else None
         if not (
@@ -380,12 +385,17 @@ def materialize(obj: Any, targets: Any = None) -> Any:
             and target.device.type == "cpu" and target.is_contiguous()
         ):
             target = torch.empty(obj.shape, dtype=obj.dtype)
+        file = next((f for f in files if f.holds(target)), None)
         with torch.no_grad():
-            _stream_raw(obj, _bytes_of(target) if target.numel() else None)
+            if file is not None:
+                at = target.data_ptr() - file.tensor.data_ptr()
+                _stream_raw(obj, None, lambda start, chunk: file.write(at + start, chunk))
+            else:
+                _stream_raw(obj, _bytes_of(target) if target.numel() else None)
         return target
     if isinstance(obj, dict):
         for key in list(obj):
-            obj[key] = materialize(obj[key], targets.get(key) if isinstance(targets, dict) else None)
+            obj[key] = materialize(obj[key], targets.get(key) if isinstance(targets, dict) else None, files)
         return obj
     if isinstance(obj, list):
         obj[:] = [materialize(v) for v in obj]

@@ -124,7 +124,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], fie
 def load_model_state(state: dict[str, Any], model: DLRM, *, dense: bool = True, embeddings: bool = True) -> None:
     """Dense and embedding state (each unless told not to) into `model`; a checkpoint of another shape is
     named as such. Tables a lazy checkpoint left on disk are read straight into the model's buffers."""
-    ckpt.materialize(state, {"embeddings": model.embeddings.state_dict()} if embeddings else None)
+    files = model.embeddings.storage_files() if hasattr(model.embeddings, "storage_files") else []
+    ckpt.materialize(state, {"embeddings": model.embeddings.state_dict()} if embeddings else None, files)
     try:
         if dense:
             missing, unexpected = model.load_state_dict(state["dense"], strict=False)

@@ -7,6 +7,7 @@ are built from that metadata.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from collections.abc import Callable
@@ -157,8 +158,18 @@ def read_settings_file(
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in fields:
-            raise SlipcacheError(
-                f"unknown key {key!r} in config file {path}; valid keys: {', '.join(sorted(fields))}"
-            )
+            raise SlipcacheError(f"unknown key {key!r} in config file {path}; {_closest_keys(name, fields)}")
         values[name] = coerce_value(name, value)
     return values
+
+
+def _closest_keys(name: str, fields: dict[str, dataclasses.Field]) -> str:
+    """What an unknown config-file key most likely meant: the key of the flag spelled so (`dim`: --dim is
+    embedding_dim), else the nearest keys, else every valid key."""
+    by_flag = {spelled[2:].replace("-", "_"): key for key, f in fields.items() for spelled in flag_strings(key, f)}
+    if name in by_flag:
+        return f"the flag --{name.replace('_', '-')} is the key {by_flag[name]!r}"
+    near = difflib.get_close_matches(name, list(fields), n=3)
+    if near:
+        return f"did you mean {' or '.join(repr(k) for k in near)}?"
+    return f"valid keys: {', '.join(sorted(fields))}"
