@@ -391,9 +391,8 @@ def check_checkpoint_room(run: Run) -> None:
     checkpoints the run keeps at once do not all fit, an error when not one does."""
     config = run.config
     each = ckpt.tensor_bytes(checkpoint_state(run)) * run.backend.processes
+    # The scheduled ones and the final one; timed ones (--checkpoint-minutes) depend on a speed not known yet.
     writes = 1 + max(0, (run.budget - 1) // config.checkpoint_every - run.progress.samples // config.checkpoint_every)
-    if config.checkpoint_minutes:  # timed checkpoints too: a long run reaches every one it keeps
-        writes = max(writes, config.keep_checkpoints + 1)
     directory = run.run_dir / "checkpoints"
     at_once, fit, free = ckpt.checkpoints_that_fit(directory, each, writes, config.keep_checkpoints)
     if at_once <= fit:
