@@ -153,7 +153,7 @@ def test_large_tensors_stream_raw_and_load_into_the_given_buffers(tmp_path: Path
     lazy = checkpoint.load_checkpoint(path, lazy=True)
     assert isinstance(lazy["embeddings"]["payload"], checkpoint.RawTensor)  # stored raw, not read yet
     assert isinstance(lazy["small"], torch.Tensor)
-    assert checkpoint.raw_bytes(lazy) == 2100 + 1200 + 2560 + 8000
+    assert checkpoint.tensor_bytes(lazy, checkpoint.RawTensor) == 2100 + 1200 + 2560 + 8000
     targets = {"embeddings": {k: torch.empty_like(v) for k, v in state["embeddings"].items() if k != "step"}}
     loaded = checkpoint.materialize(lazy, targets)
     for key in ("payload", "bias", "weights"):

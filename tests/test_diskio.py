@@ -230,3 +230,28 @@ def test_a_checkpoints_rows_reach_a_file_through_pwrite(tmp_path: Path, monkeypa
     for name, tensor in saved.state_dict().items():
         if isinstance(tensor, torch.Tensor):
             assert torch.equal(tensor, fresh.state_dict()[name]), name
+
+
+def test_checkpoints_already_there_count_and_the_next_one_always_needs_room(tmp_path: Path) -> None:
+    from slipcache.training import checkpoint as ckpt
+
+    directory = tmp_path / "checkpoints"
+    assert ckpt.checkpoints_that_fit(directory, 10, writes=5, keep=2)[0] == 3  # none there yet: keep + 1
+    directory.mkdir()
+    (directory / "ckpt-000000000064.pt").write_bytes(b"x")
+    assert ckpt.checkpoints_that_fit(directory, 10, writes=5, keep=2)[0] == 2
+    for samples in (128, 192):
+        (directory / f"ckpt-{samples:012d}.pt").write_bytes(b"x")
+    assert ckpt.checkpoints_that_fit(directory, 10, writes=5, keep=2)[0] == 1  # more than keep: still the next
+    assert ckpt.checkpoints_that_fit(directory, 10, writes=0, keep=2)[0] == 0  # nothing left to write
+
+
+def test_a_copy_of_rows_in_a_file_writes_its_own_bytes(tmp_path: Path) -> None:
+    import copy
+
+    storage = RowStorage(100, 8, "int8", path=str(tmp_path))
+    twin = copy.deepcopy(storage)
+    assert storage.in_file and not twin.in_file  # the copy holds bytes, not the file's descriptor
+    twin.write_range(0, torch.ones(100, 8), "nearest", None)
+    assert bool((twin.read(torch.arange(100), torch.device("cpu")) == 1).all())
+    assert not bool(storage.payload.any())  # the original's file is untouched

@@ -119,7 +119,7 @@ def test_resume_matches_uninterrupted(
         _resume_matches_uninterrupted("cached" if streamed else embeddings, data_dir, tmp_path, monkeypatch, extra)
         assert not rows.exists() or list(rows.iterdir()) == []
         lazy = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints", lazy=True)
-        assert checkpoint.raw_bytes(lazy) > 0 if streamed else checkpoint.raw_bytes(lazy) == 0
+        assert (checkpoint.tensor_bytes(lazy, checkpoint.RawTensor) > 0) is streamed
 
 
 def _resume_matches_uninterrupted(
@@ -233,6 +233,7 @@ def test_config_file_errors(tmp_path: Path) -> None:
         load_config_file(bad_key)
     for text, meant in [("dim: 8\n", "the flag --dim is the key 'embedding_dim'"),
                         ("batchsize: 8\n", "did you mean 'batch_size'"),
+                        ("no_stale_guard: true\n", "the flag --no-stale-guard is the key 'stale_guard' set to false"),
                         ("zzz: 1\n", "valid keys: allow_changes, ")]:
         bad_key.write_text(text)
         with pytest.raises(SlipcacheError, match=meant):

@@ -293,7 +293,7 @@ def test_checkpoints_the_disk_cannot_hold_are_said_at_the_start(
     if said is None:
         assert "checkpoint" not in err
     else:
-        assert said in err and "take about 1.0 GB each and 3 are on disk at once" in err
+        assert said in err and "take about 1.0 GB each and 3 new ones are on disk at once" in err
         assert err.count("\n") == 1
     # one checkpoint at the end (timed ones are not counted: their number depends on the speed): room for one
     train.train(tiny(data_dir, tmp_path / "once", epochs=1, checkpoint_every=10**6))

@@ -30,6 +30,7 @@ import tempfile
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -149,10 +150,19 @@ class StorageFile:
             region.madvise(mmap.MADV_RANDOM)
         self.tensor = torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (deepcopy, pickle) holds the bytes, not the file: its descriptor is this process's, owned
+        by this object, so the copy writes through its own tensor instead (`holds` is False)."""
+        return {**self.__dict__, "fd": None}
+
     def holds(self, tensor: Tensor) -> bool:
-        """Whether `tensor` is (a view of) this file's map: a moved or replaced buffer is not."""
+        """Whether `tensor` is (a view of) this file's map: a moved, copied or replaced buffer is not."""
         base = self.tensor.data_ptr()
         return self.fd is not None and base <= tensor.data_ptr() < base + self.tensor.numel()
+
+    def offset_of(self, tensor: Tensor) -> int:
+        """The byte of the file where a tensor that this file's map holds starts."""
+        return tensor.data_ptr() - self.tensor.data_ptr()
 
     def write(self, offset: int, data: Tensor | memoryview) -> None:
         """Write bytes (a CPU tensor's, or a buffer's) at byte `offset` of the file (what the map then shows)."""
@@ -163,6 +173,8 @@ class StorageFile:
         view = data.cast("B")
         while view:
             written = os.pwrite(self.fd, view, offset)
+            if written == 0:  # no progress: not an error the call reports, but no byte will follow
+                raise OSError(errno.EIO, f"pwrite wrote nothing at byte {offset} of a storage file")
             view, offset = view[written:], offset + written
 
 

@@ -378,7 +378,7 @@ class RowStorage(nn.Module):
             for target, tensor in zip(targets, encoded, strict=True):
                 target.copy_(tensor)
         if file is not None:
-            file.write(start * self.payload.stride(0) * self.payload.element_size(), targets[0])
+            file.write(file.offset_of(self.payload[start:end]), targets[0])
         return fitted
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import math
 import os
 import re
 import shutil
@@ -240,23 +241,25 @@ def save_run_checkpoint(
     return latest
 
 
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor in a nested state: what a checkpoint of it holds, less its small payload."""
-    if isinstance(obj, Tensor):
-        return obj.numel() * obj.element_size()
+def tensor_bytes(obj: Any, kind: type = Tensor) -> int:
+    """Bytes of every `kind` in a nested state: of Tensor, what a checkpoint of it holds (less its small
+    payload); of RawTensor, what `materialize` will read of a lazy one."""
+    if isinstance(obj, kind):
+        return obj.nbytes
     if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v, kind) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v, kind) for v in obj)
     return 0
 
 
 def checkpoints_that_fit(directory: Path, checkpoint_bytes: int, writes: int, keep: int) -> tuple[int, int, int]:
     """(new checkpoints on disk at once, how many fit the free space, free bytes) for a run that will write
     `writes` more checkpoints of `checkpoint_bytes` into `directory`, keeping `keep`: the newest is complete
-    before the oldest goes, so up to keep + 1 are there at once, those already there among them."""
+    before the oldest goes, so up to keep + 1 are there at once, those already there among them, and at
+    least the one being written."""
     there = len(periodic_checkpoints(directory)) + len(complete_steps(directory))
-    at_once = max(0, min(there + writes, keep + 1) - there)
+    at_once = min(writes, max(1, keep + 1 - there))  # the ones there go as new ones come, but only after
     existing = next(p for p in (directory, *directory.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     return at_once, free // max(checkpoint_bytes, 1), free
@@ -308,7 +311,7 @@ def _attach_raw(obj: Any, path: Path, limit: int) -> Any:
             raw = _raw_record(obj, path)
             itemsize = torch.empty(0, dtype=raw.dtype).element_size()
             outside = raw.offset < HEADER_BYTES or raw.offset + raw.nbytes > limit
-            if outside or raw.nbytes != itemsize * _count(raw.shape):
+            if outside or raw.nbytes != itemsize * math.prod(raw.shape):
                 raise CorruptCheckpointError(f"checkpoint {path} is corrupt (a tensor lies outside the file)")
             return raw
         for key in list(obj):
@@ -342,13 +345,6 @@ def _raw_record(record: dict[str, Any], path: Path) -> RawTensor:
     if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
         raise bad("sha256")
     return RawTensor(path, record["offset"], record["nbytes"], dtype, tuple(shape), digest)
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _stream_raw(raw: RawTensor, into: memoryview | None, put: Callable[[int, memoryview], None] | None = None) -> None:
@@ -388,7 +384,7 @@ def materialize(obj: Any, targets: Any = None, files: Sequence[StorageFile] = ()
         file = next((f for f in files if f.holds(target)), None)
         with torch.no_grad():
             if file is not None:
-                at = target.data_ptr() - file.tensor.data_ptr()
+                at = file.offset_of(target)
                 _stream_raw(obj, None, lambda start, chunk: file.write(at + start, chunk))
             else:
                 _stream_raw(obj, _bytes_of(target) if target.numel() else None)
@@ -403,17 +399,6 @@ def materialize(obj: Any, targets: Any = None, files: Sequence[StorageFile] = ()
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(materialize(v) for v in obj)
     return obj
-
-
-def raw_bytes(obj: Any) -> int:
-    """Bytes of the `RawTensor`s in `obj` (what `materialize` will read)."""
-    if isinstance(obj, RawTensor):
-        return obj.nbytes
-    if isinstance(obj, dict):
-        return sum(raw_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(raw_bytes(v) for v in obj)
-    return 0
 
 
 def _foreign(path: Path, data: bytes) -> str:

@@ -416,7 +416,9 @@ CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
 def _named(name: str) -> str:
+    """How an error names a setting of `TrainConfig` (`settings.setting_name`)."""
     return setting_name(name, CONFIG_FIELDS[name])
+
 
 _TYPES = typing.get_type_hints(TrainConfig)
 

@@ -168,7 +168,9 @@ def _closest_keys(name: str, fields: dict[str, dataclasses.Field]) -> str:
     embedding_dim), else the nearest keys, else every valid key."""
     by_flag = {spelled[2:].replace("-", "_"): key for key, f in fields.items() for spelled in flag_strings(key, f)}
     if name in by_flag:
-        return f"the flag --{name.replace('_', '-')} is the key {by_flag[name]!r}"
+        key = by_flag[name]
+        switch_off = fields[key].default is True  # `--no-...`: the flag sets its key to false
+        return f"the flag --{name.replace('_', '-')} is the key {key!r}{' set to false' if switch_off else ''}"
     near = difflib.get_close_matches(name, list(fields), n=3)
     if near:
         return f"did you mean {' or '.join(repr(k) for k in near)}?"

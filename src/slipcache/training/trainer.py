@@ -262,7 +262,8 @@ def _build_run(
         refuse_link(run_dir / "checkpoints")  # everything written into it would land elsewhere
         for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
             ckpt.remove_partial_writes(directory)
-        check_checkpoint_room(run)
+        if run.backend.processes == 1:  # of N, one rank's stop would leave the others waiting in a collective
+            check_checkpoint_room(run)
     run.callbacks.on_start(run)
     run.bar = progress_bar(  # off a terminal: a plain line every 30 s
         total=run.budget,
@@ -390,9 +391,10 @@ def check_checkpoint_room(run: Run) -> None:
     """Say at the start what a full disk would otherwise say at a checkpoint hours in: a warning when the
     checkpoints the run keeps at once do not all fit, an error when not one does."""
     config = run.config
-    each = ckpt.tensor_bytes(checkpoint_state(run)) * run.backend.processes
+    each = ckpt.tensor_bytes(checkpoint_state(run))
     # The scheduled ones and the final one; timed ones (--checkpoint-minutes) depend on a speed not known yet.
-    writes = 1 + max(0, (run.budget - 1) // config.checkpoint_every - run.progress.samples // config.checkpoint_every)
+    every, done = config.checkpoint_every, run.progress.samples
+    writes = 0 if done >= run.budget else 1 + max(0, (run.budget - 1) // every - done // every)
     directory = run.run_dir / "checkpoints"
     at_once, fit, free = ckpt.checkpoints_that_fit(directory, each, writes, config.keep_checkpoints)
     if at_once <= fit:
@@ -408,9 +410,9 @@ def check_checkpoint_room(run: Run) -> None:
         f"give --checkpoint-every {run.budget} --checkpoint-minutes 0 (the final checkpoint alone)"
     )
     warn(
-        f"checkpoints of this run take about {amount(each)} each and {at_once} are on disk at once (the newest is "
-        f"complete before the oldest of --keep-checkpoints {config.keep_checkpoints} goes), but {have}, room for "
-        f"{fit}: the run will stop at a checkpoint that does not fit; {fix}, or --out on a disk with room"
+        f"checkpoints of this run take about {amount(each)} each and {at_once} new ones are on disk at once (the "
+        f"newest is complete before the oldest of --keep-checkpoints {config.keep_checkpoints} goes), but {have}, "
+        f"room for {fit}: the run will stop at a checkpoint that does not fit; {fix}, or --out on a disk with room"
     )
 
 
