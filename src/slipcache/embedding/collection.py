@@ -270,7 +270,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def storage_files(self) -> list[StorageFile]:
         """The mapped files that hold the rows (`storage_path`): a checkpoint's rows go into them with pwrite."""
         parts = self.storage.parts.values() if isinstance(self.storage, TableRowStorage) else [self.storage]
-        return [part.file for part in parts if part.in_file and part.file is not None]
+        return [file for file in (part.payload_file for part in parts) if file is not None]
 
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""

@@ -220,9 +220,14 @@ class RowStorage(nn.Module):
             self.register_buffer("scale_code", new((num_rows,), dtype=torch.uint8, device=device))
 
     @property
+    def payload_file(self) -> StorageFile | None:
+        """The mapped file the payload still is: none after a move off the CPU, a copy or a replaced buffer."""
+        return self.file if self.file is not None and self.file.holds(self.payload) else None
+
+    @property
     def in_file(self) -> bool:
-        """Whether the payload is (still) the mapped file's: a move off the CPU or a replaced buffer ends it."""
-        return self.file is not None and self.file.holds(self.payload)
+        """Whether the payload lives in a mapped file (rows read from the disk, read ahead)."""
+        return self.payload_file is not None
 
     def _apply(self, fn: Any, recurse: bool = True) -> RowStorage:
         self.version += 1
@@ -369,7 +374,7 @@ class RowStorage(nn.Module):
         end = start + values.shape[0]
         self.version += 1
         targets = [buf[start:end] for buf in self.buffers()]
-        file = self.file if self.in_file else None
+        file = self.payload_file
         if file is not None:
             targets[0] = torch.empty_like(targets[0])
         fitted = self._write_compiled(values, rounding, generator, None, targets)
