@@ -309,3 +309,18 @@ def test_a_run_whose_checkpoint_cannot_fit_stops_before_training(
     with pytest.raises(SlipcacheError, match=r"takes about 1\.0 GB and .* has 400\.0 MB free: not one fits"):
         train.train(tiny(data_dir, tmp_path / "run", epochs=1))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_start_that_fails_leaves_no_empty_run_directory(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("mine")
+    for out in ([], ["--out", str(tmp_path / "new" / "run")]):  # runs/<time> by default, or a new --out
+        code, err = cli(["train", "--quick", "--storage-path", str(tmp_path / "a-file"), *out], capsys)
+        assert code == 2 and "is a file; give a directory" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    cli(["train", "--quick", "--storage-path", str(tmp_path / "a-file"), "--out", str(existing)], capsys)
+    assert existing.is_dir()  # a directory the user made stays

@@ -38,6 +38,16 @@ def new_run_dir() -> Path:
     return path
 
 
+def remove_empty_dirs(directories: list[Path]) -> None:
+    """Remove the given directories, deepest first, while they are empty: a failed start leaves no empty run
+    directory behind (rmdir takes neither files nor a link)."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+
+
 def write_json(path: Path, value: Any) -> None:
     """Write JSON atomically: a reader never sees half a file, a link there is replaced, not followed."""
     write_atomic(path, json.dumps(value, indent=2, default=str) + "\n")

@@ -56,7 +56,7 @@ from slipcache.training.datasets import (
 from slipcache.training.evaluation import evaluate
 from slipcache.training.features import run_callbacks
 from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
-from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, run_record, warn
+from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 from slipcache.units import amount
 
@@ -180,29 +180,35 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
     checkpoint: TrainingCheckpoint | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
+    new_dirs: list[Path] = []  # what this call creates: taken away again, where still empty, if the start fails
     if config.resume is not None:
         checkpoint, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
         run_dir = Path(config.out or "")
     else:
-        run_dir = prepare_out_dir(Path(config.out) if config.out else new_run_dir(), restart_ok=True)
-    settings.enter_context(torch_threads(config.threads))  # torch's and the compiled loops' threads
-    settings.enter_context(huge_pages(config.huge_pages))  # how this process allocates the tables
-    if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
-        config.data = str(resolve_data(config.data))
-
-    dataset_dir = run_dataset_dir(config, saved.get("dataset"))
-    dataset = open_dataset(dataset_dir, config)
-    config.split_order = config.split_order or dataset.meta.get("split_order")
-    config = resolve_schedule(config, dataset.splits["train"])
-    config.out = str(run_dir)
-    config.tensorboard = resolve_setting(config.tensorboard, run_dir)
-    state = checkpoint.state if checkpoint is not None else None
-    config_dict = run_record(config, dataset, dataset_dir, saved, changes, state)
-    lock = backend.claim_run_dir(run_dir, config_dict)  # one writer per run directory from here on
+        out = (Path(config.out) if config.out else new_run_dir()).expanduser().resolve()
+        new_dirs = [p for p in (out, *out.parents) if not p.exists()]
+        run_dir = prepare_out_dir(out, restart_ok=True)
+    lock = None
     try:
+        settings.enter_context(torch_threads(config.threads))  # torch's and the compiled loops' threads
+        settings.enter_context(huge_pages(config.huge_pages))  # how this process allocates the tables
+        if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
+            config.data = str(resolve_data(config.data))
+
+        dataset_dir = run_dataset_dir(config, saved.get("dataset"))
+        dataset = open_dataset(dataset_dir, config)
+        config.split_order = config.split_order or dataset.meta.get("split_order")
+        config = resolve_schedule(config, dataset.splits["train"])
+        config.out = str(run_dir)
+        config.tensorboard = resolve_setting(config.tensorboard, run_dir)
+        state = checkpoint.state if checkpoint is not None else None
+        config_dict = run_record(config, dataset, dataset_dir, saved, changes, state)
+        lock = backend.claim_run_dir(run_dir, config_dict)  # one writer per run directory from here on
         run = _build_run(config, config_dict, run_dir, dataset, checkpoint, changes, backend)
     except BaseException:
-        lock.release()
+        if lock is not None:
+            lock.release()
+        remove_empty_dirs(new_dirs)
         raise
     run.lock = lock
     return run
