@@ -128,7 +128,7 @@ def dequantize_rows(
 
 
 def uniform(shape: tuple[int, ...], generator: torch.Generator | None, out: Tensor | None = None) -> Tensor | None:
-    """`torch.rand(shape, generator=generator)` on CPU, drawn by the compiled loop, 2.4x faster here: the same
+    """`torch.rand(shape, generator=generator)` on CPU, drawn by the compiled loop, faster: the same
     values, and the generator left in the same state; into `out` (contiguous fp32 of that shape) where given.
     None where it cannot (no library, not a CPU generator, or the check against torch.rand at first use
     failed): the caller draws with torch then."""
