@@ -102,3 +102,18 @@ def test_a_moved_checkout_continues_on_the_studys_commit(tmp_path: Path, monkeyp
     assert cwd == tmp_path / "source-aaaaaaaaaaaa" and env[long_studies.PINNED_ENV] == "a" * 40
     assert argv[2:5] == ["benchmarks.studies", "tiny", "--resume"] and str(out.resolve()) in argv
     assert env["PYTHONPATH"].startswith(str(tmp_path / "source-aaaaaaaaaaaa" / "src"))
+
+
+def test_a_claimed_run_is_skipped_by_a_second_process(tmp_path: Path) -> None:
+    """Two processes of one study split its runs: a run's claim is held while it trains."""
+    with long_studies.claimed(tmp_path / ".fp32-s0.claim") as first:
+        with long_studies.claimed(tmp_path / ".fp32-s0.claim") as second:
+            assert first and not second
+    with long_studies.claimed(tmp_path / ".fp32-s0.claim") as again:
+        assert again  # released when the first block ended
+
+
+def test_gain_over_the_last_quarter_interpolates_between_evaluations() -> None:
+    curve = [[1.0, 0, 0.60], [2.0, 500, 0.70], [3.0, 1000, 0.74]]
+    assert long_studies.gain_last_quarter(curve) == pytest.approx(0.74 - 0.72)  # 0.72 at sample 750
+    assert long_studies.gain_last_quarter(curve[:1]) is None
