@@ -454,6 +454,8 @@ def run_study(args: argparse.Namespace, log: Callable[[str], None]) -> int:
                 f"{out_file} holds this study's runs: add --resume to continue it (or --restart "
                 "to begin a new comparison on this commit)"
             )
+        if not args.restart and "ceiling" not in json.loads(out_file.read_text()):
+            add_ceiling(out_file, study, root, log)  # on this checkout's code: the study's own commit may predate it
         pinned = json.loads(out_file.read_text()).get("commit")
         if args.restart:
             out_file.unlink()
@@ -490,6 +492,7 @@ def run_study(args: argparse.Namespace, log: Callable[[str], None]) -> int:
             )
         out_file.parent.mkdir(parents=True, exist_ok=True)
         write_json(out_file, empty_file(study, commit))
+        add_ceiling(out_file, study, root, log)
     results = json.loads(out_file.read_text())
     done = {(r["arm"], r["seed"]) for r in results["runs"]}
     todo = [(arm, seed) for arm, seed in study.runs() if (arm.name, seed) not in done]
@@ -530,6 +533,31 @@ def claimed(path: Path, *, wait: bool = False) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)
+
+
+def add_ceiling(out_file: Path, study: Study, root: Path, log: Callable[[str], None]) -> None:
+    """Record the best AUC a model can reach on the study's test split (`stats --ceiling`), once per file;
+    taken from another study file on the same data where one has it."""
+    from slipcache.data.synthetic import default_synthetic_path
+    from slipcache.data.synthetic.ceiling import dataset_ceiling
+
+    ceiling = None
+    for other in sorted(STUDIES_DIR.glob("*.json")):
+        known = json.loads(other.read_text())
+        if known.get("ceiling") and known.get("data_spec") == study.data:
+            ceiling = known["ceiling"]
+            break
+    if ceiling is None:
+        log(f"{study.name}: computing the ceiling of its data (the teacher's AUC and the coverage ceilings)")
+        path = default_synthetic_path(None, study.data["samples"], study.data["scale"], 0,
+                                      generator=study.data["generator"])
+        ceiling = dataset_ceiling(path, progress=False)
+    with claimed(root / ".results.lock", wait=True):
+        results = json.loads(out_file.read_text())
+        results.update(ceiling=ceiling, data_spec=study.data)
+        write_json(out_file, results)
+    log(f"{study.name}: ceiling: teacher {ceiling['teacher_auc']:.4f}, coverage "
+        + ", ".join(f"k = {k} {v:.4f}" for k, v in ceiling["coverage_auc"].items()))
 
 
 def prepare_data(study: Study, log: Callable[[str], None]) -> None:

@@ -40,7 +40,7 @@ def test_filters_are_combined_each_seeing_what_the_earlier_kept() -> None:
 
     combined = Callbacks([_Drop(0, 1), _Second()]).sample_filter(None)  # type: ignore[arg-type]
     assert combined is not None
-    assert combined(sparse).tolist() == [False, False, True, False]
+    assert combined(sparse, np.arange(len(sparse))).tolist() == [False, False, True, False]
     assert seen[0].tolist() == [[1, 0], [2, 9], [3, 1]]
     assert Callbacks([Callback()]).sample_filter(None) is None  # type: ignore[arg-type]
 

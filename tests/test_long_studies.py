@@ -87,7 +87,7 @@ def test_study_runs_each_arm_and_seed_once_and_resumes(tmp_path: Path, monkeypat
 def test_a_moved_checkout_continues_on_the_studys_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """When HEAD is not the study's commit, the study re-runs itself from that commit's unpacked source."""
     out = tmp_path / "tiny.json"
-    out.write_text(json.dumps({"commit": "a" * 40, "runs": []}))
+    out.write_text(json.dumps({"commit": "a" * 40, "runs": [], "ceiling": None}))
     monkeypatch.setitem(long_studies.STUDIES, "tiny", TINY)
     monkeypatch.delenv(long_studies.PINNED_ENV, raising=False)
     monkeypatch.setattr(long_studies, "git_commit", lambda: ("b" * 40, False))
@@ -106,9 +106,9 @@ def test_a_moved_checkout_continues_on_the_studys_commit(tmp_path: Path, monkeyp
 
 def test_a_claimed_run_is_skipped_by_a_second_process(tmp_path: Path) -> None:
     """Two processes of one study split its runs: a run's claim is held while it trains."""
-    with long_studies.claimed(tmp_path / ".fp32-s0.claim") as first:
-        with long_studies.claimed(tmp_path / ".fp32-s0.claim") as second:
-            assert first and not second
+    path = tmp_path / ".fp32-s0.claim"
+    with long_studies.claimed(path) as first, long_studies.claimed(path) as second:
+        assert first and not second
     with long_studies.claimed(tmp_path / ".fp32-s0.claim") as again:
         assert again  # released when the first block ended
 

@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -125,6 +126,18 @@ def test_skipping_is_deterministic_and_reported(data_dir: Path, tmp_path: Path) 
     block = a["staleness"]
     assert block["inputs_seen"] == 2 * 2000  # 2 epochs of 2000: each classifies every training input exactly once
     assert block["inputs_skipped"] > 0 and block["hot_rows"] > 0 and block["control_inputs"] > 0
+    assert 0 <= block["nonstale_hot_rows"] == block["hot_rows"] - block["stale_rows"]
+    labels = np.load(data_dir / "train.labels.npy")
+    assert 0.0 < block["skipped_label_rate"] < 1.0 and 0.0 < block["kept_label_rate"] < 1.0
+    # every classified input is in one of the two groups, and their positives add up to the epochs' labels
+    rates = block["skipped_label_rate"] * block["inputs_skipped"] + block["kept_label_rate"] * (
+        block["inputs_seen"] - block["inputs_skipped"])
+    assert rates == pytest.approx(2 * labels.sum())
+    calibration = block["calibration"]
+    test_rows = len(np.load(data_dir / "test.labels.npy"))
+    assert calibration["skipped_kind"]["inputs"] + calibration["rest"]["inputs"] == test_rows
+    for group in calibration.values():
+        assert group["inputs"] == 0 or 0.0 < group["mean_pred"] < 1.0
     lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     last = [e for e in map(json.loads, lines) if e["event"] == "train"][-1]
     for key in (
@@ -190,10 +203,12 @@ def test_no_input_is_skipped_before_warm_up_ends(
     calls: list[tuple[int, int]] = []
     real = skipping.StaleSkipper.sample_filter
 
-    def record(self: skipping.StaleSkipper, sparse: np.ndarray) -> np.ndarray:
-        keep = real(self, sparse)
+    def record(self: skipping.StaleSkipper, sparse: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        keep = real(self, sparse, positions)
         calls.append((self.trained, int((~keep).sum())))
         return keep
+
+    record.wants_positions = True  # type: ignore[attr-defined]
 
     monkeypatch.setattr(skipping.StaleSkipper, "sample_filter", record)
     summary = train.train(tiny(data_dir, tmp_path / "run", epochs=3, stale_warmup="val", stale_warmup_min=0.4))
@@ -261,7 +276,8 @@ def _skipper_with_stale(data_dir: Path, tmp_path: Path, **overrides: object):  #
     from slipcache.staleness.skipping import StaleSkipper
 
     config = tiny(data_dir, tmp_path / "run", **overrides)
-    skipper = StaleSkipper(config, build_model(config, SIZES, 13), None, batches_per_epoch=10)
+    labels = SimpleNamespace(labels=np.zeros(64, dtype=np.float32))  # read for the skipped group's label rate
+    skipper = StaleSkipper(config, build_model(config, SIZES, 13), labels, batches_per_epoch=10)  # type: ignore[arg-type]
     det = skipper.detector
     det._row_flags[det.table_offsets[:-1]] = 3
     det._row_flags[1] = 1
@@ -286,7 +302,7 @@ def test_reweighted_kept_inputs_make_the_loss_unbiased(data_dir: Path, tmp_path:
     sparse[~stale, 0] = 1
     sums = []
     for _ in range(3000):  # each call classifies the next n positions of the run: a fresh control draw
-        keep = skipper.sample_filter(sparse)
+        keep = skipper.sample_filter(sparse, np.arange(n))
         weights = skipper.loss_weights(int(keep.sum()))
         w = np.ones(int(keep.sum())) if weights is None else weights.numpy()
         sums.append(float((w * losses[keep]).sum()))

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slipcache.data.batches import Batch
+from slipcache.data.batches import Batch, BatchIterator
 from slipcache.data.dataset import SplitArrays
 from slipcache.model import DLRM
 from slipcache.staleness.config import GuardConfig
@@ -128,6 +128,8 @@ class StaleSkipper:
         self.overhead = dict.fromkeys(OVERHEAD_PARTS, 0.0)  # seconds spent on skipping, by part
         self.fits: list[dict[str, Any]] = []
         self.refits = 0
+        # inputs and positive labels among the skipped and the trained ones: is the skipped group label-skewed?
+        self.label_counts = {"skipped": [0, 0], "kept": [0, 0]}
 
     # ---- hooks -----------------------------------------------------------------------------------------
 
@@ -148,22 +150,56 @@ class StaleSkipper:
             self._open_window()
         self.overhead["profile"] += time.perf_counter() - t0
 
-    def sample_filter(self, sparse: np.ndarray) -> np.ndarray:
+    def sample_filter(self, sparse: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """BatchIterator filter: keep mask; replays recorded decisions first after a resume."""
         t0 = time.perf_counter()
         n = sparse.shape[0]
         if self._replay_pos < self._replay.size:  # these inputs' controls are in the restored pending_controls
             keep = self._replay[self._replay_pos : self._replay_pos + n]
-            self._replay_pos += n
+            self._replay_pos += n  # counted before the checkpoint
         else:
             if self.window_start is None:  # warm-up: nothing to classify yet
                 keep, control = self.detector.pass_through(n), np.zeros(n, dtype=bool)
             else:
                 keep, control = self.detector.count_with_controls(sparse, self.control_share)
             self.pending_controls = np.concatenate([self.pending_controls, control[keep]])
+            positive = self.split.labels[positions] > 0.5
+            for group, mask in (("kept", keep), ("skipped", ~keep)):
+                self.label_counts[group][0] += int(mask.sum())
+                self.label_counts[group][1] += int(positive[mask].sum())
         self.decisions.append(keep)
         self.overhead["filter"] += time.perf_counter() - t0
         return keep
+
+    sample_filter.wants_positions = True  # type: ignore[attr-defined]
+
+    def label_rates(self) -> dict[str, float | None]:
+        """Positive rate of the skipped and of the trained inputs (None where there are none)."""
+        return {f"{group}_label_rate": (pos / n if n else None) for group, (n, pos) in self.label_counts.items()}
+
+    @torch.no_grad()
+    def calibration(self, split: SplitArrays, batch_size: int = 8192) -> dict[str, dict[str, Any]] | None:
+        """Mean prediction against label rate on `split` (the test split), for the inputs of the kind the rule
+        skips (stale under the final threshold; for the random rule, every hot input) and for the rest: a
+        model trained without a group's inputs may be miscalibrated on it. None before a threshold exists."""
+        if self.detector.threshold is None:
+            return None
+        sums = {"skipped_kind": [0, 0.0, 0.0], "rest": [0, 0.0, 0.0]}  # inputs, predictions, labels
+        was_training = self.model.training
+        self.model.eval()
+        for batch in BatchIterator(split, batch_size, drop_last=False):
+            predictions = torch.sigmoid(batch.logits(self.model)).numpy().astype(np.float64)
+            labels = batch.labels.numpy().astype(np.float64)
+            kind = self.detector.stale_mask(batch.sparse.numpy())
+            for group, mask in (("skipped_kind", kind), ("rest", ~kind)):
+                sums[group][0] += int(mask.sum())
+                sums[group][1] += float(predictions[mask].sum())
+                sums[group][2] += float(labels[mask].sum())
+        self.model.train(was_training)
+        return {
+            group: {"inputs": n, "mean_pred": (p / n if n else None), "label_rate": (y / n if n else None)}
+            for group, (n, p, y) in sums.items()
+        }
 
     def loss_weights(self, n: int) -> torch.Tensor | None:
         """Per-input loss weights of the next trained batch of ``n``: 1/p on its kept would-be-skipped inputs.
@@ -426,6 +462,8 @@ class StaleSkipper:
             "guard_active": self.guard.active,
             "threshold_fits": self.fits,
             "threshold_refits": self.refits,
+            "nonstale_hot_rows": stats["hot_rows"] - stats["stale_rows"],
+            **self.label_rates(),
             "speedup_bound": 1.0 / max(1.0 - (total.skipped / total.inputs if total.inputs else 0.0), 1e-9),
         }
 
@@ -461,6 +499,7 @@ class StaleSkipper:
             "overhead": dict(self.overhead),
             "fits": list(self.fits),
             "refits": self.refits,
+            "label_counts": {group: list(counts) for group, counts in self.label_counts.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -487,3 +526,6 @@ class StaleSkipper:
         self.control_reference = state["control_reference"]
         self.overhead = {part: float(state["overhead"].get(part, 0.0)) for part in OVERHEAD_PARTS}
         self.fits = list(state["fits"])
+        # checkpoints written before the label counts were kept resume with the counts from there on
+        counts = state.get("label_counts", {"skipped": [0, 0], "kept": [0, 0]})
+        self.label_counts = {group: list(pair) for group, pair in counts.items()}

@@ -54,13 +54,15 @@ class Callbacks:
         if len(filters) <= 1:
             return filters[0] if filters else None
 
-        def keep_all(sparse: np.ndarray) -> np.ndarray:
+        def keep_all(sparse: np.ndarray, positions: np.ndarray) -> np.ndarray:
             keep = np.ones(sparse.shape[0], dtype=bool)
             for f in filters:
                 idx = np.flatnonzero(keep)
-                keep[idx] = np.asarray(f(sparse[idx]), dtype=bool)
+                wants = getattr(f, "wants_positions", False)
+                keep[idx] = np.asarray(f(sparse[idx], positions[idx]) if wants else f(sparse[idx]), dtype=bool)
             return keep
 
+        keep_all.wants_positions = True  # type: ignore[attr-defined]
         return keep_all
 
     def before_step(self, run: Run, batches: Any) -> None:

@@ -37,6 +37,16 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def ceiling_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Generated data: how far the test AUC is from the best a model can reach (the k = 10 coverage ceiling)."""
+    ceiling = summary.get("ceiling")
+    if not ceiling:
+        return []
+    best = ceiling["coverage_auc"]["10"]
+    return [("AUC ceiling", f"{best:.4f} (values seen >= 10 times), {best - summary['auc']:.4f} to go; "
+             f"teacher {ceiling['teacher_auc']:.4f}")]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The short table `slipcache train` ends with."""
     rate = summary["samples_per_s"]
@@ -44,6 +54,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("AUC (test)", f"{summary['auc']:.4f}"),
         ("log loss (test)", f"{summary['logloss']:.4f}"),
         ("normalized entropy", f"{summary['normalized_entropy']:.4f}"),
+        *ceiling_rows(summary),
         (
             "embedding memory",
             f"{fmt_bytes(summary['embedding_bytes'])} vs {fmt_bytes(summary['fp32_embedding_bytes'])} fp32 "

@@ -58,10 +58,10 @@ class SkipStaleInputs(Callback):
 
     def summary_fields(self, run: Run) -> dict[str, Any]:
         skipped = run.progress.skipped
-        return {
-            "skipped_fraction": skipped / (run.progress.samples + skipped),
-            "staleness": self.skipper.summary(_seconds_per_trained_sample(run)),
-        }
+        staleness = self.skipper.summary(_seconds_per_trained_sample(run))
+        if run.backend.batch_part() is None and hasattr(self.skipper, "calibration"):  # one process: the
+            staleness["calibration"] = self.skipper.calibration(run.dataset.split("test"))  # whole test split
+        return {"skipped_fraction": skipped / (run.progress.samples + skipped), "staleness": staleness}
 
     def state_dict(self) -> dict[str, Any]:
         return self.skipper.state_dict()

@@ -484,6 +484,8 @@ def finish_run(run: Run) -> dict[str, Any]:
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
         "cache_hit_rate": progress.train_hits / progress.train_lookups if progress.train_lookups else None,
         "data_quality": run.data_quality,
+        # generated data: the best AUC a model can reach on this test split (slipcache.data.synthetic.ceiling)
+        "ceiling": run.dataset.meta.get("ceiling"),
         "run_dir": str(run.run_dir),
         "config": run.config_dict,
         "distributed": run.backend.summary(model),

@@ -17,6 +17,8 @@ from slipcache.data.stats.compute import (
 )
 from slipcache.data.stats.report import format_stats, plot_stats
 from slipcache.data.stats.signal import DEFAULT_SIGNAL_ROWS
+from slipcache.data.synthetic.ceiling import dataset_ceiling
+from slipcache.errors import SlipcacheError
 from slipcache.options import add_progress_flag, image_file, seed_arg
 
 
@@ -66,6 +68,11 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
         "--signal-rows", type=int, default=DEFAULT_SIGNAL_ROWS,
         help="first rows kept for target AUC, dense shapes and table links (default %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--ceiling", action="store_true",
+        help="data that slipcache generated: also the best AUC a model can reach on its test split (the "
+        "teacher's, and with the values seen < 1, 10, 100 times in training removed)",
+    )  # fmt: skip
     add_progress_flag(parser)
 
 
@@ -83,6 +90,12 @@ def run_stats(args: argparse.Namespace) -> int:
         seed=args.seed,
         signal_rows=args.signal_rows,
     )
+    if args.ceiling:
+        try:
+            stats["ceiling"] = dataset_ceiling(args.path, progress=args.progress)
+        except SlipcacheError as exc:
+            stats["ceiling"] = None
+            print(exc, file=sys.stderr)
     if args.plot:
         plot_stats(stats, args.plot)
     if args.json == "-":

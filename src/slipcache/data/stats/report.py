@@ -95,6 +95,13 @@ def format_stats(stats: dict[str, Any]) -> str:
         )
     else:
         lines.append("all figures exact")
+    if stats.get("ceiling"):
+        ceiling = stats["ceiling"]
+        coverage = ", ".join(f"k = {k}: {v:.4f}" for k, v in ceiling["coverage_auc"].items())
+        lines.append(
+            f"ceiling on the test split ({ceiling['test_rows']:,} rows): teacher AUC {ceiling['teacher_auc']:.4f}; "
+            f"without the values seen < k times in training: {coverage}"
+        )
     return "\n".join(lines)
 
 

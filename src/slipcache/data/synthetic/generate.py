@@ -15,6 +15,7 @@ import numpy as np
 
 from slipcache.cache_dir import default_cache_root
 from slipcache.data.streaming import StreamingDatasetWriter, TorchRecWriter, torchrec_day_rows
+from slipcache.data.synthetic.ceiling import CoverageCeiling
 from slipcache.data.synthetic.teacher import (
     CHUNK_ROWS,
     DENSE_MISSING,
@@ -116,34 +117,25 @@ def generate_synthetic(
         table_sizes=table_sizes,
     )
     gen.calibrate()
-    n_val = int(num_samples * val_fraction)
-    n_test = int(num_samples * test_fraction)
-    if layout == "torchrec":  # its reader halves the held-out day: validation first, taking the odd row
-        n_val, n_test = (n_val + n_test + 1) // 2, (n_val + n_test) // 2
-    n_train = num_samples - n_val - n_test
-    bounds = {
-        "train": (0, n_train),
-        "val": (n_train, n_train + n_val),
-        "test": (n_train + n_val, num_samples),
-    }
+    bounds = split_bounds(num_samples, val_fraction, test_fraction, layout)
+    n_test = bounds["test"][1] - bounds["test"][0]
+    n_train = bounds["train"][1]
     positives = dict.fromkeys(bounds, 0)
     scored = min(n_test, TEACHER_AUC_ROWS)
     test_logits = np.empty(scored)
     test_labels = np.empty(scored, dtype=np.float32)
+    ceiling = CoverageCeiling(gen) if isinstance(gen, GeneratorV3) else None
     split_rows = {k: b - a for k, (a, b) in bounds.items()}
     if layout == "torchrec":
-        days_rows = torchrec_day_rows(n_train, n_val + n_test, getattr(gen, "days", DAYS))
+        days_rows = torchrec_day_rows(n_train, num_samples - n_train, getattr(gen, "days", DAYS))
         writer: Any = TorchRecWriter(out_dir, days_rows)
     else:
         writer = StreamingDatasetWriter(out_dir, split_rows)
     bar_settings = {"unit": "rows", "unit_scale": True, "desc": "synth", "disable": not progress}
     with writer, progress_bar(total=num_samples, **bar_settings) as bar:
-        for chunk, start in enumerate(range(0, num_samples, CHUNK_ROWS)):
-            end = min(start + CHUNK_ROWS, num_samples)
-            rng = _chunk_rng(seed, chunk)
-            dense, ids, terms = gen.sample(rng, start, end - start)
-            logits = gen.logits(terms)
-            labels = (rng.random(end - start) < sigmoid(logits)).astype(np.float32)
+        for start, end, dense, ids, logits, labels, latent in _log_rows(gen, seed, num_samples):
+            if ceiling is not None:
+                _count_for_ceiling(ceiling, bounds, start, dense, labels, latent)
             if layout == "torchrec":
                 writer.append(labels.astype(np.int32), dense, ids)
             for name, (a, b) in bounds.items():
@@ -169,6 +161,7 @@ def generate_synthetic(
                 "vocabulary": "synthetic",
                 "teacher_auc": auc(test_labels, test_logits) if scored else None,
                 "teacher_expected_auc": expected_auc(test_logits) if scored else None,
+                **({"ceiling": ceiling.result()} if ceiling is not None and n_test else {}),
                 "source": {"generator": "slipcache.data.synthetic"},
                 "time_ordered": isinstance(gen, GeneratorV3),
                 **({"missing_row": MISSING_ROW} if isinstance(gen, GeneratorV3) else {}),
@@ -191,6 +184,94 @@ def generate_synthetic(
             }
         )
     return meta
+
+
+def split_bounds(
+    num_samples: int, val_fraction: float, test_fraction: float, layout: str
+) -> dict[str, tuple[int, int]]:
+    """Rows [first, end) of each split in log order: train, then validation, then test."""
+    n_val = int(num_samples * val_fraction)
+    n_test = int(num_samples * test_fraction)
+    if layout == "torchrec":  # its reader halves the held-out day: validation first, taking the odd row
+        n_val, n_test = (n_val + n_test + 1) // 2, (n_val + n_test) // 2
+    n_train = num_samples - n_val - n_test
+    return {"train": (0, n_train), "val": (n_train, n_train + n_val), "test": (n_train + n_val, num_samples)}
+
+
+def _log_rows(
+    gen: Teacher, seed: int, num_samples: int, wanted: list[tuple[int, int]] | None = None
+) -> Iterator[tuple[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]]:
+    """The log a chunk at a time: (first row, end, dense, ids, teacher logits, labels, latent), where latent
+    is (parameter rows, latent values) for generators that have them (v3 and later), else None. With
+    `wanted` ([first, end) ranges), only the chunks that overlap them (each chunk has its own stream)."""
+    for chunk, start in enumerate(range(0, num_samples, CHUNK_ROWS)):
+        end = min(start + CHUNK_ROWS, num_samples)
+        if wanted is not None and not any(a < end and start < b for a, b in wanted):
+            continue
+        rng = _chunk_rng(seed, chunk)
+        if isinstance(gen, GeneratorV3):
+            dense, ids, params, sources = gen.sample_latent(rng, start, end - start)
+            terms, latent = gen.terms(dense, params), (params, sources)
+        else:
+            (dense, ids, terms), latent = gen.sample(rng, start, end - start), None
+        logits = gen.logits(terms)
+        labels = (rng.random(end - start) < sigmoid(logits)).astype(np.float32)
+        yield start, end, dense, ids, logits, labels, latent
+
+
+def _count_for_ceiling(
+    ceiling: CoverageCeiling,
+    bounds: dict[str, tuple[int, int]],
+    start: int,
+    dense: np.ndarray,
+    labels: np.ndarray,
+    latent: tuple[np.ndarray, np.ndarray],
+) -> None:
+    """Hand a chunk's training rows and test rows to the ceiling's counts."""
+    params, sources = latent
+    for name in ("train", "test"):
+        a, b = bounds[name]
+        lo, hi = max(a, start) - start, min(b, start + len(labels)) - start
+        if lo >= hi:
+            continue
+        if name == "train":
+            ceiling.add_train(sources[lo:hi])
+        else:
+            ceiling.add_test(dense[lo:hi], params[lo:hi], sources[lo:hi], labels[lo:hi])
+
+
+def regenerate_ceiling(meta: dict[str, Any], *, progress: bool = True) -> dict[str, Any]:
+    """The ceiling of the dataset `meta` describes, by generating its training and test rows again (the
+    validation rows are skipped). Also returns, as `_first_rows_teacher_auc`, the teacher's AUC on the rows
+    meta.json's `teacher_auc` was computed on, for the caller to check the rows were reproduced."""
+    spec = meta["generator"]
+    name = {v: k for k, v in GENERATOR_VERSIONS.items()}[spec["version"]]
+    gen = make_generator(
+        name,
+        spec["scale"],
+        spec["seed"],
+        num_samples=spec["num_samples"],
+        days=spec.get("days", DAYS),
+        new_entity_rate=spec.get("new_entity_rate", NEW_ENTITY_RATE),
+        drift_rate=spec.get("drift_rate", DRIFT_RATE),
+        table_sizes=spec.get("table_sizes"),
+    )
+    gen.calibrate()
+    bounds = split_bounds(spec["num_samples"], spec["val_fraction"], spec["test_fraction"],
+                          meta.get("layout", "slipcache"))
+    ceiling = CoverageCeiling(gen)
+    wanted = [bounds["train"], bounds["test"]]
+    total = sum(b - a for a, b in wanted)
+    with progress_bar(total=total, unit="rows", unit_scale=True, desc="ceiling", disable=not progress) as bar:
+        for start, end, dense, _, _, labels, latent in _log_rows(gen, spec["seed"], spec["num_samples"], wanted):
+            _count_for_ceiling(ceiling, bounds, start, dense, labels, latent)
+            bar.update(sum(max(0, min(b, end) - max(a, start)) for a, b in wanted))
+    result = ceiling.result() or {}
+    scored = min(result.get("test_rows", 0), TEACHER_AUC_ROWS)
+    if scored:
+        labels = np.concatenate(ceiling.labels)[:scored]
+        result["_first_rows_teacher_auc"] = auc(labels, np.concatenate(ceiling.logits["teacher"])[:scored])
+    return result
 
 
 def _chunk_rng(seed: int, chunk: int) -> np.random.Generator:

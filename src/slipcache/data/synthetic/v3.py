@@ -304,19 +304,29 @@ class GeneratorV3(Teacher):
         self, rng: np.random.Generator, start: int, n: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows start..start+n-1 of the log: (dense [n, 13], ids int32 [n, 26], teacher terms [n, 3])."""
+        dense, ids, params, _ = self.sample_latent(rng, start, n)
+        return dense, ids, self.terms(dense, params)
+
+    def sample_latent(
+        self, rng: np.random.Generator, start: int, n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`sample`'s rows with what the teacher reads instead of its terms: (dense, ids, teacher parameter
+        rows [n, k], latent values [n, k] int64: each signal source's entity key or independent table rank)."""
         days = (start + np.arange(n)) / self.rows_per_day
         ids = np.empty((n, NUM_TABLES), dtype=np.int64)
-        params = []
+        params, sources = [], []
         u = rng.random((len(ENTITY_ROOT) + len(INDEPENDENT_EXPONENT), n))
         keys, new = {}, {}
         for i, name in enumerate(ENTITY_ROOT):
             keys[name], new[name], param = self.entity_keys(name, u[i], days)
             params.append(param)
+            sources.append(keys[name].astype(np.int64))
         for i, (table, exponent) in enumerate(INDEPENDENT_EXPONENT.items(), len(ENTITY_ROOT)):
             size = len(self.rank_to_row[table])
             rank = _zipf_rank(u[i], size, exponent)
             ids[:, table] = self.rank_to_row[table][rank]
             params.append(self.param_rows(rank, rank < HOT_ROWS, table))
+            sources.append(rank.astype(np.int64))
         noise_u = rng.random((len(DERIVED), n))
         for i, (table, (source, merge, noise)) in enumerate(DERIVED.items()):
             # DERIVED lists every table after its source
@@ -329,4 +339,4 @@ class GeneratorV3(Teacher):
             out = np.empty_like(ids)
             out[:, self.columns] = ids
             ids = out
-        return dense, ids.astype(np.int32), self.terms(dense, np.stack(params, axis=1))
+        return dense, ids.astype(np.int32), np.stack(params, axis=1), np.stack(sources, axis=1)

@@ -117,8 +117,11 @@ class GeneratorV4(GeneratorV3):
         keys = owner.astype(np.uint64) + np.uint64(pool) * generation.astype(np.uint64)
         return keys, generation > 0, self.param_rows(keys, np.ones(keys.shape, dtype=bool), name)
 
-    def sample(self, rng: np.random.Generator, start: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows start..start+n-1 of the log: (dense [n, 13], ids int32 [n, 26], teacher terms [n, k])."""
+    def sample_latent(
+        self, rng: np.random.Generator, start: int, n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Rows start..start+n-1 of the log: (dense [n, 13], ids int32 [n, 26], teacher parameter rows [n, k],
+        latent values [n, k]: the user's, ad's and site's keys, then each independent table's rank)."""
         days = (start + np.arange(n)) / self.rows_per_day
         ids = np.empty((n, NUM_TABLES), dtype=np.int64)
         params, weights = [], []
@@ -135,11 +138,13 @@ class GeneratorV4(GeneratorV3):
             keys[name], new[name], param = self.entity_keys_v4(name, rank, days)
             params.append(param)
         weights += [self.source_weight["user"], self.source_weight["ad"], self.source_weight["site"]]
+        ranks: list[np.ndarray] = []
         for i, (table, exponent) in enumerate(INDEPENDENT_EXPONENT.items(), len(ENTITY_ROOT)):
             rank = _zipf_rank(u[i], len(self.rank_to_row[table]), exponent)
             ids[:, table] = self.rank_to_row[table][rank]
             params.append(self.param_rows(rank, rank < HOT_ROWS, table))
             weights.append(1.0)
+            ranks.append(rank.astype(np.int64))
         noise_u = rng.random((len(DERIVED_V4), n))
         for i, (table, (source, merge, noise)) in enumerate(self._derived_order()):
             ids[:, table] = self.derived_rows(table, source, merge, noise, keys, new, ids, noise_u[i])
@@ -155,7 +160,8 @@ class GeneratorV4(GeneratorV3):
             out[:, self.columns] = ids
             ids = out
         self._source_weights = np.array(weights)
-        return dense, ids.astype(np.int32), self.terms(dense, np.stack(params, axis=1))
+        sources = np.stack([keys[name].astype(np.int64) for name in ENTITY_ROOT] + ranks, axis=1)
+        return dense, ids.astype(np.int32), np.stack(params, axis=1), sources
 
     def _derived_order(self) -> list[tuple[int, tuple[str | int, float, float]]]:
         """DERIVED_V4 with every table after its source (C13 after C11)."""

@@ -1,0 +1,137 @@
+"""The best AUC a model can reach on generated data: the teacher's own test AUC, and coverage ceilings.
+
+The generator labels every row from a hidden teacher, so the teacher's AUC on the test split is an upper
+bound for any model. No model can know a latent value (a user, ad or site, or an independent table's
+value) that training never showed it, so the *coverage ceiling* for k is the teacher's test AUC with the
+signal of every latent value seen fewer than k times in the training split removed (its parameter row
+replaced by the all-zero row). The gap between a trained model and the k = 10 ceiling says how much it
+still has to learn; the gap between the ceilings says how much of the signal is rare.
+
+`CoverageCeiling` does the counting while rows are generated in log order (train first, then validation,
+then test), so `generate_synthetic` records the ceiling in meta.json at no extra pass; `dataset_ceiling`
+regenerates the rows of a dataset written without it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slipcache.errors import SlipcacheError
+from slipcache.metrics import auc
+
+logger = logging.getLogger(__name__)
+
+CEILING_KS = (1, 10, 100)
+FLUSH_ROWS = 1 << 21  # training values counted per bincount (bounds the buffered keys to ~16 MB a source)
+
+
+class CoverageCeiling:
+    """Counts each latent source's values over the training rows, then scores the test rows with the
+    teacher at full signal and with the values seen fewer than k times removed, for each k."""
+
+    def __init__(self, teacher: Any, ks: tuple[int, ...] = CEILING_KS) -> None:
+        self.teacher = teacher
+        self.ks = ks
+        self.zero_row = len(teacher.first_order) - 1  # the all-zero parameter row
+        self.counts: list[np.ndarray] = []
+        self.pending: list[list[np.ndarray]] = []
+        self.pending_rows = 0
+        self.labels: list[np.ndarray] = []
+        self.logits: dict[str, list[np.ndarray]] = {"teacher": [], **{str(k): [] for k in ks}}
+
+    def add_train(self, sources: np.ndarray) -> None:
+        """Count the latent values [n, k] of training rows."""
+        if not self.counts:
+            self.counts = [np.zeros(0, dtype=np.int32) for _ in range(sources.shape[1])]
+            self.pending = [[] for _ in range(sources.shape[1])]
+        for j in range(sources.shape[1]):
+            self.pending[j].append(sources[:, j])
+        self.pending_rows += len(sources)
+        if self.pending_rows >= FLUSH_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        for j, parts in enumerate(self.pending):
+            if not parts:
+                continue
+            keys = np.concatenate(parts)
+            seen = np.bincount(keys, minlength=len(self.counts[j]))
+            if len(seen) > len(self.counts[j]):
+                self.counts[j] = np.concatenate([self.counts[j], np.zeros(len(seen) - len(self.counts[j]), np.int32)])
+            self.counts[j] += seen.astype(np.int32)
+            parts.clear()
+        self.pending_rows = 0
+
+    def add_test(self, dense: np.ndarray, params: np.ndarray, sources: np.ndarray, labels: np.ndarray) -> None:
+        """Score test rows: the teacher's logits, and for each k the logits without the rare values' signal.
+        `add_train` must have seen every training row first (the generator writes in log order)."""
+        if self.pending_rows:
+            self._flush()
+        seen = np.zeros(sources.shape, dtype=np.int64)
+        for j, counts in enumerate(self.counts):
+            known = sources[:, j] < len(counts)
+            seen[known, j] = counts[sources[known, j]]
+        self.labels.append(labels)
+        self.logits["teacher"].append(self.teacher.logits(self.teacher.terms(dense, params)))
+        for k in self.ks:
+            masked = np.where(seen < k, self.zero_row, params)
+            self.logits[str(k)].append(self.teacher.logits(self.teacher.terms(dense, masked)))
+
+    def result(self) -> dict[str, Any] | None:
+        """{"teacher_auc", "coverage_auc": {"1": ..., "10": ..., "100": ...}, "test_rows"}; None without test rows."""
+        if not self.labels:
+            return None
+        labels = np.concatenate(self.labels)
+        score = {name: auc(labels, np.concatenate(parts)) for name, parts in self.logits.items()}
+        return {
+            "teacher_auc": score.pop("teacher"),
+            "coverage_auc": score,
+            "test_rows": int(len(labels)),
+            "definition": "teacher AUC on the test split; coverage k: the same with every latent value "
+            "(user, ad, site, independent table value) seen fewer than k times in training removed",
+        }
+
+
+def no_ceiling_reason(meta: dict[str, Any]) -> str | None:
+    """Why a dataset has no known ceiling (None: it has one, or one can be computed)."""
+    if (meta.get("source") or {}).get("generator") != "slipcache.data.synthetic":
+        return "no ceiling is known for this data: only data that slipcache generated has a known teacher"
+    if (meta.get("generator") or {}).get("version", 0) < 3:
+        return "no ceiling is known for this data: generator v2 has no latent sources to count"
+    return None
+
+
+def dataset_ceiling(path: str | Path, *, progress: bool = True) -> dict[str, Any]:
+    """The ceiling of a generated dataset: from its meta.json when it was recorded at generation, else by
+    generating its rows again from the recorded settings (the teacher's AUC must then match the recorded one,
+    so rows that were not reproduced are never scored). Raises SlipcacheError where no ceiling is known."""
+    meta_path = Path(path) / "meta.json"
+    if not meta_path.is_file():
+        raise SlipcacheError(f"no ceiling is known for {path}: only data that slipcache generated has a known teacher")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SlipcacheError(f"no ceiling is known for {path}: its meta.json does not read ({exc})") from exc
+    reason = no_ceiling_reason(meta)
+    if reason:
+        raise SlipcacheError(f"{reason} ({path})")
+    if meta.get("ceiling"):
+        return dict(meta["ceiling"])
+    from slipcache.data.synthetic.generate import regenerate_ceiling
+
+    logger.info("%s: counting latent values by generating its %s rows again", path,
+                f"{meta['generator']['num_samples']:,}")
+    ceiling = regenerate_ceiling(meta, progress=progress)
+    recorded = meta.get("teacher_auc")
+    if recorded is not None and abs(ceiling.pop("_first_rows_teacher_auc") - recorded) > 1e-9:
+        raise SlipcacheError(
+            f"no ceiling is known for {path}: its rows were not reproduced from meta.json (teacher AUC "
+            f"{recorded:.6f} recorded); was it written by another version of slipcache?"
+        )
+    ceiling.pop("_first_rows_teacher_auc", None)
+    return ceiling
