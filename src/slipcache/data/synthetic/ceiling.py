@@ -70,17 +70,24 @@ class CoverageCeiling:
     def add_test(self, dense: np.ndarray, params: np.ndarray, sources: np.ndarray, labels: np.ndarray) -> None:
         """Score test rows: the teacher's logits, and for each k the logits without the rare values' signal.
         `add_train` must have seen every training row first (the generator writes in log order)."""
+        self.labels.append(labels)
+        for name, logits in self.masked_logits(dense, params, sources).items():
+            self.logits[name].append(logits)
+
+    def masked_logits(self, dense: np.ndarray, params: np.ndarray, sources: np.ndarray) -> dict[str, np.ndarray]:
+        """The teacher's logits of rows, in full ("teacher") and for each k without the signal of the latent
+        values the training rows counted so far hold fewer than k times."""
         if self.pending_rows:
             self._flush()
         seen = np.zeros(sources.shape, dtype=np.int64)
         for j, counts in enumerate(self.counts):
             known = sources[:, j] < len(counts)
             seen[known, j] = counts[sources[known, j]]
-        self.labels.append(labels)
-        self.logits["teacher"].append(self.teacher.logits(self.teacher.terms(dense, params)))
+        out = {"teacher": self.teacher.logits(self.teacher.terms(dense, params))}
         for k in self.ks:
             masked = np.where(seen < k, self.zero_row, params)
-            self.logits[str(k)].append(self.teacher.logits(self.teacher.terms(dense, masked)))
+            out[str(k)] = self.teacher.logits(self.teacher.terms(dense, masked))
+        return out
 
     def result(self) -> dict[str, Any] | None:
         """{"teacher_auc", "coverage_auc": {"1": ..., "10": ..., "100": ...}, "test_rows"}; None without test rows."""
