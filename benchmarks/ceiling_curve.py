@@ -79,3 +79,27 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def plot_pilot(pilot: dict[str, Any], coverage: dict[str, Any] | None, out: Path) -> Path:
+    """The pilot's validation curves against the data's coverage ceilings over the same training rows."""
+    from slipcache.plotting import STYLE, pyplot
+
+    plt = pyplot()
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        for run in pilot["runs"]:
+            curve = np.array([[s, a] for _, s, a in run["curve"]], dtype=float)
+            ax.plot(curve[:, 0] / 1e6, curve[:, 1], marker="o", ms=3, label=f"{run['arm']} (validation AUC)")
+        if coverage:
+            cov = np.array(coverage["curve"], dtype=float)
+            for column, style in ((3, "--"), (4, ":")):
+                name = coverage["columns"][column].replace("coverage_auc_", "coverage ceiling, k = ")
+                ax.plot(cov[:, 0] / 1e6, cov[:, column], "k" + style, label=name)
+        ax.set(xlabel="training rows seen (millions)", ylabel="AUC on the first validation rows",
+               title="schedule pilot: one epoch of the Kaggle-sized log")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+    return out
