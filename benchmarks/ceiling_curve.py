@@ -2,6 +2,7 @@
 validation rows, counted over a growing prefix of the training split.
 
     python -m benchmarks.ceiling_curve --samples 45840617 --points 16 --val-rows 500000 --json FILE
+    python -m benchmarks.ceiling_curve --json FILE --plot docs/studies/schedule_pilot.png
 
 A model trained on a time-ordered log keeps meeting new users, ads and sites, so its validation AUC rises for
 as long as the data's coverage does, whatever its schedule. This curve is the data's own learning curve: a
@@ -50,12 +51,22 @@ def coverage_curve(samples: int, scale: float, seed: int, generator: str, points
             chunk_sources = chunk_sources[mark - start :]
             start = mark
         ceiling.add_train(chunk_sources[: end - start])
+    columns = ["train_rows", "teacher_auc", *(f"coverage_auc_{k}" for k in ceiling.ks)]
     return {
-        "columns": ["train_rows", "teacher_auc", *(f"coverage_auc_{k}" for k in ceiling.ks)],
+        "columns": columns,
         "curve": curve,
+        "gain_last_quarter": last_quarter_gains(columns, curve),
         "val_rows": int(len(labels)),
         "data": {"generator": generator, "samples": samples, "scale": scale, "seed": seed},
     }
+
+
+def last_quarter_gains(columns: list[str], curve: list[list[float]]) -> dict[str, float | None]:
+    """Per ceiling: its value at the end minus at 3/4 of the training rows, as for a model's validation curve."""
+    from benchmarks.long_studies import gain_last_quarter
+
+    return {name: gain_last_quarter([[0.0, row[0], row[i]] for row in curve]) for i, name in enumerate(columns)
+            if i > 0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,8 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generator", default="v5")
     parser.add_argument("--points", type=int, default=16)
     parser.add_argument("--val-rows", type=int, default=500_000)
-    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--json", type=Path, required=True, help="the curve's file (written, or read with --plot)")
+    parser.add_argument("--plot", type=Path, metavar="PNG",
+                        help="only draw docs/studies/schedule_pilot.json's curves against the one in --json")
     args = parser.parse_args(argv)
+    if args.plot:
+        pilot = json.loads((Path(__file__).resolve().parent.parent / "docs/studies/schedule_pilot.json").read_text())
+        print(f"wrote {plot_pilot(pilot, json.loads(args.json.read_text()), args.plot)}")
+        return 0
     t0 = time.perf_counter()
     result = coverage_curve(args.samples, args.scale, args.seed, args.generator, args.points, args.val_rows)
     result["seconds"] = time.perf_counter() - t0

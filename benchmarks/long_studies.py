@@ -222,6 +222,7 @@ ACCURACY_CONVERGED = Study(
         ("int8-lru5", "fp32"), ("int4-lru1", "fp32"), ("int8", "fp32"), ("int4", "fp32"), ("int4-nearest", "fp32"),
         ("int4-nearest", "int4"),
     ),  # fmt: skip
+    extra={"pilot": CONVERGED_NAME},
 )
 
 # Slipstream exactly as its authors ran it: the `paper` preset unmodified (budget hot set of 4.19 M rows at
@@ -419,6 +420,14 @@ def gain_last_quarter(curve: list[list[float]]) -> float | None:
     return None
 
 
+def pilot_block(arm: str) -> dict[str, Any]:
+    """What the schedule pilot found for the schedule a study trains with (docs/studies/schedule_pilot.json)."""
+    pilot = json.loads((STUDIES_DIR / f"{SCHEDULE_PILOT.name}.json").read_text())
+    run = next(r for r in pilot["runs"] if r["arm"] == arm)
+    return {"schedule": arm, "overrides": pilot["arms"][arm]["overrides"],
+            "val_auc_gain_last_quarter": run["val_auc_gain_last_quarter"], "test_auc": run["test_auc"]}
+
+
 def empty_file(study: Study, commit: str) -> dict[str, Any]:
     from slipcache.bench.machine import describe_machine
     from slipcache.data.synthetic import synthetic_table_sizes
@@ -443,6 +452,7 @@ def empty_file(study: Study, commit: str) -> dict[str, Any]:
             "epochs": study.common.get("epochs", 1),
         },
         "settings": {**study.common, **study.extra.get("settings", {})},
+        **({"pilot": pilot_block(study.extra["pilot"])} if "pilot" in study.extra else {}),
         "arms": {a.name: {"overrides": a.overrides, "seeds": a.seeds} for a in study.arms},
         "runs": [],
         "comparisons": [],

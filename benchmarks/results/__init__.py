@@ -186,6 +186,9 @@ def study_arms(study: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _run_value(run: Mapping[str, Any], key: str) -> float | None:
     """A recorded figure, or one derived from them: throughput per CPU-second (what load and a resume leave
     alone), and the peak memory only of a run that ran in one process (a resumed one's peak is its last part's)."""
+    if key.startswith("skipped_kind_"):  # Slipstream: the test calibration of the inputs of the skipped kind
+        group = (run.get("calibration") or {}).get("skipped_kind") or {}
+        return group.get(key.removeprefix("skipped_kind_"))
     if key == "samples_per_cpu_s":
         return run["train_samples"] / run["cpu_s"] if run.get("cpu_s") else None
     if key == "peak_rss_bytes" and run.get("run_cpu_s") is not None and run["run_cpu_s"] < 0.5 * run["cpu_s"]:
