@@ -94,9 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
 
 def plot_pilot(pilot: dict[str, Any], coverage: dict[str, Any] | None, out: Path) -> Path:
     """The pilot's validation curves against the data's coverage ceilings over the same training rows."""
@@ -120,3 +117,7 @@ def plot_pilot(pilot: dict[str, Any], coverage: dict[str, Any] | None, out: Path
         fig.savefig(out, dpi=110)
         plt.close(fig)
     return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -431,9 +431,10 @@ def pilot_block(arm: str) -> dict[str, Any]:
 def empty_file(study: Study, commit: str) -> dict[str, Any]:
     from slipcache.bench.machine import describe_machine
     from slipcache.data.synthetic import synthetic_table_sizes
+    from slipcache.data.synthetic.generate import split_bounds
 
-    n = study.data["samples"]
-    test = int(round(n * 0.1))
+    bounds = split_bounds(study.data["samples"], 0.1, 0.1, "slipcache")
+    rows = {name: end - start for name, (start, end) in bounds.items()}
     return {
         "format": FORMAT,
         "study": study.name,
@@ -446,9 +447,9 @@ def empty_file(study: Study, commit: str) -> dict[str, Any]:
             "generator": study.data["generator"],
             "table_rows": sum(synthetic_table_sizes(study.data["scale"])),
             "scale": study.data["scale"],
-            "train_rows": n - 2 * test,
-            "val_rows": test,
-            "test_rows": test,
+            "train_rows": rows["train"],
+            "val_rows": rows["val"],
+            "test_rows": rows["test"],
             "epochs": study.common.get("epochs", 1),
         },
         "settings": {**study.common, **study.extra.get("settings", {})},
