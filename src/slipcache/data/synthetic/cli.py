@@ -130,5 +130,7 @@ def run_synth(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.out} ({args.generator}): {splits}; {sum(meta['table_sizes'])} embedding rows; "
         f"positive rate {meta['positive_rate']:.4f}; teacher AUC {meta['teacher_auc']}"
+        + (f"; a model can reach about {meta['ceiling']['coverage_auc']['10']:.4f} (the teacher without the values "
+           "seen < 10 times in training)" if meta.get("ceiling") else "")
     )
     return 0
