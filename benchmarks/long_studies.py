@@ -643,7 +643,7 @@ def add_ceiling(out_file: Path, study: Study, root: Path, log: Callable[[str], N
     """Record the best AUC a model can reach on the study's test split (`stats --ceiling`), once per file;
     taken from another study file on the same data where one has it."""
     from slipcache.data.synthetic import default_synthetic_path
-    from slipcache.data.synthetic.ceiling import dataset_ceiling
+    from slipcache.data.synthetic.regenerate import dataset_ceiling
 
     ceiling = None
     for other in sorted(STUDIES_DIR.glob("*.json")):

@@ -10,8 +10,9 @@ import pytest
 
 from slipcache.cli import main
 from slipcache.data.synthetic import generate_synthetic
-from slipcache.data.synthetic.ceiling import CoverageCeiling, dataset_ceiling
+from slipcache.data.synthetic.ceiling import CoverageCeiling
 from slipcache.data.synthetic.generate import _log_rows, make_generator, split_bounds
+from slipcache.data.synthetic.regenerate import dataset_ceiling
 from slipcache.errors import SlipcacheError
 from slipcache.metrics import auc
 from slipcache.training.cli import format_summary

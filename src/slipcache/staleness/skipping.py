@@ -44,9 +44,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slipcache.data.batches import Batch, BatchIterator
+from slipcache.data.batches import Batch
 from slipcache.data.dataset import SplitArrays
 from slipcache.model import DLRM
+from slipcache.staleness.calibration import LabelCounts
 from slipcache.staleness.config import GuardConfig
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.guard import GuardDecision, SkipGuard
@@ -128,8 +129,7 @@ class StaleSkipper:
         self.overhead = dict.fromkeys(OVERHEAD_PARTS, 0.0)  # seconds spent on skipping, by part
         self.fits: list[dict[str, Any]] = []
         self.refits = 0
-        # inputs and positive labels among the skipped and the trained ones: is the skipped group label-skewed?
-        self.label_counts = {"skipped": [0, 0], "kept": [0, 0]}
+        self.label_counts = LabelCounts()  # is the skipped group label-skewed?
 
     # ---- hooks -----------------------------------------------------------------------------------------
 
@@ -163,43 +163,12 @@ class StaleSkipper:
             else:
                 keep, control = self.detector.count_with_controls(sparse, self.control_share)
             self.pending_controls = np.concatenate([self.pending_controls, control[keep]])
-            positive = self.split.labels[positions] > 0.5
-            for group, mask in (("kept", keep), ("skipped", ~keep)):
-                self.label_counts[group][0] += int(mask.sum())
-                self.label_counts[group][1] += int(positive[mask].sum())
+            self.label_counts.add(keep, self.split.labels[positions] > 0.5)
         self.decisions.append(keep)
         self.overhead["filter"] += time.perf_counter() - t0
         return keep
 
     sample_filter.wants_positions = True  # type: ignore[attr-defined]
-
-    def label_rates(self) -> dict[str, float | None]:
-        """Positive rate of the skipped and of the trained inputs (None where there are none)."""
-        return {f"{group}_label_rate": (pos / n if n else None) for group, (n, pos) in self.label_counts.items()}
-
-    @torch.no_grad()
-    def calibration(self, split: SplitArrays, batch_size: int = 8192) -> dict[str, dict[str, Any]] | None:
-        """Mean prediction against label rate on `split` (the test split), for the inputs of the kind the rule
-        skips (stale under the final threshold; for the random rule, every hot input) and for the rest: a
-        model trained without a group's inputs may be miscalibrated on it. None before a threshold exists."""
-        if self.detector.threshold is None:
-            return None
-        sums = {"skipped_kind": [0, 0.0, 0.0], "rest": [0, 0.0, 0.0]}  # inputs, predictions, labels
-        was_training = self.model.training
-        self.model.eval()
-        for batch in BatchIterator(split, batch_size, drop_last=False):
-            predictions = torch.sigmoid(batch.logits(self.model)).numpy().astype(np.float64)
-            labels = batch.labels.numpy().astype(np.float64)
-            kind = self.detector.stale_mask(batch.sparse.numpy())
-            for group, mask in (("skipped_kind", kind), ("rest", ~kind)):
-                sums[group][0] += int(mask.sum())
-                sums[group][1] += float(predictions[mask].sum())
-                sums[group][2] += float(labels[mask].sum())
-        self.model.train(was_training)
-        return {
-            group: {"inputs": n, "mean_pred": (p / n if n else None), "label_rate": (y / n if n else None)}
-            for group, (n, p, y) in sums.items()
-        }
 
     def loss_weights(self, n: int) -> torch.Tensor | None:
         """Per-input loss weights of the next trained batch of ``n``: 1/p on its kept would-be-skipped inputs.
@@ -463,7 +432,7 @@ class StaleSkipper:
             "threshold_fits": self.fits,
             "threshold_refits": self.refits,
             "nonstale_hot_rows": stats["hot_rows"] - stats["stale_rows"],
-            **self.label_rates(),
+            **self.label_counts.rates(),
             "speedup_bound": 1.0 / max(1.0 - (total.skipped / total.inputs if total.inputs else 0.0), 1e-9),
         }
 
@@ -499,7 +468,7 @@ class StaleSkipper:
             "overhead": dict(self.overhead),
             "fits": list(self.fits),
             "refits": self.refits,
-            "label_counts": {group: list(counts) for group, counts in self.label_counts.items()},
+            "label_counts": self.label_counts.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -526,6 +495,4 @@ class StaleSkipper:
         self.control_reference = state["control_reference"]
         self.overhead = {part: float(state["overhead"].get(part, 0.0)) for part in OVERHEAD_PARTS}
         self.fits = list(state["fits"])
-        # checkpoints written before the label counts were kept resume with the counts from there on
-        counts = state.get("label_counts", {"skipped": [0, 0], "kept": [0, 0]})
-        self.label_counts = {group: list(pair) for group, pair in counts.items()}
+        self.label_counts.load_state_dict(state.get("label_counts"))  # absent in older checkpoints

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from slipcache.callback import Callback
+from slipcache.staleness.calibration import skipped_kind_calibration
 from slipcache.staleness.factory import make_skipper
 
 if typing.TYPE_CHECKING:
@@ -59,8 +60,9 @@ class SkipStaleInputs(Callback):
     def summary_fields(self, run: Run) -> dict[str, Any]:
         skipped = run.progress.skipped
         staleness = self.skipper.summary(_seconds_per_trained_sample(run))
-        if run.backend.batch_part() is None and hasattr(self.skipper, "calibration"):  # one process: the
-            staleness["calibration"] = self.skipper.calibration(run.dataset.split("test"))  # whole test split
+        detector = getattr(self.skipper, "detector", None)  # the stale and random rules (loss pruning has none)
+        if detector is not None and run.backend.batch_part() is None:  # one process: the whole test split
+            staleness["calibration"] = skipped_kind_calibration(detector, run.model, run.dataset.split("test"))
         return {"skipped_fraction": skipped / (run.progress.samples + skipped), "staleness": staleness}
 
     def state_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from slipcache.data.stats.compute import (
 )
 from slipcache.data.stats.report import format_stats, plot_stats
 from slipcache.data.stats.signal import DEFAULT_SIGNAL_ROWS
-from slipcache.data.synthetic.ceiling import dataset_ceiling
+from slipcache.data.synthetic.regenerate import dataset_ceiling
 from slipcache.errors import SlipcacheError
 from slipcache.options import add_progress_flag, image_file, seed_arg
 

@@ -8,23 +8,17 @@ replaced by the all-zero row). The gap between a trained model and the k = 10 ce
 still has to learn; the gap between the ceilings says how much of the signal is rare.
 
 `CoverageCeiling` does the counting while rows are generated in log order (train first, then validation,
-then test), so `generate_synthetic` records the ceiling in meta.json at no extra pass; `dataset_ceiling`
-regenerates the rows of a dataset written without it.
+then test), so `generate_synthetic` records the ceiling in meta.json at no extra pass;
+`generate.dataset_ceiling` generates again the rows of a dataset written without it.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from slipcache.errors import SlipcacheError
 from slipcache.metrics import auc
-
-logger = logging.getLogger(__name__)
 
 CEILING_KS = (1, 10, 100)
 FLUSH_ROWS = 1 << 21  # training values counted per bincount (bounds the buffered keys to ~16 MB a source)
@@ -66,6 +60,26 @@ class CoverageCeiling:
             self.counts[j] += seen.astype(np.int32)
             parts.clear()
         self.pending_rows = 0
+
+    def add_chunk(
+        self,
+        bounds: dict[str, tuple[int, int]],
+        start: int,
+        dense: np.ndarray,
+        labels: np.ndarray,
+        latent: tuple[np.ndarray, np.ndarray],
+    ) -> None:
+        """A chunk of the log from row `start`: its training rows counted, its test rows scored."""
+        params, sources = latent
+        for name in ("train", "test"):
+            a, b = bounds[name]
+            lo, hi = max(a, start) - start, min(b, start + len(labels)) - start
+            if lo >= hi:
+                continue
+            if name == "train":
+                self.add_train(sources[lo:hi])
+            else:
+                self.add_test(dense[lo:hi], params[lo:hi], sources[lo:hi], labels[lo:hi])
 
     def add_test(self, dense: np.ndarray, params: np.ndarray, sources: np.ndarray, labels: np.ndarray) -> None:
         """Score test rows: the teacher's logits, and for each k the logits without the rare values' signal.
@@ -111,34 +125,3 @@ def no_ceiling_reason(meta: dict[str, Any]) -> str | None:
     if (meta.get("generator") or {}).get("version", 0) < 3:
         return "no ceiling is known for this data: generator v2 has no latent sources to count"
     return None
-
-
-def dataset_ceiling(path: str | Path, *, progress: bool = True) -> dict[str, Any]:
-    """The ceiling of a generated dataset: from its meta.json when it was recorded at generation, else by
-    generating its rows again from the recorded settings (the teacher's AUC must then match the recorded one,
-    so rows that were not reproduced are never scored). Raises SlipcacheError where no ceiling is known."""
-    meta_path = Path(path) / "meta.json"
-    if not meta_path.is_file():
-        raise SlipcacheError(f"no ceiling is known for {path}: only data that slipcache generated has a known teacher")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SlipcacheError(f"no ceiling is known for {path}: its meta.json does not read ({exc})") from exc
-    reason = no_ceiling_reason(meta)
-    if reason:
-        raise SlipcacheError(f"{reason} ({path})")
-    if meta.get("ceiling"):
-        return dict(meta["ceiling"])
-    from slipcache.data.synthetic.generate import regenerate_ceiling
-
-    logger.info("%s: counting latent values by generating its %s rows again", path,
-                f"{meta['generator']['num_samples']:,}")
-    ceiling = regenerate_ceiling(meta, progress=progress)
-    recorded = meta.get("teacher_auc")
-    if recorded is not None and abs(ceiling.pop("_first_rows_teacher_auc") - recorded) > 1e-9:
-        raise SlipcacheError(
-            f"no ceiling is known for {path}: its rows were not reproduced from meta.json (teacher AUC "
-            f"{recorded:.6f} recorded); was it written by another version of slipcache?"
-        )
-    ceiling.pop("_first_rows_teacher_auc", None)
-    return ceiling

@@ -135,7 +135,7 @@ def generate_synthetic(
     with writer, progress_bar(total=num_samples, **bar_settings) as bar:
         for start, end, dense, ids, logits, labels, latent in _log_rows(gen, seed, num_samples):
             if ceiling is not None:
-                _count_for_ceiling(ceiling, bounds, start, dense, labels, latent)
+                ceiling.add_chunk(bounds, start, dense, labels, latent)
             if layout == "torchrec":
                 writer.append(labels.astype(np.int32), dense, ids)
             for name, (a, b) in bounds.items():
@@ -217,61 +217,6 @@ def _log_rows(
         logits = gen.logits(terms)
         labels = (rng.random(end - start) < sigmoid(logits)).astype(np.float32)
         yield start, end, dense, ids, logits, labels, latent
-
-
-def _count_for_ceiling(
-    ceiling: CoverageCeiling,
-    bounds: dict[str, tuple[int, int]],
-    start: int,
-    dense: np.ndarray,
-    labels: np.ndarray,
-    latent: tuple[np.ndarray, np.ndarray],
-) -> None:
-    """Hand a chunk's training rows and test rows to the ceiling's counts."""
-    params, sources = latent
-    for name in ("train", "test"):
-        a, b = bounds[name]
-        lo, hi = max(a, start) - start, min(b, start + len(labels)) - start
-        if lo >= hi:
-            continue
-        if name == "train":
-            ceiling.add_train(sources[lo:hi])
-        else:
-            ceiling.add_test(dense[lo:hi], params[lo:hi], sources[lo:hi], labels[lo:hi])
-
-
-def regenerate_ceiling(meta: dict[str, Any], *, progress: bool = True) -> dict[str, Any]:
-    """The ceiling of the dataset `meta` describes, by generating its training and test rows again (the
-    validation rows are skipped). Also returns, as `_first_rows_teacher_auc`, the teacher's AUC on the rows
-    meta.json's `teacher_auc` was computed on, for the caller to check the rows were reproduced."""
-    spec = meta["generator"]
-    name = {v: k for k, v in GENERATOR_VERSIONS.items()}[spec["version"]]
-    gen = make_generator(
-        name,
-        spec["scale"],
-        spec["seed"],
-        num_samples=spec["num_samples"],
-        days=spec.get("days", DAYS),
-        new_entity_rate=spec.get("new_entity_rate", NEW_ENTITY_RATE),
-        drift_rate=spec.get("drift_rate", DRIFT_RATE),
-        table_sizes=spec.get("table_sizes"),
-    )
-    gen.calibrate()
-    bounds = split_bounds(spec["num_samples"], spec["val_fraction"], spec["test_fraction"],
-                          meta.get("layout", "slipcache"))
-    ceiling = CoverageCeiling(gen)
-    wanted = [bounds["train"], bounds["test"]]
-    total = sum(b - a for a, b in wanted)
-    with progress_bar(total=total, unit="rows", unit_scale=True, desc="ceiling", disable=not progress) as bar:
-        for start, end, dense, _, _, labels, latent in _log_rows(gen, spec["seed"], spec["num_samples"], wanted):
-            _count_for_ceiling(ceiling, bounds, start, dense, labels, latent)
-            bar.update(sum(max(0, min(b, end) - max(a, start)) for a, b in wanted))
-    result = ceiling.result() or {}
-    scored = min(result.get("test_rows", 0), TEACHER_AUC_ROWS)
-    if scored:
-        labels = np.concatenate(ceiling.labels)[:scored]
-        result["_first_rows_teacher_auc"] = auc(labels, np.concatenate(ceiling.logits["teacher"])[:scored])
-    return result
 
 
 def _chunk_rng(seed: int, chunk: int) -> np.random.Generator:
