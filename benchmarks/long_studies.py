@@ -475,6 +475,14 @@ def update_file(path: Path, study: Study, record: dict[str, Any]) -> dict[str, A
 
 
 # ---------------------------------------------------------------------------------------------- running
+class RunFailed(SlipcacheError):
+    """A run the trainer stopped with its own error (a diverged loss): its record says why."""
+
+    def __init__(self, message: str, record: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.record = record
+
+
 def run_one(
     study: Study, arm: Arm, seed: int, run_dir: Path, source: Path, commit: str, log: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -511,9 +519,18 @@ def run_one(
     )
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise SlipcacheError(
-            f"{arm.name} seed {seed} failed (exit {done.returncode}): {tail[0]}; its run "
-            f"directory {run_dir} is kept for a look, and --resume continues it"
+        if done.returncode < 0 or "SlipcacheError" not in tail[0]:  # killed, or a crash: nothing to record
+            raise SlipcacheError(
+                f"{arm.name} seed {seed} failed (exit {done.returncode}): {tail[0]}; its run "
+                f"directory {run_dir} is kept for a look, and --resume continues it"
+            )
+        raise RunFailed(
+            f"{study.name}: {arm.name} seed {seed} stopped: {tail[0]} (recorded as failed; its run directory "
+            f"{run_dir} is kept)",
+            {"arm": arm.name, "seed": seed, "commit": commit, "run_dir": run_dir.name, "test_auc": None,
+             "test_logloss": None, "failed": tail[0].removeprefix("slipcache.errors.SlipcacheError: "),
+             "curve": eval_curve(run_dir / "metrics.jsonl"),
+             "finished": datetime.now(UTC).isoformat(timespec="seconds")},
         )
     child = json.loads(done.stdout.strip().splitlines()[-1])
     child["commit"] = commit
@@ -612,7 +629,11 @@ def run_study(args: argparse.Namespace, log: Callable[[str], None]) -> int:
             finished = {(r["arm"], r["seed"]) for r in json.loads(out_file.read_text())["runs"]}
             if not mine or (arm.name, seed) in finished:
                 continue  # another process of this study runs it, or has finished it meanwhile
-            record = run_one(study, arm, seed, root / f"{arm.name}-s{seed}", source, commit, log)
+            try:
+                record = run_one(study, arm, seed, root / f"{arm.name}-s{seed}", source, commit, log)
+            except RunFailed as failure:  # a diverged run is a result too: recorded, and the study goes on
+                log(str(failure))
+                record = failure.record
             with claimed(root / ".results.lock", wait=True):
                 results = update_file(out_file, study, record)
             ran += 1

@@ -117,3 +117,21 @@ def test_gain_over_the_last_quarter_interpolates_between_evaluations() -> None:
     curve = [[1.0, 0, 0.60], [2.0, 500, 0.70], [3.0, 1000, 0.74]]
     assert long_studies.gain_last_quarter(curve) == pytest.approx(0.74 - 0.72)  # 0.72 at sample 750
     assert long_studies.gain_last_quarter(curve[:1]) is None
+
+
+def test_a_run_the_trainer_stops_is_recorded_as_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A diverged run is a result (the study goes on); a crash or a kill is not, and stops the study."""
+    stderr = "Traceback ...\nslipcache.errors.SlipcacheError: training loss is nan at sample 1452032"
+    monkeypatch.setattr(long_studies.subprocess, "run",
+                        lambda *a, **k: argparse.Namespace(returncode=1, stderr=stderr, stdout=""))
+    arm = TINY.arms[1]
+    with pytest.raises(long_studies.RunFailed) as failed:
+        long_studies.run_one(TINY, arm, 0, tmp_path / "int8-s0", tmp_path, "c" * 40, lambda line: None)
+    record = failed.value.record
+    assert (record["arm"], record["seed"], record["test_auc"]) == ("int8", 0, None)
+    assert record["failed"].startswith("training loss is nan")
+    monkeypatch.setattr(long_studies.subprocess, "run",
+                        lambda *a, **k: argparse.Namespace(returncode=-9, stderr="", stdout=""))
+    with pytest.raises(SlipcacheError, match="--resume continues it") as crashed:
+        long_studies.run_one(TINY, arm, 0, tmp_path / "int8-s0", tmp_path, "c" * 40, lambda line: None)
+    assert not isinstance(crashed.value, long_studies.RunFailed)
