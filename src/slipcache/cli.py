@@ -21,7 +21,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("slipcache.bench.cli", "benchmark embedding implementations"),
     "experiment": ("slipcache.bench.experiment", "run the papers' experiments and write a report"),
     "plan": ("slipcache.planning.cli", "choose per-table precision and cache rows for a memory budget"),
-    "export": ("slipcache.export", "write a checkpoint's tables for serving (nn.EmbeddingBag, TorchRec, FBGEMM INT8)"),
+    "export": ("slipcache.export", "write a trained model for serving: tables (nn.EmbeddingBag, TorchRec, FBGEMM "
+               "INT8), dense layers, configuration and vocabulary"),
+    "predict": ("slipcache.predict", "score raw Criteo files or a dataset with a trained run or an export"),
 }
 
 
