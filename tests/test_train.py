@@ -234,7 +234,8 @@ def test_config_file_errors(tmp_path: Path) -> None:
     for text, meant in [("dim: 8\n", "the flag --dim is the key 'embedding_dim'"),
                         ("batchsize: 8\n", "did you mean 'batch_size'"),
                         ("no_stale_guard: true\n", "the flag --no-stale-guard is the key 'stale_guard' set to false"),
-                        ("zzz: 1\n", "valid keys: allow_changes, ")]:
+                        ("learning_rate: 0.1\n", "did you mean 'lr'"),
+                        ("zzz: 1\n", "--help-all. lists every setting")]:
         bad_key.write_text(text)
         with pytest.raises(SlipcacheError, match=meant):
             load_config_file(bad_key)

@@ -75,13 +75,24 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """`TrainConfig`'s flags (`training/flags.py`), `--config` and the progress flags."""
+    """`TrainConfig`'s flags (`training/flags.py`), `--config` and the progress flags; `--help` shows the
+    ones most runs need, `--help-all` every one."""
+    from slipcache.training.flags import HelpAll
+
+    parser.add_argument("--help-all", action=HelpAll, help="show every flag (the research options too) and exit")
     parser.add_argument(
         "--config", metavar="FILE", default=argparse.SUPPRESS,
-        help="TOML or YAML file of config keys; flags override it",
+        help="TOML or YAML file of config keys (a flag --a-b is the key a_b); flags override it",
     )
     add_config_flags(parser)
     add_progress_flag(parser, default=argparse.SUPPRESS)
+    flags = [a for a in parser._actions if a.option_strings and not isinstance(a, (argparse._HelpAction, HelpAll))]
+    shown = sum(1 for a in flags if a.help is not argparse.SUPPRESS)
+    parser.usage = f"{parser.prog} [--data PATH] [--out DIR] [--quick] [FLAG ...]"
+    parser.epilog = (
+        f"These are the flags most runs need ({shown} of {len(flags)}); `{parser.prog} --help-all` "
+        "shows every one: stale-input skipping's research options, the schedule's details, the data's options."
+    )
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:

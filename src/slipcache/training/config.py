@@ -71,8 +71,10 @@ class TrainConfig:
                                    doc="synthetic data: rows generated (80/10/10 train/val/test)")
     synthetic_scale: float = _flag(0.05, resume="fixed", group="data",
                                    doc="synthetic data: table sizes relative to Criteo Kaggle (data.kaggle)")
-    synthetic_generator: str = _flag(DEFAULT_GENERATOR, "synthetic data generator: v4 (v3 with real signal, dense "
-                                     "shapes and links), v3 (entities, time order) or v2 (earlier figures)",
+    synthetic_generator: str = _flag(DEFAULT_GENERATOR, "synthetic data generator: v5 (the default: v4 with the "
+                                     "label signal of real rows in the big tables; docs/data.md), v4 (v3 with real "
+                                     "signal, dense shapes and links), v3 (entities, time order) or v2 (earlier "
+                                     "figures)",
                                      resume="fixed", group="data", flag=("--generator",),
                                      choices=tuple(GENERATOR_VERSIONS))
     strict: bool = _flag(False, "raw data: stop at the first malformed line instead of skipping it",

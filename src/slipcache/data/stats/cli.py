@@ -42,8 +42,12 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
         "path", metavar="PATH", help="raw Criteo file or directory (tsv/csv, .gz too) or a dataset"
     )
     parser.add_argument("--max-rows", type=int, default=None, help="measure only the first N rows")
-    parser.add_argument("--json", metavar="FILE", help="also write the statistics as JSON ('-': stdout only; its directory is created)")
-    parser.add_argument("--plot", metavar="FILE.png", type=image_file, help="also draw them into a PNG (its directory is created)")
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write the statistics as JSON ('-': stdout only; its directory is created)"
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE.png", type=image_file, help="also draw them into a PNG (its directory is created)"
+    )
     parser.add_argument(
         "--budgets-mb", type=_positive_list, default=list(DEFAULT_BUDGETS_MB),
         help="hot-row budgets in MB for the hot-input share (default 64,256,1024)",
