@@ -245,3 +245,18 @@ def test_export_without_the_runs_dataset_says_what_is_missing(raw_run: dict[str,
         assert slipcache.load_model(raw_run["export"]).vocabulary.kind == "frequency"  # the export kept it
     finally:
         shutil.copytree(copy, raw_run["dataset"])
+
+
+def test_the_readmes_scoring_snippet_runs(raw_run: dict[str, Path]) -> None:
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Scoring new data"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    code = code.replace('"served/criteo"', repr(str(raw_run["export"])))
+    code = code.replace('"day_24.gz"', repr(str(raw_run["raw"])))
+    namespace: dict[str, object] = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    probabilities = namespace["probabilities"]
+    assert isinstance(probabilities, torch.Tensor) and probabilities.shape == (800,)
+    assert bool(((probabilities > 0) & (probabilities < 1)).all())
