@@ -261,7 +261,8 @@ def test_eval_checkpoint_and_vocab_mismatch(
     assert run_eval(parser.parse_args(["--checkpoint", str(run / "checkpoints" / "latest.pt")])) == 0
     assert "auc" in capsys.readouterr().out
     other = make_dataset(tmp_path / "other", sizes=[21, 7, 50] + [5] * 23)
-    with pytest.raises(SlipcacheError, match="table 0 has 21 rows vs 20"):
+    with pytest.raises(SlipcacheError, match="table 0 has 21 rows vs 20.*; to score other data with the run's own "
+                       "vocabulary: slipcache predict --checkpoint"):
         evaluate_checkpoint(run, data=str(other))
 
 

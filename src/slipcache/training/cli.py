@@ -139,7 +139,15 @@ def evaluate_checkpoint(
         saved_dataset = state["config"].get("dataset")
         dataset_dir = run_dataset_dir(config, saved_dataset if isinstance(saved_dataset, str) else None)
     dataset = open_dataset(dataset_dir, config)
-    check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
+    try:
+        check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
+    except SlipcacheError as exc:
+        if data is None:
+            raise
+        raise SlipcacheError(  # new raw files got a vocabulary of their own: predict maps them with the run's
+            f"{exc}; to score other data with the run's own vocabulary: "
+            f"slipcache predict --checkpoint {checkpoint_path} {data} --out scores.txt"
+        ) from exc
     if data is None:
         from slipcache.data.fingerprint import check_same_data, fingerprint
 
