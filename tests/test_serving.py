@@ -154,6 +154,11 @@ def test_predict_with_a_hash_vocabulary(tmp_path: Path, monkeypatch: pytest.Monk
     held = predict(model, [dataset], tmp_path / "t.npy", split="test")
     assert scored.unseen is None and scored.rows == 300
     np.testing.assert_allclose(np.load(tmp_path / "s.npy")[-held.rows:], np.load(tmp_path / "t.npy"), atol=1e-6)
+    assert cli.main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    exported = slipcache.load_model(tmp_path / "export")
+    assert exported.vocabulary.kind == "hash" and exported.vocabulary.max_rows == 64
+    predict(exported, [raw], tmp_path / "e.npy")
+    np.testing.assert_allclose(np.load(tmp_path / "e.npy"), np.load(tmp_path / "s.npy"), atol=1e-6)
 
 
 def test_a_run_on_ids_refuses_raw_files_in_one_line(tmp_path: Path) -> None:
@@ -166,6 +171,14 @@ def test_a_run_on_ids_refuses_raw_files_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "s.txt").exists()
     scored = predict(model, [data], tmp_path / "s.txt", split="val")  # its own kind of data: fine
     assert scored.rows == 100 and len((tmp_path / "s.txt").read_text().splitlines()) == 100
+    assert cli.main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    exported = slipcache.load_model(tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "model.json").read_text())["vocabulary"]["kind"] == "ids"
+    assert not (tmp_path / "export" / "vocabulary.pt").exists()
+    with pytest.raises(SlipcacheError, match="synthetic data|ids that are already rows"):
+        predict(exported, [raw], tmp_path / "e.txt")
+    predict(exported, [data], tmp_path / "e.txt", split="val")
+    np.testing.assert_allclose(np.loadtxt(tmp_path / "e.txt"), np.loadtxt(tmp_path / "s.txt"), atol=2e-6)
 
 
 def test_predict_checks_its_output_before_any_work(raw_run: dict[str, Path], tmp_path: Path,

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from slipcache.data.criteo import MISSING
+from slipcache.data.preprocess import hash_ids, lookup_rows
 from slipcache.errors import SlipcacheError
 
 VOCABULARY_FILE = "vocabulary.pt"
@@ -71,9 +73,6 @@ class Vocabulary:
     def encode(self, categorical: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Raw categorical values int64 [n, T] (MISSING = -1) -> (rows int64 [n, T], per-table counts of
         present values without a row, None for hash: every value has one)."""
-        from slipcache.data.criteo import MISSING
-        from slipcache.data.preprocess import hash_ids, lookup_rows
-
         self.require_raw()
         if self.kind == "hash":
             assert self.max_rows is not None
@@ -165,6 +164,8 @@ class Vocabulary:
     @classmethod
     def from_export(cls, directory: Path, entry: dict[str, Any]) -> Vocabulary:
         kind = entry.get("kind")
+        if kind not in VOCABULARY_KINDS:
+            raise SlipcacheError(f"{directory}: unknown vocabulary kind {kind!r} in model.json")
         sizes = [int(n) for n in entry.get("table_sizes", [])]
         if kind == "hash":
             return cls("hash", sizes, str(directory), max_rows=int(entry["max_rows"]),
@@ -177,6 +178,4 @@ class Vocabulary:
             except (KeyError, TypeError, AttributeError) as exc:
                 raise SlipcacheError(f"{directory / VOCABULARY_FILE}: not a slipcache vocabulary") from exc
             return cls("frequency", sizes, str(directory), values, rows, min_count=entry.get("min_count"))
-        if kind in ("ids", "missing"):
-            return cls(kind, sizes, str(directory), note=str(entry.get("note", "")))
-        raise SlipcacheError(f"{directory}: unknown vocabulary kind {kind!r} in model.json")
+        return cls(kind, sizes, str(directory), note=str(entry.get("note", "")))  # ids, missing
