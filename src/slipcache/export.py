@@ -96,7 +96,7 @@ class TableRows:
     @classmethod
     def of_model(cls, embeddings: Any) -> TableRows:
         """A trained collection's rows: cached rows overlaid on storage, exactly what the model reads."""
-        if hasattr(embeddings, "read_rows"):
+        if hasattr(embeddings, "read_rows") and not hasattr(embeddings, "bags"):
             offsets = [int(o) for o in embeddings.table_offsets]
 
             def read(t: int, start: int, stop: int) -> torch.Tensor:
