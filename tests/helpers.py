@@ -89,3 +89,75 @@ class FailsInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("boom")
+
+
+# ------------------------------------------------------------------------------------- raw Criteo files
+# Where the real Criteo sample rows are expected: ../shared/data/criteo/ beside the clone (the README of that
+# directory says where each file was published); $SLIPCACHE_TEST_CRITEO_DIR names another place.
+SHARED_CRITEO = Path(
+    __import__("os").environ.get("SLIPCACHE_TEST_CRITEO_DIR")
+    or Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+)
+SHARED_CRITEO_REASON = (
+    f"real Criteo rows expected in {SHARED_CRITEO} (../shared/data/criteo/ beside the clone, or "
+    "$SLIPCACHE_TEST_CRITEO_DIR); the same parsing checks run on written files in tests/test_data_written_formats.py"
+)
+
+
+class CriteoRows:
+    """Raw Criteo rows drawn once (labels, 13 integer counts with missing ones, 26 categorical 32-bit values
+    with missing ones), written in each of the three raw formats. Values of the first three tables carry
+    the label's signal, so a few epochs on them learn something."""
+
+    def __init__(self, n: int = 600, seed: int = 0, vocabulary: int = 40) -> None:
+        rng = np.random.default_rng(seed)
+        self.n = n
+        pools = [rng.choice(2**32, size=vocabulary, replace=False) for _ in range(26)]
+        picks = np.minimum(rng.zipf(1.6, (n, 26)) - 1, vocabulary - 1)
+        self.categorical = np.stack([pools[t][picks[:, t]] for t in range(26)], axis=1).astype(np.int64)
+        self.categorical[rng.random((n, 26)) < 0.1] = -1  # missing
+        self.dense = rng.integers(-2, 3000, (n, 13)).astype(np.float64)
+        self.dense[rng.random((n, 13)) < 0.15] = np.nan
+        effect = [rng.normal(0, 1.5, vocabulary) for _ in range(3)]
+        logit = sum(effect[t][picks[:, t]] for t in range(3)) - 1.0
+        self.labels = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+        # The last rows end in missing values, cut off when written as TSV (as on half of Kaggle's train.txt).
+        self.cut = {n - 3: 2, n - 2: 3, n - 1: 25}
+        for i, k in self.cut.items():
+            self.categorical[i, 26 - k :] = -1
+
+    def _fields(self, i: int, *, floats: bool) -> tuple[list[str], list[str]]:
+        dense = ["" if np.isnan(v) else (f"{v:.1f}" if floats else str(int(v))) for v in self.dense[i]]
+        cats = ["" if v < 0 else f"{int(v):08x}" for v in self.categorical[i]]
+        return dense, cats
+
+    def write_tsv(self, path: Path, *, cut: bool = True) -> Path:
+        """Kaggle / Terabyte TSV: no header, trailing empty fields cut off on `self.cut`'s rows."""
+        lines = []
+        for i in range(self.n):
+            dense, cats = self._fields(i, floats=False)
+            if cut and i in self.cut:
+                cats = cats[: 26 - self.cut[i]]
+            lines.append("\t".join([str(int(self.labels[i])), *dense, *cats]))
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def write_kaggle_csv(self, path: Path) -> Path:
+        """Kaggle CSV: header Id,Label,I1..I13,C1..C26, CRLF line ends, an Id first."""
+        header = ",".join(["Id", "Label", *(f"I{j}" for j in range(1, 14)), *(f"C{j}" for j in range(1, 27))])
+        lines = [header]
+        for i in range(self.n):
+            dense, cats = self._fields(i, floats=False)
+            lines.append(",".join([str(10_000_000 + i), str(int(self.labels[i])), *dense, *cats]))
+        path.write_bytes(("\r\n".join(lines) + "\r\n").encode())
+        return path
+
+    def write_float_csv(self, path: Path) -> Path:
+        """CSV with header label,I1..I13,C1..C26, the integer features written as floats (`260.0`)."""
+        header = ",".join(["label", *(f"I{j}" for j in range(1, 14)), *(f"C{j}" for j in range(1, 27))])
+        lines = [header]
+        for i in range(self.n):
+            dense, cats = self._fields(i, floats=True)
+            lines.append(",".join([str(int(self.labels[i])), *dense, *cats]))
+        path.write_text("\n".join(lines) + "\n")
+        return path

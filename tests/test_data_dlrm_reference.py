@@ -15,9 +15,9 @@ import pytest
 from slipcache.data import formats
 from slipcache.data.preprocess import dense_transform
 from slipcache.training import trainer as train
-from tests.helpers import tiny_config
+from tests.helpers import SHARED_CRITEO, SHARED_CRITEO_REASON, tiny_config
 
-CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo" / "kaggle_train_head.tsv"
+CRITEO = SHARED_CRITEO / "kaggle_train_head.tsv"
 DAYS = 7
 ROWS = 993  # 6 days of 142 and a last day of 141: an odd last day shows which half takes the extra row
 
@@ -26,7 +26,7 @@ def _criteo_rows() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Labels, raw integer features (missing: 0) and hex categories as ints (missing: 0), as parsed by
     the reference."""
     if not CRITEO.is_file():
-        pytest.skip(f"{CRITEO}: shared Criteo sample not found")
+        pytest.skip(SHARED_CRITEO_REASON)
     labels, ints, cats = [], [], []
     for line in CRITEO.read_text().splitlines()[:ROWS]:
         fields = (line.split("\t") + [""] * 40)[:40]

@@ -14,13 +14,14 @@ from slipcache.data.criteo import MISSING, read_chunks
 from slipcache.data.dataset import CriteoDataset, DatasetWriter
 from slipcache.data.preprocess import hash_ids, parse_split, preprocess
 from slipcache.errors import SlipcacheError
+from tests.helpers import SHARED_CRITEO, SHARED_CRITEO_REASON
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+SHARED = SHARED_CRITEO
 TSV = SHARED / "kaggle_train_head.tsv"
 CSV = SHARED / "kaggle_train_tiny.csv"
 needs_shared = pytest.mark.skipif(
     not SHARED.is_dir(),
-    reason=f"shared Criteo sample files not found at {SHARED} (clone the repo beside shared/)",
+    reason=SHARED_CRITEO_REASON,
 )
 
 

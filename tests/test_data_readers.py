@@ -10,11 +10,12 @@ import pytest
 
 from slipcache.data.criteo import MISSING, ReadStats, detect_format, read_chunks
 from slipcache.errors import SlipcacheError
+from tests.helpers import SHARED_CRITEO, SHARED_CRITEO_REASON
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+SHARED = SHARED_CRITEO
 needs_shared = pytest.mark.skipif(
     not SHARED.is_dir(),
-    reason=f"shared Criteo sample files not found at {SHARED} (clone the repo beside shared/)",
+    reason=SHARED_CRITEO_REASON,
 )
 
 

@@ -357,6 +357,39 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().err.strip().count("\n") == 0
 
 
+def test_output_paths_are_made_or_refused_before_the_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json into a directory that does not exist yet is created before the statistics are computed; a
+    directory or a link as the file stops with one line before any of the work."""
+    import os
+
+    from slipcache.data.stats import cli as stats_cli
+
+    files = _write_formats(tmp_path / "raw")
+    out = tmp_path / "not" / "yet" / "s.json"
+    assert main(["stats", str(files["tsv"]), "--json", str(out), "--quiet"]) == 0
+    assert json.loads(out.read_text())["rows"] == 4
+    assert [p.name for p in out.parent.iterdir()] == ["s.json"]  # no temporary file left
+
+    def no_work(*args: object, **kwargs: object) -> None:
+        raise AssertionError("computed before the output paths were checked")
+
+    monkeypatch.setattr(stats_cli, "compute_stats", no_work)
+    (tmp_path / "target.json").write_text("keep")
+    os.symlink(tmp_path / "target.json", tmp_path / "link.json")
+    for flag, value, message in (("--json", tmp_path, "is a directory"),
+                                 ("--json", tmp_path / "link.json", "is a symbolic link"),
+                                 ("--plot", tmp_path / "raw.png", "")):
+        if not message:
+            (tmp_path / "raw.png").mkdir()
+            message = "is a directory"
+        assert main(["stats", str(files["tsv"]), flag, str(value), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+    assert (tmp_path / "target.json").read_text() == "keep"
+
+
 # ------------------------------------------------------------------------------------------- real rows
 
 

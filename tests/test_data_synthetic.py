@@ -26,10 +26,11 @@ from slipcache.data.synthetic import cli as synth_cli
 from slipcache.errors import SlipcacheError
 from slipcache.metrics import auc
 from slipcache.training.config import make_config
+from tests.helpers import SHARED_CRITEO, SHARED_CRITEO_REASON
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+SHARED = SHARED_CRITEO
 needs_shared = pytest.mark.skipif(
-    not (SHARED / "kaggle_train_tiny.csv").is_file(), reason=f"shared Criteo rows not found at {SHARED}"
+    not (SHARED / "kaggle_train_tiny.csv").is_file(), reason=SHARED_CRITEO_REASON
 )
 
 

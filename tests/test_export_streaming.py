@@ -131,7 +131,7 @@ def test_a_non_empty_out_is_refused_unless_force(
     assert "is not empty" in err and "--force" in err and len(err.splitlines()) == 1
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     assert cli.main(["export", "--checkpoint", str(run_dir), "--out", str(out), "--format", "int8", "--force"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["fbgemm_int8.pt", "tables.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["fbgemm_int8.pt", "model.json", "model.pt", "tables.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the replaced contents are gone too
     empty = tmp_path / "empty"
     empty.mkdir()

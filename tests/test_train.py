@@ -21,7 +21,7 @@ from slipcache.training.cli import (
     run_eval,
 )
 from slipcache.training.config import QUICK, load_config_file, make_config
-from tests.helpers import make_dataset
+from tests.helpers import SHARED_CRITEO, SHARED_CRITEO_REASON, CriteoRows, make_dataset
 from tests.helpers import tiny_config as tiny
 
 SUMMARY_KEYS = {
@@ -234,7 +234,8 @@ def test_config_file_errors(tmp_path: Path) -> None:
     for text, meant in [("dim: 8\n", "the flag --dim is the key 'embedding_dim'"),
                         ("batchsize: 8\n", "did you mean 'batch_size'"),
                         ("no_stale_guard: true\n", "the flag --no-stale-guard is the key 'stale_guard' set to false"),
-                        ("zzz: 1\n", "valid keys: allow_changes, ")]:
+                        ("learning_rate: 0.1\n", "did you mean 'lr'"),
+                        ("zzz: 1\n", "--help-all. lists every setting")]:
         bad_key.write_text(text)
         with pytest.raises(SlipcacheError, match=meant):
             load_config_file(bad_key)
@@ -260,7 +261,8 @@ def test_eval_checkpoint_and_vocab_mismatch(
     assert run_eval(parser.parse_args(["--checkpoint", str(run / "checkpoints" / "latest.pt")])) == 0
     assert "auc" in capsys.readouterr().out
     other = make_dataset(tmp_path / "other", sizes=[21, 7, 50] + [5] * 23)
-    with pytest.raises(SlipcacheError, match="table 0 has 21 rows vs 20"):
+    with pytest.raises(SlipcacheError, match="table 0 has 21 rows vs 20.*; to score other data with the run's own "
+                       "vocabulary: slipcache predict --checkpoint"):
         evaluate_checkpoint(run, data=str(other))
 
 
@@ -280,10 +282,33 @@ def test_quick_run_from_the_command_line(quick_run: tuple[Path, str]) -> None:
     assert summary["config"]["precision"] == "int8" and summary["config"]["embeddings"] == "cached"
 
 
-RAW_TSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo" / "kaggle_train_head.tsv"
+RAW_TSV = SHARED_CRITEO / "kaggle_train_head.tsv"
 
 
-@pytest.mark.skipif(not RAW_TSV.is_file(), reason="shared Criteo sample not found")
+def test_train_and_preprocess_build_the_same_tables_from_the_same_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default `train --data FILE` builds the tables `preprocess FILE` builds: a row per value seen in train
+    (not 26 hashed tables of 1 M rows each); the hash vocabulary stays an explicit choice."""
+    import numpy as np
+
+    from slipcache.cli import main
+
+    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    raw = CriteoRows(n=400, seed=5).write_tsv(tmp_path / "day.tsv")
+    assert main(["preprocess", str(raw), "--out", str(tmp_path / "pp"), "--quiet"]) == 0
+    summary = train.train(tiny(raw, tmp_path / "run", epochs=1))
+    trained_on = Path(summary["config"]["dataset"])
+    ours, theirs = (json.loads((d / "meta.json").read_text()) for d in (trained_on, tmp_path / "pp"))
+    assert ours["vocabulary"] == theirs["vocabulary"] == "frequency"
+    assert ours["table_sizes"] == theirs["table_sizes"] and max(ours["table_sizes"]) <= 400
+    with np.load(trained_on / "vocab.npz") as a, np.load(tmp_path / "pp" / "vocab.npz") as b:
+        assert sorted(a.files) == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in a.files)
+    hashed = train.prepare_data(tiny(raw, tmp_path / "run2", vocab="hash", max_rows=64))
+    assert json.loads((hashed / "meta.json").read_text())["table_sizes"] == [64] * 26
+
+
+@pytest.mark.skipif(not RAW_TSV.is_file(), reason=SHARED_CRITEO_REASON)
 @pytest.mark.parametrize("vocab", ["hash", "frequency"])
 def test_raw_criteo_file_is_preprocessed_into_the_cache(
     vocab: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

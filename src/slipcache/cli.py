@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 from slipcache import __version__
 from slipcache.errors import RunInterrupted, SlipcacheError
@@ -21,7 +22,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("slipcache.bench.cli", "benchmark embedding implementations"),
     "experiment": ("slipcache.bench.experiment", "run the papers' experiments and write a report"),
     "plan": ("slipcache.planning.cli", "choose per-table precision and cache rows for a memory budget"),
-    "export": ("slipcache.export", "write a checkpoint's tables for serving (nn.EmbeddingBag, TorchRec, FBGEMM INT8)"),
+    "export": ("slipcache.export", "write a trained model for serving: tables (nn.EmbeddingBag, TorchRec, FBGEMM "
+               "INT8), dense layers, configuration and vocabulary"),
+    "predict": ("slipcache.predict", "score raw Criteo files or a dataset with a trained run or an export"),
 }
 
 
@@ -37,9 +40,17 @@ def unknown_flag_message(parser: argparse.ArgumentParser, unknown: list[str]) ->
     return f"unrecognized arguments: {' '.join(unknown)}{hint}"
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A usage error (a bad choice or type, a missing argument) is one line and the hint to the command's
+    help, not the whole usage before it (train's is long); its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the chosen command's module is imported (torch and friends load slowly)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="slipcache",
         description="Train recommendation models with mixed-precision cached embeddings "
         "and stale-input skipping.",

@@ -12,6 +12,10 @@ Written into `--out DIR`:
                         (`IntNBitTableBatchedEmbeddingBagsCodegen`, SparseType.INT8) take, fp16 scale
                         and bias per row (they keep them in front of the codes)
     tables.json         names, features, rows and dim of each table, to rebuild the modules
+    model.json, model.pt, vocabulary.pt
+                        the rest of the model: its configuration, the dense layers' state dict and the
+                        run's vocabulary (`slipcache.serving`), so `slipcache.load_model(DIR)` scores and
+                        `slipcache predict` maps new raw rows as the training data was mapped
 
 The values are the trained fp32 rows: cached rows overlaid on storage, exactly what the model reads.
 Names follow TorchRec's Criteo convention (feature `cat_{t}`, table `t_cat_{t}`).
@@ -55,6 +59,11 @@ FILES = {
 # fp32 rows read, converted and written at once (8 MiB): small enough that the allocator reuses its
 # buffers instead of mapping fresh pages for every chunk (64 MiB chunks spent 12x the system time).
 CHUNK_BYTES = 1 << 23
+# The rest of the model, beside the tables (read by `slipcache.serving.load_model`).
+MODEL_FORMAT = "slipcache-model"
+MODEL_VERSION = 1
+MODEL_INFO = "model.json"
+MODEL_FILE = "model.pt"
 STAGING_SUFFIX = ".export-tmp"  # the directory an export writes into before it is renamed to --out
 PROGRESS_VALUES = 1 << 30  # a progress bar from this many values on (as for creating tables)
 
@@ -87,7 +96,7 @@ class TableRows:
     @classmethod
     def of_model(cls, embeddings: Any) -> TableRows:
         """A trained collection's rows: cached rows overlaid on storage, exactly what the model reads."""
-        if hasattr(embeddings, "read_rows"):
+        if hasattr(embeddings, "read_rows") and not hasattr(embeddings, "bags"):
             offsets = [int(o) for o in embeddings.table_offsets]
 
             def read(t: int, start: int, stop: int) -> torch.Tensor:
@@ -103,11 +112,52 @@ class TableRows:
 def open_tables(checkpoint: str | Path) -> TableRows:
     """The tables of a training checkpoint (file, checkpoints dir or run dir; one process or many: a run of
     N processes is read from its newest complete checkpoint, every rank's shards), read chunk by chunk."""
-    from slipcache.training.saved_run import find_checkpoint, load_saved_model
+    return open_model(checkpoint)[0]
+
+
+def open_model(checkpoint: str | Path) -> tuple[TableRows, Callable[[Path], None]]:
+    """The checkpoint's tables, and a writer of the rest of the model (model.json, model.pt, vocabulary.pt)
+    into an export directory."""
+    from slipcache.data.vocabulary import Vocabulary
+    from slipcache.training.saved_run import dense_inputs, find_checkpoint, load_saved_model
 
     saved = find_checkpoint(checkpoint, "--checkpoint").read()
-    model = load_saved_model(saved, num_dense=1, dense=False)  # the dense part is not exported
-    return TableRows.of_model(model.embeddings)
+    model = load_saved_model(saved, dense_inputs(saved.state))
+    sizes = [int(n) for n in saved.state["table_sizes"]]
+    vocabulary = Vocabulary.of_run(saved.state["config"], sizes)
+    vocabulary.check_sizes(sizes)
+
+    def write_model(directory: Path) -> None:
+        write_model_files(directory, model, vocabulary, saved.state["config"], saved.path)
+
+    return TableRows.of_model(model.embeddings), write_model
+
+
+def write_model_files(
+    directory: Path, model: torch.nn.Module, vocabulary: Any, config: dict[str, Any], checkpoint: Path
+) -> None:
+    """model.json (the configuration, the table files, the vocabulary), model.pt (the dense layers) and,
+    for a frequency vocabulary, vocabulary.pt: each read by plain `torch.load(..., weights_only=True)`."""
+    import dataclasses
+
+    from slipcache.data.vocabulary import VOCABULARY_FILE
+
+    dense = {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+    torch.save(dense, directory / MODEL_FILE)
+    if vocabulary.kind == "frequency":
+        torch.save(vocabulary.tensors(), directory / VOCABULARY_FILE)
+    tables = sorted(p.name for p in directory.iterdir() if p.name in FILES.values())
+    info = {
+        "format": MODEL_FORMAT,
+        "version": MODEL_VERSION,
+        "model": dataclasses.asdict(model.config),
+        "tables": tables,
+        "table_names": [table_name(t) for t in range(len(model.config.table_sizes))],
+        "feature_names": [feature_name(t) for t in range(len(model.config.table_sizes))],
+        "vocabulary": vocabulary.info(),
+        "trained": {"checkpoint": str(checkpoint), "config": config},
+    }
+    (directory / MODEL_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 
 def load_tables(checkpoint: str | Path) -> list[torch.Tensor]:
@@ -224,13 +274,15 @@ def write_tables(rows: TableRows, directory: Path, formats: tuple[str, ...]) -> 
 
 
 def export_tables(
-    tables: list[torch.Tensor] | TableRows, out: str | Path, formats: tuple[str, ...] = FORMATS, *, force: bool = False
+    tables: list[torch.Tensor] | TableRows, out: str | Path, formats: tuple[str, ...] = FORMATS, *, force: bool = False,
+    write_more: Callable[[Path], None] | None = None,
 ) -> dict[str, Path]:
     """Write the tables into directory `out` in each of `formats`; returns {format: file}.
 
     All or nothing: the files are written into a temporary sibling of `out` and renamed into place at the
     end, so an interrupted export leaves `out` as it was. An `out` that holds files is refused unless
-    `force` (then its contents are replaced, only once the new ones are complete).
+    `force` (then its contents are replaced, only once the new ones are complete). `write_more` writes
+    further files into the directory before it moves into place (the model beside its tables).
     """
     out = Path(out)
     for fmt in formats:
@@ -239,6 +291,8 @@ def export_tables(
     try:
         rows = tables if isinstance(tables, TableRows) else TableRows.of_tensors(tables)
         written = write_tables(rows, staging, formats)
+        if write_more is not None:
+            write_more(staging)
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -310,7 +364,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or run directory")
     parser.add_argument(
         "--out", required=True,
-        help="directory to write the exported tables into (new or empty; written beside it, then renamed into place)",
+        help="directory to write the exported model into: tables, dense layers, configuration and vocabulary "
+        "(new or empty; written beside it, then renamed into place)",
     )
     parser.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
     add_threads_flag(parser)
@@ -386,11 +441,16 @@ def run_export(args: argparse.Namespace) -> int:
     check_out(out, args.force, saved.run_dir or saved.path)  # never into (or over) what it reads
     check_room(args.checkpoint, out, formats)
     started = time.perf_counter()
-    rows = open_tables(args.checkpoint)
-    written = export_tables(rows, out, formats, force=args.force)
+    rows, write_model = open_model(args.checkpoint)
+    written = export_tables(rows, out, formats, force=args.force, write_more=write_model)
     print(f"{len(rows.sizes)} tables, {sum(rows.sizes):,} rows of dim {rows.dim}")
     for fmt, path in written.items():
         print(f"  {fmt:<9} {path} ({np.format_float_positional(path.stat().st_size / 2**20, 2)} MiB)")
+    vocabulary = json.loads((out / "model.json").read_text())["vocabulary"]
+    print(f"  model     {out / 'model.json'}, {out / 'model.pt'} (dense layers); vocabulary: {vocabulary['kind']}"
+          f"{'' if vocabulary['kind'] in ('frequency', 'hash') else ' (' + vocabulary['note'] + ')'}")
+    print(f"  load it:  slipcache.load_model({str(out)!r}); score raw files: slipcache predict --checkpoint {out} "
+          "FILE --out scores.txt")
     print(f"{time.perf_counter() - started:.1f} s (reading the checkpoint included), "
           f"peak RSS {peak_rss_bytes() / GB:.2f} GB")
     return 0

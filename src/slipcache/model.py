@@ -82,19 +82,32 @@ class TorchEmbeddingBagCollection(nn.Module):
 
     fused_update = False
 
-    def __init__(self, table_sizes: list[int], dim: int, *, lr: float = 0.1, seed: int = 0) -> None:
+    def __init__(
+        self, table_sizes: list[int], dim: int, *, lr: float = 0.1, seed: int = 0,
+        weights: list[torch.Tensor] | None = None,
+    ) -> None:
+        """`weights`: trained fp32 tables [rows, dim] to use as they are (not copied: a memory-mapped file
+        stays mapped), instead of drawing rows."""
         super().__init__()
         self.table_sizes = list(table_sizes)
         self.dim = dim
         self.lr = lr
         self.table_offsets = torch.tensor([0, *torch.tensor(self.table_sizes).cumsum(0).tolist()])
         self._sizes = torch.tensor(self.table_sizes, dtype=torch.long)
-        self.bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in self.table_sizes)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for bag, n in zip(self.bags, self.table_sizes, strict=True):
-                bound = math.sqrt(1.0 / n)  # DLRM reference init
-                bag.weight.uniform_(-bound, bound, generator=gen)
+        if weights is not None:
+            shapes = [tuple(w.shape) for w in weights]
+            if shapes != [(n, dim) for n in self.table_sizes]:
+                raise SlipcacheError(f"tables of shapes {shapes} do not match sizes {self.table_sizes} at dim {dim}")
+            self.bags = nn.ModuleList(
+                nn.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", sparse=True) for w in weights
+            )
+        else:
+            self.bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in self.table_sizes)
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for bag, n in zip(self.bags, self.table_sizes, strict=True):
+                    bound = math.sqrt(1.0 / n)  # DLRM reference init
+                    bag.weight.uniform_(-bound, bound, generator=gen)
         self.register_buffer("_lookups", torch.zeros(len(self.table_sizes), dtype=torch.long))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

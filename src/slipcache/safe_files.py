@@ -90,3 +90,20 @@ def write_atomic(path: Path, data: str | bytes, *, durable: bool = False) -> Non
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def prepare_output_file(path: Path, flag: str) -> Path:
+    """Before a command computes: `path` must name a file (not a directory, not a link), and its parent
+    directories are created, so the work is not lost to a missing directory at the end."""
+    path = Path(path)
+    if path.is_symlink():
+        raise _refusal(path)
+    if path.is_dir():
+        raise SlipcacheError(f"{flag} {path} is a directory; name the file to write")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SlipcacheError(f"{flag} {path}: cannot create its directory: {exc.strerror or exc}") from exc
+    if not os.access(path.parent, os.W_OK):
+        raise SlipcacheError(f"{flag} {path}: its directory {path.parent} is not writable")
+    return path

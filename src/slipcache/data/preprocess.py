@@ -143,7 +143,8 @@ def oversized_tables(max_rows: int, ids: np.ndarray) -> str | None:
     )
 
 
-def _lookup(values: np.ndarray, rows: np.ndarray, column: np.ndarray) -> np.ndarray:
+def lookup_rows(values: np.ndarray, rows: np.ndarray, column: np.ndarray) -> np.ndarray:
+    """The rows of raw values in a frequency vocabulary (`values` ascending); a value without one: row 0."""
     if len(values) == 0:
         return np.zeros(len(column), dtype=np.int32)
     pos = np.minimum(np.searchsorted(values, column), len(values) - 1)
@@ -290,7 +291,7 @@ def _preprocess(
                 block = np.asarray(cats[start:end])
                 if vocabulary:
                     ids = np.stack(
-                        [_lookup(v, r, block[:, t]) for t, (v, r) in enumerate(vocabulary)], axis=1
+                        [lookup_rows(v, r, block[:, t]) for t, (v, r) in enumerate(vocabulary)], axis=1
                     )
                 else:
                     ids = block

@@ -75,13 +75,24 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """`TrainConfig`'s flags (`training/flags.py`), `--config` and the progress flags."""
+    """`TrainConfig`'s flags (`training/flags.py`), `--config` and the progress flags; `--help` shows the
+    ones most runs need, `--help-all` every one."""
+    from slipcache.training.flags import HelpAll
+
+    parser.add_argument("--help-all", action=HelpAll, help="show every flag (the research options too) and exit")
     parser.add_argument(
         "--config", metavar="FILE", default=argparse.SUPPRESS,
-        help="TOML or YAML file of config keys; flags override it",
+        help="TOML or YAML file of config keys (a flag --a-b is the key a_b); flags override it",
     )
     add_config_flags(parser)
     add_progress_flag(parser, default=argparse.SUPPRESS)
+    flags = [a for a in parser._actions if a.option_strings and not isinstance(a, (argparse._HelpAction, HelpAll))]
+    shown = sum(1 for a in flags if a.help is not argparse.SUPPRESS)
+    parser.usage = f"{parser.prog} [--data PATH] [--out DIR] [--quick] [FLAG ...]"
+    parser.epilog = (
+        f"These are the flags most runs need ({shown} of {len(flags)}); `{parser.prog} --help-all` "
+        "shows every one: stale-input skipping's research options, the schedule's details, the data's options."
+    )
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +139,15 @@ def evaluate_checkpoint(
         saved_dataset = state["config"].get("dataset")
         dataset_dir = run_dataset_dir(config, saved_dataset if isinstance(saved_dataset, str) else None)
     dataset = open_dataset(dataset_dir, config)
-    check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
+    try:
+        check_table_sizes(state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
+    except SlipcacheError as exc:
+        if data is None:
+            raise
+        raise SlipcacheError(  # new raw files got a vocabulary of their own: predict maps them with the run's
+            f"{exc}; to score other data with the run's own vocabulary: "
+            f"slipcache predict --checkpoint {checkpoint_path} {data} --out scores.txt"
+        ) from exc
     if data is None:
         from slipcache.data.fingerprint import check_same_data, fingerprint
 

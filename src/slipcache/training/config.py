@@ -37,7 +37,7 @@ from slipcache.staleness.skipping import DECISIONS, WARMUPS
 from slipcache.training.settings import coerce, part_options, read_settings_file, setting_name
 from slipcache.training.settings import flag as _flag  # the one way a setting is described
 
-VOCABS = ("hash", "frequency")
+VOCABS = ("frequency", "hash")
 SPLIT_ORDERS = ("val-test", "test-val")
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 TIME_ORDERS = ("first", "every")
@@ -60,9 +60,10 @@ class TrainConfig:
     # data
     data: str | None = _flag(None, "raw Criteo file/dir (any of the 3 formats) or a preprocessed dataset dir",
                              resume="fixed", group="data", default_text="synthetic data")
-    vocab: str = _flag("hash", "raw data vocabulary: hash (fixed table size) or frequency (ids by count)",
+    vocab: str = _flag("frequency", "raw data vocabulary, as `slipcache preprocess`: frequency (a row per value seen "
+                       "in train, tables sized to the data) or hash (--max-rows hashed rows per table)",
                        resume="fixed", group="data", choices=VOCABS)
-    max_rows: int = _flag(1_000_000, "raw data, hash vocabulary: rows per table (DLRM's max-ind-range)",
+    max_rows: int = _flag(1_000_000, "raw data, --vocab hash: rows per table (DLRM's max-ind-range)",
                           resume="fixed", group="data")
     min_count: int = _flag(1, "raw data, frequency vocabulary: rarer values map to row 0 (unknown)",
                            resume="fixed", group="data")
@@ -70,8 +71,10 @@ class TrainConfig:
                                    doc="synthetic data: rows generated (80/10/10 train/val/test)")
     synthetic_scale: float = _flag(0.05, resume="fixed", group="data",
                                    doc="synthetic data: table sizes relative to Criteo Kaggle (data.kaggle)")
-    synthetic_generator: str = _flag(DEFAULT_GENERATOR, "synthetic data generator: v4 (v3 with real signal, dense "
-                                     "shapes and links), v3 (entities, time order) or v2 (earlier figures)",
+    synthetic_generator: str = _flag(DEFAULT_GENERATOR, "synthetic data generator: v5 (the default: v4 with the "
+                                     "label signal of real rows in the big tables; docs/data.md), v4 (v3 with real "
+                                     "signal, dense shapes and links), v3 (entities, time order) or v2 (earlier "
+                                     "figures)",
                                      resume="fixed", group="data", flag=("--generator",),
                                      choices=tuple(GENERATOR_VERSIONS))
     strict: bool = _flag(False, "raw data: stop at the first malformed line instead of skipping it",

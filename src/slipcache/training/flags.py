@@ -54,15 +54,44 @@ def flag_help(f: dataclasses.Field) -> str:
     return f"{f.metadata['help']} (default {text})" if text is not None else f.metadata["help"]
 
 
+# The flags most runs need: `slipcache train --help` shows these, `--help-all` every flag (the research
+# options of skipping, the schedule's details, ...).
+COMMON_FLAGS = frozenset({
+    "out", "resume", "allow_changes", "data", "vocab", "synthetic_generator", "table_sizes", "embeddings",
+    "precision", "cache_size", "cache_rows", "policy", "optimizer", "lr", "storage_path", "embedding_dim",
+    "bottom_mlp", "top_mlp", "seed", "batch_size", "epochs", "samples", "eval_every", "checkpoint_minutes",
+    "quick", "tensorboard", "threads", "skip_rule",
+})
+
+
+class HelpAll(argparse.Action):
+    """`--help-all`: the help with every flag, then exit (as `--help` does)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        for action in parser._actions:
+            if getattr(action, "full_help", None) is not None:
+                action.help = action.full_help  # type: ignore[attr-defined]
+        parser.usage = None
+        parser.epilog = None
+        parser.print_help()
+        parser.exit()
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per `TrainConfig` field that has one, under its group's title; every flag defaults to 'not
-    given' so that a config file's value is only overridden on purpose."""
+    given' so that a config file's value is only overridden on purpose. `--help` shows `COMMON_FLAGS`,
+    `--help-all` every flag."""
     groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
     for name, f in CONFIG_FIELDS.items():
         meta = f.metadata
         if "help" not in meta:
             continue
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": flag_help(f)}
+        shown = flag_help(f) if name in COMMON_FLAGS else argparse.SUPPRESS
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": shown}
         strings = flag_strings(name, f)
         if _TYPES[name] is bool:
             kwargs["action"] = "store_false" if f.default else "store_true"
@@ -72,4 +101,5 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             for key in ("choices", "metavar", "nargs", "const"):
                 if key in meta:
                     kwargs[key] = meta[key]
-        groups[meta["group"]].add_argument(*strings, **kwargs)
+        action = groups[meta["group"]].add_argument(*strings, **kwargs)
+        action.full_help = flag_help(f)  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from typing import Any
 from slipcache.errors import SlipcacheError
 from slipcache.safe_files import write_atomic
 from slipcache.training import checkpoint as ckpt
+from slipcache.training import runlock
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig, config_from_saved
 from slipcache.training.run_state import check_checkpoint
 from slipcache.training.runlock import LOCK_NAME
@@ -218,6 +219,8 @@ def load_resume(
         raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
     else:
         run_dir = home
+        # A live run is the first thing said, before anything about its checkpoints (it may have none yet).
+        runlock.refuse_if_held(home)
     checkpoint = backend.read_resume_checkpoint(path, home)
     if checkpoint is not None:
         fill_checkpoint_event(checkpoint.state, path)

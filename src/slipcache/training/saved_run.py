@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM
 from slipcache.training.backend import build_model
 from slipcache.training.config import TrainConfig, config_from_saved
@@ -52,3 +54,11 @@ def load_saved_model(checkpoint: TrainingCheckpoint, num_dense: int, *, dense: b
     model = build_model(saved_config(checkpoint), state["table_sizes"], num_dense, draw_rows=False)
     checkpoint.load_into(model, dense=dense)
     return model
+
+
+def dense_inputs(state: dict[str, Any]) -> int:
+    """The number of dense features a checkpoint's bottom MLP takes."""
+    try:
+        return int(state["dense"]["bottom.0.weight"].shape[1])
+    except (KeyError, AttributeError, IndexError) as exc:
+        raise SlipcacheError("the checkpoint holds no dense layers (bottom.0.weight)") from exc

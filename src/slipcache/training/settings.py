@@ -171,7 +171,26 @@ def _closest_keys(name: str, fields: dict[str, dataclasses.Field]) -> str:
         key = by_flag[name]
         switch_off = fields[key].default is True  # `--no-...`: the flag sets its key to false
         return f"the flag --{name.replace('_', '-')} is the key {key!r}{' set to false' if switch_off else ''}"
-    near = difflib.get_close_matches(name, list(fields), n=3)
+    spelled, sharing = difflib.get_close_matches(name, list(fields), n=3), _keys_sharing_words(name, fields)
+    near = list(dict.fromkeys([*sharing[:1], *spelled, *sharing]))[:3]
     if near:
         return f"did you mean {' or '.join(repr(k) for k in near)}?"
-    return f"valid keys: {', '.join(sorted(fields))}"
+    return "no key is spelled like it; `slipcache train --help-all` lists every setting (the flag --a-b is the key a_b)"
+
+
+# Words other tools use for a setting, and the word slipcache's keys use for it.
+_KEY_WORDS = {"learning": "lr", "rate": "lr", "dimension": "dim", "emb": "embedding", "size": "size",
+              "hidden": "mlp", "layers": "mlp", "iterations": "samples", "steps": "steps", "epoch": "epochs",
+              "quantization": "precision", "dtype": "precision", "bits": "precision", "capacity": "cache"}
+
+
+def _keys_sharing_words(name: str, fields: dict[str, dataclasses.Field]) -> list[str]:
+    """Keys that share a word with `name` (`learning_rate` -> lr, dense_lr, ...): most words shared first,
+    then the fewest other words, then the closest spelled."""
+    words = {_KEY_WORDS.get(w, w) for w in name.lower().replace("-", "_").split("_") if len(w) > 1}
+
+    def rank(key: str) -> tuple[int, int, float]:
+        parts = set(key.split("_"))
+        return -len(words & parts), len(parts - words), -difflib.SequenceMatcher(None, name, key).ratio()
+
+    return sorted((key for key in fields if words & set(key.split("_"))), key=rank)

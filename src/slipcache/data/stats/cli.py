@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from slipcache.data.stats.signal import DEFAULT_SIGNAL_ROWS
 from slipcache.data.synthetic.regenerate import dataset_ceiling
 from slipcache.errors import SlipcacheError
 from slipcache.options import add_progress_flag, image_file, seed_arg
+from slipcache.safe_files import prepare_output_file, write_atomic
 
 
 def _positive_list(text: str) -> list[float]:
@@ -40,8 +42,12 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
         "path", metavar="PATH", help="raw Criteo file or directory (tsv/csv, .gz too) or a dataset"
     )
     parser.add_argument("--max-rows", type=int, default=None, help="measure only the first N rows")
-    parser.add_argument("--json", metavar="FILE", help="also write the statistics as JSON ('-': stdout only)")
-    parser.add_argument("--plot", metavar="FILE.png", type=image_file, help="also draw them into a PNG")
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write the statistics as JSON ('-': stdout only; its directory is created)"
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE.png", type=image_file, help="also draw them into a PNG (its directory is created)"
+    )
     parser.add_argument(
         "--budgets-mb", type=_positive_list, default=list(DEFAULT_BUDGETS_MB),
         help="hot-row budgets in MB for the hot-input share (default 64,256,1024)",
@@ -76,7 +82,20 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
     add_progress_flag(parser)
 
 
+def _write_plot(stats: dict, path: Path) -> None:
+    """The PNG under a temporary name (same suffix: matplotlib picks the format by it), then renamed."""
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        plot_stats(stats, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def run_stats(args: argparse.Namespace) -> int:
+    # The output paths are checked, and their directories made, before minutes of counting.
+    plot = prepare_output_file(Path(args.plot), "--plot") if args.plot else None
+    json_file = prepare_output_file(Path(args.json), "--json") if args.json and args.json != "-" else None
     stats = compute_stats(
         args.path,
         max_rows=args.max_rows,
@@ -96,13 +115,13 @@ def run_stats(args: argparse.Namespace) -> int:
         except SlipcacheError as exc:
             stats["ceiling"] = None
             print(exc, file=sys.stderr)
-    if args.plot:
-        plot_stats(stats, args.plot)
+    if plot is not None:
+        _write_plot(stats, plot)
     if args.json == "-":
         json.dump(stats, sys.stdout, indent=1)
         print()
         return 0
-    if args.json:
-        Path(args.json).write_text(json.dumps(stats, indent=1) + "\n")
+    if json_file is not None:
+        write_atomic(json_file, json.dumps(stats, indent=1) + "\n")
     print(format_stats(stats))
     return 0
