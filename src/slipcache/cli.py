@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+import typing
 
 from slipcache import __version__
 from slipcache.errors import RunInterrupted, SlipcacheError
@@ -37,6 +38,15 @@ def unknown_flag_message(parser: argparse.ArgumentParser, unknown: list[str]) ->
     return f"unrecognized arguments: {' '.join(unknown)}{hint}"
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser whose errors are one line (`slipcache train: error: argument --samples: ...`), not
+    the whole usage: a bad value among forty flags is found at once."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the chosen command's module is imported (torch and friends load slowly)."""
     parser = argparse.ArgumentParser(
@@ -45,7 +55,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "and stale-input skipping.",
     )
     parser.add_argument("--version", action="version", version=f"slipcache {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for name, (module_name, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:

@@ -34,7 +34,7 @@ from slipcache.staleness.config import (
     preset_help,
 )
 from slipcache.staleness.skipping import DECISIONS, WARMUPS
-from slipcache.training.settings import coerce, part_options, read_settings_file, setting_name
+from slipcache.training.settings import _digits, coerce, part_options, read_settings_file, setting_name
 from slipcache.training.settings import flag as _flag  # the one way a setting is described
 
 VOCABS = ("hash", "frequency")
@@ -293,8 +293,9 @@ class TrainConfig:
             value = _coerce(name, getattr(self, name))  # anything ("256", 1e100); what trains is the typed value
             if isinstance(value, float) and not math.isfinite(value):
                 raise SlipcacheError(f"{_named(name)} must be a finite number, got {value}")
-            if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
-                raise SlipcacheError(f"{_named(name)} must fit a 64-bit integer, got {getattr(self, name)!r}")
+            for number in value if isinstance(value, list) else [value]:  # exact: ints of any size
+                if isinstance(number, int) and not isinstance(number, bool) and abs(number) >= 2**63:
+                    raise SlipcacheError(f"{_named(name)} must fit a 64-bit integer, got {_digits(number)}")
             setattr(self, name, value)
         for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
             if precision not in PRECISIONS:

@@ -86,8 +86,8 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
         raise SlipcacheError(f"the training split has {train_rows} rows, fewer than one batch of {batch}")
     samples = config.samples if config.samples is not None else config.epochs * batches_per_epoch * batch
 
-    def every(value: int | None, parts: int) -> int:
-        steps = max(1, round((value if value is not None else samples / parts) / batch))
+    def every(value: int | None, parts: int) -> int:  # integer arithmetic: exact up to 2**63 samples
+        steps = max(1, _nearest_quotient(value, batch) if value is not None else _nearest_quotient(samples, parts * batch))
         return steps * batch
 
     return dataclasses.replace(
@@ -99,6 +99,20 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
         eval_every=config.eval_every if config.eval_every is not None else every(None, 10),
         checkpoint_every=every(config.checkpoint_every, 4),
     )
+
+
+def budget_steps(samples: int, batch_size: int) -> int:
+    """Steps of a run of `samples` samples: whole batches, the last one rounded up. Integer arithmetic: a
+    float would round a budget beyond 2**53 (`--samples 9223372036854775807` showed ...808)."""
+    return -(-int(samples) // int(batch_size))
+
+
+def _nearest_quotient(numerator: int, denominator: int) -> int:
+    """round(numerator / denominator) in exact integer arithmetic (halves rounded to even, like round)."""
+    quotient, remainder = divmod(int(numerator), denominator)
+    if 2 * remainder > denominator or (2 * remainder == denominator and quotient % 2):
+        quotient += 1
+    return quotient
 
 
 def _stats_totals(model: DLRM) -> tuple[int, int]:
@@ -241,7 +255,7 @@ def _build_run(
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
     batches_per_epoch = dataset.splits["train"] // config.batch_size
-    total_steps = math.ceil(config.samples / config.batch_size)
+    total_steps = budget_steps(config.samples, config.batch_size)
     run = runs.Run(
         config=config,
         config_dict=config_dict,
@@ -254,7 +268,7 @@ def _build_run(
         backend=backend,
         callbacks=None,  # type: ignore[arg-type]  # built next: callbacks may read the run
         budget=total_steps * config.batch_size,
-        max_epochs=math.ceil(total_steps / batches_per_epoch),
+        max_epochs=-(-total_steps // batches_per_epoch),
         batches_per_epoch=batches_per_epoch,
         data_quality=quality,
         changed=frozenset(changes),
