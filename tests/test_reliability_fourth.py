@@ -194,3 +194,104 @@ def test_strict_stops_at_the_first_bad_line_whichever_kind(tmp_path: Path) -> No
     path.write_text(good + "\n" + good.replace("0\t", "7\t", 1))
     with pytest.raises(SlipcacheError, match=r"bad.tsv:2: blank line"):
         list(criteo.read_chunks(path, strict=True))
+
+
+# ------------------------------------------------------------------------------------- hard links
+def _hard_link_to_a_victim(tmp_path: Path, at: Path) -> Path:
+    victim = tmp_path / "outside" / "victim.txt"
+    victim.parent.mkdir(exist_ok=True)
+    victim.write_text("precious\n")
+    at.parent.mkdir(parents=True, exist_ok=True)
+    with_name = at
+    if with_name.exists():
+        with_name.unlink()
+    os.link(victim, with_name)
+    return victim
+
+
+def test_a_hard_link_at_run_lock_is_refused_and_its_other_name_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from tests.helpers import tiny_config
+
+    data = make_dataset(tmp_path / "data", n=400)
+    run = tmp_path / "run"
+    trainer.train(tiny_config(data, run, epochs=1))
+    victim = _hard_link_to_a_victim(tmp_path, run / "run.lock")
+    metrics = (run / "metrics.jsonl").read_text()
+    err = one_line(["train", "--resume", str(run), "--no-progress"], capsys, f"{run / 'run.lock'} has 2 hard links")
+    assert "never writes a run's file through a link" in err
+    assert victim.read_text() == "precious\n"
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_rank_log_and_the_pruning_state_refuse_hard_links(tmp_path: Path) -> None:
+    import sys
+    import types
+
+    from slipcache.distributed.launch import redirect_output
+    from slipcache.safe_files import LinkRefusedError
+    from slipcache.staleness.pruning import LossPruner
+
+    run = tmp_path / "run"
+    victim = _hard_link_to_a_victim(tmp_path, run / "rank-1.log")
+    stdout = sys.stdout
+    with pytest.raises(LinkRefusedError, match="rank-1.log has 2 hard links"):
+        redirect_output(run, 1)
+    assert sys.stdout is stdout and victim.read_text() == "precious\n"
+    victim.unlink()
+    victim = _hard_link_to_a_victim(tmp_path, run / "prune" / "prune_losses_0.u8")
+    config = types.SimpleNamespace(prune_share=0.5, prune_final=0.0, seed=0, samples=100)
+    with pytest.raises(LinkRefusedError, match="prune_losses_0.u8 has 2 hard links"):
+        LossPruner(config, 100, run / "prune")
+    assert victim.read_text() == "precious\n"  # not resized to 100 bytes of zeros
+
+
+def test_open_fd_truncates_only_after_the_check(tmp_path: Path) -> None:
+    from slipcache.safe_files import LinkRefusedError, open_fd
+
+    victim = _hard_link_to_a_victim(tmp_path, tmp_path / "run" / "file")
+    with pytest.raises(LinkRefusedError):
+        open_fd(tmp_path / "run" / "file", os.O_WRONLY | os.O_TRUNC)
+    assert victim.read_text() == "precious\n"
+    fifo = tmp_path / "run" / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(LinkRefusedError, match="is not a regular file"):
+        open_fd(fifo, os.O_RDWR)
+    fresh = open_fd(tmp_path / "run" / "new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.write(fresh, b"x")
+    os.close(fresh)
+    assert (tmp_path / "run" / "new").read_bytes() == b"x"
+
+
+# ------------------------------------------------------------------------------ one dataset per directory
+def test_synth_force_into_another_format_replaces_the_dataset_whole(tmp_path: Path) -> None:
+    from slipcache.data.formats import open_any
+
+    out = tmp_path / "data"
+    common = ["--samples", "4000", "--scale", "0.001", "--no-progress"]
+    assert main(["synth", "--out", str(out), *common]) == 0
+    assert (out / "train.labels.npy").exists()
+    (out / "NOTES.md").write_text("mine\n")
+    assert main(["synth", "--out", str(out), "--format", "torchrec", "--force", *common, "--seed", "1"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert not [n for n in names if n.startswith(("train.", "val.", "test.")) or n == "meta.json"], names
+    assert "NOTES.md" in names and "synthetic.json" in names  # a user's file is never ours to remove
+    assert type(open_any(out)).__name__ == "ExternalDataset"  # what trains is the new dataset
+    (out / "NOTES.md").unlink()  # (a TorchRec-layout directory with other files is not taken as a dataset)
+    assert main(["synth", "--out", str(out), "--force", *common]) == 0  # and back
+    assert not [n for n in os.listdir(out) if n.startswith("day_") or n == "synthetic.json"]
+
+
+def test_a_directory_holding_two_formats_is_refused_naming_a_file_of_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "data"
+    common = ["--samples", "4000", "--scale", "0.001", "--no-progress"]
+    assert main(["synth", "--out", str(out), *common]) == 0
+    other = tmp_path / "other"
+    assert main(["synth", "--out", str(other), "--format", "torchrec", *common]) == 0
+    for name in ("day_0_dense.npy", "day_0_sparse.npy", "day_0_labels.npy"):
+        os.replace(other / name, out / name)  # the state an older `--force` left
+    one_line(["train", "--data", str(out), "--no-progress", "--out", str(tmp_path / "run")], capsys,
+             "mixed data formats: day_0_dense.npy (torchrec) and meta.json (slipcache); keep one per directory")

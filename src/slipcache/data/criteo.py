@@ -120,9 +120,24 @@ def detect_format(first_line: bytes) -> str:
     )
 
 
+def check_raw_input(path: str | os.PathLike[str]) -> None:
+    """One line unless `path` is a file that ends: a regular file or a pipe (`<(zcat ...)`); a character or
+    block device (`/dev/zero`) or a socket would be read forever."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing or unreadable: the open says which
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+        kind = "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket"
+        raise SlipcacheError(f"{path}: is {kind}, not a Criteo data file")
+
+
 def open_raw(path: str | os.PathLike[str]) -> BinaryIO:
     """Open a raw file for binary line reading, transparently decompressing gzip."""
     p = Path(path)
+    check_raw_input(p)
     try:
         raw = open(p, "rb")  # noqa: SIM115 - returned to the caller
     except FileNotFoundError as exc:
@@ -242,7 +257,8 @@ def _parse_block(
     stats.bad += len(bad_lines)
     stats.good += n - len(bad_lines)
     if not parts:
-        parts = [(np.zeros(0, np.float32), np.zeros((0, NUM_DENSE), np.float32), np.zeros((0, NUM_CATEGORICAL), np.int64))]
+        parts = [(np.zeros(0, np.float32), np.zeros((0, NUM_DENSE), np.float32),
+                  np.zeros((0, NUM_CATEGORICAL), np.int64))]
     chunk = RawChunk(
         labels=np.concatenate([p[0] for p in parts]),
         dense=np.concatenate([p[1] for p in parts]),

@@ -470,6 +470,21 @@ def ignored_settings(config: TrainConfig, given: set[str]) -> list[str]:
     return notes
 
 
+def cache_rows_note(config: TrainConfig, table_sizes: list[int]) -> str | None:
+    """What a `cache_rows` beyond the tables' rows does, said instead of a silent cap: every row cached,
+    which holds more memory than plain fp32 tables would."""
+    if config.cache_rows is None or config.embeddings != "cached" or config.policy == "none":
+        return None
+    counts = config.cache_rows if isinstance(config.cache_rows, list) else [config.cache_rows]
+    limits = list(table_sizes) if isinstance(config.cache_rows, list) else [sum(table_sizes)]
+    over = [(count, rows) for count, rows in zip(counts, limits, strict=False) if count > rows]
+    if not over:
+        return None
+    count, rows = over[0]
+    return (f"--cache-rows {_digits(count)} is more than the {rows:,} rows there are: the cache holds every row "
+            f"({rows:,}), which takes more memory than fp32 tables without a cache (--embeddings torch)")
+
+
 def config_from_saved(saved: Any, where: str) -> TrainConfig:
     """A run's config from its checkpoint or config.json, checked like any other input."""
     if not isinstance(saved, dict):

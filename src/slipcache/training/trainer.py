@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,7 @@ from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
 from slipcache.training import run as runs
 from slipcache.training.backend import LocalBackend, RunBackend, dense_optimizer, embedding_optimizer
-from slipcache.training.config import TrainConfig
+from slipcache.training.config import TrainConfig, cache_rows_note
 from slipcache.training.datasets import (
     check_table_sizes,
     data_quality,
@@ -87,7 +88,8 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
     samples = config.samples if config.samples is not None else config.epochs * batches_per_epoch * batch
 
     def every(value: int | None, parts: int) -> int:  # integer arithmetic: exact up to 2**63 samples
-        steps = max(1, _nearest_quotient(value, batch) if value is not None else _nearest_quotient(samples, parts * batch))
+        steps = _nearest_quotient(value, batch) if value is not None else _nearest_quotient(samples, parts * batch)
+        steps = max(1, steps)
         return steps * batch
 
     return dataclasses.replace(
@@ -208,9 +210,14 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
         settings.enter_context(huge_pages(config.huge_pages))  # how this process allocates the tables
         if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
             config.data = str(resolve_data(config.data))
+        if config.storage_path:  # absolute too: a resume, eval or export from another directory uses this one
+            config.storage_path = str(Path(config.storage_path).expanduser().absolute())
 
         dataset_dir = run_dataset_dir(config, saved.get("dataset"))
         dataset = open_dataset(dataset_dir, config)
+        note = cache_rows_note(config, list(dataset.table_sizes))
+        if note is not None and config.resume is None:  # said once, when the run starts
+            print(f"slipcache train: warning: {note}", file=sys.stderr)
         config.split_order = config.split_order or dataset.meta.get("split_order")
         config = resolve_schedule(config, dataset.splits["train"])
         config.out = str(run_dir)
