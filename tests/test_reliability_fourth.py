@@ -4,6 +4,7 @@ integrity verdicts: each defect of the fourth reliability review, with the input
 import gzip
 import os
 import resource
+import shutil
 import tracemalloc
 from pathlib import Path
 
@@ -147,12 +148,17 @@ def test_the_address_space_limit_is_one_of_the_limits(monkeypatch: pytest.Monkey
 
 
 def test_under_ulimit_v_tables_stop_in_one_line(tmp_path: Path) -> None:
-    """A real `ulimit -v`: 6.8 GB of tables against a 3 GB address space, in a process of its own."""
+    """A real `ulimit -v`: 7.7 GB of tables against a 3 GB address space, in a process of its own."""
+    import json
     import subprocess
     import sys
 
+    data = make_dataset(tmp_path / "data", n=400)
+    meta = json.loads((data / "meta.json").read_text())
+    meta["table_sizes"][0] = 120_000_000  # ids stay small; the tables are sized by the meta data: 7.7 GB in fp32
+    (data / "meta.json").write_text(json.dumps(meta))
     config = tmp_path / "big.toml"
-    config.write_text('synthetic_scale = 1.0\nsynthetic_samples = 2000\nprecision = "fp32"\ncache_size = 1.0\n')
+    config.write_text(f'data = "{data}"\nprecision = "fp32"\ncache_size = 0.0\n')
     script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, resource.RLIM_INFINITY)); "
               "from slipcache.cli import main; sys.exit(main(sys.argv[1:]))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -286,12 +292,230 @@ def test_synth_force_into_another_format_replaces_the_dataset_whole(tmp_path: Pa
 def test_a_directory_holding_two_formats_is_refused_naming_a_file_of_each(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    out = tmp_path / "data"
-    common = ["--samples", "4000", "--scale", "0.001", "--no-progress"]
-    assert main(["synth", "--out", str(out), *common]) == 0
-    other = tmp_path / "other"
-    assert main(["synth", "--out", str(other), "--format", "torchrec", *common]) == 0
+    out = make_dataset(tmp_path / "data", n=400)
     for name in ("day_0_dense.npy", "day_0_sparse.npy", "day_0_labels.npy"):
-        os.replace(other / name, out / name)  # the state an older `--force` left
+        (out / name).write_bytes(b"")  # the state an older `--force` left (names decide the format)
     one_line(["train", "--data", str(out), "--no-progress", "--out", str(tmp_path / "run")], capsys,
              "mixed data formats: day_0_dense.npy (torchrec) and meta.json (slipcache); keep one per directory")
+
+
+# ------------------------------------------------------------------------------------ absolute paths
+def test_a_relative_storage_path_is_recorded_absolute_and_used_from_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import json
+
+    from tests.helpers import tiny_config
+
+    data = make_dataset(tmp_path / "data", n=400)
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir()
+    other.mkdir()
+    monkeypatch.chdir(first)
+    run = tmp_path / "run"
+    trainer.train(tiny_config(data, run, embeddings="cached", storage_path="rows", epochs=1))
+    recorded = json.loads((run / "config.json").read_text())["storage_path"]
+    assert recorded == str(first / "rows")
+    monkeypatch.chdir(other)
+    assert main(["train", "--resume", str(run), "--samples", "640", "--allow-changes", "--no-progress"]) == 0
+    assert not (other / "rows").exists()  # a resume elsewhere made no directory of its own
+    assert json.loads((run / "config.json").read_text())["storage_path"] == str(first / "rows")
+    # eval of a run whose storage directory became a file: said in eval's terms, not "--storage-path"
+    shutil.rmtree(first / "rows", ignore_errors=True)
+    (first / "rows").write_text("not a directory\n")
+    capsys.readouterr()
+    err = one_line(["eval", "--checkpoint", str(run)], capsys, f"the run's storage path {first / 'rows'}")
+    assert "move that file away" in err and "give --storage-path" not in err
+
+
+# ------------------------------------------------------------------------------- one open checkpoint
+def test_a_checkpoint_replaced_while_it_is_read_is_read_as_it_was_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from slipcache.training import checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "RAW_MIN_BYTES", 1024)  # these tensors are streamed, as tables of 16 MiB are
+    path = tmp_path / "latest.pt"
+    first = torch.arange(4096, dtype=torch.float32)
+    ckpt.save_checkpoint(path, {"rows": first})
+    lazy = ckpt.load_checkpoint(path, lazy=True)
+    assert isinstance(lazy["rows"], ckpt.RawTensor)
+    ckpt.save_checkpoint(path, {"rows": first + 1})  # a running training renames a newer one over it
+    assert torch.equal(ckpt.materialize(lazy)["rows"], first)  # not "checksum mismatch": the bytes are fine
+    assert torch.equal(ckpt.load_checkpoint(path)["rows"], first + 1)
+    # bytes that are wrong are still called so
+    lazy = ckpt.load_checkpoint(path, lazy=True)
+    with open(path, "r+b") as fh:
+        fh.seek(lazy["rows"].offset + 100)
+        fh.write(b"\xff\xff")
+    with pytest.raises(ckpt.CorruptCheckpointError, match="checksum mismatch in a tensor"):
+        ckpt.materialize(lazy)
+
+
+# ------------------------------------------------------------------------------------------ minors
+def test_a_fifo_as_config_is_read(tmp_path: Path) -> None:
+    import threading
+
+    fifo = tmp_path / "settings.toml"
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with open(fifo, "w") as fh:
+            fh.write("batch_size = 128\n")
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    try:
+        assert load_config_file(fifo) == {"batch_size": 128}
+    finally:
+        writer.join(timeout=60)
+
+
+def test_a_json_config_reads_1e_minus_3_as_a_number(tmp_path: Path) -> None:
+    config = tmp_path / "c.json"
+    config.write_text('{"lr": 1e-3, "batch_size": 64}')
+    assert load_config_file(config) == {"lr": 0.001, "batch_size": 64}
+    (tmp_path / "c.yaml").write_text("lr: 1e-3\n")  # YAML 1.1 reads this as a string: still refused there
+    with pytest.raises(SlipcacheError, match="lr: expected float, got '1e-3'"):
+        load_config_file(tmp_path / "c.yaml")
+
+
+def test_a_config_path_that_is_a_directory_or_device_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(SlipcacheError, match="is a directory"):
+        load_config_file(tmp_path)
+    with pytest.raises(SlipcacheError, match="is a device or socket"):
+        load_config_file("/dev/zero")
+
+
+def test_cache_rows_beyond_the_tables_is_said(tmp_path: Path) -> None:
+    from slipcache.training.config import cache_rows_note
+
+    config = make_config({"cache_rows": 10**18}, {"progress": False})
+    note = cache_rows_note(config, [1000, 10])
+    assert note is not None and "more than the 1,010 rows there are" in note and "more memory than fp32" in note
+    assert cache_rows_note(make_config({"cache_rows": 500}, {}), [1000, 10]) is None
+
+
+def test_sigterm_during_preprocess_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    import signal
+
+    from slipcache.data import preprocess as prep
+
+    good = "0\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["0a1b2c3d"] * 26) + "\n"
+    raw = tmp_path / "day.tsv"
+    raw.write_text(good * 400)
+    real = prep.read_chunks
+
+    def read_then_stop(*args: object, **kwargs: object):  # noqa: ANN202
+        for chunk in real(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` would, while the scratch files are written
+            yield chunk
+
+    monkeypatch.setattr(prep, "read_chunks", read_then_stop)
+    handler = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out"
+    assert main(["preprocess", str(raw), "--out", str(out), "--no-progress"]) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+    assert not out.exists()  # neither the directory it made nor its scratch
+    assert signal.getsignal(signal.SIGTERM) == handler
+
+
+def test_preprocess_refuses_a_character_device(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    one_line(["preprocess", "/dev/zero", "--out", str(tmp_path / "out")], capsys,
+             "/dev/zero: is a character device, not a Criteo data file")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_out_through_a_link_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    from slipcache import export
+
+    target = tmp_path / "real"
+    target.mkdir()
+    (target / "old.txt").write_text("old\n")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(SlipcacheError, match=f"--out {link} is a symbolic link \\(to {target}\\)"):
+        export.check_out(link, force=True)
+    with pytest.raises(SlipcacheError, match="is a symbolic link"):
+        export.export_tables([__import__("torch").zeros(3, 2)], link, ("fp32",), force=True)
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]  # no .replaced or staging directory left
+    assert (target / "old.txt").read_text() == "old\n"
+
+
+def test_a_lock_of_another_host_is_refused_with_the_way_forward(tmp_path: Path) -> None:
+    import json
+
+    from slipcache.training import runlock
+
+    owner = {"host": "elsewhere", "pid": 1234, "started": 0, "run_id": "x", "directory": str(tmp_path.resolve())}
+    (tmp_path / runlock.LOCK_NAME).write_text(json.dumps(owner))
+    with pytest.raises(runlock.RunLockedError, match=r"another machine; if that process is gone, delete .*run.lock"):
+        runlock.acquire(tmp_path, "me")
+    assert json.loads((tmp_path / runlock.LOCK_NAME).read_text()) == owner  # left as it was
+
+
+def test_sighup_writes_the_checkpoint_as_sigterm_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    import torch
+
+    from slipcache.errors import RunInterrupted
+    from slipcache.training import checkpoint as ckpt
+    from tests.helpers import tiny_config
+
+    data = make_dataset(tmp_path / "data", n=1000)
+    real_loss = trainer.F.binary_cross_entropy_with_logits
+    calls = {"n": 0}
+
+    def loss(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGHUP)  # the terminal closed
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.F, "binary_cross_entropy_with_logits", loss)
+    handler = signal.getsignal(signal.SIGHUP)
+    with pytest.raises(RunInterrupted) as stopped:
+        trainer.train(tiny_config(data, tmp_path / "run", epochs=1))
+    assert stopped.value.exit_code == 128 + signal.SIGHUP
+    assert ckpt.load_checkpoint(tmp_path / "run" / "checkpoints")["progress"]["samples"] == 3 * 64
+    assert signal.getsignal(signal.SIGHUP) == handler
+
+
+# ----------------------------------------------------------------------- resumes across process counts
+@pytest.mark.slow
+@pytest.mark.parametrize("storage", [False, True])
+def test_resume_matrix_with_tables_above_the_streaming_threshold(
+    storage: bool, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """1 -> 2 -> 2 -> 1 processes on a table of 38 MB (its storage is streamed: past 16 MiB), with and without
+    --storage-path: every resume re-shards (or keeps) the streamed tensors and goes on from the newest."""
+    import json
+
+    from slipcache.training import checkpoint as ckpt
+    from slipcache.training.saved_run import find_checkpoint
+    from tests.ranks import run_ranks
+    from tests.test_distributed_training import _settings, _train_rank
+
+    sizes = [1_200_000] + [5] * 25
+    assert sizes[0] * 8 * 4 > ckpt.RAW_MIN_BYTES
+    data, run = make_dataset(tmp_path / "data", n=1500, sizes=sizes), tmp_path / "run"
+    extra = {"storage_path": str(tmp_path / "rows")} if storage else {}
+    settings = _settings(str(data), str(run), {"precision": "fp32", "cache_size": 0.01, "samples": 320, **extra})
+    trainer.train(make_config({}, settings))  # one process
+    capfd.readouterr()
+
+    def more(samples: int) -> dict:
+        return {"resume": str(run), "samples": samples, "allow_changes": True, "progress": False}
+
+    run_ranks(_train_rank, more(640))  # 1 -> 2: "expected torch.Tensor ... but received RawTensor" before
+    assert "written by 1 process, over 2 processes" in capfd.readouterr().out
+    run_ranks(_train_rank, more(960))  # 2 -> 2
+    trainer.train(make_config({}, more(1280)))  # 2 -> 1
+    assert "written by 2 processes, into 1" in capfd.readouterr().out
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["samples"] for e in events if e["event"] == "checkpoint"] == [320, 640, 960, 1280]
+    assert ckpt.load_checkpoint(find_checkpoint(run).path)["progress"]["samples"] == 1280
