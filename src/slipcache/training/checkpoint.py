@@ -100,9 +100,8 @@ class RawTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     sha256: str
-    # The checkpoint file as it was opened when its payload was verified: the bytes are read from it, never
-    # from the name again, so a checkpoint renamed over this one meanwhile (a run writing `latest.pt` while
-    # `eval` reads it) cannot change what is read, and a digest mismatch means the bytes are wrong.
+    # The file as opened when its payload was verified, never the name again: a checkpoint renamed over it
+    # meanwhile (a run writing `latest.pt` as `eval` reads it) changes nothing read; a mismatch is bad bytes.
     source: BinaryIO | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
@@ -360,14 +359,13 @@ def _stream_raw(raw: RawTensor, into: memoryview | None, put: Callable[[int, mem
     sha = hashlib.sha256()
     scratch = None if into is not None else bytearray(min(CHUNK_BYTES, raw.nbytes))
     with contextlib.ExitStack() as stack:
-        f = raw.source
-        if f is None or f.closed:
-            f = stack.enter_context(open(raw.path, "rb"))
-        fd = f.fileno()
+        f = raw.source if raw.source is not None and not raw.source.closed else None
+        f = f or stack.enter_context(open(raw.path, "rb"))
         for start in range(0, raw.nbytes, CHUNK_BYTES):
             stop = min(start + CHUNK_BYTES, raw.nbytes)
             target = into[start:stop] if into is not None else memoryview(scratch)[: stop - start]  # type: ignore[arg-type]
-            got = _pread_into(fd, target, raw.offset + start)  # by position: one file shared by many tensors
+            f.seek(raw.offset + start)  # one file shared by many tensors: each read says where
+            got = f.readinto(target)
             if got != stop - start:
                 raise CorruptCheckpointError(f"checkpoint {raw.path} is corrupt (truncated tensor bytes)")
             sha.update(target)
@@ -377,17 +375,6 @@ def _stream_raw(raw: RawTensor, into: memoryview | None, put: Callable[[int, mem
         raise CorruptCheckpointError(
             f"checkpoint {raw.path} is corrupt (checksum mismatch in a tensor of shape {list(raw.shape)})"
         )
-
-
-def _pread_into(fd: int, target: memoryview, offset: int) -> int:
-    """Fill `target` from `fd` at `offset` (the file's own position untouched); the bytes read."""
-    done = 0
-    while done < len(target):
-        got = os.preadv(fd, [target[done:]], offset + done)
-        if got == 0:
-            break
-        done += got
-    return done
 
 
 def materialize(obj: Any, targets: Any = None, files: Sequence[StorageFile] = ()) -> Any:
@@ -457,17 +444,12 @@ def load_checkpoint(path: str | os.PathLike[str], *, lazy: bool = False) -> dict
         state = _read_state(path, f)
         if not isinstance(state, dict):
             raise SlipcacheError(f"checkpoint {path} does not hold a slipcache state dict")
-        if lazy:
-            return state  # the file closes when the last of its `RawTensor`s is gone
-        state = materialize(state)
+        return state if lazy else materialize(state)  # lazy: the file closes with the last of its `RawTensor`s
     except OSError as exc:
-        f.close()
         raise CorruptCheckpointError(f"checkpoint {path} is unreadable: {exc.strerror or exc}") from exc
-    except BaseException:
-        f.close()
-        raise
-    f.close()
-    return state
+    finally:
+        if not lazy:
+            f.close()
 
 
 def is_complete(path: Path) -> bool:

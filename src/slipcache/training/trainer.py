@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import math
 import random
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +57,7 @@ from slipcache.training.evaluation import evaluate
 from slipcache.training.features import run_callbacks
 from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
+from slipcache.training.schedule import budget_steps, nearest_quotient
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 from slipcache.units import amount
 
@@ -88,9 +88,8 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
     samples = config.samples if config.samples is not None else config.epochs * batches_per_epoch * batch
 
     def every(value: int | None, parts: int) -> int:  # integer arithmetic: exact up to 2**63 samples
-        steps = _nearest_quotient(value, batch) if value is not None else _nearest_quotient(samples, parts * batch)
-        steps = max(1, steps)
-        return steps * batch
+        exact = nearest_quotient(value, batch) if value is not None else nearest_quotient(samples, parts * batch)
+        return max(1, exact) * batch
 
     return dataclasses.replace(
         config,
@@ -101,20 +100,6 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
         eval_every=config.eval_every if config.eval_every is not None else every(None, 10),
         checkpoint_every=every(config.checkpoint_every, 4),
     )
-
-
-def budget_steps(samples: int, batch_size: int) -> int:
-    """Steps of a run of `samples` samples: whole batches, the last one rounded up. Integer arithmetic: a
-    float would round a budget beyond 2**53 (`--samples 9223372036854775807` showed ...808)."""
-    return -(-int(samples) // int(batch_size))
-
-
-def _nearest_quotient(numerator: int, denominator: int) -> int:
-    """round(numerator / denominator) in exact integer arithmetic (halves rounded to even, like round)."""
-    quotient, remainder = divmod(int(numerator), denominator)
-    if 2 * remainder > denominator or (2 * remainder == denominator and quotient % 2):
-        quotient += 1
-    return quotient
 
 
 def _stats_totals(model: DLRM) -> tuple[int, int]:
@@ -215,9 +200,8 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
 
         dataset_dir = run_dataset_dir(config, saved.get("dataset"))
         dataset = open_dataset(dataset_dir, config)
-        note = cache_rows_note(config, list(dataset.table_sizes))
-        if note is not None and config.resume is None:  # said once, when the run starts
-            print(f"slipcache train: warning: {note}", file=sys.stderr)
+        if config.resume is None and (note := cache_rows_note(config, list(dataset.table_sizes))):  # said once
+            warn(note)
         config.split_order = config.split_order or dataset.meta.get("split_order")
         config = resolve_schedule(config, dataset.splits["train"])
         config.out = str(run_dir)
