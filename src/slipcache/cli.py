@@ -56,7 +56,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "and stale-input skipping.",
     )
     parser.add_argument("--version", action="version", version=f"slipcache {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrors)
     for name, (module_name, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:

@@ -304,6 +304,11 @@ def check_out(out: Path, force: bool, source: Path | None = None) -> None:
     """Refuse an `--out` that is a file; that is, holds or lies inside `source` (the run directory, or the
     loose checkpoint file, the export reads); that holds files, unless `force`. Even with `force`, a
     directory holding a slipcache run or dataset is never replaced (one in use by a run: exit code 3)."""
+    if out.is_symlink():  # the export replaces --out whole by a rename: a link would be renamed, not its target
+        raise SlipcacheError(
+            f"--out {out} is a symbolic link (to {os.readlink(out)}); an export replaces its --out whole and never "
+            "writes through a link: give the directory itself"
+        )
     if out.exists() and not out.is_dir():
         raise SlipcacheError(f"--out {out} exists and is not a directory")
     if source is not None:

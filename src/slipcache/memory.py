@@ -5,9 +5,11 @@ Every command that builds embedding tables (train, eval, export, bench, plan, th
 need, what is available and what would fit, instead of an allocation that the kernel kills half-way
 (or that swaps the machine to a halt).
 
-Available memory is the smaller of the kernel's MemAvailable and what the process's cgroup still allows
-(its limit less its usage); `SLIPCACHE_MEMORY_AVAILABLE_GB` overrides both (to leave room for something
-else, or to try the check).
+Available memory is the smallest of the kernel's MemAvailable, what the process's cgroup still allows
+(its limit less its usage) and what the address-space limit (RLIMIT_AS, `ulimit -v`) still allows (its
+limit less the address space mapped); `SLIPCACHE_MEMORY_AVAILABLE_GB` overrides them all (to leave room
+for something else, or to try the check). Beside the tables, training prices the MLPs and the per-batch
+buffers (`model_bytes`) in the same check.
 """
 
 from __future__ import annotations
@@ -75,8 +77,31 @@ def _cgroup_headroom(root: Path = Path("/sys/fs/cgroup")) -> int | None:
     return None
 
 
-def available_bytes() -> int | None:
-    """Bytes this process can still allocate without swapping or being killed; None where unknown."""
+def _address_space_headroom() -> int | None:
+    """What the address-space limit (RLIMIT_AS, `ulimit -v`) still allows this process: the limit less
+    the address space it already maps (VmSize); None without a limit. Every allocation counts against it,
+    and so does every file mapped into memory (row storage under a storage path)."""
+    try:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    except (OSError, ValueError):  # pragma: no cover - platforms without it
+        return None
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None
+    used = 0
+    try:
+        with open("/proc/self/status", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("VmSize:"):
+                    used = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(0, soft - used)
+
+
+def memory_limits() -> list[tuple[int, str]]:
+    """Each limit this process's allocations meet, as (bytes still allowed, what it is), the override alone
+    where `SLIPCACHE_MEMORY_AVAILABLE_GB` is set."""
     override = os.environ.get(ENV_AVAILABLE)
     if override:
         try:
@@ -85,9 +110,47 @@ def available_bytes() -> int | None:
             value = math.nan
         if not (math.isfinite(value) and value >= 0):  # -5 or inf would be used as given
             raise SlipcacheError(f"{ENV_AVAILABLE} must be a non-negative number of GB, got {override!r}")
-        return int(value * GB)
-    known = [b for b in (_meminfo_available(), _cgroup_headroom()) if b is not None]
-    return min(known) if known else None
+        return [(int(value * GB), ENV_AVAILABLE)]
+    found = [(_meminfo_available(), "available memory"), (_cgroup_headroom(), "the cgroup's memory limit"),
+             (_address_space_headroom(), "the address-space limit, ulimit -v")]
+    return [(b, name) for b, name in found if b is not None]
+
+
+def limiting_memory() -> tuple[int, str] | None:
+    """The smallest of `memory_limits()`: (bytes, what it is); None where none is known."""
+    limits = memory_limits()
+    return min(limits, key=lambda item: item[0]) if limits else None
+
+
+def available_bytes() -> int | None:
+    """Bytes this process can still allocate without swapping, being killed or refused: the smallest of
+    MemAvailable, the cgroup's headroom and the address-space limit's; None where unknown."""
+    limit = limiting_memory()
+    return None if limit is None else limit[0]
+
+
+# Floats each optimizer of the MLPs keeps per parameter beside the weight and its gradient.
+DENSE_OPTIMIZER_SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2}
+EVAL_BATCH = 8192  # `training.evaluation.evaluate`'s batch (no gradients)
+
+
+def model_bytes(model: Any, batch_size: int, dense_optimizer: str = "sgd", eval_batch: int = EVAL_BATCH) -> int:
+    """Bytes the dense part of a DLRM of `model` (a `ModelConfig`) takes beside its tables: the MLPs'
+    weights, gradients and optimizer state, and the per-batch buffers of a training step (activations and
+    their gradients, the embeddings' output [batch, tables, dim], the interaction) or of an evaluation batch,
+    whichever is larger. An estimate from the shapes, in exact integers: `--bottom-mlp 1000000000,16` is
+    priced before torch is asked for it."""
+    bottom = [int(model.num_dense), *map(int, model.bottom_mlp)]
+    top = [int(model.interaction_dim), *map(int, model.top_mlp)]
+    params = sum(a * b + b for widths in (bottom, top) for a, b in zip(widths[:-1], widths[1:], strict=True))
+    slots = 2 + DENSE_OPTIMIZER_SLOTS.get(dense_optimizer, 2)
+    tables, dim = int(model.num_tables), int(model.embedding_dim)
+    # per sample, forward: each layer's output and its ReLU, the tables' rows and pooled output, the stacked
+    # vectors, their pairwise products and the interaction
+    forward = 2 * (sum(bottom) + sum(top)) + 2 * tables * dim + (tables + 1) * dim + (tables + 1) ** 2
+    forward += int(model.interaction_dim)
+    per_batch = max(4 * int(batch_size) * 2 * forward, 4 * int(eval_batch) * forward)  # training: + gradients
+    return 4 * params * slots + per_batch
 
 
 def table_bytes(
@@ -218,6 +281,8 @@ def require_tables_fit(
     extra_bytes: int = 0,
     available: int | None = None,
     storage_path: str | None = None,
+    extra_what: str = "other buffers",
+    extra_advice: str = "make them smaller",
 ) -> int:
     """Stop with one line (MemoryShortError) unless these tables, `extra_bytes` and the runtime fit the
     available memory; returns the tables' bytes. `what` names the command or path for the message (the
@@ -236,33 +301,56 @@ def require_tables_fit(
                                                                      config.cache_rows)
     )
     require_bytes(need, what=what, table_sizes=table_sizes, dim=dim, choice=choice, optimizer=config.optimizer,
-                  extra_bytes=extra_bytes, available=available)
+                  extra_bytes=extra_bytes, available=available, extra_what=extra_what, extra_advice=extra_advice)
     return need
 
 
-def require_config_fits(config: EmbeddingConfig, what: str, extra_bytes: int = 0) -> int:
+def require_config_fits(config: EmbeddingConfig, what: str, extra_bytes: int = 0,
+                        extra_what: str = "other buffers", extra_advice: str = "make them smaller") -> int:
     """`require_tables_fit` for a built config (the collection's own accounting), and the disk room of its
-    storage path; returns the bytes in memory."""
-    require_storage_room(config, what)
+    storage path; returns the bytes in memory. The row storage in files is mapped into the address space:
+    under an address-space limit (`ulimit -v`) it counts too."""
+    in_files = require_storage_room(config, what)
     need = config_bytes(config)
+    choice = _describe(config.precision, config.cache_size, config.cache_rows)
     require_bytes(need, what=what, table_sizes=config.table_sizes, dim=config.dim, optimizer=config.optimizer,
-                  choice=_describe(config.precision, config.cache_size, config.cache_rows), extra_bytes=extra_bytes)
+                  choice=choice, extra_bytes=extra_bytes, extra_what=extra_what, extra_advice=extra_advice)
+    headroom = _address_space_headroom() if in_files and not os.environ.get(ENV_AVAILABLE) else None
+    if headroom is not None and need + in_files + extra_bytes + RUNTIME_BYTES > headroom:
+        raise MemoryShortError(
+            f"{what}: the tables need {(need + in_files) / GB:.1f} GB of address space (rows mapped from "
+            f"{config.storage_path}: {in_files / GB:.1f} GB) + {(extra_bytes + RUNTIME_BYTES) / GB:.1f} GB, and "
+            f"the address-space limit (ulimit -v) allows {headroom / GB:.1f} GB; raise the limit or use "
+            "smaller tables"
+        )
     return need
 
 
 def require_bytes(
     need: int, *, what: str, table_sizes: Sequence[int], dim: int, choice: str, optimizer: str = "sgd",
-    extra_bytes: int = 0, available: int | None = None,
+    extra_bytes: int = 0, available: int | None = None, extra_what: str = "other buffers",
+    extra_advice: str = "make them smaller",
 ) -> None:
-    """Raise MemoryShortError when `need` bytes of tables (+ extra + runtime) exceed what is available."""
-    available = available_bytes() if available is None else available
+    """Raise MemoryShortError when `need` bytes of tables (+ `extra_bytes` of `extra_what` + the runtime)
+    exceed what is available: the smallest of available memory, the cgroup's limit and the address-space
+    limit (`memory_limits`)."""
+    limit = (available, "available memory") if available is not None else limiting_memory()
+    if limit is None:
+        return
+    available, source = limit
     total = need + extra_bytes + RUNTIME_BYTES
-    if available is not None and total > available:
-        raise MemoryShortError(
-            f"{what}: {sum(int(s) for s in table_sizes):,} rows at dim {dim} in {choice} need "
-            f"{total / GB:.1f} GB (tables {need / GB:.1f} GB + {(total - need) / GB:.1f} GB runtime), "
-            f"available {available / GB:.1f} GB; {what_fits(table_sizes, dim, available, optimizer)}"
-        )
+    if total <= available:
+        return
+    parts = f"tables {need / GB:.1f} GB" + (f" + {extra_what} {extra_bytes / GB:.1f} GB" if extra_bytes else "")
+    if extra_bytes + RUNTIME_BYTES > available:  # the tables are not the problem: no precision helps
+        advice = f"the {extra_what} alone do not fit: {extra_advice}"
+    else:
+        advice = what_fits(table_sizes, dim, available - extra_bytes, optimizer)
+    limit = "" if source == "available memory" else f" ({source})"
+    raise MemoryShortError(
+        f"{what}: {sum(int(s) for s in table_sizes):,} rows at dim {dim} in {choice} need {total / GB:.1f} GB "
+        f"({parts} + {RUNTIME_BYTES / GB:.1f} GB runtime), available {available / GB:.1f} GB{limit}; {advice}"
+    )
 
 
 def _describe(precision: object, cache_size: object, cache_rows: object) -> str:

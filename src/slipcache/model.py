@@ -168,6 +168,11 @@ class TorchEmbeddingBagCollection(nn.Module):
         """Nothing is cached: the weights are always current."""
 
 
+# How the memory check names a model's `extra_bytes`, and what makes them smaller.
+DENSE_PART = "MLPs and per-batch buffers"
+DENSE_ADVICE = "narrower --bottom-mlp / --top-mlp, a smaller --dim or --batch-size"
+
+
 def embedding_config(table_sizes: list[int], dim: int, **options: Any) -> EmbeddingConfig:
     """The cached collection's config, with a bad combination (e.g. from a config file) as a one-line error."""
     from slipcache.embedding.collection import EmbeddingConfig
@@ -179,7 +184,8 @@ def embedding_config(table_sizes: list[int], dim: int, **options: Any) -> Embedd
 
 
 def build_embeddings(
-    table_sizes: list[int], dim: int, *, embeddings: str = "cached", draw_rows: bool = True, **options: Any
+    table_sizes: list[int], dim: int, *, embeddings: str = "cached", draw_rows: bool = True, extra_bytes: int = 0,
+    **options: Any,
 ) -> nn.Module:
     """The one place that picks an embedding implementation.
 
@@ -187,13 +193,16 @@ def build_embeddings(
     seed, ...); what is not given takes `EmbeddingConfig`'s default, the one place the defaults live.
     embeddings="torch": the fp32 `nn.EmbeddingBag` baseline (only lr and seed apply).
     embeddings="cached": mixed-precision storage with an fp32 cache (`slipcache.embedding.collection`);
-    `draw_rows` False: a checkpoint's rows are loaded next, so none are drawn.
+    `draw_rows` False: a checkpoint's rows are loaded next, so none are drawn. `extra_bytes`: what the caller
+    allocates next (the MLPs and per-batch buffers, `memory.model_bytes`), priced in the same check.
     """
     from slipcache.embedding.config import EmbeddingConfig
     from slipcache.memory import require_config_fits, require_tables_fit
 
     if embeddings == "torch":
-        require_tables_fit(table_sizes, dim, what="embedding tables", embeddings="torch")
+        require_tables_fit(table_sizes, dim, what="embedding tables", embeddings="torch", extra_bytes=extra_bytes,
+                           extra_what=DENSE_PART, extra_advice=DENSE_ADVICE,
+                           optimizer=options.get("optimizer"))
         defaults = {f.name: f.default for f in dataclasses.fields(EmbeddingConfig)}
         return TorchEmbeddingBagCollection(
             table_sizes, dim, lr=options.get("lr", defaults["lr"]), seed=options.get("seed", defaults["seed"])
@@ -203,7 +212,8 @@ def build_embeddings(
     from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
     config = embedding_config(table_sizes, dim, **options)
-    require_config_fits(config, "embedding tables")
+    require_config_fits(config, "embedding tables", extra_bytes=extra_bytes, extra_what=DENSE_PART,
+                        extra_advice=DENSE_ADVICE)
     return CachedEmbeddingBagCollection(config, draw_rows=draw_rows)
 
 

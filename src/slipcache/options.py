@@ -106,12 +106,27 @@ def seed_arg(text: str) -> int:
     return value
 
 
+def whole_number(text: str) -> int:
+    """An integer for argparse, exactly: '123', or scientific notation that is a whole number ('1e18');
+    never through a float, so 2**63-1 stays 9223372036854775807."""
+    import decimal
+
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = decimal.Decimal(text.strip())
+    except decimal.InvalidOperation:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not value.is_finite() or value != value.to_integral_value() or abs(value.adjusted()) > 4300:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    return int(value)
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 for argparse (counts, ways, sizes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    value = whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value

@@ -3,8 +3,9 @@
 A run directory can come from someone else (copied, unpacked, shared). If its `metrics.jsonl` were a link
 to `~/.bashrc`, opening it to write would truncate `~/.bashrc`. So every file a run writes is either
 replaced atomically (a new file under a temporary name, renamed over the old name: a link there is
-replaced by a regular file and its target is never opened) or opened with `O_NOFOLLOW` (a link is
-refused in one line). A directory the run writes into (`checkpoints/`, a step of N processes, ...) must not
+replaced by a regular file and its target is never opened) or opened with `O_NOFOLLOW` and checked to be
+a regular file with one link before anything is written (`open_fd`: a symbolic or a hard link is refused
+in one line). A directory the run writes into (`checkpoints/`, a step of N processes, ...) must not
 be a link either: refused in one line, since everything written into it would land elsewhere.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from pathlib import Path
 from typing import TextIO
 
@@ -20,7 +22,7 @@ from slipcache.errors import SlipcacheError
 
 
 class LinkRefusedError(SlipcacheError):
-    """A file or directory the run would write is a symbolic link."""
+    """A file or directory the run would write is a link (symbolic, or a hard link's second name)."""
 
 
 def _refusal(path: Path, kind: str = "file") -> LinkRefusedError:
@@ -55,13 +57,39 @@ def ensure_dir(path: Path, *, inside: Path | None = None) -> Path:
 
 
 def open_fd(path: Path, flags: int, mode: int = 0o644) -> int:
-    """`os.open` that never follows a link at `path` (the link is refused in one line)."""
+    """`os.open` of a file to write in place, that never writes through a link: a symbolic link at `path`
+    is not followed, and the file opened must be a regular file with one link (`st_nlink == 1`): a hard
+    link's other name may lie outside the run, and writing would change that file too. Both are refused in
+    one line, before anything is written (`O_TRUNC` is applied only after the check)."""
+    truncate = bool(flags & os.O_TRUNC)
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = os.open(path, (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP or Path(path).is_symlink():
             raise _refusal(Path(path)) from None
         raise
+    try:
+        refuse_shared_file(fd, Path(path))
+        if truncate:
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def refuse_shared_file(fd: int, path: Path) -> None:
+    """One line unless open file `fd` (at `path`) is a regular file with a single link: the one check every
+    file written in place (not replaced by a rename) passes."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise LinkRefusedError(f"{path} is not a regular file; slipcache writes a run's files only as regular files: "
+                               "remove it and run again")
+    if info.st_nlink != 1:
+        raise LinkRefusedError(
+            f"{path} has {info.st_nlink} hard links (another name of it may lie outside the run); slipcache never "
+            "writes a run's file through a link: remove it (or copy the run without hard links) and run again"
+        )
 
 
 def open_append(path: Path, buffering: int = -1) -> TextIO:

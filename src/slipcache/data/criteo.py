@@ -37,6 +37,7 @@ TSV_MIN_FIELDS = 2 + NUM_DENSE  # label, I1..I13 and at least C1; the rest may b
 # Criteo lines are a few hundred bytes; a longer line is malformed, and reading one is bounded by this
 # so a file without line ends cannot exhaust memory.
 MAX_LINE_BYTES = 64 << 10
+MAX_PARSE_LINES = 1 << 16  # lines whose fields are parsed at once: [lines, 40] int64 arrays, 20 MB each
 DENSE_MAX = float(np.finfo(np.float32).max)  # dense values are stored as float32
 
 # Hex digit value of each byte; 16 for the NUL padding of numpy bytes arrays, 255 for anything else.
@@ -119,9 +120,24 @@ def detect_format(first_line: bytes) -> str:
     )
 
 
+def check_raw_input(path: str | os.PathLike[str]) -> None:
+    """One line unless `path` is a file that ends: a regular file or a pipe (`<(zcat ...)`); a character or
+    block device (`/dev/zero`) or a socket would be read forever."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing or unreadable: the open says which
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+        kind = "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket"
+        raise SlipcacheError(f"{path}: is {kind}, not a Criteo data file")
+
+
 def open_raw(path: str | os.PathLike[str]) -> BinaryIO:
     """Open a raw file for binary line reading, transparently decompressing gzip."""
     p = Path(path)
+    check_raw_input(p)
     try:
         raw = open(p, "rb")  # noqa: SIM115 - returned to the caller
     except FileNotFoundError as exc:
@@ -196,7 +212,12 @@ def _parse_block(
     block: bytes, layout: _Layout, name: str, lineno: int, strict: bool, stats: ReadStats
 ) -> tuple[RawChunk, int]:
     """Vectorized parse of complete lines (`block` ends with a newline); returns the good rows and
-    the number of lines. Bad rows are masked out and reported."""
+    the number of lines. Bad rows are masked out and reported.
+
+    Memory follows the block's bytes, whatever its lines: lines that are malformed by their shape alone
+    (blank, too few or too many fields, too long) are counted from per-line arrays of a few bytes each, and
+    only the others get field arrays ([lines, 40] int64), MAX_PARSE_LINES at a time (16 M blank lines in a
+    small gzip used to ask for 1.8 KB each)."""
     buf = np.frombuffer(block + bytes(PAD), dtype=np.uint8)
     newlines = np.flatnonzero(buf == 10)
     n = len(newlines)
@@ -205,58 +226,82 @@ def _parse_block(
     line_end = np.maximum(line_end, line_start)
     seps = np.flatnonzero(buf == layout.sep[0])
     sep_line = np.searchsorted(newlines, seps)
-    num_seps = np.bincount(sep_line, minlength=n)
-    num_fields = num_seps + 1
+    num_fields = np.bincount(sep_line, minlength=n) + 1
     bad = (num_fields < layout.min_fields) | (num_fields > layout.full)
     bad |= line_end == line_start  # blank line
     bad |= line_end - line_start > MAX_LINE_BYTES
 
-    # Field boundaries [n, full]; fields cut off at the end of a line stay empty (start == end == 0).
-    full = layout.full
-    starts = np.zeros((n, full), dtype=np.int64)
-    ends = np.zeros((n, full), dtype=np.int64)
-    good_line = ~bad
-    starts[:, 0] = line_start
-    rank = np.arange(len(seps)) - (np.cumsum(num_seps) - num_seps)[sep_line]
-    use = good_line[sep_line]
-    starts[sep_line[use], rank[use] + 1] = seps[use] + 1
-    ends[sep_line[use], rank[use]] = seps[use]
-    rows = np.flatnonzero(good_line)
-    ends[rows, num_fields[rows] - 1] = line_end[rows]
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    candidates = np.flatnonzero(~bad)
+    for first in range(0, len(candidates), MAX_PARSE_LINES):
+        lines = candidates[first : first + MAX_PARSE_LINES]
+        lo, hi = int(lines[0]), int(lines[-1]) + 1
+        s0, s1 = np.searchsorted(sep_line, [lo, hi])
+        row_of = np.full(hi - lo, -1, dtype=np.int64)
+        row_of[lines - lo] = np.arange(len(lines))
+        rows = row_of[sep_line[s0:s1] - lo]
+        use = rows >= 0
+        labels, dense, cats, fields_bad = _parse_fields(
+            block, buf, layout, lines, line_start, line_end, num_fields, seps[s0:s1][use], rows[use]
+        )
+        bad[lines] |= fields_bad
+        keep = ~fields_bad
+        parts.append((labels[keep], dense[keep], cats[keep]))
+
+    bad_lines = np.flatnonzero(bad)
+    if strict and len(bad_lines):
+        i = int(bad_lines[0])
+        raise SlipcacheError(f"{name}:{lineno + i}: {_reason(block[line_start[i] : line_end[i]], layout)}")
+    for i in bad_lines[: max(0, stats.max_examples - len(stats.examples))]:
+        stats.examples.append(f"{name}:{lineno + int(i)}: {_reason(block[line_start[i] : line_end[i]], layout)}")
+    stats.bad += len(bad_lines)
+    stats.good += n - len(bad_lines)
+    if not parts:
+        parts = [(np.zeros(0, np.float32), np.zeros((0, NUM_DENSE), np.float32),
+                  np.zeros((0, NUM_CATEGORICAL), np.int64))]
+    chunk = RawChunk(
+        labels=np.concatenate([p[0] for p in parts]),
+        dense=np.concatenate([p[1] for p in parts]),
+        categorical=np.concatenate([p[2] for p in parts]),
+    )
+    return chunk, n
+
+
+def _parse_fields(
+    block: bytes, buf: np.ndarray, layout: _Layout, lines: np.ndarray, line_start: np.ndarray,
+    line_end: np.ndarray, num_fields: np.ndarray, seps: np.ndarray, rows: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(labels, dense, categorical, bad) of the well-shaped `lines` (indices into the block's lines);
+    `seps`: the separators of these lines, `rows`: the position in `lines` of each one's line."""
+    m, full = len(lines), layout.full
+    # Field boundaries [m, full]; fields cut off at the end of a line stay empty (start == end == 0).
+    starts = np.zeros((m, full), dtype=np.int64)
+    ends = np.zeros((m, full), dtype=np.int64)
+    starts[:, 0] = line_start[lines]
+    fields = num_fields[lines]
+    rank = np.arange(len(seps)) - (np.cumsum(fields - 1) - (fields - 1))[rows]
+    starts[rows, rank + 1] = seps + 1
+    ends[rows, rank] = seps
+    ends[np.arange(m), fields - 1] = line_end[lines]
     lengths = ends - starts
 
     skip = layout.skip
     label_start, label_len = starts[:, skip], lengths[:, skip]
     label_char = buf[label_start]
     label_ok = (label_len == 1) & ((label_char == 48) | (label_char == 49))
-    odd = np.flatnonzero(~label_ok & good_line)
     label_values = (label_char == 49).astype(np.float32)
-    for i in odd:  # e.g. "1.0"
+    for i in np.flatnonzero(~label_ok):  # e.g. "1.0"
         text = block[label_start[i] : label_start[i] + label_len[i]]
         label_ok[i] = text in _LABELS
         label_values[i] = _LABELS.get(text, 0.0)
-    bad |= ~label_ok
+    bad = ~label_ok
 
     d0, d1 = skip + 1, skip + 1 + NUM_DENSE
     dense, dense_bad = _parse_numbers(block, buf, starts[:, d0:d1].ravel(), lengths[:, d0:d1].ravel())
-    bad |= dense_bad.reshape(n, NUM_DENSE).any(axis=1)
+    bad |= dense_bad.reshape(m, NUM_DENSE).any(axis=1)
     cats, cat_bad = _parse_hex(buf, starts[:, d1:].ravel(), lengths[:, d1:].ravel())
-    bad |= cat_bad.reshape(n, NUM_CATEGORICAL).any(axis=1)
-
-    n_bad = int(bad.sum())
-    for i in np.flatnonzero(bad):
-        message = f"{name}:{lineno + int(i)}: {_reason(block[line_start[i] : line_end[i]], layout)}"
-        if strict:
-            raise SlipcacheError(message)
-        stats.add_bad(message)
-    stats.good += n - n_bad
-    keep = ~bad
-    chunk = RawChunk(
-        labels=label_values[keep],
-        dense=dense.reshape(n, NUM_DENSE)[keep],
-        categorical=cats.reshape(n, NUM_CATEGORICAL)[keep],
-    )
-    return chunk, n
+    bad |= cat_bad.reshape(m, NUM_CATEGORICAL).any(axis=1)
+    return label_values, dense.reshape(m, NUM_DENSE), cats.reshape(m, NUM_CATEGORICAL), bad
 
 
 def _gather(buf: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:

@@ -193,6 +193,7 @@ class DatasetWriter:
         (self.staging / "meta.json").write_text(json.dumps(full, indent=1) + "\n")
         with contextlib.suppress(FileNotFoundError):
             (self.out_dir / "meta.json").unlink()
+        remove_replaced_dataset_files(self.out_dir, {p.name for p in self.staging.iterdir()})
         for file in sorted(self.staging.iterdir()):
             if file.name != "meta.json":
                 os.replace(file, self.out_dir / file.name)
@@ -246,6 +247,24 @@ def check_output_dir(path: str | os.PathLike[str], *, force: bool) -> Path:
     if not force:
         raise SlipcacheError(f"--out {out} already holds a dataset; pass --force to overwrite it")
     return out
+
+
+def remove_replaced_dataset_files(out_dir: Path, new: set[str]) -> None:
+    """Remove the files of the dataset `out_dir` held that the new one (`new`: its file names) does not
+    replace, so that `--force` replaces a dataset whole: a TorchRec-layout dataset written over one of ours
+    (or the reverse) left the old files beside it, and training read those. Only our dataset files' names
+    are removed; the description (`meta.json`, `synthetic.json`) goes first, so a kill part-way leaves
+    a directory of dataset files alone, which `--force` takes again."""
+    for description in ("meta.json", TORCHREC_DESCRIPTION):
+        if description not in new:
+            with contextlib.suppress(FileNotFoundError):
+                (out_dir / description).unlink()
+    for path in sorted(out_dir.iterdir()):
+        if path.name not in new and _DATASET_FILE.match(path.name) and path.is_file() and not path.is_symlink():
+            path.unlink()
+
+
+TORCHREC_DESCRIPTION = "synthetic.json"  # what generated a TorchRec-layout directory (`streaming.TORCHREC_INFO`)
 
 
 def remove_dead_staging(out_dir: Path) -> None:

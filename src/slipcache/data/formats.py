@@ -443,6 +443,7 @@ def open_any(
 ) -> CriteoDataset | ExternalDataset:
     """Open a slipcache dataset directory or a directory of one of the external formats."""
     path = Path(path)
+    layout = detect_format(path)  # a directory holding two formats' files is refused here, whichever
     if (path / "meta.json").is_file():
         dataset = CriteoDataset(path)
         if table_sizes and list(table_sizes) != list(dataset.table_sizes):
@@ -451,7 +452,6 @@ def open_any(
                 f"{list(table_sizes)[:4]}... (a slipcache dataset keeps its own sizes: drop --table-sizes)"
             )
         return dataset
-    layout = detect_format(path)
     if layout is None:
         return CriteoDataset(path)  # its error says what is missing
     if layout.ignored:

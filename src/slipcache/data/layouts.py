@@ -20,6 +20,7 @@ SINGLE_FILE_DAYS = {"kaggleAdDisplayChallenge_processed.npz": 7, "terabyte_proce
 _TORCHREC = re.compile(r"^day_(\d+)_(dense|sparse|labels)\.npy$")
 _DLRM_DAY = re.compile(r"^(.+)_(\d+)_processed\.npz$")
 _MLPERF = re.compile(r"^(.+)_(train|test|val)\.bin$")
+_SLIPCACHE = re.compile(r"^(?:(?:train|val|test)\.(?:labels|dense|sparse)\.npy|meta\.json)$")
 _COUNTS = re.compile(r"^.+_fea_count\.npz$")
 _DAY_COUNTS = re.compile(r"^.+_day_count\.npz$")
 
@@ -50,6 +51,14 @@ def detect_format(path: str | os.PathLike[str]) -> Layout | None:
             found.setdefault("dlrm", []).append(name)
         elif _MLPERF.match(name):
             found.setdefault("mlperf", []).append(name)
+        elif _SLIPCACHE.match(name):
+            found.setdefault("slipcache", []).append(name)
+    if len(found) > 1:  # one dataset per directory: which files a reader takes must never be a guess
+        (a, fa), (b, fb) = list(found.items())[:2]
+        raise SlipcacheError(
+            f"{path}: mixed data formats: {fa[0]} ({a}) and {fb[0]} ({b}); keep one per directory"
+        )
+    found.pop("slipcache", None)  # our own format: read by `CriteoDataset`, not an external layout
     if not found:
         return None
     if len(found) > 1:

@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from slipcache.data.criteo import MISSING, NUM_CATEGORICAL, NUM_DENSE, ReadStats, read_chunks
+from slipcache.data.criteo import MISSING, NUM_CATEGORICAL, NUM_DENSE, ReadStats, check_raw_input, read_chunks
 from slipcache.data.dataset import DatasetWriter, check_output_dir, remove_dead_staging
-from slipcache.errors import SlipcacheError
+from slipcache.errors import RunInterrupted, SlipcacheError
 from slipcache.options import add_progress_flag, seed_arg
 from slipcache.progress import progress_bar
 
@@ -184,6 +184,8 @@ def preprocess(
     missing = [str(path) for path in inputs if not Path(path).exists()]
     if missing:  # before the output directory is created, so a typo leaves nothing behind
         raise SlipcacheError(f"{missing[0]}: no such file")
+    for path in inputs:
+        check_raw_input(path)
     out = Path(out_dir)
     made = not out.exists()  # a failed run removes the directory it made (the cache keeps no empty ones)
     try:
@@ -365,9 +367,35 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> None:
     add_progress_flag(parser)
 
 
+@contextlib.contextmanager
+def _stopped_by_signals() -> Any:
+    """SIGTERM and SIGHUP raise in the main thread (as Ctrl-C does), so that a stopped preprocessing removes its
+    scratch space and the output directory it made instead of dying with them on disk."""
+    import signal
+
+    def stop(signum: int, _frame: object) -> None:
+        raise RunInterrupted(f"stopped by {signal.Signals(signum).name}; nothing was written", signum)
+
+    previous = {}
+    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is not None and signal.getsignal(signum) is not signal.SIG_IGN:
+            previous[signum] = signal.signal(signum, stop)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def run_preprocess(args: argparse.Namespace) -> int:
     check_output_dir(args.out, force=args.force)
-    meta = preprocess(
+    with _stopped_by_signals():
+        meta = _run(args)
+    return _report(meta, args)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    return preprocess(
         args.inputs,
         args.out,
         vocab=args.vocab,
@@ -378,6 +406,9 @@ def run_preprocess(args: argparse.Namespace) -> int:
         progress=args.progress,
         seed=args.seed,
     )
+
+
+def _report(meta: dict[str, Any], args: argparse.Namespace) -> int:
     source = meta["source"]
     print(f"good lines: {source['good_lines']}, bad lines: {source['bad_lines']}")
     for example in source["bad_examples"]:

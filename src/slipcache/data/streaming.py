@@ -12,6 +12,7 @@ and drop them. Two writers, both fed chunks of rows in log order by any generato
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,10 +22,17 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from slipcache.data.dataset import NUM_DENSE, NUM_TABLES, DatasetWriter, remove_dead_staging
+from slipcache.data.dataset import (
+    NUM_DENSE,
+    NUM_TABLES,
+    TORCHREC_DESCRIPTION,
+    DatasetWriter,
+    remove_dead_staging,
+    remove_replaced_dataset_files,
+)
 from slipcache.errors import SlipcacheError
 
-TORCHREC_INFO = "synthetic.json"  # what generated a TorchRec-layout directory (no meta.json: not our format)
+TORCHREC_INFO = TORCHREC_DESCRIPTION  # what generated a TorchRec-layout directory (no meta.json: not our format)
 
 
 class NpyAppender:
@@ -132,6 +140,9 @@ class TorchRecWriter:
         if self.files:
             raise SlipcacheError(f"day {self.day} is incomplete: {self.files[0].rows} of {self.files[0].shape[0]} rows")
         (self.staging / TORCHREC_INFO).write_text(json.dumps(info, indent=1) + "\n")
+        with contextlib.suppress(FileNotFoundError):
+            (self.out_dir / TORCHREC_INFO).unlink()  # the old description first, as DatasetWriter does
+        remove_replaced_dataset_files(self.out_dir, {p.name for p in self.staging.iterdir()})
         for file in sorted(self.staging.iterdir()):
             if file.name != TORCHREC_INFO:
                 os.replace(file, self.out_dir / file.name)

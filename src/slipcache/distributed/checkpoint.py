@@ -209,7 +209,10 @@ def _copy_rows(
     the rows this rank now holds: storage bytes and optimizer state, exactly."""
     local = collection.local
     assert local is not None
-    old = CachedEmbeddingBagCollection(shard_config(collection.config, old_shards, old_rank))
+    old = CachedEmbeddingBagCollection(shard_config(collection.config, old_shards, old_rank), draw_rows=False)
+    # A one-process checkpoint read lazily leaves its large tensors on disk (tables past the streaming
+    # threshold, 16 MiB): read them, digests checked, straight into the old collection's buffers.
+    ckpt.materialize(saved, old.state_dict(), old.storage_files())
     old.load_state_dict(saved)
     old.flush()
     sources, targets = old.table_offsets.tolist(), local.table_offsets.tolist()

@@ -226,6 +226,7 @@ class DistributedBackend(RunBackend):
                 optimizer=config.optimizer,
             )
             self.plan = plan_sharding(specs, self.ctx.world_size)
+        self._require_rank_fits(config, tables_config, table_sizes, num_dense)
         # Every rank has checked the run directory by now; from here on the others write their logs in it.
         dist.barrier()
         if self.is_main:
@@ -238,6 +239,23 @@ class DistributedBackend(RunBackend):
             wire_precision=config.wire_precision, draw_rows=draw_rows,
         )
         return DistributedDLRM(DLRM(config.model_config(table_sizes, num_dense), tables).to(self.ctx.device), self.ctx)
+
+    def _require_rank_fits(self, config: Any, tables_config: Any, table_sizes: list[int], num_dense: int) -> None:
+        """This rank's shards, the MLPs and its per-batch buffers against its host's memory, before any of
+        them is allocated (tables on a GPU are that device's business: the host check prices the rest)."""
+        from slipcache.distributed.sharded import shard_config
+        from slipcache.memory import model_bytes, require_bytes, require_config_fits
+        from slipcache.model import DENSE_ADVICE, DENSE_PART
+
+        dense = model_bytes(config.model_config(table_sizes, num_dense), config.batch_size, config.dense_optimizer)
+        shards = self.plan.shards_of(self.ctx.rank)
+        what = f"rank {self.ctx.rank}'s tables"
+        if shards and torch.device(tables_config.storage_device).type == "cpu":
+            require_config_fits(shard_config(tables_config, shards, self.ctx.rank), what, extra_bytes=dense,
+                                extra_what=DENSE_PART, extra_advice=DENSE_ADVICE)
+        else:
+            require_bytes(0, what=what, table_sizes=table_sizes, dim=config.embedding_dim, choice="no tables here",
+                          extra_bytes=dense, extra_what=DENSE_PART, extra_advice=DENSE_ADVICE)
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> int | None:

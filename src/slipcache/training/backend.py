@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from slipcache.errors import SlipcacheError
+from slipcache.memory import model_bytes
 from slipcache.model import DLRM, build_embeddings
 from slipcache.safe_files import ensure_dir
 from slipcache.training import checkpoint as ckpt
@@ -35,10 +36,12 @@ if typing.TYPE_CHECKING:
 def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int, *, draw_rows: bool = True) -> DLRM:
     """The DLRM of `config` on these tables (`draw_rows` False: a checkpoint's rows are loaded next); the
     sharded model builds its own (distributed.training)."""
-    embeddings = build_embeddings(
-        list(table_sizes), embeddings=config.embeddings, draw_rows=draw_rows, **config.embedding_options()
+    model_config = config.model_config(table_sizes, num_dense)
+    embeddings = build_embeddings(  # the MLPs and per-batch buffers priced in the tables' memory check
+        list(table_sizes), embeddings=config.embeddings, draw_rows=draw_rows,
+        extra_bytes=model_bytes(model_config, config.batch_size, config.dense_optimizer), **config.embedding_options()
     )
-    return DLRM(config.model_config(table_sizes, num_dense), embeddings)
+    return DLRM(model_config, embeddings)
 
 
 def dense_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:

@@ -21,6 +21,7 @@ slipcache (or from elsewhere) is named as such. Layout version 2 (one checksumme
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import math
@@ -99,6 +100,9 @@ class RawTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     sha256: str
+    # The file as opened when its payload was verified, never the name again: a checkpoint renamed over it
+    # meanwhile (a run writing `latest.pt` as `eval` reads it) changes nothing read; a mismatch is bad bytes.
+    source: BinaryIO | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:
@@ -301,26 +305,28 @@ def _read_state(path: Path, f: BinaryIO) -> Any:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # the unpickler raises many types (IndexError, EOFError, ...) on bad bytes
         raise CorruptCheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(exc).__name__})") from exc
-    return _attach_raw(state, path, offset)
+    return _attach_raw(state, path, offset, f)
 
 
-def _attach_raw(obj: Any, path: Path, limit: int) -> Any:
-    """Records of large tensors -> `RawTensor`s of `path` (their bytes lie before `limit`)."""
+def _attach_raw(obj: Any, path: Path, limit: int, source: BinaryIO | None = None) -> Any:
+    """Records of large tensors -> `RawTensor`s of `path` (their bytes lie before `limit`), read from the
+    open file `source`."""
     if isinstance(obj, dict):
         if obj.get(_RAW_KEY) is True:
             raw = _raw_record(obj, path)
+            raw.source = source
             itemsize = torch.empty(0, dtype=raw.dtype).element_size()
             outside = raw.offset < HEADER_BYTES or raw.offset + raw.nbytes > limit
             if outside or raw.nbytes != itemsize * math.prod(raw.shape):
                 raise CorruptCheckpointError(f"checkpoint {path} is corrupt (a tensor lies outside the file)")
             return raw
         for key in list(obj):
-            obj[key] = _attach_raw(obj[key], path, limit)
+            obj[key] = _attach_raw(obj[key], path, limit, source)
         return obj
     if isinstance(obj, list):
-        return [_attach_raw(v, path, limit) for v in obj]
+        return [_attach_raw(v, path, limit, source) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_attach_raw(v, path, limit) for v in obj)
+        return tuple(_attach_raw(v, path, limit, source) for v in obj)
     return obj
 
 
@@ -352,11 +358,13 @@ def _stream_raw(raw: RawTensor, into: memoryview | None, put: Callable[[int, mem
     `put(offset, chunk)` (or only hashed); check its digest."""
     sha = hashlib.sha256()
     scratch = None if into is not None else bytearray(min(CHUNK_BYTES, raw.nbytes))
-    with open(raw.path, "rb") as f:
-        f.seek(raw.offset)
+    with contextlib.ExitStack() as stack:
+        f = raw.source if raw.source is not None and not raw.source.closed else None
+        f = f or stack.enter_context(open(raw.path, "rb"))
         for start in range(0, raw.nbytes, CHUNK_BYTES):
             stop = min(start + CHUNK_BYTES, raw.nbytes)
             target = into[start:stop] if into is not None else memoryview(scratch)[: stop - start]  # type: ignore[arg-type]
+            f.seek(raw.offset + start)  # one file shared by many tensors: each read says where
             got = f.readinto(target)
             if got != stop - start:
                 raise CorruptCheckpointError(f"checkpoint {raw.path} is corrupt (truncated tensor bytes)")
@@ -429,13 +437,19 @@ def load_checkpoint(path: str | os.PathLike[str], *, lazy: bool = False) -> dict
     if not path.is_file():
         raise CorruptCheckpointError(f"checkpoint not found: {path}")
     try:
-        with open(path, "rb") as f:
-            state = _read_state(path, f)
+        f = open(path, "rb")  # noqa: SIM115 - kept open by the lazy state's tensors: their bytes are read from it
     except OSError as exc:
         raise CorruptCheckpointError(f"checkpoint {path} is unreadable: {exc.strerror or exc}") from exc
-    if not isinstance(state, dict):
-        raise SlipcacheError(f"checkpoint {path} does not hold a slipcache state dict")
-    return state if lazy else materialize(state)
+    try:
+        state = _read_state(path, f)
+        if not isinstance(state, dict):
+            raise SlipcacheError(f"checkpoint {path} does not hold a slipcache state dict")
+        return state if lazy else materialize(state)  # lazy: the file closes with the last of its `RawTensor`s
+    except OSError as exc:
+        raise CorruptCheckpointError(f"checkpoint {path} is unreadable: {exc.strerror or exc}") from exc
+    finally:
+        if not lazy:
+            f.close()
 
 
 def is_complete(path: Path) -> bool:

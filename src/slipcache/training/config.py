@@ -34,7 +34,7 @@ from slipcache.staleness.config import (
     preset_help,
 )
 from slipcache.staleness.skipping import DECISIONS, WARMUPS
-from slipcache.training.settings import coerce, part_options, read_settings_file, setting_name
+from slipcache.training.settings import _digits, coerce, part_options, read_settings_file, setting_name
 from slipcache.training.settings import flag as _flag  # the one way a setting is described
 
 VOCABS = ("frequency", "hash")
@@ -296,8 +296,9 @@ class TrainConfig:
             value = _coerce(name, getattr(self, name))  # anything ("256", 1e100); what trains is the typed value
             if isinstance(value, float) and not math.isfinite(value):
                 raise SlipcacheError(f"{_named(name)} must be a finite number, got {value}")
-            if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
-                raise SlipcacheError(f"{_named(name)} must fit a 64-bit integer, got {getattr(self, name)!r}")
+            for number in value if isinstance(value, list) else [value]:  # exact: ints of any size
+                if isinstance(number, int) and not isinstance(number, bool) and abs(number) >= 2**63:
+                    raise SlipcacheError(f"{_named(name)} must fit a 64-bit integer, got {_digits(number)}")
             setattr(self, name, value)
         for precision in self.precision if isinstance(self.precision, list) else [self.precision]:
             if precision not in PRECISIONS:
@@ -470,6 +471,21 @@ def ignored_settings(config: TrainConfig, given: set[str]) -> list[str]:
     if config.prefetch and not cached:
         notes.append("--prefetch reads rows into the cache, and there is none: ignored")
     return notes
+
+
+def cache_rows_note(config: TrainConfig, table_sizes: list[int]) -> str | None:
+    """What a `cache_rows` beyond the tables' rows does, said instead of a silent cap: every row cached,
+    which holds more memory than plain fp32 tables would."""
+    if config.cache_rows is None or config.embeddings != "cached" or config.policy == "none":
+        return None
+    counts = config.cache_rows if isinstance(config.cache_rows, list) else [config.cache_rows]
+    limits = list(table_sizes) if isinstance(config.cache_rows, list) else [sum(table_sizes)]
+    over = [(count, rows) for count, rows in zip(counts, limits, strict=False) if count > rows]
+    if not over:
+        return None
+    count, rows = over[0]
+    return (f"--cache-rows {_digits(count)} is more than the {rows:,} rows there are: the cache holds every row "
+            f"({rows:,}), which takes more memory than fp32 tables without a cache (--embeddings torch)")
 
 
 def config_from_saved(saved: Any, where: str) -> TrainConfig:

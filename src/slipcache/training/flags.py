@@ -11,7 +11,7 @@ import typing
 from typing import Any
 
 from slipcache.data.presets import parse_table_sizes
-from slipcache.options import positive_int
+from slipcache.options import positive_int, whole_number
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig
 from slipcache.training.settings import GROUPS, flag_strings
 
@@ -97,7 +97,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = "store_false" if f.default else "store_true"
         else:
             named = meta.get("type")
-            kwargs["type"] = _NAMED_TYPES[named] if named else _scalar_type(name)
+            kind = None if named else _scalar_type(name)
+            kwargs["type"] = _NAMED_TYPES[named] if named else whole_number if kind is int else kind
             for key in ("choices", "metavar", "nargs", "const"):
                 if key in meta:
                     kwargs[key] = meta[key]

@@ -7,11 +7,12 @@ kernel when the process dies, however it dies) and, inside it, who holds it: hos
 id and the directory it was taken for.
 
 - held by a live process: refused with `RunLockedError` (exit code 3), naming its host and PID;
-- not held (its process ended: killed, crashed, or on another machine that is gone): stale, taken over
-  with one warning line; a lock whose recorded directory is not this one was copied along with the run
-  directory (`cp -r`, rsync): not ours, taken over and said so;
-- on a filesystem without `flock`: the recorded PID decides on this host (dead: stale); a lock of another
-  host for this same directory is refused (its process may be alive there), with how to remove it.
+- not held, of this host (its process ended: killed, crashed): stale, taken over with one warning line; a
+  lock whose recorded directory is not this one was copied along with the run directory (`cp -r`,
+  rsync): not ours, taken over and said so;
+- of another host for this same directory: refused with how to remove it, flock or not (whether its
+  process still runs there cannot be known from here);
+- on a filesystem without `flock`: the recorded PID decides on this host (dead: stale).
 
 A run directory of an older slipcache has no lock: the first run of this one takes it as usual.
 """
@@ -152,13 +153,14 @@ def _judge(run_dir: Path, previous: dict[str, Any], me: dict[str, Any], flock_wo
     copied = previous.get("directory") not in (None, me["directory"])
     same_host = previous.get("host") == me["host"]
     pid = previous.get("pid")
-    if not flock_works and not copied:
-        if not same_host:
-            raise _refuse(
-                run_dir, previous, f" (another machine; if that process is gone, delete {run_dir / LOCK_NAME})"
-            )
-        if isinstance(pid, int) and pid != me["pid"] and _alive(pid):
-            raise _refuse(run_dir, previous)
+    if not copied and not same_host:
+        # Whether a process of another machine still runs cannot be known from here (a free flock proves
+        # nothing on a filesystem whose locks stay on each client): refused, with the way forward.
+        raise _refuse(
+            run_dir, previous, f" (another machine; if that process is gone, delete {run_dir / LOCK_NAME})"
+        )
+    if not flock_works and not copied and isinstance(pid, int) and pid != me["pid"] and _alive(pid):
+        raise _refuse(run_dir, previous)
     if copied:
         _warn(f"{run_dir / LOCK_NAME} was copied with the run from {previous.get('directory')} "
               f"({describe(previous)}): not this run's; taking it")

@@ -47,11 +47,28 @@ def saved_config(checkpoint: TrainingCheckpoint) -> TrainConfig:
     return config
 
 
+def _require_storage_dir(config: TrainConfig, where: Path) -> None:
+    """The run's storage path (where its rows are mapped from files) must be a directory or missing: said in
+    the terms of eval and export, which have no `--storage-path` of their own."""
+    if not config.storage_path:
+        return
+    directory = Path(config.storage_path)
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where_file = "is a file" if existing == directory else f"lies under the file {existing}"
+        raise SlipcacheError(
+            f"the run's storage path {directory} (its --storage-path, recorded in {where}) {where_file}; the rows "
+            "are mapped from files there while they are read: move that file away and run again"
+        )
+
+
 def load_saved_model(checkpoint: TrainingCheckpoint, num_dense: int, *, dense: bool = True) -> DLRM:
     """The run's model with the checkpoint's tables (and, with `dense`, its MLPs) in one process."""
     # every row comes from the checkpoint: no initial draw to overwrite
     state = checkpoint.state
-    model = build_model(saved_config(checkpoint), state["table_sizes"], num_dense, draw_rows=False)
+    config = saved_config(checkpoint)
+    _require_storage_dir(config, checkpoint.path)
+    model = build_model(config, state["table_sizes"], num_dense, draw_rows=False)
     checkpoint.load_into(model, dense=dense)
     return model
 

@@ -39,6 +39,20 @@ def schedule_steps(config: Any, total_steps: int) -> tuple[int, int, int]:
     return warmup, start, steps
 
 
+def budget_steps(samples: int, batch_size: int) -> int:
+    """Steps of a run of `samples` samples: whole batches, the last one rounded up. Integer arithmetic: a
+    float would round a budget beyond 2**53 (`--samples 9223372036854775807` showed ...808)."""
+    return -(-int(samples) // int(batch_size))
+
+
+def nearest_quotient(numerator: int, denominator: int) -> int:
+    """round(numerator / denominator) in exact integer arithmetic (halves rounded to even, like round)."""
+    quotient, remainder = divmod(int(numerator), denominator)
+    if 2 * remainder > denominator or (2 * remainder == denominator and quotient % 2):
+        quotient += 1
+    return quotient
+
+
 class LRSchedule(Callback):
     """Sets every learning rate of the run (MLP optimizer, tables, a table optimizer) before each step."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -92,7 +93,7 @@ def coerce(name: str, kind: Any, value: Any) -> Any:
             listed = [a for a in options if typing.get_origin(a) is list]
             element = typing.get_args(listed[0])[0] if listed else None
             if element is not None and value and all(_matches(element, v) for v in value):
-                return [float(v) if element is float else int(v) if element is int else v for v in value]
+                return [_number(name, element, v) if element in (int, float) else v for v in value]
         kind = options[0]
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if typing.get_origin(kind) is list:
@@ -100,13 +101,33 @@ def coerce(name: str, kind: Any, value: Any) -> Any:
             return list(value)
     elif kind is bool and isinstance(value, bool):
         return value
-    elif kind is int and is_number and float(value).is_integer():
-        return int(value)  # also 1e6 written as a float
-    elif kind is float and is_number:
-        return float(value)
+    elif kind in (int, float) and is_number and (kind is float or _is_whole(value)):
+        return _number(name, kind, value)
     elif kind is str and isinstance(value, str):
         return value
     raise SlipcacheError(f"{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+def _is_whole(value: int | float) -> bool:
+    """An integer, or a float with no fraction (1e6); exact for ints of any size (TOML's have no limit)."""
+    return isinstance(value, int) or (math.isfinite(value) and value.is_integer())
+
+
+def _number(name: str, kind: type, value: int | float) -> int | float:
+    """`value` as `kind`, exactly: an int stays an int whatever its size (its range is checked by the
+    settings' check, exactly), a float too large for a float64 is one line naming the setting."""
+    if kind is int:
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise SlipcacheError(f"{name}: {_digits(value)} is beyond the range of a floating-point number") from None
+
+
+def _digits(value: int) -> str:
+    """A huge integer, shortened for a one-line message: its first digits and how many there are."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
 
 
 def _matches(kind: type, value: Any) -> bool:
@@ -115,7 +136,7 @@ def _matches(kind: type, value: Any) -> bool:
     if kind is float:
         return number
     if kind is int:
-        return number and float(value).is_integer()
+        return number and _is_whole(value)
     return isinstance(value, kind)
 
 
@@ -138,18 +159,21 @@ def read_settings_file(
     """Read a TOML (.toml) or YAML (.yaml/.yml/.json) file of settings into {field: value}, each value checked
     by `coerce_value(name, value)`; a key that is not one of `fields` is one line naming the valid ones."""
     path = Path(path)
-    if not path.is_file():
-        raise SlipcacheError(f"config file not found: {path}")
+    text = _read_config_text(path)
     try:
         if path.suffix == ".toml":
             import tomllib
 
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(text)
+        elif path.suffix == ".json":  # JSON's own rules: 1e-3 is a number (YAML 1.1 reads it as a string)
+            import json
+
+            raw = json.loads(text)
         else:
             import yaml
 
-            raw = yaml.safe_load(path.read_text()) or {}
-    except Exception as exc:  # parse errors of either format
+            raw = yaml.safe_load(text) or {}
+    except Exception as exc:  # parse errors of every format
         raise SlipcacheError(f"cannot parse config file {path}: {exc}".splitlines()[0]) from exc
     if not isinstance(raw, dict):
         raise SlipcacheError(f"config file {path} must hold a mapping of keys to values")
@@ -161,6 +185,36 @@ def read_settings_file(
             raise SlipcacheError(f"unknown key {key!r} in config file {path}; {_closest_keys(name, fields)}")
         values[name] = coerce_value(name, value)
     return values
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few KB; a larger one is not a settings file
+
+
+def _read_config_text(path: Path) -> str:
+    """The text of a config file: a regular file (a pipe like `--config <(...)` too, read to its end), at
+    most MAX_CONFIG_BYTES; a directory, a device or a missing path is one line saying which."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise SlipcacheError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise SlipcacheError(f"cannot read config file {path}: {exc.strerror}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a device or socket, not a file"
+        raise SlipcacheError(f"config file {path} is {kind}")
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise SlipcacheError(f"cannot read config file {path}: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise SlipcacheError(f"config file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a settings file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SlipcacheError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
 
 
 def _closest_keys(name: str, fields: dict[str, dataclasses.Field]) -> str:

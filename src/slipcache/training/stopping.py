@@ -13,6 +13,7 @@ the last complete checkpoint): a stop taken at a step boundary must be the same 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -26,7 +27,9 @@ from slipcache.errors import RunInterrupted
 if typing.TYPE_CHECKING:
     from slipcache.training.run import Run
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: the terminal closed (an ssh session dropped); the run keeps its work as on SIGTERM. Where it is
+# ignored (`nohup`), it stays ignored.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 
 
 class CheckpointTimer(Callback):
@@ -44,15 +47,17 @@ class CheckpointTimer(Callback):
         self.last = time.monotonic()
         if self.on_signal and threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._received)
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._received)
 
     def _received(self, signum: int, _frame: object) -> None:
         """First signal: checkpoint and stop at the next step boundary; the next one acts as usual."""
         self.signum = signum
         self._restore()
         name = signal.Signals(signum).name
-        print(f"\nslipcache train: {name}: writing a checkpoint at the end of this step, then stopping "
-              f"({name} again stops at once)", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):  # after SIGHUP the terminal may be gone: the checkpoint
+            print(f"\nslipcache train: {name}: writing a checkpoint at the end of this step, then stopping "
+                  f"({name} again stops at once)", file=sys.stderr, flush=True)
 
     def _restore(self) -> None:
         for signum, handler in self._previous.items():

@@ -42,7 +42,7 @@ from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
 from slipcache.training import run as runs
 from slipcache.training.backend import LocalBackend, RunBackend, dense_optimizer, embedding_optimizer
-from slipcache.training.config import TrainConfig
+from slipcache.training.config import TrainConfig, cache_rows_note
 from slipcache.training.datasets import (
     check_table_sizes,
     data_quality,
@@ -57,6 +57,7 @@ from slipcache.training.evaluation import evaluate
 from slipcache.training.features import run_callbacks
 from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
+from slipcache.training.schedule import budget_steps, nearest_quotient
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 from slipcache.units import amount
 
@@ -86,9 +87,9 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
         raise SlipcacheError(f"the training split has {train_rows} rows, fewer than one batch of {batch}")
     samples = config.samples if config.samples is not None else config.epochs * batches_per_epoch * batch
 
-    def every(value: int | None, parts: int) -> int:
-        steps = max(1, round((value if value is not None else samples / parts) / batch))
-        return steps * batch
+    def every(value: int | None, parts: int) -> int:  # integer arithmetic: exact up to 2**63 samples
+        exact = nearest_quotient(value, batch) if value is not None else nearest_quotient(samples, parts * batch)
+        return max(1, exact) * batch
 
     return dataclasses.replace(
         config,
@@ -194,9 +195,13 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
         settings.enter_context(huge_pages(config.huge_pages))  # how this process allocates the tables
         if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
             config.data = str(resolve_data(config.data))
+        if config.storage_path:  # absolute too: a resume, eval or export from another directory uses this one
+            config.storage_path = str(Path(config.storage_path).expanduser().absolute())
 
         dataset_dir = run_dataset_dir(config, saved.get("dataset"))
         dataset = open_dataset(dataset_dir, config)
+        if config.resume is None and (note := cache_rows_note(config, list(dataset.table_sizes))):  # said once
+            warn(note)
         config.split_order = config.split_order or dataset.meta.get("split_order")
         config = resolve_schedule(config, dataset.splits["train"])
         config.out = str(run_dir)
@@ -241,7 +246,7 @@ def _build_run(
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
     batches_per_epoch = dataset.splits["train"] // config.batch_size
-    total_steps = math.ceil(config.samples / config.batch_size)
+    total_steps = budget_steps(config.samples, config.batch_size)
     run = runs.Run(
         config=config,
         config_dict=config_dict,
@@ -254,7 +259,7 @@ def _build_run(
         backend=backend,
         callbacks=None,  # type: ignore[arg-type]  # built next: callbacks may read the run
         budget=total_steps * config.batch_size,
-        max_epochs=math.ceil(total_steps / batches_per_epoch),
+        max_epochs=-(-total_steps // batches_per_epoch),
         batches_per_epoch=batches_per_epoch,
         data_quality=quality,
         changed=frozenset(changes),

@@ -31,4 +31,7 @@ class ShowUpcomingBatches(Callback):
         self.prefetch = prefetch
 
     def before_step(self, run: Run, batches: typing.Any) -> None:
-        run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(self.count)], self.prefetch)
+        show = getattr(run.model.embeddings, "set_lookahead", None)
+        if show is None:  # a collection sharded over N processes reads no rows ahead: they page in when used
+            return
+        show([b.sparse for b in batches.peek(self.count)], self.prefetch)
