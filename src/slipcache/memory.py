@@ -14,6 +14,7 @@ buffers (`model_bytes`) in the same check.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import resource
@@ -29,6 +30,8 @@ from slipcache.units import amount
 
 if TYPE_CHECKING:
     from slipcache.embedding.config import EmbeddingConfig
+
+logger = logging.getLogger(__name__)
 
 GB = 1e9
 # The process beside its tables: torch itself, the dense layers, batches in flight, evaluation's scores.
@@ -222,9 +225,9 @@ def require_storage_room(config: EmbeddingConfig, what: str) -> int:
     free = shutil.disk_usage(existing).free
     kind = filesystem_type(existing)
     if kind in NETWORK_FILESYSTEMS:
-        print(f"slipcache: warning: storage path {directory} is on a network file system ({kind}): every row the "
-              "caches lack is read across the network, 10-100x slower than a local disk (docs/scale.md)",
-              file=sys.stderr)
+        logger.warning(f"slipcache: warning: storage path {directory} is on a network file system ({kind}): every "
+                       "row the caches lack is read across the network, 10-100x slower than a local disk "
+                       "(docs/scale.md)")
     if in_files > free:
         raise SlipcacheError(
             f"{what}: the row storage needs {amount(in_files)} on disk under {directory}, which has "

@@ -24,6 +24,7 @@ Cache statistics and memory are collectives that sum over ranks and keep each ra
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
 from dataclasses import asdict
@@ -50,6 +51,8 @@ from slipcache.training.backend import RunBackend
 from slipcache.training.run_state import TrainingCheckpoint, check_checkpoint
 from slipcache.training.rundir import load_training_checkpoint
 from slipcache.training.runlock import RunLock
+
+logger = logging.getLogger(__name__)
 
 PLAN_FILE = "plan.json"
 # Settings that may differ by rank: who shows progress, where each node reads its data (the fingerprint
@@ -230,7 +233,7 @@ class DistributedBackend(RunBackend):
         # Every rank has checked the run directory by now; from here on the others write their logs in it.
         dist.barrier()
         if self.is_main:
-            print(self.plan.format_table())
+            logger.info(self.plan.format_table())
             write_atomic(run_dir / PLAN_FILE, json.dumps(self.plan.to_dict(), indent=2) + "\n")
         else:
             redirect_output(run_dir, self.ctx.rank)
@@ -321,7 +324,7 @@ class DistributedBackend(RunBackend):
 
     def _say(self, line: str) -> None:
         if self.is_main:
-            print(line, flush=True)
+            logger.info(line)
 
     # ------------------------------------------------------------------------------------- summary
     def summary(self, model: DistributedDLRM) -> dict[str, Any]:

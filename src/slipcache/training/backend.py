@@ -10,6 +10,7 @@ knows only one-process files; a step directory of N processes is read by the rea
 
 from __future__ import annotations
 
+import logging
 import typing
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ if typing.TYPE_CHECKING:
     from torch import nn
 
     from slipcache.training.config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 
 def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int, *, draw_rows: bool = True) -> DLRM:
@@ -132,7 +135,7 @@ class LocalBackend(RunBackend):
         if path.is_dir():  # a step of N processes: read by its writer's reader, its tables gathered into one
             checkpoint = read_step(path)
             if checkpoint.resharding:
-                print(checkpoint.resharding)
+                logger.info(checkpoint.resharding)
             return checkpoint
         if home is not None and path.name == ckpt.LATEST and not has_checkpoint(home):
             return None

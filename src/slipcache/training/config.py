@@ -7,8 +7,8 @@ Each setting is described once, by `_flag` in its field's metadata (`training/se
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,8 @@ from slipcache.staleness.config import (
 from slipcache.staleness.skipping import DECISIONS, WARMUPS
 from slipcache.training.settings import _digits, coerce, part_options, read_settings_file, setting_name
 from slipcache.training.settings import flag as _flag  # the one way a setting is described
+
+logger = logging.getLogger(__name__)
 
 VOCABS = ("frequency", "hash")
 SPLIT_ORDERS = ("val-test", "test-val")
@@ -456,7 +458,7 @@ def make_config(
     # with the run's settings, so `--lr 0.3` given on resume counts even though 0.3 is the default.
     config.given_fields = frozenset(given)  # type: ignore[attr-defined]
     for message in ignored_settings(config, set(user)):
-        print(f"slipcache train: warning: {message}", file=sys.stderr)
+        logger.warning(f"slipcache train: warning: {message}")
     return config
 
 
