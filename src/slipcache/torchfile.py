@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slipcache.torch_private import rebuild_tensor
+
 ALIGNMENT = 64  # torch's storage alignment in its zip files (mmap loading needs aligned records)
 _ARCHIVE = "archive"
 _STORAGE_TYPES = {torch.float32: "FloatStorage", torch.uint8: "ByteStorage"}
@@ -60,7 +62,7 @@ class TensorSlot:
             stride.append(step)
             step *= n
         args = (_StorageRef(self), 0, tuple(self.shape), tuple(reversed(stride)), False, OrderedDict())
-        return (torch._utils._rebuild_tensor_v2, args)
+        return (rebuild_tensor, args)
 
 
 @dataclass(eq=False)
