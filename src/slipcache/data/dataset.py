@@ -20,14 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from slipcache._moved import moved_names
 from slipcache.data.batches import check_labels
 from slipcache.errors import SlipcacheError
-
-# Old paths of names that moved to `slipcache.data.batches`: each warns once.
-__getattr__ = moved_names(
-    __name__, {name: f"slipcache.data.batches.{name}" for name in ("Batch", "BatchIterator", "SampleFilter")}
-)
 
 FORMAT = "slipcache-dataset"
 VERSION = 1

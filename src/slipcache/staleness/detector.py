@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from slipcache._moved import moved_names
 from slipcache.errors import InvalidInputError
 from slipcache.staleness.config import StalenessConfig
 from slipcache.staleness.filtering import Counters as _Counters
@@ -40,14 +39,6 @@ from slipcache.staleness.rules import EmbeddingRowSource, make_rule
 from slipcache.staleness.threshold import ThresholdResult, fit_threshold
 
 __all__ = ["EmbeddingRowSource", "HotSet", "StaleInputDetector", "StalenessConfig", "ThresholdResult"]
-
-# Old paths of names that moved out of this module: each warns once.
-__getattr__ = moved_names(__name__, {
-    "RULES": "slipcache.staleness.config.RULES",
-    "GuardDecision": "slipcache.staleness.guard.GuardDecision",
-    "HotIndex": "slipcache.staleness.hotset.HotIndex",
-    "SkipGuard": "slipcache.staleness.guard.SkipGuard",
-})
 
 _STATE_VERSION = 3
 

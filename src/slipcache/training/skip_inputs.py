@@ -1,4 +1,4 @@
-"""`--skip-rule` (and `--skip-stale`) in the training loop: the skipper's hooks as a training callback
+"""`--skip-rule` in the training loop: the skipper's hooks as a training callback
 (`StaleSkipper` for the stale and random rules, `LossPruner` for loss pruning)."""
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slipcache._moved import moved_names
 from slipcache.errors import SlipcacheError
 from slipcache.iostats import AnonPeak
 from slipcache.memory import peak_rss_bytes
@@ -66,14 +65,6 @@ if TYPE_CHECKING:
 
 # bench/train.py and benchmarks/runner.py read these as trainer.<name>: one seam for a fake trainer in the tests.
 __all__ = ["TrainConfig", "evaluate", "open_dataset", "prepare_data", "resolve_schedule", "train"]
-
-# Old paths: each warns once (they moved when the loop was split up; see CHANGELOG.md).
-__getattr__ = moved_names(__name__, {
-    "Run": "slipcache.training.run.Run",
-    "Progress": "slipcache.training.run.Progress",
-    "build_model": "slipcache.training.backend.build_model",
-    "make_config": "slipcache.training.config.make_config",
-})
 
 # ----------------------------------------------------------------------------------------------------
 # Schedule
