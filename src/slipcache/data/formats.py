@@ -41,8 +41,7 @@ from typing import Any
 import numpy as np
 
 from slipcache.cache_dir import default_cache_root
-from slipcache.data.batches import check_labels
-from slipcache.data.dataset import NUM_DENSE, NUM_TABLES, CriteoDataset, DatasetWriter, SplitArrays
+from slipcache.data.dataset import NUM_DENSE, NUM_TABLES, CriteoDataset, DatasetWriter, SplitArrays, check_labels
 from slipcache.data.layouts import Layout, detect_format
 from slipcache.data.mapped import (
     LazyColumn,

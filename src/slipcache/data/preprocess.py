@@ -303,10 +303,10 @@ def _preprocess(
                 positives[name] += float(labels[start:end].sum())
                 bar.update(end - start)
         if vocabulary:
-            arrays = {}
-            for t, (values, rows) in enumerate(vocabulary):
-                arrays[f"t{t}"] = values.astype(np.uint32)
-                arrays[f"ids{t}"] = rows
+            arrays: dict[str, Any] = {}  # numpy's savez types its keywords as allow_pickle's bool
+            for t, (kept_values, value_rows) in enumerate(vocabulary):
+                arrays[f"t{t}"] = kept_values.astype(np.uint32)
+                arrays[f"ids{t}"] = value_rows
             np.savez(writer.staging / "vocab.npz", **arrays)
         del labels, dense, cats
         meta = writer.commit(

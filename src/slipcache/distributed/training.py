@@ -87,6 +87,8 @@ def _sum_gradients(state, bucket):  # noqa: ANN001, ANN201 - DDP checks real ann
 class DistributedDLRM(nn.Module):
     """DLRM over N ranks with DLRM's interface: global batch in, global logits out (see module doc)."""
 
+    ddp: DistributedDataParallel  # set through __dict__ in __init__: not a child module
+
     def __init__(self, model: DLRM, ctx: DistributedContext) -> None:
         super().__init__()
         self.inner = model
@@ -101,7 +103,9 @@ class DistributedDLRM(nn.Module):
 
     @property
     def embeddings(self) -> ShardedEmbeddingCollection:
-        return self.inner.embeddings
+        tables = self.inner.embeddings
+        assert isinstance(tables, ShardedEmbeddingCollection)  # build_model made them
+        return tables
 
     @property
     def config(self) -> ModelConfig:
@@ -127,7 +131,7 @@ class DistributedDLRM(nn.Module):
         local = self.ddp(dense.to(device), sparse.to(device))
         return _GatherLogits.apply(local, sizes, rank).to(dense.device)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # torch's overloads
         return self.inner.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:

@@ -54,7 +54,7 @@ def sharded_state_dict(module: Any, destination: dict[str, Any], prefix: str) ->
 
 def _local_rows(module: Any) -> list[tuple[Any, Tensor]]:
     """(TorchRec's shard description, fp32 rows) of every shard this rank holds."""
-    pieces = []
+    pieces: list[tuple[Any, Tensor]] = []
     for lookup, tables in zip(module.lookups, module.local_tables, strict=True):
         if tables:
             pieces.extend(zip(tables, lookup.export_tables(), strict=True))

@@ -38,7 +38,7 @@ replays the recorded bits there instead of deciding again with today's state, th
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -66,6 +66,13 @@ WARMUP_LATEST = 0.5
 # hot rows (convergence rule); snapshots: re-checks, threshold fits and cache release; guard: its bookkeeping;
 # weights: the per-input loss weights of unbiased skipping (`loss_weights`, called from the train step).
 OVERHEAD_PARTS = ("profile", "filter", "counting", "snapshots", "guard", "weights")
+
+
+@runtime_checkable
+class ReleasesRows(Protocol):
+    """Tables with a cache (`--stale-release-cache`): stale rows give their slots back; the rest have none."""
+
+    def release_rows(self, rows: torch.Tensor) -> int: ...
 
 
 class StaleSkipper:
@@ -220,7 +227,7 @@ class StaleSkipper:
         elif rechecked and self.refit:
             det.refit()
             self.refits += 1
-        if rechecked and self.release_cache and det.skipping:
+        if rechecked and self.release_cache and det.skipping and isinstance(self.coll, ReleasesRows):
             self.released_rows += int(self.coll.release_rows(torch.from_numpy(det.stale_rows())))
         t3 = time.perf_counter()
         if self.guard_every and self.batch % self.guard_every == 0:

@@ -29,7 +29,6 @@ from slipcache.training.runlock import RunLock
 from slipcache.training.step_reader import read_step
 
 if typing.TYPE_CHECKING:
-    from torch import nn
 
     from slipcache.training.config import TrainConfig
 
@@ -47,7 +46,7 @@ def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int, *, 
     return DLRM(model_config, embeddings)
 
 
-def dense_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+def dense_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer:
     """The MLPs' optimizer (`--dense-optimizer`, one of config.DENSE_OPTIMIZERS) at `--dense-lr`, else `--lr`."""
     params, lr = model.dense_parameters(), config.dense_lr or config.lr
     if config.dense_optimizer == "adagrad":
@@ -57,7 +56,7 @@ def dense_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimi
     return torch.optim.SGD(params, lr=lr)
 
 
-def embedding_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer | None:
+def embedding_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer | None:
     """A torch optimizer for embeddings without a fused update (the baseline); sparse gradients."""
     if model.embeddings.fused_update:
         return None
