@@ -21,16 +21,8 @@ import torch
 from slipcache.data.dataset import SplitArrays, check_labels
 from slipcache.errors import SlipcacheError
 
-SampleFilter = Callable[[np.ndarray], np.ndarray]
-
-
-@typing.runtime_checkable
-class PositionedFilter(typing.Protocol):
-    """A sample filter that keeps per-input state (loss pruning): called with the split positions too."""
-
-    wants_positions: bool
-
-    def __call__(self, sparse: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray: ...
+# filter(sparse) -> keep mask; one whose `wants_positions` is True is called filter(sparse, split positions)
+SampleFilter = Callable[..., np.ndarray]
 
 
 def slice_bounds(batch: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -267,8 +259,8 @@ class BatchIterator:
         sparse = self._take(self.split.sparse, positions)
         assert self.sample_filter is not None
         # A filter that keeps per-input state (loss pruning) also gets the split positions.
-        keep = self.sample_filter
-        mask = keep(sparse, positions) if isinstance(keep, PositionedFilter) and keep.wants_positions else keep(sparse)
+        wants = getattr(self.sample_filter, "wants_positions", False)
+        mask = self.sample_filter(sparse, positions) if wants else self.sample_filter(sparse)
         mask = np.asarray(mask, dtype=bool)
         if mask.shape != positions.shape:
             raise SlipcacheError(f"sample_filter returned shape {mask.shape}, expected {positions.shape}")
