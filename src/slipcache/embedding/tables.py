@@ -8,7 +8,7 @@ their own, a cache to release rows from, row files on disk) is asked with `isins
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -33,3 +33,10 @@ class EmbeddingTables(nn.Module):
     def memory_report(self) -> dict[str, Any]:
         """Bytes the tables hold, by part."""
         raise NotImplementedError
+
+
+@runtime_checkable
+class ReleasesRows(Protocol):
+    """Tables with a cache: rows can give their slots back (`--stale-release-cache`); the baseline has none."""
+
+    def release_rows(self, rows: Tensor) -> int: ...

@@ -38,7 +38,7 @@ replays the recorded bits there instead of deciding again with today's state, th
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from slipcache.data.batches import Batch
 from slipcache.data.dataset import SplitArrays
+from slipcache.embedding.tables import ReleasesRows
 from slipcache.model import DLRM
 from slipcache.staleness.calibration import LabelCounts
 from slipcache.staleness.config import GuardConfig
@@ -66,13 +67,6 @@ WARMUP_LATEST = 0.5
 # hot rows (convergence rule); snapshots: re-checks, threshold fits and cache release; guard: its bookkeeping;
 # weights: the per-input loss weights of unbiased skipping (`loss_weights`, called from the train step).
 OVERHEAD_PARTS = ("profile", "filter", "counting", "snapshots", "guard", "weights")
-
-
-@runtime_checkable
-class ReleasesRows(Protocol):
-    """Tables with a cache (`--stale-release-cache`): stale rows give their slots back; the rest have none."""
-
-    def release_rows(self, rows: torch.Tensor) -> int: ...
 
 
 class StaleSkipper:
