@@ -349,10 +349,10 @@ def require_bytes(
         advice = f"the {extra_what} alone do not fit: {extra_advice}"
     else:
         advice = what_fits(table_sizes, dim, available - extra_bytes, optimizer)
-    limit = "" if source == "available memory" else f" ({source})"
+    where = "" if source == "available memory" else f" ({source})"
     raise MemoryShortError(
         f"{what}: {sum(int(s) for s in table_sizes):,} rows at dim {dim} in {choice} need {total / GB:.1f} GB "
-        f"({parts} + {RUNTIME_BYTES / GB:.1f} GB runtime), available {available / GB:.1f} GB{limit}; {advice}"
+        f"({parts} + {RUNTIME_BYTES / GB:.1f} GB runtime), available {available / GB:.1f} GB{where}; {advice}"
     )
 
 

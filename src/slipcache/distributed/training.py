@@ -255,6 +255,7 @@ class DistributedBackend(RunBackend):
         from slipcache.model import DENSE_ADVICE, DENSE_PART
 
         dense = model_bytes(config.model_config(table_sizes, num_dense), config.batch_size, config.dense_optimizer)
+        assert self.plan is not None  # planned before the tables are priced
         shards = self.plan.shards_of(self.ctx.rank)
         what = f"rank {self.ctx.rank}'s tables"
         if shards and torch.device(tables_config.storage_device).type == "cpu":

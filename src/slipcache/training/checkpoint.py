@@ -338,8 +338,7 @@ def _raw_record(record: dict[str, Any], path: Path) -> RawTensor:
             f"checkpoint {path} is corrupt (a tensor record is damaged: {field} {record.get(field)!r:.60})"
         )
 
-    name = record.get("dtype")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    dtype = getattr(torch, str(record.get("dtype")), None) if isinstance(record.get("dtype"), str) else None
     if not isinstance(dtype, torch.dtype):
         raise bad("dtype")
     shape = record.get("shape")
@@ -366,7 +365,7 @@ def _stream_raw(raw: RawTensor, into: memoryview | None, put: Callable[[int, mem
             stop = min(start + CHUNK_BYTES, raw.nbytes)
             target = into[start:stop] if into is not None else memoryview(scratch)[: stop - start]  # type: ignore[arg-type]
             f.seek(raw.offset + start)  # one file shared by many tensors: each read says where
-            got = f.readinto(target)
+            got = cast(io.BufferedIOBase, f).readinto(target)  # a file opened "rb", as raw.source is
             if got != stop - start:
                 raise CorruptCheckpointError(f"checkpoint {raw.path} is corrupt (truncated tensor bytes)")
             sha.update(target)

@@ -123,7 +123,7 @@ def _number(name: str, kind: type, value: int | float) -> int | float:
     try:
         return float(value)
     except OverflowError:
-        raise SlipcacheError(f"{name}: {_digits(value)} is beyond the range of a floating-point number") from None
+        raise SlipcacheError(f"{name}: {_digits(int(value))} is beyond the range of a floating-point number") from None
 
 
 def _digits(value: int) -> str:
