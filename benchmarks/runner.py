@@ -183,7 +183,7 @@ class Plan:
             samples = v["samples"]
         else:
             samples = 0.8 * v.get("synthetic_samples", p.stale_dataset_samples) * v.get("epochs", 1)
-            if v.get("skip_stale"):
+            if v.get("skip_rule"):
                 samples *= 1 - 0.5 * v.get("stale_target", 0.0)
         return samples / p.rate_guess + p.overhead_guess_s
 

@@ -49,6 +49,11 @@ KEEP_SETTINGS = {
 }
 
 
+def is_skipping(overrides: dict[str, Any]) -> bool:
+    """Whether a recorded run skipped stale inputs (`skip_rule`; records written before it say `skip_stale`)."""
+    return overrides.get("skip_rule") == "stale" or bool(overrides.get("skip_stale"))
+
+
 def slipstream_grid(preset: Preset, seeds: int) -> list[Setup]:
     """Per storage: the run without skipping; D x staleness rule x warm-up; the authors' per-epoch mode.
 
@@ -66,16 +71,16 @@ def slipstream_grid(preset: Preset, seeds: int) -> list[Setup]:
                     (0.5, "paper", "val", None), (0.5, "paper", "off", None)]
     setups = []
     for group, storage in STALE_STORAGES.items():
-        base = {**storage, "skip_stale": False}
+        base = dict(storage)
         setups.append(Setup("slipstream", stale_name(group, None), base, seeds, ["skip"], group))
         for target, rule, warmup, keep in variants:
-            overrides = {**storage, "skip_stale": True, "stale_target": target, "stale_rule": rule,
+            overrides = {**storage, "skip_rule": "stale", "stale_target": target, "stale_rule": rule,
                          **WARMUP_SETTINGS[warmup]}
             if keep:
                 overrides.update(KEEP_SETTINGS[keep])
             setups.append(Setup("slipstream", stale_name(group, target, rule, warmup, keep=keep), overrides, seeds,
                                 ["skip"], group))
-        authors = {**storage, "skip_stale": True, "stale_target": 0.3, "stale_rule": "paper",
+        authors = {**storage, "skip_rule": "stale", "stale_target": 0.3, "stale_rule": "paper",
                    "stale_warmup": "epoch", "stale_decision": "epoch"}
         setups.append(Setup("slipstream", stale_name(group, 0.3, "paper", "epoch", "epoch"), authors, seeds,
                             ["skip"], group))
@@ -175,7 +180,7 @@ def plot_skip_speedup(entries: list[dict[str, Any]], path: Path) -> str | None:
     change (right, paired seeds) against the share of inputs skipped; one line per storage, rule and warm-up.
     """
     plt = pyplot()
-    skips = [e for e in entries if e["overrides"].get("skip_stale") and metric(e, "skipped_fraction") is not None]
+    skips = [e for e in entries if is_skipping(e["overrides"]) and metric(e, "skipped_fraction") is not None]
     if not skips:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -216,7 +221,7 @@ def plot_stale_rows(entries: list[dict[str, Any]], events: dict[str, list[dict[s
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4 * len(groups)), squeeze=False)
     colors = plt.get_cmap("viridis")
     for (left, right), group in zip(axes, groups, strict=True):
-        pts = [e for e in entries if e["group"] == group and e["overrides"].get("skip_stale")
+        pts = [e for e in entries if e["group"] == group and is_skipping(e["overrides"])
                and e["overrides"].get("stale_rule") == "convergence"]
         pts.sort(key=lambda e: e["overrides"]["stale_target"])
         hot_drawn = False
@@ -307,7 +312,7 @@ def _skip_outcome(entry: dict[str, Any]) -> str:
 
 
 def answer_skip(entries: list[dict[str, Any]]) -> str:
-    skips = [e for e in entries if e["overrides"].get("skip_stale")]
+    skips = [e for e in entries if is_skipping(e["overrides"])]
     if not skips:
         return "**Skipping.** No skipping run finished."
     parts = []

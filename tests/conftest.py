@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads once)
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def console_messages() -> Iterator[None]:
+    """The library's log records printed as the command prints them (`slipcache.console`), also for tests
+    that call the library directly: what they read on stdout and stderr is what a user of the command sees."""
+    from slipcache.console import console_messages as show
+
+    with show():
+        yield
 
 
 @pytest.fixture(scope="session")

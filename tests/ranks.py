@@ -39,8 +39,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., None], args:
         world_size=world_size,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
+    from slipcache.console import console_messages
+
     try:
-        fn(rank, world_size, *args)
+        with console_messages():  # a rank prints the library's messages as `slipcache train`'s ranks do
+            fn(rank, world_size, *args)
     finally:
         if dist.is_initialized():  # the code under test may have shut it down itself
             dist.destroy_process_group()

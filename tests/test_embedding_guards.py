@@ -261,9 +261,13 @@ def test_a_loaded_state_keeps_the_collections_own_lr() -> None:
 
 
 def test_the_collection_is_composed_not_inherited() -> None:
-    """Its parts are attributes with one owner each; its class hierarchy holds no other slipcache class."""
+    """Its parts are attributes with one owner each; its class hierarchy holds no other slipcache class than
+    the interface every collection shares (`EmbeddingTables`, which holds no part)."""
+    from slipcache.embedding.tables import EmbeddingTables
+
     ours = [c for c in CachedEmbeddingBagCollection.__mro__ if c.__module__.startswith("slipcache")]
-    assert ours == [CachedEmbeddingBagCollection]
+    assert ours == [CachedEmbeddingBagCollection, EmbeddingTables]
+    assert not any(isinstance(v, torch.nn.Module) for v in vars(EmbeddingTables).values())
     coll = small(cache_rows=40, ways=4)
     assert {"storage", "cache"} <= set(dict(coll.named_children()))
     assert all(hasattr(coll, part) for part in ("inputs", "planner", "optimizer", "prefetcher", "traffic", "writer"))

@@ -135,7 +135,7 @@ def test_slipstream_runs_with_the_real_trainer(tmp_path: Path, monkeypatch: pyte
     grid = slipstream.slipstream_grid(runner.PRESETS["quick"], 1)
     assert _ran(lines) == sum(s.seeds for s in grid)
     results = json.loads((out / "results.json").read_text())
-    skipped = [c["summary"]["skipped_fraction"] for c in results["cells"] if c["config"]["skip_stale"]]
+    skipped = [c["summary"]["skipped_fraction"] for c in results["cells"] if c["config"]["skip_rule"] == "stale"]
     assert skipped and all(0.0 <= f < 1.0 for f in skipped)
     assert all(len(c["curve"]) >= 3 for c in results["cells"])  # 10 evaluations per epoch feed time to target
     report = (out / "report.md").read_text()
@@ -164,7 +164,7 @@ class FakeConfig:
     epochs: int = 1
     checkpoint_every: int = 0
     eval_every: int | None = None
-    skip_stale: bool = False
+    skip_rule: str | None = None
     stale_target: float = 0.3
     stale_rule: str = "convergence"
     stale_warmup: str = "val"
@@ -181,7 +181,7 @@ def _fake_train(config: FakeConfig) -> dict[str, Any]:
     Validation AUC climbs the same way per evaluation in every run; a skipping run gets there in (1 - skipped)
     of the time, so its speedup to target is 1 / (1 - skipped) exactly.
     """
-    skipped = 0.8 * config.stale_target if config.skip_stale else 0.0
+    skipped = 0.8 * config.stale_target if config.skip_rule == "stale" else 0.0
     run = Path(config.out)
     run.mkdir(parents=True)
     events = [
@@ -380,13 +380,10 @@ def test_studies_module_entry_point_reports_bad_input_in_one_line(
     assert capsys.readouterr().err.strip() == "benchmarks.studies: error: --threads must be at least 1, got 0"
 
 
-def test_the_benchmarks_old_paths_warn_and_the_studies_old_paths_are_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_old_experiments_package_is_gone() -> None:
+    """The benchmarks live in `slipcache.bench`, the studies in the checkout's `benchmarks/`: no alias left."""
     import importlib
 
-    from slipcache.bench import cache
-
-    monkeypatch.delitem(sys.modules, "slipcache.experiments.bench_cache", raising=False)  # warns when imported
-    with pytest.warns(DeprecationWarning, match="slipcache.bench.cache"):
-        assert importlib.import_module("slipcache.experiments.bench_cache") is cache
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("slipcache.experiments.runner")
+    for old in ("slipcache.experiments", "slipcache.experiments.bench_cache", "slipcache.experiments.runner"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from slipcache.cli import build_parser, main
-from slipcache.training.config import CONFIG_FIELDS, TrainConfig
+from slipcache.training.config import CONFIG_FIELDS, TrainConfig, make_config
 from slipcache.training.flags import default_text
 
 
@@ -39,7 +39,7 @@ def test_a_changed_default_changes_the_help(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_flags_parse_into_the_config() -> None:
     args = build_parser("train").parse_args(
-        ["train", "--dim", "8", "--precision", "int4", "--no-stale-guard", "--stale-control", "0.1",
+        ["train", "--dim", "8", "--precision", "int4", "--no-stale-guard", "--stale-keep", "0.1",
          "--table-sizes", "3,4", "--tensorboard", "--threads", "1", "--generator", "v2"]
     )  # fmt: skip
     given = {k: v for k, v in vars(args).items() if k in CONFIG_FIELDS}
@@ -58,11 +58,12 @@ def test_threads_is_one_flag_on_every_command_that_computes() -> None:
             build_parser(command).parse_args([command, *argv, "--threads", "0"])
 
 
-def test_eval_samples_is_the_trains_spelling_and_the_old_one_warns(capsys: pytest.CaptureFixture[str]) -> None:
+def test_eval_samples_is_the_trains_spelling(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser("eval")
     assert parser.parse_args(["eval", "--checkpoint", "r", "--eval-samples", "5"]).samples == 5
-    assert parser.parse_args(["eval", "--checkpoint", "r", "--samples", "7"]).samples == 7
-    assert "--samples is deprecated; use --eval-samples" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", "--checkpoint", "r", "--samples", "7"])  # `--samples` is what train trains, not eval's
+    assert "did you mean --eval-samples?" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", "nowhere", "--eval-samples", "5"]) == 2  # one line, not a traceback
 
 
@@ -93,3 +94,13 @@ def test_the_parts_configs_are_built_from_the_settings() -> None:
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             if key not in ("lr",):  # the trainer's own learning rate, on purpose
                 assert value == default, (part, key)
+
+
+@pytest.mark.parametrize("old", ["--skip-stale", "--stale-control"])
+def test_the_old_skipping_spellings_are_gone(old: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--skip-rule stale` turns skipping on and `--stale-keep` sets p: one spelling each."""
+    argv = ["train", old] if old == "--skip-stale" else ["train", old, "0.1"]
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2 and f"unrecognized arguments: {old}" in capsys.readouterr().err
+    assert make_config({}, {"skip_rule": "stale"}).skip_rule == "stale"

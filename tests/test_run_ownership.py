@@ -155,7 +155,7 @@ CHANGED = {  # every setting a resume may change (--allow-changes), and a new va
     "autocast": "bf16", "lr_schedule": "mlperf", "lr_warmup_steps": 0, "lr_decay_start": 5, "lr_decay_steps": 0,
     "stale_threshold_sample": 0.02, "stale_window_start": 0.9, "stale_window_start_max": 5,
 }  # fmt: skip
-SKIPPING = dict(skip_stale=True, stale_window=0.1, stale_guard_every=4, stale_target=0.5, stale_warmup="none",
+SKIPPING = dict(skip_rule="stale", stale_window=0.1, stale_guard_every=4, stale_target=0.5, stale_warmup="none",
                 stale_warmup_min=0.0, stale_min_updates=2, embeddings="cached", precision="fp32")
 
 

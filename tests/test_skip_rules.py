@@ -168,12 +168,12 @@ def test_frequency_hot_set_finds_every_row_read_often_enough() -> None:
 
 
 def test_paper_preset_fills_what_the_user_did_not_set() -> None:
-    config = make_config(flag_values={"skip_stale": True, "stale_preset": "paper", "stale_target": 0.4})
+    config = make_config(flag_values={"skip_rule": "stale", "stale_preset": "paper", "stale_target": 0.4})
     for key, value in STALE_PRESETS["paper"].items():
         assert getattr(config, key) == value
     assert config.stale_target == 0.4 and config.skip_rule == "stale"
     mine = make_config(flag_values={"skip_rule": "stale", "stale_preset": "paper", "stale_guard": True})
-    assert mine.stale_guard and mine.skip_stale
+    assert mine.stale_guard and mine.skip_rule == "stale"
 
 
 def test_batch_iterator_passes_positions_to_filters_that_want_them(data_dir: Path) -> None:

@@ -29,7 +29,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tiny(data: Path, out: Path, **overrides: object) -> TrainConfig:
     """Skipping from the start (no warm-up) unless a test asks for one: the runs are a few dozen batches."""
-    stale = dict(skip_stale=True, stale_window=0.1, stale_guard_every=4, stale_target=0.5, stale_warmup="none",
+    stale = dict(skip_rule="stale", stale_window=0.1, stale_guard_every=4, stale_target=0.5, stale_warmup="none",
                  stale_warmup_min=0.0, stale_min_updates=2)
     return tiny_config(data, out, **{**stale, **overrides})
 
@@ -84,20 +84,20 @@ def _with_hook(forward, hook):  # type: ignore[no-untyped-def]
 
 
 def test_off_is_the_plain_loop(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With skip_stale off, the stale knobs change nothing and no skipper is ever built."""
+    """With skipping off, the stale knobs change nothing and no skipper is ever built."""
     import slipcache.staleness.skipping
 
-    plain = train.train(tiny(data_dir, tmp_path / "a", skip_stale=False))
+    plain = train.train(tiny(data_dir, tmp_path / "a", skip_rule=None))
 
     def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("StaleSkipper built with skip_stale off")
+        raise AssertionError("StaleSkipper built with skipping off")
 
     monkeypatch.setattr(slipcache.staleness.skipping.StaleSkipper, "__init__", refuse)
     knobs = train.train(
         tiny(
             data_dir,
             tmp_path / "b",
-            skip_stale=False,
+            skip_rule=None,
             stale_target=0.9,
             stale_alpha=0.5,
             stale_release_cache=True,
@@ -340,7 +340,7 @@ def test_guard_sums_from_the_step_loss_match_per_input_losses(data_dir: Path, tm
 @pytest.mark.slow
 def test_full_keep_share_trains_exactly_as_without_skipping(data_dir: Path, tmp_path: Path) -> None:
     """p = 1 keeps every would-be-skipped input at weight 1: the run is the plain one, bit for bit."""
-    plain = train.train(tiny(data_dir, tmp_path / "a", skip_stale=False))
+    plain = train.train(tiny(data_dir, tmp_path / "a", skip_rule=None))
     kept = train.train(tiny(data_dir, tmp_path / "b", stale_keep=1.0, stale_reweight=True))
     assert kept["staleness"]["control_inputs"] > 0  # inputs were would-be-skipped, and all kept
     for key in METRICS:
@@ -377,10 +377,10 @@ def test_reweighting_weights_the_kept_inputs_in_the_train_step(
 
 @pytest.mark.slow
 def test_quick_cli_skips_a_visible_share_at_the_same_auc(tmp_path: Path, quick_run: tuple[Path, str]) -> None:
-    """`slipcache train --quick --skip-stale` against `slipcache train --quick` (the shared run)."""
+    """`slipcache train --quick --skip-rule stale` against `slipcache train --quick` (the shared run)."""
     from slipcache.cli import main
 
-    assert main(["train", "--quick", "--no-progress", "--skip-stale", "--out", str(tmp_path / "skip")]) == 0
+    assert main(["train", "--quick", "--no-progress", "--skip-rule", "stale", "--out", str(tmp_path / "skip")]) == 0
     plain = json.loads((quick_run[0] / "summary.json").read_text())
     skip = json.loads((tmp_path / "skip" / "summary.json").read_text())
     block = skip["staleness"]

@@ -28,12 +28,13 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _runtime_imports(tree: ast.AST, modules: dict[str, Path]) -> set[str]:
-    """slipcache modules imported when the code runs (module level or inside functions), TYPE_CHECKING aside."""
+def _runtime_imports(tree: ast.AST, modules: dict[str, Path], type_checking: bool = False) -> set[str]:
+    """slipcache modules imported when the code runs (module level or inside functions), TYPE_CHECKING aside
+    unless `type_checking`: then also those a type checker follows."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.orelse:
                 visit(child)
             return
@@ -50,10 +51,11 @@ def _runtime_imports(tree: ast.AST, modules: dict[str, Path]) -> set[str]:
     return {name for name in found if name in modules}
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     modules = _modules()
     return {
-        name: _runtime_imports(ast.parse(path.read_text()), modules) - {name} for name, path in modules.items()
+        name: _runtime_imports(ast.parse(path.read_text()), modules, type_checking) - {name}
+        for name, path in modules.items()
     }
 
 
@@ -103,6 +105,26 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_runtime_import_cycle() -> None:
     assert cycles(import_graph()) == []
+
+
+# Import cycles that close only through TYPE_CHECKING imports, not broken yet: the training modules all take
+# the mutable `Run` (the hooks in `callback.py`, the state in `run.py` holding the backend and callbacks).
+# A cycle may shrink or go; a new one, or one that grows, fails.
+KNOWN_TYPE_CHECKING_CYCLES = [
+    {
+        "slipcache.callback", "slipcache.training.backend", "slipcache.training.callbacks", "slipcache.training.run",
+        "slipcache.training.run_state", "slipcache.training.rundir", "slipcache.training.state_check",
+        "slipcache.training.step_reader",
+    },
+]  # fmt: skip
+
+
+def test_no_import_cycle_counting_type_checking_imports() -> None:
+    found = cycles(import_graph(type_checking=True))
+    new = [c for c in found if not any(set(c) <= known for known in KNOWN_TYPE_CHECKING_CYCLES)]
+    assert new == [], f"import cycles (TYPE_CHECKING imports counted): {found}"
+    tree = ast.parse("import typing\nif typing.TYPE_CHECKING:\n    import slipcache.x\n")
+    assert _runtime_imports(tree, {"slipcache.x": Path()}, type_checking=True) == {"slipcache.x"}
 
 
 def test_no_source_file_over_500_lines() -> None:

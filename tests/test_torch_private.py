@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import ast
 from pathlib import Path
 
 import pytest
@@ -38,15 +38,103 @@ def remove(monkeypatch: pytest.MonkeyPatch, api: str) -> None:
     else:
         monkeypatch.delattr(torch._C, {"graph_task_id": "_current_graph_task_id"}.get(api, "_storage_Use_Count"))
 
+def _private(name: str) -> bool:
+    """A name torch keeps to itself: a leading underscore, not a dunder (`__version__` is public)."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _chain(node: ast.expr) -> list[str] | None:
+    """`a.b.c` as ["a", "b", "c"]; None where the chain does not start at a name."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(names)] if isinstance(node, ast.Name) else None
+
+
+def private_torch_uses(source: str) -> list[str]:
+    """Where `source` reaches torch's internals: an import of a private torch module or name (`torch._utils`,
+    `torch.distributed._shard`, `from torch.nn.modules.module import _IncompatibleKeys`), or a private
+    attribute, or a `getattr` of one, of anything taken from torch or from `slipcache.torch_private`
+    (`torch._C`, `dist._x`, `ShardedTensor._init_from_local_shards_and_global_metadata`)."""
+    tree = ast.parse(source)
+    found: list[str] = []
+    roots: set[str] = set()  # local names bound to torch's modules and objects
+
+    def from_torch(module: str) -> bool:
+        return module == "torch" or module.startswith("torch.") or module == "slipcache.torch_private"
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if from_torch(alias.name):
+                    if any(_private(part) for part in alias.name.split(".")):
+                        found.append(f"{node.lineno}: import {alias.name}")
+                    roots.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and from_torch(node.module or ""):
+            module = node.module or ""
+            for alias in node.names:
+                if any(_private(part) for part in module.split(".")) or _private(alias.name):
+                    found.append(f"{node.lineno}: from {module} import {alias.name}")
+                roots.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain = _chain(node)
+            if chain and chain[0] in roots and _private(node.attr):
+                found.append(f"{node.lineno}: {'.'.join(chain)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            target = _chain(node.args[0]) if node.args else None
+            name = node.args[1] if len(node.args) > 1 else None
+            if target and target[0] in roots and isinstance(name, ast.Constant) and isinstance(name.value, str) \
+                    and _private(name.value):
+                found.append(f"{node.lineno}: {node.func.id}({'.'.join(target)}, {name.value!r})")
+    return found
+
+
 def test_no_other_module_touches_torch_internals() -> None:
-    private = re.compile(r"torch\._C\b|_execution_engine|_storage_Use_Count|_current_graph_task_id|\._cdata\b")
-    touching = sorted(
-        str(path.relative_to(PACKAGE))
-        for path in PACKAGE.rglob("*.py")
-        if path.name != "torch_private.py" and private.search(path.read_text())
-    )
-    assert touching == []
-    assert private.search((PACKAGE / "torch_private.py").read_text())  # the pattern finds what it looks for
+    touching = {
+        str(path.relative_to(PACKAGE)): uses
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "torch_private.py" and (uses := private_torch_uses(path.read_text()))
+    }
+    assert touching == {}
+    assert private_torch_uses((PACKAGE / "torch_private.py").read_text())  # the check finds what it looks for
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch._dynamo",
+        "import torch.distributed._shard.sharded_tensor as st",
+        "from torch._utils import _rebuild_tensor_v2",
+        "from torch.distributed._shard.sharded_tensor import ShardedTensor",
+        "from torch.nn.modules.module import _IncompatibleKeys",
+        "from torch import _C",
+        "import torch\nx = torch._C._current_graph_task_id()",
+        "import torch\nx = torch.autograd.Variable._execution_engine",
+        "import torch.distributed as dist\ndist._world",
+        "from torch import nn\nnn.Module._apply",
+        "from slipcache.torch_private import ShardedTensor\nShardedTensor._init_from_local_shards_and_global_metadata",
+        "import torch\ngetattr(torch, '_C')",
+        "def f():\n    import torch\n    return torch._utils",
+    ],
+)
+def test_the_check_finds_each_way_in(source: str) -> None:
+    assert private_torch_uses(source)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch\nx = torch.__version__",
+        "from torch import Tensor, nn\nnn.functional.relu",
+        "import torchrec\ntorchrec._private",  # not torch
+        "import torch\nclass A:\n    def f(self):\n        return self._x",
+        "from slipcache.torch_private import storage_alone",
+    ],
+)
+def test_the_check_leaves_public_use_alone(source: str) -> None:
+    assert private_torch_uses(source) == []
 
 
 def test_each_api_answers_with_torch_and_falls_back_without(monkeypatch: pytest.MonkeyPatch) -> None:

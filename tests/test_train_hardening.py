@@ -241,12 +241,13 @@ def test_eval_rejects_bad_samples_and_crafted_checkpoints(
     monkeypatch.chdir(tmp_path)
     train.train(tiny(Path(os.path.relpath(data_dir)), Path("run"), epochs=1))  # relative paths
     for samples in ("0", "-5"):
-        code, err = cli(["eval", "--checkpoint", str(run), "--samples", samples], capsys)
-        assert code == 2 and "--samples must be at least 1" in err
+        with pytest.raises(SystemExit) as stopped:
+            main(["eval", "--checkpoint", str(run), "--eval-samples", samples])
+        assert stopped.value.code == 2 and "--eval-samples: must be at least 1" in capsys.readouterr().err
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # the stored paths still work from another directory
-    assert main(["eval", "--checkpoint", os.path.relpath(run), "--samples", "100"]) == 0
+    assert main(["eval", "--checkpoint", os.path.relpath(run), "--eval-samples", "100"]) == 0
     assert "100 samples" in capsys.readouterr().out
 
     state = checkpoint.load_checkpoint(run / "checkpoints")

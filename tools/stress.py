@@ -405,7 +405,7 @@ def main() -> int:
     owners = stress_runs.concurrent_trials(runner, workdir, expected, args.concurrent, outcome, differences)
     print(f"concurrent writers: {[t['verdict'] for t in owners]}", flush=True)
     skipping = workdir / "reference-skipping"
-    runner.run(stress_runs.train_command(runner, skipping, "--skip-stale", "--stale-warmup", "none"),
+    runner.run(stress_runs.train_command(runner, skipping, "--skip-rule", "stale", "--stale-warmup", "none"),
                workdir / "reference-skipping.log")  # fmt: skip
     changes = stress_runs.changed_setting_trials(cli, workdir, reference, skipping)
     print(f"changed settings: {[t['verdict'] for t in changes]}", flush=True)

@@ -9,6 +9,7 @@ import sys
 from typing import NoReturn
 
 from slipcache import __version__
+from slipcache.console import console_messages
 from slipcache.errors import RunInterrupted, SlipcacheError
 from slipcache.options import huge_pages, torch_threads
 
@@ -97,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(2)
     module = importlib.import_module(args._module)
     try:
-        with torch_threads(getattr(args, "threads", None)), huge_pages(getattr(args, "huge_pages", None)):
+        with (
+            console_messages(),  # the library's log records, printed as the one-line messages they say
+            torch_threads(getattr(args, "threads", None)),
+            huge_pages(getattr(args, "huge_pages", None)),
+        ):
             return int(getattr(module, f"run_{args.command}")(args) or 0)
     except RunInterrupted as exc:  # stopped as asked, the work saved: not an error
         print(f"slipcache {args.command}: {exc}", file=sys.stderr)

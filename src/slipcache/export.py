@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from tqdm import tqdm
 from slipcache.errors import SlipcacheError
 from slipcache.options import add_huge_pages_flag, add_threads_flag
 from slipcache.torchfile import TensorSlot, TorchFileWriter
+
+if TYPE_CHECKING:
+    from slipcache.model import DLRM
 
 FORMATS = ("fp32", "torchrec", "int8", "tbe-int8")
 FILES = {
@@ -134,7 +137,7 @@ def open_model(checkpoint: str | Path) -> tuple[TableRows, Callable[[Path], None
 
 
 def write_model_files(
-    directory: Path, model: torch.nn.Module, vocabulary: Any, config: dict[str, Any], checkpoint: Path
+    directory: Path, model: DLRM, vocabulary: Any, config: dict[str, Any], checkpoint: Path
 ) -> None:
     """model.json (the configuration, the table files, the vocabulary), model.pt (the dense layers) and,
     for a frequency vocabulary, vocabulary.pt: each read by plain `torch.load(..., weights_only=True)`."""

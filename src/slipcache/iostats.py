@@ -27,7 +27,7 @@ class DiskIO(NamedTuple):
     read_bytes: int
     write_bytes: int
 
-    def __sub__(self, other: DiskIO) -> DiskIO:  # type: ignore[override]
+    def __sub__(self, other: DiskIO) -> DiskIO:
         return DiskIO(self.read_bytes - other.read_bytes, self.write_bytes - other.write_bytes)
 
 

@@ -14,6 +14,7 @@ buffers (`model_bytes`) in the same check.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import resource
@@ -29,6 +30,8 @@ from slipcache.units import amount
 
 if TYPE_CHECKING:
     from slipcache.embedding.config import EmbeddingConfig
+
+logger = logging.getLogger(__name__)
 
 GB = 1e9
 # The process beside its tables: torch itself, the dense layers, batches in flight, evaluation's scores.
@@ -222,9 +225,9 @@ def require_storage_room(config: EmbeddingConfig, what: str) -> int:
     free = shutil.disk_usage(existing).free
     kind = filesystem_type(existing)
     if kind in NETWORK_FILESYSTEMS:
-        print(f"slipcache: warning: storage path {directory} is on a network file system ({kind}): every row the "
-              "caches lack is read across the network, 10-100x slower than a local disk (docs/scale.md)",
-              file=sys.stderr)
+        logger.warning(f"slipcache: warning: storage path {directory} is on a network file system ({kind}): every "
+                       "row the caches lack is read across the network, 10-100x slower than a local disk "
+                       "(docs/scale.md)")
     if in_files > free:
         raise SlipcacheError(
             f"{what}: the row storage needs {amount(in_files)} on disk under {directory}, which has "
@@ -346,10 +349,10 @@ def require_bytes(
         advice = f"the {extra_what} alone do not fit: {extra_advice}"
     else:
         advice = what_fits(table_sizes, dim, available - extra_bytes, optimizer)
-    limit = "" if source == "available memory" else f" ({source})"
+    where = "" if source == "available memory" else f" ({source})"
     raise MemoryShortError(
         f"{what}: {sum(int(s) for s in table_sizes):,} rows at dim {dim} in {choice} need {total / GB:.1f} GB "
-        f"({parts} + {RUNTIME_BYTES / GB:.1f} GB runtime), available {available / GB:.1f} GB{limit}; {advice}"
+        f"({parts} + {RUNTIME_BYTES / GB:.1f} GB runtime), available {available / GB:.1f} GB{where}; {advice}"
     )
 
 

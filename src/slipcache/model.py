@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from slipcache.embedding.tables import EmbeddingTables
 from slipcache.errors import InvalidInputError, SlipcacheError
 
 if TYPE_CHECKING:
@@ -73,12 +74,15 @@ class ModelConfig:
         return self.embedding_dim + n * (n - 1) // 2
 
 
-class TorchEmbeddingBagCollection(nn.Module):
+class TorchEmbeddingBagCollection(EmbeddingTables):
     """fp32 baseline: one `nn.EmbeddingBag` per table with sparse gradients, as in the DLRM reference.
 
     It has no cache and no fused update (`fused_update=False`): the trainer steps a torch optimizer over
     `parameters()`, which receive sparse gradients.
     """
+
+    # buffers (register_buffer), declared for the type checker
+    _lookups: torch.Tensor
 
     fused_update = False
 
@@ -102,10 +106,11 @@ class TorchEmbeddingBagCollection(nn.Module):
                 nn.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", sparse=True) for w in weights
             )
         else:
-            self.bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in self.table_sizes)
+            bags = [nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in self.table_sizes]
+            self.bags = nn.ModuleList(bags)
             gen = torch.Generator().manual_seed(seed)
             with torch.no_grad():
-                for bag, n in zip(self.bags, self.table_sizes, strict=True):
+                for bag, n in zip(bags, self.table_sizes, strict=True):
                     bound = math.sqrt(1.0 / n)  # DLRM reference init
                     bag.weight.uniform_(-bound, bound, generator=gen)
         self.register_buffer("_lookups", torch.zeros(len(self.table_sizes), dtype=torch.long))
@@ -156,7 +161,7 @@ class TorchEmbeddingBagCollection(nn.Module):
         }
 
     def memory_report(self) -> dict[str, Any]:
-        weight_bytes = sum(bag.weight.numel() * bag.weight.element_size() for bag in self.bags)
+        weight_bytes = sum(weight.numel() * weight.element_size() for weight in self.parameters())  # the bags' weights
         return {
             "components": {"fp32 weights": weight_bytes},
             "total_bytes": weight_bytes,
@@ -186,7 +191,7 @@ def embedding_config(table_sizes: list[int], dim: int, **options: Any) -> Embedd
 def build_embeddings(
     table_sizes: list[int], dim: int, *, embeddings: str = "cached", draw_rows: bool = True, extra_bytes: int = 0,
     **options: Any,
-) -> nn.Module:
+) -> EmbeddingTables:
     """The one place that picks an embedding implementation.
 
     `options`: `EmbeddingConfig` fields (precision, cache_size, cache_rows, policy, rounding, optimizer, lr,
@@ -234,7 +239,11 @@ def _mlp(sizes: list[int], *, final_relu: bool) -> nn.Sequential:
 class DLRM(nn.Module):
     """Bottom MLP, embeddings, dot-product interaction, top MLP -> one logit per sample."""
 
-    def __init__(self, config: ModelConfig, embeddings: nn.Module) -> None:
+    # buffers (register_buffer), declared for the type checker
+    _pair_rows: torch.Tensor
+    _pair_cols: torch.Tensor
+
+    def __init__(self, config: ModelConfig, embeddings: EmbeddingTables) -> None:
         super().__init__()
         if list(embeddings.table_sizes) != list(config.table_sizes) or embeddings.dim != config.embedding_dim:
             raise SlipcacheError("the embedding collection does not match the model's table sizes or dim")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -80,19 +79,6 @@ def torch_threads(threads: int | None) -> Iterator[None]:
     finally:
         torch.set_num_threads(previous)
         _native.set_threads(previous_loops)
-
-
-class DeprecatedFlag(argparse.Action):
-    """An old spelling kept working: stores into the new flag's `dest` and says so in one line."""
-
-    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs: object) -> None:
-        self.new = new
-        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
-        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
 
 
 def seed_arg(text: str) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,9 @@ from slipcache.export import (
     table_name,
 )
 
+if typing.TYPE_CHECKING:
+    from slipcache.model import DLRM
+
 log = logging.getLogger(__name__)
 
 # The table file a loader reads, best first: fp32 rows as trained, then the INT8 layouts (dequantized).
@@ -51,7 +55,7 @@ class ScoringModel(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, vocabulary: Vocabulary, source: str, training_config: dict[str, Any] | None = None
+        self, model: DLRM, vocabulary: Vocabulary, source: str, training_config: dict[str, Any] | None = None
     ) -> None:
         super().__init__()
         self.model = model

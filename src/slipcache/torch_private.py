@@ -13,15 +13,46 @@ Where an API is missing or raises, its function answers as if torch could not sa
   loop's case); with several, a row several forwards read takes one step per forward, and the gradients of a
   pass that fails midway are applied.
 - `storage_alone` gives False. Step buffers are then never reused: a new one each step (slower, same values).
+
+Re-exported from here, without a fallback (what needs them cannot work without them):
+
+- torch.distributed's sharded tensors (`Shard`, `ShardMetadata`, `ShardedTensor`, `ShardedTensorMetadata`,
+  `sharded_tensor_from_local_shards`), the form TorchRec's checkpoints take; imported when first used, so
+  that the tables load without torch.distributed.
+- `IncompatibleKeys`, what `nn.Module.load_state_dict` returns; `rebuild_tensor`, the function torch's own
+  pickle rebuilds a tensor with (a file written with it loads with `torch.load`).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import typing
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch._utils import _rebuild_tensor_v2 as rebuild_tensor
+from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
+
+if typing.TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+
+__all__ = [
+    "IncompatibleKeys",
+    "Shard",
+    "ShardMetadata",
+    "ShardedTensor",
+    "ShardedTensorMetadata",
+    "graph_task_id",
+    "queue_callback",
+    "rebuild_tensor",
+    "sharded_tensor_from_local_shards",
+    "storage_alone",
+]
 
 _ERRORS = (AttributeError, RuntimeError, TypeError)  # missing, refused, or called differently now
 
@@ -66,3 +97,33 @@ def _alone_count() -> int:
     """The use count of a tensor nothing else shares (asked once `_use_count` answers; -1: no answer)."""
     count = _use_count(torch.empty(1))
     return -1 if count is None else count
+
+
+_SHARDED_TENSOR_NAMES = {
+    "Shard": "torch.distributed._shard.sharded_tensor",
+    "ShardedTensor": "torch.distributed._shard.sharded_tensor",
+    "ShardedTensorMetadata": "torch.distributed._shard.sharded_tensor",
+    "ShardMetadata": "torch.distributed._shard.sharding_spec",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The sharded-tensor classes, imported at their first use."""
+    module = _SHARDED_TENSOR_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def sharded_tensor_from_local_shards(
+    shards: list[Shard], metadata: ShardedTensorMetadata, process_group: ProcessGroup | None
+) -> ShardedTensor:
+    """A ShardedTensor of this rank's `shards` placed as `metadata` says, without a collective (TorchRec's
+    own state dicts are built this way)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, metadata, process_group=process_group
+    )

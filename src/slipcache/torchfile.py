@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slipcache.torch_private import rebuild_tensor
+
 ALIGNMENT = 64  # torch's storage alignment in its zip files (mmap loading needs aligned records)
 _ARCHIVE = "archive"
 _STORAGE_TYPES = {torch.float32: "FloatStorage", torch.uint8: "ByteStorage"}
@@ -55,12 +57,13 @@ class TensorSlot:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled the way torch pickles a contiguous CPU tensor over its own storage."""
-        stride, step = [], 1
+        stride: list[int] = []
+        step = 1
         for n in reversed(self.shape):
             stride.append(step)
             step *= n
-        args = (_StorageRef(self), 0, tuple(self.shape), tuple(reversed(stride)), False, OrderedDict())
-        return (torch._utils._rebuild_tensor_v2, args)
+        args: tuple[Any, ...] = (_StorageRef(self), 0, tuple(self.shape), tuple(reversed(stride)), False, OrderedDict())
+        return (rebuild_tensor, args)
 
 
 @dataclass(eq=False)
@@ -132,7 +135,7 @@ class TorchFileWriter:
         if self._open is None:
             info, zip64 = self._entry(f"data/{slot.key}", slot.nbytes)
             self._open, self._left = self._zip.open(info, "w", force_zip64=zip64), slot.nbytes
-        data = memoryview(chunk.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = chunk.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
         if len(data) > self._left:
             raise ValueError(f"slot {slot.key}: {len(data)} bytes written past its {slot.nbytes}")
         self._open.write(data)

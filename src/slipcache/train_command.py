@@ -39,4 +39,8 @@ def run_train(args: argparse.Namespace) -> int:
 if __name__ == "__main__":  # python -m slipcache.train_command
     parser = argparse.ArgumentParser(prog="slipcache train")
     add_train_arguments(parser)
-    sys.exit(run_train(parser.parse_args()))
+    from slipcache.console import console_messages
+
+    with console_messages():
+        code = run_train(parser.parse_args())
+    sys.exit(code)

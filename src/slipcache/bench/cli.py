@@ -264,11 +264,11 @@ def _run_bench(args: argparse.Namespace) -> int:
     configs = _parse_configs(args.configs)
     shape = QUICK if args.quick else FULL
     scale = shape["scale"] if args.scale is None else args.scale
-    warmup = shape["warmup"] if args.warmup_steps is None else args.warmup_steps
-    steps = shape["steps"] if args.steps is None else args.steps
+    warmup = int(shape["warmup"] if args.warmup_steps is None else args.warmup_steps)
+    steps = int(shape["steps"] if args.steps is None else args.steps)
     if not 0 < scale <= 1:
         raise SlipcacheError(f"--scale must be in (0, 1], got {scale}")
-    cache_warmup = shape["cache_warmup"] if args.cache_warmup_steps is None else args.cache_warmup_steps
+    cache_warmup = int(shape["cache_warmup"] if args.cache_warmup_steps is None else args.cache_warmup_steps)
     if warmup < 0 or cache_warmup < 0 or steps < 1:
         raise SlipcacheError("--warmup-steps and --cache-warmup-steps must be >= 0 and --steps >= 1")
     if args.batch_size < 1:
@@ -277,7 +277,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise SlipcacheError(f"--min-rows must be positive, got {args.min_rows}")
     if args.zipf <= 0:
         raise SlipcacheError(f"--zipf must be positive, got {args.zipf}")
-    rounds = shape["rounds"] if args.rounds is None else args.rounds
+    rounds = int(shape["rounds"] if args.rounds is None else args.rounds)
     min_seconds = 0.0 if args.min_seconds is None else args.min_seconds
     if rounds < 1 or min_seconds < 0 or args.profile_steps < 0:
         raise SlipcacheError("--rounds must be >= 1, --min-seconds and --profile-steps >= 0")
@@ -297,7 +297,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             f"note: load average {load:.1f} on {cores} cores; with {torch.get_num_threads()} threads per op, "
             "timings on a shared CPU collapse (threads wait for descheduled peers): consider --threads 1"
         )
-    probes = None
+    probes: dict[str, Any] | None = None
     if not args.skip_probes:
         progress("probing memory (sequential copy, random 64-byte row gathers from 1 GB) ...")
         probes = probe_memory(seconds=0.5 if args.quick else 1.0)

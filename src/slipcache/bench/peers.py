@@ -93,7 +93,7 @@ class _TorchBags(nn.Module):
 
 def _build_torch(sizes: list[int], dim: int, lr: float, seed: int, batch_size: int) -> Built:
     bags = _TorchBags(sizes, dim, lr, seed, batch_size)
-    nbytes = sum(b.weight.numel() * b.weight.element_size() for b in bags.bags)
+    nbytes = sum(w.numel() * w.element_size() for w in bags.bags.parameters())
     return Built(step=bags.step, bytes=nbytes, fp32_bytes=sum(sizes) * dim * 4, owner=bags)
 
 

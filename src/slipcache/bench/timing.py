@@ -119,6 +119,7 @@ def measure(
         row["bytes"] = need
         row["memory_ratio"] = sum(sizes) * dim * 4 / need
     else:
+        assert static is not None  # ours always reports its memory
         row["bytes"] = int(static["total_bytes"])
         row["memory_ratio"] = _finite(static.get("memory_ratio"))
     if need > budget_bytes:

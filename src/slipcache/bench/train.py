@@ -30,7 +30,7 @@ from slipcache.errors import SlipcacheError
 from slipcache.options import positive_int, seed_arg
 
 IMPLS = ("torch-fp32", "slipcache-int8-lru5", "torchrec-fbgemm")
-_OURS = {
+_OURS: dict[str, dict[str, Any]] = {
     "torch-fp32": {"embeddings": "torch", "precision": "fp32"},
     "slipcache-int8-lru5": {"embeddings": "cached", "precision": "int8", "cache_size": 0.05, "policy": "lru"},
 }

@@ -18,24 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from slipcache.data.dataset import SplitArrays, check_labels
 from slipcache.errors import SlipcacheError
 
-if typing.TYPE_CHECKING:
-    from slipcache.data.dataset import SplitArrays
-
-SampleFilter = Callable[[np.ndarray], np.ndarray]
-
-
-def check_labels(labels: np.ndarray, where: typing.Any) -> np.ndarray:
-    """The labels as float32 0/1; anything else (-1/1 labels, soft labels, NaN) is named in one line
-    instead of training on a meaningless loss. Every batch of every format passes here (`BatchIterator`);
-    readers also call it on the rows they check when a file is opened."""
-    values = np.asarray(labels).reshape(-1)
-    bad = (values != 0) & (values != 1)
-    if bad.any():
-        found = ", ".join(sorted({f"{v:g}" for v in values[bad][:1000].tolist()})[:5])
-        raise SlipcacheError(f"{where}: labels must be 0 or 1, found {found} ({int(bad.sum())} of {values.size} read)")
-    return values.astype(np.float32)
+# filter(sparse) -> keep mask; one whose `wants_positions` is True is called filter(sparse, split positions)
+SampleFilter = Callable[..., np.ndarray]
 
 
 def slice_bounds(batch: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -141,7 +128,7 @@ class BatchIterator:
         self.chunk_size = batch_size * chunk_batches
         self.rows = len(split) if stop is None else max(0, min(len(split), stop))
         starts = np.arange(0, self.rows, self.chunk_size, dtype=np.int64)
-        self._chunks = [(int(s), int(min(s + self.chunk_size, self.rows))) for s in starts]
+        self._chunks = [(int(s), min(int(s) + self.chunk_size, self.rows)) for s in starts]
         if groups is not None and np.shape(groups) != (len(split),):
             raise SlipcacheError(
                 f"groups must hold one value per row of the split ({len(split)}), got {np.shape(groups)}"
@@ -314,7 +301,7 @@ class BatchIterator:
                     piece = kept
                 if carry is not None:
                     piece = np.concatenate([carry, piece])
-                    ids = None if ids is None else np.concatenate([carry_ids, ids])  # type: ignore[list-item]
+                    ids = None if ids is None else np.concatenate([carry_ids, ids])
                 full = len(piece) // B
                 skipped = min(skip, full)
                 if skipped:  # resumed with a filter: batches before start_batch are cut, not read

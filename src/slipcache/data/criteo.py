@@ -147,7 +147,7 @@ def open_raw(path: str | os.PathLike[str]) -> BinaryIO:
     except OSError as exc:
         raise SlipcacheError(f"{p}: cannot read: {exc.strerror or exc}") from exc
     if raw.peek(2)[:2] == b"\x1f\x8b":
-        return io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), 1 << 20)  # type: ignore[arg-type]
+        return io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), 1 << 20)
     return raw
 
 

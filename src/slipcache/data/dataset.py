@@ -20,14 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from slipcache._moved import moved_names
-from slipcache.data.batches import check_labels
 from slipcache.errors import SlipcacheError
-
-# Old paths of names that moved to `slipcache.data.batches`: each warns once.
-__getattr__ = moved_names(
-    __name__, {name: f"slipcache.data.batches.{name}" for name in ("Batch", "BatchIterator", "SampleFilter")}
-)
 
 FORMAT = "slipcache-dataset"
 VERSION = 1
@@ -35,6 +28,18 @@ NUM_DENSE = 13
 NUM_TABLES = 26
 SPLIT_NAMES = ("train", "val", "test")
 LABEL_PROBE_ROWS = 1 << 16  # labels checked when a split is opened (every batch's are checked as it is read)
+
+
+def check_labels(labels: np.ndarray, where: Any) -> np.ndarray:
+    """The labels as float32 0/1; anything else (-1/1 labels, soft labels, NaN) is named in one line
+    instead of training on a meaningless loss. Every batch of every format passes here (`BatchIterator`);
+    readers also call it on the rows they check when a file is opened."""
+    values = np.asarray(labels).reshape(-1)
+    bad = (values != 0) & (values != 1)
+    if bad.any():
+        found = ", ".join(sorted({f"{v:g}" for v in values[bad][:1000].tolist()})[:5])
+        raise SlipcacheError(f"{where}: labels must be 0 or 1, found {found} ({int(bad.sum())} of {values.size} read)")
+    return values.astype(np.float32)
 
 
 @dataclass(frozen=True)

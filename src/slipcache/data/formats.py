@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
-import sys
 import zipfile
 import zlib
 from collections.abc import Sequence
@@ -41,8 +41,7 @@ from typing import Any
 import numpy as np
 
 from slipcache.cache_dir import default_cache_root
-from slipcache.data.batches import check_labels
-from slipcache.data.dataset import NUM_DENSE, NUM_TABLES, CriteoDataset, DatasetWriter, SplitArrays
+from slipcache.data.dataset import NUM_DENSE, NUM_TABLES, CriteoDataset, DatasetWriter, SplitArrays, check_labels
 from slipcache.data.layouts import Layout, detect_format
 from slipcache.data.mapped import (
     LazyColumn,
@@ -56,6 +55,8 @@ from slipcache.data.mapped import (
 from slipcache.data.preprocess import dense_transform
 from slipcache.data.sampled import sampled_digest
 from slipcache.errors import SlipcacheError
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("torchrec", "dlrm", "mlperf")
 SPLIT_ORDERS = ("val-test", "test-val")
@@ -455,10 +456,9 @@ def open_any(
     if layout is None:
         return CriteoDataset(path)  # its error says what is missing
     if layout.ignored:
-        print(
+        logger.warning(
             f"{path}: reading {layout.files[0].name}, the DLRM reference's combined file (what its loader reads); "
-            f"the {len(layout.ignored)} per-day files beside it are not read",
-            file=sys.stderr,
+            f"the {len(layout.ignored)} per-day files beside it are not read"
         )
     reason = _needs_conversion(layout)
     if reason is not None:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +34,8 @@ from slipcache.data.dataset import DatasetWriter, check_output_dir, remove_dead_
 from slipcache.errors import RunInterrupted, SlipcacheError
 from slipcache.options import add_progress_flag, seed_arg
 from slipcache.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SPLIT = "0.8,0.1,0.1"
 DEFAULT_MIN_COUNT = 1
@@ -278,7 +280,7 @@ def _preprocess(
         table_sizes = [max_rows] * NUM_CATEGORICAL
         warning = oversized_tables(max_rows, cats)
         if warning:
-            print(f"slipcache preprocess: warning: {warning}", file=sys.stderr)
+            logger.warning(f"slipcache preprocess: warning: {warning}")
 
     # Final pass: write the splits.
     positives = {}
@@ -301,10 +303,10 @@ def _preprocess(
                 positives[name] += float(labels[start:end].sum())
                 bar.update(end - start)
         if vocabulary:
-            arrays = {}
-            for t, (values, rows) in enumerate(vocabulary):
-                arrays[f"t{t}"] = values.astype(np.uint32)
-                arrays[f"ids{t}"] = rows
+            arrays: dict[str, Any] = {}  # numpy's savez types its keywords as allow_pickle's bool
+            for t, (kept_values, value_rows) in enumerate(vocabulary):
+                arrays[f"t{t}"] = kept_values.astype(np.uint32)
+                arrays[f"ids{t}"] = value_rows
             np.savez(writer.staging / "vocab.npz", **arrays)
         del labels, dense, cats
         meta = writer.commit(

@@ -13,6 +13,7 @@ whose collective failed reports that instead (`announce_stop`), once.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from slipcache._native import check_thread_count, usable_cores
 from slipcache.errors import SlipcacheError
 from slipcache.safe_files import open_append
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 120.0  # a rank that stops answering fails the others' collectives after this long
@@ -135,8 +138,8 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedContext | 
     if world_size <= 1:
         if os.environ.get("SLIPCACHE_THREADS"):  # checked, and said once: one process takes --threads
             threads_per_rank(1)
-            print("slipcache train: warning: SLIPCACHE_THREADS sets the threads of torchrun's ranks; one process "
-                  "uses --threads (not set: torch's choice)", file=sys.stderr)
+            logger.warning("slipcache train: warning: SLIPCACHE_THREADS sets the threads of torchrun's ranks; "
+                           "one process uses --threads (not set: torch's choice)")
         return None
     missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:

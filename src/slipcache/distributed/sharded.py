@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from slipcache.distributed.planner import Shard, ShardingPlan
 from slipcache.embedding.collection import (
@@ -35,11 +35,12 @@ from slipcache.embedding.collection import (
     SparseFeatures,
     initial_rows,
 )
+from slipcache.embedding.tables import EmbeddingTables
 from slipcache.errors import InvalidInputError
 
 ID_BYTES = 8  # one int64 per routed lookup
 TRAFFIC_KEYS = ("steps", "samples", "id_bytes", "embedding_bytes", "gradient_bytes")
-_SUMMED_STATS = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "overflow_rows")
+_SUMMED_STATS: tuple[str, ...] = ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out", "overflow_rows")
 _SUMMED_STATS += ("bytes_in", "bytes_out", "cache_rows")
 
 
@@ -90,7 +91,7 @@ def _exchange(
     return out
 
 
-class ShardedEmbeddingCollection(nn.Module):
+class ShardedEmbeddingCollection(EmbeddingTables):
     """The tables of `config`, placed by `plan`; this process holds rank `rank`'s shards.
 
     forward(ids [b, T]) -> [b, T, D] for this rank's slice of the global batch; every rank of the group
@@ -98,6 +99,13 @@ class ShardedEmbeddingCollection(nn.Module):
     `CachedEmbeddingBagCollection(config)`: both take them from `initial_rows`, each rank keeping its
     shards' rows. Stochastic rounding draws from a stream per rank (seed + rank).
     """
+
+    # buffers (register_buffer), declared for the type checker
+    table_offsets: Tensor
+    _shard_starts: Tensor
+    _shard_rank: Tensor
+    _shard_local_table: Tensor
+    _local_tables_of_rank: Tensor
 
     fused_update = True
 
@@ -410,6 +418,8 @@ def shard_config(config: EmbeddingConfig, shards: list[Shard], rank: int) -> Emb
     """The local collection's config: the shards as its tables; a cache fraction applies per shard, a
     cache row count is shared in proportion to rows."""
     rows = sum(s.rows for s in shards)
+    if isinstance(config.cache_rows, list):
+        raise InvalidInputError("cache rows per table are not sharded over processes: give one count, or --cache-size")
     cache_rows = None if config.cache_rows is None else math.ceil(config.cache_rows * rows / config.num_rows)
     return dataclasses.replace(
         config,

@@ -24,6 +24,7 @@ Cache statistics and memory are collectives that sum over ranks and keep each ra
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
 from dataclasses import asdict
@@ -50,6 +51,8 @@ from slipcache.training.backend import RunBackend
 from slipcache.training.run_state import TrainingCheckpoint, check_checkpoint
 from slipcache.training.rundir import load_training_checkpoint
 from slipcache.training.runlock import RunLock
+
+logger = logging.getLogger(__name__)
 
 PLAN_FILE = "plan.json"
 # Settings that may differ by rank: who shows progress, where each node reads its data (the fingerprint
@@ -84,6 +87,8 @@ def _sum_gradients(state, bucket):  # noqa: ANN001, ANN201 - DDP checks real ann
 class DistributedDLRM(nn.Module):
     """DLRM over N ranks with DLRM's interface: global batch in, global logits out (see module doc)."""
 
+    ddp: DistributedDataParallel  # set through __dict__ in __init__: not a child module
+
     def __init__(self, model: DLRM, ctx: DistributedContext) -> None:
         super().__init__()
         self.inner = model
@@ -98,7 +103,9 @@ class DistributedDLRM(nn.Module):
 
     @property
     def embeddings(self) -> ShardedEmbeddingCollection:
-        return self.inner.embeddings
+        tables = self.inner.embeddings
+        assert isinstance(tables, ShardedEmbeddingCollection)  # build_model made them
+        return tables
 
     @property
     def config(self) -> ModelConfig:
@@ -124,7 +131,7 @@ class DistributedDLRM(nn.Module):
         local = self.ddp(dense.to(device), sparse.to(device))
         return _GatherLogits.apply(local, sizes, rank).to(dense.device)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # torch's overloads
         return self.inner.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -230,7 +237,7 @@ class DistributedBackend(RunBackend):
         # Every rank has checked the run directory by now; from here on the others write their logs in it.
         dist.barrier()
         if self.is_main:
-            print(self.plan.format_table())
+            logger.info(self.plan.format_table())
             write_atomic(run_dir / PLAN_FILE, json.dumps(self.plan.to_dict(), indent=2) + "\n")
         else:
             redirect_output(run_dir, self.ctx.rank)
@@ -248,6 +255,7 @@ class DistributedBackend(RunBackend):
         from slipcache.model import DENSE_ADVICE, DENSE_PART
 
         dense = model_bytes(config.model_config(table_sizes, num_dense), config.batch_size, config.dense_optimizer)
+        assert self.plan is not None  # planned before the tables are priced
         shards = self.plan.shards_of(self.ctx.rank)
         what = f"rank {self.ctx.rank}'s tables"
         if shards and torch.device(tables_config.storage_device).type == "cpu":
@@ -321,7 +329,7 @@ class DistributedBackend(RunBackend):
 
     def _say(self, line: str) -> None:
         if self.is_main:
-            print(line, flush=True)
+            logger.info(line)
 
     # ------------------------------------------------------------------------------------- summary
     def summary(self, model: DistributedDLRM) -> dict[str, Any]:

@@ -123,7 +123,7 @@ class TrafficCounters:
         per_table_counts = self.counts.cpu().tolist()
 
         def summarize(counts: list[int]) -> dict[str, Any]:
-            entry = dict(zip(COUNTERS, counts, strict=True))
+            entry: dict[str, Any] = dict(zip(COUNTERS, counts, strict=True))
             entry["hit_rate"] = entry["hits"] / entry["lookups"] if entry["lookups"] else None
             return entry
 
@@ -193,7 +193,7 @@ def _memory_per_table(
     sizes = zip(config.table_sizes, row_bytes(storage, config.precisions), strict=True)
     for t, (size, (payload, params)) in enumerate(sizes):
         slots = cache.part_slots[t] if cache.partitioned else None
-        entry = {
+        entry: dict[str, Any] = {
             "table": names[t],
             "precision": config.precisions[t],
             "storage_payload": size * payload,

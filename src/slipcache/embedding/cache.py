@@ -50,6 +50,16 @@ class RowCache(nn.Module):
     version knows its slots still hold them while the version is the same.
     """
 
+    # buffers (register_buffer), declared for the type checker
+    weights: Tensor
+    slot_rows: Tensor
+    last_used: Tensor
+    use_count: Tensor  # the counting policies only
+    _way_index: Tensor
+    _part_rows: Tensor
+    _part_sets: Tensor
+    _part_identity: Tensor
+
     def __init__(
         self,
         capacity: int | list[int],

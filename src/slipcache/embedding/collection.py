@@ -27,7 +27,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm import tqdm
 
 from slipcache._native import quantize
@@ -41,6 +41,7 @@ from slipcache.embedding.prefetch import Prefetcher
 from slipcache.embedding.quant import RowStorage, TableRowStorage
 from slipcache.embedding.replicas import refuse_replicated_training
 from slipcache.embedding.scratch import Scratch
+from slipcache.embedding.tables import EmbeddingTables
 from slipcache.embedding.update import FusedOptimizer
 from slipcache.embedding.writeback import RowWriter
 from slipcache.errors import InvalidInputError, SlipcacheError
@@ -77,12 +78,18 @@ def _init_chunk_rows(dim: int) -> int:
     return max(1, _INIT_CHUNK_VALUES // max(dim, 1))
 
 
-class CachedEmbeddingBagCollection(nn.Module):
+class CachedEmbeddingBagCollection(EmbeddingTables):
     """Embedding bags over many tables: low-precision storage, an fp32 cache, a fused optimizer.
 
     forward(ids [B, T] or SparseFeatures) -> pooled [B, T, D]. In training mode with gradients enabled,
     backward updates the rows; otherwise lookups are read-only and leave the cache as it is.
     """
+
+    # buffers (register_buffer), declared for the type checker
+    table_offsets: Tensor
+    _table_sizes: Tensor
+    optimizer_state: Tensor
+    counters: Tensor
 
     fused_update = True
     # True for one rank's shards inside slipcache's sharded collection: meant to differ by rank (replicas.py)

@@ -148,7 +148,9 @@ class EmbeddingConfig:
             return sum(self.cache_capacities)
         if self.policy == "none":
             return 0
-        return _capacity(self.num_rows, self.cache_size, self.cache_rows)
+        share, count = self.cache_size, self.cache_rows
+        assert not isinstance(share, list) and not isinstance(count, list)  # one cache: single values
+        return _capacity(self.num_rows, share, count)
 
 
 def _capacity(rows: int, share: float, count: int | None) -> int:

@@ -169,7 +169,7 @@ class StorageFile:
         if self.fd is None:
             raise SlipcacheError("an empty storage file holds no bytes to write")
         if isinstance(data, Tensor):
-            data = memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy())
+            data = data.contiguous().reshape(-1).view(torch.uint8).numpy().data
         view = data.cast("B")
         while view:
             written = os.pwrite(self.fd, view, offset)
@@ -200,6 +200,8 @@ READ_AHEAD_PIECE = 1 << 20
 
 def _advise_range(start: int, end: int, advice: int) -> None:
     """madvise on the addresses [start, end), start on a page, in pieces of at most READ_AHEAD_PIECE."""
+    if _MADVISE is None:  # the callers ask only where there is one
+        return
     for address in range(start, end, READ_AHEAD_PIECE):
         _MADVISE(address, min(READ_AHEAD_PIECE, end - address), advice)
 

@@ -64,7 +64,7 @@ def eviction_key(distance: Tensor, beyond: Tensor, window: int) -> Tensor:
 
 
 def belady_hits(
-    trace: Sequence[Tensor], capacity: int, num_rows: int | None = None
+    trace: Sequence[Tensor] | Tensor, capacity: int, num_rows: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Hits per batch of `trace` (global rows, one tensor per batch) on a fully associative cache of
     `capacity` rows run by Belady's rule with the whole future known: int64 [batches] twice, lookups and

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -24,7 +24,6 @@ from slipcache.errors import SlipcacheError
 if TYPE_CHECKING:
     from slipcache.embedding.inputs import LookupInputs, _Lookup
     from slipcache.embedding.lookahead import Window
-    from slipcache.embedding.update import FusedOptimizer
 
 # Counter columns the fused forward adds to in its compiled pass.
 _FUSED_COLUMNS = (COUNTERS.index("lookups"), COUNTERS.index("hits"), COUNTERS.index("misses"))
@@ -55,6 +54,12 @@ class _StepPlan:
     gathered: Tensor | None = None  # [L, D] values the fused forward already gathered (taken by the forward)
 
 
+class GradientReceiver(Protocol):
+    """What a forward's backward hands its gradient to (`update.FusedOptimizer`), with the forward's plan."""
+
+    def receive(self, plan: _StepPlan, grad: Tensor) -> None: ...
+
+
 class _FusedLookup(torch.autograd.Function):
     """Pooled embeddings forward; the optimizer update at the end of the backward pass (no dense gradient).
 
@@ -67,7 +72,7 @@ class _FusedLookup(torch.autograd.Function):
     def forward(
         ctx: Any,
         anchor: Tensor,
-        parts: tuple[LookupInputs, StepPlanner, FusedOptimizer],
+        parts: tuple[LookupInputs, StepPlanner, GradientReceiver],
         lookup: _Lookup,
         plan: _StepPlan,
     ) -> Tensor:
@@ -186,7 +191,7 @@ class StepPlanner:
             any_miss = bool(miss.any())
         clock.lap("lookup")
         storage_rows = storage_index = rows.new_empty(0)
-        if any_miss:
+        if any_miss and miss is not None:
             positions = torch.nonzero(miss).squeeze(1)  # found once, used for every write below
             missing, miss_inverse, uses = torch.unique(
                 rows.index_select(0, positions), return_inverse=True, return_counts=True

@@ -14,7 +14,8 @@ are counted per row and reported by the collection's `stats()`. No byte is added
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -184,6 +185,11 @@ class RowStorage(nn.Module):
     state or a device move): a copy of rows read at one version is still current while it is the same.
     """
 
+    # buffers (register_buffer), declared for the type checker
+    payload: Tensor
+    bias: Tensor  # integer precisions only
+    scale_code: Tensor  # integer precisions only
+
     def __init__(
         self,
         num_rows: int,
@@ -258,10 +264,10 @@ class RowStorage(nn.Module):
         rows = rows.to(self.payload.device)
         on_cpu = torch.device(device).type == "cpu" and self.payload.device.type == "cpu"
         if on_cpu and self.dim and quantize.available():
-            buffers = list(self.buffers())  # payload, and bias and scale code for the int precisions
-            buffers += [None] * (3 - len(buffers))
+            ints = self.precision in INT_BITS  # bias and scale code beside the payload
             return quantize.dequantize_rows(
-                self.precision, *buffers, scales=_SCALES, rows=rows.long().contiguous(), dim=self.dim
+                self.precision, self.payload, self.bias if ints else None, self.scale_code if ints else None,
+                scales=_SCALES, rows=rows.long().contiguous(), dim=self.dim,
             )
         payload = self.payload.index_select(0, rows).to(device, non_blocking=True)
         if self.precision in FLOAT_DTYPES:
@@ -320,10 +326,9 @@ class RowStorage(nn.Module):
                 noise = random_uniform(shape, generator, values.device)
         bad = torch.empty(n, dtype=torch.uint8)
         limit, max_span = VALUE_LIMIT[self.precision], INT_MAX_SPAN[bits] if bits else None
-        kwargs = {"scales": _SCALES}
         count = quantize.quantize_rows(
             values, self.precision, *targets, noise=noise, rows=rows, bad=bad, limit=limit, max_span=max_span,
-            source=source, **kwargs,
+            source=source, scales=_SCALES,
         )
         if not count:
             return Fitted(values, None, None)
@@ -332,7 +337,7 @@ class RowStorage(nn.Module):
         # Fitted rows are stored as they are (a window's float rounding may exceed max_span by an ulp).
         quantize.quantize_rows(
             fitted.values.contiguous(), self.precision, *targets, noise=None if noise is None else noise[fix],
-            rows=fix if rows is None else rows[fix], limit=float("inf"), **kwargs,
+            rows=fix if rows is None else rows[fix], limit=float("inf"), scales=_SCALES,
         )
         counts = []
         for part in (fitted.saturated, fitted.nonfinite):
@@ -395,6 +400,11 @@ class TableRowStorage(nn.Module):
     `RowStorage`, as before.
     """
 
+    # buffers (register_buffer), declared for the type checker
+    _offsets: Tensor
+    _table_part: Tensor
+    _local_start: Tensor
+
     def __init__(
         self,
         table_sizes: list[int],
@@ -412,7 +422,9 @@ class TableRowStorage(nn.Module):
         for size, precision in zip(table_sizes, precisions, strict=True):
             local_start.append(rows_in[precision])
             rows_in[precision] += size
-        self.parts = nn.ModuleDict({p: RowStorage(rows_in[p], dim, p, device, empty=empty, path=path) for p in kinds})
+        parts = nn.ModuleDict({p: RowStorage(rows_in[p], dim, p, device, empty=empty, path=path) for p in kinds})
+        # A ModuleDict (the parts are child modules: state dict, device moves); to a type checker, what it is here.
+        self.parts = cast("Mapping[str, RowStorage]", parts)
         self._kinds = kinds
         offsets = torch.zeros(len(table_sizes) + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor(table_sizes, dtype=torch.int64), 0, out=offsets[1:])

@@ -14,7 +14,7 @@ them `sharded_by_slipcache`), or be marked as an independent replica on purpose
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch.distributed as dist
 from torch import nn
@@ -35,11 +35,18 @@ REFUSAL = (
 )
 
 
+@runtime_checkable
+class _MayDiverge(Protocol):
+    """A collection that declares the flag (its class sets `independent_replica = False`)."""
+
+    independent_replica: bool
+
+
 def allow_independent_replicas(module: Module) -> Module:
     """Mark every `CachedEmbeddingBagCollection` in `module` as a replica that may diverge on purpose
     (e.g. independent runs of a sweep inside one torchrun job); returns `module`."""
     # The collections are told by the flag their class declares (collection.py imports this module).
-    found = [m for m in module.modules() if hasattr(type(m), "independent_replica")]
+    found = [m for m in module.modules() if isinstance(m, _MayDiverge)]
     if not found:
         raise SlipcacheError(f"{type(module).__name__} holds no CachedEmbeddingBagCollection to mark")
     for collection in found:

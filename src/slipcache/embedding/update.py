@@ -229,6 +229,7 @@ class FusedOptimizer:
         elif self.config.optimizer == "adam":
             step = self._adam_step(rows, grad)
         else:
+            assert self.state is not None  # Adagrad's sums
             return kernels.adagrad_update(target, slots, self.state, rows, grad, self.lr, self.config.eps)
         if slots is None:
             target.add_(step)
@@ -239,6 +240,7 @@ class FusedOptimizer:
     def _adam_step(self, rows: Tensor, grad: Tensor) -> Tensor:
         """Adam's moments of unique `rows` updated (rows a step does not touch keep theirs) and the update
         to add, bias-corrected by the number of steps taken."""
+        assert self.state is not None  # Adam's moments
         state_rows = rows.to(self.state.device)
         beta1, beta2 = self.config.beta1, self.config.beta2
         moments = self.state[state_rows].to(self.device)

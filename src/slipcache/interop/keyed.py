@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -123,12 +123,14 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
             _Group(g, members, [feature_of[i] for i in members]) for g, members in enumerate(keys.values())
         ]
         self.placement = _placement(device)
-        self.collections = nn.ModuleList(
+        collections = nn.ModuleList(
             CachedEmbeddingBagCollection(
                 group_config([tables[i] for i in g.tables], options, **self.placement)
             )
             for g in self._groups
         )
+        # A ModuleList (child modules: state dict, device moves); to a type checker, what it holds.
+        self.collections = cast("Sequence[CachedEmbeddingBagCollection]", collections)
         if self.placement.get("storage_device") != "meta":
             self._draw_custom_rows(int(options.get("seed", 0)))
         self._feature_dims = [int(t.embedding_dim) for t in tables for _ in t.feature_names]

@@ -84,7 +84,9 @@ def table_precision(options: Mapping[str, Any], table: Any) -> str:
         )
     given = table_value(options, "precision", table, None)
     if data_type == "FP32":  # the field's default: the precision option decides
-        return given if given is not None else EmbeddingConfig.precision
+        default = EmbeddingConfig.precision  # one precision for every table
+        assert isinstance(default, str)
+        return given if given is not None else default
     if given is not None and given != DATA_TYPES[data_type]:
         raise SlipcacheError(
             f"table {table.name!r}: precision={given!r} contradicts its data_type {data_type}; give one of them"

@@ -28,12 +28,17 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharding_spec import ShardMetadata
-from torch.nn.modules.module import _IncompatibleKeys
 
 from slipcache.errors import InvalidInputError
 from slipcache.interop.torchrec_weights import torchrec_key
+from slipcache.torch_private import (
+    IncompatibleKeys,
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    sharded_tensor_from_local_shards,
+)
 
 
 def sharded_state_dict(module: Any, destination: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -41,15 +46,15 @@ def sharded_state_dict(module: Any, destination: dict[str, Any], prefix: str) ->
     pieces = _local_rows(module)
     for name, metadata in module.global_metadata().items():
         shards = [Shard(rows, table.local_metadata) for table, rows in pieces if table.name == name]
-        destination[prefix + torchrec_key(name)] = ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, metadata, process_group=module.process_group
+        destination[prefix + torchrec_key(name)] = sharded_tensor_from_local_shards(
+            shards, metadata, module.process_group
         )
     return destination
 
 
 def _local_rows(module: Any) -> list[tuple[Any, Tensor]]:
     """(TorchRec's shard description, fp32 rows) of every shard this rank holds."""
-    pieces = []
+    pieces: list[tuple[Any, Tensor]] = []
     for lookup, tables in zip(module.lookups, module.local_tables, strict=True):
         if tables:
             pieces.extend(zip(tables, lookup.export_tables(), strict=True))
@@ -58,7 +63,7 @@ def _local_rows(module: Any) -> list[tuple[Any, Tensor]]:
 
 def load_sharded_state_dict(
     module: Any, state_dict: Mapping[str, Any], strict: bool = True
-) -> _IncompatibleKeys:
+) -> IncompatibleKeys:
     """Rows of each shard this rank holds from TorchRec-keyed values: ShardedTensors (their local shard of
     the same placement) or whole fp32 tables (their columns of it)."""
     expected = {torchrec_key(name): name for name in module.global_metadata()}
@@ -71,7 +76,7 @@ def load_sharded_state_dict(
         if not tables or any(torchrec_key(t.name) not in state_dict for t in tables):
             continue
         lookup.load_tables([_shard_rows(state_dict[torchrec_key(t.name)], t) for t in tables])
-    return _IncompatibleKeys(missing, unexpected)
+    return IncompatibleKeys(missing, unexpected)
 
 
 def _shard_rows(value: Any, table: Any) -> Tensor:
@@ -153,8 +158,8 @@ def optimizer_state(module: Any) -> dict[str, dict[str, Any]]:
             for key, (tensor, local_metadata) in parts.items():
                 values.setdefault(key, []).append(Shard(tensor, local_metadata))
         state[name] = {
-            f"{name}.{key}": ShardedTensor._init_from_local_shards_and_global_metadata(
-                shards_of_key, metadata, process_group=module.process_group
+            f"{name}.{key}": sharded_tensor_from_local_shards(
+                shards_of_key, metadata, module.process_group
             )
             for key, shards_of_key in values.items()
         }

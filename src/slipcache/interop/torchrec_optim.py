@@ -46,7 +46,7 @@ class CachedTablesOptimizer(FusedOptimizer):
         self._read: dict[Tensor, dict[str, Any]] = {}
         super().__init__(params, {}, [group])
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> dict[Tensor, dict[str, Any]]:
         """Copies of the tables' optimizer state, by placeholder param (what state_dict() saves)."""
         read = optimizer_state(self._module)

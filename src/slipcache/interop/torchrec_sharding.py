@@ -17,8 +17,8 @@ on CPU), and it is untested here until a GPU is at hand. gloo has the collective
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -112,6 +112,9 @@ class ShardedKeyedCachedEmbeddingBagCollection(
     learning rate and weight decay (`torchrec_optim.py`).
     """
 
+    # buffers (register_buffer), declared for the type checker
+    _columns: Tensor
+
     def __init__(
         self,
         module: KeyedCachedEmbeddingBagCollection,
@@ -133,9 +136,9 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         tables = None if module.placement.get("storage_device") == "meta" else module.export_tables()
         # per sharding type: TorchRec's description of each shard this rank holds, in its lookup's order
         self.local_tables = [_tables_of_rank(sharding, env.rank) for sharding in self._shardings]
-        self.lookups = nn.ModuleList(
-            _local_lookup(module, mine, params, device, tables) for mine in self.local_tables
-        )
+        lookups = nn.ModuleList(_local_lookup(module, mine, params, device, tables) for mine in self.local_tables)
+        # A ModuleList (child modules: state dict, device moves); to a type checker, what it holds.
+        self.lookups = cast("Sequence[KeyedCachedEmbeddingBagCollection | _NoShards]", lookups)
         self._input_order: list[int] | None = None  # the input KJT's features in the shardings' order
         self._input_keys: list[str] = []
         self._dist_names = [n for s in self._shardings for n in s.embedding_names()]
@@ -284,7 +287,9 @@ class _NoShards(nn.Module):
     feature_names: list[str] = []
 
 
-def _local_pooled(lookup: nn.Module, features: KeyedJaggedTensor, batch: int, training: bool) -> Tensor:
+def _local_pooled(
+    lookup: KeyedCachedEmbeddingBagCollection | _NoShards, features: KeyedJaggedTensor, batch: int, training: bool
+) -> Tensor:
     """Pooled [global batch, this rank's columns] of the features the input distribution delivered."""
     if isinstance(lookup, _NoShards):
         return torch.zeros(batch, 0).requires_grad_(training and torch.is_grad_enabled())

@@ -63,6 +63,7 @@ def plot_curves(plan: Plan, path: Path) -> None:
     by_size = sorted(range(len(plan.rows)), key=lambda t: -plan.rows[t])
     named = {t: colour for t, colour in zip(by_size[:NAMED_CURVES], plt.get_cmap("tab10").colors, strict=False)}
     rest = by_size[NAMED_CURVES:]
+    label: str | None
     for t in by_size:  # the legend lists the named tables largest first
         (sizes, hits), choice = plan.curves[t], plan.choices[t]
         cached = sizes > 0

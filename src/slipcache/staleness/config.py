@@ -105,7 +105,7 @@ class StalenessConfig:
 
 SKIP_RULES = ("stale", "random", "loss")  # `--skip-rule`: what decides which inputs are not trained
 SKIP_RULE_HELP = (
-    "turn skipping on (off by default): stale = Slipstream's stale inputs (--skip-stale); random = the same "
+    "turn skipping on (off by default): stale = Slipstream's stale inputs; random = the same "
     "share of hot inputs (--stale-target) skipped at random, the equal-compute control; loss = prune "
     "--prune-share of the below-mean-loss inputs, the kept ones weighted up. Measured on generator v4: no "
     "staleness rule beats random skipping at the same share, and no rule reaches 1.25x time to target "

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from slipcache._moved import moved_names
 from slipcache.errors import InvalidInputError
 from slipcache.staleness.config import StalenessConfig
 from slipcache.staleness.filtering import Counters as _Counters
@@ -41,19 +40,13 @@ from slipcache.staleness.threshold import ThresholdResult, fit_threshold
 
 __all__ = ["EmbeddingRowSource", "HotSet", "StaleInputDetector", "StalenessConfig", "ThresholdResult"]
 
-# Old paths of names that moved out of this module: each warns once.
-__getattr__ = moved_names(__name__, {
-    "RULES": "slipcache.staleness.config.RULES",
-    "GuardDecision": "slipcache.staleness.guard.GuardDecision",
-    "HotIndex": "slipcache.staleness.hotset.HotIndex",
-    "SkipGuard": "slipcache.staleness.guard.SkipGuard",
-})
-
 _STATE_VERSION = 3
 
 
 class StaleInputDetector:
     """Drives one Slipstream cycle per epoch; the trainer calls it between batches (see module docstring)."""
+
+    _flagged: np.ndarray | None  # the rows whose flag bytes may be non-zero
 
     def __init__(self, config: StalenessConfig, table_offsets: np.ndarray | torch.Tensor, dim: int) -> None:
         offsets = np.asarray(_to_numpy(table_offsets), dtype=np.int64).reshape(-1)
@@ -99,7 +92,7 @@ class StaleInputDetector:
 
     def _reset_epoch_state(self) -> None:
         self._row_flags = np.zeros(int(self.table_offsets[-1]), dtype=np.uint8)
-        self._flagged: np.ndarray | None = None  # the rows whose flag bytes may be non-zero
+        self._flagged = None
         self._fit_positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (sample, pos, hit) memo
         self.hot: HotSet | None = None
         self.threshold_result: ThresholdResult | None = None
@@ -140,7 +133,7 @@ class StaleInputDetector:
         cfg = self.config
         self.set_hot(select_hot(sparse_sample, self.table_offsets, cfg.max_hot_rows(int(self.table_offsets[-1]),
                                 self.dim), cfg.hot_set, cfg.hot_min_rate, cfg.seed))
-        return self.hot
+        return self._require_hot()
 
     def set_hot(self, hot: HotSet) -> None:
         """Install a hot set (from ``profile`` or a filtered one) and clear what was measured on the last."""
@@ -173,7 +166,7 @@ class StaleInputDetector:
         self._window_open = True
         self._since_snapshot = 0
 
-    def end_window(self, coll: EmbeddingRowSource) -> torch.Tensor:
+    def end_window(self, coll: EmbeddingRowSource) -> np.ndarray:
         """Measure the hot rows after the window; returns the rule's per-row score."""
         if not self._window_open:
             raise InvalidInputError("end_window called without begin_window")
@@ -464,8 +457,11 @@ class StaleInputDetector:
         if int(state["dim"]) != self.dim or not np.array_equal(offsets, self.table_offsets):
             raise InvalidInputError("staleness state was saved for a different embedding geometry")
 
-        def array(t: torch.Tensor | None) -> np.ndarray | None:
-            return None if t is None else t.numpy().copy()
+        def array(t: torch.Tensor) -> np.ndarray:
+            return t.numpy().copy()
+
+        def maybe_array(t: torch.Tensor | None) -> np.ndarray | None:
+            return None if t is None else array(t)
 
         self._reset_epoch_state()
         self.epoch = int(state["epoch"])
@@ -477,7 +473,7 @@ class StaleInputDetector:
         res = state["threshold_result"]
         self.threshold_result = ThresholdResult(**res) if res else None
         self._stale_flags = array(state["stale_flags"]).astype(bool)
-        self._fit_sample = array(state["fit_sample"])
+        self._fit_sample = maybe_array(state["fit_sample"])
         self._window_open = bool(state["window_open"])
         self._window_batches = int(state["window_batches"])
         self._since_snapshot = int(state["since_snapshot"])

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 from slipcache.callback import Callback
+from slipcache.embedding.collection import CachedEmbeddingBagCollection
 from slipcache.errors import SlipcacheError
+from slipcache.model import TorchEmbeddingBagCollection
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.order import HotInputs, schedule_fields
 from slipcache.staleness.schedule import window_plan
@@ -40,9 +42,10 @@ class FreezeRows(Callback):
 
     def __init__(self, run: Run, hot_inputs: HotInputs | None) -> None:
         config = run.config
-        self.coll = run.model.embeddings
-        if not hasattr(self.coll, "write_rows"):
+        tables = run.model.embeddings
+        if not isinstance(tables, (TorchEmbeddingBagCollection, CachedEmbeddingBagCollection)):
             raise SlipcacheError("freeze_rows needs embeddings that can be written row by row: train in one process")
+        self.coll = tables
         self.config, self.hot_inputs = config, hot_inputs
         self.split, self.batches_per_epoch = run.dataset.split("train"), run.batches_per_epoch
         self.mode, self.share = str(config.freeze_rows), float(config.freeze_share)
@@ -82,7 +85,9 @@ class FreezeRows(Callback):
     def _open(self) -> None:
         det = self.detector
         if self.hot_inputs is not None:
-            det.set_hot(self.hot_inputs.hot)  # the hot set the epoch's order was cut by
+            hot = self.hot_inputs.hot
+            assert hot is not None  # the epoch's order was cut by it, before its first batch
+            det.set_hot(hot)
         else:
             n = len(self.split)
             det.profile(self.split.sparse[det.sample_indices(n, det.config.profile_fraction, "profile")])

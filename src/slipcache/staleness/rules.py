@@ -177,6 +177,7 @@ class ConvergenceRule:
         estimated = self.updates / self.config.count_share
         ready = np.flatnonzero(estimated >= self.config.min_updates)
         if ready.size:
+            assert self.base is not None  # begin_window read it
             idx = torch.from_numpy(ready)
             now = read(hot.rows[ready])
             change = (now - self.base[idx]).abs().amax(dim=1)
@@ -252,4 +253,7 @@ class RandomRule:
 
 def make_rule(config: StalenessConfig) -> PaperRule | ConvergenceRule | RandomRule:
     """The strategy object for ``config.rule``."""
-    return {"paper": PaperRule, "convergence": ConvergenceRule, "random": RandomRule}[config.rule](config)
+    rules: dict[str, type[PaperRule | ConvergenceRule | RandomRule]] = {
+        "paper": PaperRule, "convergence": ConvergenceRule, "random": RandomRule
+    }
+    return rules[config.rule](config)

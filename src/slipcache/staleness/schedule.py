@@ -82,7 +82,9 @@ class ScheduledSkipper(StaleSkipper):
             super()._open_window()
             return
         det = self.detector
-        det.set_hot(self.hot_inputs.hot)  # the hot set the epoch's order was cut by
+        hot = self.hot_inputs.hot
+        assert hot is not None  # the epoch's order was cut by it, before its first batch
+        det.set_hot(hot)
         det.begin_window(self.coll)
         self.window_start = self.batch
 

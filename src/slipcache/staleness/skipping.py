@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from slipcache.data.batches import Batch
 from slipcache.data.dataset import SplitArrays
+from slipcache.embedding.tables import ReleasesRows
 from slipcache.model import DLRM
 from slipcache.staleness.calibration import LabelCounts
 from slipcache.staleness.config import GuardConfig
@@ -220,7 +221,7 @@ class StaleSkipper:
         elif rechecked and self.refit:
             det.refit()
             self.refits += 1
-        if rechecked and self.release_cache and det.skipping:
+        if rechecked and self.release_cache and det.skipping and isinstance(self.coll, ReleasesRows):
             self.released_rows += int(self.coll.release_rows(torch.from_numpy(det.stale_rows())))
         t3 = time.perf_counter()
         if self.guard_every and self.batch % self.guard_every == 0:

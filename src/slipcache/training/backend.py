@@ -10,6 +10,7 @@ knows only one-process files; a step directory of N processes is read by the rea
 
 from __future__ import annotations
 
+import logging
 import typing
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,10 @@ from slipcache.training.runlock import RunLock
 from slipcache.training.step_reader import read_step
 
 if typing.TYPE_CHECKING:
-    from torch import nn
 
     from slipcache.training.config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 
 def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int, *, draw_rows: bool = True) -> DLRM:
@@ -44,7 +46,7 @@ def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int, *, 
     return DLRM(model_config, embeddings)
 
 
-def dense_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+def dense_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer:
     """The MLPs' optimizer (`--dense-optimizer`, one of config.DENSE_OPTIMIZERS) at `--dense-lr`, else `--lr`."""
     params, lr = model.dense_parameters(), config.dense_lr or config.lr
     if config.dense_optimizer == "adagrad":
@@ -54,7 +56,7 @@ def dense_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimi
     return torch.optim.SGD(params, lr=lr)
 
 
-def embedding_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer | None:
+def embedding_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer | None:
     """A torch optimizer for embeddings without a fused update (the baseline); sparse gradients."""
     if model.embeddings.fused_update:
         return None
@@ -132,7 +134,7 @@ class LocalBackend(RunBackend):
         if path.is_dir():  # a step of N processes: read by its writer's reader, its tables gathered into one
             checkpoint = read_step(path)
             if checkpoint.resharding:
-                print(checkpoint.resharding)
+                logger.info(checkpoint.resharding)
             return checkpoint
         if home is not None and path.name == ckpt.LATEST and not has_checkpoint(home):
             return None

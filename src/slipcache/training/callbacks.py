@@ -4,6 +4,7 @@ directory's files. The hooks a feature implements: `slipcache.callback.Callback`
 from __future__ import annotations
 
 import json
+import logging
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,8 @@ from slipcache.training.rundir import write_events, write_json
 if typing.TYPE_CHECKING:
     from slipcache.data.batches import Batch, SampleFilter
     from slipcache.training.run import Run
+
+logger = logging.getLogger(__name__)
 
 
 class Callbacks:
@@ -132,10 +135,10 @@ class MetricsLog(Callback):
     def on_start(self, run: Run) -> None:
         write_json(run.run_dir / "config.json", run.config_dict)
         write_events(run.run_dir / "metrics.jsonl", run.progress.events)  # a resumed run drops later events
-        print(f"run: {run.run_dir}", flush=True)  # where the files are, before the long part
+        logger.info(f"run: {run.run_dir}")  # where the files are, before the long part
         if run.progress.samples and not run.more_epochs():
-            print(f"the run was already complete ({run.progress.samples:,} samples trained): nothing to train; "
-                  "its test metrics again", flush=True)
+            logger.info(f"the run was already complete ({run.progress.samples:,} samples trained): nothing to train; "
+                        "its test metrics again")
 
     def on_event(self, run: Run, event: dict[str, Any]) -> None:
         with open_append(run.run_dir / "metrics.jsonl") as f:  # a link there is refused, never followed

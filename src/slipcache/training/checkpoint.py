@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 from torch import Tensor
@@ -107,7 +107,7 @@ class RawTensor:
 
 def _bytes_of(tensor: Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _split_raw(obj: Any, raw: list[tuple[Tensor, dict[str, Any]]]) -> Any:
@@ -176,7 +176,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path
             offset = f.tell()
             payload = _HashingWriter(f)
             try:
-                torch.save(small, payload)
+                torch.save(small, cast(BinaryIO, payload))  # a file to torch: it only writes and flushes
             except RuntimeError:
                 if payload.error is not None:  # e.g. ENOSPC, which torch's zip writer turns into a RuntimeError
                     raise payload.error from None
@@ -245,7 +245,7 @@ def save_run_checkpoint(
     return latest
 
 
-def tensor_bytes(obj: Any, kind: type = Tensor) -> int:
+def tensor_bytes(obj: Any, kind: type[Tensor] | type[RawTensor] = Tensor) -> int:
     """Bytes of every `kind` in a nested state: of Tensor, what a checkpoint of it holds (less its small
     payload); of RawTensor, what `materialize` will read of a lazy one."""
     if isinstance(obj, kind):
@@ -338,7 +338,7 @@ def _raw_record(record: dict[str, Any], path: Path) -> RawTensor:
             f"checkpoint {path} is corrupt (a tensor record is damaged: {field} {record.get(field)!r:.60})"
         )
 
-    dtype = getattr(torch, record.get("dtype"), None) if isinstance(record.get("dtype"), str) else None
+    dtype = getattr(torch, str(record.get("dtype")), None) if isinstance(record.get("dtype"), str) else None
     if not isinstance(dtype, torch.dtype):
         raise bad("dtype")
     shape = record.get("shape")
@@ -365,7 +365,7 @@ def _stream_raw(raw: RawTensor, into: memoryview | None, put: Callable[[int, mem
             stop = min(start + CHUNK_BYTES, raw.nbytes)
             target = into[start:stop] if into is not None else memoryview(scratch)[: stop - start]  # type: ignore[arg-type]
             f.seek(raw.offset + start)  # one file shared by many tensors: each read says where
-            got = f.readinto(target)
+            got = cast(io.BufferedIOBase, f).readinto(target)  # a file opened "rb", as raw.source is
             if got != stop - start:
                 raise CorruptCheckpointError(f"checkpoint {raw.path} is corrupt (truncated tensor bytes)")
             sha.update(target)

@@ -10,7 +10,6 @@ from typing import Any
 
 from slipcache.errors import SlipcacheError
 from slipcache.options import (
-    DeprecatedFlag,
     add_huge_pages_flag,
     add_progress_flag,
     add_threads_flag,
@@ -104,9 +103,6 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eval-samples", dest="samples", metavar="N", type=positive_int, default=None,
         help="evaluate the first N samples of the split, as `train --eval-samples` (default: all)",
-    )
-    parser.add_argument(  # `--samples` means samples to train (train, bench train) or generate (synth)
-        "--samples", dest="samples", type=int, action=DeprecatedFlag, new="--eval-samples", help=argparse.SUPPRESS
     )
     add_threads_flag(parser)
     add_huge_pages_flag(parser)

@@ -7,8 +7,8 @@ Each setting is described once, by `_flag` in its field's metadata (`training/se
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,8 @@ from slipcache.staleness.config import (
 from slipcache.staleness.skipping import DECISIONS, WARMUPS
 from slipcache.training.settings import _digits, coerce, part_options, read_settings_file, setting_name
 from slipcache.training.settings import flag as _flag  # the one way a setting is described
+
+logger = logging.getLogger(__name__)
 
 VOCABS = ("frequency", "hash")
 SPLIT_ORDERS = ("val-test", "test-val")
@@ -186,8 +188,6 @@ class TrainConfig:
                                     default_text="none; DIR alone: <out>/tensorboard")
     # Slipstream stale-input skipping (slipcache.staleness.skipping, docs/skipping.md); the detector's
     # settings take StalenessConfig's defaults
-    skip_stale: bool = _flag(False, "skip stale inputs (Slipstream; docs/skipping.md): no forward, no backward; "
-                             "the same as --skip-rule stale", resume="fixed", group="skipping")
     skip_rule: str | None = _flag(None, SKIP_RULE_HELP, resume="fixed", group="skipping", choices=SKIP_RULES,
                                   default_text="none: train on every input")
     stale_preset: str | None = _flag(None, "a set of --stale-* settings (flags you give still win): " + preset_help(),
@@ -266,7 +266,7 @@ class TrainConfig:
     stale_decision: str = _flag("rolling", "rolling re-checks, or one decision per epoch (epoch: the authors')",
                                 resume="changeable", group="skipping", choices=DECISIONS)
     stale_keep: float = _flag(0.05, "p: share of would-be-skipped inputs trained anyway, the guard's control",
-                              resume="changeable", group="skipping", flag=("--stale-keep", "--stale-control"))
+                              resume="changeable", group="skipping")
     stale_reweight: bool = _flag(False, "weight those inputs' loss by 1/p: the expected gradient is the one "
                                  "without skipping", resume="changeable", group="skipping")
     stale_weight_max: float | None = _flag(None, "clip that weight at this value (less variance, some bias "
@@ -283,13 +283,6 @@ class TrainConfig:
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
         """The detector's settings; `overrides`: those another setting decides (e.g. the rule for random)."""
         return StalenessConfig(**{**part_options(self, CONFIG_FIELDS, "staleness"), **overrides})
-
-    def __post_init__(self) -> None:
-        # One switch, however the config was built: --skip-stale is --skip-rule stale.
-        if self.skip_stale and self.skip_rule is None:
-            self.skip_rule = "stale"
-        if self.skip_rule == "stale":
-            self.skip_stale = True
 
     def validate(self) -> None:
         for name in CONFIG_FIELDS:  # types first: a crafted checkpoint, a config file or an API call may hold
@@ -360,8 +353,6 @@ class TrainConfig:
             raise SlipcacheError(
                 "stale_window must be in (0, 1], stale_guard_every >= 1, stale_budget_mb > 0"
             )
-        if self.skip_stale and self.skip_rule not in (None, "stale"):
-            raise SlipcacheError(f"--skip-stale means --skip-rule stale; it cannot go with {self.skip_rule!r}")
         self._validate_schedule()
         if not 0.0 < self.stale_hot_rate <= 1.0:
             raise SlipcacheError(f"stale_hot_rate must be in (0, 1], got {self.stale_hot_rate}")
@@ -456,7 +447,7 @@ def make_config(
     # with the run's settings, so `--lr 0.3` given on resume counts even though 0.3 is the default.
     config.given_fields = frozenset(given)  # type: ignore[attr-defined]
     for message in ignored_settings(config, set(user)):
-        print(f"slipcache train: warning: {message}", file=sys.stderr)
+        logger.warning(f"slipcache train: warning: {message}")
     return config
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import stat
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,8 @@ from slipcache.cache_dir import default_cache_root
 from slipcache.data.batches import BatchIterator, SampleFilter
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 
 def _synthetic_dataset(config: TrainConfig) -> Path:
@@ -205,8 +207,8 @@ def malformed_message(quality: dict[str, Any], data: str | None) -> str:
 
 
 def warn_line(message: str) -> None:
-    """A warning on stderr that does not stop the run."""
-    print(f"slipcache: warning: {message}", file=sys.stderr)
+    """A warning (on stderr, under the command) that does not stop the run."""
+    logger.warning(f"slipcache: warning: {message}")
 
 
 def training_batches(

@@ -6,15 +6,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from slipcache.errors import SlipcacheError
 from slipcache.metrics import evaluate_predictions
-from slipcache.model import DLRM
 
 
 @torch.no_grad()
 def evaluate(
-    model: DLRM, split: Any, *, max_samples: int | None = None, batch_size: int = 8192,
+    model: nn.Module, split: Any, *, max_samples: int | None = None, batch_size: int = 8192,
     part: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """AUC, log loss, accuracy and normalized entropy on the first `max_samples` of a split (in order);

@@ -28,7 +28,7 @@ def run_callbacks(run: Run) -> Callbacks:
         order = ColdFirstOrder(run, reports=config.skip_rule is None and config.freeze_rows is None)
         callbacks.append(order)  # first: skipping and freezing use the hot set it profiles each epoch
         hot_inputs = order.hot_inputs
-    if config.skip_rule is not None:  # --skip-rule stale|random|loss (--skip-stale is stale)
+    if config.skip_rule is not None:  # --skip-rule stale|random|loss
         from slipcache.training.skip_inputs import SkipStaleInputs
 
         callbacks.append(SkipStaleInputs(run, hot_inputs))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from slipcache.plotting import STYLE, pyplot, samples_axis
@@ -28,7 +29,7 @@ def _series(events: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
     return [x for x, _ in points], [float(y) for _, y in points]
 
 
-def _save(fig: plt.Figure, path: Path) -> str:
+def _save(fig: Figure, path: Path) -> str:
     """The figure into `path`, replaced atomically (a link there is replaced, its target never written)."""
     fig.tight_layout()
     image = io.BytesIO()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipcache.errors import SlipcacheError
 from slipcache.iostats import AnonPeak, DiskIO, disk_io
 from slipcache.memory import process_age_s
 
@@ -162,3 +163,21 @@ class Run:
 
     def more_epochs(self) -> bool:
         return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The counts `resolve_schedule` fills in: the sample budget and the intervals, in samples."""
+
+    samples: int
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+
+
+def schedule_of(config: TrainConfig) -> Schedule:
+    """The resolved counts of `config` (one that `resolve_schedule` returned)."""
+    samples, log, evaluation, checkpoint = config.samples, config.log_every, config.eval_every, config.checkpoint_every
+    if samples is None or log is None or evaluation is None or checkpoint is None:
+        raise SlipcacheError("the run's schedule is not resolved yet (resolve_schedule fills it in)")
+    return Schedule(samples, log, evaluation, checkpoint)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slipcache.embedding.collection import CachedEmbeddingBagCollection
 from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM
 from slipcache.training import checkpoint as ckpt
@@ -47,7 +48,8 @@ class TrainingCheckpoint:
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # the legacy form: a dict only for generators other than MT19937
     return {
         "torch": torch.get_rng_state(),
         "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
@@ -124,7 +126,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], fie
 def load_model_state(state: dict[str, Any], model: DLRM, *, dense: bool = True, embeddings: bool = True) -> None:
     """Dense and embedding state (each unless told not to) into `model`; a checkpoint of another shape is
     named as such. Tables a lazy checkpoint left on disk are read straight into the model's buffers."""
-    files = model.embeddings.storage_files() if hasattr(model.embeddings, "storage_files") else []
+    files = model.embeddings.storage_files() if isinstance(model.embeddings, CachedEmbeddingBagCollection) else []
     ckpt.materialize(state, {"embeddings": model.embeddings.state_dict()} if embeddings else None, files)
     try:
         if dense:

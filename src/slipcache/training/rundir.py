@@ -7,7 +7,7 @@ the run it names, and refuses setting changes the checkpoint's state depends on.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import typing
 import uuid
 from dataclasses import asdict
@@ -26,6 +26,8 @@ from slipcache.training.runlock import LOCK_NAME
 if typing.TYPE_CHECKING:
     from slipcache.training.backend import RunBackend
     from slipcache.training.run_state import TrainingCheckpoint
+
+logger = logging.getLogger(__name__)
 
 
 def new_run_dir() -> Path:
@@ -60,8 +62,8 @@ def write_events(path: Path, events: list[dict[str, Any]]) -> None:
 
 
 def warn(message: str) -> None:
-    """A warning on stderr that does not stop the run (stdout stays the run's own output)."""
-    print(f"slipcache train: warning: {message}", file=sys.stderr)
+    """A warning that does not stop the run (on stderr under the command: stdout stays the run's own output)."""
+    logger.warning(f"slipcache train: warning: {message}")
 
 
 def _is_run_dir(path: Path) -> bool:

@@ -23,9 +23,9 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +33,8 @@ from typing import Any
 
 from slipcache.errors import RunLockedError
 from slipcache.safe_files import open_fd
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = "run.lock"
 
@@ -169,4 +171,4 @@ def _judge(run_dir: Path, previous: dict[str, Any], me: dict[str, Any], flock_wo
 
 
 def _warn(message: str) -> None:
-    print(f"slipcache train: warning: {message}", file=sys.stderr)
+    logger.warning(f"slipcache train: warning: {message}")

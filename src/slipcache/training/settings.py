@@ -46,7 +46,9 @@ def _part_default(target: str, scale: float) -> tuple[Any, Any]:
     f = next(f for f in dataclasses.fields(PART_CONFIGS[part]) if f.name == name)
     if f.default_factory is not dataclasses.MISSING:
         return None, f.default_factory
-    return (f.default if scale == 1 else f.default / scale), None
+    default = f.default
+    assert default is not dataclasses.MISSING, target  # every part field has a default
+    return (default if scale == 1 else default / scale), None
 
 
 def flag(default: Any = _INHERIT, help: str = "", *, resume: str, group: str, sets: str | tuple[str, ...] = (),
@@ -121,7 +123,7 @@ def _number(name: str, kind: type, value: int | float) -> int | float:
     try:
         return float(value)
     except OverflowError:
-        raise SlipcacheError(f"{name}: {_digits(value)} is beyond the range of a floating-point number") from None
+        raise SlipcacheError(f"{name}: {_digits(int(value))} is beyond the range of a floating-point number") from None
 
 
 def _digits(value: int) -> str:

@@ -1,4 +1,4 @@
-"""`--skip-rule` (and `--skip-stale`) in the training loop: the skipper's hooks as a training callback
+"""`--skip-rule` in the training loop: the skipper's hooks as a training callback
 (`StaleSkipper` for the stale and random rules, `LossPruner` for loss pruning)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from slipcache.callback import Callback
 from slipcache.staleness.calibration import skipped_kind_calibration
 from slipcache.staleness.factory import make_skipper
+from slipcache.staleness.skipping import StaleSkipper
 
 if typing.TYPE_CHECKING:
     from slipcache.data.batches import Batch, SampleFilter
@@ -33,8 +34,9 @@ class SkipStaleInputs(Callback):
                                     run.run_dir if run.backend.writes_files else None, hot_inputs)
 
     def on_start(self, run: Run) -> None:
-        if "stale_target" in run.changed and hasattr(self.skipper, "guard"):  # resumed with another D: the
-            skipper = self.skipper  # guard's backed-off target restarts from it
+        skipper = self.skipper
+        if "stale_target" in run.changed and isinstance(skipper, StaleSkipper):  # resumed with another D: the
+            # guard's backed-off target restarts from it
             skipper.guard.base_target = skipper.guard.target = run.config.stale_target
             skipper.detector.retarget(run.config.stale_target, skipper.detector.active)  # refits T for it
 

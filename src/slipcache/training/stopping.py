@@ -13,9 +13,8 @@ the last complete checkpoint): a stop taken at a step boundary must be the same 
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import signal
-import sys
 import threading
 import time
 import typing
@@ -27,10 +26,11 @@ from slipcache.errors import RunInterrupted
 if typing.TYPE_CHECKING:
     from slipcache.training.run import Run
 
+logger = logging.getLogger(__name__)
+
 # SIGHUP: the terminal closed (an ssh session dropped); the run keeps its work as on SIGTERM. Where it is
 # ignored (`nohup`), it stays ignored.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
-
 
 class CheckpointTimer(Callback):
     """A checkpoint after every `minutes` of wall time (None: no time interval) and, with `on_signal`, one
@@ -55,9 +55,10 @@ class CheckpointTimer(Callback):
         self.signum = signum
         self._restore()
         name = signal.Signals(signum).name
-        with contextlib.suppress(OSError, ValueError):  # after SIGHUP the terminal may be gone: the checkpoint
-            print(f"\nslipcache train: {name}: writing a checkpoint at the end of this step, then stopping "
-                  f"({name} again stops at once)", file=sys.stderr, flush=True)
+        # After SIGHUP the terminal may be gone: a handler that cannot write reports through logging, never
+        # raises, so the checkpoint is still written.
+        logger.warning(f"\nslipcache train: {name}: writing a checkpoint at the end of this step, then stopping "
+                       f"({name} again stops at once)")
 
     def _restore(self) -> None:
         for signum, handler in self._previous.items():

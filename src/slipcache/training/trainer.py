@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slipcache._moved import moved_names
 from slipcache.errors import SlipcacheError
 from slipcache.iostats import AnonPeak
 from slipcache.memory import peak_rss_bytes
@@ -66,14 +65,6 @@ if TYPE_CHECKING:
 
 # bench/train.py and benchmarks/runner.py read these as trainer.<name>: one seam for a fake trainer in the tests.
 __all__ = ["TrainConfig", "evaluate", "open_dataset", "prepare_data", "resolve_schedule", "train"]
-
-# Old paths: each warns once (they moved when the loop was split up; see CHANGELOG.md).
-__getattr__ = moved_names(__name__, {
-    "Run": "slipcache.training.run.Run",
-    "Progress": "slipcache.training.run.Progress",
-    "build_model": "slipcache.training.backend.build_model",
-    "make_config": "slipcache.training.config.make_config",
-})
 
 # ----------------------------------------------------------------------------------------------------
 # Schedule
@@ -136,6 +127,7 @@ def run_loop(
     """`train`'s loop; `settings` holds the process settings the run applies until `train` returns."""
     run = start_run(config, backend or LocalBackend(), settings)
     run.anon_peak = anon_peak
+    schedule = runs.schedule_of(run.config)
     try:
         while run.more_epochs():
             batches = epoch_batches(run)
@@ -145,10 +137,10 @@ def run_loop(
                 loss, logits = train_step(run, batch, batches)
                 consumed_before = run.consumed
                 last = record_step(run, batch, loss, logits, batches)
-                eval_due = _crossed(consumed_before, run.consumed, run.config.eval_every) or last
-                if run.progress.samples % run.config.log_every == 0 or eval_due:
+                eval_due = _crossed(consumed_before, run.consumed, schedule.eval_every) or last
+                if run.progress.samples % schedule.log_every == 0 or eval_due:
                     log_event(run, evaluate_now=eval_due)
-                every = run.progress.samples % run.config.checkpoint_every == 0
+                every = run.progress.samples % schedule.checkpoint_every == 0
                 if (run.callbacks.checkpoint_due(run) or every) and not last:  # due: time, or a signal
                     save_checkpoint(run)
                 if last:
@@ -246,7 +238,7 @@ def _build_run(
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
     batches_per_epoch = dataset.splits["train"] // config.batch_size
-    total_steps = budget_steps(config.samples, config.batch_size)
+    total_steps = budget_steps(runs.schedule_of(config).samples, config.batch_size)
     run = runs.Run(
         config=config,
         config_dict=config_dict,
@@ -404,7 +396,7 @@ def check_checkpoint_room(run: Run) -> None:
     config = run.config
     each = ckpt.tensor_bytes(checkpoint_state(run))
     # The scheduled ones and the final one; timed ones (--checkpoint-minutes) depend on a speed not known yet.
-    every, done = config.checkpoint_every, run.progress.samples
+    every, done = runs.schedule_of(config).checkpoint_every, run.progress.samples
     writes = 0 if done >= run.budget else 1 + max(0, (run.budget - 1) // every - done // every)
     directory = run.run_dir / "checkpoints"
     at_once, fit, free = ckpt.checkpoints_that_fit(directory, each, writes, config.keep_checkpoints)

@@ -7,6 +7,7 @@ import typing
 
 from slipcache.callback import Callback
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
+from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
 if typing.TYPE_CHECKING:
     from slipcache.training.config import TrainConfig
@@ -31,7 +32,7 @@ class ShowUpcomingBatches(Callback):
         self.prefetch = prefetch
 
     def before_step(self, run: Run, batches: typing.Any) -> None:
-        show = getattr(run.model.embeddings, "set_lookahead", None)
-        if show is None:  # a collection sharded over N processes reads no rows ahead: they page in when used
-            return
-        show([b.sparse for b in batches.peek(self.count)], self.prefetch)
+        tables = run.model.embeddings
+        if not isinstance(tables, CachedEmbeddingBagCollection):  # a collection sharded over N processes reads
+            return  # no rows ahead: they page in when used
+        tables.set_lookahead([b.sparse for b in batches.peek(self.count)], self.prefetch)

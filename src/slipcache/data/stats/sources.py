@@ -133,9 +133,10 @@ def rechunk(chunks: Iterator[Chunk], chunk_rows: int, max_rows: int | None) -> I
     def cut(parts: list[Chunk], n: int) -> tuple[Chunk, list[Chunk]]:
         joined = tuple(None if p[0] is None else np.concatenate(p) for p in zip(*parts, strict=True))
         cats, dense, labels = joined
+        assert cats is not None  # every chunk has its ids
         head = (cats[:n], None if dense is None else dense[:n], None if labels is None else labels[:n])
         rest = (cats[n:], None if dense is None else dense[n:], None if labels is None else labels[n:])
-        return head, ([rest] if len(rest[0]) else [])  # type: ignore[return-value]
+        return head, ([rest] if len(rest[0]) else [])
 
     try:
         for chunk in chunks:
