@@ -142,6 +142,9 @@ int mt_load(mt_stream *g, const uint8_t *state) {
     memcpy(&g->next, state + 16, sizeof g->next);
     memcpy(words, state + 24, sizeof words);
     if (g->left < 1 || g->left > MT_N || g->next > MT_N) return -1;
+    /* torch keeps next + left = 625 between twists (left 1 after seeding: the next draw twists); a state
+       beyond that would read past the 624 words */
+    if (g->left > 1 && g->next + (uint64_t)g->left > MT_N + 1) return -1;
     for (int k = 0; k < MT_N; k++) g->mt[k] = (uint32_t)words[k];
     return 0;
 }
