@@ -234,15 +234,57 @@ def test_no_cache_equals_the_torch_reference(precision: str, rounding: str, monk
         return original(rows)
 
     monkeypatch.setattr(_native, "unique_rows", counted)
+    summed = _native.sum_rows_finite
+
+    def counted_sums(*args: torch.Tensor) -> torch.Tensor | None:
+        calls["sum_rows_finite"] += 1
+        return summed(*args)
+
+    monkeypatch.setattr(_native, "sum_rows_finite", counted_sums)
     hashed = build()
     hashed_out = train(hashed, inputs)
     assert calls["unique_rows"] == (0 if rounding == "stochastic" and precision != "fp32" else len(inputs))
+    assert calls["sum_rows_finite"] == len(inputs)  # the one-pass backward of rows served from storage ran
     monkeypatch.setattr(_native, "native", lambda: None)
     reference = build()
     for a, b in zip(hashed_out, train(reference, inputs), strict=True):
         assert torch.equal(a, b)
     assert_same(hashed, reference)
     assert hashed.stats()["rows_in"] < hashed.stats()["lookups"]  # the batches repeat rows
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_gradient_leaves_an_uncached_table_unchanged(bad: float) -> None:
+    config = EmbeddingConfig(SIZES, dim=DIM, precision="int8", cache_size=0.0, lr=0.3, seed=1)
+    coll = CachedEmbeddingBagCollection(config)
+    train(coll, batches(2))
+    out = coll(batches(3)[2])
+    before = state(coll)
+    grad = torch.ones(out.shape)
+    grad[-1, -1, -1] = bad
+    out.backward(grad)
+    after = state(coll)
+    assert all(torch.equal(before[k], after[k]) for k in before) and coll.skipped_updates == 1
+
+
+@pytest.mark.parametrize("loop_threads", [1, 3])
+def test_compiled_row_sums_are_index_put_and_check_the_gradient(loop_threads: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    index = torch.randint(0, 300, (5000,), generator=g)  # many repeats
+    grad = torch.randn(5000, 16, generator=g)
+    previous = _native.set_threads(loop_threads)
+    try:
+        summed = _native.sum_rows_finite(index, grad, 300)
+        expected = torch.zeros(300, 16).index_put_((index,), grad, accumulate=True)
+        assert summed is not None and torch.equal(summed, expected)
+        for where in (0, 2500, 4999):
+            poisoned = grad.clone()
+            poisoned[where, 3] = float("nan")
+            assert _native.sum_rows_finite(index, poisoned, 300) is None
+        with pytest.raises(ValueError, match="outside"):
+            _native.sum_rows_finite(index, grad, 299 if int(index.max()) == 299 else int(index.max()))
+    finally:
+        _native.set_threads(previous)
 
 
 def test_unique_rows_in_order_of_first_occurrence() -> None:

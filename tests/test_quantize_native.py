@@ -1,6 +1,9 @@
 """The compiled quantize pass stores exactly the bytes of the torch path, and table creation is unchanged."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -134,3 +137,90 @@ def test_bench_quantize_prints_rates_with_the_load(tmp_path, capsys: pytest.Capt
     figures = json.loads((tmp_path / "q.json").read_text())
     for name in ("compiled", "torch", "create"):
         assert figures[name]["wall_mvalues_s"][0] > 0 and figures[name]["cpu_mvalues_s"][0] > 0
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def simd_level(request: pytest.FixtureRequest):
+    """Each instruction set of the row kernels in turn (skipped where the CPU lacks it), then the default."""
+    level = _native.set_simd(request.param)
+    try:
+        if level != request.param:
+            pytest.skip(f"this CPU has no {request.param}")
+        yield level
+    finally:
+        _native.set_simd(None)
+
+
+def _clean_rows(n: int, dim: int) -> torch.Tensor:
+    """Rows every precision stores as they are (nothing fitted): the one-pass draw-and-round path."""
+    g = torch.Generator().manual_seed(dim + 1)
+    return torch.randn(n, dim, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+
+
+def _written(precision: str, rounding: str, dim: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Stored bytes, the rows read back (as int32 bits) and the generator's state after: clean rows written at
+    scattered rows (drawn in the pass), awkward ones (fitted: noise drawn first) and a range."""
+    n = 300
+    storage = RowStorage(2 * n + 10, dim, precision)
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randperm(2 * n + 10, generator=torch.Generator().manual_seed(2))
+    storage.write(rows[:n], _clean_rows(n, dim), rounding, g)
+    storage.write(rows[n : 2 * n], _awkward_rows(n, dim), rounding, g)
+    storage.write_range(2 * n, _clean_rows(10, dim), rounding, g)
+    read = storage.read(torch.arange(2 * n + 10), torch.device("cpu"))
+    return _bytes(storage), read.view(torch.int32), g.get_state()
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "fp16"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("dim", [1, 7, 8, 9, 16, 24, 31, 64, 100, 128, 300])
+def test_every_simd_level_stores_and_reads_the_bytes_of_the_plain_loops_and_of_torch(
+    simd_level: str, precision: str, rounding: str, dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ours = _written(precision, rounding, dim)
+    _native.set_simd("scalar")
+    plain = _written(precision, rounding, dim)
+    monkeypatch.setattr(_native, "native", lambda: None)
+    theirs = _written(precision, rounding, dim)
+    for other in (plain, theirs):
+        for a, b in zip(ours[0], other[0], strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(ours[1], other[1])
+        assert torch.equal(ours[2], other[2])  # the noise drawn in the pass left the stream where torch's is
+
+
+@pytest.mark.parametrize("skip", [0, 1, 7, 623, 624, 625, 1000])
+def test_every_simd_level_draws_torch_rand(simd_level: str, skip: int) -> None:
+    """The vectorized twist and tempering give torch.rand's values and state from any point of the stream."""
+    ours, theirs = torch.Generator().manual_seed(skip), torch.Generator().manual_seed(skip)
+    torch.rand(skip, generator=ours), torch.rand(skip, generator=theirs)
+    for count in (1, 5, 17, 623, 624, 2000):
+        drawn = quantize.uniform((count,), ours)
+        assert drawn is not None and torch.equal(drawn, torch.rand(count, generator=theirs))
+        assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+def test_the_simd_level_is_checked_and_the_environment_can_force_the_plain_loops() -> None:
+    with pytest.raises(ValueError, match="SIMD level"):
+        _native.set_simd("sse9")
+    assert _native.set_simd("scalar") == _native.simd() == "scalar"
+    assert _native.set_simd(None) in _native.SIMD_LEVELS
+    code = "from slipcache import _native; print(_native.native() is not None, _native.simd())"
+    env = {**os.environ, "SLIPCACHE_NATIVE_SIMD": "scalar"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.stdout.split() == ["True", "scalar"], out.stderr  # the library loaded, on the plain loops
+
+
+def test_a_stream_state_is_checked_before_the_pass_reads_it() -> None:
+    storage = RowStorage(4, 8, "int8")
+    args = (torch.zeros(2, 8), "int8", *storage.buffers())
+    with pytest.raises(ValueError, match="stream state"):
+        quantize.quantize_rows(*args, scales=_SCALES, limit=1e4, stream=torch.zeros(10, dtype=torch.uint8))
+    state = torch.Generator().manual_seed(0).get_state()
+    state[8:12] = 0  # draws left before the twist: 0 is not a state torch writes
+    with pytest.raises(ValueError, match="generator state"):
+        quantize.quantize_rows(*args, scales=_SCALES, limit=1e4, stream=state)
+    state[8:12] = torch.tensor([600], dtype=torch.int32).view(torch.uint8)
+    state[16:24] = torch.tensor([600], dtype=torch.int64).view(torch.uint8)  # 600 + 600 words: past the 624
+    with pytest.raises(ValueError, match="generator state"):
+        quantize.quantize_rows(*args, scales=_SCALES, limit=1e4, stream=state)

@@ -39,7 +39,9 @@ __all__ = [
     "cache_key",
     "load_library",
     "private_directory",
+    "set_simd",
     "set_threads",
+    "simd",
     "threads",
 ]
 
@@ -79,6 +81,27 @@ def set_threads(count: int) -> int:
     previous = int(library.slipcache_threads())
     library.slipcache_set_threads(count)
     return previous
+
+
+SIMD_LEVELS = ("scalar", "avx2", "avx512")
+
+
+def simd() -> str:
+    """The row kernels' instruction set now: "scalar" (the plain loops, the reference; also without the
+    library), "avx2" or "avx512": the best the CPU offers unless SLIPCACHE_NATIVE_SIMD or `set_simd` lowered it."""
+    library = native()
+    return "scalar" if library is None else SIMD_LEVELS[int(library.slipcache_simd())]
+
+
+def set_simd(level: str | None) -> str:
+    """Use at most `level` ("scalar", "avx2", "avx512"; None: the default) from now on; returns the level set
+    (lowered to what the CPU supports). Every level gives the same bytes: tests run each against "scalar"."""
+    if level is not None and level not in SIMD_LEVELS:
+        raise ValueError(f"compiled loops: SIMD level must be one of {SIMD_LEVELS} or None, got {level!r}")
+    library = native()
+    if library is None:
+        return "scalar"
+    return SIMD_LEVELS[int(library.slipcache_set_simd(-1 if level is None else SIMD_LEVELS.index(level)))]
 
 
 LOOP_THREADS_VARIABLE = "SLIPCACHE_LOOP_THREADS"
@@ -396,6 +419,21 @@ def sgd_update_finite(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -
     assert library is not None
     code = _run_sgd(library.sgd_update_finite, weights, slots, grad, lr)
     return code != _NOT_FINITE, code != _OVERFLOWED
+
+
+def sum_rows_finite(index: Tensor, grad: Tensor, count: int) -> Tensor | None:
+    """Rows of `grad` [n, D] summed by `index` into [count, D] (each sum in row order, as `sum_rows`), and the
+    finite check of `grad` in the same pass: None when a value of `grad` is inf or NaN."""
+    library = native()
+    assert library is not None
+    _check("index", index, (torch.int64,), (None,))
+    _check("grad", grad, (torch.float32,), (index.numel(), None))
+    summed = grad.new_zeros(count, grad.shape[1])
+    code = library.sum_rows_finite(summed.data_ptr(), count, grad.shape[1], index.data_ptr(), grad.data_ptr(),
+                                   index.numel())
+    if code >= 0:
+        raise ValueError(f"compiled loop: row index {int(index[code])} is outside [0, {count})")
+    return None if code == _NOT_FINITE else summed
 
 
 def adagrad_update(

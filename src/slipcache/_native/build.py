@@ -27,7 +27,7 @@ from pathlib import Path
 # against the header they share (`pool.h`: the worker pool's interface and the loops' helpers); one compiler
 # run builds them into one library. Read once: what is compiled is what keys the cache.
 HEADER = "pool.h"
-SOURCES = ("pool.c", "loops.c", "filter.c", "update.c", "quantize.c")
+SOURCES = ("pool.c", "loops.c", "filter.c", "update.c", "quantize.c", "simd.c")
 _TEXTS = {name: Path(__file__).with_name(name).read_text() for name in (HEADER, *SOURCES)}
 
 _FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
@@ -205,13 +205,15 @@ def _declare(library: ctypes.CDLL) -> None:
     library.assign_slots.restype = i64
     library.sgd_update_finite.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_float]
     library.sgd_update_finite.restype = i64
+    library.sum_rows_finite.argtypes = [ptr, i64, i64, ptr, ptr, i64]
+    library.sum_rows_finite.restype = i64
     library.adagrad_update.argtypes = [
         ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_float, ctypes.c_float,
     ]
     library.adagrad_update.restype = i64
     f32 = ctypes.c_float
     library.quantize_rows.argtypes = [
-        ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr,
+        ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
     ]
     library.quantize_rows.restype = i64
     library.dequantize_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr]
@@ -228,3 +230,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.slipcache_pool_workers.restype = i64
     library.slipcache_scratch_bytes.argtypes = []
     library.slipcache_scratch_bytes.restype = i64
+    library.slipcache_set_simd.argtypes = [i64]
+    library.slipcache_set_simd.restype = i64
+    library.slipcache_simd.argtypes = []
+    library.slipcache_simd.restype = i64

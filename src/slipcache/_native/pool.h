@@ -54,6 +54,34 @@ SLIPCACHE_INTERNAL void *thread_scratch(int kind, size_t bytes);
 #define ROW_LOOPS
 #endif
 
+/* ------------------------------------------------------------------ hand-vectorized row kernels (simd.c)
+   Chosen at run time: the best level the CPU supports, lowered by SLIPCACHE_NATIVE_SIMD or
+   slipcache_set_simd; each has a plain loop, the reference the tests compare with bit for bit. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(SLIPCACHE_NO_CLONES)
+#define SLIPCACHE_X86_SIMD 1
+#else
+#define SLIPCACHE_X86_SIMD 0
+#endif
+enum { SIMD_SCALAR = 0, SIMD_AVX2 = 1, SIMD_AVX512 = 2 };
+SLIPCACHE_INTERNAL int simd_level(void);
+
+/* torch's CPU generator (mt19937): its 624 words, draws left until the next twist, the next word. */
+#define MT_N 624
+#define MT_M 397
+typedef struct { uint32_t mt[MT_N]; int32_t left; uint64_t next; } mt_stream;
+/* From / into a CPU Generator's saved state (get_state(): seed u64, left i32, seeded i32, next u64, the
+   624 words as u64, ...); mt_load returns -1 for a state it cannot read. */
+SLIPCACHE_INTERNAL int mt_load(mt_stream *g, const uint8_t *state);
+SLIPCACHE_INTERNAL void mt_store(const mt_stream *g, uint8_t *state);
+/* The next n values of torch.rand from the stream. */
+SLIPCACHE_INTERNAL void mt_uniform(mt_stream *g, float *out, int64_t n);
+/* m values of a row to int8 codes (int4 = 0) or packed int4 codes: floor((x - bias) / scale + u) with
+   noise u, else round-half-even, clamped to [0, top]. */
+SLIPCACHE_INTERNAL void quantize_codes(const float *x, const float *u, int64_t m, float bias, float scale, float top,
+                                       int int4, uint8_t *out);
+/* A row of dim int8 (or packed int4) codes to bias + scale * code. */
+SLIPCACHE_INTERNAL void dequantize_codes(const uint8_t *x, int64_t dim, float bias, float scale, int int4, float *out);
+
 #define AHEAD 16 /* software pipelines: a later item's memory is fetched this many items ahead */
 
 /* Prefetch the `bytes` at p (each cache line), for reading or (write = 1) writing. */

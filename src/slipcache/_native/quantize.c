@@ -79,33 +79,21 @@ static inline uint16_t round16(float x, const float *u, int bf16) {
     return *u < p_hi ? hi_bits : lo_bits;
 }
 
-/* The smallest code whose scale covers `needed` (255 when none does): scales ascend. */
+/* The smallest code whose scale covers `needed` (255 when none does): scales ascend, and code 192 + 8e
+   decodes to 2^e exactly, so for needed in [2^e, 2^(e+1)) every code below 192 + 8e is too small and
+   192 + 8e + 8 is large enough: the answer is 192 + 8e plus how many of the 8 codes from there fall short.
+   Eight independent compares instead of a binary search's eight unpredictable branches. */
 static inline uint8_t scale_code_for(float needed, const float *scales) {
     if (needed < 1.17549435e-38f) needed = 1.17549435e-38f;  /* quant: needed.clamp_min(tiny) */
-    int lo = 0, hi = 255;
-    while (lo < hi) {
-        int mid = (lo + hi) >> 1;
-        if (scales[mid] >= needed) hi = mid; else lo = mid + 1;
-    }
-    return (uint8_t)lo;
+    int first = 192 + 8 * ((int)((float_bits(needed) >> 23) & 0xffu) - 127);
+    if (first >= 255) return 255;  /* needed >= 256: beyond the top of the grid */
+    if (first < 0) first = 0;      /* below the grid's 2^-24: none of the first 8 falls short */
+    int code = first;
+    for (int k = 0; k < 8; k++) code += first + k < 255 && scales[first + k] < needed;
+    return (uint8_t)code;
 }
 
-#define QUANTIZE_BLOCK 256  /* even: int4 blocks pack whole bytes */
-
-static inline void quantize_block(const float *x, const float *u, int64_t m, float bias, float scale, float top,
-                                  uint8_t *codes) {
-    if (u) {
-        for (int64_t j = 0; j < m; j++) {
-            float s = floorf((x[j] - bias) / scale + u[j]);
-            codes[j] = (uint8_t)(s < 0.0f ? 0.0f : (s > top ? top : s));
-        }
-    } else {
-        for (int64_t j = 0; j < m; j++) {
-            float s = rintf((x[j] - bias) / scale);
-            codes[j] = (uint8_t)(s < 0.0f ? 0.0f : (s > top ? top : s));
-        }
-    }
-}
+#define QUANTIZE_BLOCK 256  /* even: int4 blocks pack whole bytes; the noise drawn in the pass a block at a time */
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -152,6 +140,7 @@ typedef struct {
     const float *values; int64_t n, dim; int kind; const float *noise, *scales; float limit, max_span;
     const int64_t *rows; void *payload; uint16_t *bias; uint8_t *scale_code; uint8_t *bad;
     int64_t start, stop, bad_count; const int64_t *source;
+    mt_stream *stream;  /* noise drawn here, row by row, instead of read from `noise` */
 } quantize_args;
 
 ROW_LOOPS static void quantize_all(quantize_args *a) {
@@ -159,6 +148,7 @@ ROW_LOOPS static void quantize_all(quantize_args *a) {
     const int64_t width = a->kind == Q_INT4 ? (dim + 1) / 2 : dim;
     const int levels = a->kind == Q_INT8 ? 255 : 15;
     const size_t payload_bytes = (size_t)(a->kind == Q_FP32 ? dim * 4 : a->kind >= Q_FP16 ? dim * 2 : width);
+    float drawn[QUANTIZE_BLOCK];
     for (int64_t i = a->start; i < a->stop; i++) {
         if (i + AHEAD < a->stop) {  /* scattered rows (evictions): a later row's lines on their way */
             int64_t later = i + AHEAD;
@@ -176,35 +166,41 @@ ROW_LOOPS static void quantize_all(quantize_args *a) {
         int special = row_range(x, dim, &lo, &hi);
         int fits = !special && lo >= -a->limit && hi <= a->limit && (a->max_span < 0 || hi - lo <= a->max_span);
         if (a->bad) a->bad[i] = !fits;
-        if (!fits) { a->bad_count++; continue; }
+        if (!fits) {  /* the row's draws are taken all the same: the stream stays where torch's would be */
+            a->bad_count++;
+            for (int64_t j0 = 0; a->stream && j0 < dim; j0 += QUANTIZE_BLOCK)
+                mt_uniform(a->stream, drawn, dim - j0 < QUANTIZE_BLOCK ? dim - j0 : QUANTIZE_BLOCK);
+            continue;
+        }
         int64_t r = a->rows ? a->rows[i] : i;
         if (a->kind == Q_FP32) {
             float *out = (float *)a->payload + r * dim;
             for (int64_t j = 0; j < dim; j++) out[j] = x[j];
             continue;
         }
-        if (a->kind == Q_FP16 || a->kind == Q_BF16) {
-            uint16_t *out = (uint16_t *)a->payload + r * dim;
-            for (int64_t j = 0; j < dim; j++) out[j] = round16(x[j], u ? u + j : 0, a->kind == Q_BF16);
-            continue;
+        uint16_t bias = 0;
+        float biasf = 0.0f, scale = 0.0f, top = (float)levels;
+        if (a->kind == Q_INT8 || a->kind == Q_INT4) {
+            bias = half_round_down(lo);
+            biasf = half_to_float(bias);
+            uint8_t code = scale_code_for((hi - biasf) / (float)levels, a->scales);
+            scale = a->scales[code];
+            a->bias[r] = bias;
+            a->scale_code[r] = code;
         }
-        uint16_t bias = half_round_down(lo);
-        float biasf = half_to_float(bias);
-        uint8_t code = scale_code_for((hi - biasf) / (float)levels, a->scales);
-        float scale = a->scales[code], top = (float)levels;
-        a->bias[r] = bias;
-        a->scale_code[r] = code;
-        uint8_t *out = (uint8_t *)a->payload + r * width;
-        uint8_t codes[QUANTIZE_BLOCK + 1];
-        for (int64_t j0 = 0; j0 < dim; j0 += QUANTIZE_BLOCK) {  /* blocks keep the inner loops simple */
+        for (int64_t j0 = 0; j0 < dim; j0 += QUANTIZE_BLOCK) {  /* blocks: the drawn noise stays in L1 */
             int64_t m = dim - j0 < QUANTIZE_BLOCK ? dim - j0 : QUANTIZE_BLOCK;
-            quantize_block(x + j0, u ? u + j0 : 0, m, biasf, scale, top, codes);
-            if (a->kind == Q_INT8) {
-                for (int64_t j = 0; j < m; j++) out[j0 + j] = codes[j];
+            const float *ub = u ? u + j0 : 0;
+            if (a->stream) {
+                mt_uniform(a->stream, drawn, m);
+                ub = drawn;
+            }
+            if (a->kind == Q_FP16 || a->kind == Q_BF16) {
+                uint16_t *out = (uint16_t *)a->payload + r * dim + j0;
+                for (int64_t j = 0; j < m; j++) out[j] = round16(x[j0 + j], ub ? ub + j : 0, a->kind == Q_BF16);
             } else {
-                if (m & 1) codes[m] = 0;
-                for (int64_t j = 0; j < (m + 1) / 2; j++)
-                    out[j0 / 2 + j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+                uint8_t *out = (uint8_t *)a->payload + r * width + (a->kind == Q_INT4 ? j0 / 2 : j0);
+                quantize_codes(x + j0, ub, m, biasf, scale, top, a->kind == Q_INT4, out);
             }
         }
     }
@@ -228,13 +224,25 @@ static int64_t quantize_range(void *args, int64_t lo, int64_t hi, int64_t part) 
    nearest) drives stochastic rounding. A row with inf/NaN, a value beyond +-limit or (max_span >= 0) a
    span beyond max_span is not written: bad[i] = 1 (when given) and it is counted in the return value.
    With `source` (non-NULL), row i is read from values[source[i]] instead (evicted rows from their cache
-   slots, without a gathered copy). */
+   slots, without a gathered copy). With `stream_state` (a CPU Generator's saved state, and `noise` NULL),
+   the noise is drawn in the pass from that stream (the values torch.rand of [n, dim] would give, in the
+   same order, the state advanced past them), on the calling thread alone: one stream is drawn in order.
+   Returns the rows not written, -1 for a kind or dim it cannot store, -2 for a state it cannot read. */
 int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, const float *noise,
                       const float *scales, float limit, float max_span, const int64_t *rows, void *payload,
-                      uint16_t *bias, uint8_t *scale_code, uint8_t *bad, const int64_t *source) {
+                      uint16_t *bias, uint8_t *scale_code, uint8_t *bad, const int64_t *source,
+                      uint8_t *stream_state) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
     quantize_args a = {values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code, bad,
-                       0, n, 0, source};
+                       0, n, 0, source, 0};
+    if (stream_state && !noise) {
+        mt_stream stream;
+        if (mt_load(&stream, stream_state) != 0) return -2;
+        a.stream = &stream;
+        quantize_all(&a);
+        mt_store(&stream, stream_state);
+        return a.bad_count;
+    }
     return run_ranges(quantize_range, &a, n, chunks_for(n, QUANTIZE_GRAIN), NULL);
 }
 
@@ -264,17 +272,7 @@ ROW_LOOPS static int64_t dequantize_span(const void *payload, int kind, const ui
             for (int64_t j = 0; j < dim; j++) o[j] = kind == Q_FP16 ? half_to_float(x[j]) : bf16_to_float(x[j]);
         } else {
             float b = half_to_float(bias[r]), scale = scales[scale_code[r]];
-            const uint8_t *x = (const uint8_t *)payload + r * width;
-            if (kind == Q_INT8) {
-                for (int64_t j = 0; j < dim; j++) o[j] = b + scale * (float)x[j];
-            } else {  /* a byte at a time, low nibble first: the loop vectorizes */
-                int64_t pairs = dim / 2;
-                for (int64_t j = 0; j < pairs; j++) {
-                    o[2 * j] = b + scale * (float)(x[j] & 15);
-                    o[2 * j + 1] = b + scale * (float)(x[j] >> 4);
-                }
-                if (dim & 1) o[dim - 1] = b + scale * (float)(x[pairs] & 15);
-            }
+            dequantize_codes((const uint8_t *)payload + r * width, dim, b, scale, kind == Q_INT4, o);
         }
     }
     return 0;
@@ -308,45 +306,14 @@ int64_t dequantize_rows(const void *payload, int kind, const uint16_t *bias, con
 }
 
 /* ------------------------------------------------------------------ torch's CPU random stream
-   torch.rand(..., generator=g) on CPU: g's mt19937 draws 32 bits per value, in order, and the value is
-   (bits & 0xffffff) * 2^-24. `state` is the generator's saved state (Generator.get_state(): seed u64, left
-   i32, seeded i32, next u64, state u64[624], ...), advanced in place so that set_state continues the stream
-   exactly where torch would. The loader checks the draws against torch.rand before using them. */
-#define MT_N 624
-#define MT_M 397
-
-static inline uint32_t mt_twist(uint32_t u, uint32_t v) {
-    return (((u & 0x80000000u) | (v & 0x7fffffffu)) >> 1) ^ ((v & 1u) ? 0x9908b0dfu : 0u);
-}
-
+   torch.rand(..., generator=g) on CPU: n values of g's mt19937 stream (simd.c: mt_uniform). `state` is the
+   generator's saved state (Generator.get_state()), advanced in place so that set_state continues the
+   stream exactly where torch would. The loader checks the draws against torch.rand before using them.
+   Returns 0, or -1 for a state it cannot read. */
 int64_t torch_uniform(uint8_t *state, float *out, int64_t n) {
-    int32_t left;
-    uint64_t next, words[MT_N];
-    uint32_t mt[MT_N];
-    __builtin_memcpy(&left, state + 8, sizeof left);
-    __builtin_memcpy(&next, state + 16, sizeof next);
-    __builtin_memcpy(words, state + 24, sizeof words);
-    if (left < 1 || left > MT_N || next > MT_N) return -1;
-    for (int k = 0; k < MT_N; k++) mt[k] = (uint32_t)words[k];
-    for (int64_t i = 0; i < n; i++) {
-        if (--left == 0) {
-            int k = 0;
-            for (; k < MT_N - MT_M; k++) mt[k] = mt[k + MT_M] ^ mt_twist(mt[k], mt[k + 1]);
-            for (; k < MT_N - 1; k++) mt[k] = mt[k + MT_M - MT_N] ^ mt_twist(mt[k], mt[k + 1]);
-            mt[MT_N - 1] = mt[MT_M - 1] ^ mt_twist(mt[MT_N - 1], mt[0]);
-            left = MT_N;
-            next = 0;
-        }
-        uint32_t y = mt[next++];
-        y ^= y >> 11;
-        y ^= (y << 7) & 0x9d2c5680u;
-        y ^= (y << 15) & 0xefc60000u;
-        y ^= y >> 18;
-        out[i] = (float)(y & 0xffffffu) * 5.9604644775390625e-8f;  /* 2^-24 */
-    }
-    for (int k = 0; k < MT_N; k++) words[k] = mt[k];
-    __builtin_memcpy(state + 8, &left, sizeof left);
-    __builtin_memcpy(state + 16, &next, sizeof next);
-    __builtin_memcpy(state + 24, words, sizeof words);
+    mt_stream stream;
+    if (mt_load(&stream, state) != 0) return -1;
+    mt_uniform(&stream, out, n);
+    mt_store(&stream, state);
     return 0;
 }

@@ -38,6 +38,7 @@ def quantize_rows(
     rows: Tensor | None = None,
     bad: Tensor | None = None,
     source: Tensor | None = None,
+    stream: Tensor | None = None,
 ) -> int:
     """Round fp32 `values` [n, D] into storage row `rows[i]` (distinct rows; row i when `rows` is None) of `payload`
     ([R, D] or [R, ceil(D / 2)] for int4), `bias` (fp16 [R]) and `scale_code` (uint8 [R]; int precisions).
@@ -46,7 +47,9 @@ def quantize_rows(
     stochastic. Rows holding inf/NaN, a value beyond ±`limit` or (int) a span beyond `max_span` are left
     unwritten and flagged in `bad` (uint8 [n], when given); returns how many there were. With `source`
     (int64 [n]), row i is read from `values[source[i]]` (`values` then [any, D]: e.g. the cache's rows, read
-    at the evicted slots without a gathered copy).
+    at the evicted slots without a gathered copy). With `stream` (a CPU generator's `get_state()`, and no
+    `noise`), the noise is drawn inside the pass, on one thread, as `torch.rand((n, D))` would draw it, and
+    `stream` is advanced past those draws (set it back into the generator).
     """
     library = _native.native()
     assert library is not None
@@ -62,6 +65,9 @@ def quantize_rows(
     _check("rows", rows, (torch.int64,), (n,))
     _check("bad", bad, (torch.uint8,), (n,))
     _check("scales", scales, (torch.float32,), (256,))
+    _check("stream", stream, (torch.uint8,), (stream.numel() if stream is not None else 0,))
+    if stream is not None and (noise is not None or stream.numel() < _MT_STATE_BYTES):
+        raise ValueError("compiled loop: a stream state without noise, of a CPU generator's state size")
     if precision in ("int8", "int4"):
         if bias is None or scale_code is None:
             raise ValueError("compiled loop: int precisions need bias and scale_code")
@@ -84,7 +90,10 @@ def quantize_rows(
         scale_code.data_ptr() if scale_code is not None else None,
         bad.data_ptr() if bad is not None else None,
         source.data_ptr() if source is not None else None,
+        stream.data_ptr() if stream is not None else None,
     )
+    if count == -2:
+        raise ValueError("compiled loop: not a generator state it can read")
     if count < 0:
         raise ValueError(f"compiled loop: cannot quantize to {precision} at dim {dim}")
     return int(count)
@@ -139,6 +148,18 @@ def uniform(shape: tuple[int, ...], generator: torch.Generator | None, out: Tens
 
 
 _MT_STATE_BYTES = 24 + 624 * 8  # what torch_uniform reads of a CPU generator's state
+
+
+def stream_state(generator: torch.Generator | None) -> Tensor | None:
+    """A copy of `generator`'s state for `quantize_rows(stream=...)` to draw from (then `set_state` it back);
+    None where the compiled draws cannot stand in for torch.rand (see `uniform`)."""
+    generator = torch.default_generator if generator is None else generator
+    if generator.device.type != "cpu" or not _uniform_checked():
+        return None
+    state = generator.get_state()
+    if state.dtype != torch.uint8 or state.numel() < _MT_STATE_BYTES or not state.is_contiguous():
+        return None
+    return state
 
 
 def _draw(shape: tuple[int, ...], generator: torch.Generator, out: Tensor | None = None) -> Tensor | None:

@@ -18,6 +18,7 @@ typedef struct {
     float *weights; int64_t dim; const int64_t *slots; const float *grad; int64_t n; float lr;
     int64_t slot_lo, slot_hi;  /* the slots this thread owns: updates of other slots are skipped */
     const int64_t *order;      /* when given: the n positions to update, in batch order (else 0..n-1) */
+    int sum;                   /* 1: weights[s] += grad (a sum of rows), and the flag checks the gradient */
 } sgd_args;
 
 /* Whether any of the n floats at v is inf or NaN (exponent all ones). */
@@ -44,6 +45,11 @@ ROW_LOOPS static int sgd_all(const sgd_args *a) {
         if (s < a->slot_lo || s >= a->slot_hi) continue;  /* -1 (the row is not cached) or another's slot */
         float *w = a->weights + s * a->dim;
         const float *g = a->grad + i * a->dim;
+        if (a->sum) {  /* the gradient is checked as it is read: no pass of its own */
+            for (int64_t d = 0; d < a->dim; d++) w[d] += g[d];
+            nonfinite |= any_nonfinite(g, a->dim);
+            continue;
+        }
         for (int64_t d = 0; d < a->dim; d++) w[d] -= a->lr * g[d];
         /* A value that overflowed stays inf or NaN through later updates: checking each write finds it. */
         nonfinite |= any_nonfinite(w, a->dim);
@@ -77,13 +83,13 @@ static void sgd_part(void *job_, int64_t part, int64_t parts) {
 }
 
 static int sgd_split(float *weights, int64_t num_slots, int64_t dim, const int64_t *slots, const float *grad,
-                     int64_t n, float lr) {
+                     int64_t n, float lr, int sum) {
     int64_t parts = parts_for(n, UPDATE_GRAIN), nonfinite = 0;
     if (parts > num_slots) parts = num_slots > 1 ? num_slots : 1;
     /* The position lists live in the calling thread's scratch (no malloc per backward); without memory for
        them each part tests every lookup instead (the same updates). */
     int64_t *order = n >= UPDATE_GRAIN ? thread_scratch(SCRATCH_ORDER, (size_t)(parts * n) * sizeof(int64_t)) : 0;
-    sgd_job job = {{weights, dim, slots, grad, n, lr, 0, num_slots, 0}, num_slots, order, {0}};
+    sgd_job job = {{weights, dim, slots, grad, n, lr, 0, num_slots, 0, sum}, num_slots, order, {0}};
     run_parts(sgd_part, &job, parts);
     for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];
     return nonfinite != 0;
@@ -109,7 +115,20 @@ int64_t sgd_update(float *weights, int64_t num_slots, int64_t dim, const int64_t
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= num_slots) return i;
     }
-    return sgd_split(weights, num_slots, dim, slots, grad, n, lr) ? -3 : -1;
+    return sgd_split(weights, num_slots, dim, slots, grad, n, lr, 0) ? -3 : -1;
+}
+
+/* The gradient of each distinct row, and the finite check of the whole gradient, in one pass: summed[index[i]]
+   += grad[i] in batch order per row (`summed` [num_rows, dim] zeroed by the caller: bit for bit torch's
+   index_put_ with accumulate, and `sgd_update` with lr -1). Returns -1, -2 when a value of grad is inf or
+   NaN (then `summed` holds partial sums: the caller drops the step), or the index of the first index
+   outside [0, num_rows) (then nothing is written). */
+int64_t sum_rows_finite(float *summed, int64_t num_rows, int64_t dim, const int64_t *index, const float *grad,
+                        int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (index[i] < 0 || index[i] >= num_rows) return i;
+    }
+    return sgd_split(summed, num_rows, dim, index, grad, n, -1.0f, 1) ? -2 : -1;
 }
 
 /* The fused SGD step of one backward: nothing is written unless every value of grad [n, dim] is finite
@@ -122,7 +141,7 @@ int64_t sgd_update_finite(float *weights, int64_t num_slots, int64_t dim, const 
         if (slots[i] >= num_slots) return i;
     }
     if (!all_finite_split(grad, n * dim)) return -2;
-    return sgd_split(weights, num_slots, dim, slots, grad, n, lr) ? -3 : -1;
+    return sgd_split(weights, num_slots, dim, slots, grad, n, lr, 0) ? -3 : -1;
 }
 
 /* ------------------------------------------------------------------ Adagrad: one pass per unique row

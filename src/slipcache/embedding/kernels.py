@@ -63,6 +63,14 @@ def sum_rows(index: Tensor, values: Tensor, count: int) -> Tensor:
     return summed
 
 
+def sum_rows_if_finite(index: Tensor, values: Tensor, count: int) -> Tensor | None:
+    """`sum_rows` when every value of `values` is finite, else None: compiled, the check is made in the
+    summing pass (one read of `values` instead of two)."""
+    if values.dtype == torch.float32 and _native.usable(index, values):
+        return _native.sum_rows_finite(index, values, count)
+    return sum_rows(index, values, count) if all_finite(values) else None
+
+
 def sgd_scatter(weights: Tensor, slots: Tensor, grad: Tensor, lr: float) -> bool:
     """weights[slots[i]] -= lr * grad[i] (repeated slots add up); whether every row written is finite."""
     if _native.usable(weights, slots):

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import Tensor, nn
 
+from slipcache import _native
 from slipcache._native import quantize
 from slipcache.embedding.hostmem import StorageFile, host_empty, host_zeros
 
@@ -319,13 +320,27 @@ class RowStorage(nn.Module):
         n = values.shape[0] if source is None else source.numel()
         bits = INT_BITS.get(self.precision)
         noise = None
+        limit, max_span = VALUE_LIMIT[self.precision], INT_MAX_SPAN[bits] if bits else None
+        if rounding == "stochastic" and self.precision != "fp32" and _native.threads() == 1:
+            # One pass that draws each row's noise as it rounds the row (no [n, D] noise tensor written and
+            # read back): the same values in the same order, so the same bytes. On a copy of the generator's
+            # state, kept only when every row fitted; else the state is left and the general pass below
+            # draws and fits as before.
+            state = quantize.stream_state(generator)
+            if state is not None:
+                count = quantize.quantize_rows(
+                    values, self.precision, *targets, rows=rows, limit=limit, max_span=max_span, source=source,
+                    stream=state, scales=_SCALES,
+                )
+                if not count:
+                    (torch.default_generator if generator is None else generator).set_state(state)
+                    return Fitted(values, None, None)
         if rounding == "stochastic" and self.precision != "fp32":
             shape = (n, self.dim)
             noise = quantize.uniform(shape, generator)
             if noise is None:
                 noise = random_uniform(shape, generator, values.device)
         bad = torch.empty(n, dtype=torch.uint8)
-        limit, max_span = VALUE_LIMIT[self.precision], INT_MAX_SPAN[bits] if bits else None
         count = quantize.quantize_rows(
             values, self.precision, *targets, noise=noise, rows=rows, bad=bad, limit=limit, max_span=max_span,
             source=source, scales=_SCALES,

@@ -95,7 +95,7 @@ class FusedOptimizer:
         if not entries:
             return
         self.clock.mark()
-        if len(entries) == 1 and self._fused_update(*entries[0]):
+        if len(entries) == 1 and (self._fused_update(*entries[0]) or self._fused_storage_update(*entries[0])):
             self.clock.lap("backward")
             return
         if not all(kernels.all_finite(grad) for _, grad in entries):
@@ -153,6 +153,33 @@ class FusedOptimizer:
             self._fit_cached(plan.slots)
         if plan.storage_rows.numel():
             self._update_storage([(plan, plan.storage_rows, plan.storage_index, grad[plan.slots < 0])])
+        return True
+
+    def _fused_storage_update(self, plan: _StepPlan, grad: Tensor) -> bool:
+        """The common step of a forward served wholly from storage (no cache, or every row missed it): the
+        gradient summed per row and checked finite in one pass, the rows' fp32 copy from the forward updated
+        and rounded back; what the general path does, with one pass over the gradient fewer. Returns False,
+        having done nothing, where the general path must run (as `_fused_update`), or the rows changed."""
+        scaler = self.grad_scaler
+        if (
+            self.config.optimizer != "sgd"
+            or self.config.weight_decay
+            or (scaler is not None and scaler.is_enabled())
+            or self.config.max_grad_norm is not None
+            or plan.residency_version != self.cache.version
+            or plan.storage_version != self.storage.version
+            or not plan.storage_rows.numel()
+            or plan.storage_index.numel() != plan.slots.numel()
+        ):
+            return False
+        summed = kernels.sum_rows_if_finite(plan.storage_index, grad, plan.storage_rows.numel())
+        if summed is None:
+            self.skipped_updates += 1  # a diverged step: keep every row as it was (counted in stats())
+            return True
+        self.steps += 1
+        values = plan.storage_values
+        values.add_(summed, alpha=-self.lr)
+        self.writer.write(plan.storage_rows, values)
         return True
 
     def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:
