@@ -135,7 +135,7 @@ def test_slipstream_runs_with_the_real_trainer(tmp_path: Path, monkeypatch: pyte
     grid = slipstream.slipstream_grid(runner.PRESETS["quick"], 1)
     assert _ran(lines) == sum(s.seeds for s in grid)
     results = json.loads((out / "results.json").read_text())
-    skipped = [c["summary"]["skipped_fraction"] for c in results["cells"] if c["config"]["skip_rule"] == "stale"]
+    skipped = [c["summary"]["skipped_fraction"] for c in results["cells"] if c["config"].get("skip_rule") == "stale"]
     assert skipped and all(0.0 <= f < 1.0 for f in skipped)
     assert all(len(c["curve"]) >= 3 for c in results["cells"])  # 10 evaluations per epoch feed time to target
     report = (out / "report.md").read_text()
