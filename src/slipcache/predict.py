@@ -33,6 +33,7 @@ import torch
 
 from slipcache.errors import SlipcacheError
 from slipcache.options import add_progress_flag, add_threads_flag, positive_int
+from slipcache.safe_files import open_fd, prepare_output_file
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +92,7 @@ def check_out(out: Path, *, force: bool) -> None:
         raise SlipcacheError(f"--out {out} exists; choose a new name, or --force to replace it")
     if out.exists() and not out.is_file():
         raise SlipcacheError(f"--out {out} exists and is not a regular file")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SlipcacheError(f"--out {out}: cannot create its directory: {exc.strerror or exc}") from exc
-    if not os.access(out.parent, os.W_OK):
-        raise SlipcacheError(f"--out {out}: its directory {out.parent} is not writable")
+    prepare_output_file(out, "--out")
 
 
 def _npy_header(rows: int) -> bytes:
@@ -111,7 +107,6 @@ class ScoreWriter:
     renamed over `out` by `commit`: text, one "%.6g" probability per line, or .npy float32 [n]."""
 
     def __init__(self, out: Path) -> None:
-        from slipcache.safe_files import open_fd
 
         self.out = out
         self.npy = out.suffix.lower() == ".npy"

@@ -125,21 +125,25 @@ class FusedOptimizer:
         self._update_storage(storage_parts)
         self.clock.lap("backward")
 
+    def _plain_sgd_step(self, plan: _StepPlan) -> bool:
+        """What both fused steps need: plain SGD, a gradient neither rescaled (GradScaler) nor clipped, and the
+        cache's residency as the forward left it."""
+        scaler = self.grad_scaler
+        return (
+            self.config.optimizer == "sgd"
+            and not self.config.weight_decay
+            and not (scaler is not None and scaler.is_enabled())
+            and self.config.max_grad_norm is None
+            and plan.residency_version == self.cache.version
+        )
+
     def _fused_update(self, plan: _StepPlan, grad: Tensor) -> bool:
         """The common step in one compiled pass: one forward's SGD update on the cache slots its forward
         found (no second lookup), applied only if the whole gradient is finite; rows it served from storage
         then take the general storage update. Returns False, having done nothing, where the general path
         must run: another optimizer, a GradScaler or clipping (the gradient is rescaled), residency changed
         since the forward, no cache, or no compiled loop."""
-        scaler = self.grad_scaler
-        if (
-            self.config.optimizer != "sgd"
-            or self.config.weight_decay
-            or (scaler is not None and scaler.is_enabled())
-            or self.config.max_grad_norm is not None
-            or plan.residency_version != self.cache.version
-            or not self.cache.capacity
-        ):
+        if not self._plain_sgd_step(plan) or not self.cache.capacity:
             return False
         fused = kernels.sgd_scatter_if_finite(self.cache.weights, plan.slots, grad, self.lr)
         if fused is None:
@@ -160,13 +164,8 @@ class FusedOptimizer:
         gradient summed per row and checked finite in one pass, the rows' fp32 copy from the forward updated
         and rounded back; what the general path does, with one pass over the gradient fewer. Returns False,
         having done nothing, where the general path must run (as `_fused_update`), or the rows changed."""
-        scaler = self.grad_scaler
         if (
-            self.config.optimizer != "sgd"
-            or self.config.weight_decay
-            or (scaler is not None and scaler.is_enabled())
-            or self.config.max_grad_norm is not None
-            or plan.residency_version != self.cache.version
+            not self._plain_sgd_step(plan)
             or plan.storage_version != self.storage.version
             or not plan.storage_rows.numel()
             or plan.storage_index.numel() != plan.slots.numel()
