@@ -477,12 +477,16 @@ def test_sighup_writes_the_checkpoint_as_sigterm_does(tmp_path: Path, monkeypatc
         return real_loss(*args, **kwargs)
 
     monkeypatch.setattr(trainer.F, "binary_cross_entropy_with_logits", loss)
-    handler = signal.getsignal(signal.SIGHUP)
-    with pytest.raises(RunInterrupted) as stopped:
-        trainer.train(tiny_config(data, tmp_path / "run", epochs=1))
+    # As under a terminal: a suite started under nohup inherits SIGHUP ignored, which the run keeps ignored.
+    outer = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with pytest.raises(RunInterrupted) as stopped:
+            trainer.train(tiny_config(data, tmp_path / "run", epochs=1))
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # the run put back what it found
+    finally:
+        signal.signal(signal.SIGHUP, outer)
     assert stopped.value.exit_code == 128 + signal.SIGHUP
     assert ckpt.load_checkpoint(tmp_path / "run" / "checkpoints")["progress"]["samples"] == 3 * 64
-    assert signal.getsignal(signal.SIGHUP) == handler
 
 
 # ----------------------------------------------------------------------- resumes across process counts
