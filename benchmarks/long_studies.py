@@ -500,7 +500,7 @@ def run_one(
         "spec = json.loads(sys.argv[1])\n"
         "cpu = time.process_time()\n"
         "if spec['resume']:\n"
-        "    config = TrainConfig(resume=spec['out'], progress=False, threads=1)\n"
+        "    config = TrainConfig.from_flat({'resume': spec['out'], 'progress': False, 'threads': 1})\n"
         "else:\n"
         "    config = make_config({}, {**spec['values'], 'out': spec['out']})  # as flags: presets apply\n"
         "train(config)\n"

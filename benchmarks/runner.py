@@ -12,7 +12,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -105,7 +105,7 @@ class Cell:
         Fields at None (an option off, or a value derived from the data) are left out, so a new optional
         TrainConfig field does not orphan every finished cell of a grid that resumes across sessions.
         """
-        full = {k: v for k, v in {**asdict(trainer.TrainConfig()), **self.values}.items() if v is not None}
+        full = {k: v for k, v in {**trainer.TrainConfig().flat(), **self.values}.items() if v is not None}
         if self.dataset:
             full["dataset"] = self.dataset
         digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:8]
@@ -221,7 +221,7 @@ def run_cell(cell: Cell, cells_dir: Path) -> tuple[dict[str, Any], bool]:
         return record, False
     if cell_dir.exists():  # an interrupted run: start it over rather than trust half a run directory
         shutil.rmtree(cell_dir)
-    config = trainer.TrainConfig(**{**cell.values, "out": str(cell_dir)})
+    config = trainer.TrainConfig.from_flat({**cell.values, "out": str(cell_dir)})
     start = time.perf_counter()
     summary = trainer.train(config)
     wall_s = time.perf_counter() - start
@@ -302,6 +302,6 @@ def prepare_experiment_data(data: str | None, out: Path) -> tuple[str | None, li
     """The preprocessed dataset every cell reads (raw files are preprocessed once), and its table sizes."""
     if data is None:
         return None, None
-    config = trainer.TrainConfig(data=data, progress=True)
+    config = trainer.TrainConfig.from_flat({"data": data, "progress": True})
     path = trainer.prepare_data(config, out / "data")
     return str(path), trainer.open_dataset(path).table_sizes

@@ -96,6 +96,13 @@ class FakeConfig:
     epochs: int = 1
     checkpoint_every: int = 0
 
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> FakeConfig:
+        return cls(**values)
+
+    def flat(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
 
 def _auc(config: FakeConfig) -> float:
     noise = NOISE[config.seed] if config.precision != "fp32" else 0.0
@@ -190,9 +197,16 @@ def test_a_new_optional_trainer_field_keeps_finished_cells(tmp_path: Path, monke
     grid = accuracy.accuracy_grid(plan.preset, 2)
     before = [c.id for c in plan.cells(grid, "v3-aaaa")]
     base = runner.trainer.TrainConfig
-    off = dataclasses.make_dataclass("Off", [("new_option", str | None, None)], bases=(base,))
-    monkeypatch.setattr(runner.trainer, "TrainConfig", off)
+
+    class Off(base):  # type: ignore[misc,valid-type]
+        def flat(self) -> dict[str, Any]:
+            return {**super().flat(), "new_option": None}
+
+    class Changed(base):  # type: ignore[misc,valid-type]
+        def flat(self) -> dict[str, Any]:
+            return {**super().flat(), "new_option": "on"}
+
+    monkeypatch.setattr(runner.trainer, "TrainConfig", Off)
     assert [c.id for c in plan.cells(grid, "v3-aaaa")] == before  # an option added, off by default
-    changed = dataclasses.make_dataclass("Changed", [("new_option", str, "on")], bases=(base,))
-    monkeypatch.setattr(runner.trainer, "TrainConfig", changed)
+    monkeypatch.setattr(runner.trainer, "TrainConfig", Changed)
     assert not set(before) & {c.id for c in plan.cells(grid, "v3-aaaa")}  # a default that is on: new cells

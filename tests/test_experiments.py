@@ -174,6 +174,13 @@ class FakeConfig:
     stale_reweight: bool = False
     stale_weight_max: float | None = None
 
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> FakeConfig:
+        return cls(**values)
+
+    def flat(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
 
 def _fake_train(config: FakeConfig) -> dict[str, Any]:
     """A run whose time falls with the skip target, with staleness events in metrics.jsonl.

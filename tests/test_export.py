@@ -27,7 +27,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _trained_lookups(run: Path, ids: torch.Tensor) -> torch.Tensor:
     """Pooled rows [B, T, D] of the checkpoint's own collection (its forward, not export_tables)."""
     state = ckpt.load_checkpoint(run / "checkpoints")
-    config = TrainConfig(**{k: v for k, v in state["config"].items() if k in CONFIG_FIELDS})
+    config = TrainConfig.from_flat({k: v for k, v in state["config"].items() if k in CONFIG_FIELDS})
     model = build_model(config, state["table_sizes"], num_dense=13)
     model.embeddings.load_state_dict(state["embeddings"])
     model.eval()

@@ -18,7 +18,7 @@ def _train_action(dest: str):  # noqa: ANN202 - an argparse Action
 
 
 def test_every_flag_shows_the_fields_default_and_offers_its_choices() -> None:
-    flagged = [f for f in dataclasses.fields(TrainConfig) if "help" in f.metadata]
+    flagged = [f for f in CONFIG_FIELDS.values() if "help" in f.metadata]
     assert len(flagged) > 40
     for f in flagged:
         action = _train_action(f.name)
@@ -68,18 +68,18 @@ def test_eval_samples_is_the_trains_spelling(capsys: pytest.CaptureFixture[str])
 
 
 def test_every_setting_says_its_group_and_what_a_resume_may_do() -> None:
+    from slipcache.training.config import PART_OF
     from slipcache.training.settings import GROUPS, RESUME
 
-    for f in dataclasses.fields(TrainConfig):
-        assert f.metadata.get("resume") in RESUME and f.metadata.get("group") in GROUPS, f.name
+    for name, f in CONFIG_FIELDS.items():
+        assert f.metadata.get("resume") in RESUME and PART_OF[name] in GROUPS, name
 
 
 def test_the_parts_configs_are_built_from_the_settings() -> None:
-    from slipcache.training.config import CONFIG_FIELDS
-    from slipcache.training.settings import PART_CONFIGS, part_options
+    from slipcache.training.settings import PART_CONFIGS
 
-    config = TrainConfig(stale_budget_mb=64.0, stale_target=0.2, embedding_dim=8, bottom_mlp=[32, 8], seed=7,
-                         precision="fp16")  # fmt: skip
+    config = TrainConfig.from_flat({"stale_budget_mb": 64.0, "stale_target": 0.2, "embedding_dim": 8,
+                                    "bottom_mlp": [32, 8], "seed": 7, "precision": "fp16"})  # fmt: skip
     staleness = config.staleness_config(rule="random")
     assert staleness.memory_budget_bytes == 64 * 2**20 and staleness.target_drop == 0.2 and staleness.seed == 7
     assert staleness.rule == "random"
@@ -89,7 +89,7 @@ def test_the_parts_configs_are_built_from_the_settings() -> None:
     defaults = TrainConfig()
     for part, kind in PART_CONFIGS.items():
         own = {f.name: f for f in dataclasses.fields(kind)}
-        for key, value in part_options(defaults, CONFIG_FIELDS, part).items():
+        for key, value in defaults.library_options(part).items():
             f = own[key]
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             if key not in ("lr",):  # the trainer's own learning rate, on purpose
@@ -103,4 +103,4 @@ def test_the_old_skipping_spellings_are_gone(old: str, capsys: pytest.CaptureFix
     with pytest.raises(SystemExit) as stopped:
         main(argv)
     assert stopped.value.code == 2 and f"unrecognized arguments: {old}" in capsys.readouterr().err
-    assert make_config({}, {"skip_rule": "stale"}).skip_rule == "stale"
+    assert make_config({}, {"skip_rule": "stale"}).skipping.skip_rule == "stale"

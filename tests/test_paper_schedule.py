@@ -82,7 +82,7 @@ def test_groups_must_cover_the_split() -> None:
 def _hot_inputs(config, data_dir: Path) -> HotInputs:  # noqa: ANN001
     """The hot inputs of epoch 0, computed apart from the run."""
     dataset = open_dataset(data_dir)
-    hot = HotInputs(config, dataset.split("train"), list(dataset.table_sizes), config.embedding_dim)
+    hot = HotInputs(config, dataset.split("train"), list(dataset.table_sizes), config.model.embedding_dim)
     hot.start_epoch(0)
     return hot
 
@@ -112,7 +112,7 @@ def test_cold_first_trains_every_cold_input_before_any_hot_one(
 def test_the_window_opens_where_the_paper_rule_says(data_dir: Path, tmp_path: Path, rule: str) -> None:
     config = tiny_config(data_dir, tmp_path / "run", stale_preset="paper", skip_rule=rule, stale_target=0.5,
                          stale_window_start=0.25, stale_window=0.2, **STUDY)
-    assert config.stale_window_count == "hot" and config.input_order == "cold_first"
+    assert config.skipping.stale_window_count == "hot" and config.skipping.input_order == "cold_first"
     summary = train.train(config)
     hot = _hot_inputs(config, data_dir)
     hot_batches = hot.hot_count // 64
@@ -205,11 +205,12 @@ def test_freezing_the_stalest_picks_the_rows_that_moved_least(data_dir: Path, tm
 
 def test_the_paper_preset_overrides_quick_and_flags_override_the_preset() -> None:
     config = make_config({}, {"quick": True, "stale_preset": "paper"})
-    assert (config.batch_size, config.lr, config.epochs, config.samples) == (1024, 0.01, 1, None)
-    assert config.input_order == "cold_first" and config.stale_window_count == "hot"
-    assert config.synthetic_samples == 800_000  # what the preset does not set stays --quick's
+    schedule = config.schedule
+    assert (schedule.batch_size, config.embeddings.lr, schedule.epochs, schedule.samples) == (1024, 0.01, 1, None)
+    assert config.skipping.input_order == "cold_first" and config.skipping.stale_window_count == "hot"
+    assert config.data.synthetic_samples == 800_000  # what the preset does not set stays --quick's
     config = make_config({"lr": 0.05}, {"quick": True, "stale_preset": "paper", "batch_size": 512})
-    assert (config.batch_size, config.lr) == (512, 0.05)  # a file's and a flag's values win
+    assert (config.schedule.batch_size, config.embeddings.lr) == (512, 0.05)  # a file's and a flag's values win
 
 
 def test_freezing_and_skipping_are_separate_arms(data_dir: Path, tmp_path: Path) -> None:

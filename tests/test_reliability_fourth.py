@@ -64,7 +64,7 @@ def test_integers_are_converted_exactly(tmp_path: Path) -> None:
     values = load_config_file(config)
     assert values["samples"] == 2**63 - 1 and isinstance(values["samples"], int)
     assert values["batch_size"] == 1000 and isinstance(values["batch_size"], int)
-    assert make_config(values, {}).samples == 2**63 - 1
+    assert make_config(values, {}).schedule.samples == 2**63 - 1
 
 
 def test_a_budget_of_2_63_minus_1_samples_is_exact() -> None:
@@ -72,8 +72,8 @@ def test_a_budget_of_2_63_minus_1_samples_is_exact() -> None:
     assert trainer.budget_steps(2**63 - 1, 1) == 2**63 - 1  # a float gave 9223372036854775808
     config = make_config({}, {"samples": 2**63 - 1, "batch_size": 1, "progress": False})
     resolved = trainer.resolve_schedule(config, 1000)
-    assert resolved.samples == 2**63 - 1
-    assert resolved.checkpoint_every == (2**63 - 1) // 4 + 1  # nearest whole batch of 1, exactly
+    assert resolved.schedule.samples == 2**63 - 1
+    assert resolved.schedule.checkpoint_every == (2**63 - 1) // 4 + 1  # nearest whole batch of 1, exactly
 
 
 @pytest.mark.parametrize(
@@ -247,7 +247,8 @@ def test_a_rank_log_and_the_pruning_state_refuse_hard_links(tmp_path: Path) -> N
     assert sys.stdout is stdout and victim.read_text() == "precious\n"
     victim.unlink()
     victim = _hard_link_to_a_victim(tmp_path, run / "prune" / "prune_losses_0.u8")
-    config = types.SimpleNamespace(prune_share=0.5, prune_final=0.0, seed=0, samples=100)
+    config = types.SimpleNamespace(skipping=types.SimpleNamespace(prune_share=0.5, prune_final=0.0),
+                                   model=types.SimpleNamespace(seed=0), schedule=types.SimpleNamespace(samples=100))
     with pytest.raises(LinkRefusedError, match="prune_losses_0.u8 has 2 hard links"):
         LossPruner(config, 100, run / "prune")
     assert victim.read_text() == "precious\n"  # not resized to 100 bytes of zeros

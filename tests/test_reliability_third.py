@@ -374,7 +374,7 @@ def test_threads_and_memory_settings_out_of_range(
 def test_a_config_file_value_of_the_wrong_type_is_one_line(value: object, expected: str) -> None:
     with pytest.raises(SlipcacheError, match=expected):
         make_config({"batch_size": value})
-    batch_size = make_config({"batch_size": 256.0}).batch_size
+    batch_size = make_config({"batch_size": 256.0}).schedule.batch_size
     assert batch_size == 256 and isinstance(batch_size, int)
 
 

@@ -176,7 +176,7 @@ def test_changed_settings_on_resume_are_what_trains(
     r = seen["run"]
     recorded = json.loads((run / "config.json").read_text())
     for name, value in CHANGED.items():
-        assert recorded[name] == value and getattr(r.config, name) == value, name
+        assert recorded[name] == value and r.config.get(name) == value, name
     assert set(recorded["changed_on_resume"][-1]["changes"]) == set(CHANGED)
     # The copies each part keeps of a setting follow it, not the checkpoint:
     assert r.model.embeddings.lr == 0.11

@@ -59,7 +59,8 @@ def test_random_rule_in_training_counts_every_skipped_input(data_dir: Path, tmp_
 
 
 def toy_pruner(share: float, position: int, mean: float) -> LossPruner:
-    config = SimpleNamespace(prune_share=share, prune_final=0.0, seed=3, samples=0)
+    config = SimpleNamespace(skipping=SimpleNamespace(prune_share=share, prune_final=0.0),
+                             model=SimpleNamespace(seed=3), schedule=SimpleNamespace(samples=0))
     pruner = LossPruner(config, 1000, None)
     pruner.start_epoch(0, 0)
     pruner.start_epoch(1, 0)
@@ -170,10 +171,10 @@ def test_frequency_hot_set_finds_every_row_read_often_enough() -> None:
 def test_paper_preset_fills_what_the_user_did_not_set() -> None:
     config = make_config(flag_values={"skip_rule": "stale", "stale_preset": "paper", "stale_target": 0.4})
     for key, value in STALE_PRESETS["paper"].items():
-        assert getattr(config, key) == value
-    assert config.stale_target == 0.4 and config.skip_rule == "stale"
+        assert config.get(key) == value
+    assert config.skipping.stale_target == 0.4 and config.skipping.skip_rule == "stale"
     mine = make_config(flag_values={"skip_rule": "stale", "stale_preset": "paper", "stale_guard": True})
-    assert mine.stale_guard and mine.skip_rule == "stale"
+    assert mine.skipping.stale_guard and mine.skipping.skip_rule == "stale"
 
 
 def test_batch_iterator_passes_positions_to_filters_that_want_them(data_dir: Path) -> None:
@@ -229,7 +230,8 @@ def test_paper_preset_trains_on_the_authors_schedule(data_dir: Path, tmp_path: P
                          stale_window=0.1, stale_hot_share=0.65)
     summary = train.train(config)
     block = summary["staleness"]
-    assert config.stale_hot_set == "budget" and not config.stale_guard and config.stale_keep == 0.0
+    skipping = config.skipping
+    assert skipping.stale_hot_set == "budget" and not skipping.stale_guard and skipping.stale_keep == 0.0
     assert block["rule"] == "paper" and block["control_inputs"] == 0 and not block["guard_checks"]
     assert block["order"] == "cold_first" and block["hot_rows"] > 0
     assert block["warm_at"]["batch"] == block["window_start_batch"]  # the window opened where the plan says

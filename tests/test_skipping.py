@@ -59,7 +59,7 @@ def test_skipped_inputs_never_reach_forward_or_change_parameters(
             seen.append(args[1][:, 0].clone())
 
     config = tiny(data_dir, tmp_path / "run", epochs=1)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.model.seed)
     before = build_model(config, SIZES, 13).embeddings.bags[0].weight[0].clone()
     monkeypatch.setattr(train.DLRM, "forward", _with_hook(train.DLRM.forward, record))
     summary = train.train(config)

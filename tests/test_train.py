@@ -215,15 +215,15 @@ def test_config_file_and_flag_precedence(tmp_path: Path) -> None:
     args = parse_flags(["--config", str(toml), "--lr", "0.2"])
     flags = {k: v for k, v in vars(args).items() if k != "config"}
     config = make_config(file_values, flags)
-    assert config.lr == 0.2  # flag beats file
-    assert config.batch_size == 256 and config.policy == "lfu"  # file beats default
-    assert config.precision == "int8"  # default
+    assert config.embeddings.lr == 0.2  # flag beats file
+    assert config.schedule.batch_size == 256 and config.embeddings.policy == "lfu"  # file beats default
+    assert config.embeddings.precision == "int8"  # default
 
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("quick: true\nbatch_size: 128\n")
     quick = make_config(load_config_file(yaml_file), {})
-    assert quick.batch_size == 128  # an explicit value beats the --quick preset
-    assert quick.samples == QUICK["samples"]
+    assert quick.schedule.batch_size == 128  # an explicit value beats the --quick preset
+    assert quick.schedule.samples == QUICK["samples"]
 
 
 def test_config_file_errors(tmp_path: Path) -> None:

@@ -266,9 +266,9 @@ def test_eval_rejects_bad_samples_and_crafted_checkpoints(
 
 
 def test_dim_moves_the_bottom_mlp(data_dir: Path, tmp_path: Path) -> None:
-    assert make_config({}, {"embedding_dim": 32}).bottom_mlp == [512, 256, 64, 32]
-    assert make_config({}, {"quick": True, "embedding_dim": 32}).bottom_mlp == [128, 64, 32]
-    assert make_config({}, {"embedding_dim": 32, "bottom_mlp": [8, 32]}).bottom_mlp == [8, 32]
+    assert make_config({}, {"embedding_dim": 32}).model.bottom_mlp == [512, 256, 64, 32]
+    assert make_config({}, {"quick": True, "embedding_dim": 32}).model.bottom_mlp == [128, 64, 32]
+    assert make_config({}, {"embedding_dim": 32, "bottom_mlp": [8, 32]}).model.bottom_mlp == [8, 32]
     config = make_config({}, {"data": str(data_dir), "out": str(tmp_path / "run"), "embedding_dim": 32,
                                     "embeddings": "torch", "samples": 256, "progress": False})  # fmt: skip
     assert train.train(config)["train_samples"] == 256

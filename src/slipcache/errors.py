@@ -26,3 +26,12 @@ class RunInterrupted(SlipcacheError):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+class SettingError(InvalidInputError):
+    """A setting out of its range, raised by the config that owns it; `name` is its field, so a caller that
+    spells the setting otherwise (the trainer's `--cache-size`) can name it in its own words."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from slipcache.embedding.tables import EmbeddingTables
-from slipcache.errors import InvalidInputError, SlipcacheError
+from slipcache.errors import InvalidInputError, SettingError, SlipcacheError
 
 if TYPE_CHECKING:
     from slipcache.embedding.collection import EmbeddingConfig
@@ -49,17 +49,23 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.table_sizes or min(self.table_sizes) < 1:
-            raise SlipcacheError(f"table sizes must be positive, got {self.table_sizes}")
+            raise SettingError("table_sizes", f"table sizes must be positive, got {self.table_sizes}")
         if not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
-            raise SlipcacheError(
-                f"the bottom MLP must end in the embedding dim {self.embedding_dim}, got {self.bottom_mlp}"
-            )
+            message = f"the bottom MLP must end in the embedding dim {self.embedding_dim}, got {self.bottom_mlp}"
+            raise SettingError("bottom_mlp", message)
+        if any(n < 1 for n in [*self.bottom_mlp, *self.top_mlp]):
+            raise SettingError("bottom_mlp" if min(self.bottom_mlp) < 1 else "top_mlp",
+                               f"MLP layer sizes must be positive, got {self.bottom_mlp} and {self.top_mlp}")
         if not self.top_mlp or self.top_mlp[-1] != 1:
-            raise SlipcacheError(f"the top MLP must end in 1 output (the logit), got {self.top_mlp}")
+            raise SettingError("top_mlp", f"the top MLP must end in 1 output (the logit), got {self.top_mlp}")
         if self.interaction not in INTERACTIONS:
-            raise SlipcacheError(f"interaction must be one of {', '.join(INTERACTIONS)}, got {self.interaction!r}")
+            raise SettingError(
+                "interaction", f"interaction must be one of {', '.join(INTERACTIONS)}, got {self.interaction!r}"
+            )
         if self.autocast not in (None, *AUTOCAST_DTYPES):
-            raise SlipcacheError(f"autocast must be one of {', '.join(AUTOCAST_DTYPES)} or none, got {self.autocast!r}")
+            raise SettingError(
+                "autocast", f"autocast must be one of {', '.join(AUTOCAST_DTYPES)} or none, got {self.autocast!r}"
+            )
 
     @property
     def num_tables(self) -> int:

@@ -58,19 +58,19 @@ class _TorchRecDLRM(nn.Module):
         from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
         tables = [
-            EmbeddingBagConfig(name=f"t{t}", embedding_dim=config.embedding_dim, num_embeddings=n,
+            EmbeddingBagConfig(name=f"t{t}", embedding_dim=config.model.embedding_dim, num_embeddings=n,
                                feature_names=[f"f{t}"])
             for t, n in enumerate(table_sizes)
         ]  # fmt: skip
         self.keys = [f"f{t}" for t in range(len(table_sizes))]
         self.embeddings = FusedEmbeddingBagCollection(
-            tables, optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": config.lr}
+            tables, optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": config.embeddings.lr}
         )
         self.dlrm = DLRM(
             embedding_bag_collection=self.embeddings,
             dense_in_features=13,
-            dense_arch_layer_sizes=list(config.bottom_mlp),
-            over_arch_layer_sizes=list(config.top_mlp),
+            dense_arch_layer_sizes=list(config.model.bottom_mlp),
+            over_arch_layer_sizes=list(config.model.top_mlp),
         )
 
     def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
@@ -90,19 +90,19 @@ def _run_torchrec(config: Any, out: Path) -> dict[str, Any]:
 
     dataset = trainer.open_dataset(trainer.prepare_data(config, out / "data-cache"))
     config = trainer.resolve_schedule(config, dataset.splits["train"])
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.model.seed)
     model = _TorchRecDLRM(dataset.table_sizes, config)
-    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
+    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.model.dense_lr or config.embeddings.lr)
     samples, wall, epoch = 0, 0.0, 0
-    while samples < config.samples:
+    while samples < config.schedule.samples:
         start = time.perf_counter()
-        for batch in training_batches(dataset, config.batch_size, seed=config.seed, epoch=epoch):
+        for batch in training_batches(dataset, config.schedule.batch_size, seed=config.model.seed, epoch=epoch):
             loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.sparse), batch.labels)
             dense_opt.zero_grad(set_to_none=True)
             loss.backward()  # the table update runs inside backward (fused)
             dense_opt.step()
             samples += batch.labels.shape[0]
-            if samples >= config.samples:
+            if samples >= config.schedule.samples:
                 break
         wall += time.perf_counter() - start
         epoch += 1

@@ -27,7 +27,6 @@ import json
 import logging
 import re
 import warnings
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -166,9 +165,9 @@ class DistributedBackend(RunBackend):
     def check_config(self, config: Any) -> None:
         """Refuse what does not work across processes yet, with the same one-line error on every rank."""
         n = self.ctx.world_size
-        if config.embeddings != "cached":
+        if config.embeddings.embeddings != "cached":
             raise SlipcacheError(
-                f"--embeddings {config.embeddings} is not supported with {n} > 1 processes "
+                f"--embeddings {config.embeddings.embeddings} is not supported with {n} > 1 processes "
                 "(only cached tables are sharded)"
             )
 
@@ -227,10 +226,10 @@ class DistributedBackend(RunBackend):
         if self.plan is None:
             specs = table_specs(
                 table_sizes,
-                config.embedding_dim,
-                precision=config.precision,
-                cache_size=config.cache_size,
-                optimizer=config.optimizer,
+                config.model.embedding_dim,
+                precision=config.embeddings.precision,
+                cache_size=config.embeddings.cache_size,
+                optimizer=config.embeddings.optimizer,
             )
             self.plan = plan_sharding(specs, self.ctx.world_size)
         self._require_rank_fits(config, tables_config, table_sizes, num_dense)
@@ -243,7 +242,7 @@ class DistributedBackend(RunBackend):
             redirect_output(run_dir, self.ctx.rank)
         tables = ShardedEmbeddingCollection(
             tables_config, self.plan, self.ctx.rank, self.ctx.embedding_group,
-            wire_precision=config.wire_precision, draw_rows=draw_rows,
+            wire_precision=config.embeddings.wire_precision, draw_rows=draw_rows,
         )
         return DistributedDLRM(DLRM(config.model_config(table_sizes, num_dense), tables).to(self.ctx.device), self.ctx)
 
@@ -254,7 +253,8 @@ class DistributedBackend(RunBackend):
         from slipcache.memory import model_bytes, require_bytes, require_config_fits
         from slipcache.model import DENSE_ADVICE, DENSE_PART
 
-        dense = model_bytes(config.model_config(table_sizes, num_dense), config.batch_size, config.dense_optimizer)
+        dense = model_bytes(config.model_config(table_sizes, num_dense), config.schedule.batch_size,
+                            config.model.dense_optimizer)
         assert self.plan is not None  # planned before the tables are priced
         shards = self.plan.shards_of(self.ctx.rank)
         what = f"rank {self.ctx.rank}'s tables"
@@ -262,7 +262,8 @@ class DistributedBackend(RunBackend):
             require_config_fits(shard_config(tables_config, shards, self.ctx.rank), what, extra_bytes=dense,
                                 extra_what=DENSE_PART, extra_advice=DENSE_ADVICE)
         else:
-            require_bytes(0, what=what, table_sizes=table_sizes, dim=config.embedding_dim, choice="no tables here",
+            require_bytes(0, what=what, table_sizes=table_sizes, dim=config.model.embedding_dim,
+                          choice="no tables here",
                           extra_bytes=dense, extra_what=DENSE_PART, extra_advice=DENSE_ADVICE)
 
     # ---------------------------------------------------------------------------------- checkpoints
@@ -381,13 +382,13 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
     try:
         # The flags as given first (a rank with other flags fails here, before anything it would do apart
         # from the others); the resolved settings and the data's fingerprint when the run starts.
-        run.check_same_settings(asdict(config), ignore=("out", "resume"))
+        run.check_same_settings(config.flat(), ignore=("out", "resume"))
         run.check_config(config)
-        if config.out is None and config.resume is None:
-            config.out = run.agree(str(new_run_dir()))
+        if config.run.out is None and config.run.resume is None:
+            config.run.out = run.agree(str(new_run_dir()))
         if not run.is_main:
-            config.progress = False
-        if config.resume is None and ctx.local_rank == 0:  # once per node, before the others read it
+            config.schedule.progress = False
+        if config.run.resume is None and ctx.local_rank == 0:  # once per node, before the others read it
             prepare_data(config)
         dist.barrier()
         return trainer.train(config, run)

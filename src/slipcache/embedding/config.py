@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
+from slipcache.errors import SettingError
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 FLOAT32_MAX = 3.4028234663852886e38  # the fused optimizer computes in fp32: a larger lr would be inf
@@ -53,21 +54,23 @@ class EmbeddingConfig:
     def __post_init__(self) -> None:
         self.table_sizes = [int(n) for n in self.table_sizes]
         if not self.table_sizes or any(n <= 0 for n in self.table_sizes):
-            raise ValueError(
-                f"table_sizes must be a non-empty list of positive row counts, got {self.table_sizes}"
+            raise SettingError(
+                "table_sizes", f"table_sizes must be a non-empty list of positive row counts, got {self.table_sizes}"
             )
         if self.dim <= 0:
-            raise ValueError(f"dim must be positive, got {self.dim}")
+            raise SettingError("dim", f"dim must be positive, got {self.dim}")
         num_tables = len(self.table_sizes)
         for name in ("precision", "cache_size", "cache_rows"):
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):
                 if len(value) != num_tables:
-                    raise ValueError(f"{name} must be one value or one per table ({num_tables}), got {len(value)}")
+                    raise SettingError(
+                        name, f"{name} must be one value or one per table ({num_tables}), got {len(value)}"
+                    )
                 setattr(self, name, list(value))
         for precision in self.precisions:
             if precision not in PRECISIONS:
-                raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+                raise SettingError("precision", f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
         for name, value, allowed in (
             ("policy", self.policy, POLICIES),
             ("rounding", self.rounding, ROUNDINGS),
@@ -75,14 +78,15 @@ class EmbeddingConfig:
             ("pooling", self.pooling, POOLINGS),
         ):
             if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+                raise SettingError(name, f"{name} must be one of {', '.join(allowed)}; got {value!r}")
         shares = self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]
         for share in shares:
             if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
                 hint = ""
                 if isinstance(share, (int, float)) and share > 1:
                     hint = f"; for a number of rows use cache_rows={share:g}"
-                raise ValueError(f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}")
+                message = f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}"
+                raise SettingError("cache_size", message)
         counts = self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows]
         for count in counts:
             if count is not None and (
@@ -91,9 +95,9 @@ class EmbeddingConfig:
                 or int(count) != count
                 or count < 0
             ):
-                raise ValueError(f"cache_rows must be a whole number of rows >= 0, got {count!r}")
+                raise SettingError("cache_rows", f"cache_rows must be a whole number of rows >= 0, got {count!r}")
         if not 0 < self.lr <= FLOAT32_MAX:
-            raise ValueError(f"lr must be a positive number within fp32's range (<= {FLOAT32_MAX:.4g}), got {self.lr}")
+            raise SettingError("lr", f"lr must fit a float32 and be positive (<= {FLOAT32_MAX:.4g}), got {self.lr}")
         if not 0 < self.eps < math.inf:
             raise ValueError(f"eps (Adagrad's denominator term) must be a positive finite number, got {self.eps}")
         for name in ("beta1", "beta2"):

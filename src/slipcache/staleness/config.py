@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from slipcache.errors import InvalidInputError
+from slipcache.errors import InvalidInputError, SettingError
 
 __all__ = ["DETECTOR_RULES", "FREEZE_MODES", "HOT_SETS", "ORDERS", "RULES", "SKIP_RULES", "SKIP_RULE_HELP",
            "STALE_PRESETS", "WINDOW_COUNTS", "GuardConfig", "StalenessConfig", "preset_help"]
@@ -61,31 +61,36 @@ class StalenessConfig:
         }
         for name, value in fractions.items():
             if not 0.0 < value <= 1.0:
-                raise InvalidInputError(f"{name} must be in (0, 1], got {value}")
+                raise SettingError(name, f"{name} must be in (0, 1], got {value}")
         if not 0.0 < self.alpha <= 1.0:
-            raise InvalidInputError(f"alpha is a fraction in (0, 1], got {self.alpha}; use alpha_count for a count")
+            raise SettingError("alpha", f"alpha is a fraction in (0, 1], got {self.alpha}; use alpha_count for a count")
         if self.alpha_count is not None and (isinstance(self.alpha_count, bool) or self.alpha_count < 1):
             raise InvalidInputError(f"alpha_count must be a positive int, got {self.alpha_count}")
-        if not 0.0 <= self.target_drop <= 1.0 or self.tolerance < 0.0:
-            raise InvalidInputError("target_drop must be in [0, 1] and tolerance >= 0")
+        if not 0.0 <= self.target_drop <= 1.0:
+            raise SettingError("target_drop", f"target_drop must be in [0, 1], got {self.target_drop}")
+        if self.tolerance < 0.0:
+            raise InvalidInputError("tolerance must be >= 0")
         if not 0.0 <= self.threshold_low < self.threshold_high:
             raise InvalidInputError("need 0 <= threshold_low < threshold_high")
         if self.max_bisection_steps < 1 or self.threshold_sample_max < 1:
             raise InvalidInputError("max_bisection_steps and threshold_sample_max must be >= 1")
         if self.memory_budget_bytes < 0:
-            raise InvalidInputError("memory_budget_bytes must be >= 0")
+            budget = self.memory_budget_bytes
+            raise SettingError("memory_budget_bytes", f"memory_budget_bytes must be >= 0, got {budget}")
         if self.hot_share is not None and not 0.0 < self.hot_share <= 1.0:
-            raise InvalidInputError(f"hot_share must be in (0, 1], got {self.hot_share}")
+            raise SettingError("hot_share", f"hot_share must be in (0, 1], got {self.hot_share}")
         if self.recheck_interval is not None and self.recheck_interval < 0:
-            raise InvalidInputError("recheck_interval must be None (off), 0 (window length) or positive")
+            raise SettingError("recheck_interval", "recheck_interval must be None (off), 0 (window length) or positive")
         if self.rule not in DETECTOR_RULES:
-            raise InvalidInputError(f"rule must be one of {', '.join(DETECTOR_RULES)}, got {self.rule!r}")
-        if self.hot_set not in HOT_SETS or not 0.0 < self.hot_min_rate <= 1.0:
-            raise InvalidInputError(f"hot_set must be one of {', '.join(HOT_SETS)} and hot_min_rate in (0, 1]")
+            raise SettingError("rule", f"rule must be one of {', '.join(DETECTOR_RULES)}, got {self.rule!r}")
+        if self.hot_set not in HOT_SETS:
+            raise SettingError("hot_set", f"hot_set must be one of {', '.join(HOT_SETS)}, got {self.hot_set!r}")
+        if not 0.0 < self.hot_min_rate <= 1.0:
+            raise SettingError("hot_min_rate", f"hot_min_rate must be in (0, 1], got {self.hot_min_rate}")
         if isinstance(self.min_updates, bool) or self.min_updates < 1:
-            raise InvalidInputError(f"min_updates must be a positive int, got {self.min_updates}")
+            raise SettingError("min_updates", f"min_updates must be a positive int, got {self.min_updates}")
         if not 0.0 < self.count_share <= 1.0:
-            raise InvalidInputError(f"count_share must be in (0, 1], got {self.count_share}")
+            raise SettingError("count_share", f"count_share must be in (0, 1], got {self.count_share}")
 
     def max_hot_rows(self, total_rows: int, dim: int) -> int:
         """The hot set's size: ``hot_share`` of all rows, else as many rows as the byte budget holds."""

@@ -18,6 +18,6 @@ def make_skipper(config: Any, model: DLRM, split: SplitArrays, batches_per_epoch
     """`stale` and `random` run Slipstream's cycle (random skips the same share of hot inputs at random),
     on the cold-first order's hot set when `hot_inputs` is given; `loss` prunes below-mean-loss inputs, its
     per-input bytes kept in the run directory."""
-    if config.skip_rule == "loss":
+    if config.skipping.skip_rule == "loss":
         return LossPruner(config, len(split), None if run_dir is None else Path(run_dir) / "prune")
     return ScheduledSkipper(config, model, split, batches_per_epoch, hot_inputs)

@@ -48,7 +48,7 @@ class FreezeRows(Callback):
         self.coll = tables
         self.config, self.hot_inputs = config, hot_inputs
         self.split, self.batches_per_epoch = run.dataset.split("train"), run.batches_per_epoch
-        self.mode, self.share = str(config.freeze_rows), float(config.freeze_share)
+        self.mode, self.share = str(config.skipping.freeze_rows), float(config.skipping.freeze_share)
         self.detector = StaleInputDetector.from_collection(self.coll, config.staleness_config(rule="paper"))
         self.offsets = self.detector.table_offsets
         self.epoch = -1
@@ -104,7 +104,7 @@ class FreezeRows(Callback):
         if self.mode == "stalest":  # smallest change first; ties to the lower row (hot.rows is sorted)
             picks = np.argsort(change, kind="stable")[:k]
         else:
-            rng = np.random.default_rng([self.config.seed, self.epoch, zlib.crc32(b"freeze")])
+            rng = np.random.default_rng([self.config.model.seed, self.epoch, zlib.crc32(b"freeze")])
             picks = rng.choice(len(hot), size=k, replace=False)
         self.frozen = np.sort(hot.rows[picks]).astype(np.int64)
         self.values = self.coll.read_rows(torch.from_numpy(self.frozen)).detach().to("cpu", torch.float32).clone()
@@ -119,7 +119,7 @@ class FreezeRows(Callback):
 
     def summary_fields(self, run: Run) -> dict[str, Any]:
         hot_share = self.hot_inputs.hot_share if self.hot_inputs is not None else None
-        block = schedule_fields(str(self.config.input_order), self.window_start, self.window,
+        block = schedule_fields(str(self.config.skipping.input_order), self.window_start, self.window,
                                 hot_share, None, 0.0)
         hot = self.detector.hot
         block.update({"freeze": self.mode, "freeze_share": self.share, "frozen_rows": int(self.frozen.size),

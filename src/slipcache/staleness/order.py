@@ -86,7 +86,7 @@ class ColdFirstOrder(Callback):
 
     def __init__(self, run: Run, reports: bool) -> None:
         self.hot_inputs = HotInputs(run.config, run.dataset.split("train"), list(run.dataset.table_sizes),
-                                    int(run.config.embedding_dim))
+                                    int(run.config.model.embedding_dim))
         self.reports = reports
 
     def start_epoch(self, run: Run) -> None:

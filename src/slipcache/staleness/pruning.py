@@ -51,10 +51,10 @@ class LossPruner:
     """The trainer's hooks for loss-based pruning (the same hooks as `StaleSkipper`)."""
 
     def __init__(self, config: Any, num_inputs: int, state_dir: Path | None) -> None:
-        self.share = float(config.prune_share)
-        self.final = float(config.prune_final)
-        self.seed = int(config.seed) ^ _SALT
-        self.total_samples = int(config.samples or 0)
+        self.share = float(config.skipping.prune_share)
+        self.final = float(config.skipping.prune_final)
+        self.seed = int(config.model.seed) ^ _SALT
+        self.total_samples = int(config.schedule.samples or 0)
         self.num_inputs = int(num_inputs)
         if state_dir is None:  # no run directory: unnamed files, gone with the process whatever happens
             scratch = Path(tempfile.mkdtemp(prefix="slipcache-prune-"))

@@ -24,20 +24,20 @@ from slipcache.staleness.skipping import THRESHOLD_SAMPLE_MIN, StaleSkipper
 
 def window_plan(config: Any, batches_per_epoch: int, hot_inputs: HotInputs | None) -> tuple[int, int] | None:
     """(batch of the epoch where the window opens, its length in batches), or None without a start."""
-    if config.stale_window_start is None:
+    if config.skipping.stale_window_start is None:
         return None
-    if config.stale_window_count == "epoch":
-        return (round(config.stale_window_start * batches_per_epoch),
-                max(1, round(config.stale_window * batches_per_epoch)))
+    if config.skipping.stale_window_count == "epoch":
+        return (round(config.skipping.stale_window_start * batches_per_epoch),
+                max(1, round(config.skipping.stale_window * batches_per_epoch)))
     if hot_inputs is None:
         raise ValueError("a window counted in hot batches needs the cold-first order")
-    batch = int(config.batch_size)
+    batch = int(config.schedule.batch_size)
     hot_batches = hot_inputs.hot_count // batch
-    start = round(config.stale_window_start * hot_batches)
-    if config.stale_window_start_max is not None:
-        start = min(start, int(config.stale_window_start_max))
+    start = round(config.skipping.stale_window_start * hot_batches)
+    if config.skipping.stale_window_start_max is not None:
+        start = min(start, int(config.skipping.stale_window_start_max))
     # the first batch holding no cold input: batches are cut from the cold inputs, then the hot ones
-    return math.ceil(hot_inputs.cold_count / batch) + start, max(1, round(config.stale_window * hot_batches))
+    return math.ceil(hot_inputs.cold_count / batch) + start, max(1, round(config.skipping.stale_window * hot_batches))
 
 
 class ScheduledSkipper(StaleSkipper):
@@ -54,9 +54,9 @@ class ScheduledSkipper(StaleSkipper):
         self.hot_inputs = hot_inputs
         self.config = config
         self.batches_per_epoch = batches_per_epoch
-        self.order = str(config.input_order)
+        self.order = str(config.skipping.input_order)
         self.open_at: int | None = None
-        if config.stale_window_start is not None:
+        if config.skipping.stale_window_start is not None:
             self.warmup = "schedule"
 
     def start_epoch(self, epoch: int, batch_in_epoch: int) -> None:

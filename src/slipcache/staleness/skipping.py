@@ -76,34 +76,36 @@ class StaleSkipper:
         self.model = model
         self.coll = model.embeddings
         self.split = split
-        self.batch_size = int(config.batch_size)
+        self.batch_size = int(config.schedule.batch_size)
         # The detector's settings come from the config's fields; two follow from other settings.
-        rule = "random" if config.skip_rule == "random" else config.stale_rule
-        recheck = None if config.stale_decision == "epoch" else config.stale_recheck
+        rule = "random" if config.skipping.skip_rule == "random" else config.skipping.stale_rule
+        recheck = None if config.skipping.stale_decision == "epoch" else config.skipping.stale_recheck
         self.detector = StaleInputDetector.from_collection(
             self.coll, config.staleness_config(rule=rule, recheck_interval=recheck)
         )
         self.window = self.detector.window_batches(batches_per_epoch)
-        self.guard = SkipGuard.from_config(GuardConfig(), float(config.stale_target))
-        self.guard_every = int(config.stale_guard_every) if config.stale_guard else 0
+        self.guard = SkipGuard.from_config(GuardConfig(), float(config.skipping.stale_target))
+        self.guard_every = int(config.skipping.stale_guard_every) if config.skipping.stale_guard else 0
         # p: share of the would-be-skipped inputs trained anyway (the guard's control group); with reweighting
         # their loss counts 1/p, an importance sample of all would-be-skipped inputs (see loss_weights).
-        self.control_share = float(config.stale_keep)
-        self.control_weight = 1.0 / self.control_share if config.stale_reweight and self.control_share > 0 else 1.0
-        if config.stale_weight_max is not None:  # a clipped weight: less variance, part of the bias back
-            self.control_weight = min(self.control_weight, float(config.stale_weight_max))
+        self.control_share = float(config.skipping.stale_keep)
+        reweight = config.skipping.stale_reweight and self.control_share > 0
+        self.control_weight = 1.0 / self.control_share if reweight else 1.0
+        if config.skipping.stale_weight_max is not None:  # a clipped weight: less variance, part of the bias back
+            self.control_weight = min(self.control_weight, float(config.skipping.stale_weight_max))
         if self.detector.config.rule == "random":
             # The equal-share control: every hot input is a candidate and D of them are skipped at random (the
             # kept share, 1 - D, reuses the stateless control draw); no guard, no weights, same schedule.
-            self.control_share, self.control_weight, self.guard_every = 1.0 - float(config.stale_target), 1.0, 0
-        self.release_cache = bool(config.stale_release_cache) and hasattr(self.coll, "release_rows")
-        self.min_accesses = float(config.stale_min_accesses)
-        self.refit = bool(config.stale_refit) and config.stale_decision == "rolling"
-        self.warmup = str(config.stale_warmup)
-        self.warmup_epoch = int(config.stale_warmup_epoch)
-        self.warmup_floor = float(config.stale_warmup_min) * int(config.samples or 0)
-        self.warmup_latest = WARMUP_LATEST * int(config.samples or 0)
-        self.warmup_tol = float(config.stale_warmup_tol)
+            self.control_share = 1.0 - float(config.skipping.stale_target)
+            self.control_weight, self.guard_every = 1.0, 0
+        self.release_cache = bool(config.skipping.stale_release_cache) and hasattr(self.coll, "release_rows")
+        self.min_accesses = float(config.skipping.stale_min_accesses)
+        self.refit = bool(config.skipping.stale_refit) and config.skipping.stale_decision == "rolling"
+        self.warmup = str(config.skipping.stale_warmup)
+        self.warmup_epoch = int(config.skipping.stale_warmup_epoch)
+        self.warmup_floor = float(config.skipping.stale_warmup_min) * int(config.schedule.samples or 0)
+        self.warmup_latest = WARMUP_LATEST * int(config.schedule.samples or 0)
+        self.warmup_tol = float(config.skipping.stale_warmup_tol)
         self.epoch = 0
         self.batch = 0  # batches trained in the current epoch
         self.trained = 0  # inputs trained in the run

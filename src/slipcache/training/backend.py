@@ -40,18 +40,19 @@ def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int, *, 
     sharded model builds its own (distributed.training)."""
     model_config = config.model_config(table_sizes, num_dense)
     embeddings = build_embeddings(  # the MLPs and per-batch buffers priced in the tables' memory check
-        list(table_sizes), embeddings=config.embeddings, draw_rows=draw_rows,
-        extra_bytes=model_bytes(model_config, config.batch_size, config.dense_optimizer), **config.embedding_options()
+        list(table_sizes), embeddings=config.embeddings.embeddings, draw_rows=draw_rows,
+        extra_bytes=model_bytes(model_config, config.schedule.batch_size, config.model.dense_optimizer),
+        **config.embedding_options(),
     )
     return DLRM(model_config, embeddings)
 
 
 def dense_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer:
     """The MLPs' optimizer (`--dense-optimizer`, one of config.DENSE_OPTIMIZERS) at `--dense-lr`, else `--lr`."""
-    params, lr = model.dense_parameters(), config.dense_lr or config.lr
-    if config.dense_optimizer == "adagrad":
+    params, lr = model.dense_parameters(), config.model.dense_lr or config.embeddings.lr
+    if config.model.dense_optimizer == "adagrad":
         return torch.optim.Adagrad(params, lr=lr)
-    if config.dense_optimizer == "adam":
+    if config.model.dense_optimizer == "adam":
         return torch.optim.Adam(params, lr=lr)
     return torch.optim.SGD(params, lr=lr)
 
@@ -61,11 +62,11 @@ def embedding_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimiz
     if model.embeddings.fused_update:
         return None
     params = list(model.embeddings.parameters())
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr)
-    if config.optimizer == "adagrad":
-        return torch.optim.Adagrad(params, lr=config.lr)
-    raise SlipcacheError(f"optimizer {config.optimizer!r} needs the cached embeddings (--embeddings cached)")
+    if config.embeddings.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.embeddings.lr)
+    if config.embeddings.optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=config.embeddings.lr)
+    raise SlipcacheError(f"optimizer {config.embeddings.optimizer!r} needs the cached embeddings (--embeddings cached)")
 
 
 class RunBackend:

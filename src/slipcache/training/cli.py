@@ -129,7 +129,7 @@ def evaluate_checkpoint(
     state, path = saved.state, saved.path
     config = saved_config(saved)
     if data is not None:
-        config.data = str(resolve_data(data))
+        config.data.data = str(resolve_data(data))
         dataset_dir = prepare_data(config)
     else:
         saved_dataset = state["config"].get("dataset")

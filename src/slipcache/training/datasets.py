@@ -25,11 +25,11 @@ def _synthetic_dataset(config: TrainConfig) -> Path:
     # Dataset seed 0 whatever the run seed: runs with different seeds then compare on the same data.
     return default_synthetic_path(
         None,
-        config.synthetic_samples,
-        config.synthetic_scale,
+        config.data.synthetic_samples,
+        config.data.synthetic_scale,
         0,
-        generator=config.synthetic_generator,
-        progress=config.progress,
+        generator=config.data.synthetic_generator,
+        progress=config.schedule.progress,
     )
 
 
@@ -73,14 +73,14 @@ def preprocessed_root() -> Path:
 
 
 def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
-    """The preprocessed dataset dir for `config.data`, preprocessing raw files into `cache_root` once.
+    """The preprocessed dataset dir for `config.data.data`, preprocessing raw files into `cache_root` once.
 
     The cache key covers the input files (path, size, mtime) and every preprocessing option, so a
     changed file or option produces a new dataset instead of silently reusing a stale one.
     """
-    if config.data is None:
+    if config.data.data is None:
         return _synthetic_dataset(config)
-    path = resolve_data(config.data)
+    path = resolve_data(config.data.data)
     if not path.exists():
         raise SlipcacheError(f"data not found: {path}")
     from slipcache.data.formats import detect_format
@@ -90,9 +90,9 @@ def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     cache_root = cache_root if cache_root is not None else preprocessed_root()
     inputs = _raw_inputs(path)
     key_parts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in inputs]
-    key_parts += [config.vocab, str(config.max_rows), str(config.min_count), str(config.strict)]
+    key_parts += [config.data.vocab, str(config.data.max_rows), str(config.data.min_count), str(config.data.strict)]
     key = hashlib.sha256("\n".join(key_parts).encode()).hexdigest()[:12]
-    out_dir = cache_root / f"{path.stem}-{config.vocab}-{key}"
+    out_dir = cache_root / f"{path.stem}-{config.data.vocab}-{key}"
     if (out_dir / "meta.json").is_file():
         return out_dir
     from slipcache.data.dataset import remove_dead_staging
@@ -107,11 +107,11 @@ def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     preprocess(
         inputs,
         out_dir,
-        vocab=config.vocab,
-        min_count=config.min_count,
-        max_rows=config.max_rows,
-        strict=config.strict,
-        progress=config.progress,
+        vocab=config.data.vocab,
+        min_count=config.data.min_count,
+        max_rows=config.data.max_rows,
+        strict=config.data.strict,
+        progress=config.schedule.progress,
         seed=0,
     )
     return out_dir
@@ -124,21 +124,21 @@ def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
     try:
         if config is None:
             return open_any(path)
-        dataset = open_any(path, table_sizes=config.table_sizes, split_order=config.split_order)
+        dataset = open_any(path, table_sizes=config.data.table_sizes, split_order=config.data.split_order)
     except SlipcacheError:
         raise
     except (OSError, ValueError, KeyError) as exc:
         raise SlipcacheError(f"cannot open dataset {path}: {exc}") from exc
     require_inferred_sizes_fit(
         dataset,
-        config.embedding_dim,
-        embeddings=config.embeddings,
-        precision=config.precision,
-        cache_size=config.cache_size,
-        cache_rows=config.cache_rows,
-        optimizer=config.optimizer,
-        policy=config.policy,
-        storage_path=config.storage_path if config.embeddings == "cached" else None,
+        config.model.embedding_dim,
+        embeddings=config.embeddings.embeddings,
+        precision=config.embeddings.precision,
+        cache_size=config.embeddings.cache_size,
+        cache_rows=config.embeddings.cache_rows,
+        optimizer=config.embeddings.optimizer,
+        policy=config.embeddings.policy,
+        storage_path=config.embeddings.storage_path if config.embeddings.embeddings == "cached" else None,
     )
     return dataset
 

@@ -17,39 +17,39 @@ def run_callbacks(run: Run) -> Callbacks:
     writers of the run directory (only in the process that writes it)."""
     config = run.config
     callbacks: list[Callback] = []
-    if config.lr_schedule == "mlperf":  # --lr-schedule: every learning rate, before each step
+    if config.schedule.lr_schedule == "mlperf":  # --lr-schedule: every learning rate, before each step
         from slipcache.training.schedule import LRSchedule
 
         callbacks.append(LRSchedule(run))
     hot_inputs = None
-    if config.input_order == "cold_first":  # FAE's order: cold inputs first, then hot ones
+    if config.skipping.input_order == "cold_first":  # FAE's order: cold inputs first, then hot ones
         from slipcache.staleness.order import ColdFirstOrder
 
-        order = ColdFirstOrder(run, reports=config.skip_rule is None and config.freeze_rows is None)
+        order = ColdFirstOrder(run, reports=config.skipping.skip_rule is None and config.skipping.freeze_rows is None)
         callbacks.append(order)  # first: skipping and freezing use the hot set it profiles each epoch
         hot_inputs = order.hot_inputs
-    if config.skip_rule is not None:  # --skip-rule stale|random|loss
+    if config.skipping.skip_rule is not None:  # --skip-rule stale|random|loss
         from slipcache.training.skip_inputs import SkipStaleInputs
 
         callbacks.append(SkipStaleInputs(run, hot_inputs))
-    if config.freeze_rows is not None:  # --freeze-rows stalest|random
+    if config.skipping.freeze_rows is not None:  # --freeze-rows stalest|random
         from slipcache.staleness.freezing import FreezeRows
 
         callbacks.append(FreezeRows(run, hot_inputs))
     ahead = upcoming_batches(config)  # the lookahead policies' window, or the prefetch's one batch
     if ahead:
-        callbacks.append(ShowUpcomingBatches(ahead, config.prefetch))
+        callbacks.append(ShowUpcomingBatches(ahead, config.embeddings.prefetch))
     if run.backend.writes_files:
         callbacks.append(MetricsLog())
-        if config.tensorboard is not None:
+        if config.schedule.tensorboard is not None:
             from slipcache.training.tensorboard import TensorBoardLog, open_writer
 
-            writer = open_writer(config.tensorboard, run.run_dir)
+            writer = open_writer(config.schedule.tensorboard, run.run_dir)
             assert writer is not None
             callbacks.append(TensorBoardLog(writer))
-    minutes = config.checkpoint_minutes or None  # 0: no time interval
-    if run.backend.processes == 1 and (minutes or config.checkpoint_on_interrupt):
+    minutes = config.schedule.checkpoint_minutes or None  # 0: no time interval
+    if run.backend.processes == 1 and (minutes or config.schedule.checkpoint_on_interrupt):
         from slipcache.training.stopping import CheckpointTimer  # last: it stops the run after the others
 
-        callbacks.append(CheckpointTimer(minutes, on_signal=config.checkpoint_on_interrupt))
+        callbacks.append(CheckpointTimer(minutes, on_signal=config.schedule.checkpoint_on_interrupt))
     return Callbacks(callbacks)

@@ -1,5 +1,6 @@
-"""`slipcache train`'s flags, built from `TrainConfig`'s fields: each flag's help, choices and spelling
-live in the field's metadata (`config._flag`) and its default once, in the field; nothing is repeated here.
+"""`slipcache train`'s flags, built from the fields of `TrainConfig`'s parts: each flag's help, choices and
+spelling live in the field's metadata (`settings.flag`) and its default once, in the field; nothing is repeated
+here.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ from typing import Any
 
 from slipcache.data.presets import parse_table_sizes
 from slipcache.options import positive_int, whole_number
-from slipcache.training.config import CONFIG_FIELDS, TrainConfig
+from slipcache.training.config import CONFIG_FIELDS, PART_OF, SETTING_TYPES
 from slipcache.training.settings import GROUPS, flag_strings
-
-_TYPES = typing.get_type_hints(TrainConfig)
 
 
 def int_list(text: str) -> list[int]:
@@ -31,7 +30,7 @@ _NAMED_TYPES = {"int_list": int_list, "positive_int": positive_int, "table_sizes
 
 def _scalar_type(name: str) -> type:
     """The flag's value type: the field's, or its single-value form (`float | list[float]` -> float)."""
-    kind = _TYPES[name]
+    kind = SETTING_TYPES[name]
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         kind = next(a for a in typing.get_args(kind) if a is not type(None) and typing.get_origin(a) is not list)
     return kind
@@ -82,7 +81,7 @@ class HelpAll(argparse.Action):
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per `TrainConfig` field that has one, under its group's title; every flag defaults to 'not
+    """One flag per setting that has one, under its part's title; every flag defaults to 'not
     given' so that a config file's value is only overridden on purpose. `--help` shows `COMMON_FLAGS`,
     `--help-all` every flag."""
     groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
@@ -93,7 +92,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         shown = flag_help(f) if name in COMMON_FLAGS else argparse.SUPPRESS
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": shown}
         strings = flag_strings(name, f)
-        if _TYPES[name] is bool:
+        if SETTING_TYPES[name] is bool:
             kwargs["action"] = "store_false" if f.default else "store_true"
         else:
             named = meta.get("type")
@@ -102,5 +101,5 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             for key in ("choices", "metavar", "nargs", "const"):
                 if key in meta:
                     kwargs[key] = meta[key]
-        action = groups[meta["group"]].add_argument(*strings, **kwargs)
+        action = groups[PART_OF[name]].add_argument(*strings, **kwargs)
         action.full_help = flag_help(f)  # type: ignore[attr-defined]

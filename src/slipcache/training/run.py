@@ -177,7 +177,9 @@ class Schedule:
 
 def schedule_of(config: TrainConfig) -> Schedule:
     """The resolved counts of `config` (one that `resolve_schedule` returned)."""
-    samples, log, evaluation, checkpoint = config.samples, config.log_every, config.eval_every, config.checkpoint_every
+    schedule = config.schedule
+    samples, log, evaluation, checkpoint = (schedule.samples, schedule.log_every, schedule.eval_every,
+                                            schedule.checkpoint_every)
     if samples is None or log is None or evaluation is None or checkpoint is None:
         raise SlipcacheError("the run's schedule is not resolved yet (resolve_schedule fills it in)")
     return Schedule(samples, log, evaluation, checkpoint)

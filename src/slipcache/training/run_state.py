@@ -162,8 +162,8 @@ def apply_settings(run: Run) -> None:
     config.json says, not with the checkpoint's copy. (A callback puts back its own in `on_start`.)"""
     config, model = run.config, run.model
     if hasattr(model.embeddings, "lr"):
-        model.embeddings.lr = config.lr
+        model.embeddings.lr = config.embeddings.lr
     for group in run.dense_opt.param_groups:
-        group["lr"] = config.dense_lr or config.lr
+        group["lr"] = config.model.dense_lr or config.embeddings.lr
     for group in run.emb_opt.param_groups if run.emb_opt is not None else []:
-        group["lr"] = config.lr
+        group["lr"] = config.embeddings.lr

@@ -10,7 +10,6 @@ import json
 import logging
 import typing
 import uuid
-from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -214,9 +213,9 @@ def load_resume(
     run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
     stopped before its first checkpoint (a full disk) starts again from its config.json.
     """
-    path, home, _ = resolve_checkpoint(config.resume or "", "--resume")  # the newest, whoever wrote it
-    if config.out is not None and (home is None or Path(config.out).expanduser().resolve() != home):
-        run_dir = prepare_out_dir(Path(config.out), restart_ok=False)
+    path, home, _ = resolve_checkpoint(config.run.resume or "", "--resume")  # the newest, whoever wrote it
+    if config.run.out is not None and (home is None or Path(config.run.out).expanduser().resolve() != home):
+        run_dir = prepare_out_dir(Path(config.run.out), restart_ok=False)
     elif home is None:
         raise SlipcacheError(f"checkpoint {path} is not inside a run directory; give a new --out for the resumed run")
     else:
@@ -236,7 +235,7 @@ def load_resume(
     changes = _resume_changes(config, resumed)
     if changes:
         listing = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changes.items())
-        if not config.allow_changes:
+        if not config.run.allow_changes:
             raise SlipcacheError(
                 f"resuming would change the run's definition ({listing}); leave these flags out, "
                 "or pass --allow-changes to continue with them"
@@ -247,15 +246,15 @@ def load_resume(
                 f"cannot change {', '.join(fixed)} when resuming, even with --allow-changes: "
                 "the checkpoint's state depends on it"
             )
-        for name, (_, new) in changes.items():
-            setattr(resumed, name, new)
+        taken = {name: new for name, (_, new) in changes.items()}
         if "epochs" in changes and "samples" not in changes:
-            resumed.samples = None  # derive the budget from the new epoch count
-    resumed.resume, resumed.progress, resumed.allow_changes = config.resume, config.progress, config.allow_changes
+            taken["samples"] = None  # derive the budget from the new epoch count
+        resumed = resumed.replaced(**taken)
+    this = {name: config.get(name) for name in ("resume", "progress", "allow_changes")}
     for name, f in CONFIG_FIELDS.items():  # how and where the run works (threads, paths): the run's unless given
         if f.metadata["resume"] == "free" and name not in _THIS_INVOCATION and _given(config, name):
-            setattr(resumed, name, getattr(config, name))
-    resumed.out = str(run_dir)
+            this[name] = config.get(name)
+    resumed = resumed.replaced(**this, out=str(run_dir))
     return checkpoint, saved, resumed, {k: list(v) for k, v in changes.items()}
 
 
@@ -277,10 +276,9 @@ def _given(config: TrainConfig, name: str) -> bool:
     """Whether `name` was set on the command line or in the config file (`make_config` records which),
     whatever the value; a TrainConfig built directly has no such record: then a value other than the
     default counts as given."""
-    given = getattr(config, "given_fields", None)
-    if given is not None:
-        return name in given
-    return getattr(config, name) != getattr(_DEFAULTS, name)
+    if config.given is not None:
+        return name in config.given
+    return config.get(name) != _DEFAULTS.get(name)
 
 
 _DEFAULTS = TrainConfig()
@@ -292,7 +290,7 @@ def _resume_changes(config: TrainConfig, saved: TrainConfig) -> dict[str, tuple[
     for name, f in CONFIG_FIELDS.items():
         if f.metadata["resume"] == "free" or not _given(config, name):  # free: where and how this process works
             continue
-        value, old = getattr(config, name), getattr(saved, name)
+        value, old = config.get(name), saved.get(name)
         if name == "data" and value is not None and old is not None:
             value = str(Path(value).expanduser().resolve())
         if value != old:
@@ -334,13 +332,13 @@ def run_record(
 
     current = fingerprint(dataset)
     diff = check_same_data(
-        saved.get("data_fingerprint"), current, allow=config.allow_changes, what=f"dataset {dataset_dir}"
+        saved.get("data_fingerprint"), current, allow=config.run.allow_changes, what=f"dataset {dataset_dir}"
     )
     if diff is not None:
         changes["data_fingerprint"] = [saved["data_fingerprint"].get("digest"), current["digest"]]
         warn(f"dataset {dataset_dir} is not the data the run trained on ({diff}); continuing (--allow-changes)")
     record = {
-        **asdict(config),
+        **config.flat(),
         "dataset": str(dataset_dir),
         # how the dense values were transformed (files read in place: on read, or not at all when they hold
         # TorchRec's transformed values), so a run records what its inputs were

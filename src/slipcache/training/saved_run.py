@@ -43,16 +43,16 @@ def find_checkpoint(name: str | Path, flag: str = "--checkpoint") -> SavedCheckp
 
 def saved_config(checkpoint: TrainingCheckpoint) -> TrainConfig:
     config = config_from_saved(checkpoint.state["config"], f"checkpoint {checkpoint.path}")
-    config.progress = False
+    config.schedule.progress = False
     return config
 
 
 def _require_storage_dir(config: TrainConfig, where: Path) -> None:
     """The run's storage path (where its rows are mapped from files) must be a directory or missing: said in
     the terms of eval and export, which have no `--storage-path` of their own."""
-    if not config.storage_path:
+    if not config.embeddings.storage_path:
         return
-    directory = Path(config.storage_path)
+    directory = Path(config.embeddings.storage_path)
     existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         where_file = "is a file" if existing == directory else f"lies under the file {existing}"

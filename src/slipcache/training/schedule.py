@@ -33,9 +33,10 @@ def lr_factor(step: int, warmup: int, decay_start: int, decay_steps: int) -> flo
 
 def schedule_steps(config: Any, total_steps: int) -> tuple[int, int, int]:
     """(warm-up, decay start, decay steps) of a run of `total_steps`: the given ones, else the shares."""
-    warmup = config.lr_warmup_steps if config.lr_warmup_steps is not None else round(WARMUP_SHARE * total_steps)
-    start = config.lr_decay_start if config.lr_decay_start is not None else round(DECAY_START_SHARE * total_steps)
-    steps = config.lr_decay_steps if config.lr_decay_steps is not None else max(0, total_steps - start)
+    given = config.schedule
+    warmup = given.lr_warmup_steps if given.lr_warmup_steps is not None else round(WARMUP_SHARE * total_steps)
+    start = given.lr_decay_start if given.lr_decay_start is not None else round(DECAY_START_SHARE * total_steps)
+    steps = given.lr_decay_steps if given.lr_decay_steps is not None else max(0, total_steps - start)
     return warmup, start, steps
 
 
@@ -57,10 +58,10 @@ class LRSchedule(Callback):
     """Sets every learning rate of the run (MLP optimizer, tables, a table optimizer) before each step."""
 
     def __init__(self, run: Run) -> None:
-        total_steps = run.budget // run.config.batch_size
+        total_steps = run.budget // run.config.schedule.batch_size
         self.steps = schedule_steps(run.config, total_steps)
-        self.dense_lr = run.config.dense_lr or run.config.lr
-        self.lr = run.config.lr
+        self.dense_lr = run.config.model.dense_lr or run.config.embeddings.lr
+        self.lr = run.config.embeddings.lr
 
     def on_start(self, run: Run) -> None:
         self._apply(run, run.progress.step)  # after a resume too: the rates the checkpoint's step had

@@ -1,7 +1,8 @@
-"""How a setting is described, once: `_flag` puts its flag (help, choices, spelling), its group, what a resume
-may do with it (`resume=`) and the parts' fields it sets (`sets=`) in its dataclass field's metadata. The
-flags (`training/flags.py`), the resume check (`training/rundir.py`) and the parts' configs (`part_options`)
-are built from that metadata.
+"""How a setting is described, once: `flag` puts its flag (help, choices, spelling), what a resume may do
+with it (`resume=`), its range (`within=`) and the library parts' fields it sets (`sets=`) in its dataclass
+field's metadata. The part configs of `training/parts.py` hold the settings; the flags (`training/flags.py`),
+the config-file keys, the resume check (`training/rundir.py`) and the library configs (`part_options`) are
+built from that metadata, and `check_settings` checks a part's fields from it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from slipcache.embedding.config import EmbeddingConfig
-from slipcache.errors import SlipcacheError
+from slipcache.embedding.config import FLOAT32_MAX, EmbeddingConfig
+from slipcache.errors import SettingError, SlipcacheError
 from slipcache.model import ModelConfig
 from slipcache.staleness.config import StalenessConfig
 
@@ -25,7 +26,7 @@ from slipcache.staleness.config import StalenessConfig
 # storage, shuffling): never changed; "changeable": changed with --allow-changes, and recorded; "free":
 # where and how this process works and reports, not what it computes: may differ, unrecorded.
 RESUME = ("fixed", "changeable", "free")
-# Groups of `slipcache train --help`, in order.
+# The parts of a TrainConfig (`training/parts.py`), in the order `slipcache train --help` shows their flags.
 GROUPS = {
     "run": "run directory",
     "data": "data",
@@ -35,9 +36,12 @@ GROUPS = {
     "process": "this process",
     "skipping": "stale-input skipping (docs/skipping.md)",
 }
-# The parts a setting configures (`sets="part.field"`); a setting that names one takes its default.
+# The library's configs a setting configures (`sets="part.field"`); a setting that names one takes its default
+# and its range from that field (the part config checks it by building that config: `check_library`).
 PART_CONFIGS: dict[str, type] = {"embedding": EmbeddingConfig, "model": ModelConfig, "staleness": StalenessConfig}
 _INHERIT: Any = object()  # the default of the first part's field the setting sets
+# The bounds `within=` may name besides numbers.
+_BOUNDS = {"inf": math.inf, "float32": FLOAT32_MAX, "2**31": 2**31, "2**32": 2**32}
 
 
 def _part_default(target: str, scale: float) -> tuple[Any, Any]:
@@ -51,25 +55,94 @@ def _part_default(target: str, scale: float) -> tuple[Any, Any]:
     return (default if scale == 1 else default / scale), None
 
 
-def flag(default: Any = _INHERIT, help: str = "", *, resume: str, group: str, sets: str | tuple[str, ...] = (),
-          scale: float = 1, factory: Any = None, **meta: Any) -> Any:
+def flag(default: Any = _INHERIT, help: str = "", *, resume: str, sets: str | tuple[str, ...] = (),
+         within: str | None = None, scale: float = 1, factory: Any = None, **meta: Any) -> Any:
     """A setting: a `slipcache train` flag when it has a `help`, else set by config files (or --quick) only.
 
-    `resume`: one of RESUME; `group`: one of GROUPS; `sets`: the parts' fields it sets ("part.field"), the
-    value times `scale`; the default is the first of them's unless given. Flag keys in `meta`: `flag` (the
+    `resume`: one of RESUME; `within`: its range as an interval ("(0, 1]", "[1, inf)"), of each element of a
+    list; `sets`: the library parts' fields it sets ("part.field"), the value times `scale`; the default (and
+    the range, checked by that part) is the first of them's unless given. Flag keys in `meta`: `flag` (the
     option strings when not `--field-name`), `choices`, `metavar`, `type`, `nargs`/`const`, `default_text`
     (the default in words when the value says nothing); `doc`: what a file-only setting means."""
-    if resume not in RESUME or group not in GROUPS:
-        raise ValueError(f"resume must be one of {RESUME} and group one of {tuple(GROUPS)}")
+    if resume not in RESUME:
+        raise ValueError(f"resume must be one of {RESUME}")
     targets = (sets,) if isinstance(sets, str) else tuple(sets)
     if default is _INHERIT:
         default, factory = _part_default(targets[0], scale)
-    metadata = {"resume": resume, "group": group, "sets": targets, "scale": scale, **meta}
+    metadata = {"resume": resume, "sets": targets, "scale": scale, **meta}
+    if within is not None:
+        metadata["within"] = _interval(within)
     if help:
         metadata["help"] = help
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def _interval(text: str) -> tuple[str, float, float, bool, bool]:
+    """'(0, 1]' -> (text, low, high, low_open, high_open)."""
+    low, high = (part.strip() for part in text[1:-1].split(","))
+    return text, _BOUNDS.get(low, 0) or float(low), _BOUNDS.get(high, 0) or float(high), text[0] == "(", text[-1] == ")"
+
+
+def _range_problem(value: float, within: tuple[str, float, float, bool, bool]) -> str | None:
+    """What is wrong with `value` for the range `within`, in the words the flags have always used."""
+    text, low, high, low_open, high_open = within
+    too_low = not (value > low if low_open else value >= low)  # `not`: nan is out of every range
+    too_high = not (value < high if high_open else value <= high)
+    wide = high == math.inf or high >= 2**31  # a limit of the representation, not of the meaning
+    if too_low and low == 0 and low_open and wide:
+        return "must be positive"
+    if too_low and high == math.inf:
+        return "must be 0 or more" if low == 0 else f"must be at least {low:g}"
+    if too_high and high == FLOAT32_MAX:
+        return f"must fit a float32 (at most {FLOAT32_MAX:.3g})"
+    if too_high and wide and low == 0 and low_open:
+        return f"must be at most {text[1:-1].split(',')[1].strip()}"
+    return f"must be in {text}" if too_low or too_high else None
+
+
+def check_settings(part: Any) -> None:
+    """Check a part config's fields from their metadata: the type (a value from a crafted checkpoint, a config
+    file or an API call may be anything: "256", 1e100; what trains is the typed value), a finite number that
+    fits 64 bits, the choices and the range; one `SlipcacheError` naming the setting (`setting_name`)."""
+    kinds = typing.get_type_hints(type(part))
+    for f in dataclasses.fields(part):
+        value = coerce(f.name, kinds[f.name], getattr(part, f.name))
+        values = value if isinstance(value, list) else [value]
+        meta = f.metadata
+        for item in values:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise SlipcacheError(f"{setting_name(f.name, f)} must be a finite number, got {item}")
+            if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**63:  # exact: any size
+                raise SlipcacheError(f"{setting_name(f.name, f)} must fit a 64-bit integer, got {_digits(item)}")
+        for item in values if meta.get("choices") is not None else []:  # precision: of each table
+            if item not in (*meta["choices"], None):
+                allowed = ", ".join(meta["choices"])
+                raise SlipcacheError(f"{setting_name(f.name, f)} must be one of {allowed}, got {item!r}")
+        if "within" in meta:
+            for item in values:
+                problem = item is not None and _range_problem(item, meta["within"])
+                if problem:
+                    raise SlipcacheError(f"{setting_name(f.name, f)} {problem}, got {item}")
+        setattr(part, f.name, value)
+
+
+def check_library(part: Any, library: str, build: Callable[[dict[str, Any]], Any]) -> None:
+    """Check the settings of `part` that set fields of the library config `library` (one of PART_CONFIGS) by
+    building it with them (`build(options)`): the range is that config's, written there once; its error is
+    said again naming the setting, as the user spelled it."""
+    fields = {f.name: f for f in dataclasses.fields(part)}
+    try:
+        build(part_options(part, fields, library))
+    except SettingError as exc:
+        for name, f in fields.items():
+            if f"{library}.{exc.name}" in f.metadata["sets"]:
+                spelled, message = setting_name(name, f), str(exc)
+                if message.startswith(exc.name + " ") and f.metadata["scale"] == 1:  # else: the part's unit
+                    raise SlipcacheError(spelled + message[len(exc.name):]) from None
+                raise SlipcacheError(f"{spelled}: {message}") from None
+        raise SlipcacheError(str(exc)) from None
 
 
 def part_options(config: Any, fields: dict[str, dataclasses.Field], part: str) -> dict[str, Any]:
@@ -156,10 +229,12 @@ def setting_name(name: str, f: dataclasses.Field) -> str:
 
 
 def read_settings_file(
-    path: str | Path, fields: dict[str, dataclasses.Field], coerce_value: Callable[[str, Any], Any]
+    path: str | Path, fields: dict[str, dataclasses.Field], coerce_value: Callable[[str, Any], Any],
+    sections: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Read a TOML (.toml) or YAML (.yaml/.yml/.json) file of settings into {field: value}, each value checked
-    by `coerce_value(name, value)`; a key that is not one of `fields` is one line naming the valid ones."""
+    by `coerce_value(name, value)`; a key that is not one of `fields` is one line naming the valid ones.
+    `sections`: {field: part}: a mapping under a part's name holds that part's fields (`[embeddings]`)."""
     path = Path(path)
     text = _read_config_text(path)
     try:
@@ -180,11 +255,23 @@ def read_settings_file(
     if not isinstance(raw, dict):
         raise SlipcacheError(f"config file {path} must hold a mapping of keys to values")
     raw = raw.get("train", raw) if isinstance(raw.get("train"), dict) else raw
-    values = {}
+    parts = set((sections or {}).values())
+    entries: list[tuple[str, Any, str | None]] = []  # (key, value, the part it was written under)
     for key, value in raw.items():
-        name = str(key).replace("-", "_")
+        if str(key) in parts and isinstance(value, dict):
+            entries += [(str(k), v, str(key)) for k, v in value.items()]
+        else:
+            entries.append((str(key), value, None))
+    values = {}
+    for key, value, part in entries:
+        name = key.replace("-", "_")
         if name not in fields:
-            raise SlipcacheError(f"unknown key {key!r} in config file {path}; {_closest_keys(name, fields)}")
+            where = f"[{part}] " if part else ""
+            raise SlipcacheError(f"unknown key {where}{key!r} in config file {path}; {_closest_keys(name, fields)}")
+        if part is not None and sections is not None and sections[name] != part:
+            raise SlipcacheError(f"key {key!r} in config file {path} belongs to [{sections[name]}], not [{part}]")
+        if name in values:
+            raise SlipcacheError(f"key {key!r} is set twice in config file {path}")
         values[name] = coerce_value(name, value)
     return values
 

@@ -37,8 +37,8 @@ class SkipStaleInputs(Callback):
         skipper = self.skipper
         if "stale_target" in run.changed and isinstance(skipper, StaleSkipper):  # resumed with another D: the
             # guard's backed-off target restarts from it
-            skipper.guard.base_target = skipper.guard.target = run.config.stale_target
-            skipper.detector.retarget(run.config.stale_target, skipper.detector.active)  # refits T for it
+            skipper.guard.base_target = skipper.guard.target = run.config.skipping.stale_target
+            skipper.detector.retarget(run.config.skipping.stale_target, skipper.detector.active)  # refits T for it
 
     def start_epoch(self, run: Run) -> None:
         self.skipper.start_epoch(run.progress.epoch, run.progress.batch_in_epoch)  # profile, open the window

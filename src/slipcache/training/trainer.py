@@ -13,14 +13,13 @@ Around the loop: `config.py` (TrainConfig), `datasets.py` (where the data comes 
 preprocessed once into the cache), `rundir.py` (which `--out` and `--resume` are allowed), `run_state.py`
 (what a checkpoint holds). Nothing is written outside `<out>` and the cache.
 
-Determinism: everything random is seeded from `config.seed`, and a checkpoint holds all state the loop reads,
+Determinism: everything random is seeded from `config.model.seed`, and a checkpoint holds all state the loop reads,
 so an interrupted run resumed with `--resume` ends exactly where the uninterrupted run ends.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import random
 import time
@@ -72,24 +71,24 @@ __all__ = ["TrainConfig", "evaluate", "open_dataset", "prepare_data", "resolve_s
 
 def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
     """Fill derived counts: the sample budget, and log/checkpoint intervals in whole batches."""
-    batch = config.batch_size
+    batch = config.schedule.batch_size
     batches_per_epoch = train_rows // batch
     if batches_per_epoch == 0:
         raise SlipcacheError(f"the training split has {train_rows} rows, fewer than one batch of {batch}")
-    samples = config.samples if config.samples is not None else config.epochs * batches_per_epoch * batch
+    schedule = config.schedule
+    samples = schedule.samples if schedule.samples is not None else schedule.epochs * batches_per_epoch * batch
 
     def every(value: int | None, parts: int) -> int:  # integer arithmetic: exact up to 2**63 samples
         exact = nearest_quotient(value, batch) if value is not None else nearest_quotient(samples, parts * batch)
         return max(1, exact) * batch
 
-    return dataclasses.replace(
-        config,
+    return config.replaced(
         samples=samples,
-        log_every=every(config.log_every, 100),
+        log_every=every(config.schedule.log_every, 100),
         # Evaluation follows the data consumed (trained + skipped), so runs with and without skipping
         # evaluate at the same positions; a given interval stays exact (see `_crossed`).
-        eval_every=config.eval_every if config.eval_every is not None else every(None, 10),
-        checkpoint_every=every(config.checkpoint_every, 4),
+        eval_every=config.schedule.eval_every if config.schedule.eval_every is not None else every(None, 10),
+        checkpoint_every=every(config.schedule.checkpoint_every, 4),
     )
 
 
@@ -167,37 +166,36 @@ def _crossed(before: int, after: int, every: int) -> bool:
 
 
 def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.ExitStack) -> Run:
-    """A new run, or an interrupted one restored from its checkpoint (`config.resume`); `settings` takes
+    """A new run, or an interrupted one restored from its checkpoint (`config.run.resume`); `settings` takes
     this process's threads and huge pages for the run, put back when it closes."""
-    config.validate()
     checkpoint: TrainingCheckpoint | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
     new_dirs: list[Path] = []  # what this call creates: taken away again, where still empty, if the start fails
-    if config.resume is not None:
+    if config.run.resume is not None:
         checkpoint, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
-        run_dir = Path(config.out or "")
+        run_dir = Path(config.run.out or "")
     else:
-        out = (Path(config.out) if config.out else new_run_dir()).expanduser().resolve()
+        out = (Path(config.run.out) if config.run.out else new_run_dir()).expanduser().resolve()
         new_dirs = [p for p in (out, *out.parents) if not p.exists()]
         run_dir = prepare_out_dir(out, restart_ok=True)
     lock = None
     try:
-        settings.enter_context(torch_threads(config.threads))  # torch's and the compiled loops' threads
-        settings.enter_context(huge_pages(config.huge_pages))  # how this process allocates the tables
-        if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
-            config.data = str(resolve_data(config.data))
-        if config.storage_path:  # absolute too: a resume, eval or export from another directory uses this one
-            config.storage_path = str(Path(config.storage_path).expanduser().absolute())
+        settings.enter_context(torch_threads(config.process.threads))  # torch's and the compiled loops' threads
+        settings.enter_context(huge_pages(config.process.huge_pages))  # how this process allocates the tables
+        if config.data.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
+            config.data.data = str(resolve_data(config.data.data))
+        if config.embeddings.storage_path:  # absolute too: a resume, eval or export from elsewhere uses this one
+            config.embeddings.storage_path = str(Path(config.embeddings.storage_path).expanduser().absolute())
 
         dataset_dir = run_dataset_dir(config, saved.get("dataset"))
         dataset = open_dataset(dataset_dir, config)
-        if config.resume is None and (note := cache_rows_note(config, list(dataset.table_sizes))):  # said once
+        if config.run.resume is None and (note := cache_rows_note(config, list(dataset.table_sizes))):  # said once
             warn(note)
-        config.split_order = config.split_order or dataset.meta.get("split_order")
+        config.data.split_order = config.data.split_order or dataset.meta.get("split_order")
         config = resolve_schedule(config, dataset.splits["train"])
-        config.out = str(run_dir)
-        config.tensorboard = resolve_setting(config.tensorboard, run_dir)
+        config.run.out = str(run_dir)
+        config.schedule.tensorboard = resolve_setting(config.schedule.tensorboard, run_dir)
         state = checkpoint.state if checkpoint is not None else None
         config_dict = run_record(config, dataset, dataset_dir, saved, changes, state)
         lock = backend.claim_run_dir(run_dir, config_dict)  # one writer per run directory from here on
@@ -224,12 +222,12 @@ def _build_run(
     dataset_dir = Path(config_dict["dataset"])
     quality = data_quality(dataset)
     if quality is not None and quality["malformed_lines"]:
-        warn(malformed_message(quality, config.data))
+        warn(malformed_message(quality, config.data.data))
 
     # Model and optimizers. Seeding first makes the MLP init (torch's global RNG) reproducible.
-    random.seed(config.seed)
-    np.random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    random.seed(config.model.seed)
+    np.random.seed(config.model.seed)
+    torch.manual_seed(config.model.seed)
     # A resumed run loads every row from its checkpoint: none are drawn (minutes at the MLPerf sizes).
     model = backend.build_model(
         config, dataset.table_sizes, dataset.num_dense, run_dir, draw_rows=checkpoint is None
@@ -237,8 +235,8 @@ def _build_run(
     dense_opt = dense_optimizer(config, model)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
-    batches_per_epoch = dataset.splits["train"] // config.batch_size
-    total_steps = budget_steps(runs.schedule_of(config).samples, config.batch_size)
+    batches_per_epoch = dataset.splits["train"] // config.schedule.batch_size
+    total_steps = budget_steps(runs.schedule_of(config).samples, config.schedule.batch_size)
     run = runs.Run(
         config=config,
         config_dict=config_dict,
@@ -250,7 +248,7 @@ def _build_run(
         progress=runs.Progress(),
         backend=backend,
         callbacks=None,  # type: ignore[arg-type]  # built next: callbacks may read the run
-        budget=total_steps * config.batch_size,
+        budget=total_steps * config.schedule.batch_size,
         max_epochs=-(-total_steps // batches_per_epoch),
         batches_per_epoch=batches_per_epoch,
         data_quality=quality,
@@ -274,7 +272,7 @@ def _build_run(
         desc="train",
         unit=" samples",
         unit_scale=True,
-        disable=not config.progress,
+        disable=not config.schedule.progress,
         dynamic_ncols=True,
     )
     # The collection's counters may or may not come back with its state; count relative to what it says now.
@@ -290,13 +288,13 @@ def epoch_batches(run: Run) -> Any:
     run.callbacks.start_epoch(run)
     return training_batches(
         run.dataset,
-        run.config.batch_size,
-        seed=run.config.seed,
+        run.config.schedule.batch_size,
+        seed=run.config.model.seed,
         epoch=run.progress.epoch,
         start_batch=run.progress.batch_in_epoch,
         sample_filter=run.callbacks.sample_filter(run),
         groups=run.callbacks.input_groups(run),  # an order of the features (the cold-first order)
-        time_order=run.config.time_order,
+        time_order=run.config.data.time_order,
         part=None if run.callbacks.reads_batch_ids else run.backend.batch_part(),
     )
 
@@ -367,7 +365,8 @@ def log_event(run: Run, *, evaluate_now: bool) -> None:
     run.bar.set_postfix(_postfix(event), refresh=False)
     if evaluate_now:
         scores = evaluate(
-            run.model, run.dataset.split("val"), max_samples=run.config.eval_samples, part=run.backend.batch_part()
+            run.model, run.dataset.split("val"), max_samples=run.config.schedule.eval_samples,
+            part=run.backend.batch_part()
         )
         event.update({f"val_{k}": v for k, v in scores.items()})
         run.callbacks.after_eval(run, scores)
@@ -399,7 +398,7 @@ def check_checkpoint_room(run: Run) -> None:
     every, done = runs.schedule_of(config).checkpoint_every, run.progress.samples
     writes = 0 if done >= run.budget else 1 + max(0, (run.budget - 1) // every - done // every)
     directory = run.run_dir / "checkpoints"
-    at_once, fit, free = ckpt.checkpoints_that_fit(directory, each, writes, config.keep_checkpoints)
+    at_once, fit, free = ckpt.checkpoints_that_fit(directory, each, writes, config.schedule.keep_checkpoints)
     if at_once <= fit:
         return
     have = f"{directory} has {amount(free)} free"
@@ -414,7 +413,8 @@ def check_checkpoint_room(run: Run) -> None:
     )
     warn(
         f"checkpoints of this run take about {amount(each)} each and {at_once} new ones are on disk at once (the "
-        f"newest is complete before the oldest of --keep-checkpoints {config.keep_checkpoints} goes), but {have}, "
+        f"newest is complete before the oldest of --keep-checkpoints {config.schedule.keep_checkpoints} goes), "
+        f"but {have}, "
         f"room for {fit}: the run will stop at a checkpoint that does not fit; {fix}, or --out on a disk with room"
     )
 
@@ -430,7 +430,7 @@ def save_checkpoint(run: Run) -> None:
     run.progress.events.append(event)
     state = checkpoint_state(run)  # a copy of the events: this one stays open below
     event["bytes"] = run.backend.save_checkpoint(
-        run.run_dir, state, run.progress.samples, keep=run.config.keep_checkpoints
+        run.run_dir, state, run.progress.samples, keep=run.config.schedule.keep_checkpoints
     )
     event["write_s"] = time.perf_counter() - start
     run.callbacks.on_event(run, event)

@@ -17,10 +17,10 @@ if typing.TYPE_CHECKING:
 def upcoming_batches(config: TrainConfig) -> int:
     """Batches the embeddings are shown ahead: the lookahead policy's window or, with the rows on disk, the
     read-ahead's (`--lookahead` both); else 1 for the prefetch alone."""
-    if config.embeddings != "cached":
+    if config.embeddings.embeddings != "cached":
         return 0
-    ahead = config.policy in LOOKAHEAD_POLICIES or config.storage_path is not None
-    return config.lookahead if ahead else int(config.prefetch)
+    ahead = config.embeddings.policy in LOOKAHEAD_POLICIES or config.embeddings.storage_path is not None
+    return config.embeddings.lookahead if ahead else int(config.embeddings.prefetch)
 
 
 class ShowUpcomingBatches(Callback):
