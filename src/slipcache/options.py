@@ -18,13 +18,21 @@ def add_progress_flag(parser: argparse.ArgumentParser, default: object = True) -
                         help="no progress bar")
 
 
+# The help of --threads and --huge-pages, on every command that has them (`slipcache train`'s are its
+# `ProcessSettings` fields, with the same words).
+THREADS_HELP = ("torch threads, and threads per compiled embedding loop; their waits sleep, so the default holds "
+                "on a busy machine (docs/threads.md)")
+THREADS_DEFAULT = "torch's choice, one per core, and one per loop"
+HUGE_PAGES_HELP = ("back the tables' storage, cache and optimizer state with transparent huge pages: on, off, or "
+                   "auto (tensors of 64 MiB and more); where the kernel has none, off (docs/scale.md)")
+HUGE_PAGES_DEFAULT = "$SLIPCACHE_HUGE_PAGES, else off"
+
+
 def add_threads_flag(parser: argparse.ArgumentParser, default: object = None, help: str | None = None) -> None:
     """`--threads N`: torch threads for the command, the same flag on every command that computes with torch
     (`main` applies it for the command's duration)."""
     parser.add_argument("--threads", type=positive_int, default=default, metavar="N",
-                        help=help or "torch threads, and threads per compiled embedding loop (default: torch's "
-                        "choice, one per core, and one per loop; their waits sleep, so the default holds on a busy "
-                        "machine: docs/threads.md)")
+                        help=help or f"{THREADS_HELP} (default: {THREADS_DEFAULT})")
 
 
 def add_huge_pages_flag(parser: argparse.ArgumentParser) -> None:
@@ -33,9 +41,7 @@ def add_huge_pages_flag(parser: argparse.ArgumentParser) -> None:
     from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 
     parser.add_argument("--huge-pages", choices=HUGE_PAGE_MODES, default=None, dest="huge_pages",
-                        help="back the tables' storage, cache and optimizer state with transparent huge pages: on, "
-                        "off, or auto (tensors of 64 MiB and more); where the kernel has none, off (default: "
-                        "$SLIPCACHE_HUGE_PAGES, else off)")
+                        help=f"{HUGE_PAGES_HELP} (default: {HUGE_PAGES_DEFAULT})")
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import AUTOCAST_DTYPES, EMBEDDING_KINDS, INTERACTIONS, ModelConfig
+from slipcache.options import HUGE_PAGES_DEFAULT, HUGE_PAGES_HELP, THREADS_DEFAULT, THREADS_HELP
 from slipcache.staleness.config import (
     FREEZE_MODES,
     HOT_SETS,
@@ -217,14 +218,10 @@ class ScheduleSettings:
 class ProcessSettings:
     """How this process computes; a resume keeps the run's unless given."""
 
-    threads: int | None = _flag(None, "torch threads of this process (the `slipcache` command makes their waits "
-                                "sleep, so the default holds on a busy machine: docs/threads.md; a resume keeps the "
-                                "run's unless given)", resume="free", within="(0, inf)",
-                                default_text="torch's choice, one per core", type="positive_int")
-    huge_pages: str | None = _flag(None, "back the tables' storage, cache and optimizer state with transparent huge "
-                                   "pages: on, off, or auto (tensors of 64 MiB and more); where the kernel has none, "
-                                   "off (docs/scale.md)", resume="free", choices=HUGE_PAGE_MODES,
-                                   default_text="$SLIPCACHE_HUGE_PAGES, else off")
+    threads: int | None = _flag(None, f"{THREADS_HELP}; a resume keeps the run's unless given", resume="free",
+                                within="(0, inf)", default_text=THREADS_DEFAULT, type="positive_int")
+    huge_pages: str | None = _flag(None, HUGE_PAGES_HELP, resume="free", choices=HUGE_PAGE_MODES,
+                                   default_text=HUGE_PAGES_DEFAULT)
 
     def __post_init__(self) -> None:
         check_settings(self)
