@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slipcache.data.formats import SPLIT_ORDERS
 from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.embedding.cache import POLICIES
 from slipcache.embedding.config import OPTIMIZERS, EmbeddingConfig
@@ -33,7 +34,6 @@ from slipcache.training.settings import check_library, check_settings
 from slipcache.training.settings import flag as _flag  # the one way a setting is described
 
 VOCABS = ("frequency", "hash")
-SPLIT_ORDERS = ("val-test", "test-val")
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 TIME_ORDERS = ("first", "every")
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")  # the MLPs' (`backend.dense_optimizer`)

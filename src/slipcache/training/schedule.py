@@ -16,7 +16,6 @@ from slipcache.callback import Callback
 if typing.TYPE_CHECKING:
     from slipcache.training.run import Run
 
-LR_SCHEDULES = ("constant", "mlperf")
 LR_FLOOR = 1e-4  # the decayed rate never reaches 0: the tail still trains a little
 WARMUP_SHARE, DECAY_START_SHARE = 0.04, 0.75
 
