@@ -102,11 +102,20 @@ def _range_problem(value: float, within: tuple[str, float, float, bool, bool]) -
     return f"must be in {text}" if too_low or too_high else None
 
 
+_HINTS: dict[type, dict[str, Any]] = {}  # each part's type hints, read once
+
+
+def _type_hints(kind: type) -> dict[str, Any]:
+    if kind not in _HINTS:
+        _HINTS[kind] = typing.get_type_hints(kind)
+    return _HINTS[kind]
+
+
 def check_settings(part: Any) -> None:
     """Check a part config's fields from their metadata: the type (a value from a crafted checkpoint, a config
     file or an API call may be anything: "256", 1e100; what trains is the typed value), a finite number that
     fits 64 bits, the choices and the range; one `SlipcacheError` naming the setting (`setting_name`)."""
-    kinds = typing.get_type_hints(type(part))
+    kinds = _type_hints(type(part))
     for f in dataclasses.fields(part):
         value = coerce(f.name, kinds[f.name], getattr(part, f.name))
         values = value if isinstance(value, list) else [value]
