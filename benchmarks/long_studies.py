@@ -46,7 +46,7 @@ FORMAT = "slipcache-study"
 @dataclass(frozen=True)
 class Arm:
     name: str
-    overrides: dict[str, Any]  # TrainConfig fields this arm sets on top of the study's
+    overrides: dict[str, Any]  # TrainConfig keys this arm sets on top of the study's
     seeds: int
 
 
@@ -57,7 +57,7 @@ class Study:
     name: str
     description: str
     data: dict[str, Any]  # synthetic dataset: generator, samples, scale (80/10/10 train/val/test)
-    common: dict[str, Any]  # TrainConfig fields every run shares
+    common: dict[str, Any]  # TrainConfig keys every run shares
     arms: tuple[Arm, ...]
     comparisons: tuple[tuple[str, str], ...]  # (arm, vs): paired differences reported
     metrics: tuple[str, ...] = ("test_auc", "test_logloss")

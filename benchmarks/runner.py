@@ -81,7 +81,7 @@ class Setup:
 
     experiment: str
     name: str
-    overrides: dict[str, Any]  # TrainConfig fields this setup sets
+    overrides: dict[str, Any]  # TrainConfig keys this setup sets
     seeds: int
     questions: list[str] = field(default_factory=list)
     group: str = ""  # slipstream: which storage (fp32 / int8 + cache) the setup belongs to
@@ -103,7 +103,7 @@ class Cell:
         of the synthetic dataset's identity: a recalibrated generator makes new cells, never reuses old ones.
 
         Fields at None (an option off, or a value derived from the data) are left out, so a new optional
-        TrainConfig field does not orphan every finished cell of a grid that resumes across sessions.
+        TrainConfig setting does not orphan every finished cell of a grid that resumes across sessions.
         """
         full = {k: v for k, v in {**trainer.TrainConfig().flat(), **self.values}.items() if v is not None}
         if self.dataset:

@@ -1,5 +1,5 @@
-"""The staleness detector's settings and the skip guard's, with the one set of defaults the trainer's
-``stale_*`` fields take theirs from (``slipcache.training.config.TrainConfig``)."""
+"""The staleness detector's settings and the skip guard's, with the one set of defaults and ranges the
+trainer's ``stale_*`` settings take theirs from (``slipcache.training.parts.SkippingSettings``)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ SKIP_RULE_HELP = (
     "staleness rule beats random skipping at the same share, and no rule reaches 1.25x time to target "
     "(docs/skipping.md)"
 )
-# `--stale-preset`: complete sets of the stale rule's settings (TrainConfig field -> value); flags and config
+# `--stale-preset`: complete sets of the stale rule's settings (TrainConfig key -> value); flags and config
 # files the user sets still win, as over `--quick`. "paper" is Slipstream as published; "tuned" is ours.
 STALE_PRESETS: dict[str, dict[str, object]] = {
     "paper": {  # the authors' published code; docs/skipping.md states each rule
