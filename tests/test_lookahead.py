@@ -235,3 +235,33 @@ def test_resume_with_lookahead_and_prefetch_matches_uninterrupted(tmp_path, monk
     for name, tensor in a.items():
         if isinstance(tensor, torch.Tensor) and name != "counters":  # counters restart with the resumed run
             assert torch.equal(tensor, b[name]), name
+
+
+def test_every_access_to_the_cache_waits_for_the_prefetch_in_flight() -> None:
+    """A prefetch left running while another method reads or changes the cache would race it: each such
+    method finishes the prefetch first (it is left in flight here, then each method is called)."""
+    config = EmbeddingConfig([40, 30], dim=4, precision="int8", cache_rows=16, ways=4, policy="lru")
+    batches = [torch.tensor([[i % 40, (3 * i) % 30]]) for i in range(6)]
+    rows = torch.tensor([1, 2, 41])
+    calls = {
+        "read_rows": lambda c: c.read_rows(rows),
+        "write_rows": lambda c: c.write_rows(rows, torch.zeros(3, 4)),
+        "release_rows": lambda c: c.release_rows(rows),
+        "flush": lambda c: c.flush(),
+        "stats": lambda c: c.stats(),
+        "reset_stats": lambda c: c.reset_stats(),
+        "state_dict": lambda c: c.state_dict(),
+        "load_state_dict": lambda c: c.load_state_dict(c.state_dict()),
+        "export (eval forward)": lambda c: c.eval()(batches[0]),
+        "load_tables": lambda c: c.load_tables([torch.zeros(40, 4), torch.zeros(30, 4)]),
+        "to": lambda c: c.to("cpu"),
+    }
+    for name, call in calls.items():
+        coll = CachedEmbeddingBagCollection(config)
+        _train(coll, batches[:3], k=1, prefetch=True)
+        coll.set_lookahead([batches[4]], prefetch=True)
+        out = coll(batches[3])  # starts the prefetch of batches[4]
+        out.sum().backward()
+        assert coll.prefetcher._prefetching is not None, name
+        call(coll)
+        assert coll.prefetcher._prefetching is None, f"{name} ran beside the prefetch in flight"

@@ -37,7 +37,7 @@ from slipcache.embedding.config import FLOAT32_MAX, EmbeddingConfig
 from slipcache.embedding.hostmem import StorageFile
 from slipcache.embedding.inputs import LookupInputs, SparseFeatures
 from slipcache.embedding.plan import StepPlanner, _FusedLookup
-from slipcache.embedding.prefetch import Prefetcher
+from slipcache.embedding.prefetch import Prefetcher, after_prefetch
 from slipcache.embedding.quant import RowStorage, TableRowStorage
 from slipcache.embedding.replicas import refuse_replicated_training
 from slipcache.embedding.scratch import Scratch
@@ -223,6 +223,7 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         return self.prefetcher.prefetched_rows
 
     # ------------------------------------------------------------------------------ device and dtype
+    @after_prefetch
     def _apply(self, fn: Any, recurse: bool = True) -> CachedEmbeddingBagCollection:
         """`.to(device)`, `.cuda()`, `.cpu()` move every tensor the module holds; dtype changes are refused.
 
@@ -238,7 +239,6 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
                     f"fp32 cache): converting {dtype} buffers to {converted.dtype} is refused; choose the storage "
                     "precision with EmbeddingConfig(precision=...) and convert only the dense layers"
                 )
-        self.prefetcher.join()
         super()._apply(fn, recurse)  # the cache's and the storage's versions change with their move
         self._follow_buffers()
         return self
@@ -279,9 +279,9 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         parts = self.storage.parts.values() if isinstance(self.storage, TableRowStorage) else [self.storage]
         return [file for file in (part.payload_file for part in parts) if file is not None]
 
+    @after_prefetch
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""
-        self.prefetcher.join()
         if len(tables) != len(self.table_sizes):
             raise InvalidInputError(f"expected {len(self.table_sizes)} tables, got {len(tables)}")
         for t, (table, size) in enumerate(zip(tables, self.table_sizes, strict=True)):
@@ -347,8 +347,8 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         """fp32 values of global `rows` (cache overlaid on storage); changes nothing."""
         return self._read_rows(self.inputs.check_rows(rows, "read_rows"))
 
+    @after_prefetch
     def _read_rows(self, rows: Tensor) -> Tensor:
-        self.prefetcher.join()
         slots = self.cache.lookup(rows)
         hit = slots >= 0
         if self.cache.capacity and bool(hit.all()):
@@ -363,18 +363,18 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         values[~hit] = self.storage.read(rows[~hit], self.device)
         return values
 
+    @after_prefetch
     def flush(self) -> None:
         """Round every cached row back into storage; the cache keeps its contents."""
-        self.prefetcher.join()
         slots, rows = self.cache.cached()
         for start in range(0, slots.numel(), _INIT_CHUNK_ROWS):
             chunk = slice(start, start + _INIT_CHUNK_ROWS)
             self.writer.write(rows[chunk], self.cache.weights[slots[chunk]])
 
+    @after_prefetch
     def write_rows(self, rows: Tensor, values: Tensor) -> None:
         """Set fp32 `values` [n, D] of unique global `rows`: cached rows in the cache, the others rounded to
         nearest into storage. For a feature that holds rows fixed (freezing); counts no traffic."""
-        self.prefetcher.join()
         rows = self.inputs.check_rows(rows, "write_rows")
         values = values.to(self.device, torch.float32)
         slots = self.cache.lookup(rows)
@@ -384,12 +384,12 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         if not bool(hit.all()):
             self.storage.write(rows[~hit], values[~hit], "nearest", None)
 
+    @after_prefetch
     def release_rows(self, rows: Tensor) -> int:
         """Write cached `rows` back and free their slots (e.g. rows found stale); returns how many.
 
         Safe between a forward and its backward: the update then lands on the row in storage.
         """
-        self.prefetcher.join()
         slots = self.cache.lookup(self.inputs.check_rows(rows, "release_rows"))
         slots = torch.unique(slots[slots >= 0])
         if slots.numel():
@@ -398,14 +398,14 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         return int(slots.numel())
 
     # ----------------------------------------------------------------------------------- accounting
+    @after_prefetch
     def reset_stats(self) -> None:
-        self.prefetcher.join()
         self.traffic.reset()
         self.prefetcher.prefetched_rows = 0
 
+    @after_prefetch
     def stats(self) -> dict[str, Any]:
         """Cumulative lookups, hits, misses, evictions and traffic, in total and per table."""
-        self.prefetcher.join()
         totals = self.traffic.summary(self.table_names, row_bytes(self.storage, self.config.precisions))
         totals["cache_rows"] = self.cache.capacity
         totals["skipped_updates"] = self.skipped_updates  # backward passes dropped for inf/NaN gradients
@@ -420,13 +420,14 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         return memory_report(self, self.config, self.cache, self.storage, state, generators)
 
     # ----------------------------------------------------------------------------------- state dict
+    @after_prefetch
     def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self.prefetcher.join()  # the saved cache includes the prefetched rows, so a resumed run matches
+        """After the prefetch in flight: the saved cache includes its rows, so a resumed run matches."""
         super()._save_to_state_dict(*args, **kwargs)
 
+    @after_prefetch
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Checkpoints written before the saturation counters existed hold fewer counter columns."""
-        self.prefetcher.join()
         counters = state_dict.get(prefix + "counters")
         if isinstance(counters, Tensor) and counters.dim() == 2 and counters.shape[1] < len(COUNTERS):
             padding = counters.new_zeros(counters.shape[0], len(COUNTERS) - counters.shape[1])
