@@ -387,3 +387,22 @@ def test_quick_cli_skips_a_visible_share_at_the_same_auc(tmp_path: Path, quick_r
     assert block["warm_at"]["samples"] >= 0.1 * skip["config"]["samples"]  # skips in the later part only
     assert skip["skipped_fraction"] >= 0.02
     assert abs(skip["auc"] - plain["auc"]) <= 0.01
+
+
+def test_a_threshold_fit_that_fails_is_said_and_skips_nothing(
+    data_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A share no threshold reaches (every hot input stale at once, say) must not look like "nothing stale"."""
+    from slipcache.staleness import detector
+
+    def unreachable(keys, target, tolerance, low, high, max_steps, relative):
+        return detector.ThresholdResult(None, 0.07, max_steps, False, target, int(keys.size), "no T in [0, 0.1]")
+
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level("WARNING", logger="slipcache.staleness.skipping"):
+        patch.setattr(detector, "fit_threshold", unreachable)
+        summary = train.train(tiny(data_dir, tmp_path / "run"))
+    fits = summary["staleness"]["threshold_fits"]
+    assert fits and not any(fit["converged"] for fit in fits)
+    assert summary["staleness"]["inputs_skipped"] == 0
+    assert any("no threshold makes 50 % of the sampled hot inputs stale (no T in [0, 0.1])" in r.getMessage()
+               for r in caplog.records)
