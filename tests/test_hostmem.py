@@ -3,7 +3,6 @@
 import argparse
 import gc
 import mmap
-import os
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,6 @@ from slipcache.embedding.collection import CachedEmbeddingBagCollection, Embeddi
 from slipcache.errors import SlipcacheError
 
 THP = pytest.mark.skipif(not hostmem.huge_pages_available(), reason="no transparent huge pages here")
-
-
-@pytest.fixture(autouse=True)
-def _mode_reset(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(hostmem.ENV_HUGE_PAGES, raising=False)  # put back after the test, as it was
 
 
 def _ranges(address: int, nbytes: int) -> list[dict[str, int]]:
@@ -39,13 +33,17 @@ def _ranges(address: int, nbytes: int) -> list[dict[str, int]]:
     return found
 
 
-def test_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert hostmem.huge_pages_mode() == hostmem.DEFAULT_HUGE_PAGES
-    monkeypatch.setenv(hostmem.ENV_HUGE_PAGES, "auto")
-    assert hostmem.huge_pages_mode() == "auto"
-    monkeypatch.setenv(hostmem.ENV_HUGE_PAGES, "big")
-    with pytest.raises(SlipcacheError, match=hostmem.ENV_HUGE_PAGES):
-        hostmem.huge_pages_mode()
+def test_the_mode_is_a_setting_of_the_tables_checked_where_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No environment variable or process-wide switch: the mode travels with the config that allocates."""
+    assert EmbeddingConfig([10]).huge_pages == "off"
+    with pytest.raises(ValueError, match="huge_pages must be one of off, on, auto"):
+        EmbeddingConfig([10], huge_pages="big")
+    with pytest.raises(SlipcacheError, match="huge pages must be one of"):
+        hostmem.uses_huge_pages(1 << 30, torch.device("cpu"), "big")
+    monkeypatch.setenv("SLIPCACHE_HUGE_PAGES", "on")  # the variable of old: no longer read
+    monkeypatch.setattr(hostmem, "thp_setting", lambda path=None: "madvise")
+    monkeypatch.setattr(hostmem, "huge_page_map", lambda nbytes: pytest.fail("mapped although the mode is off"))
+    assert hostmem.host_zeros((1 << 22,), torch.float32).shape == (1 << 22,)
 
 
 def test_kernel_setting_is_the_bracketed_word(tmp_path: Path) -> None:
@@ -64,31 +62,26 @@ def test_without_huge_pages_every_mode_allocates_as_torch(monkeypatch: pytest.Mo
         raise AssertionError("mapped although huge pages are unavailable")
 
     monkeypatch.setattr(hostmem, "huge_page_map", no_map)
-    os.environ[hostmem.ENV_HUGE_PAGES] = "on"
-    zeros = hostmem.host_zeros((1 << 20,), torch.float32)
+    zeros = hostmem.host_zeros((1 << 20,), torch.float32, huge_pages="on")
     assert zeros.shape == (1 << 20,) and not zeros.any()
-    assert hostmem.host_empty((3, 1 << 20), torch.uint8).shape == (3, 1 << 20)
+    assert hostmem.host_empty((3, 1 << 20), torch.uint8, huge_pages="on").shape == (3, 1 << 20)
 
 
 def test_auto_and_off_leave_small_tables_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hostmem, "thp_setting", lambda path=None: "madvise")
     cpu = torch.device("cpu")
-    os.environ[hostmem.ENV_HUGE_PAGES] = "off"
-    assert not hostmem.uses_huge_pages(1 << 34, cpu)
-    os.environ[hostmem.ENV_HUGE_PAGES] = "auto"
-    assert not hostmem.uses_huge_pages(hostmem.AUTO_MIN_BYTES - 1, cpu)
-    assert hostmem.uses_huge_pages(hostmem.AUTO_MIN_BYTES, cpu)
-    os.environ[hostmem.ENV_HUGE_PAGES] = "on"
-    assert hostmem.uses_huge_pages(hostmem.HUGE_PAGE, cpu)
-    assert not hostmem.uses_huge_pages(hostmem.HUGE_PAGE - 1, cpu)
-    assert not hostmem.uses_huge_pages(1 << 34, torch.device("meta"))
+    assert not hostmem.uses_huge_pages(1 << 34, cpu, "off")
+    assert not hostmem.uses_huge_pages(hostmem.AUTO_MIN_BYTES - 1, cpu, "auto")
+    assert hostmem.uses_huge_pages(hostmem.AUTO_MIN_BYTES, cpu, "auto")
+    assert hostmem.uses_huge_pages(hostmem.HUGE_PAGE, cpu, "on")
+    assert not hostmem.uses_huge_pages(hostmem.HUGE_PAGE - 1, cpu, "on")
+    assert not hostmem.uses_huge_pages(1 << 34, torch.device("meta"), "on")
 
 
 @THP
 def test_tensor_is_backed_by_huge_pages_and_released_with_it() -> None:
-    os.environ[hostmem.ENV_HUGE_PAGES] = "on"
     nbytes = 3 * hostmem.HUGE_PAGE + 4096 * 5  # three whole huge pages and a partial one
-    tensor = hostmem.host_zeros((nbytes // 4,), torch.float32)
+    tensor = hostmem.host_zeros((nbytes // 4,), torch.float32, huge_pages="on")
     address = tensor.data_ptr()
     assert address % hostmem.HUGE_PAGE == 0 and not tensor.any()
     tensor.fill_(1.5)
@@ -106,11 +99,10 @@ def test_tensor_is_backed_by_huge_pages_and_released_with_it() -> None:
 @THP
 def test_collection_on_huge_pages_trains_bit_for_bit_as_without() -> None:
     """Storage, cache and optimizer state on huge pages (storage over 2 MiB); same rows after training."""
-    config = EmbeddingConfig([30_000, 20_000, 50], dim=64, precision="int8", cache_size=0.05,
-                             optimizer="rowwise_adagrad")
     states = []
     for mode in ("off", "on"):
-        os.environ[hostmem.ENV_HUGE_PAGES] = mode
+        config = EmbeddingConfig([30_000, 20_000, 50], dim=64, precision="int8", cache_size=0.05,
+                                 optimizer="rowwise_adagrad", huge_pages=mode)
         coll = CachedEmbeddingBagCollection(config)
         if mode == "on":
             payload = coll.storage.payload
@@ -129,16 +121,11 @@ def test_collection_on_huge_pages_trains_bit_for_bit_as_without() -> None:
             assert torch.equal(tensor, states[1][name]), name
 
 
-def test_the_flag_sets_the_mode_for_the_command_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(hostmem.ENV_HUGE_PAGES, "auto")
-    with options.huge_pages("on"):
-        assert hostmem.huge_pages_mode() == "on"
-    assert hostmem.huge_pages_mode() == "auto"
-    with options.huge_pages(None):
-        assert hostmem.huge_pages_mode() == "auto"
+def test_the_flag_takes_the_modes() -> None:
     parser = argparse.ArgumentParser()
     options.add_huge_pages_flag(parser)
-    assert parser.parse_args(["--huge-pages", "off"]).huge_pages == "off"
+    assert parser.parse_args([]).huge_pages == "off"
+    assert parser.parse_args(["--huge-pages", "auto"]).huge_pages == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--huge-pages", "yes"])
 

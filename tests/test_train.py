@@ -113,9 +113,10 @@ def test_resume_matches_uninterrupted(
         if embeddings.endswith("mapped"):  # every host tensor of the tables in a huge-page memory map
             raw.setattr(hostmem, "MIN_BYTES", 1)
             raw.setattr(hostmem, "thp_setting", lambda path=None: "madvise")
-            raw.setenv(hostmem.ENV_HUGE_PAGES, "on")
         rows = tmp_path / "rows"
-        extra = {"storage_path": str(rows)} if embeddings.endswith("files") else {}  # rows in mapped files
+        extra: dict[str, object] = {"storage_path": str(rows)} if embeddings.endswith("files") else {}
+        if embeddings.endswith("mapped"):
+            extra["huge_pages"] = "on"
         _resume_matches_uninterrupted("cached" if streamed else embeddings, data_dir, tmp_path, monkeypatch, extra)
         assert not rows.exists() or list(rows.iterdir()) == []
         lazy = checkpoint.load_checkpoint(tmp_path / "part" / "checkpoints", lazy=True)
@@ -371,21 +372,21 @@ def test_summary_table_shows_the_skipped_share_of_a_skipping_run() -> None:
 def test_a_library_call_puts_the_process_settings_back(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--threads and --huge-pages hold for the run only: a caller of `train` gets its own settings back."""
-    monkeypatch.delenv(hostmem.ENV_HUGE_PAGES, raising=False)
+    """--threads holds for the run only: a caller of `train` gets its own settings back; --huge-pages is a
+    setting of the run's tables, not of the process."""
     before = torch.get_num_threads()
     wanted = 1 if before != 1 else 2
     seen: dict[str, object] = {}
     real_finish = train.finish_run
 
     def finish(run: object) -> object:  # inside the run: its settings hold
-        seen.update(threads=torch.get_num_threads(), mode=hostmem.huge_pages_mode())
+        seen.update(threads=torch.get_num_threads(), mode=run.model.embeddings.config.huge_pages)  # type: ignore[attr-defined]
         return real_finish(run)  # type: ignore[arg-type]
 
     monkeypatch.setattr(train, "finish_run", finish)
-    train.train(tiny(data_dir, tmp_path / "run", threads=wanted, huge_pages="auto"))
+    train.train(tiny(data_dir, tmp_path / "run", threads=wanted, huge_pages="auto", embeddings="cached"))
     assert seen == {"threads": wanted, "mode": "auto"}
-    assert torch.get_num_threads() == before and hostmem.huge_pages_mode() == hostmem.DEFAULT_HUGE_PAGES
+    assert torch.get_num_threads() == before
 
 
 @pytest.mark.slow

@@ -131,7 +131,7 @@ def run_train_bench(args: argparse.Namespace) -> int:
         raise SlipcacheError(f"--impls: unknown {', '.join(unknown)} (known: {', '.join(IMPLS)})")
     if args.rounds < 1:
         raise SlipcacheError(f"--rounds must be >= 1, got {args.rounds}")
-    base: dict[str, Any] = {"quick": args.quick, "seed": args.seed}
+    base: dict[str, Any] = {"quick": args.quick, "seed": args.seed, "huge_pages": args.huge_pages}
     for key in ("data", "samples", "batch_size"):
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)

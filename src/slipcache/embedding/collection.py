@@ -117,11 +117,13 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         precisions = config.precisions
         self.storage: RowStorage | TableRowStorage = (
             RowStorage(
-                num_rows, config.dim, precisions[0], self.storage_device, empty=not meta, path=config.storage_path
+                num_rows, config.dim, precisions[0], self.storage_device, empty=not meta, path=config.storage_path,
+                huge_pages=config.huge_pages,
             )
             if len(set(precisions)) == 1
             else TableRowStorage(
-                self.table_sizes, config.dim, precisions, self.storage_device, empty=not meta, path=config.storage_path
+                self.table_sizes, config.dim, precisions, self.storage_device, empty=not meta, path=config.storage_path,
+                huge_pages=config.huge_pages,
             )
         )
         per_table = config.cache_per_table
@@ -133,6 +135,7 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
             config.ways,
             config.lfu_halving_interval,
             self.device,
+            config.huge_pages,
         )
         # The parts' tensors are registered here, under the names checkpoints know (`optimizer_state`,
         # `counters`); `_bind_parts` hands them over again whenever they are replaced (moves, loads).

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from slipcache.embedding.cache import POLICIES
+from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
@@ -48,6 +49,9 @@ class EmbeddingConfig:
     # the cache, optimizer state and bookkeeping then count against memory. None: storage in RAM.
     storage_path: str | None = None
     cache_device: str = "cpu"
+    # Whether the big host tensors (storage, cache, optimizer state) ask for 2 MiB pages: off, on, or auto
+    # (tensors of 64 MiB and more); where the kernel has none, every mode allocates as torch does.
+    huge_pages: str = "off"
     table_names: list[str] | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -73,6 +77,7 @@ class EmbeddingConfig:
             ("rounding", self.rounding, ROUNDINGS),
             ("optimizer", self.optimizer, OPTIMIZERS),
             ("pooling", self.pooling, POOLINGS),
+            ("huge_pages", self.huge_pages, HUGE_PAGE_MODES),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")

@@ -64,7 +64,8 @@ class FusedOptimizer:
     def new_state(config: EmbeddingConfig, device: torch.device) -> Tensor | None:
         """The optimizer's zero state for `config`'s rows (fp32), or None for SGD."""
         shape = FusedOptimizer.state_row_shape(config.optimizer, config.dim)
-        return None if shape is None else host_zeros((config.num_rows, *shape), torch.float32, device)
+        return None if shape is None else host_zeros((config.num_rows, *shape), torch.float32, device,
+                                                          config.huge_pages)
 
     @property
     def device(self) -> torch.device:

@@ -127,10 +127,10 @@ class TrainConfig:
                                 "sleep, so the default holds on a busy machine: docs/threads.md; a resume keeps the "
                                 "run's unless given)", resume="free", group="process",
                                 default_text="torch's choice, one per core", type="positive_int")
-    huge_pages: str | None = _flag(None, "back the tables' storage, cache and optimizer state with transparent huge "
-                                   "pages: on, off, or auto (tensors of 64 MiB and more); where the kernel has none, "
-                                   "off (docs/scale.md)", resume="free", group="process", choices=HUGE_PAGE_MODES,
-                                   default_text="$SLIPCACHE_HUGE_PAGES, else off")
+    huge_pages: str = _flag(help="back the tables' storage, cache and optimizer state with transparent huge "
+                            "pages: on, off, or auto (tensors of 64 MiB and more); where the kernel has none, "
+                            "off (docs/scale.md)", resume="free", group="process", choices=HUGE_PAGE_MODES,
+                            sets="embedding.huge_pages")
     # model
     embedding_dim: int = _flag(help="embedding dimension", resume="fixed", group="model",
                                sets=("embedding.dim", "model.embedding_dim"), flag=("--dim",))
@@ -484,7 +484,9 @@ def config_from_saved(saved: Any, where: str) -> TrainConfig:
     if not isinstance(saved, dict):
         raise SlipcacheError(f"{where} holds no run config")
     try:
-        config = TrainConfig(**{k: v for k, v in saved.items() if k in CONFIG_FIELDS})
+        # huge_pages was None ("the environment's choice") in runs saved before it was a plain setting
+        given = {k: v for k, v in saved.items() if k in CONFIG_FIELDS and not (k == "huge_pages" and v is None)}
+        config = TrainConfig(**given)
         config.validate()
     except (TypeError, SlipcacheError) as exc:
         raise SlipcacheError(f"{where} holds an invalid run config: {exc}") from exc

@@ -35,7 +35,7 @@ from slipcache.errors import SlipcacheError
 from slipcache.iostats import AnonPeak
 from slipcache.memory import peak_rss_bytes
 from slipcache.model import DLRM
-from slipcache.options import huge_pages, torch_threads
+from slipcache.options import torch_threads
 from slipcache.progress import progress_bar
 from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
@@ -184,7 +184,6 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
     lock = None
     try:
         settings.enter_context(torch_threads(config.threads))  # torch's and the compiled loops' threads
-        settings.enter_context(huge_pages(config.huge_pages))  # how this process allocates the tables
         if config.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
             config.data = str(resolve_data(config.data))
         if config.storage_path:  # absolute too: a resume, eval or export from another directory uses this one
