@@ -47,3 +47,21 @@ def test_a_new_section_is_a_json_file_and_a_template(tmp_path: Path, monkeypatch
         results.load.cache_clear()
     assert page == (results.HEADER + "# Results\n\n## Scale\n\n- **Command**: `slipcache train --scale 1`\n\n"
                     "Memory 3.19x: **met**.\n")
+
+
+def test_the_equal_compute_control_reads_the_baseline_at_the_arms_cpu_seconds() -> None:
+    """stale stopped at 150 CPU s with 0.70; the baseline had 0.60 at 100 s and 0.80 at 200 s: 0.70 at 150 s."""
+    baseline = [[100.0, 1000, 0.60], [200.0, 2000, 0.80]]
+    study = {"runs": [
+        {"arm": "baseline", "seed": 0, "curve": baseline},
+        {"arm": "stale", "seed": 0, "curve": [[50.0, 500, 0.5], [150.0, 1500, 0.70]]},
+        {"arm": "baseline", "seed": 1, "curve": baseline},
+        {"arm": "stale", "seed": 1, "curve": [[250.0, 2500, 0.85]]},  # past the baseline's end: its last
+        {"arm": "random", "seed": 0, "curve": [[50.0, 500, 0.65]]},  # before its first: its first
+    ]}
+    both = results.early_stop_comparison(study, "stale")
+    assert both is not None and both["n"] == 2
+    assert both["mean_diff"] == pytest.approx((0.0 + 0.05) / 2)
+    one = results.early_stop_comparison(study, "random")
+    assert one is not None and one["mean_diff"] == pytest.approx(0.05) and one["ci95"] is None
+    assert results.early_stop_comparison(study, "freeze-random") is None
