@@ -100,7 +100,7 @@ SHARED_CRITEO = Path(
 )
 SHARED_CRITEO_REASON = (
     f"real Criteo rows expected in {SHARED_CRITEO} (../shared/data/criteo/ beside the clone, or "
-    "$SLIPCACHE_TEST_CRITEO_DIR); the same parsing checks run on written files in tests/test_data_written_formats.py"
+    "$SLIPCACHE_TEST_CRITEO_DIR); the same parsing checks run on written files in tests/data/test_written_formats.py"
 )
 
 

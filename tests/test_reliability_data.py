@@ -9,7 +9,7 @@ import pytest
 from slipcache.cli import main
 from slipcache.data import formats
 from slipcache.errors import SlipcacheError
-from tests.test_data_formats import write_dlrm, write_mlperf, write_torchrec
+from tests.data.test_formats import write_dlrm, write_mlperf, write_torchrec
 
 
 @pytest.fixture(autouse=True)

@@ -501,8 +501,8 @@ def test_resume_matrix_with_tables_above_the_streaming_threshold(
 
     from slipcache.training import checkpoint as ckpt
     from slipcache.training.saved_run import find_checkpoint
+    from tests.distributed.test_training import _settings, _train_rank
     from tests.ranks import run_ranks
-    from tests.test_distributed_training import _settings, _train_rank
 
     sizes = [1_200_000] + [5] * 25
     assert sizes[0] * 8 * 4 > ckpt.RAW_MIN_BYTES

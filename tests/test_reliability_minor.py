@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from slipcache.cli import main
+from tests.data.test_formats import write_dlrm, write_torchrec
 from tests.helpers import make_dataset
-from tests.test_data_formats import write_dlrm, write_torchrec
 
 
 @pytest.fixture(autouse=True)

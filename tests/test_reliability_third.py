@@ -168,8 +168,8 @@ def test_the_newest_checkpoint_wins_across_process_counts(
 ) -> None:
     """2 processes, then 1, then 1, then 2: every resume goes on from the newest checkpoint, whoever wrote
     it, and keeps the settings changed on the way."""
+    from tests.distributed.test_training import _settings, _train_rank
     from tests.ranks import run_ranks
-    from tests.test_distributed_training import _settings, _train_rank
 
     data, run = make_dataset(tmp_path / "data", n=1500), tmp_path / "run"
     settings = {"precision": "fp32", "cache_size": 0.25, "samples": 320}
@@ -417,7 +417,7 @@ def test_under_torchrun_the_error_line_says_torchrun_reports_next(
 
 def test_an_external_file_changed_in_place_with_its_time_kept_is_measured_again(tmp_path: Path) -> None:
     from slipcache.data import formats
-    from tests.test_data_formats import write_torchrec
+    from tests.data.test_formats import write_torchrec
 
     write_torchrec(tmp_path / "tr", days=2, n=200)
     first = formats.open_any(tmp_path / "tr").table_sizes

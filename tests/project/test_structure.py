@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "slipcache"
 MAX_LINES = 500
 # Files still being split; each entry goes as its file gets under the limit.

@@ -170,7 +170,7 @@ def test_one_seed_starts_every_precision_from_the_rounding_of_the_same_rows(prec
 def test_initialization_chunks_are_bounded() -> None:
     from slipcache.embedding.collection import _init_chunk_rows
 
-    # The draw is one generator stream, so chunking does not change it (test_quantize_native checks the
+    # The draw is one generator stream, so chunking does not change it (native/test_quantize checks the
     # created tables against one whole draw); chunks only bound the fp32 held at once.
     for dim in (1, 16, 128, 4096):
         assert _init_chunk_rows(dim) * dim * 4 <= max(1 << 20, dim * 4)

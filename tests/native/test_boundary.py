@@ -19,7 +19,7 @@ from slipcache.embedding.cache import RowCache
 from slipcache.errors import InvalidInputError
 from slipcache.staleness.hotset import HotIndex
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "src" / "slipcache" / "_native"
 compiled = pytest.mark.skipif(_native.native() is None, reason="no C compiler: only the torch path exists")
 
@@ -208,7 +208,7 @@ def sanitized_test_files() -> list[Path]:
     """The test files .ci/run runs against the sanitizer build (after SLIPCACHE_NATIVE_SANITIZE=1)."""
     script = (ROOT / ".ci" / "run").read_text()
     sanitized = script[script.index("SLIPCACHE_NATIVE_SANITIZE=1"):]
-    return [ROOT / name for name in re.findall(r"tests/test_\w+\.py", sanitized)]
+    return [ROOT / name for name in re.findall(r"tests/[\w/]+\.py", sanitized)]
 
 
 def exported_entry_points() -> set[str]:

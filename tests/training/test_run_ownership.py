@@ -277,7 +277,7 @@ def _rank_apart(rank: int, world_size: int, data: list[str], out: str, results: 
                 hold_lock: bool) -> None:
     """Rank 1 starts with `rank1`'s settings and `data[1]`; each rank writes the error it stopped with."""
     from slipcache.errors import SlipcacheError
-    from tests.test_distributed_training import _settings, _train_rank
+    from tests.distributed.test_training import _settings, _train_rank
 
     settings = _settings(data[rank], out, rank1 if rank == 1 else {})
     holder = runlock.acquire(Path(out), "another run") if hold_lock and rank == 0 else None
@@ -318,7 +318,7 @@ def test_ranks_stop_together_on_different_settings_or_a_held_run(
 
 def _train_pair(rank: int, world_size: int, data: str, out: str, extra: dict[str, Any], result: str) -> None:
     from slipcache.errors import SlipcacheError
-    from tests.test_distributed_training import _settings, _train_rank
+    from tests.distributed.test_training import _settings, _train_rank
 
     try:
         _train_rank(rank, world_size, _settings(data, out, extra))

@@ -263,7 +263,7 @@ def test_export_without_the_runs_dataset_says_what_is_missing(raw_run: dict[str,
 def test_the_readmes_scoring_snippet_runs(raw_run: dict[str, Path]) -> None:
     import re
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme[readme.index("## Scoring new data"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
     code = code.replace('"served/criteo"', repr(str(raw_run["export"])))

@@ -14,7 +14,7 @@ import torch
 from slipcache import _native
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig, SparseFeatures
 from slipcache.embedding.quant import RowStorage
-from tests.test_fused import assert_same, spy, train
+from tests.native.test_fused import assert_same, spy, train
 
 pytestmark = pytest.mark.skipif(_native.native() is None, reason="no C compiler: only the torch path exists")
 

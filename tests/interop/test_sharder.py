@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("torchrec", reason="torchrec not installed (the torchrec extra)")
 
-from tests import torchrec_shards as shards  # noqa: E402
+from tests.interop import torchrec_shards as shards  # noqa: E402
+from tests.interop.torchrec_shards import BATCH, HELD, OPTIONS, STEPS  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
-from tests.torchrec_shards import BATCH, HELD, OPTIONS, STEPS  # noqa: E402
 
 
 def _sharded_training_equals_unsharded(rank: int, world_size: int, directory: str) -> None:
@@ -178,7 +178,7 @@ def test_the_example_trains_under_dmp_on_two_processes_and_resumes_on_one(tmp_pa
     import subprocess
     import sys
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "torchrec_dlrm.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "torchrec_dlrm.py"
     checkpoint = tmp_path / "ckpt"
     common = ["--dmp", "--batch-size", "32"]
     two = [

@@ -12,7 +12,7 @@ from slipcache import torch_private
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from tests.helpers import FailsInBackward
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "slipcache"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "slipcache"
 SIZES = [40, 7, 300, 3]
 DIM = 4
 APIS = ("graph_task_id", "queue_callback", "storage_alone")
@@ -243,7 +243,7 @@ def test_without_the_use_count_step_buffers_are_not_reused(monkeypatch: pytest.M
 def test_without_the_api_a_failed_backward_passes_gradients_are_applied(
     missing: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With torch's internals the failed pass's gradients are dropped (test_embedding_steps); without the task
+    """With torch's internals the failed pass's gradients are dropped (embedding/test_steps); without the task
     id they join the next pass's step, without the callback they were applied as they came: training goes on."""
     remove(monkeypatch, missing)
     config = EmbeddingConfig(SIZES, dim=DIM, precision="fp32", cache_rows=20, lr=0.05)

@@ -15,8 +15,8 @@ from slipcache.data.dataset import CriteoDataset
 from slipcache.data.preprocess import preprocess
 from slipcache.data.stats import compute_stats, compute_stats_arrays, format_stats, plot_stats
 from slipcache.errors import InvalidInputError, SlipcacheError
+from tests.data.test_readers import SHARED, needs_shared
 from tests.helpers import make_dataset
-from tests.test_data_readers import SHARED, needs_shared
 
 # Three tables, eight rows; -1 is the empty field of table 2. By hand:
 #   table 0 counts {1: 2, 2: 1, 3: 3, 4: 1, 5: 1}: 5 values, rows that recur 5/8, singletons 3/5, top value 3/8

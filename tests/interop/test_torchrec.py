@@ -17,7 +17,7 @@ from slipcache.errors import SlipcacheError  # noqa: E402
 from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollection  # noqa: E402
 
 SIZES = [30, 7, 200]
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrec_dlrm.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrec_dlrm.py"
 
 
 def _tables(pooling: PoolingType = PoolingType.SUM, dim: int = 8) -> list[EmbeddingBagConfig]:

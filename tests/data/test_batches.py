@@ -14,8 +14,8 @@ from slipcache.data.batches import BatchIterator, slice_bounds
 from slipcache.data.dataset import SplitArrays
 from slipcache.data.formats import open_any
 from slipcache.data.mapped import LazyColumn, Piece
+from tests.data.test_formats import write_dlrm, write_mlperf, write_torchrec
 from tests.helpers import make_dataset
-from tests.test_data_formats import write_dlrm, write_mlperf, write_torchrec
 
 ITERATIONS = [  # (batch size, iterator options): shuffled chunks, time order, resume, a short last batch
     (64, {"shuffle": True, "seed": 3, "epoch": 1, "drop_last": True}),

@@ -4,7 +4,7 @@ batches and plan on 2 gloo processes, 100 steps, then the AUC of both on 8192 he
 
 The paired gap (ours minus TorchRec's, same seed) comes from the rows' INT8 stochastic rounding alone
 (with fp32 storage and every row cached, seed 0 gives the same AUC to 5 digits). Over 10 seeds (`python -m
-tests.test_interop_dmp_auc 10`) it averaged -0.00015 with a standard deviation of 0.0014 per seed and at
+tests.interop.test_dmp_auc 10`) it averaged -0.00015 with a standard deviation of 0.0014 per seed and at
 most 0.0024: the mean is within 0.001, single short runs are not. So the test checks seeds 0-3 against
 0.005 each (3.5 standard deviations) and their mean against 0.0025 (3.5 standard deviations of a mean
 of 4), bounds that rounding noise stays inside while tables stepping twice as far as they should
@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("torchrec", reason="torchrec not installed (the torchrec extra)")
 
-from tests import torchrec_shards as shards  # noqa: E402
+from tests.interop import torchrec_shards as shards  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
 
 ROWS, DIM, TABLES = 500, 8, 4
@@ -159,5 +159,5 @@ def _report(rank: int, world_size: int, seeds: int) -> None:
         )
 
 
-if __name__ == "__main__":  # python -m tests.test_interop_dmp_auc SEEDS: the paired gaps, seed by seed
+if __name__ == "__main__":  # python -m tests.interop.test_dmp_auc SEEDS: the paired gaps, seed by seed
     run_ranks(_report, int(sys.argv[1]) if len(sys.argv) > 1 else 10)

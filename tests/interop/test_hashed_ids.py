@@ -11,7 +11,7 @@ from slipcache import cli
 from slipcache.training.config import make_config
 from slipcache.training.datasets import open_dataset
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrec_dlrm.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrec_dlrm.py"
 
 
 def _hashed_torchrec_days(root: Path, n: int = 64) -> Path:

@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("torchrec", reason="torchrec not installed (the torchrec extra)")
 
-from tests import torchrec_shards as shards  # noqa: E402
+from tests.interop import torchrec_shards as shards  # noqa: E402
+from tests.interop.torchrec_shards import BATCH, OPTIONS  # noqa: E402
 from tests.ranks import run_ranks  # noqa: E402
-from tests.torchrec_shards import BATCH, OPTIONS  # noqa: E402
 
 SAVED_AT, TOTAL = 2, 4  # steps before the checkpoint, steps in all
 OPTIMIZERS = ("adagrad", "rowwise_adagrad", "adam")
