@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import re
 import statistics
 import types
 from pathlib import Path
@@ -14,20 +12,12 @@ from typing import Any
 
 import pytest
 
-from benchmarks import accuracy, runner, studies
+from benchmarks import accuracy, runner
 from slipcache.data.synthetic import DEFAULT_GENERATOR
 from slipcache.errors import SlipcacheError
+from tests.benchmarks.study_runs import RAN, FakeConfig, run_study
 
-RAN = re.compile(r"^\[\d+/\d+\] ")
 PROBE = ["--probe-seconds", "0.05", "--probe-table-bytes", "8000000"]
-
-
-def _run(*argv: str) -> list[str]:
-    parser = argparse.ArgumentParser()
-    studies.add_experiment_arguments(parser)
-    lines: list[str] = []
-    assert studies.run_experiment(parser.parse_args(list(argv)), log=lines.append) == 0
-    return lines
 
 
 @pytest.mark.parametrize(
@@ -78,25 +68,6 @@ EFFECT = {"fp32": 0.0, "fp16": 0.0001, "int8": -0.0002, "int4": -0.004}
 NOISE = [0.0001, -0.0001, 0.0002, 0.0, -0.0002]  # per seed, added to every non-fp32 setup
 
 
-@dataclasses.dataclass
-class FakeConfig:
-    data: str | None = None
-    out: str | None = None
-    precision: str = "int8"
-    cache_size: float = 0.05
-    policy: str = "lru"
-    rounding: str = "stochastic"
-    batch_size: int = 512
-    lr: float = 0.1
-    bottom_mlp: list[int] = dataclasses.field(default_factory=list)
-    top_mlp: list[int] = dataclasses.field(default_factory=list)
-    eval_samples: int = 0
-    seed: int = 0
-    progress: bool = False
-    epochs: int = 1
-    checkpoint_every: int = 0
-
-
 def _auc(config: FakeConfig) -> float:
     noise = NOISE[config.seed] if config.precision != "fp32" else 0.0
     return SEED_AUC[config.seed] + EFFECT[config.precision] + noise
@@ -130,7 +101,7 @@ def test_accuracy_study_with_a_fake_trainer(tmp_path: Path, monkeypatch: pytest.
     )
     monkeypatch.setattr(runner, "trainer", fake)
     out = tmp_path / "out"
-    lines = _run("accuracy", "--out", str(out), "--data", str(tmp_path), "--accuracy-epochs", "4", *PROBE)
+    lines = run_study("accuracy", "--out", str(out), "--data", str(tmp_path), "--accuracy-epochs", "4", *PROBE)
     results = json.loads((out / "results.json").read_text())
     assert sum(bool(RAN.match(line)) for line in lines) == 6 * accuracy.ACCURACY_SEEDS == len(results["cells"])
     assert {c["config"]["epochs"] for c in results["cells"]} == {4}
@@ -156,7 +127,7 @@ def test_accuracy_study_with_a_fake_trainer(tmp_path: Path, monkeypatch: pytest.
     assert "moved by +0.0008 per epoch at the end of training, against +0.0050 per epoch at the start" in report
     assert "**Accuracy.**" in report and "Mixed-precision embeddings" not in report
 
-    again = _run("accuracy", "--out", str(out), "--data", str(tmp_path), "--accuracy-epochs", "4", *PROBE)
+    again = run_study("accuracy", "--out", str(out), "--data", str(tmp_path), "--accuracy-epochs", "4", *PROBE)
     assert not any(RAN.match(line) for line in again)  # every cell kept: the study resumes cell by cell
 
 
@@ -165,7 +136,7 @@ def test_accuracy_study_with_the_real_trainer(tmp_path: Path, monkeypatch: pytes
     """Two seeds of the whole grid at a tiny size: real runs, paired by seed, a report with intervals."""
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    _run("accuracy", "--out", str(out), "--quick", "--scale", "0.001", "--dataset-samples", "4000",
+    run_study("accuracy", "--out", str(out), "--quick", "--scale", "0.001", "--dataset-samples", "4000",
          "--eval-samples", "500", "--accuracy-epochs", "1", "--seeds", "2", *PROBE)  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     cells = results["cells"]

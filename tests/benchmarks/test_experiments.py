@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import re
 import sys
 import types
 from collections.abc import Iterator
@@ -16,6 +14,7 @@ import pytest
 
 from benchmarks import mixed_precision, runner, slipstream, studies
 from slipcache.errors import SlipcacheError
+from tests.benchmarks.study_runs import RAN, FakeConfig, run_study, study_args
 
 # Far below --quick: ~35k embedding rows, 8 steps per run; still every setup of the quick grid.
 TINY = [
@@ -25,21 +24,6 @@ TINY = [
 ]  # fmt: skip
 MP_PLOTS = ("accuracy_vs_memory.png", "cache_sweep.png", "rounding.png", "bytes_moved.png")
 STALE_PLOTS = ("skip_speedup.png", "stale_rows.png")
-RAN = re.compile(r"^\[\d+/\d+\] ")
-
-
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    studies.add_experiment_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
-def _run(*argv: str) -> list[str]:
-    lines: list[str] = []
-    assert studies.run_experiment(_args(*argv), log=lines.append) == 0
-    return lines
-
-
 def _ran(lines: list[str]) -> int:
     return sum(bool(RAN.match(line)) for line in lines)
 
@@ -49,7 +33,7 @@ def mp_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, lis
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
         out = tmp_path_factory.mktemp("exp") / "out"
-        lines = _run("mixed-precision", "--out", str(out), *TINY)
+        lines = run_study("mixed-precision", "--out", str(out), *TINY)
         yield out, lines
 
 
@@ -114,7 +98,7 @@ def test_report_has_every_plot_and_answer(mp_run: tuple[Path, list[str]]) -> Non
 def test_second_invocation_runs_nothing_and_a_crashed_cell_reruns(mp_run: tuple[Path, list[str]]) -> None:
     out, _ = mp_run
     first = json.loads((out / "results.json").read_text())
-    lines = _run("mixed-precision", "--out", str(out), *TINY)
+    lines = run_study("mixed-precision", "--out", str(out), *TINY)
     assert _ran(lines) == 0 and any("already done" in line for line in lines)
     again = json.loads((out / "results.json").read_text())
     assert [c["summary"] for c in again["cells"]] == [c["summary"] for c in first["cells"]]
@@ -122,7 +106,7 @@ def test_second_invocation_runs_nothing_and_a_crashed_cell_reruns(mp_run: tuple[
     crashed = out / "cells" / first["cells"][3]["id"]
     (crashed / "cell.json").unlink()  # as if the run died before its record was written
     (crashed / "checkpoints").mkdir()
-    lines = _run("mixed-precision", "--out", str(out), *TINY)
+    lines = run_study("mixed-precision", "--out", str(out), *TINY)
     assert _ran(lines) == 1 and (crashed / "cell.json").is_file()
 
 
@@ -131,7 +115,7 @@ def test_slipstream_runs_with_the_real_trainer(tmp_path: Path, monkeypatch: pyte
     """The whole slipstream grid end to end at a tiny scale: every setup, the report and its plots."""
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    lines = _run("slipstream", "--out", str(out), *TINY, "--stale-epochs", "2")
+    lines = run_study("slipstream", "--out", str(out), *TINY, "--stale-epochs", "2")
     grid = slipstream.slipstream_grid(runner.PRESETS["quick"], 1)
     assert _ran(lines) == sum(s.seeds for s in grid)
     results = json.loads((out / "results.json").read_text())
@@ -142,37 +126,6 @@ def test_slipstream_runs_with_the_real_trainer(tmp_path: Path, monkeypatch: pyte
     assert "time to target" in report
     for plot in STALE_PLOTS:
         assert (out / plot).is_file() and plot in report
-
-
-@dataclasses.dataclass
-class FakeConfig:
-    """The TrainConfig fields the experiment sets, including the stale-skipping ones."""
-
-    data: str | None = None
-    out: str | None = None
-    precision: str = "int8"
-    cache_size: float = 0.05
-    policy: str = "lru"
-    rounding: str = "stochastic"
-    batch_size: int = 512
-    lr: float = 0.1
-    bottom_mlp: list[int] = dataclasses.field(default_factory=list)
-    top_mlp: list[int] = dataclasses.field(default_factory=list)
-    eval_samples: int = 0
-    seed: int = 0
-    progress: bool = False
-    epochs: int = 1
-    checkpoint_every: int = 0
-    eval_every: int | None = None
-    skip_rule: str | None = None
-    stale_target: float = 0.3
-    stale_rule: str = "convergence"
-    stale_warmup: str = "val"
-    stale_warmup_min: float = 0.1
-    stale_decision: str = "rolling"
-    stale_keep: float = 0.05
-    stale_reweight: bool = False
-    stale_weight_max: float | None = None
 
 
 def _fake_train(config: FakeConfig) -> dict[str, Any]:
@@ -223,7 +176,7 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
     )
     monkeypatch.setattr(runner, "trainer", fake)
     out = tmp_path / "out"
-    lines = _run("slipstream", "--out", str(out), "--data", str(tmp_path), "--seeds", "2", "--repeats", "3", *TINY)
+    lines = run_study("slipstream", "--out", str(out), "--data", str(tmp_path), "--seeds", "2", "--repeats", "3", *TINY)
     results = json.loads((out / "results.json").read_text())
     setups = {s["name"]: s for s in results["setups"]}
     assert len(setups) == 16 and _ran(lines) == (2 + 2) * 16  # seeds 0 and 1, and seed 0 twice more
@@ -254,14 +207,14 @@ def test_slipstream_runs_only_the_named_setups(tmp_path: Path, monkeypatch: pyte
         config.data), open_dataset=lambda path: types.SimpleNamespace(table_sizes=[100] * 26))
     monkeypatch.setattr(runner, "trainer", fake)
     pick = ["fp32, no skipping", "fp32, convergence rule, warm-up val, D=0.5"]
-    lines = _run("slipstream", "--out", str(tmp_path / "out"), "--data", str(tmp_path), "--seeds", "1",
+    lines = run_study("slipstream", "--out", str(tmp_path / "out"), "--data", str(tmp_path), "--seeds", "1",
                  "--repeats", "3", "--setup", pick[0], "--setup", pick[1], *TINY)
     assert _ran(lines) == 2 * 3
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [s["name"] for s in results["setups"]] == pick
     assert results["setups"][1]["metrics"]["speedup"]["n"] == 3
     with pytest.raises(SlipcacheError, match="no setup named 'fp32, D=9'"):
-        _run("slipstream", "--out", str(tmp_path / "bad"), "--data", str(tmp_path), "--setup", "fp32, D=9", *TINY)
+        run_study("slipstream", "--out", str(tmp_path / "bad"), "--data", str(tmp_path), "--setup", "fp32, D=9", *TINY)
 
 
 def test_time_to_target_on_a_constructed_curve() -> None:
@@ -312,7 +265,7 @@ def test_all_quick_preset_as_ci_runs_it(tmp_path: Path, monkeypatch: pytest.Monk
     """`slipcache experiment all --quick`, the preset itself (about 1.5 minutes on two idle cores)."""
     monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    _run("all", "--quick", "--out", str(out))
+    run_study("all", "--quick", "--out", str(out))
     results = json.loads((out / "results.json").read_text())
     assert {c["experiment"] for c in results["cells"]} == {"mixed-precision", "slipstream"}
     report = (out / "report.md").read_text()
@@ -323,7 +276,7 @@ def test_all_quick_preset_as_ci_runs_it(tmp_path: Path, monkeypatch: pytest.Monk
 def test_out_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "notes").write_text("mine")
     with pytest.raises(SlipcacheError, match="exists and is not a directory"):
-        studies.run_experiment(_args("mixed-precision", "--out", str(tmp_path / "notes")))
+        studies.run_experiment(study_args("mixed-precision", "--out", str(tmp_path / "notes")))
 
 
 def test_generator_choice_reaches_every_cell() -> None:
@@ -339,8 +292,8 @@ def test_generator_choice_reaches_every_cell() -> None:
 def test_bad_repeats_is_refused_before_any_data_is_prepared(tmp_path: Path) -> None:
     # Checked with the other flags: not after minutes of preprocessing `--data`.
     with pytest.raises(SlipcacheError, match="--repeats must be at least 1"):
-        studies.run_experiment(_args("slipstream", "--out", str(tmp_path / "out"), "--data", str(tmp_path / "none"),
-                                     "--repeats", "0", *TINY))
+        studies.run_experiment(study_args("slipstream", "--out", str(tmp_path / "out"),
+                                          "--data", str(tmp_path / "none"), "--repeats", "0", *TINY))
 
 
 def test_experiment_command_says_where_the_studies_are_when_they_are_not_installed(

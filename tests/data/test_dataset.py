@@ -12,9 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from slipcache.cli import main
+from slipcache.data import dataset as dataset_module
 from slipcache.data.batches import BatchIterator
-from slipcache.data.dataset import CriteoDataset, DatasetWriter, SplitArrays
+from slipcache.data.dataset import CriteoDataset, DatasetWriter, SplitArrays, check_output_dir
 from slipcache.errors import SlipcacheError
+from slipcache.training.datasets import training_batches
+from tests.helpers import cli_fails, make_dataset
 
 
 def make_split(n: int) -> SplitArrays:
@@ -201,3 +205,70 @@ def test_sample_filter_runs_only_as_batches_are_assembled() -> None:
     it.peek(3)
     assert seen == [10] * 4  # the next three batches
     assert sample_ids(list(it)) == list(range(10, 1000))
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+@pytest.mark.parametrize("command", ["synth", "preprocess"])
+def test_dataset_out_refuses_foreign_directories_and_needs_force_to_overwrite(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture
+) -> None:
+    raw = tmp_path / "raw.tsv"
+    raw.write_text("".join(f"{i % 2}\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["0a0b0c0d"] * 26) + "\n"
+                           for i in range(60)))
+    args = {"synth": ["synth", "--samples", "300", "--scale", "0.0005", "--no-progress"],
+            "preprocess": ["preprocess", str(raw), "--no-progress"]}[command]
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    assert main([*args, "--out", str(home)]) == 2
+    assert "is not empty and is not a slipcache dataset" in capsys.readouterr().err
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]
+    out = tmp_path / "ds"
+    assert main([*args, "--out", str(out)]) == 0
+    before = (out / "meta.json").read_bytes()
+    capsys.readouterr()
+    assert main([*args, "--out", str(out)]) == 2
+    assert "already holds a dataset; pass --force" in capsys.readouterr().err
+    assert (out / "meta.json").read_bytes() == before
+    assert main([*args, "--out", str(out), "--force"]) == 0
+    assert main([*args, "--out", str(tmp_path / "raw.tsv")]) == 2
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+@pytest.mark.parametrize("value", [2.0, -1.0])
+def test_labels_of_our_own_format_are_checked_when_it_trains(
+    tmp_path: Path, value: float, capsys: pytest.CaptureFixture
+) -> None:
+    data = make_dataset(tmp_path / "data")
+    labels = np.load(data / "train.labels.npy")
+    np.save(data / "train.labels.npy", np.where(labels == 0, value, labels).astype(np.float32))
+    cli_fails(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--embeddings", "torch",
+              "--samples", "640", "--no-progress"], capsys, f"labels must be 0 or 1, found {value:g}")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_labels_past_the_opening_probe_are_checked_in_every_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = make_dataset(tmp_path / "data")
+    labels = np.load(data / "train.labels.npy")
+    labels[1500] = 2.0  # past the rows checked when the split is opened
+    np.save(data / "train.labels.npy", labels)
+    monkeypatch.setattr(dataset_module, "LABEL_PROBE_ROWS", 100, raising=False)
+    split = CriteoDataset(data).split("train")
+    with pytest.raises(SlipcacheError, match=r"train\.labels\.npy: labels must be 0 or 1, found 2 \(1 of"):
+        for _ in training_batches(CriteoDataset(data), 64, seed=0, epoch=0):
+            pass
+    assert split.labels[:100].tolist() == labels[:100].tolist()
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_a_dataset_whose_commit_was_cut_short_can_be_replaced_with_force(tmp_path: Path) -> None:
+    data = make_dataset(tmp_path / "data")
+    (data / "meta.json").unlink()  # killed between removing the old meta.json and writing the new one
+    assert check_output_dir(data, force=True) == data
+    (data / "notes.txt").write_text("mine")
+    with pytest.raises(SlipcacheError, match="is not empty and is not a slipcache dataset"):
+        check_output_dir(data, force=True)
+

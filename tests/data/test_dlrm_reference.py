@@ -64,9 +64,7 @@ def write_reference_output(root: Path, day_counts: bool = True) -> tuple[np.ndar
     return y, np.maximum(x_int, 0), x_cat, counts
 
 
-@pytest.fixture(autouse=True)
-def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache_dir")
 
 
 @pytest.mark.parametrize("day_counts", [True, False])

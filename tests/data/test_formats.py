@@ -1,18 +1,20 @@
 """External preprocessed Criteo formats (TorchRec .npy days, DLRM .npz, MLPerf .bin) read in place."""
 
 import json
+import os
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from slipcache.cli import main
 from slipcache.data import formats, mapped
 from slipcache.data.preprocess import dense_transform
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer as train
 from slipcache.training.cli import evaluate_checkpoint
-from tests.helpers import tiny_config
+from tests.helpers import cli_fails, cli_fails_in_one_line, make_dataset, tiny_config, train_argv
 
 SIZES = np.array([20, 7, 50] + [5] * 23)
 
@@ -65,9 +67,7 @@ def write_mlperf(root: Path, with_val: bool, n: int = 1200) -> list[np.ndarray]:
     return written
 
 
-@pytest.fixture(autouse=True)
-def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache_dir")
 
 
 def test_torchrec_days_split_and_no_second_log(tmp_path: Path) -> None:
@@ -209,3 +209,126 @@ def test_wrong_shapes_name_the_day(tmp_path: Path) -> None:
     np.save(tmp_path / "day_1_sparse.npy", np.zeros((50, 25), dtype=np.int64))
     with pytest.raises(SlipcacheError, match="day_1"):
         formats.open_any(tmp_path)
+
+
+def _relabel(kind: str, root: Path, value: int) -> None:
+    """Write a small dataset of `kind` whose labels are -1/1 style: 0 replaced by `value`."""
+    if kind == "torchrec":
+        write_torchrec(root, days=2, n=200)
+        labels = np.load(root / "day_1_labels.npy")
+        np.save(root / "day_1_labels.npy", np.where(labels == 0, value, labels))
+    elif kind == "dlrm":
+        labels, dense, ids = write_dlrm(root, compressed=False, n=700)
+        np.savez(root / "kaggleAdDisplayChallenge_processed.npz", X_int=dense, X_cat=ids.astype(np.int32),
+                 y=np.where(labels == 0, value, labels), counts=np.array([20, 7, 50] + [5] * 23))
+    else:
+        write_mlperf(root, with_val=False, n=400)
+        rows = np.fromfile(root / "terabyte_train.bin", dtype=np.int32).reshape(-1, 40)
+        rows[:, 0] = np.where(rows[:, 0] == 0, value, rows[:, 0])
+        rows.tofile(root / "terabyte_train.bin")
+
+
+@pytest.mark.parametrize("kind", ["torchrec", "dlrm", "mlperf"])
+@pytest.mark.parametrize("value", [-1, 5])
+def test_labels_other_than_0_1_are_named_in_every_external_reader(tmp_path: Path, kind: str, value: int) -> None:
+    _relabel(kind, tmp_path / kind, value)
+    with pytest.raises(SlipcacheError, match=rf"labels must be 0 or 1, found {value}\b"):
+        formats.open_any(tmp_path / kind)
+
+
+def test_labels_beyond_the_first_block_are_checked_as_they_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_torchrec(tmp_path, days=2, n=200)
+    labels = np.load(tmp_path / "day_0_labels.npy").astype(np.float32).reshape(-1)
+    labels[150] = 0.5  # a soft label past the rows checked at open
+    np.save(tmp_path / "day_0_labels.npy", labels)
+    monkeypatch.setattr(formats, "LABEL_PROBE_ROWS", 100)
+    train = formats.open_any(tmp_path).split("train")
+    assert train.labels[:100].tolist() == labels[:100].tolist()
+    with pytest.raises(SlipcacheError, match="found 0.5"):
+        train.labels[100:200]
+
+
+def test_damaged_compressed_npz(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_dlrm(tmp_path / "d", compressed=True)
+    f = tmp_path / "d" / "kaggleAdDisplayChallenge_processed.npz"
+    data = bytearray(f.read_bytes())
+    data[2000:2100] = bytes(b ^ 0xFF for b in data[2000:2100])
+    f.write_bytes(bytes(data))
+    for argv in (train_argv(tmp_path / "d", tmp_path), ["stats", str(tmp_path / "d")]):
+        cli_fails(argv, capsys, "damaged compressed .npz")
+
+
+@pytest.mark.parametrize(
+    ("ids", "expected"),
+    [
+        (lambda a: a.astype(np.float32) + 0.5, "ids must be integers, found 19.5"),
+        (lambda a: np.where(a == a.max(), 2**31 + 5, a).astype(np.int64), "id 2147483653 is beyond 2147483647"),
+    ],
+    ids=["fractional", "beyond int32"],
+)
+def test_torchrec_ids_that_cannot_size_a_table(tmp_path: Path, capsys: pytest.CaptureFixture, ids, expected) -> None:  # noqa: ANN001
+    write_torchrec(tmp_path / "t", days=2, n=200)
+    for day in range(2):
+        path = tmp_path / "t" / f"day_{day}_sparse.npy"
+        np.save(path, ids(np.load(path)))
+    cli_fails(train_argv(tmp_path / "t", tmp_path), capsys, expected)
+
+
+@pytest.mark.slow
+def test_unsigned_and_integral_float_ids_train(tmp_path: Path) -> None:
+    for kind, dtype in (("u", np.uint64), ("f", np.float64)):
+        write_torchrec(tmp_path / kind, days=2, n=200)
+        for day in range(2):
+            path = tmp_path / kind / f"day_{day}_sparse.npy"
+            np.save(path, np.load(path).astype(dtype))
+        assert main(train_argv(tmp_path / kind, tmp_path / kind)) == 0
+        assert main(train_argv(tmp_path / kind, tmp_path / f"{kind}-hashed", "--table-sizes", "7")) == 0
+
+
+def test_symlink_loop_and_pipe_as_data(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    cli_fails(train_argv(tmp_path / "a", tmp_path), capsys, "symlink loop")
+    os.mkfifo(tmp_path / "fifo")
+    cli_fails(train_argv(tmp_path / "fifo", tmp_path), capsys, "is a pipe")
+
+
+def test_bom_and_unknown_formats_are_named_without_echoing_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    header = "label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + ",".join(f"C{i}" for i in range(1, 27))
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + header.encode() + b"\n")
+    cli_fails(["train", "--data", str(tmp_path / "bom.csv"), "--out", str(tmp_path / "r")], capsys, "byte-order mark")
+    (tmp_path / "secret.txt").write_text("password=hunter2\n")
+    train = ["train", "--data", str(tmp_path / "secret.txt"), "--out", str(tmp_path / "r")]
+    cli_fails(train, capsys, "unrecognized format")
+    assert "hunter2" not in capsys.readouterr().err
+
+
+def test_a_directory_holding_two_formats_is_refused_naming_a_file_of_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = make_dataset(tmp_path / "data", n=400)
+    for name in ("day_0_dense.npy", "day_0_sparse.npy", "day_0_labels.npy"):
+        (out / name).write_bytes(b"")  # the state an older `--force` left (names decide the format)
+    cli_fails_in_one_line(
+        ["train", "--data", str(out), "--no-progress", "--out", str(tmp_path / "run")], capsys,
+        "mixed data formats: day_0_dense.npy (torchrec) and meta.json (slipcache); keep one per directory",
+    )
+
+
+def test_an_external_file_changed_in_place_with_its_time_kept_is_measured_again(tmp_path: Path) -> None:
+    from slipcache.data import formats
+
+    write_torchrec(tmp_path / "tr", days=2, n=200)
+    first = formats.open_any(tmp_path / "tr").table_sizes
+    sparse = tmp_path / "tr" / "day_0_sparse.npy"
+    stat = sparse.stat()
+    ids = np.load(sparse)
+    ids[:, 3] = first[3] + 7  # larger ids, same size: rewritten in place, its time put back
+    np.save(sparse, ids)
+    os.utime(sparse, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert formats.open_any(tmp_path / "tr").table_sizes[3] == first[3] + 8
+

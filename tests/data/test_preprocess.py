@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from slipcache.cli import main
 from slipcache.data import preprocess as pp
 from slipcache.data.criteo import MISSING, read_chunks
 from slipcache.data.dataset import CriteoDataset, DatasetWriter
 from slipcache.data.preprocess import hash_ids, parse_split, preprocess
 from slipcache.errors import SlipcacheError
-from tests.helpers import SHARED_CRITEO, SHARED_CRITEO_REASON
+from tests.helpers import SHARED_CRITEO, SHARED_CRITEO_REASON, cli_fails, cli_fails_in_one_line
 
 SHARED = SHARED_CRITEO
 TSV = SHARED / "kaggle_train_head.tsv"
@@ -216,3 +218,56 @@ def test_hashed_tables_far_larger_than_the_data_are_warned(tmp_path: Path, capsy
     assert 4 * distinct <= fits < 8 * distinct
     preprocess([TSV], tmp_path / "fits", vocab="hash", max_rows=fits, progress=False)
     assert capsys.readouterr().err == ""  # sized to the data: nothing to say
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_failed_preprocessing_leaves_no_empty_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    raw = tmp_path / "raw.tsv"
+    raw.write_text("1\tnot a line\n")
+    cli_fails(["preprocess", str(raw), "--out", str(tmp_path / "o"), "--strict"], capsys, "raw.tsv:1")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_preprocess_of_one_line_writes_no_dataset(tmp_path: Path) -> None:
+    from slipcache.data.preprocess import preprocess
+
+    line = "\t".join(["1", *["3"] * 13, *["0a1b2c3d"] * 26])
+    (tmp_path / "day.tsv").write_text(line + "\n")
+    with pytest.raises(SlipcacheError, match="1 valid input row leave the train split empty"):
+        preprocess([tmp_path / "day.tsv"], tmp_path / "ds", progress=False)
+    assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_sigterm_during_preprocess_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    import signal
+
+    from slipcache.data import preprocess as prep
+
+    good = "0\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["0a1b2c3d"] * 26) + "\n"
+    raw = tmp_path / "day.tsv"
+    raw.write_text(good * 400)
+    real = prep.read_chunks
+
+    def read_then_stop(*args: object, **kwargs: object):  # noqa: ANN202
+        for chunk in real(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` would, while the scratch files are written
+            yield chunk
+
+    monkeypatch.setattr(prep, "read_chunks", read_then_stop)
+    handler = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out"
+    assert main(["preprocess", str(raw), "--out", str(out), "--no-progress"]) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+    assert not out.exists()  # neither the directory it made nor its scratch
+    assert signal.getsignal(signal.SIGTERM) == handler
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_preprocess_refuses_a_character_device(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cli_fails_in_one_line(["preprocess", "/dev/zero", "--out", str(tmp_path / "out")], capsys,
+                          "/dev/zero: is a character device, not a Criteo data file")
+    assert not (tmp_path / "out").exists()
+

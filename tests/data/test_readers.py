@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import gzip
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from slipcache.cli import main
+from slipcache.data import criteo
 from slipcache.data.criteo import MISSING, ReadStats, detect_format, read_chunks
 from slipcache.errors import SlipcacheError
-from tests.helpers import SHARED_CRITEO, SHARED_CRITEO_REASON
+from tests.helpers import SHARED_CRITEO, SHARED_CRITEO_REASON, train_argv
 
 SHARED = SHARED_CRITEO
 needs_shared = pytest.mark.skipif(
@@ -229,3 +232,47 @@ def test_unrecognized_file_is_named(tmp_path: Path) -> None:
     stray.write_text("these are my notes\n")
     with pytest.raises(SlipcacheError, match=rf"^{stray}: unrecognized format"):
         read_all(stray)
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+@pytest.mark.slow
+def test_subdirectories_of_raw_data_are_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    raw = tmp_path / "raw"
+    (raw / "day_2").mkdir(parents=True)
+    line = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["0a0b0c0d"] * 26) + "\n"
+    (raw / "day_0.tsv").write_text(line * 700)
+    main(train_argv(raw, tmp_path))
+    assert "subdirectories are not read (day_2)" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_blank_lines_cost_bytes_not_field_arrays(tmp_path: Path) -> None:
+    good = "0\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["0a1b2c3d"] * 26) + "\n"
+    path = tmp_path / "blank.tsv.gz"
+    blank_lines = 300_000
+    with gzip.open(path, "wb") as fh:
+        fh.write((good * 50 + "\n" * blank_lines + good * 50).encode())
+    stats = criteo.ReadStats()
+    tracemalloc.start()
+    try:
+        rows = sum(len(chunk) for chunk in criteo.read_chunks(path, stats=stats))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rows == 100 and stats.good == 100 and stats.bad == blank_lines
+    assert stats.examples[0].endswith(":51: blank line") and len(stats.examples) == 5
+    # per-line index arrays of a few dozen bytes: [lines, 40] int64 field arrays took 96 MB each here
+    assert peak < 64 * blank_lines, peak
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_strict_stops_at_the_first_bad_line_whichever_kind(tmp_path: Path) -> None:
+    good = "0\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["0a1b2c3d"] * 26) + "\n"
+    path = tmp_path / "bad.tsv"
+    path.write_text(good + good.replace("0\t", "7\t", 1) + "\n" + good)
+    with pytest.raises(SlipcacheError, match=r"bad.tsv:2: bad label '7'"):
+        list(criteo.read_chunks(path, strict=True))
+    path.write_text(good + "\n" + good.replace("0\t", "7\t", 1))
+    with pytest.raises(SlipcacheError, match=r"bad.tsv:2: blank line"):
+        list(criteo.read_chunks(path, strict=True))
+

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from slipcache.cli import main
 from slipcache.data import synthetic
 from slipcache.data.batches import BatchIterator
 from slipcache.data.dataset import CriteoDataset, SplitArrays
@@ -348,3 +350,23 @@ def test_v4_puts_signal_shapes_and_links_where_real_rows_have_them() -> None:
     links = {(lk["from"], lk["to"]): lk for lk in figures["v4"]["links"]}
     assert links["C11", "C13"]["purity"] > 0.95 and links["C3", "C19"]["purity"] > 0.9
     assert links["C3", "C15"]["purity"] > links["C3", "C15"]["chance"] + 0.1
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_synth_force_into_another_format_replaces_the_dataset_whole(tmp_path: Path) -> None:
+    from slipcache.data.formats import open_any
+
+    out = tmp_path / "data"
+    common = ["--samples", "4000", "--scale", "0.001", "--no-progress"]
+    assert main(["synth", "--out", str(out), *common]) == 0
+    assert (out / "train.labels.npy").exists()
+    (out / "NOTES.md").write_text("mine\n")
+    assert main(["synth", "--out", str(out), "--format", "torchrec", "--force", *common, "--seed", "1"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert not [n for n in names if n.startswith(("train.", "val.", "test.")) or n == "meta.json"], names
+    assert "NOTES.md" in names and "synthetic.json" in names  # a user's file is never ours to remove
+    assert type(open_any(out)).__name__ == "ExternalDataset"  # what trains is the new dataset
+    (out / "NOTES.md").unlink()  # (a TorchRec-layout directory with other files is not taken as a dataset)
+    assert main(["synth", "--out", str(out), "--force", *common]) == 0  # and back
+    assert not [n for n in os.listdir(out) if n.startswith("day_") or n == "synthetic.json"]
+

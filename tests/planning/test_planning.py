@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from slipcache import cli
+from slipcache.cli import main
 from slipcache.data.dataset import SplitArrays
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.errors import SlipcacheError
@@ -15,7 +16,7 @@ from slipcache.planning.planner import CostModel, make_plan, uniform_choice
 from slipcache.planning.profile import TableProfile, profile_split
 from slipcache.training.backend import build_model
 from slipcache.training.config import load_config_file, make_config
-from tests.helpers import SIZES, make_dataset
+from tests.helpers import SIZES, cli_fails, make_dataset
 
 
 def _split(columns: list[np.ndarray]) -> SplitArrays:
@@ -184,3 +185,28 @@ def test_the_plan_plot_names_the_largest_tables_and_groups_the_rest(
     colours = [tuple(line.get_color()) if not isinstance(line.get_color(), str) else line.get_color()
                for line in legend.get_lines()]
     assert len(set(colours)) == len(colours)  # every named table its own colour, the rest one grey
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_plan_toml_parses_with_a_newline_in_the_data_path(tmp_path: Path) -> None:
+    import tomllib
+
+    data = make_dataset(tmp_path / "odd\nname", n=400)
+    out = tmp_path / "plan.toml"
+    assert main(["plan", "--data", str(data), "--budget-gb", "0.001", "--out", str(out), "--no-progress"]) == 0
+    parsed = tomllib.loads(out.read_text())
+    assert parsed.get("train", parsed)["data"] == str(data)
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+@pytest.mark.slow
+def test_plan_out_replaces_only_a_plan(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data = make_dataset(tmp_path / "d", n=400)
+    notes = tmp_path / "notes.toml"
+    notes.write_text("mine = 1\n")
+    argv = ["plan", "--data", str(data), "--budget-gb", "0.001", "--no-progress", "--out"]
+    cli_fails([*argv, str(notes)], capsys, "exists and is not a plan written by slipcache plan")
+    assert notes.read_text() == "mine = 1\n"
+    assert main([*argv, str(tmp_path / "plan.toml")]) == 0
+    assert main([*argv, str(tmp_path / "plan.toml")]) == 0  # its own plan: replaced
+

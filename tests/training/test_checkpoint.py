@@ -209,3 +209,30 @@ def test_a_flipped_byte_in_a_large_tensor_is_caught(tmp_path: Path, small_raw: N
     path.write_bytes(bytes(data[: offset + 50]))  # cut inside the tensors
     with pytest.raises(checkpoint.CorruptCheckpointError, match="corrupt"):
         checkpoint.load_checkpoint(path)
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_a_checkpoint_replaced_while_it_is_read_is_read_as_it_was_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from slipcache.training import checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "RAW_MIN_BYTES", 1024)  # these tensors are streamed, as tables of 16 MiB are
+    path = tmp_path / "latest.pt"
+    first = torch.arange(4096, dtype=torch.float32)
+    ckpt.save_checkpoint(path, {"rows": first})
+    lazy = ckpt.load_checkpoint(path, lazy=True)
+    assert isinstance(lazy["rows"], ckpt.RawTensor)
+    ckpt.save_checkpoint(path, {"rows": first + 1})  # a running training renames a newer one over it
+    assert torch.equal(ckpt.materialize(lazy)["rows"], first)  # not "checksum mismatch": the bytes are fine
+    assert torch.equal(ckpt.load_checkpoint(path)["rows"], first + 1)
+    # bytes that are wrong are still called so
+    lazy = ckpt.load_checkpoint(path, lazy=True)
+    with open(path, "r+b") as fh:
+        fh.seek(lazy["rows"].offset + 100)
+        fh.write(b"\xff\xff")
+    with pytest.raises(ckpt.CorruptCheckpointError, match="checksum mismatch in a tensor"):
+        ckpt.materialize(lazy)
+

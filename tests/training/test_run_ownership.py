@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from slipcache.cli import main
-from slipcache.training import checkpoint, runlock
+from slipcache.training import checkpoint, runlock, trainer
 from slipcache.training import trainer as train
 from slipcache.training.config import CONFIG_FIELDS, make_config
-from tests.helpers import make_dataset
+from tests.helpers import cli_fails_in_one_line, make_dataset
 from tests.helpers import tiny_config as tiny
 
 
@@ -347,3 +347,46 @@ def test_a_damaged_newest_step_of_n_ranks_can_be_skipped(data_dir: Path, tmp_pat
     assert exit_codes(_train_pair, str(data_dir), str(run), resume, str(tmp_path)) == [0, 0]
     assert not list(tmp_path.glob("rank-*.txt"))
     assert json.loads((run / "summary.json").read_text())["train_samples"] == 2560
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_a_lock_of_another_host_is_refused_with_the_way_forward(tmp_path: Path) -> None:
+    import json
+
+    from slipcache.training import runlock
+
+    owner = {"host": "elsewhere", "pid": 1234, "started": 0, "run_id": "x", "directory": str(tmp_path.resolve())}
+    (tmp_path / runlock.LOCK_NAME).write_text(json.dumps(owner))
+    with pytest.raises(runlock.RunLockedError, match=r"another machine; if that process is gone, delete .*run.lock"):
+        runlock.acquire(tmp_path, "me")
+    assert json.loads((tmp_path / runlock.LOCK_NAME).read_text()) == owner  # left as it was
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_a_relative_storage_path_is_recorded_absolute_and_used_from_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import json
+
+    from tests.helpers import tiny_config
+
+    data = make_dataset(tmp_path / "data", n=400)
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir()
+    other.mkdir()
+    monkeypatch.chdir(first)
+    run = tmp_path / "run"
+    trainer.train(tiny_config(data, run, embeddings="cached", storage_path="rows", epochs=1))
+    recorded = json.loads((run / "config.json").read_text())["storage_path"]
+    assert recorded == str(first / "rows")
+    monkeypatch.chdir(other)
+    assert main(["train", "--resume", str(run), "--samples", "640", "--allow-changes", "--no-progress"]) == 0
+    assert not (other / "rows").exists()  # a resume elsewhere made no directory of its own
+    assert json.loads((run / "config.json").read_text())["storage_path"] == str(first / "rows")
+    # eval of a run whose storage directory became a file: said in eval's terms, not "--storage-path"
+    shutil.rmtree(first / "rows", ignore_errors=True)
+    (first / "rows").write_text("not a directory\n")
+    capsys.readouterr()
+    err = cli_fails_in_one_line(["eval", "--checkpoint", str(run)], capsys, f"the run's storage path {first / 'rows'}")
+    assert "move that file away" in err and "give --storage-path" not in err
+

@@ -14,7 +14,7 @@ import torch
 
 from slipcache import cli
 from slipcache.errors import RunInterrupted
-from slipcache.training import checkpoint, stopping
+from slipcache.training import checkpoint, stopping, trainer
 from slipcache.training import trainer as train
 from slipcache.training.config import make_config
 from tests.helpers import make_dataset
@@ -134,3 +134,35 @@ def test_a_checkpoint_every_few_minutes_of_training(
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     saved = [e["samples"] for e in events if e["event"] == "checkpoint"]
     assert saved == [3 * 64 * k for k in range(1, 11)] + [1984]  # 75 s > 1 min: every third step, then the end
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_sighup_writes_the_checkpoint_as_sigterm_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    from slipcache.errors import RunInterrupted
+    from slipcache.training import checkpoint as ckpt
+    from tests.helpers import tiny_config
+
+    data = make_dataset(tmp_path / "data", n=1000)
+    real_loss = trainer.F.binary_cross_entropy_with_logits
+    calls = {"n": 0}
+
+    def loss(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGHUP)  # the terminal closed
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.F, "binary_cross_entropy_with_logits", loss)
+    # As under a terminal: a suite started under nohup inherits SIGHUP ignored, which the run keeps ignored.
+    outer = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with pytest.raises(RunInterrupted) as stopped:
+            trainer.train(tiny_config(data, tmp_path / "run", epochs=1))
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # the run put back what it found
+    finally:
+        signal.signal(signal.SIGHUP, outer)
+    assert stopped.value.exit_code == 128 + signal.SIGHUP
+    assert ckpt.load_checkpoint(tmp_path / "run" / "checkpoints")["progress"]["samples"] == 3 * 64
+

@@ -17,17 +17,13 @@ from slipcache.training import checkpoint
 from slipcache.training import trainer as train
 from slipcache.training.cli import evaluate_checkpoint
 from slipcache.training.config import make_config
-from tests.helpers import make_dataset
+from tests.helpers import cli_fails, file_contents, make_dataset, train_argv
 from tests.helpers import tiny_config as tiny
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("data"))
-
-
-def files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def interrupted_run(data_dir: Path, run: Path, monkeypatch: pytest.MonkeyPatch, **overrides: object) -> None:
@@ -64,7 +60,7 @@ def test_resume_writes_only_into_the_directory_it_names(
     interrupted_run(data_dir, original, monkeypatch)
     copy = tmp_path / "copy"
     shutil.copytree(original, copy)
-    before = files(original)
+    before = file_contents(original)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (copy / "checkpoints" / ".latest.pt.x1y2.tmp").write_bytes(b"PK half")  # a write killed midway
@@ -72,14 +68,14 @@ def test_resume_writes_only_into_the_directory_it_names(
     summary = resume(os.path.relpath(copy))
     assert not [p for p in (copy / "checkpoints").iterdir() if p.name.startswith(".")]
     assert Path(summary["run_dir"]) == copy and (copy / "summary.json").is_file()
-    assert files(original) == before  # the run the checkpoint came from is untouched
+    assert file_contents(original) == before  # the run the checkpoint came from is untouched
     assert list(elsewhere.iterdir()) == []  # and nothing appeared in the working directory
 
     with pytest.raises(SlipcacheError, match="already holds a run"):
         resume(original, out=str(copy))  # --resume A --out B never overwrites run B
     moved = tmp_path / "moved"
     assert Path(resume(original, out=str(moved))["run_dir"]) == moved  # a new --out is fine
-    assert files(original) == before
+    assert file_contents(original) == before
     assert json.loads((moved / "summary.json").read_text())["auc"] == summary["auc"]
 
 
@@ -325,3 +321,16 @@ def test_a_start_that_fails_leaves_no_empty_run_directory(
     existing.mkdir()
     cli(["train", "--quick", "--storage-path", str(tmp_path / "a-file"), "--out", str(existing)], capsys)
     assert existing.is_dir()  # a directory the user made stays
+
+
+@pytest.mark.usefixtures("private_cache_dir")
+def test_nan_dense_values_in_the_test_split_stop_eval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    data = make_dataset(tmp_path / "d", n=640)
+    assert main(train_argv(data, tmp_path)) == 0
+    dense = np.load(data / "test.dense.npy")
+    dense[3, 0] = np.nan
+    np.save(data / "test.dense.npy", dense)
+    cli_fails(["eval", "--checkpoint", str(tmp_path / "run"), "--allow-changes"], capsys,
+              "1 of 160 predictions are not finite")
+
