@@ -39,3 +39,23 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     with contextlib.redirect_stdout(out):
         assert main(["train", "--quick", "--no-progress", "--out", str(run)]) == 0
     return run, out.getvalue()
+
+
+@pytest.fixture
+def private_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """slipcache's cache (converted data, compiled loops) in the test's own directory: tmp_path/cache."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SLIPCACHE_CACHE_DIR", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A short run that ended (one epoch of `tiny_config`): resuming it writes config, metrics, a checkpoint,
+    summary, report, plots. Tests that change it change a copy (`helpers.copy_run`)."""
+    from slipcache.training.trainer import train
+    from tests.helpers import make_dataset, tiny_config
+
+    root = tmp_path_factory.mktemp("finished")
+    train(tiny_config(make_dataset(root / "data"), root / "run", epochs=1))
+    return root / "run"

@@ -2,7 +2,7 @@
 
 Why generated: a page of verdicts written by hand drifts from the runs behind it (superseded figures stay,
 new ones land in the wrong place). Here every figure is read from a committed JSON file and every section
-states its command, machine, date and data generator; tests/test_results_doc.py fails when docs/results.md
+states its command, machine, date and data generator; tests/benchmarks/test_results_doc.py fails when docs/results.md
 differs from what this module renders.
 
 Sources (paths relative to docs/):
