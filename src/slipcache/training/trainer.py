@@ -57,6 +57,7 @@ from slipcache.training.features import run_callbacks
 from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
 from slipcache.training.schedule import budget_steps, nearest_quotient
+from slipcache.training.tensorboard import check_available as check_tensorboard
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 from slipcache.units import amount
 
@@ -170,6 +171,8 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`); `settings` takes
     this process's threads and huge pages for the run, put back when it closes."""
     config.validate()
+    if backend.writes_files:  # the extra is missing: refused before any directory or data is made
+        check_tensorboard(config.tensorboard)
     checkpoint: TrainingCheckpoint | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
