@@ -190,6 +190,8 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
     if config.resume is not None:
         checkpoint, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
         run_dir = Path(config.out or "")
+        if backend.writes_files:  # a run that had --tensorboard keeps it: refused before the model is built
+            check_tensorboard(config.tensorboard)
     else:
         out = (Path(config.out) if config.out else new_run_dir()).expanduser().resolve()
         new_dirs = [p for p in (out, *out.parents) if not p.exists()]
