@@ -56,14 +56,7 @@ from slipcache.training.datasets import (
 from slipcache.training.evaluation import evaluate
 from slipcache.training.features import run_callbacks
 from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
-from slipcache.training.rundir import (
-    load_resume,
-    new_run_dir,
-    prepare_out_dir,
-    remove_empty_dirs,
-    run_record,
-    warn,
-)
+from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
 from slipcache.training.schedule import budget_steps, nearest_quotient
 from slipcache.training.settings import change_lines
 from slipcache.training.tensorboard import check_available as check_tensorboard
@@ -74,6 +67,7 @@ if TYPE_CHECKING:
     from slipcache.training.run import Run
 
 logger = logging.getLogger(__name__)
+
 # bench/train.py and benchmarks/runner.py read these as trainer.<name>: one seam for a fake trainer in the tests.
 __all__ = ["TrainConfig", "evaluate", "open_dataset", "prepare_data", "resolve_schedule", "train"]
 
