@@ -211,6 +211,35 @@ def test_a_flag_given_with_its_default_value_counts_as_given(
     assert json.loads((run / "config.json").read_text())["lr"] == 0.3
 
 
+def test_a_resume_with_changes_says_each_one_and_the_report_lists_them(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    interrupted(data_dir, run, monkeypatch, lr=0.5)
+    capsys.readouterr()
+    assert main(resume_cli(run, "--lr", "0.2", "--eval-every", "384", "--allow-changes")) == 0
+    out = capsys.readouterr().out.splitlines()
+    said = [line for line in out if line.startswith("slipcache train: resuming with")]
+    assert said == [
+        "slipcache train: resuming with lr 0.5 → 0.2, at sample 1,280 (--allow-changes)",
+        "slipcache train: resuming with eval_every 640 → 384, at sample 1,280 (--allow-changes)",
+    ]
+    report = (run / "report.md").read_text()
+    section = report[report.index("## Settings changed on resume"):report.index("## Config")]
+    assert "- lr 0.5 → 0.2, at sample 1,280" in section and "- eval_every 640 → 384, at sample 1,280" in section
+    assert main(resume_cli(run, "--epochs", "2", "--allow-changes")) == 0  # a second resume adds to the history
+    assert "resuming with epochs 1 → 2, at sample 1,984" in capsys.readouterr().out
+    section = (run / "report.md").read_text().split("## Settings changed on resume")[1].split("## ")[0]
+    assert [line for line in section.splitlines() if line.startswith("- ")] == [
+        "- lr 0.5 → 0.2, at sample 1,280", "- eval_every 640 → 384, at sample 1,280", "- epochs 1 → 2, at sample 1,984",
+    ]
+
+
+def test_a_run_never_resumed_with_changes_has_no_such_section(data_dir: Path, tmp_path: Path) -> None:
+    train.train(tiny(data_dir, tmp_path / "run", epochs=1))
+    assert "Settings changed on resume" not in (tmp_path / "run" / "report.md").read_text()
+
+
 # ------------------------------------------------------------------------------------- data fingerprint
 def test_changed_data_under_a_run_is_refused_by_eval_and_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture

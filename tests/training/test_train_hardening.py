@@ -334,3 +334,21 @@ def test_nan_dense_values_in_the_test_split_stop_eval(tmp_path: Path, monkeypatc
     cli_fails(["eval", "--checkpoint", str(tmp_path / "run"), "--allow-changes"], capsys,
               "1 of 160 predictions are not finite")
 
+
+def test_tensorboard_without_the_extra_is_refused_before_anything_is_made(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # the tensorboard extra not installed
+    out = tmp_path / "new" / "run"
+    code, err = cli(["train", "--data", str(data_dir), "--tensorboard", "--epochs", "1", "--no-progress",
+                     "--out", str(out)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "pip install 'slipcache[tensorboard]'" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run directory (nor its parent) to block a retry
+    with pytest.raises(SlipcacheError, match="needs the tensorboard package"):
+        train.train(tiny(data_dir, out, epochs=1, tensorboard=""))  # the library call refuses the same way
+    assert not (tmp_path / "new").exists()
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard")
+    train.train(tiny(data_dir, out, epochs=1))  # the retry without --tensorboard starts in the same place
+    assert (out / "report.md").is_file()

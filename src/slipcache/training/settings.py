@@ -250,3 +250,18 @@ def _keys_sharing_words(name: str, fields: dict[str, dataclasses.Field]) -> list
         return -len(words & parts), len(parts - words), -difflib.SequenceMatcher(None, name, key).ratio()
 
     return sorted((key for key in fields if words & set(key.split("_"))), key=rank)
+
+
+def change_lines(entry: dict[str, Any]) -> list[str]:
+    """One line per setting a resume changed (an entry of config.json's `changed_on_resume`):
+    "lr 0.5 → 0.3, at sample 1,280". A change of data is said by its own warning, not as digests."""
+    samples = int(entry.get("samples") or 0)
+    return [
+        f"{name} {_setting_text(old)} → {_setting_text(new)}, at sample {samples:,}"
+        for name, (old, new) in entry.get("changes", {}).items()
+        if name != "data_fingerprint"
+    ]
+
+
+def _setting_text(value: Any) -> str:
+    return "none" if value is None else str(value)

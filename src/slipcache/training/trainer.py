@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import random
 import time
@@ -57,11 +58,15 @@ from slipcache.training.features import run_callbacks
 from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
 from slipcache.training.schedule import budget_steps, nearest_quotient
+from slipcache.training.settings import change_lines
+from slipcache.training.tensorboard import check_available as check_tensorboard
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 from slipcache.units import amount
 
 if TYPE_CHECKING:
     from slipcache.training.run import Run
+
+logger = logging.getLogger(__name__)
 
 # bench/train.py and benchmarks/runner.py read these as trainer.<name>: one seam for a fake trainer in the tests.
 __all__ = ["TrainConfig", "evaluate", "open_dataset", "prepare_data", "resolve_schedule", "train"]
@@ -170,6 +175,8 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
     """A new run, or an interrupted one restored from its checkpoint (`config.resume`); `settings` takes
     this process's threads and huge pages for the run, put back when it closes."""
     config.validate()
+    if backend.writes_files:  # the extra is missing: refused before any directory or data is made
+        check_tensorboard(config.tensorboard)
     checkpoint: TrainingCheckpoint | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
@@ -177,6 +184,8 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
     if config.resume is not None:
         checkpoint, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
         run_dir = Path(config.out or "")
+        if backend.writes_files:  # a run that had --tensorboard keeps it: refused before the model is built
+            check_tensorboard(config.tensorboard)
     else:
         out = (Path(config.out) if config.out else new_run_dir()).expanduser().resolve()
         new_dirs = [p for p in (out, *out.parents) if not p.exists()]
@@ -200,6 +209,9 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
         state = checkpoint.state if checkpoint is not None else None
         config_dict = run_record(config, dataset, dataset_dir, saved, changes, state)
         lock = backend.claim_run_dir(run_dir, config_dict)  # one writer per run directory from here on
+        if changes and backend.writes_files:  # --allow-changes: each change said once, where it takes effect
+            for line in change_lines(config_dict["changed_on_resume"][-1]):
+                logger.info(f"slipcache train: resuming with {line} (--allow-changes)")
         run = _build_run(config, config_dict, run_dir, dataset, checkpoint, changes, backend)
     except BaseException:
         if lock is not None:
