@@ -179,8 +179,8 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
 
     @lr.setter
     def lr(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT32_MAX:
-            raise InvalidInputError(f"lr must be a positive number within fp32's range, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= FLOAT32_MAX:
+            raise InvalidInputError(f"lr must be a number >= 0 within fp32's range, got {value!r}")
         self.optimizer.lr = float(value)
 
     def requires_grad_(self, requires_grad: bool = True) -> CachedEmbeddingBagCollection:
@@ -324,9 +324,11 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
             self.prefetcher.join()
             window, prefetch = self.prefetcher.take_window()
             self.prefetcher.read_ahead(window)
-            plan = self.planner.plan(lookup, window)
+            # At lr 0 the rows stay bit for bit: the cache admits nothing (an eviction would round a row back).
+            moving = self.optimizer.lr != 0
+            plan = self.planner.plan(lookup, window, admit=moving)
             if self.cache.capacity:
-                if prefetch and window is not None and len(window):
+                if moving and prefetch and window is not None and len(window):
                     self.prefetcher.start(window)
                 self.clock.lap("other")
             return _FusedLookup.apply(self._anchor, (self.inputs, self.planner, self.optimizer), lookup, plan)
