@@ -143,6 +143,7 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
         self._ignored_keys: set[str] = set()  # extra KJT keys already warned about
         self.optimizer_slots = _OptimizerSlots([int(t.embedding_dim) for t in tables])
         self._slots_seen = [0] * len(tables)  # apply_optimizer_in_backward calls already followed, per table
+        self.register_load_state_dict_post_hook(_load_torchrec_weights)
 
     def _draw_custom_rows(self, seed: int) -> None:
         """Tables whose config asks for its own initialization start from TorchRec's draw of it."""
@@ -187,6 +188,31 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
             if collections is not None and len(collections) == 1 and not name.startswith("_"):
                 return getattr(collections[0], name)
             raise
+
+    # ------------------------------------------------------------------------------ state dict
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """A TorchRec `EmbeddingBagCollection`'s weights (`embedding_bags.<table>.weight`, alone or inside a
+        whole model's state_dict) load too: taken here, rounded into the tables once the load is done
+        (`_load_torchrec_weights`). A state_dict of our own keys loads exactly, as saved."""
+        weights = {k: v for k, v in state_dict.items() if k.startswith(prefix + TORCHREC_PREFIX)}
+        ours = any(k.startswith(prefix + "collections.") for k in state_dict)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if weights and not ours:
+            keys = {prefix + TORCHREC_PREFIX + f"{name}.weight": name for name in self.table_names}
+            taken = {keys[k]: v for k, v in weights.items() if k in keys}
+            unexpected_keys[:] = [k for k in unexpected_keys if k not in keys]
+            self.__dict__["_torchrec_weights"] = (prefix, taken)
 
     # ------------------------------------------------------------------------------ quantization
     def __setattr__(self, name: str, value: Any) -> None:
@@ -343,6 +369,31 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
             raise InvalidInputError(f"expected {len(self._torchrec_tables)} tables, got {len(tables)}")
         for group, collection in zip(self._groups, self.collections, strict=True):
             collection.load_tables([tables[i] for i in group.tables])
+
+
+TORCHREC_PREFIX = "embedding_bags."  # TorchRec's EmbeddingBagCollection: embedding_bags.<table>.weight
+
+
+def _load_torchrec_weights(module: nn.Module, incompatible: Any) -> None:
+    """After a load of TorchRec-keyed weights: our own keys were not expected, the tables without a weight
+    are (and keep their rows), and the weights are rounded into the tables' storage precision."""
+    pending = module.__dict__.pop("_torchrec_weights", None)
+    if pending is None or not isinstance(module, KeyedCachedEmbeddingBagCollection):
+        return
+    prefix, weights = pending
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(prefix)]
+    incompatible.missing_keys.extend(
+        f"{prefix}{TORCHREC_PREFIX}{name}.weight" for name in module.table_names if name not in weights
+    )
+    current = module.export_tables()
+    with torch.no_grad():
+        module.load_tables(
+            [
+                weights[name].detach().float().cpu() if name in weights else current[i]
+                for i, name in enumerate(module.table_names)
+            ]
+        )
+    logger.info("loaded TorchRec weights of tables %s", sorted(weights))
 
 
 class _OptimizerSlots(nn.ParameterList):
