@@ -175,7 +175,8 @@ class TrainConfig:
                                         default_text="4 percent of the run's steps")
     lr_decay_start: int | None = _flag(None, "mlperf schedule: the step the decay starts at", resume="changeable",
                                        group="schedule", metavar="STEP", default_text="75 percent of the run's steps")
-    lr_decay_steps: int | None = _flag(None, "mlperf schedule: steps of the decay to its floor", resume="changeable",
+    lr_decay_steps: int | None = _flag(None, "mlperf schedule: steps of the decay (its last rate then holds)",
+                                       resume="changeable",
                                        group="schedule", metavar="STEPS", default_text="the rest of the run")
     keep_checkpoints: int = _flag(2, "periodic checkpoints kept on disk, newest first (the MLPerf tables take "
                                   "15 GB each)", resume="changeable", group="schedule")
