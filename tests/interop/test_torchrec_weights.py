@@ -106,3 +106,31 @@ def test_serving_through_torchrecs_quantization() -> None:
         want, got = trained(dense, kjt), served(dense, kjt)
     assert float(want.std()) > 1e-3  # the scores differ between samples: the comparison means something
     assert float((got - want).abs().max()) < 0.1 * float(want.std())  # measured: 8.8e-5 against std 0.012
+
+
+def test_a_plain_load_state_dict_of_torchrec_weights_loads_them() -> None:
+    """TorchRec's keys load through `load_state_dict` itself (strict), alone or inside a whole model's
+    state_dict; our own state_dict still loads exactly; a missing or unknown table is named."""
+    torch.manual_seed(0)
+    theirs = EmbeddingBagCollection(tables=_tables(), device=torch.device("cpu"))
+    ours = KeyedCachedEmbeddingBagCollection(_tables(), precision="fp32", cache_size=0.2)
+    assert not ours.load_state_dict(theirs.state_dict()).missing_keys
+    assert all(torch.equal(a, b) for a, b in zip(ours.export_tables(), theirs.state_dict().values(), strict=True))
+    their_model = DLRM(embedding_bag_collection=theirs, dense_in_features=3, dense_arch_layer_sizes=[8],
+                       over_arch_layer_sizes=[4, 1])  # fmt: skip
+    int8 = KeyedCachedEmbeddingBagCollection(_tables(), precision="int8", cache_size=0.2, seed=3)
+    our_model = DLRM(embedding_bag_collection=int8, dense_in_features=3, dense_arch_layer_sizes=[8],
+                     over_arch_layer_sizes=[4, 1])  # fmt: skip
+    our_model.load_state_dict(their_model.state_dict())
+    for table, weight in zip(int8.export_tables(), theirs.state_dict().values(), strict=True):
+        span = (weight.amax(1) - weight.amin(1))[:, None]
+        assert bool(((table - weight).abs() <= span / 255 * 1.1).all())  # rounded to nearest on its grid
+    partial = theirs.state_dict()
+    partial.pop("embedding_bags.t1.weight")
+    partial["embedding_bags.t9.weight"] = torch.zeros(1, 8)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "embedding_bags.t1.weight"'):
+        ours.load_state_dict(partial)
+    assert ours.load_state_dict(partial, strict=False).unexpected_keys == ["embedding_bags.t9.weight"]
+    same = KeyedCachedEmbeddingBagCollection(_tables(), precision="fp32", cache_size=0.2, seed=9)
+    same.load_state_dict(ours.state_dict())  # our own keys: exact
+    assert all(torch.equal(a, b) for a, b in zip(same.export_tables(), ours.export_tables(), strict=True))

@@ -92,7 +92,7 @@ def _run_torchrec(config: Any, out: Path) -> dict[str, Any]:
     config = trainer.resolve_schedule(config, dataset.splits["train"])
     torch.manual_seed(config.seed)
     model = _TorchRecDLRM(dataset.table_sizes, config)
-    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.dense_lr or config.lr)
+    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.lr if config.dense_lr is None else config.dense_lr)
     samples, wall, epoch = 0, 0.0, 0
     while samples < config.samples:
         start = time.perf_counter()

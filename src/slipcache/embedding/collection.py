@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -182,9 +182,43 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
 
     @lr.setter
     def lr(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT32_MAX:
-            raise InvalidInputError(f"lr must be a positive number within fp32's range, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= FLOAT32_MAX:
+            raise InvalidInputError(f"lr must be a number >= 0 within fp32's range, got {value!r}")
         self.optimizer.lr = float(value)
+
+    def set_optimizer(self, **settings: Any) -> None:
+        """Set the fused optimizer's settings (`optimizer`, `lr`, `eps`, `weight_decay`, `beta1`, `beta2`), as
+        TorchRec's `fused_params` and `apply_optimizer_in_backward` choose a table's optimizer. Another
+        optimizer starts from a zero state, so it is refused once the tables have taken a step."""
+        unknown = sorted(set(settings) - set(OPTIMIZER_SETTINGS))
+        if unknown:
+            raise InvalidInputError(f"set_optimizer takes {', '.join(OPTIMIZER_SETTINGS)}; got {', '.join(unknown)}")
+        try:
+            config = replace(self.config, **settings)  # checked as at creation
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(str(exc)) from exc
+        switched = config.optimizer != self.config.optimizer
+        lr = config.lr if "lr" in settings else self.optimizer.lr  # a schedule's current rate stays
+        if switched:
+            if self.optimizer.steps or self.step:
+                raise InvalidInputError(
+                    f"the tables have trained with {self.config.optimizer} ({self.optimizer.steps} updates); choose "
+                    f"the optimizer ({config.optimizer}) before training"
+                )
+            self._buffers.pop("optimizer_state", None)
+            state = FusedOptimizer.new_state(config, self.storage_device)
+            if state is not None:
+                self.register_buffer("optimizer_state", state)
+        for name in OPTIMIZER_SETTINGS:
+            setattr(self.config, name, getattr(config, name))  # the parts share this config
+        if switched:  # before any step: nothing pending, no step counted
+            previous = self.optimizer
+            self.optimizer = FusedOptimizer(
+                self.config, self.cache, self.storage, self.writer, self.traffic, self.clock,
+                getattr(self, "optimizer_state", None),
+            )  # fmt: skip
+            self.optimizer.grad_scaler = previous.grad_scaler
+        self.optimizer.lr = lr
 
     def requires_grad_(self, requires_grad: bool = True) -> CachedEmbeddingBagCollection:
         """`requires_grad_(False)` freezes the tables: training forwards then read rows as evaluation does
@@ -327,9 +361,11 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
             self.prefetcher.join()
             window, prefetch = self.prefetcher.take_window()
             self.prefetcher.read_ahead(window)
-            plan = self.planner.plan(lookup, window)
+            # At lr 0 the rows stay bit for bit: the cache admits nothing (an eviction would round a row back).
+            moving = self.optimizer.lr != 0
+            plan = self.planner.plan(lookup, window, admit=moving)
             if self.cache.capacity:
-                if prefetch and window is not None and len(window):
+                if moving and prefetch and window is not None and len(window):
                     self.prefetcher.start(window)
                 self.clock.lap("other")
             return _FusedLookup.apply(self._anchor, (self.inputs, self.planner, self.optimizer), lookup, plan)
@@ -483,6 +519,7 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         return cls(meta).memory_report()
 
 
+OPTIMIZER_SETTINGS = ("optimizer", "lr", "eps", "weight_decay", "beta1", "beta2")
 _STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "cache_rows", "policy", "optimizer", "ways")
 
 

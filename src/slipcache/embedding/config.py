@@ -97,8 +97,8 @@ class EmbeddingConfig:
                 or count < 0
             ):
                 raise ValueError(f"cache_rows must be a whole number of rows >= 0, got {count!r}")
-        if not 0 < self.lr <= FLOAT32_MAX:
-            raise ValueError(f"lr must be a positive number within fp32's range (<= {FLOAT32_MAX:.4g}), got {self.lr}")
+        if not 0 <= self.lr <= FLOAT32_MAX:  # 0: the tables stay still (a schedule's warm-up or end)
+            raise ValueError(f"lr must be a number >= 0 within fp32's range (<= {FLOAT32_MAX:.4g}), got {self.lr}")
         if not 0 < self.eps < math.inf:
             raise ValueError(f"eps (Adagrad's denominator term) must be a positive finite number, got {self.eps}")
         for name in ("beta1", "beta2"):

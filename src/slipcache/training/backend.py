@@ -48,7 +48,7 @@ def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int, *, 
 
 def dense_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer:
     """The MLPs' optimizer (`--dense-optimizer`, one of config.DENSE_OPTIMIZERS) at `--dense-lr`, else `--lr`."""
-    params, lr = model.dense_parameters(), config.dense_lr or config.lr
+    params, lr = model.dense_parameters(), config.lr if config.dense_lr is None else config.dense_lr
     if config.dense_optimizer == "adagrad":
         return torch.optim.Adagrad(params, lr=lr)
     if config.dense_optimizer == "adam":

@@ -175,7 +175,8 @@ class TrainConfig:
                                         default_text="4 percent of the run's steps")
     lr_decay_start: int | None = _flag(None, "mlperf schedule: the step the decay starts at", resume="changeable",
                                        group="schedule", metavar="STEP", default_text="75 percent of the run's steps")
-    lr_decay_steps: int | None = _flag(None, "mlperf schedule: steps of the decay to its floor", resume="changeable",
+    lr_decay_steps: int | None = _flag(None, "mlperf schedule: steps of the decay (its last rate then holds)",
+                                       resume="changeable",
                                        group="schedule", metavar="STEPS", default_text="the rest of the run")
     keep_checkpoints: int = _flag(2, "periodic checkpoints kept on disk, newest first (the MLPerf tables take "
                                   "15 GB each)", resume="changeable", group="schedule")
@@ -308,10 +309,13 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise SlipcacheError(f"{_named(name)} must be positive, got {value}")
-        for name in ("lr", "dense_lr", "synthetic_scale"):
+        value = self.synthetic_scale
+        if value is not None and not value > 0:  # also rejects nan
+            raise SlipcacheError(f"{_named('synthetic_scale')} must be positive, got {value}")
+        for name in ("lr", "dense_lr"):  # 0 is a rate: those parameters stay as they are
             value = getattr(self, name)
-            if value is not None and not value > 0:  # also rejects nan
-                raise SlipcacheError(f"{_named(name)} must be positive, got {value}")
+            if value is not None and not value >= 0:  # also rejects nan
+                raise SlipcacheError(f"{_named(name)} must be >= 0, got {value}")
         if self.batch_size > 2**31:  # rows of a batch are indexed with int32 offsets
             raise SlipcacheError(f"{_named('batch_size')} must be at most 2**31, got {self.batch_size}")
         if self.max_rows > 2**31:  # rows are int32 ids
