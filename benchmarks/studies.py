@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -62,6 +63,8 @@ from benchmarks.slipstream import (
     slipstream_section,
     stale_name,
 )
+from slipcache.bench.experiment import COMMAND, PROG_VARIABLE
+from slipcache.cli import OneLineErrors
 from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.errors import SlipcacheError
 from slipcache.plotting import STYLE, pyplot
@@ -202,12 +205,39 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     return path
 
 
+def quick_estimates() -> dict[str, tuple[int, float]]:
+    """(runs, estimated seconds) of each study's `--quick` grid at its default seeds: the up-front estimate
+    each study prints as it starts (`Plan.estimate_s`, one thread), data generation not included."""
+    preset = PRESETS["quick"]
+    grids = {"mixed-precision": mixed_precision_grid, "slipstream": slipstream_grid, ACCURACY: accuracy_grid}
+    estimates = {}
+    for name, grid in grids.items():
+        seeds = ACCURACY_SEEDS if name == ACCURACY else preset.key_seeds
+        plan = Plan(preset, Path("."), None, seeds, repeats=preset.repeats)
+        cells = plan.cells(grid(preset, seeds))
+        estimates[name] = (len(cells), sum(plan.estimate_s(cell) for cell in cells))
+    return estimates
+
+
+def quick_help() -> str:
+    """`--quick`'s help: what each study's quick grid takes, from the same estimate the study prints."""
+    estimates = quick_estimates()
+    minutes = {name: max(1, round(seconds / 60)) for name, (_, seconds) in estimates.items()}
+    runs = estimates[ACCURACY][0]
+    return (
+        "tiny data and a reduced grid that exercises every question and plot; about "
+        f"{minutes['mixed-precision']} min for mixed-precision, {minutes['slipstream']} min for slipstream, "
+        f"{minutes['mixed-precision'] + minutes['slipstream']} min for all and {minutes[ACCURACY]} min for "
+        f"accuracy ({runs} runs of {PRESETS['quick'].accuracy_epochs} epochs) on one thread, plus a minute or "
+        "two of data generation; each study prints its estimate as it starts"
+    )
+
+
 def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
     hidden = argparse.SUPPRESS
     parser.add_argument("name", choices=NAMES, help="which experiment grid to run")
     parser.add_argument("--out", required=True, help="output directory (reused: finished runs are kept)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny data and a reduced grid (a few minutes); exercises every question and plot")
+    parser.add_argument("--quick", action="store_true", help=quick_help())
     parser.add_argument("--data", default=None, help="a preprocessed dataset dir (or raw Criteo files, "
                         "preprocessed once into OUT/data); default: synthetic data. Slipstream runs whole "
                         "epochs of its training split")
@@ -338,20 +368,22 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import long_studies
 
     argv = sys.argv[1:] if argv is None else argv
-    prog = "python -m benchmarks.studies"
+    via_command = os.environ.pop(PROG_VARIABLE, None) == COMMAND  # run by `slipcache experiment`: its name
+    prog = COMMAND if via_command else "python -m benchmarks.studies"
+    parser_class = OneLineErrors if via_command else argparse.ArgumentParser
     try:
         if argv and argv[0] in long_studies.STUDIES:
-            parser = argparse.ArgumentParser(prog=prog, description=long_studies.__doc__.splitlines()[0])
+            parser = parser_class(prog=prog, description=long_studies.__doc__.splitlines()[0])
             parser.add_argument("name", choices=tuple(long_studies.STUDIES))
             parser.add_argument("--out", default=None, help="run root: one directory per arm x seed (default: "
                                 "the slipcache cache, studies/<study>)")
             long_studies.add_arguments(parser)
             return long_studies.run_study(parser.parse_args(argv), lambda line: print(line, flush=True))
-        parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+        parser = parser_class(prog=prog, description=__doc__.splitlines()[0])
         add_experiment_arguments(parser)
         return run_experiment(parser.parse_args(argv))
     except SlipcacheError as exc:
-        print(f"benchmarks.studies: error: {exc}", file=sys.stderr)
+        print(f"{COMMAND if via_command else 'benchmarks.studies'}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -1,11 +1,13 @@
 """Shared test helpers: a tiny dataset in the binary format of docs/design.md."""
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from slipcache.training.config import TrainConfig, make_config
@@ -91,6 +93,51 @@ class FailsInBackward(torch.autograd.Function):
         raise RuntimeError("boom")
 
 
+# ------------------------------------------------------------------------------------- the command's errors
+def cli_fails(argv: list[str], capsys: Any, expected: str, code: int = 2) -> str:
+    """Run the command: it must stop with `code` (returned, or argparse's usage exit), the last line on
+    stderr holding `expected`, and no traceback. Returns stderr."""
+    from slipcache.cli import main
+
+    with pytest.raises(SystemExit) as exc:  # argparse's usage errors exit; ours return
+        raise SystemExit(main(argv))
+    assert exc.value.code == code
+    err = capsys.readouterr().err.strip()
+    assert expected in err.splitlines()[-1] and "Traceback" not in err, err
+    return err
+
+
+def cli_fails_in_one_line(argv: list[str], capsys: Any, expected: str, code: int = 2) -> str:
+    """`cli_fails`, and stderr is that one line."""
+    err = cli_fails(argv, capsys, expected, code)
+    assert "\n" not in err, err
+    return err
+
+
+def train_argv(data: Path, tmp_path: Path, *flags: str) -> list[str]:
+    """`slipcache train` of 256 samples on `data` into tmp_path/run: torch tables, batches of 64."""
+    return ["train", "--data", str(data), "--out", str(tmp_path / "run"), "--no-progress", "--embeddings", "torch",
+            "--samples", "256", "--batch-size", "64", "--eval-samples", "64", *flags]
+
+
+# ------------------------------------------------------------------------------------- run directories
+def copy_run(run: Path, to: Path) -> Path:
+    """A copy of a run directory, links kept as links."""
+    shutil.copytree(run, to, symlinks=True)
+    return to
+
+
+def file_contents(root: Path) -> dict[str, bytes]:
+    """Every file below `root` (its path relative to `root`) and its bytes: compare before and after."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def checkpoint_events(run: Path) -> list[int]:
+    """The samples of every checkpoint event in the run's metrics.jsonl, in order."""
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [e["samples"] for e in events if e["event"] == "checkpoint"]
+
+
 # ------------------------------------------------------------------------------------- raw Criteo files
 # Where the real Criteo sample rows are expected: ../shared/data/criteo/ beside the clone (the README of that
 # directory says where each file was published); $SLIPCACHE_TEST_CRITEO_DIR names another place.
@@ -100,7 +147,7 @@ SHARED_CRITEO = Path(
 )
 SHARED_CRITEO_REASON = (
     f"real Criteo rows expected in {SHARED_CRITEO} (../shared/data/criteo/ beside the clone, or "
-    "$SLIPCACHE_TEST_CRITEO_DIR); the same parsing checks run on written files in tests/test_data_written_formats.py"
+    "$SLIPCACHE_TEST_CRITEO_DIR); the same parsing checks run on written files in tests/data/test_written_formats.py"
 )
 
 

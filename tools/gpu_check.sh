@@ -16,8 +16,8 @@ PY=${PYTHON:-python3}
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' \
     || { echo "no torch for $PY: set PYTHON to an interpreter with a CUDA build of torch"; exit 2; }
   "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)' || { echo "CUDA is not available"; exit 3; }
-  echo "== CUDA tests (tests/test_gpu.py) + the embedding and lookahead tests on this machine"
-  timeout 180 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_lookahead.py tests/test_embedding.py
+  echo "== CUDA tests (tests/embedding/test_gpu.py) + the embedding and lookahead tests on this machine"
+  timeout 180 "$PY" -m pytest -q -x -p no:cacheprovider tests/embedding/test_gpu.py tests/embedding/test_lookahead.py tests/embedding/test_embedding.py
   status=$?
   echo "== timing: INT8 storage in host memory, 5% cache, dim 64, batch 2048, 26 tables x 200k rows, Zipf 1.05"
   timeout 120 "$PY" - <<'PYEOF'

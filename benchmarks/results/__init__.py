@@ -2,7 +2,7 @@
 
 Why generated: a page of verdicts written by hand drifts from the runs behind it (superseded figures stay,
 new ones land in the wrong place). Here every figure is read from a committed JSON file and every section
-states its command, machine, date and data generator; tests/test_results_doc.py fails when docs/results.md
+states its command, machine, date and data generator; tests/benchmarks/test_results_doc.py fails when docs/results.md
 differs from what this module renders.
 
 Sources (paths relative to docs/):
@@ -208,6 +208,34 @@ def paired_diffs(study: Mapping[str, Any], arm: str, vs: str, metric: str = "tes
             if r["arm"] == arm and r.get(metric) is not None and theirs.get(r["seed"]) is not None]
 
 
+def _auc_at_cpu(curve: Sequence[Sequence[float]], cpu_s: float) -> float:
+    """A run's validation AUC after `cpu_s` CPU seconds of training, linear between its evaluations (its
+    last one beyond them, its first before them)."""
+    if cpu_s >= curve[-1][0]:
+        return float(curve[-1][2])
+    for (c0, _, a0), (c1, _, a1) in zip(curve, curve[1:], strict=False):
+        if cpu_s <= c1:
+            return float(a0 if cpu_s <= c0 else a0 + (a1 - a0) * (cpu_s - c0) / (c1 - c0))
+    return float(curve[0][2])
+
+
+def early_stop_comparison(study: Mapping[str, Any], arm: str, vs: str = "baseline") -> dict[str, Any] | None:
+    """The equal-compute control of an arm that saves time: its final validation AUC minus `vs`'s after the
+    same CPU seconds (the baseline stopped early), paired by seed; None before a pair with curves finished."""
+    from benchmarks.long_studies import t_interval
+
+    theirs = {r["seed"]: r.get("curve") for r in study["runs"] if r["arm"] == vs}
+    diffs = [
+        r["curve"][-1][2] - _auc_at_cpu(theirs[r["seed"]], r["curve"][-1][0])
+        for r in study["runs"]
+        if r["arm"] == arm and r.get("curve") and theirs.get(r["seed"])
+    ]
+    if not diffs:
+        return None
+    mean, ci = t_interval(diffs)
+    return {"arm": arm, "vs": vs, "metric": "val_auc_at_equal_cpu", "n": len(diffs), "mean_diff": mean, "ci95": ci}
+
+
 def diff_ci(c: Mapping[str, Any] | None, digits: int = 4) -> str:
     """mean [low, high] (n) of a paired comparison; a dash before any pair finished."""
     if c is None:
@@ -239,7 +267,8 @@ def render() -> str:
     env.filters.update(n=n, f=f, sgn=sgn, x=x, pct=pct, k=k)
     env.globals.update(load=load, table=table, provenance=provenance, machine=machine, bench_row=bench_row,
                        setup=setup, cell=cell, verdict=verdict, study_arms=study_arms, comparison=comparison,
-                       diff_ci=diff_ci, equal_within=equal_within, paired_diffs=paired_diffs)
+                       diff_ci=diff_ci, equal_within=equal_within, paired_diffs=paired_diffs,
+                       early_stop_comparison=early_stop_comparison)
     names = sorted(p.name for p in SECTIONS.glob("*.md"))
     sections = [env.get_template(name).render().strip() for name in names]
     return HEADER + "\n\n".join(sections) + "\n"

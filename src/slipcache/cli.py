@@ -11,7 +11,7 @@ from typing import NoReturn
 from slipcache import __version__
 from slipcache.console import console_messages
 from slipcache.errors import RunInterrupted, SlipcacheError
-from slipcache.options import huge_pages, torch_threads
+from slipcache.options import torch_threads
 
 # name -> (module, help). The module defines add_<name>_arguments(parser) and run_<name>(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -101,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         with (
             console_messages(),  # the library's log records, printed as the one-line messages they say
             torch_threads(getattr(args, "threads", None)),
-            huge_pages(getattr(args, "huge_pages", None)),
         ):
             return int(getattr(module, f"run_{args.command}")(args) or 0)
     except RunInterrupted as exc:  # stopped as asked, the work saved: not an error

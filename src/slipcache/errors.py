@@ -32,6 +32,10 @@ class SettingError(InvalidInputError):
     """A setting out of its range, raised by the config that owns it; `name` is its field, so a caller that
     spells the setting otherwise (the trainer's `--cache-size`) can name it in its own words."""
 
-    def __init__(self, name: str, message: str) -> None:
+    def __init__(self, name: str, message: str, predicate: str | None = None) -> None:
+        """`predicate`: what is wrong, worded to follow another name for the setting ("must be >= 0, got -1");
+        by default the message after its leading `name`. `{field}` in it: another field, named as the caller
+        names it."""
         super().__init__(message)
         self.name = name
+        self.predicate = predicate

@@ -118,14 +118,14 @@ def open_tables(checkpoint: str | Path) -> TableRows:
     return open_model(checkpoint)[0]
 
 
-def open_model(checkpoint: str | Path) -> tuple[TableRows, Callable[[Path], None]]:
+def open_model(checkpoint: str | Path, huge_pages: str = "off") -> tuple[TableRows, Callable[[Path], None]]:
     """The checkpoint's tables, and a writer of the rest of the model (model.json, model.pt, vocabulary.pt)
     into an export directory."""
     from slipcache.data.vocabulary import Vocabulary
     from slipcache.training.saved_run import dense_inputs, find_checkpoint, load_saved_model
 
     saved = find_checkpoint(checkpoint, "--checkpoint").read()
-    model = load_saved_model(saved, dense_inputs(saved.state))
+    model = load_saved_model(saved, dense_inputs(saved.state), huge_pages=huge_pages)
     sizes = [int(n) for n in saved.state["table_sizes"]]
     vocabulary = Vocabulary.of_run(saved.state["config"], sizes)
     vocabulary.check_sizes(sizes)
@@ -449,7 +449,7 @@ def run_export(args: argparse.Namespace) -> int:
     check_out(out, args.force, saved.run_dir or saved.path)  # never into (or over) what it reads
     check_room(args.checkpoint, out, formats)
     started = time.perf_counter()
-    rows, write_model = open_model(args.checkpoint)
+    rows, write_model = open_model(args.checkpoint, args.huge_pages)
     written = export_tables(rows, out, formats, force=args.force, write_more=write_model)
     print(f"{len(rows.sizes)} tables, {sum(rows.sizes):,} rows of dim {rows.dim}")
     for fmt, path in written.items():

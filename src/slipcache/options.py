@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,7 +24,6 @@ THREADS_HELP = ("torch threads, and threads per compiled embedding loop; their w
 THREADS_DEFAULT = "torch's choice, one per core, and one per loop"
 HUGE_PAGES_HELP = ("back the tables' storage, cache and optimizer state with transparent huge pages: on, off, or "
                    "auto (tensors of 64 MiB and more); where the kernel has none, off (docs/scale.md)")
-HUGE_PAGES_DEFAULT = "$SLIPCACHE_HUGE_PAGES, else off"
 
 
 def add_threads_flag(parser: argparse.ArgumentParser, default: object = None, help: str | None = None) -> None:
@@ -40,28 +38,8 @@ def add_huge_pages_flag(parser: argparse.ArgumentParser) -> None:
     (`main` applies it for the command's duration; docs/scale.md says when it helps)."""
     from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 
-    parser.add_argument("--huge-pages", choices=HUGE_PAGE_MODES, default=None, dest="huge_pages",
-                        help=f"{HUGE_PAGES_HELP} (default: {HUGE_PAGES_DEFAULT})")
-
-
-@contextlib.contextmanager
-def huge_pages(mode: str | None) -> Iterator[None]:
-    """Allocate with huge pages per `mode` (None: leave the environment's choice), then put it back. Set in
-    the environment, so that processes the command starts (torchrun ranks) allocate the same way."""
-    if mode is None:
-        yield
-        return
-    from slipcache.embedding.hostmem import ENV_HUGE_PAGES
-
-    previous = os.environ.get(ENV_HUGE_PAGES)
-    os.environ[ENV_HUGE_PAGES] = mode
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(ENV_HUGE_PAGES, None)
-        else:
-            os.environ[ENV_HUGE_PAGES] = previous
+    parser.add_argument("--huge-pages", choices=HUGE_PAGE_MODES, default="off", dest="huge_pages",
+                        help=f"{HUGE_PAGES_HELP} (default: off)")
 
 
 @contextlib.contextmanager

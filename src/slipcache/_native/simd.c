@@ -1,7 +1,7 @@
 /* Hand-vectorized row kernels, chosen at run time by what the CPU offers: the stochastic rounding's random
    stream (torch's mt19937, twisted and tempered 8 or 16 words at a time), the int8/int4 quantize of a row's
    values into codes, and the decode of a row's codes. Each has a plain C loop beside it: the reference the
-   vector versions are tested against bit for bit (tests/test_quantize_native.py forces each level in turn).
+   vector versions are tested against bit for bit (tests/native/test_quantize.py forces each level in turn).
    The vector versions do the same IEEE operations in the same order per value (a subtraction, a division,
    an addition, a floor; a multiplication and an addition; no fused multiply-add), so bit-identical results
    follow from the arithmetic, and the tests check them.

@@ -12,6 +12,7 @@ The parts: `bench_workload` (tables and id batches), `bench_peers` (the implemen
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -261,7 +262,7 @@ def run_embedding_bench(args: argparse.Namespace) -> int:
 
 def _run_bench(args: argparse.Namespace) -> int:
     dims = _parse_dims(args.dims)
-    configs = _parse_configs(args.configs)
+    configs = [dataclasses.replace(c, huge_pages=args.huge_pages) for c in _parse_configs(args.configs)]
     shape = QUICK if args.quick else FULL
     scale = shape["scale"] if args.scale is None else args.scale
     warmup = int(shape["warmup"] if args.warmup_steps is None else args.warmup_steps)
@@ -397,7 +398,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         )
     # torch's allocator gives the peers' tables huge pages only when the process starts with THP_MEM_ALLOC_ENABLE=1
     ours_huge = any(
-        r["status"] == "ok" and r["impl"] == "slipcache" and uses_huge_pages(int(r["bytes"] or 0), torch.device("cpu"))
+        r["status"] == "ok" and r["impl"] == "slipcache"
+        and uses_huge_pages(int(r["bytes"] or 0), torch.device("cpu"), args.huge_pages)
         for r in rows
     )
     if ours_huge and any(r["status"] == "ok" and r["impl"] != "slipcache" for r in rows) and os.environ.get(

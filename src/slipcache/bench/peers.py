@@ -22,6 +22,7 @@ class BenchConfig:
     precision: str
     cache_fraction: float = 0.0
     policy: str = "none"
+    huge_pages: str = "off"  # ours only (`--huge-pages`): the peers allocate as torch does
 
 
 CONFIGS: tuple[BenchConfig, ...] = (
@@ -166,6 +167,7 @@ def _slipcache_config(cfg: BenchConfig, sizes: list[int], dim: int, lr: float, s
         optimizer="sgd",
         lr=lr,
         seed=seed,
+        huge_pages=cfg.huge_pages,
     )
 
 

@@ -49,7 +49,7 @@ def run_quantize_bench(args: argparse.Namespace) -> int:
     chunk_rows = max(1, (1 << 18) // args.dim)  # what table creation rounds at once
     chunk = torch.rand(chunk_rows, args.dim) * 0.02 - 0.01
     passes = max(1, args.rows // chunk_rows // 4)
-    storage = RowStorage(chunk_rows, args.dim, args.precision)
+    storage = RowStorage(chunk_rows, args.dim, args.precision, huge_pages=args.huge_pages)
 
     def compiled() -> None:
         for _ in range(passes):
@@ -59,7 +59,8 @@ def run_quantize_bench(args: argparse.Namespace) -> int:
         for _ in range(max(1, passes // 8)):
             storage.encode(chunk, "nearest", None)
 
-    config = EmbeddingConfig(table_sizes=[args.rows], dim=args.dim, precision=args.precision, cache_size=0.01)
+    config = EmbeddingConfig(table_sizes=[args.rows], dim=args.dim, precision=args.precision, cache_size=0.01,
+                             huge_pages=args.huge_pages)
     figures: dict[str, list[tuple[float, float]]] = {"compiled": [], "torch": [], "create": []}
     load_before = os.getloadavg()[0]
     for _ in range(args.rounds):

@@ -92,7 +92,8 @@ def _run_torchrec(config: Any, out: Path) -> dict[str, Any]:
     config = trainer.resolve_schedule(config, dataset.splits["train"])
     torch.manual_seed(config.model.seed)
     model = _TorchRecDLRM(dataset.table_sizes, config)
-    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.model.dense_lr or config.embeddings.lr)
+    dense_lr = config.embeddings.lr if config.model.dense_lr is None else config.model.dense_lr
+    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=dense_lr)
     samples, wall, epoch = 0, 0.0, 0
     while samples < config.schedule.samples:
         start = time.perf_counter()
@@ -131,7 +132,7 @@ def run_train_bench(args: argparse.Namespace) -> int:
         raise SlipcacheError(f"--impls: unknown {', '.join(unknown)} (known: {', '.join(IMPLS)})")
     if args.rounds < 1:
         raise SlipcacheError(f"--rounds must be >= 1, got {args.rounds}")
-    base: dict[str, Any] = {"quick": args.quick, "seed": args.seed}
+    base: dict[str, Any] = {"quick": args.quick, "seed": args.seed, "huge_pages": args.huge_pages}
     for key in ("data", "samples", "batch_size"):
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)

@@ -69,9 +69,11 @@ class RowCache(nn.Module):
         ways: int = 16,
         lfu_halving_interval: int = 1000,
         device: torch.device | str = "cpu",
+        huge_pages: str = "off",
     ) -> None:
         """One cache over `num_rows` rows, or, with lists, one part of `capacity[p]` slots per consecutive
-        range of `num_rows[p]` rows (a per-table cache: a table's rows only compete among themselves)."""
+        range of `num_rows[p]` rows (a per-table cache: a table's rows only compete among themselves).
+        `huge_pages`: as `EmbeddingConfig.huge_pages`."""
         super().__init__()
         self.version = 0
         if policy not in POLICIES:
@@ -98,11 +100,11 @@ class RowCache(nn.Module):
         self.total_rows = sum(part_rows)
         row_dtype = torch.int32 if sum(part_rows) < 2**31 - 1 else torch.int64
         device = torch.device(device)
-        self.register_buffer("weights", host_zeros((slots, dim), torch.float32, device))
-        self.register_buffer("slot_rows", host_empty((slots,), row_dtype, device).fill_(EMPTY))
-        self.register_buffer("last_used", host_zeros((slots,), torch.int32, device))
+        self.register_buffer("weights", host_zeros((slots, dim), torch.float32, device, huge_pages))
+        self.register_buffer("slot_rows", host_empty((slots,), row_dtype, device, huge_pages).fill_(EMPTY))
+        self.register_buffer("last_used", host_zeros((slots,), torch.int32, device, huge_pages))
         if policy in _COUNTING_POLICIES:
-            self.register_buffer("use_count", host_zeros((slots,), torch.int32, device))
+            self.register_buffer("use_count", host_zeros((slots,), torch.int32, device, huge_pages))
         self.register_buffer("_way_index", torch.arange(self.ways, device=device), persistent=False)
         if self.partitioned:
             cumulative = [0]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from slipcache.embedding.config import FLOAT32_MAX, EmbeddingConfig
 from slipcache.embedding.hostmem import StorageFile
 from slipcache.embedding.inputs import LookupInputs, SparseFeatures
 from slipcache.embedding.plan import StepPlanner, _FusedLookup
-from slipcache.embedding.prefetch import Prefetcher
+from slipcache.embedding.prefetch import Prefetcher, after_prefetch
 from slipcache.embedding.quant import RowStorage, TableRowStorage
 from slipcache.embedding.replicas import refuse_replicated_training
 from slipcache.embedding.scratch import Scratch
@@ -117,11 +117,13 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         precisions = config.precisions
         self.storage: RowStorage | TableRowStorage = (
             RowStorage(
-                num_rows, config.dim, precisions[0], self.storage_device, empty=not meta, path=config.storage_path
+                num_rows, config.dim, precisions[0], self.storage_device, empty=not meta, path=config.storage_path,
+                huge_pages=config.huge_pages,
             )
             if len(set(precisions)) == 1
             else TableRowStorage(
-                self.table_sizes, config.dim, precisions, self.storage_device, empty=not meta, path=config.storage_path
+                self.table_sizes, config.dim, precisions, self.storage_device, empty=not meta, path=config.storage_path,
+                huge_pages=config.huge_pages,
             )
         )
         per_table = config.cache_per_table
@@ -133,6 +135,7 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
             config.ways,
             config.lfu_halving_interval,
             self.device,
+            config.huge_pages,
         )
         # The parts' tensors are registered here, under the names checkpoints know (`optimizer_state`,
         # `counters`); `_bind_parts` hands them over again whenever they are replaced (moves, loads).
@@ -179,9 +182,43 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
 
     @lr.setter
     def lr(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT32_MAX:
-            raise InvalidInputError(f"lr must be a positive number within fp32's range, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= FLOAT32_MAX:
+            raise InvalidInputError(f"lr must be a number >= 0 within fp32's range, got {value!r}")
         self.optimizer.lr = float(value)
+
+    def set_optimizer(self, **settings: Any) -> None:
+        """Set the fused optimizer's settings (`optimizer`, `lr`, `eps`, `weight_decay`, `beta1`, `beta2`), as
+        TorchRec's `fused_params` and `apply_optimizer_in_backward` choose a table's optimizer. Another
+        optimizer starts from a zero state, so it is refused once the tables have taken a step."""
+        unknown = sorted(set(settings) - set(OPTIMIZER_SETTINGS))
+        if unknown:
+            raise InvalidInputError(f"set_optimizer takes {', '.join(OPTIMIZER_SETTINGS)}; got {', '.join(unknown)}")
+        try:
+            config = replace(self.config, **settings)  # checked as at creation
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(str(exc)) from exc
+        switched = config.optimizer != self.config.optimizer
+        lr = config.lr if "lr" in settings else self.optimizer.lr  # a schedule's current rate stays
+        if switched:
+            if self.optimizer.steps or self.step:
+                raise InvalidInputError(
+                    f"the tables have trained with {self.config.optimizer} ({self.optimizer.steps} updates); choose "
+                    f"the optimizer ({config.optimizer}) before training"
+                )
+            self._buffers.pop("optimizer_state", None)
+            state = FusedOptimizer.new_state(config, self.storage_device)
+            if state is not None:
+                self.register_buffer("optimizer_state", state)
+        for name in OPTIMIZER_SETTINGS:
+            setattr(self.config, name, getattr(config, name))  # the parts share this config
+        if switched:  # before any step: nothing pending, no step counted
+            previous = self.optimizer
+            self.optimizer = FusedOptimizer(
+                self.config, self.cache, self.storage, self.writer, self.traffic, self.clock,
+                getattr(self, "optimizer_state", None),
+            )  # fmt: skip
+            self.optimizer.grad_scaler = previous.grad_scaler
+        self.optimizer.lr = lr
 
     def requires_grad_(self, requires_grad: bool = True) -> CachedEmbeddingBagCollection:
         """`requires_grad_(False)` freezes the tables: training forwards then read rows as evaluation does
@@ -223,6 +260,7 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         return self.prefetcher.prefetched_rows
 
     # ------------------------------------------------------------------------------ device and dtype
+    @after_prefetch
     def _apply(self, fn: Any, recurse: bool = True) -> CachedEmbeddingBagCollection:
         """`.to(device)`, `.cuda()`, `.cpu()` move every tensor the module holds; dtype changes are refused.
 
@@ -238,7 +276,6 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
                     f"fp32 cache): converting {dtype} buffers to {converted.dtype} is refused; choose the storage "
                     "precision with EmbeddingConfig(precision=...) and convert only the dense layers"
                 )
-        self.prefetcher.join()
         super()._apply(fn, recurse)  # the cache's and the storage's versions change with their move
         self._follow_buffers()
         return self
@@ -279,9 +316,9 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         parts = self.storage.parts.values() if isinstance(self.storage, TableRowStorage) else [self.storage]
         return [file for file in (part.payload_file for part in parts) if file is not None]
 
+    @after_prefetch
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""
-        self.prefetcher.join()
         if len(tables) != len(self.table_sizes):
             raise InvalidInputError(f"expected {len(self.table_sizes)} tables, got {len(tables)}")
         for t, (table, size) in enumerate(zip(tables, self.table_sizes, strict=True)):
@@ -324,9 +361,11 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
             self.prefetcher.join()
             window, prefetch = self.prefetcher.take_window()
             self.prefetcher.read_ahead(window)
-            plan = self.planner.plan(lookup, window)
+            # At lr 0 the rows stay bit for bit: the cache admits nothing (an eviction would round a row back).
+            moving = self.optimizer.lr != 0
+            plan = self.planner.plan(lookup, window, admit=moving)
             if self.cache.capacity:
-                if prefetch and window is not None and len(window):
+                if moving and prefetch and window is not None and len(window):
                     self.prefetcher.start(window)
                 self.clock.lap("other")
             return _FusedLookup.apply(self._anchor, (self.inputs, self.planner, self.optimizer), lookup, plan)
@@ -347,8 +386,8 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         """fp32 values of global `rows` (cache overlaid on storage); changes nothing."""
         return self._read_rows(self.inputs.check_rows(rows, "read_rows"))
 
+    @after_prefetch
     def _read_rows(self, rows: Tensor) -> Tensor:
-        self.prefetcher.join()
         slots = self.cache.lookup(rows)
         hit = slots >= 0
         if self.cache.capacity and bool(hit.all()):
@@ -363,18 +402,18 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         values[~hit] = self.storage.read(rows[~hit], self.device)
         return values
 
+    @after_prefetch
     def flush(self) -> None:
         """Round every cached row back into storage; the cache keeps its contents."""
-        self.prefetcher.join()
         slots, rows = self.cache.cached()
         for start in range(0, slots.numel(), _INIT_CHUNK_ROWS):
             chunk = slice(start, start + _INIT_CHUNK_ROWS)
             self.writer.write(rows[chunk], self.cache.weights[slots[chunk]])
 
+    @after_prefetch
     def write_rows(self, rows: Tensor, values: Tensor) -> None:
         """Set fp32 `values` [n, D] of unique global `rows`: cached rows in the cache, the others rounded to
         nearest into storage. For a feature that holds rows fixed (freezing); counts no traffic."""
-        self.prefetcher.join()
         rows = self.inputs.check_rows(rows, "write_rows")
         values = values.to(self.device, torch.float32)
         slots = self.cache.lookup(rows)
@@ -384,12 +423,12 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         if not bool(hit.all()):
             self.storage.write(rows[~hit], values[~hit], "nearest", None)
 
+    @after_prefetch
     def release_rows(self, rows: Tensor) -> int:
         """Write cached `rows` back and free their slots (e.g. rows found stale); returns how many.
 
         Safe between a forward and its backward: the update then lands on the row in storage.
         """
-        self.prefetcher.join()
         slots = self.cache.lookup(self.inputs.check_rows(rows, "release_rows"))
         slots = torch.unique(slots[slots >= 0])
         if slots.numel():
@@ -398,14 +437,14 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         return int(slots.numel())
 
     # ----------------------------------------------------------------------------------- accounting
+    @after_prefetch
     def reset_stats(self) -> None:
-        self.prefetcher.join()
         self.traffic.reset()
         self.prefetcher.prefetched_rows = 0
 
+    @after_prefetch
     def stats(self) -> dict[str, Any]:
         """Cumulative lookups, hits, misses, evictions and traffic, in total and per table."""
-        self.prefetcher.join()
         totals = self.traffic.summary(self.table_names, row_bytes(self.storage, self.config.precisions))
         totals["cache_rows"] = self.cache.capacity
         totals["skipped_updates"] = self.skipped_updates  # backward passes dropped for inf/NaN gradients
@@ -420,13 +459,14 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         return memory_report(self, self.config, self.cache, self.storage, state, generators)
 
     # ----------------------------------------------------------------------------------- state dict
+    @after_prefetch
     def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self.prefetcher.join()  # the saved cache includes the prefetched rows, so a resumed run matches
+        """After the prefetch in flight: the saved cache includes its rows, so a resumed run matches."""
         super()._save_to_state_dict(*args, **kwargs)
 
+    @after_prefetch
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Checkpoints written before the saturation counters existed hold fewer counter columns."""
-        self.prefetcher.join()
         counters = state_dict.get(prefix + "counters")
         if isinstance(counters, Tensor) and counters.dim() == 2 and counters.shape[1] < len(COUNTERS):
             padding = counters.new_zeros(counters.shape[0], len(COUNTERS) - counters.shape[1])
@@ -479,6 +519,7 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         return cls(meta).memory_report()
 
 
+OPTIMIZER_SETTINGS = ("optimizer", "lr", "eps", "weight_decay", "beta1", "beta2")
 _STATE_KEYS = ("table_sizes", "dim", "precision", "cache_size", "cache_rows", "policy", "optimizer", "ways")
 
 

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from slipcache.embedding.cache import POLICIES
+from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SettingError
 
@@ -49,6 +50,9 @@ class EmbeddingConfig:
     # the cache, optimizer state and bookkeeping then count against memory. None: storage in RAM.
     storage_path: str | None = None
     cache_device: str = "cpu"
+    # Whether the big host tensors (storage, cache, optimizer state) ask for 2 MiB pages: off, on, or auto
+    # (tensors of 64 MiB and more); where the kernel has none, every mode allocates as torch does.
+    huge_pages: str = "off"
     table_names: list[str] | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -76,17 +80,19 @@ class EmbeddingConfig:
             ("rounding", self.rounding, ROUNDINGS),
             ("optimizer", self.optimizer, OPTIMIZERS),
             ("pooling", self.pooling, POOLINGS),
+            ("huge_pages", self.huge_pages, HUGE_PAGE_MODES),
         ):
             if value not in allowed:
                 raise SettingError(name, f"{name} must be one of {', '.join(allowed)}; got {value!r}")
         shares = self.cache_size if isinstance(self.cache_size, list) else [self.cache_size]
         for share in shares:
             if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
-                hint = ""
+                hint = more = ""
                 if isinstance(share, (int, float)) and share > 1:
                     hint = f"; for a number of rows use cache_rows={share:g}"
+                    more = f" (for a number of rows use {{cache_rows}} {share:g})"  # the caller names cache_rows
                 message = f"cache_size is the share of rows cached, in [0, 1]; got {share}{hint}"
-                raise SettingError("cache_size", message)
+                raise SettingError("cache_size", message, f"is the share of rows cached in [0, 1]; got {share}{more}")
         counts = self.cache_rows if isinstance(self.cache_rows, list) else [self.cache_rows]
         for count in counts:
             if count is not None and (
@@ -96,8 +102,10 @@ class EmbeddingConfig:
                 or count < 0
             ):
                 raise SettingError("cache_rows", f"cache_rows must be a whole number of rows >= 0, got {count!r}")
-        if not 0 < self.lr <= FLOAT32_MAX:
-            raise SettingError("lr", f"lr must fit a float32 and be positive (<= {FLOAT32_MAX:.4g}), got {self.lr}")
+        if not 0 <= self.lr <= FLOAT32_MAX:  # 0: the tables stay still (a schedule's warm-up or end)
+            short = "must be >= 0" if not self.lr >= 0 else f"must fit a float32 (<= {FLOAT32_MAX:.4g})"
+            raise SettingError("lr", f"lr must be a number >= 0 within fp32's range (<= {FLOAT32_MAX:.4g}), got "
+                               f"{self.lr}", predicate=f"{short}, got {self.lr}")
         if not 0 < self.eps < math.inf:
             raise ValueError(f"eps (Adagrad's denominator term) must be a positive finite number, got {self.eps}")
         for name in ("beta1", "beta2"):

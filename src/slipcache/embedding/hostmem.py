@@ -10,10 +10,10 @@ anonymous memory map of exactly its bytes (the kernel aligns a map whose length 
 interior is marked: the last partial 2 MiB stays in 4 KiB pages, so nothing beyond the tensor's own bytes
 becomes resident and the memory accounting (which counts the tensors' bytes) stays exact.
 
-`SLIPCACHE_HUGE_PAGES` = on | off | auto chooses (auto: tensors of 64 MiB and more, far beyond what the TLB
-covers in 4 KiB pages). Default `off`: on this machine they made the embedding bench 1.12-1.43x faster
-(quiet) but training at the MLPerf sizes no faster (docs/scale.md). `--huge-pages` (and `train`'s setting)
-sets it for the command's duration (`slipcache.options.huge_pages`). Where huge pages are unavailable
+`EmbeddingConfig.huge_pages` = on | off | auto chooses, per collection (auto: tensors of 64 MiB and more, far
+beyond what the TLB covers in 4 KiB pages); the commands' `--huge-pages` sets it. Default `off`: on this
+machine they made the embedding bench 1.12-1.43x faster (quiet) but training at the MLPerf sizes no faster
+(docs/scale.md). Where huge pages are unavailable
 (`never`, not Linux, no `madvise`) every mode allocates as torch does, silently.
 """
 
@@ -39,22 +39,12 @@ from slipcache.errors import SlipcacheError
 from slipcache.units import amount
 
 HUGE_PAGE = 2 << 20
-HUGE_PAGE_MODES = ("off", "on", "auto")  # `--huge-pages` and $SLIPCACHE_HUGE_PAGES
-ENV_HUGE_PAGES = "SLIPCACHE_HUGE_PAGES"  # the choice for this process and the processes it starts
-DEFAULT_HUGE_PAGES = "off"
+HUGE_PAGE_MODES = ("off", "on", "auto")  # `EmbeddingConfig.huge_pages`, `--huge-pages`
 # auto: huge pages only for tensors this large (the TLB covers about 8 MiB in 4 KiB pages), where a random
 # row's read misses the TLB; small tables (tests, --quick) are allocated as torch does
 AUTO_MIN_BYTES = 64 << 20
 MIN_BYTES = HUGE_PAGE  # a smaller tensor cannot hold a huge page
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-def huge_pages_mode() -> str:
-    """The mode in force: $SLIPCACHE_HUGE_PAGES (`--huge-pages` sets it for the command), else the default."""
-    mode = os.environ.get(ENV_HUGE_PAGES) or DEFAULT_HUGE_PAGES
-    if mode not in HUGE_PAGE_MODES:
-        raise SlipcacheError(f"{ENV_HUGE_PAGES} must be one of {', '.join(HUGE_PAGE_MODES)}, got {mode!r}")
-    return mode
-
 
 def thp_setting(path: Path = THP_ENABLED) -> str | None:
     """The kernel's transparent huge page setting (always, madvise, never); None where there is none."""
@@ -73,9 +63,10 @@ def huge_pages_available() -> bool:
     return thp_setting() in ("always", "madvise")
 
 
-def uses_huge_pages(nbytes: int, device: torch.device) -> bool:
-    """Whether a host tensor of `nbytes` gets huge pages under the mode in force."""
-    mode = huge_pages_mode()
+def uses_huge_pages(nbytes: int, device: torch.device, mode: str) -> bool:
+    """Whether a host tensor of `nbytes` gets huge pages in `mode` (one of HUGE_PAGE_MODES)."""
+    if mode not in HUGE_PAGE_MODES:
+        raise SlipcacheError(f"huge pages must be one of {', '.join(HUGE_PAGE_MODES)}, got {mode!r}")
     if mode == "off" or device.type != "cpu" or nbytes < max(MIN_BYTES, 1):
         return False
     if mode == "auto" and nbytes < AUTO_MIN_BYTES:
@@ -83,23 +74,26 @@ def uses_huge_pages(nbytes: int, device: torch.device) -> bool:
     return huge_pages_available()
 
 
-def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, make: Callable) -> Tensor:
+def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, make: Callable,
+                 huge_pages: str) -> Tensor:
     """`make(shape, dtype=, device=)`, or a fresh memory map (zero already) on huge pages where the mode says so."""
     device = torch.device(device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if not uses_huge_pages(nbytes, device):
+    if not uses_huge_pages(nbytes, device, huge_pages):
         return make(shape, dtype=dtype, device=device)
     return huge_page_map(nbytes).view(dtype).view(shape)
 
 
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+               huge_pages: str = "off") -> Tensor:
     """An uninitialized tensor (zeros where it is a fresh memory map), on huge pages where the mode says so."""
-    return _host_tensor(shape, dtype, device, torch.empty)
+    return _host_tensor(shape, dtype, device, torch.empty, huge_pages)
 
 
-def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+               huge_pages: str = "off") -> Tensor:
     """`torch.zeros`, on huge pages where the mode says so (a fresh map is zero already: no pass)."""
-    return _host_tensor(shape, dtype, device, torch.zeros)
+    return _host_tensor(shape, dtype, device, torch.zeros, huge_pages)
 
 
 class StorageFile:

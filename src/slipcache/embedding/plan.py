@@ -161,9 +161,11 @@ class StepPlanner:
         rows = [plan.storage_rows for plan in live if plan is not None and plan.storage_rows.numel()]
         return torch.cat(rows) if rows else None
 
-    def plan(self, lookup: _Lookup, window: Window | None) -> _StepPlan:
+    def plan(self, lookup: _Lookup, window: Window | None, admit: bool = True) -> _StepPlan:
         """Bring the batch's rows into the cache where they fit (evicting for the policy, with the
-        lookahead `window` of the batches after this one); read the rest from storage."""
+        lookahead `window` of the batches after this one); read the rest from storage. `admit` False (a step
+        at lr 0): the cache admits and evicts nothing, missed rows are served from storage, so no row is
+        rounded back into storage by the step."""
         self.step += 1
         step, rows, cache, clock = self.step, lookup.rows, self.cache, self.clock
         clock.mark()
@@ -197,23 +199,30 @@ class StepPlanner:
                 rows.index_select(0, positions), return_inverse=True, return_counts=True
             )
             clock.lap("lookup")
-            assignment = cache.assign(missing, self.pin_since(), window)
-            if assignment.victim_slots.numel():
-                victim_tables = self.writer.write(assignment.victim_rows, cache.weights, source=assignment.victim_slots)
-                self.counters.count_tables("evictions", victim_tables)
+            if admit:
+                assignment = cache.assign(missing, self.pin_since(), window)
+                assigned = assignment.slots
+                if assignment.victim_slots.numel():
+                    victim_tables = self.writer.write(
+                        assignment.victim_rows, cache.weights, source=assignment.victim_slots
+                    )
+                    self.counters.count_tables("evictions", victim_tables)
+            else:
+                self.pin_since()  # drops forwards whose graph is gone, as every training forward does
+                assigned = torch.full_like(missing, -1)
             clock.lap("evict")
-            admitted = assignment.slots >= 0
+            admitted = assigned >= 0
             if bool(admitted.any()):
                 admitted_rows = missing[admitted]
                 cache.install(
-                    assignment.slots[admitted],
+                    assigned[admitted],
                     admitted_rows,
                     self.storage.read(admitted_rows, self.device),
                     step,
                     uses[admitted],
                 )
             clock.lap("fill")
-            slots.index_copy_(0, positions, assignment.slots[miss_inverse])
+            slots.index_copy_(0, positions, assigned[miss_inverse])
             if fused is None:
                 self.counters.count_lookups("misses", miss, lookup)
             missing_tables = self.counters.tables_of(missing)
@@ -225,7 +234,7 @@ class StepPlanner:
                     storage_index = miss_inverse  # nothing was admitted
                 else:
                     position = torch.cumsum(left_out, 0) - 1
-                    storage_index = position[miss_inverse][assignment.slots[miss_inverse] < 0]
+                    storage_index = position[miss_inverse][assigned[miss_inverse] < 0]
                 self.counters.count_tables("overflow_rows", missing_tables[left_out])
         clock.lap("other")
         storage_values = (

@@ -5,8 +5,10 @@ file the farthest batch's missing rows are asked of the disk (`readahead.py`).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -28,7 +30,8 @@ class Prefetcher:
 
     Owns the window, the prefetch in flight (on a thread of its own, or a side stream on GPU), its rounding
     generator (draws never interleave with the main thread's by timing) and the count of prefetched rows.
-    Every other part calls `join` before it reads or changes the cache or storage.
+    The collection's methods that read or change the cache or storage are marked `@after_prefetch`, so
+    none of them runs while a prefetch is in flight.
     """
 
     def __init__(
@@ -177,3 +180,26 @@ class Prefetcher:
         self.counters.add(counts)
         self.prefetched_rows += admitted
         self.cache.invalidate()
+
+
+class _HasPrefetcher(Protocol):
+    prefetcher: Prefetcher
+
+
+_Self = TypeVar("_Self", bound=_HasPrefetcher)
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+
+
+def after_prefetch(
+    method: Callable[Concatenate[_Self, _Params], _Result],
+) -> Callable[Concatenate[_Self, _Params], _Result]:
+    """Mark a method that reads or changes the cache or storage: it first waits for the prefetch in flight.
+    The one rule of the cache's concurrency, kept here instead of by each call site."""
+
+    @functools.wraps(method)
+    def settled(self: _Self, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        self.prefetcher.join()
+        return method(self, *args, **kwargs)
+
+    return settled

@@ -200,13 +200,19 @@ class RowStorage(nn.Module):
         *,
         empty: bool = False,
         path: str | None = None,
+        huge_pages: str = "off",
     ) -> None:
         """`empty`: leave the rows unset (the caller writes every one): no pass that zeroes gigabytes first.
         `path`: a directory to keep the rows' codes in, in a memory-mapped file (host storage only). Their
         quantization parameters (3 bytes a row) stay in memory: a row read from the disk then costs the pages
-        of its codes alone, one (two where a row straddles a page boundary), not one more per parameter."""
+        of its codes alone, one (two where a row straddles a page boundary), not one more per parameter.
+        `huge_pages`: as `EmbeddingConfig.huge_pages`."""
         super().__init__()
-        new = host_empty if empty else host_zeros
+        alloc = host_empty if empty else host_zeros
+
+        def new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+            return alloc(shape, dtype, device, huge_pages)
+
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.version = 0
@@ -429,6 +435,7 @@ class TableRowStorage(nn.Module):
         *,
         empty: bool = False,
         path: str | None = None,
+        huge_pages: str = "off",
     ) -> None:
         super().__init__()
         self.dim = dim
@@ -437,7 +444,8 @@ class TableRowStorage(nn.Module):
         for size, precision in zip(table_sizes, precisions, strict=True):
             local_start.append(rows_in[precision])
             rows_in[precision] += size
-        parts = nn.ModuleDict({p: RowStorage(rows_in[p], dim, p, device, empty=empty, path=path) for p in kinds})
+        parts = nn.ModuleDict({p: RowStorage(rows_in[p], dim, p, device, empty=empty, path=path,
+                                                huge_pages=huge_pages) for p in kinds})
         # A ModuleDict (the parts are child modules: state dict, device moves); to a type checker, what it is here.
         self.parts = cast("Mapping[str, RowStorage]", parts)
         self._kinds = kinds

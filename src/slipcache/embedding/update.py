@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 class FusedOptimizer:
     """The optimizer update, run once at the end of each backward pass, over the given cache and storage.
 
-    Owns the learning rate, the optimizer state (`state`: Adagrad's squared-gradient sums, Adam's two
-    moments side by side, None for SGD), the count of steps taken (Adam's bias correction), of skipped updates
-    and the gradients of the running backward pass: they are applied together when the pass ends, so a row
-    read several times in one step takes one step.
+    Owns the learning rate (0 is valid: the rows stay bit for bit, while Adagrad's sums and Adam's moments
+    and step count go on as in torch's and TorchRec's optimizers), the optimizer state (`state`: Adagrad's
+    squared-gradient sums, Adam's two moments side by side, None for SGD), the count of steps taken (Adam's
+    bias correction), of skipped updates and the gradients of the running backward pass: they are applied
+    together when the pass ends, so a row read several times in one step takes one step.
     """
 
     def __init__(
@@ -64,7 +65,8 @@ class FusedOptimizer:
     def new_state(config: EmbeddingConfig, device: torch.device) -> Tensor | None:
         """The optimizer's zero state for `config`'s rows (fp32), or None for SGD."""
         shape = FusedOptimizer.state_row_shape(config.optimizer, config.dim)
-        return None if shape is None else host_zeros((config.num_rows, *shape), torch.float32, device)
+        return None if shape is None else host_zeros((config.num_rows, *shape), torch.float32, device,
+                                                          config.huge_pages)
 
     @property
     def device(self) -> torch.device:
@@ -126,11 +128,12 @@ class FusedOptimizer:
         self.clock.lap("backward")
 
     def _plain_sgd_step(self, plan: _StepPlan) -> bool:
-        """What both fused steps need: plain SGD, a gradient neither rescaled (GradScaler) nor clipped, and the
-        cache's residency as the forward left it."""
+        """What both fused steps need: plain SGD at a rate above 0, a gradient neither rescaled (GradScaler) nor
+        clipped, and the cache's residency as the forward left it."""
         scaler = self.grad_scaler
         return (
             self.config.optimizer == "sgd"
+            and self.lr != 0
             and not self.config.weight_decay
             and not (scaler is not None and scaler.is_enabled())
             and self.config.max_grad_norm is None
@@ -196,6 +199,8 @@ class FusedOptimizer:
 
     def _update_cached(self, parts: list[tuple[Tensor, Tensor]]) -> None:
         weights = self.cache.weights
+        if self.lr == 0 and self.state is None:
+            return  # lr 0 and no state to keep: nothing changes
         if self.config.optimizer == "sgd" and not self.config.weight_decay:
             for slots, grad in parts:  # SGD is linear: one scatter per part equals the summed step
                 if not slots.numel():
@@ -211,6 +216,9 @@ class FusedOptimizer:
         unique_slots, inverse = kernels.distinct_rows(slots)  # each row's sum is in batch order in any order
         summed = kernels.sum_rows(inverse, grad, unique_slots.numel())
         rows = self.cache.slot_rows[unique_slots].long()
+        if self.lr == 0:  # the state steps (as TorchRec's and torch's optimizers do); the rows stay bit for bit
+            self._apply_rows(weights.index_select(0, unique_slots), None, rows, summed)
+            return
         if not self._apply_rows(weights, unique_slots, rows, summed):
             self._fit_cached(unique_slots)
 
@@ -224,8 +232,9 @@ class FusedOptimizer:
             self.counters.count_fitted(self.counters.tables_of(self.cache.slot_rows[slots].long()), fitted)
 
     def _update_storage(self, parts: list[tuple[_StepPlan, Tensor, Tensor, Tensor]]) -> None:
-        """Rows outside the cache: read, update in fp32, round back, once per row."""
-        if not parts:
+        """Rows outside the cache: read, update in fp32, round back, once per row. At lr 0 nothing is written
+        back (a rounding again would move stochastically rounded rows): only the optimizer state steps."""
+        if not parts or (self.lr == 0 and self.state is None):
             return
         if len(parts) == 1:
             plan, rows, index, grad = parts[0]
@@ -238,6 +247,9 @@ class FusedOptimizer:
             grad = torch.cat([p[3] for p in parts])
             values = self.storage.read(rows, self.device)
         summed = kernels.sum_rows(index, grad, rows.numel())
+        if self.lr == 0:
+            self._apply_rows(values.clone(), None, rows, summed)  # the state only
+            return
         if self.config.optimizer == "sgd" and not self.config.weight_decay:
             values.add_(summed, alpha=-self.lr)
         else:

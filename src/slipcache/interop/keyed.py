@@ -4,8 +4,10 @@
 `KeyedJaggedTensor` and returns a `KeyedTensor`, and answers `embedding_bag_configs()` and `is_weighted()`,
 so TorchRec models (`torchrec.models.dlrm.DLRM`, `SparseArch`) accept it in place of theirs. TorchRec's
 training tables are fp32/fp16 only (pytorch/torchrec#1180, #2264); these are INT8/INT4 behind an fp32
-cache and update themselves in backward (no optimizer over them: give the model's `parameters()`, which
-are the dense ones, to a torch optimizer). How each config field is honoured: `slipcache.interop.tables`.
+cache and update themselves in backward (no optimizer over them: give the model's `parameters()` to a torch
+optimizer; the collection's own are one empty slot per table, which take no gradient, for
+`apply_optimizer_in_backward` to set the tables' optimizer through). How each config field is honoured:
+`slipcache.interop.tables`.
 Under `DistributedModelParallel` the tables are sharded by `KeyedCachedEmbeddingBagCollectionSharder`.
 
 Tables of one embedding dim and pooling share one `CachedEmbeddingBagCollection` (`collections[g]`); tables
@@ -18,6 +20,8 @@ KeyedTensor built, and only its public classes are used.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import warnings
 from collections.abc import Sequence
 from typing import Any, cast
@@ -35,6 +39,8 @@ from slipcache.interop.tables import (
     group_config,
     pooling_name,
 )
+
+logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 (see README: Using slipcache with TorchRec)"
@@ -135,6 +141,9 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
             self._draw_custom_rows(int(options.get("seed", 0)))
         self._feature_dims = [int(t.embedding_dim) for t in tables for _ in t.feature_names]
         self._ignored_keys: set[str] = set()  # extra KJT keys already warned about
+        self.optimizer_slots = _OptimizerSlots([int(t.embedding_dim) for t in tables])
+        self._slots_seen = [0] * len(tables)  # apply_optimizer_in_backward calls already followed, per table
+        self.register_load_state_dict_post_hook(_load_torchrec_weights)
 
     def _draw_custom_rows(self, seed: int) -> None:
         """Tables whose config asks for its own initialization start from TorchRec's draw of it."""
@@ -180,11 +189,119 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
                 return getattr(collections[0], name)
             raise
 
+    # ------------------------------------------------------------------------------ state dict
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """A TorchRec `EmbeddingBagCollection`'s weights (`embedding_bags.<table>.weight`, alone or inside a
+        whole model's state_dict) load too: taken here, rounded into the tables once the load is done
+        (`_load_torchrec_weights`). A state_dict of our own keys loads exactly, as saved."""
+        weights = {k: v for k, v in state_dict.items() if k.startswith(prefix + TORCHREC_PREFIX)}
+        ours = any(k.startswith(prefix + "collections.") for k in state_dict)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if weights and not ours:
+            keys = {prefix + TORCHREC_PREFIX + f"{name}.weight": name for name in self.table_names}
+            taken = {keys[k]: v for k, v in weights.items() if k in keys}
+            unexpected_keys[:] = [k for k in unexpected_keys if k not in keys]
+            self.__dict__["_torchrec_weights"] = (prefix, taken)
+
+    # ------------------------------------------------------------------------------ quantization
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "qconfig":  # a quantization pass: TorchRec's refused unless it names this class
+            from slipcache.interop.torchrec_quant import check_qconfig
+
+            check_qconfig(value)
+        super().__setattr__(name, value)
+
+    @classmethod
+    def from_float(cls, module: KeyedCachedEmbeddingBagCollection, **_: Any) -> KeyedCachedEmbeddingBagCollection:
+        """TorchRec's module swap, when `quantize_embeddings` names this class: every table stored at the
+        dtype the qconfig asks for (`torchrec_quant.py`); the module itself is kept."""
+        from slipcache.interop.torchrec_quant import precisions_of
+
+        module.store_at(precisions_of(module.qconfig, module.table_names))
+        return module
+
+    def store_at(self, precision: str | dict[str, str]) -> None:
+        """Store the tables at `precision` (one, or one per table name): their current rows rounded to
+        nearest into it, the optimizer state started again (for inference, as after TorchRec's quantization).
+        The tables' configs take the matching data_type."""
+        from slipcache.interop.tables import data_type_named
+        from slipcache.interop.torchrec_quant import DATA_TYPE_OF_PRECISION
+
+        if self.placement.get("storage_device") == "meta":
+            raise SlipcacheError("tables on the meta device hold no rows to store at another precision")
+        wanted = precision if isinstance(precision, dict) else dict.fromkeys(self.table_names, precision)
+        current = {
+            name: p for c in self.collections for name, p in zip(c.table_names, c.config.precisions, strict=True)
+        }
+        if wanted == current:
+            logger.info("tables already stored at %s", wanted)
+            return
+        rows = self.export_tables()
+        self._torchrec_tables = [
+            dataclasses.replace(t, data_type=data_type_named(DATA_TYPE_OF_PRECISION[wanted[str(t.name)]]))
+            for t in self._torchrec_tables
+        ]
+        self.options["precision"] = dict(wanted)
+        collections = nn.ModuleList(
+            CachedEmbeddingBagCollection(
+                group_config([self._torchrec_tables[i] for i in g.tables], self.options, **self.placement),
+                draw_rows=False,
+            )
+            for g in self._groups
+        )
+        self.collections = cast("Sequence[CachedEmbeddingBagCollection]", collections)
+        self.load_tables(rows)
+        logger.info("tables stored at %s (were %s)", wanted, current)
+
+    # ----------------------------------------------------------------------------- the optimizer
+    def in_backward_options(self) -> dict[str, Any] | None:
+        """The optimizer `apply_optimizer_in_backward` attached to the tables' slots, as our options (None:
+        it was not called). Tables of one collection share one optimizer: different ones are refused."""
+        from slipcache.interop.torchrec_fused import in_backward_options
+
+        per_table = [in_backward_options(p) for p in self.optimizer_slots]
+        if all(options is None for options in per_table):
+            return None
+        if any(options != per_table[0] for options in per_table):
+            described = ", ".join(
+                f"{name}: {'none' if o is None else o['optimizer']}"
+                for name, o in zip(self.table_names, per_table, strict=True)
+            )
+            raise SlipcacheError(
+                "apply_optimizer_in_backward must give every table of slipcache's collection the same optimizer "
+                f"and settings (it gave {described}); apply it to all of ebc.parameters() at once"
+            )
+        return per_table[0]
+
+    def _follow_in_backward(self) -> None:
+        """Set the tables' optimizer as `apply_optimizer_in_backward` asked, once per call of it."""
+        seen = [len(getattr(p, "_optimizer_classes", ())) for p in self.optimizer_slots]
+        if seen == self._slots_seen:
+            return
+        options = self.in_backward_options()
+        self._slots_seen = seen
+        if options is not None:
+            for collection in self.collections:
+                collection.set_optimizer(**options)
+            logger.info("tables' optimizer set by apply_optimizer_in_backward: %s", options)
+
     # ---------------------------------------------------------------------------------- forward
     def forward(self, features: Any) -> Any:
         if isinstance(features, (Tensor, SparseFeatures)):
             if len(self.collections) != 1:
                 raise InvalidInputError("tables of several dims or poolings take a KeyedJaggedTensor")
+            self._follow_in_backward()
             return self.collections[0](features)
         return _keyed_lookup(self, features)
 
@@ -194,6 +311,7 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
                 f"expected a KeyedJaggedTensor, SparseFeatures or ids [batch, tables], got {type(kjt).__name__}"
             )
         _check_kjt(kjt, self.feature_names)
+        self._follow_in_backward()
         self._warn_extra_keys(kjt)
         if kjt.weights_or_none() is not None and not self._is_weighted:
             raise InvalidInputError(
@@ -251,6 +369,47 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
             raise InvalidInputError(f"expected {len(self._torchrec_tables)} tables, got {len(tables)}")
         for group, collection in zip(self._groups, self.collections, strict=True):
             collection.load_tables([tables[i] for i in group.tables])
+
+
+TORCHREC_PREFIX = "embedding_bags."  # TorchRec's EmbeddingBagCollection: embedding_bags.<table>.weight
+
+
+def _load_torchrec_weights(module: nn.Module, incompatible: Any) -> None:
+    """After a load of TorchRec-keyed weights: our own keys were not expected, the tables without a weight
+    are (and keep their rows), and the weights are rounded into the tables' storage precision."""
+    pending = module.__dict__.pop("_torchrec_weights", None)
+    if pending is None or not isinstance(module, KeyedCachedEmbeddingBagCollection):
+        return
+    prefix, weights = pending
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(prefix)]
+    incompatible.missing_keys.extend(
+        f"{prefix}{TORCHREC_PREFIX}{name}.weight" for name in module.table_names if name not in weights
+    )
+    current = module.export_tables()
+    with torch.no_grad():
+        module.load_tables(
+            [
+                weights[name].detach().float().cpu() if name in weights else current[i]
+                for i, name in enumerate(module.table_names)
+            ]
+        )
+    logger.info("loaded TorchRec weights of tables %s", sorted(weights))
+
+
+class _OptimizerSlots(nn.ParameterList):
+    """One empty parameter per table ([0, dim]), for TorchRec's `apply_optimizer_in_backward(cls, ebc.parameters(),
+    kwargs)` to attach the tables' optimizer to, as it does to an `EmbeddingBagCollection`'s weights (our
+    rows are no parameters: their update is fused in backward). They never take a gradient (a torch optimizer
+    given them skips them) and are not in the state dict."""
+
+    def __init__(self, dims: list[int]) -> None:
+        super().__init__([nn.Parameter(torch.empty(0, dim)) for dim in dims])  # [0 rows, dim]: 2-D as a table
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        return None
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def _placement(device: Any) -> dict[str, str]:

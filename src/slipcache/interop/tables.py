@@ -31,6 +31,13 @@ PER_TABLE_OPTIONS = ("precision", "cache_size", "cache_rows")
 DATA_TYPES = {"FP32": "fp32", "FP16": "fp16", "BF16": "bf16", "INT8": "int8", "UINT8": "int8", "INT4": "int4"}
 
 
+def data_type_named(name: str) -> Any:
+    """TorchRec's `DataType` of that name (INT8, INT4, FP16, BF16, FP32)."""
+    from torchrec.modules.embedding_configs import DataType
+
+    return DataType[name]
+
+
 def pooling_name(pooling: Any) -> str:
     name = str(getattr(pooling, "value", pooling)).lower()
     if name not in ("sum", "mean"):

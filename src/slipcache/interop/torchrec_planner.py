@@ -28,16 +28,23 @@ from torchrec.distributed.planner.types import ShardingOption, Storage
 from slipcache.embedding.collection import CachedEmbeddingBagCollection
 from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection
 from slipcache.interop.tables import group_config
+from slipcache.interop.torchrec_fused import fused_params_options
 
 DEVICE_COMPONENTS = ("cache_rows", "cache_bookkeeping")  # on an accelerator, what lives in its memory
 
 
 def shard_bytes(
-    module: KeyedCachedEmbeddingBagCollection, table: str, rows: int, columns: int, cache_share: float | None
+    module: KeyedCachedEmbeddingBagCollection,
+    table: str,
+    rows: int,
+    columns: int,
+    cache_share: float | None,
+    fused_params: dict[str, Any] | None = None,
 ) -> dict[str, int]:
-    """Bytes of one shard ([rows, columns] of `table`) by component, as the collection accounts them."""
+    """Bytes of one shard ([rows, columns] of `table`) by component, as the collection accounts them, with
+    the options the sharder's `fused_params` and `apply_optimizer_in_backward` give its shards."""
     config = next(t for t in module.embedding_bag_configs() if str(t.name) == table)
-    options = dict(module.options)
+    options = {**module.options, **fused_params_options(fused_params), **(module.in_backward_options() or {})}
     if cache_share is not None:
         options["cache_size"] = cache_share
         options.pop("cache_rows", None)
@@ -55,9 +62,11 @@ class SlipcacheStorageEstimator(EmbeddingStorageEstimator):
             module = option.module[1]
             if not isinstance(module, KeyedCachedEmbeddingBagCollection):
                 continue
+            data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
+            fused = getattr(data, "fused_params", None)
             for shard in option.shards:
                 rows, columns = int(shard.size[0]), int(shard.size[1])
-                components = shard_bytes(module, option.name, rows, columns, option.cache_load_factor)
+                components = shard_bytes(module, option.name, rows, columns, option.cache_load_factor, fused)
                 on_device = sum(components[c] for c in DEVICE_COMPONENTS) if accelerator else 0
                 shard.storage = Storage(hbm=on_device, ddr=sum(components.values()) - on_device)
 

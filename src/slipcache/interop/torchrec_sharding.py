@@ -50,6 +50,7 @@ from slipcache.errors import SlipcacheError
 from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection
 from slipcache.interop.tables import table_precision
 from slipcache.interop.torchrec_checkpoint import load_sharded_state_dict, shard_name, sharded_state_dict
+from slipcache.interop.torchrec_fused import fused_params_options
 from slipcache.interop.torchrec_optim import CachedTablesOptimizer
 
 SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value)
@@ -64,10 +65,25 @@ class KeyedCachedEmbeddingBagCollectionSharder(ModuleSharder[KeyedCachedEmbeddin
 
     `ParameterConstraints(cache_params=CacheParams(load_factor=s))` for a table sets its cache share `s`
     (our `cache_size`) in its shards; precision and the other options are the collection's own.
+    `fused_params` (as TorchRec's `EmbeddingBagCollectionSharder`'s: optimizer, learning_rate, eps,
+    weight_decay, weight_decay_mode L2, beta1, beta2, stochastic_rounding, cache_load_factor) override the
+    collection's options in every shard, and what `apply_optimizer_in_backward` set on the collection's
+    parameters overrides them (`torchrec_fused.py`); other keys are refused in one line.
     """
 
-    def __init__(self, qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None) -> None:
+    def __init__(
+        self,
+        fused_params: dict[str, Any] | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
         super().__init__(qcomm_codecs_registry)
+        fused_params_options(fused_params)  # refused here, at once, rather than at sharding
+        self._fused_params = dict(fused_params or {})
+
+    @property
+    def fused_params(self) -> dict[str, Any]:
+        """The sharder's fused_params, as given (TorchRec's planner reads `cache_load_factor` from them)."""
+        return dict(self._fused_params)
 
     @property
     def module_type(self) -> type[KeyedCachedEmbeddingBagCollection]:
@@ -81,8 +97,10 @@ class KeyedCachedEmbeddingBagCollectionSharder(ModuleSharder[KeyedCachedEmbeddin
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedKeyedCachedEmbeddingBagCollection:
+        overrides = fused_params_options(self._fused_params)
+        overrides.update(module.in_backward_options() or {})
         return ShardedKeyedCachedEmbeddingBagCollection(
-            module, params, env, device or torch.device("cpu"), self.qcomm_codecs_registry
+            module, params, env, device or torch.device("cpu"), self.qcomm_codecs_registry, overrides
         )
 
     def shardable_parameters(self, module: KeyedCachedEmbeddingBagCollection) -> dict[str, nn.Parameter]:
@@ -122,7 +140,9 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         env: ShardingEnv,
         device: torch.device,
         qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+        overrides: Mapping[str, Any] | None = None,
     ) -> None:
+        """`overrides`: options that replace the module's in every shard (the sharder's fused_params)."""
         super().__init__(qcomm_codecs_registry)
         self._env = env
         self._configs = module.embedding_bag_configs()
@@ -136,7 +156,9 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         tables = None if module.placement.get("storage_device") == "meta" else module.export_tables()
         # per sharding type: TorchRec's description of each shard this rank holds, in its lookup's order
         self.local_tables = [_tables_of_rank(sharding, env.rank) for sharding in self._shardings]
-        lookups = nn.ModuleList(_local_lookup(module, mine, params, device, tables) for mine in self.local_tables)
+        lookups = nn.ModuleList(
+            _local_lookup(module, mine, params, device, tables, overrides or {}) for mine in self.local_tables
+        )
         # A ModuleList (child modules: state dict, device moves); to a type checker, what it holds.
         self.lookups = cast("Sequence[KeyedCachedEmbeddingBagCollection | _NoShards]", lookups)
         self._input_order: list[int] | None = None  # the input KJT's features in the shardings' order
@@ -333,12 +355,16 @@ def _output_columns(shardings: list[Any], configs: list[Any]) -> Tensor:
 
 
 def _shard_options(
-    module: KeyedCachedEmbeddingBagCollection, mine: list[Any], params: dict[str, ParameterSharding]
+    module: KeyedCachedEmbeddingBagCollection,
+    mine: list[Any],
+    params: dict[str, ParameterSharding],
+    overrides: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The module's options for this rank's shards: per-table values keyed by shard name, each table's
-    precision (its data_type or the precision option), and the cache share its plan entry gives."""
+    """The module's options for this rank's shards (`overrides` replacing them): per-table values keyed by
+    shard name, each table's precision (its data_type or the precision option), and the cache share its plan
+    entry gives."""
     configs = {str(t.name): t for t in module.embedding_bag_configs()}
-    options = dict(module.options)
+    options = {**module.options, **overrides}
     options["precision"] = {shard_name(t): table_precision(module.options, configs[t.name]) for t in mine}
     for key in ("cache_size", "cache_rows"):
         if isinstance(options.get(key), Mapping):
@@ -369,6 +395,7 @@ def _local_lookup(
     params: dict[str, ParameterSharding],
     device: torch.device,
     tables: list[Tensor] | None,
+    overrides: Mapping[str, Any],
 ) -> nn.Module:
     """This rank's shards of one sharding type as our collection. Its features are named by position (a
     column-wise table split twice on one rank reads its features twice), in the order the input
@@ -389,7 +416,7 @@ def _local_lookup(
         position += count
     if not configs:
         return _NoShards()
-    options = _shard_options(module, mine, params)
+    options = _shard_options(module, mine, params, overrides)
     lookup = KeyedCachedEmbeddingBagCollection(
         configs, is_weighted=module.is_weighted(), device=device, **options
     )

@@ -11,7 +11,8 @@ Our state_dict keeps its own keys (each table group's storage, cache, optimizer 
                                               quantize_embeddings(model, dtype=torch.qint8)`)
 
 Values are the rows the model reads (cached rows overlaid on storage); loading rounds fp32 to nearest
-into the storage precision and empties the caches.
+into the storage precision and empties the caches. A plain `ours.load_state_dict(torchrec_state)` (or a whole
+model's) loads TorchRec's keys the same way (`KeyedCachedEmbeddingBagCollection._load_from_state_dict`).
 """
 
 from __future__ import annotations

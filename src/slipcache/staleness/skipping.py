@@ -37,6 +37,7 @@ replays the recorded bits there instead of deciding again with today's state, th
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -53,6 +54,8 @@ from slipcache.staleness.config import GuardConfig
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.guard import GuardDecision, SkipGuard
 from slipcache.staleness.hotset import HotSet
+
+logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 4
 THRESHOLD_SAMPLE_MIN = 4096
@@ -311,6 +314,14 @@ class StaleSkipper:
         result = det.fit_threshold(sample)
         self.fits.append({"epoch": det.epoch, "batch": self.batch, "threshold": result.threshold,
                           "ratio": result.achieved_ratio, "converged": result.converged, "reason": result.reason})
+        if result.threshold is None:
+            # Silence here would read as "nothing was stale"; the usual cause is a common row that most hot
+            # inputs share, whose change moves their share across the whole band at once.
+            logger.warning(
+                "stale skipping: no threshold makes %.0f %% of the sampled hot inputs stale (%s); this epoch "
+                "skips nothing (summary.json's staleness.threshold_fits has each fit)",
+                100 * result.target, result.reason,
+            )
 
     def _keep_frequent(self, sample_share: float) -> None:
         """Drop hot rows expected to be accessed fewer than `stale_min_accesses` times in a window.

@@ -196,7 +196,9 @@ def config_from_saved(saved: Any, where: str) -> TrainConfig:
     """A run's config from its checkpoint or config.json, checked like any other input."""
     if not isinstance(saved, dict):
         raise SlipcacheError(f"{where} holds no run config")
+    # huge_pages was None ("the environment's choice") in runs saved before it was a plain setting
+    given = {k: v for k, v in saved.items() if k in CONFIG_FIELDS and not (k == "huge_pages" and v is None)}
     try:
-        return TrainConfig.from_flat({k: v for k, v in saved.items() if k in CONFIG_FIELDS})
+        return TrainConfig.from_flat(given)
     except SlipcacheError as exc:
         raise SlipcacheError(f"{where} holds an invalid run config: {exc}") from exc

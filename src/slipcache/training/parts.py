@@ -16,7 +16,7 @@ from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import AUTOCAST_DTYPES, EMBEDDING_KINDS, INTERACTIONS, ModelConfig
-from slipcache.options import HUGE_PAGES_DEFAULT, HUGE_PAGES_HELP, THREADS_DEFAULT, THREADS_HELP
+from slipcache.options import HUGE_PAGES_HELP, THREADS_DEFAULT, THREADS_HELP
 from slipcache.staleness.config import (
     FREEZE_MODES,
     HOT_SETS,
@@ -141,7 +141,7 @@ class EmbeddingSettings:
 class ModelSettings:
     """The MLPs, their optimizer and the seed; the shapes are checked by `ModelConfig` itself."""
 
-    dense_lr: float | None = _flag(None, "MLP learning rate", resume="changeable", within="(0, float32]",
+    dense_lr: float | None = _flag(None, "MLP learning rate", resume="changeable", within="[0, float32]",
                                    default_text="--lr")
     dense_optimizer: str = _flag("sgd", "MLP optimizer", resume="fixed", choices=DENSE_OPTIMIZERS)
     embedding_dim: int = _flag(help="embedding dimension", resume="fixed",
@@ -198,7 +198,8 @@ class ScheduleSettings:
                                         default_text="4 percent of the run's steps")
     lr_decay_start: int | None = _flag(None, "mlperf schedule: the step the decay starts at", resume="changeable",
                                        within="[0, inf)", metavar="STEP", default_text="75 percent of the run's steps")
-    lr_decay_steps: int | None = _flag(None, "mlperf schedule: steps of the decay to its floor", resume="changeable",
+    lr_decay_steps: int | None = _flag(None, "mlperf schedule: steps of the decay (its last rate then holds)",
+                                       resume="changeable",
                                        within="[0, inf)", metavar="STEPS", default_text="the rest of the run")
     keep_checkpoints: int = _flag(2, "periodic checkpoints kept on disk, newest first (the MLPerf tables take "
                                   "15 GB each)", resume="changeable", within="[1, inf)")
@@ -220,8 +221,7 @@ class ProcessSettings:
 
     threads: int | None = _flag(None, f"{THREADS_HELP}; a resume keeps the run's unless given", resume="free",
                                 within="(0, inf)", default_text=THREADS_DEFAULT, type="positive_int")
-    huge_pages: str | None = _flag(None, HUGE_PAGES_HELP, resume="free", choices=HUGE_PAGE_MODES,
-                                   default_text=HUGE_PAGES_DEFAULT)
+    huge_pages: str = _flag(help=HUGE_PAGES_HELP, resume="free", choices=HUGE_PAGE_MODES, sets="embedding.huge_pages")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -19,6 +19,7 @@ from matplotlib.ticker import FuncFormatter
 
 from slipcache.plotting import STYLE, pyplot, samples_axis
 from slipcache.safe_files import write_atomic
+from slipcache.training.settings import change_lines
 
 plt = pyplot()
 
@@ -188,6 +189,17 @@ def write_report(run_dir: str | Path, events: list[dict[str, Any]], summary: dic
         lines += ["## Malformed input lines", "",
                   f"{quality['malformed_lines']:,} of {total:,} lines were malformed and skipped. The first:", ""]
         lines += [f"- `{example}`" for example in quality["examples"]] + [""]
+    history = config.get("changed_on_resume") or []
+    if history:  # --allow-changes: the settings above are the final ones; these are what they were before
+        lines += ["## Settings changed on resume", "",
+                  "The run was resumed with other settings (`--allow-changes`); the config below shows the final "
+                  "ones. Each change took effect from the sample given:", ""]
+        lines += [f"- {line}" for entry in history for line in change_lines(entry)]
+        if any("data_fingerprint" in entry.get("changes", {}) for entry in history):
+            lines.append("- the dataset changed (its content differs from the data trained before), at sample "
+                         + ", ".join(f"{int(e.get('samples') or 0):,}" for e in history
+                                     if "data_fingerprint" in e.get("changes", {})))
+        lines.append("")
     for title, name in plots.items():
         if name and (run_dir / name).is_file():  # a link only to a plot on disk
             lines += [f"## {title}", "", f"![{title}]({name})", ""]

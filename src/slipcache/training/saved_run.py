@@ -62,11 +62,15 @@ def _require_storage_dir(config: TrainConfig, where: Path) -> None:
         )
 
 
-def load_saved_model(checkpoint: TrainingCheckpoint, num_dense: int, *, dense: bool = True) -> DLRM:
-    """The run's model with the checkpoint's tables (and, with `dense`, its MLPs) in one process."""
+def load_saved_model(checkpoint: TrainingCheckpoint, num_dense: int, *, dense: bool = True,
+                     huge_pages: str | None = None) -> DLRM:
+    """The run's model with the checkpoint's tables (and, with `dense`, its MLPs) in one process;
+    `huge_pages`: this process's choice (the command's flag) instead of the run's."""
     # every row comes from the checkpoint: no initial draw to overwrite
     state = checkpoint.state
     config = saved_config(checkpoint)
+    if huge_pages is not None:
+        config.process.huge_pages = huge_pages
     _require_storage_dir(config, checkpoint.path)
     model = build_model(config, state["table_sizes"], num_dense, draw_rows=False)
     checkpoint.load_into(model, dense=dense)

@@ -1,7 +1,8 @@
 """`--lr-schedule mlperf`: the learning-rate schedule of the MLPerf DLRM reference, for the MLPs and the tables.
 
 The rate rises linearly from 0 over the warm-up steps, holds, then from the decay start falls as the square of
-the remaining share of the decay steps, to a floor of LR_FLOOR x the base rate, where it stays. Step counts
+the remaining share of the decay steps, and after them stays at the last one's (1 / decay steps)^2, as the
+reference's `LRPolicyScheduler` freezes at its last rate (no floor of its own: a rate of 0 is valid). Step counts
 not given follow the run's length as the reference's do its own: warm-up over the first 4 % of the steps,
 decay from 75 % to the end. The factor depends on the step alone, so a resumed run follows the same curve.
 """
@@ -16,7 +17,6 @@ from slipcache.callback import Callback
 if typing.TYPE_CHECKING:
     from slipcache.training.run import Run
 
-LR_FLOOR = 1e-4  # the decayed rate never reaches 0: the tail still trains a little
 WARMUP_SHARE, DECAY_START_SHARE = 0.04, 0.75
 
 
@@ -25,8 +25,8 @@ def lr_factor(step: int, warmup: int, decay_start: int, decay_steps: int) -> flo
     if step < warmup:
         return (step + 1) / warmup
     if decay_steps > 0 and step >= decay_start:
-        left = max(0, decay_start + decay_steps - step) / decay_steps
-        return max(LR_FLOOR, left * left)
+        left = max(1, decay_start + decay_steps - step) / decay_steps  # after the decay: its last rate
+        return left * left
     return 1.0
 
 
@@ -59,7 +59,7 @@ class LRSchedule(Callback):
     def __init__(self, run: Run) -> None:
         total_steps = run.budget // run.config.schedule.batch_size
         self.steps = schedule_steps(run.config, total_steps)
-        self.dense_lr = run.config.model.dense_lr or run.config.embeddings.lr
+        self.dense_lr = run.config.embeddings.lr if run.config.model.dense_lr is None else run.config.model.dense_lr
         self.lr = run.config.embeddings.lr
 
     def on_start(self, run: Run) -> None:

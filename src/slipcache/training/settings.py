@@ -95,6 +95,8 @@ def _range_problem(value: float, within: tuple[str, float, float, bool, bool]) -
         return "must be positive"
     if too_low and high == math.inf:
         return "must be 0 or more" if low == 0 else f"must be at least {low:g}"
+    if too_low and low == 0 and high == FLOAT32_MAX:  # a rate: 0 keeps those parameters as they are
+        return "must be >= 0"
     if too_high and high == FLOAT32_MAX:
         return f"must fit a float32 (at most {FLOAT32_MAX:.3g})"
     if too_high and wide and low == 0 and low_open:
@@ -142,12 +144,16 @@ def check_library(part: Any, library: str, build: Callable[[dict[str, Any]], Any
     building it with them (`build(options)`): the range is that config's, written there once; its error is
     said again naming the setting, as the user spelled it."""
     fields = {f.name: f for f in dataclasses.fields(part)}
+    spelled_as = {target.split(".")[1]: flag_strings(name, f)[0] for name, f in fields.items()
+                  for target in f.metadata["sets"] if target.startswith(f"{library}.")}
     try:
         build(part_options(part, fields, library))
     except SettingError as exc:
         for name, f in fields.items():
             if f"{library}.{exc.name}" in f.metadata["sets"]:
                 spelled, message = setting_name(name, f), str(exc)
+                if exc.predicate is not None and f.metadata["scale"] == 1:
+                    raise SlipcacheError(f"{spelled} {exc.predicate.format_map(spelled_as)}") from None
                 if message.startswith(exc.name + " ") and f.metadata["scale"] == 1:  # else: the part's unit
                     raise SlipcacheError(spelled + message[len(exc.name):]) from None
                 raise SlipcacheError(f"{spelled}: {message}") from None
@@ -346,3 +352,18 @@ def _keys_sharing_words(name: str, fields: dict[str, dataclasses.Field]) -> list
         return -len(words & parts), len(parts - words), -difflib.SequenceMatcher(None, name, key).ratio()
 
     return sorted((key for key in fields if words & set(key.split("_"))), key=rank)
+
+
+def change_lines(entry: dict[str, Any]) -> list[str]:
+    """One line per setting a resume changed (an entry of config.json's `changed_on_resume`):
+    "lr 0.5 → 0.3, at sample 1,280". A change of data is said by its own warning, not as digests."""
+    samples = int(entry.get("samples") or 0)
+    return [
+        f"{name} {_setting_text(old)} → {_setting_text(new)}, at sample {samples:,}"
+        for name, (old, new) in entry.get("changes", {}).items()
+        if name != "data_fingerprint"
+    ]
+
+
+def _setting_text(value: Any) -> str:
+    return "none" if value is None else str(value)

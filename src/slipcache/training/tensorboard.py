@@ -65,16 +65,31 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def summary_writer_class() -> Any:
+    """torch's SummaryWriter, or the one-line error naming the extra when the tensorboard package is missing.
+
+    A run asks for it before it creates anything (`check_available`), so a refusal leaves no directory
+    behind to block the retry."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise SlipcacheError(
+            "--tensorboard needs the tensorboard package: pip install 'slipcache[tensorboard]'"
+        ) from exc
+    return SummaryWriter
+
+
+def check_available(setting: str | None) -> None:
+    """Refuse `--tensorboard` without the tensorboard package, before the run creates a directory or data."""
+    if setting is not None:
+        summary_writer_class()
+
+
 class TensorBoardWriter:
     """Event files in `log_dir`, flushed every few seconds so a run can be followed while it trains."""
 
     def __init__(self, log_dir: str | Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise SlipcacheError(
-                "--tensorboard needs the tensorboard package: pip install 'slipcache[tensorboard]'"
-            ) from exc
+        SummaryWriter = summary_writer_class()  # noqa: N806  (a class)
         self.log_dir = Path(log_dir)
         self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=5)
 
@@ -117,6 +132,7 @@ def open_writer(setting: str | None, run_dir: Path) -> TensorBoardWriter | None:
     """None when not asked for; "" means `<run dir>/tensorboard`; a relative DIR lies in the run directory."""
     if setting is None:
         return None
+    check_available(setting)  # before its directory: a refusal creates nothing
     log_dir = run_dir / (setting or "tensorboard")
     if log_dir.is_relative_to(run_dir):  # inside the run: no directory on the way is a link
         ensure_dir(log_dir, inside=run_dir)

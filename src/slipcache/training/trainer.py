@@ -20,6 +20,7 @@ so an interrupted run resumed with `--resume` ends exactly where the uninterrupt
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import random
 import time
@@ -34,7 +35,7 @@ from slipcache.errors import SlipcacheError
 from slipcache.iostats import AnonPeak
 from slipcache.memory import peak_rss_bytes
 from slipcache.model import DLRM
-from slipcache.options import huge_pages, torch_threads
+from slipcache.options import torch_threads
 from slipcache.progress import progress_bar
 from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
@@ -56,11 +57,15 @@ from slipcache.training.features import run_callbacks
 from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
 from slipcache.training.schedule import budget_steps, nearest_quotient
+from slipcache.training.settings import change_lines
+from slipcache.training.tensorboard import check_available as check_tensorboard
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 from slipcache.units import amount
 
 if TYPE_CHECKING:
     from slipcache.training.run import Run
+
+logger = logging.getLogger(__name__)
 
 # bench/train.py and benchmarks/runner.py read these as trainer.<name>: one seam for a fake trainer in the tests.
 __all__ = ["TrainConfig", "evaluate", "open_dataset", "prepare_data", "resolve_schedule", "train"]
@@ -168,6 +173,8 @@ def _crossed(before: int, after: int, every: int) -> bool:
 def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.ExitStack) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.run.resume`); `settings` takes
     this process's threads and huge pages for the run, put back when it closes."""
+    if backend.writes_files:  # the extra is missing: refused before any directory or data is made
+        check_tensorboard(config.schedule.tensorboard)
     checkpoint: TrainingCheckpoint | None = None
     saved: dict[str, Any] = {}
     changes: dict[str, list[Any]] = {}
@@ -175,6 +182,8 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
     if config.run.resume is not None:
         checkpoint, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
         run_dir = Path(config.run.out or "")
+        if backend.writes_files:  # a run that had --tensorboard keeps it: refused before the model is built
+            check_tensorboard(config.schedule.tensorboard)
     else:
         out = (Path(config.run.out) if config.run.out else new_run_dir()).expanduser().resolve()
         new_dirs = [p for p in (out, *out.parents) if not p.exists()]
@@ -182,7 +191,6 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
     lock = None
     try:
         settings.enter_context(torch_threads(config.process.threads))  # torch's and the compiled loops' threads
-        settings.enter_context(huge_pages(config.process.huge_pages))  # how this process allocates the tables
         if config.data.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
             config.data.data = str(resolve_data(config.data.data))
         if config.embeddings.storage_path:  # absolute too: a resume, eval or export from elsewhere uses this one
@@ -199,6 +207,9 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
         state = checkpoint.state if checkpoint is not None else None
         config_dict = run_record(config, dataset, dataset_dir, saved, changes, state)
         lock = backend.claim_run_dir(run_dir, config_dict)  # one writer per run directory from here on
+        if changes and backend.writes_files:  # --allow-changes: each change said once, where it takes effect
+            for line in change_lines(config_dict["changed_on_resume"][-1]):
+                logger.info(f"slipcache train: resuming with {line} (--allow-changes)")
         run = _build_run(config, config_dict, run_dir, dataset, checkpoint, changes, backend)
     except BaseException:
         if lock is not None:
