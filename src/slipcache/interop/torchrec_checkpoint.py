@@ -45,6 +45,9 @@ def sharded_state_dict(module: Any, destination: dict[str, Any], prefix: str) ->
     """Every table of the sharded `module` as a ShardedTensor of its fp32 rows under `prefix`."""
     pieces = _local_rows(module)
     for name, metadata in module.global_metadata().items():
+        if metadata is None:  # data-parallel: every rank holds the whole table, a plain (replicated) tensor
+            destination[prefix + torchrec_key(name)] = next(rows for t, rows in pieces if t.name == name)
+            continue
         shards = [Shard(rows, table.local_metadata) for table, rows in pieces if table.name == name]
         destination[prefix + torchrec_key(name)] = sharded_tensor_from_local_shards(
             shards, metadata, module.process_group
@@ -81,6 +84,10 @@ def load_sharded_state_dict(
 
 def _shard_rows(value: Any, table: Any) -> Tensor:
     """The rows of one shard (`table`: TorchRec's description of it) in a saved value."""
+    if table.local_metadata is None:  # data-parallel: the whole table
+        if isinstance(value, ShardedTensor) or not isinstance(value, Tensor) or value.dim() != 2:
+            raise InvalidInputError(f"table {table.name!r}: expected a [rows, dim] tensor (data-parallel)")
+        return value
     offsets, sizes = table.local_metadata.shard_offsets, table.local_metadata.shard_sizes
     if isinstance(value, ShardedTensor):
         for shard in value.local_shards():
@@ -98,6 +105,8 @@ def _shard_rows(value: Any, table: Any) -> Tensor:
 
 def shard_name(table: Any) -> str:
     """A shard's table name: the table's, with its first column where it holds only some."""
+    if table.local_metadata is None:  # data-parallel: the whole table
+        return str(table.name)
     columns = table.local_metadata.shard_sizes[1]
     return (
         table.name
@@ -142,6 +151,13 @@ def optimizer_state(module: Any) -> dict[str, dict[str, Any]]:
             continue
         values: dict[str, list[Shard]] = {}
         metadata = shards[0][0].global_metadata
+        if metadata is None:  # data-parallel: plain tensors of the whole table's state
+            table, collection, index = shards[0]
+            rows = _state_rows(collection, index, int(table.local_rows)).detach().float().clone()
+            state[name] = _replicated_state(name, kind, rows, int(table.local_cols))
+            if kind == "adam":
+                state[name][f"{name}.step"] = torch.tensor(collection.optimizer.steps, dtype=torch.int64)
+            continue
         for table, collection, index in shards:
             rows = _state_rows(collection, index, int(table.local_rows)).detach().float().clone()
             if kind == "rowwise_adagrad":
@@ -168,6 +184,26 @@ def optimizer_state(module: Any) -> dict[str, dict[str, Any]]:
     return state
 
 
+def _replicated_state(name: str, kind: str, rows: Tensor, cols: int) -> dict[str, Any]:
+    """A data-parallel table's optimizer state by TorchRec's names, as plain tensors (laid out as the
+    ShardedTensors of a table in one shard)."""
+    if kind == "rowwise_adagrad":
+        return {f"{name}.momentum1": rows.unsqueeze(1)}
+    if kind == "adam":
+        return {
+            f"{name}.momentum1": rows[:, :cols].contiguous(),
+            f"{name}.momentum2": rows[:, cols:].contiguous(),
+        }
+    return {f"{name}.momentum1": rows}
+
+
+def _local_values(value: Any) -> list[Tensor]:
+    """A loaded state value's local pieces: a ShardedTensor's local shards, or a plain tensor itself."""
+    if isinstance(value, ShardedTensor):
+        return [shard.tensor for shard in value.local_shards()]
+    return [value]
+
+
 def load_optimizer_state(module: Any, state: Mapping[str, Mapping[str, Any]]) -> None:
     """Write `optimizer_state(module)`-shaped values (loaded in place) back into the collections."""
     for name, shards in _held_shards(module).items():
@@ -175,9 +211,9 @@ def load_optimizer_state(module: Any, state: Mapping[str, Mapping[str, Any]]) ->
             continue
         values = state[name]
         kind = shards[0][1].config.optimizer
-        locals_ = {key: values[key].local_shards() for key in values if key != f"{name}.step"}
+        locals_ = {key: _local_values(values[key]) for key in values if key != f"{name}.step"}
         for position, (table, collection, index) in enumerate(shards):
-            parts = [locals_[key][position].tensor for key in sorted(locals_)]
+            parts = [locals_[key][position] for key in sorted(locals_)]
             loaded = parts[0].squeeze(1) if kind == "rowwise_adagrad" else torch.cat(parts, dim=1)
             rows = _state_rows(collection, index, int(table.local_rows))
             if loaded.shape != rows.shape:
