@@ -7,6 +7,7 @@ another number of processes. fp32 storage and a cache holding every row make the
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -118,7 +119,16 @@ def test_sharded_training_equals_the_unsharded_collection_and_checkpoints_throug
     run_ranks(_sharded_training_equals_unsharded, str(tmp_path / "dcp"))
 
 
-def _every_sharding_type_equals_unsharded(rank: int, world_size: int, directory: str, optimizer: str) -> None:
+KINDS = {
+    "every_type": ["data_parallel", "row_wise", "row_wise", "table_column_wise"],
+    "table_row_wise": ["data_parallel", "table_row_wise", "table_row_wise", "table_wise"],
+    "two_hosts": ["data_parallel", "table_row_wise", "table_row_wise", "table_wise"],
+}
+
+
+def _every_sharding_type_equals_unsharded(
+    rank: int, world_size: int, directory: str, optimizer: str, kind: str
+) -> None:
     """Row-wise (sum and mean pooling; 40 and 20 rows over 2 ranks), data-parallel (a table two features
     read) and table-column-wise shards train as one process on the global batch: outputs each step, then
     every shard's rows (and the data-parallel replicas, identical) within 1e-6; a DCP checkpoint of them
@@ -133,13 +143,15 @@ def _every_sharding_type_equals_unsharded(rank: int, world_size: int, directory:
 
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
+    if kind == "two_hosts":
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # TorchRec's hosts: one rank each
     options = {**OPTIONS, "optimizer": optimizer}
     reference = allow_independent_replicas(KeyedCachedEmbeddingBagCollection(shards.tables(), **options))
     sharder = KeyedCachedEmbeddingBagCollectionSharder()
     model = shards.TablesModel(KeyedCachedEmbeddingBagCollection(shards.tables(), **options))
-    plan = shards.plan(model.tables, sharder, "every_type")
+    plan = shards.plan(model.tables, sharder, kind)
     kinds = {name: p.sharding_type for name, p in plan.plan["tables"].items()}
-    assert sorted(kinds.values()) == ["data_parallel", "row_wise", "row_wise", "table_column_wise"]
+    assert sorted(kinds.values()) == KINDS[kind]
     sharded = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder], plan=plan)
     weights = torch.randn(BATCH * world_size, 36, generator=torch.Generator().manual_seed(7))
     for step in range(STEPS + 1):
@@ -180,7 +192,9 @@ def _check_row_shards(sharded: torch.nn.Module, reference: object) -> None:
                 expected = whole[first : first + count, start : start + width]
             torch.testing.assert_close(rows, expected, rtol=0, atol=1e-6)
             checked.add(table.name)
-    assert checked == {"t0", "t1", "t2", "t3"}
+    held: list[object] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(held, sorted(checked))
+    assert set().union(*held) == {"t0", "t1", "t2", "t3"}  # every table checked on some rank
 
 
 @pytest.mark.slow
@@ -188,7 +202,14 @@ def _check_row_shards(sharded: torch.nn.Module, reference: object) -> None:
 def test_row_wise_data_parallel_and_table_column_wise_train_as_one_process(
     tmp_path: Path, optimizer: str
 ) -> None:
-    run_ranks(_every_sharding_type_equals_unsharded, str(tmp_path / "dcp"), optimizer)
+    run_ranks(_every_sharding_type_equals_unsharded, str(tmp_path / "dcp"), optimizer, "every_type")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hosts", ["table_row_wise", "two_hosts"])
+def test_table_row_wise_trains_as_one_process(tmp_path: Path, hosts: str) -> None:
+    """Table-row-wise on one host of 2 ranks, and on 2 hosts of one rank (its all-to-all across hosts)."""
+    run_ranks(_every_sharding_type_equals_unsharded, str(tmp_path / "dcp"), "adagrad", hosts)
 
 
 def _dlrm(tables: torch.nn.Module) -> torch.nn.Module:

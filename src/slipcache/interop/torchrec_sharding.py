@@ -13,13 +13,16 @@ whose backward updates the rows the rank holds. The sharding types, on CPU (gloo
 - row-wise: TorchRec's `RwPooledEmbeddingSharding` (ids bucketized by row range and sent to the rank
   holding it, the ranks' partial pooled sums reduce-scattered back); mean pooling is a sum on the shards,
   divided by the bag lengths once the partial sums are combined;
+- table-row-wise: TorchRec's `TwRwPooledEmbeddingSharding` (rows cut over the ranks of one host: ids
+  bucketized within the host, partial sums reduce-scattered within it, then all-to-all across hosts), mean
+  pooling as row-wise;
 - data-parallel: every rank holds the whole table. The ranks' ids are all-gathered (TorchRec's KJT
   all-to-all, each rank sending its batch to every rank), every rank looks the global batch up and keeps
   its own samples, and backward all-gathers the output gradient: each replica applies the same update to
   the global batch, so the replicas stay identical (the equivalent of all-reducing the table gradient
   before the fused update), as one process would on the whole batch.
 
-Table-row-wise is refused (TABLE_ROW_WISE_REFUSAL).
+Grid sharding (and any other type) is refused in one line (REFUSAL).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import (
     Awaitable,
     LazyAwaitable,
@@ -72,22 +76,22 @@ TW, CW, TWCW = (
     ShardingType.COLUMN_WISE.value,
     ShardingType.TABLE_COLUMN_WISE.value,
 )
-RW, DP = ShardingType.ROW_WISE.value, ShardingType.DATA_PARALLEL.value
+RW, TWRW, DP = (
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.DATA_PARALLEL.value,
+)
 # the sharding types offered, in the order of the lookups (and of their output columns before reordering)
-SHARDING_TYPES = (TW, CW, TWCW, RW, DP)
+SHARDING_TYPES = (TW, CW, TWCW, RW, TWRW, DP)
+ROW_CUTS = (RW, TWRW)  # a table's rows cut over ranks: partial sums combined after the lookup
 REFUSAL = "table {table!r}: {kind} sharding is not offered for slipcache's tables; use one of " + ", ".join(
     SHARDING_TYPES
-)
-TABLE_ROW_WISE_REFUSAL = (
-    "table {table!r}: table_row_wise sharding is not offered for slipcache's tables (its two-level output "
-    "distribution, reduce-scatter within a host then all-to-all across hosts, is not wired to our lookups); "
-    "use row_wise to split a table's rows over all ranks, or table_wise"
 )
 
 
 class KeyedCachedEmbeddingBagCollectionSharder(ModuleSharder[KeyedCachedEmbeddingBagCollection]):
     """TorchRec's sharder for `KeyedCachedEmbeddingBagCollection`: table-wise, column-wise,
-    table-column-wise, row-wise and data-parallel, on CPU and GPUs.
+    table-column-wise, row-wise, table-row-wise and data-parallel, on CPU and GPUs.
 
     `ParameterConstraints(cache_params=CacheParams(load_factor=s))` for a table sets its cache share `s`
     (our `cache_size`) in its shards; precision and the other options are the collection's own.
@@ -208,7 +212,7 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         self._mean_features = [
             (f, _feature_columns(self._configs, f))
             for t in self._configs
-            if params[str(t.name)].sharding_type == RW and t.pooling == PoolingType.MEAN
+            if params[str(t.name)].sharding_type in ROW_CUTS and t.pooling == PoolingType.MEAN
             for f in t.feature_names
         ]
         self._optimizer = CachedTablesOptimizer(self)
@@ -313,7 +317,7 @@ class ShardedKeyedCachedEmbeddingBagCollection(
 
     def global_metadata(self) -> dict[str, Any]:
         """Each table's shards over the ranks (TorchRec's ShardedTensorMetadata), in table order."""
-        found = {t.name: t.global_metadata for s in self._shardings for t in s.embedding_tables()}
+        found = {t.name: t.global_metadata for s in self._shardings for t in _every_table(s)}
         # data-parallel tables: None (every rank holds the whole table, saved as a plain tensor)
         return {str(t.name): found[str(t.name)] for t in self._configs}
 
@@ -340,8 +344,6 @@ def _sharding_infos(
         sharding = params.get(str(config.name))
         if sharding is None:
             raise SlipcacheError(f"the sharding plan has no entry for table {config.name!r}")
-        if sharding.sharding_type == ShardingType.TABLE_ROW_WISE.value:
-            raise SlipcacheError(TABLE_ROW_WISE_REFUSAL.format(table=config.name))
         if sharding.sharding_type not in SHARDING_TYPES:
             raise SlipcacheError(REFUSAL.format(table=config.name, kind=sharding.sharding_type))
         table = EmbeddingTableConfig(
@@ -368,6 +370,8 @@ def _sharding(kind: str, infos: list[EmbeddingShardingInfo], env: ShardingEnv, d
         return TwCwPooledEmbeddingSharding(infos, env, device, permute_embeddings=False)
     if kind == RW:
         return RwPooledEmbeddingSharding(infos, env, device)
+    if kind == TWRW:
+        return TwRwPooledEmbeddingSharding(infos, env, device)
     return DpPooledEmbeddingSharding(infos, env, device)
 
 
@@ -550,11 +554,27 @@ def _shard_options(
     return options
 
 
+def _every_table(sharding: Any) -> list[Any]:
+    """Every shard a sharding places, on any rank (table-row-wise lists them by rank only)."""
+    if isinstance(sharding, TwRwPooledEmbeddingSharding):
+        return [
+            t
+            for rank in sharding._grouped_embedding_configs_per_rank
+            for c in rank
+            for t in c.embedding_tables
+        ]
+    return list(sharding.embedding_tables())
+
+
 def _tables_of_rank(kind: str, sharding: Any, rank: int) -> list[Any]:
     """The shards `rank` holds, in the order the input distribution delivers their features."""
     if kind in (RW, DP):  # a shard (or the whole) of every table, the features in the sharding's order
         mine = list(sharding.embedding_tables())
         expected = sharding.feature_names()
+    elif kind == TWRW:  # a row range of every table placed on this rank's host, in the host's order
+        mine = [t for c in sharding._grouped_embedding_configs_per_rank[rank] for t in c.embedding_tables]
+        node = sharding._grouped_embedding_configs_per_node[rank // sharding._local_size]
+        expected = [f for config in node for f in config.feature_names()]
     else:
         mine = [t for t in sharding.embedding_tables() if t.local_metadata.placement.rank() == rank]
         expected = sharding.feature_names_per_rank()[rank]
@@ -586,7 +606,7 @@ def _local_lookup(
                 embedding_dim=int(table.local_cols),
                 name=shard_name(table),
                 feature_names=[str(p) for p in range(position, position + count)],
-                pooling=PoolingType.SUM if kind == RW else table.pooling,
+                pooling=PoolingType.SUM if kind in ROW_CUTS else table.pooling,
             )
         )
         position += count
