@@ -207,6 +207,8 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         self._input_keys: list[str] = []
         self._dist_names = [n for s in self._shardings for n in s.embedding_names()]
         self._kt_dims = [int(t.embedding_dim) for t in self._configs for _ in t.feature_names]
+        # each table's storage precision (an INT8 table's checkpoint holds its stored bytes)
+        self.table_precisions = {str(t.name): table_precision(module.options, t) for t in self._configs}
         self.register_buffer("_columns", _output_columns(self._shardings, self._configs), persistent=False)
         # row-wise features of mean-pooled tables: their shards sum, the combined sums are divided here
         self._mean_features = [
