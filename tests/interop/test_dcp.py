@@ -183,6 +183,26 @@ def _int8_resumes_bit_for_bit(rank: int, world_size: int, directory: str) -> Non
     _assert_same_bytes(_stored(resumed), _stored(first), "loaded")
     _train(resumed, range(SAVED_AT, TOTAL), rank, world_size)
     _assert_same_bytes(_stored(resumed), _stored(uninterrupted), "resumed")
+    # with a cache and stochastic rounding, the rank state (caches, generators) beside: bit for bit too
+    from slipcache.interop.torchrec_checkpoint import load_rank_state, rank_state
+
+    options = {"precision": "int8", "cache_size": 0.5}
+    uninterrupted = _sharded("adagrad", seed=5, **options)
+    _train(uninterrupted, range(TOTAL), rank, world_size)
+    first = _sharded("adagrad", seed=5, **options)
+    _train(first, range(SAVED_AT), rank, world_size)
+    assert any(c.cache.cached()[0].numel() for c in first.module.tables.local_collections())
+    dcp.save({**_checkpoint(first), **rank_state(first.module.tables)}, checkpoint_id=path + "_exact")
+    resumed = _sharded("adagrad", seed=9, **options)
+    state = {**_checkpoint(resumed), **rank_state(resumed.module.tables)}
+    dcp.load(state, checkpoint_id=path + "_exact")
+    resumed.load_state_dict(state["model"])
+    resumed.fused_optimizer.load_state_dict(state["optim"])
+    load_rank_state(resumed.module.tables, state)
+    _train(resumed, range(SAVED_AT, TOTAL), rank, world_size)
+    _assert_same_bytes(_stored(resumed), _stored(uninterrupted), "resumed with a cache")
+    for ours, theirs in zip(_shard_rows(resumed).values(), _shard_rows(uninterrupted).values(), strict=True):
+        assert torch.equal(ours, theirs)
     # a cache, stochastic rounding, row-wise, data-parallel and table-column-wise shards: a save and a load
     # give back the bytes saved (the cached rows rounded to nearest into them), bit for bit
     options = {"precision": "int8", "cache_size": 0.5}

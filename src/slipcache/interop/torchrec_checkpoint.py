@@ -28,6 +28,7 @@ fp32 are rounded into storage, and the cache starts empty).
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -383,3 +384,51 @@ def load_optimizer_state(module: Any, state: Mapping[str, Mapping[str, Any]]) ->
             rows.copy_(loaded.to(rows.dtype))
             if f"{name}.step" in values:
                 collection.optimizer.steps = int(values[f"{name}.step"])
+
+
+def rank_state(module: Any) -> dict[str, Any]:
+    """This rank's state beyond the rows and the optimizer state, per collection of its shards: the cache
+    (its fp32 rows, which rows they are, their ages) and the step count and rounding generators. Saved
+    beside `state_dict()` (merged into the top of the checkpoint's dict) it makes a resume exact with a
+    cache and stochastic rounding, into the same plan on the same number of processes (`load_rank_state`)."""
+    rank = module._env.rank
+    state = {
+        f"{i}.{j}": {
+            "shards": list(collection.table_names),
+            "cache": {key: value.clone() for key, value in collection.cache.state_dict().items()},
+            "extra": collection.get_extra_state(),
+        }
+        for i, lookup in enumerate(module.lookups)
+        for j, collection in enumerate(lookup.collections)
+    }
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    # one object per rank, under a key of its own: meant to sit at the top of the checkpoint's dict (DCP saves
+    # a dict holding no tensor as one object, which one rank's would then stand for)
+    return {f"slipcache_rank{rank}": buffer.getvalue()}
+
+
+def load_rank_state(module: Any, state: Mapping[str, Any]) -> None:
+    """Restore what `rank_state` saved, after `load_state_dict` (which empties the caches); refused in one
+    line when it was saved by another plan or on another rank."""
+    rank = module._env.rank
+    packed = state.get(f"slipcache_rank{rank}")
+    saved = None if not isinstance(packed, bytes) else torch.load(io.BytesIO(packed), weights_only=True)
+    here = {
+        f"{i}.{j}": collection
+        for i, lookup in enumerate(module.lookups)
+        for j, collection in enumerate(lookup.collections)
+    }
+    if saved is None or sorted(saved) != sorted(here):
+        raise InvalidInputError(
+            f"rank {rank}: the saved rank state is of another plan or number of processes; load only "
+            "state_dict() and the optimizer's state to move to another plan"
+        )
+    for key, collection in here.items():
+        if list(saved[key]["shards"]) != list(collection.table_names):
+            raise InvalidInputError(
+                f"rank {rank}: the saved rank state holds shards {list(saved[key]['shards'])}, this rank's "
+                f"collection holds {list(collection.table_names)} (another plan)"
+            )
+        collection.cache.load_state_dict(saved[key]["cache"])
+        collection.set_extra_state(saved[key]["extra"])
