@@ -161,10 +161,11 @@ def _int8_state(
 
 
 def _local_rows(module: Any) -> list[tuple[Any, Tensor]]:
-    """(TorchRec's shard description, fp32 rows) of every shard this rank holds."""
+    """(TorchRec's shard description, fp32 rows) of every shard this rank holds (lookups of INT8 tables
+    alone are left out: those are saved as their bytes)."""
     pieces: list[tuple[Any, Tensor]] = []
     for lookup, tables in zip(module.lookups, module.local_tables, strict=True):
-        if tables:
+        if any(module.table_precisions[t.name] != "int8" for t in tables):
             pieces.extend(zip(tables, lookup.export_tables(), strict=True))
     return pieces
 
