@@ -17,8 +17,8 @@ Where an API is missing or raises, its function answers as if torch could not sa
 Re-exported from here, without a fallback (what needs them cannot work without them):
 
 - torch.distributed's sharded tensors (`Shard`, `ShardMetadata`, `ShardedTensor`, `ShardedTensorMetadata`,
-  `sharded_tensor_from_local_shards`), the form TorchRec's checkpoints take; imported when first used, so
-  that the tables load without torch.distributed.
+  `TensorProperties`, `sharded_tensor_from_local_shards`), the form TorchRec's checkpoints take; imported
+  when first used, so that the tables load without torch.distributed.
 - `IncompatibleKeys`, what `nn.Module.load_state_dict` returns; `rebuild_tensor`, the function torch's own
   pickle rebuilds a tensor with (a file written with it loads with `torch.load`).
 """
@@ -38,7 +38,7 @@ from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 
 if typing.TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
     from torch.distributed._shard.sharding_spec import ShardMetadata
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "ShardMetadata",
     "ShardedTensor",
     "ShardedTensorMetadata",
+    "TensorProperties",
     "graph_task_id",
     "queue_callback",
     "rebuild_tensor",
@@ -103,6 +104,7 @@ _SHARDED_TENSOR_NAMES = {
     "Shard": "torch.distributed._shard.sharded_tensor",
     "ShardedTensor": "torch.distributed._shard.sharded_tensor",
     "ShardedTensorMetadata": "torch.distributed._shard.sharded_tensor",
+    "TensorProperties": "torch.distributed._shard.sharded_tensor",
     "ShardMetadata": "torch.distributed._shard.sharding_spec",
 }
 

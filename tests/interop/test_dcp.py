@@ -22,7 +22,9 @@ SAVED_AT, TOTAL = 2, 4  # steps before the checkpoint, steps in all
 OPTIMIZERS = ("adagrad", "rowwise_adagrad", "adam")
 
 
-def _sharded(optimizer: str, seed: int, kind: str = "mixed", env: object = None) -> torch.nn.Module:
+def _sharded(
+    optimizer: str, seed: int, kind: str = "mixed", env: object = None, **extra: object
+) -> torch.nn.Module:
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
     from slipcache.interop.torchrec import (
@@ -30,7 +32,7 @@ def _sharded(optimizer: str, seed: int, kind: str = "mixed", env: object = None)
         KeyedCachedEmbeddingBagCollectionSharder,
     )
 
-    options = {**OPTIONS, "lr": 0.05, "optimizer": optimizer, "seed": seed}
+    options = {**OPTIONS, "lr": 0.05, "optimizer": optimizer, "seed": seed, **extra}
     model = shards.TablesModel(KeyedCachedEmbeddingBagCollection(shards.tables(), **options))
     sharder = KeyedCachedEmbeddingBagCollectionSharder()
     plan = shards.plan(model.tables, sharder, kind)
@@ -135,3 +137,101 @@ def _refuses_a_state_of_another_shape(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_an_optimizer_state_of_another_shape_is_refused_in_one_line() -> None:
     run_ranks(_refuses_a_state_of_another_shape, world_size=1)
+
+
+INT8 = {"precision": "int8", "cache_size": 0.0, "rounding": "nearest"}
+
+
+def _stored(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+    """Every INT8 shard's stored bytes on this rank (codes, biases, scale codes)."""
+    from slipcache.interop.torchrec_checkpoint import _stored_bytes
+
+    module = model.module.tables
+    return {
+        name: _stored_bytes(c, i, size)
+        for lookup in module.lookups
+        for c in lookup.collections
+        for i, (name, size) in enumerate(zip(c.table_names, c.table_sizes, strict=True))
+    }
+
+
+def _assert_same_bytes(ours: dict, expected: dict, what: str) -> None:
+    assert sorted(ours) == sorted(expected)
+    for name, parts in ours.items():
+        for part, value, other in zip(("codes", "bias", "scale"), parts, expected[name], strict=True):
+            assert value.dtype == other.dtype and torch.equal(value, other), f"{what}: {name} {part}"
+
+
+def _int8_resumes_bit_for_bit(rank: int, world_size: int, directory: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    path = str(Path(directory) / "int8")
+    uninterrupted = _sharded("adagrad", seed=5, **INT8)
+    _train(uninterrupted, range(TOTAL), rank, world_size)
+    first = _sharded("adagrad", seed=5, **INT8)
+    _train(first, range(SAVED_AT), rank, world_size)
+    state = _checkpoint(first)
+    payload = state["model"]["tables.embedding_bags.t0.weight_payload"]
+    assert isinstance(payload, ShardedTensor) and payload.dtype == torch.uint8
+    assert "tables.embedding_bags.t0.weight" not in state["model"]
+    dcp.save(state, checkpoint_id=path)
+    resumed = _sharded("adagrad", seed=9, **INT8)  # other rows until loaded
+    _load(resumed, path)
+    _assert_same_bytes(_stored(resumed), _stored(first), "loaded")
+    _train(resumed, range(SAVED_AT, TOTAL), rank, world_size)
+    _assert_same_bytes(_stored(resumed), _stored(uninterrupted), "resumed")
+    # with a cache and stochastic rounding, the rank state (caches, generators) beside: bit for bit too
+    from slipcache.interop.torchrec_checkpoint import load_rank_state, rank_state
+
+    options = {"precision": "int8", "cache_size": 0.5}
+    uninterrupted = _sharded("adagrad", seed=5, **options)
+    _train(uninterrupted, range(TOTAL), rank, world_size)
+    first = _sharded("adagrad", seed=5, **options)
+    _train(first, range(SAVED_AT), rank, world_size)
+    assert any(c.cache.cached()[0].numel() for c in first.module.tables.local_collections())
+    dcp.save({**_checkpoint(first), **rank_state(first.module.tables)}, checkpoint_id=path + "_exact")
+    resumed = _sharded("adagrad", seed=9, **options)
+    state = {**_checkpoint(resumed), **rank_state(resumed.module.tables)}
+    dcp.load(state, checkpoint_id=path + "_exact")
+    resumed.load_state_dict(state["model"])
+    resumed.fused_optimizer.load_state_dict(state["optim"])
+    load_rank_state(resumed.module.tables, state)
+    _train(resumed, range(SAVED_AT, TOTAL), rank, world_size)
+    _assert_same_bytes(_stored(resumed), _stored(uninterrupted), "resumed with a cache")
+    for ours, theirs in zip(_shard_rows(resumed).values(), _shard_rows(uninterrupted).values(), strict=True):
+        assert torch.equal(ours, theirs)
+    # a cache, stochastic rounding, row-wise, data-parallel and table-column-wise shards: a save and a load
+    # give back the bytes saved (the cached rows rounded to nearest into them), bit for bit
+    options = {"precision": "int8", "cache_size": 0.5}
+    cached = _sharded("rowwise_adagrad", seed=5, kind="every_type", **options)
+    _train(cached, range(SAVED_AT), rank, world_size)
+    saved = _stored(cached)
+    dcp.save(_checkpoint(cached), checkpoint_id=path + "_cached")
+    other = _sharded("rowwise_adagrad", seed=9, kind="every_type", **options)
+    _load(other, path + "_cached")
+    _assert_same_bytes(_stored(other), saved, "loaded with a cache")
+    # fp32 rows under TorchRec's keys (e.g. TorchRec's own tables) still load into INT8 tables, rounded
+    rows = {name: torch.rand(t.num_embeddings, t.embedding_dim) - 0.5 for name, t in _configs().items()}
+    other.load_state_dict({f"tables.embedding_bags.{name}.weight": value for name, value in rows.items()})
+    module = other.module.tables
+    for lookup, tables in zip(module.lookups, module.local_tables, strict=True):
+        for table, loaded in zip(tables, lookup.export_tables() if tables else [], strict=True):
+            (first, start), (count, width) = (
+                ((0, 0), rows[table.name].shape)
+                if table.local_metadata is None
+                else (table.local_metadata.shard_offsets, table.local_metadata.shard_sizes)
+            )
+            expected = rows[table.name][first : first + count, start : start + width]
+            torch.testing.assert_close(loaded, expected, rtol=0, atol=5e-3)
+
+
+def _configs() -> dict[str, object]:
+    return {str(t.name): t for t in shards.tables()}
+
+
+@pytest.mark.slow
+def test_int8_tables_checkpoint_their_stored_bytes_and_resume_bit_for_bit(tmp_path: Path) -> None:
+    run_ranks(_int8_resumes_bit_for_bit, str(tmp_path))

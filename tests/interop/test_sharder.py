@@ -7,6 +7,7 @@ another number of processes. fp32 storage and a cache holding every row make the
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -116,6 +117,99 @@ def _check_shards(sharded: torch.nn.Module, reference: object, held: list[str]) 
 @pytest.mark.slow
 def test_sharded_training_equals_the_unsharded_collection_and_checkpoints_through_dcp(tmp_path: Path) -> None:
     run_ranks(_sharded_training_equals_unsharded, str(tmp_path / "dcp"))
+
+
+KINDS = {
+    "every_type": ["data_parallel", "row_wise", "row_wise", "table_column_wise"],
+    "table_row_wise": ["data_parallel", "table_row_wise", "table_row_wise", "table_wise"],
+    "two_hosts": ["data_parallel", "table_row_wise", "table_row_wise", "table_wise"],
+}
+
+
+def _every_sharding_type_equals_unsharded(
+    rank: int, world_size: int, directory: str, optimizer: str, kind: str
+) -> None:
+    """Row-wise (sum and mean pooling; 40 and 20 rows over 2 ranks), data-parallel (a table two features
+    read) and table-column-wise shards train as one process on the global batch: outputs each step, then
+    every shard's rows (and the data-parallel replicas, identical) within 1e-6; a DCP checkpoint of them
+    loads into table-wise shards on 2 ranks and into one process."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from slipcache.embedding.replicas import allow_independent_replicas
+    from slipcache.interop.torchrec import (
+        KeyedCachedEmbeddingBagCollection,
+        KeyedCachedEmbeddingBagCollectionSharder,
+    )
+
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    if kind == "two_hosts":
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # TorchRec's hosts: one rank each
+    options = {**OPTIONS, "optimizer": optimizer}
+    reference = allow_independent_replicas(KeyedCachedEmbeddingBagCollection(shards.tables(), **options))
+    sharder = KeyedCachedEmbeddingBagCollectionSharder()
+    model = shards.TablesModel(KeyedCachedEmbeddingBagCollection(shards.tables(), **options))
+    plan = shards.plan(model.tables, sharder, kind)
+    kinds = {name: p.sharding_type for name, p in plan.plan["tables"].items()}
+    assert sorted(kinds.values()) == KINDS[kind]
+    sharded = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder], plan=plan)
+    weights = torch.randn(BATCH * world_size, 36, generator=torch.Generator().manual_seed(7))
+    for step in range(STEPS + 1):
+        batches = [shards.batch(step, r) for r in range(world_size)]
+        out = sharded(batches[rank])
+        expected = reference(shards.concat(*batches))
+        mine = slice(rank * BATCH, (rank + 1) * BATCH)
+        torch.testing.assert_close(out, expected.values()[mine], rtol=0, atol=1e-6)
+        loss = (out * weights[mine]).sum()
+        reference_loss = (expected.values() * weights).sum()
+        losses = [torch.zeros(()) for _ in range(world_size)]
+        torch.distributed.all_gather(losses, loss.detach())
+        torch.testing.assert_close(sum(losses), reference_loss.detach(), rtol=0, atol=1e-5)
+        loss.backward()
+        (reference_loss / world_size).backward()
+    _check_row_shards(sharded, reference)
+    _checkpoint_reloads(sharded, reference, rank, directory)
+
+
+def _check_row_shards(sharded: torch.nn.Module, reference: object) -> None:
+    """Every shard this rank holds (any sharding type) equals its rows and columns of the reference."""
+    module = sharded.module.tables
+    names = reference.table_names
+    full = reference.export_tables()
+    checked = set()
+    for lookup, tables in zip(module.lookups, module.local_tables, strict=True):
+        if not tables:
+            continue
+        for table, rows in zip(tables, lookup.export_tables(), strict=True):
+            whole = full[names.index(table.name)]
+            if table.local_metadata is None:  # data-parallel: the whole table on every rank
+                expected = whole
+            else:
+                (first, start), (count, width) = (
+                    table.local_metadata.shard_offsets,
+                    table.local_metadata.shard_sizes,
+                )
+                expected = whole[first : first + count, start : start + width]
+            torch.testing.assert_close(rows, expected, rtol=0, atol=1e-6)
+            checked.add(table.name)
+    held: list[object] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(held, sorted(checked))
+    assert set().union(*held) == {"t0", "t1", "t2", "t3"}  # every table checked on some rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_row_wise_data_parallel_and_table_column_wise_train_as_one_process(
+    tmp_path: Path, optimizer: str
+) -> None:
+    run_ranks(_every_sharding_type_equals_unsharded, str(tmp_path / "dcp"), optimizer, "every_type")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hosts", ["table_row_wise", "two_hosts"])
+def test_table_row_wise_trains_as_one_process(tmp_path: Path, hosts: str) -> None:
+    """Table-row-wise on one host of 2 ranks, and on 2 hosts of one rank (its all-to-all across hosts)."""
+    run_ranks(_every_sharding_type_equals_unsharded, str(tmp_path / "dcp"), "adagrad", hosts)
 
 
 def _dlrm(tables: torch.nn.Module) -> torch.nn.Module:

@@ -134,18 +134,44 @@ def test_weight_decay_adds_to_the_gradient_of_the_rows_a_step_touches() -> None:
     torch.testing.assert_close(after, expected, rtol=0, atol=1e-6)
 
 
-def test_row_wise_is_refused_in_one_line() -> None:
+def test_every_sharding_type_torchrecs_planner_proposes_is_offered_and_grid_is_refused() -> None:
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.planner import ParameterConstraints, Topology
     from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
-    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollectionSharder
+    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollectionSharder, slipcache_planner
 
-    module = KeyedCachedEmbeddingBagCollection([_table("a")])
+    module = KeyedCachedEmbeddingBagCollection([_table(name) for name in "abcd"])
     sharder = KeyedCachedEmbeddingBagCollectionSharder()
-    assert sharder.sharding_types("cpu") == ["table_wise", "column_wise"]
-    plan = {"a": ParameterSharding(sharding_type="row_wise", compute_kernel="fused", ranks=[0, 1])}
+    offered = sharder.sharding_types("cpu")
+    assert offered == [
+        "table_wise",
+        "column_wise",
+        "table_column_wise",
+        "row_wise",
+        "table_row_wise",
+        "data_parallel",
+    ]
+    assert sharder.compute_kernels("data_parallel", "cpu") == [EmbeddingComputeKernel.DENSE.value]
+    # TorchRec's planner places tables row-wise and data-parallel for our sharder on CPU
+    constraints = {
+        "a": ParameterConstraints(sharding_types=["row_wise"]),
+        "b": ParameterConstraints(sharding_types=["data_parallel"]),
+        "c": ParameterConstraints(sharding_types=["table_column_wise"]),
+        "d": ParameterConstraints(sharding_types=["table_row_wise"]),
+    }
+    planner = slipcache_planner(Topology(world_size=2, compute_device="cpu"), constraints=constraints)
+    placed = planner.plan(torch.nn.ModuleDict({"tables": module}), [sharder]).plan["tables"]
+    assert {name: placed[name].sharding_type for name in "abcd"} == {
+        "a": "row_wise",
+        "b": "data_parallel",
+        "c": "table_column_wise",
+        "d": "table_row_wise",
+    }
+    plan = {"a": ParameterSharding(sharding_type="grid_shard", compute_kernel="fused", ranks=[0, 1])}
     with pytest.raises(SlipcacheError) as error:
         sharder.shard(module, plan, ShardingEnv(world_size=2, rank=0, pg=None))
-    assert "row_wise sharding is not offered" in _one_line(error)
+    assert "grid_shard sharding is not offered" in _one_line(error)
 
 
 def test_the_planner_costs_each_shard_by_what_it_holds() -> None:

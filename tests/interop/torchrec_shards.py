@@ -1,5 +1,6 @@
 """Tables, batches and plans the DMP tests share: four tables (dims 8 and 4, sum and mean pooling, one read
-by two features), multi-hot batches, and plans of table-wise and column-wise shards."""
+by two features), multi-hot batches, and plans of table-wise, column-wise, table-column-wise, row-wise and
+data-parallel shards."""
 
 from __future__ import annotations
 
@@ -34,7 +35,14 @@ HELD = {
 
 
 def plan(module: torch.nn.Module, sharder: object, kind: str = "mixed") -> object:
-    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_row_wise,
+        table_wise,
+    )
     from torchrec.distributed.types import ShardingPlan
 
     per_table = {
@@ -57,10 +65,34 @@ def plan(module: torch.nn.Module, sharder: object, kind: str = "mixed") -> objec
             "t2": table_wise(rank=1),
             "t3": table_wise(rank=0),
         }
+    if kind == "every_type":  # row-wise (sum and mean), data-parallel, table-column-wise
+        per_table = {
+            "t0": row_wise(),
+            "t1": row_wise(),
+            "t2": data_parallel(),
+            "t3": column_wise(ranks=[1, 0]),
+        }
+    if kind == "table_row_wise":  # rows cut over the ranks of host 0 (the one host)
+        per_table = {
+            "t0": table_row_wise(host_index=0),
+            "t1": table_row_wise(host_index=0),
+            "t2": data_parallel(),
+            "t3": table_wise(rank=1),
+        }
+    if kind == "two_hosts":  # one rank per host (LOCAL_WORLD_SIZE=1): rows cut within each host
+        per_table = {
+            "t0": table_row_wise(host_index=0),
+            "t1": table_row_wise(host_index=1),
+            "t2": data_parallel(),
+            "t3": table_wise(rank=1),
+        }
     world_size = 1 if kind == "one_rank" else None
+    local_size = 1 if kind == "two_hosts" else None
     plan = construct_module_sharding_plan(
-        module, per_table, sharder=sharder, device_type="cpu", world_size=world_size
+        module, per_table, sharder=sharder, device_type="cpu", world_size=world_size, local_size=local_size
     )
+    if kind == "every_type":
+        plan["t3"].sharding_type = "table_column_wise"  # placed as column-wise, within the one host
     return ShardingPlan({"tables": plan})
 
 

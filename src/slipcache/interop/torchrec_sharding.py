@@ -2,16 +2,27 @@
 
     model = DistributedModelParallel(model, sharders=[KeyedCachedEmbeddingBagCollectionSharder()])
 
-TorchRec does the distributed work: its planner places every table (table-wise or column-wise), its
-`TwPooledEmbeddingSharding` / `CwPooledEmbeddingSharding` say which table shards each rank holds, and their
-input and output distributions (`KJTAllToAll`, `PooledEmbeddingsAllToAll`) move the ids to the ranks that
-hold the tables and the pooled embeddings back. Only the lookup in between is ours: each rank's shards
-are one `KeyedCachedEmbeddingBagCollection` (its own storage precision, cache and fused optimizer per
-table), whose backward updates the rows the rank holds.
+TorchRec does the distributed work: its planner places every table, its shardings say which table shards
+each rank holds, and their input and output distributions move the ids to the ranks that hold the rows and
+the pooled embeddings back. Only the lookup in between is ours: each rank's shards are one
+`KeyedCachedEmbeddingBagCollection` (its own storage precision, cache and fused optimizer per table),
+whose backward updates the rows the rank holds. The sharding types, on CPU (gloo) as on GPUs:
 
-Row-wise sharding is refused: TorchRec itself offers it for CUDA devices only (its sharders leave it out
-on CPU), and it is untested here until a GPU is at hand. gloo has the collectives it would use
-(all-to-all and reduce-scatter).
+- table-wise, column-wise and table-column-wise: TorchRec's `Tw`/`Cw`/`TwCwPooledEmbeddingSharding`
+  (ids all-to-all to the table's rank, pooled embeddings all-to-all back);
+- row-wise: TorchRec's `RwPooledEmbeddingSharding` (ids bucketized by row range and sent to the rank
+  holding it, the ranks' partial pooled sums reduce-scattered back); mean pooling is a sum on the shards,
+  divided by the bag lengths once the partial sums are combined;
+- table-row-wise: TorchRec's `TwRwPooledEmbeddingSharding` (rows cut over the ranks of one host: ids
+  bucketized within the host, partial sums reduce-scattered within it, then all-to-all across hosts), mean
+  pooling as row-wise;
+- data-parallel: every rank holds the whole table. The ranks' ids are all-gathered (TorchRec's KJT
+  all-to-all, each rank sending its batch to every rank), every rank looks the global batch up and keeps
+  its own samples, and backward all-gathers the output gradient: each replica applies the same update to
+  the global batch, so the replicas stay identical (the equivalent of all-reducing the table gradient
+  before the fused update), as one process would on the whole batch.
+
+Grid sharding (and any other type) is refused in one line (REFUSAL).
 """
 
 from __future__ import annotations
@@ -21,7 +32,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import (
     EmbeddingShardingContext,
     EmbeddingShardingInfo,
@@ -30,7 +44,11 @@ from torchrec.distributed.embedding_sharding import (
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable, EmbeddingBagCollectionContext
 from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import (
     Awaitable,
     LazyAwaitable,
@@ -41,7 +59,7 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingTableConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingTableConfig, PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -53,15 +71,27 @@ from slipcache.interop.torchrec_checkpoint import load_sharded_state_dict, shard
 from slipcache.interop.torchrec_fused import fused_params_options
 from slipcache.interop.torchrec_optim import CachedTablesOptimizer
 
-SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value)
-ROW_WISE_REFUSAL = (
-    "table {table!r}: {kind} sharding is not offered for slipcache's tables (TorchRec offers it on CUDA "
-    "only, and it is untested here until a GPU is at hand); use table_wise or column_wise"
+TW, CW, TWCW = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+)
+RW, TWRW, DP = (
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.DATA_PARALLEL.value,
+)
+# the sharding types offered, in the order of the lookups (and of their output columns before reordering)
+SHARDING_TYPES = (TW, CW, TWCW, RW, TWRW, DP)
+ROW_CUTS = (RW, TWRW)  # a table's rows cut over ranks: partial sums combined after the lookup
+REFUSAL = "table {table!r}: {kind} sharding is not offered for slipcache's tables; use one of " + ", ".join(
+    SHARDING_TYPES
 )
 
 
 class KeyedCachedEmbeddingBagCollectionSharder(ModuleSharder[KeyedCachedEmbeddingBagCollection]):
-    """TorchRec's sharder for `KeyedCachedEmbeddingBagCollection`: table-wise and column-wise.
+    """TorchRec's sharder for `KeyedCachedEmbeddingBagCollection`: table-wise, column-wise,
+    table-column-wise, row-wise, table-row-wise and data-parallel, on CPU and GPUs.
 
     `ParameterConstraints(cache_params=CacheParams(load_factor=s))` for a table sets its cache share `s`
     (our `cache_size`) in its shards; precision and the other options are the collection's own.
@@ -116,6 +146,9 @@ class KeyedCachedEmbeddingBagCollectionSharder(ModuleSharder[KeyedCachedEmbeddin
         return list(SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        # data-parallel as TorchRec's planner and `data_parallel()` plan it (the update is ours either way)
+        if sharding_type == DP:
+            return [EmbeddingComputeKernel.DENSE.value]
         return [EmbeddingComputeKernel.FUSED.value]
 
 
@@ -124,7 +157,7 @@ class ShardedKeyedCachedEmbeddingBagCollection(
 ):
     """One rank's part of a sharded `KeyedCachedEmbeddingBagCollection`.
 
-    `lookups[i]` holds this rank's shards of the i-th sharding type (table-wise, then column-wise) as one
+    `lookups[i]` holds this rank's shards of the i-th sharding type (in SHARDING_TYPES' order) as one
     `KeyedCachedEmbeddingBagCollection`; the output is the unsharded collection's: a KeyedTensor keyed by
     feature in table order, on this rank's slice of the batch. `fused_optimizer` carries the tables'
     learning rate and weight decay (`torchrec_optim.py`).
@@ -151,13 +184,22 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         infos = _sharding_infos(module, params)
         self._sharding_types = [kind for kind in SHARDING_TYPES if infos.get(kind)]
         self._shardings = [_sharding(kind, infos[kind], env, device) for kind in self._sharding_types]
-        self._input_dists = nn.ModuleList(s.create_input_dist() for s in self._shardings)
-        self._output_dists = nn.ModuleList(s.create_output_dist(device) for s in self._shardings)
+        self._input_dists = nn.ModuleList(
+            _input_dist(kind, s, env) for kind, s in zip(self._sharding_types, self._shardings, strict=True)
+        )
+        self._output_dists = nn.ModuleList(
+            _output_dist(kind, s, env, device)
+            for kind, s in zip(self._sharding_types, self._shardings, strict=True)
+        )
         tables = None if module.placement.get("storage_device") == "meta" else module.export_tables()
         # per sharding type: TorchRec's description of each shard this rank holds, in its lookup's order
-        self.local_tables = [_tables_of_rank(sharding, env.rank) for sharding in self._shardings]
+        self.local_tables = [
+            _tables_of_rank(kind, sharding, env.rank)
+            for kind, sharding in zip(self._sharding_types, self._shardings, strict=True)
+        ]
         lookups = nn.ModuleList(
-            _local_lookup(module, mine, params, device, tables, overrides or {}) for mine in self.local_tables
+            _local_lookup(module, mine, params, device, tables, overrides or {}, kind)
+            for kind, mine in zip(self._sharding_types, self.local_tables, strict=True)
         )
         # A ModuleList (child modules: state dict, device moves); to a type checker, what it holds.
         self.lookups = cast("Sequence[KeyedCachedEmbeddingBagCollection | _NoShards]", lookups)
@@ -165,7 +207,16 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         self._input_keys: list[str] = []
         self._dist_names = [n for s in self._shardings for n in s.embedding_names()]
         self._kt_dims = [int(t.embedding_dim) for t in self._configs for _ in t.feature_names]
+        # each table's storage precision (an INT8 table's checkpoint holds its stored bytes)
+        self.table_precisions = {str(t.name): table_precision(module.options, t) for t in self._configs}
         self.register_buffer("_columns", _output_columns(self._shardings, self._configs), persistent=False)
+        # row-wise features of mean-pooled tables: their shards sum, the combined sums are divided here
+        self._mean_features = [
+            (f, _feature_columns(self._configs, f))
+            for t in self._configs
+            if params[str(t.name)].sharding_type in ROW_CUTS and t.pooling == PoolingType.MEAN
+            for f in t.feature_names
+        ]
         self._optimizer = CachedTablesOptimizer(self)
 
     @property
@@ -207,6 +258,7 @@ class ShardedKeyedCachedEmbeddingBagCollection(
                 "every batch's KeyedJaggedTensor must list the same features in the same order"
             )
         with torch.no_grad():
+            ctx.divisor = self._mean_divisor(features)
             ordered = features.permute(self._input_order)
             splits = ordered.split([len(s.feature_names()) for s in self._shardings])
             awaitables = []
@@ -234,14 +286,29 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         awaitable = EmbeddingBagCollectionAwaitable(
             awaitables, embedding_dims=dims, embedding_names=self._dist_names
         )
-        awaitable.callbacks.append(self._in_table_order)
+        divisor = ctx.divisor
+        awaitable.callbacks.append(lambda keyed: self._in_table_order(keyed, divisor))
         return awaitable
 
-    def _in_table_order(self, keyed: KeyedTensor) -> KeyedTensor:
+    def _mean_divisor(self, features: KeyedJaggedTensor) -> Tensor | None:
+        """[local batch, output columns]: the bag length (at least 1) in the columns of row-wise features of
+        mean-pooled tables, 1 elsewhere; None without such features."""
+        if not self._mean_features:
+            return None
+        divisor = torch.ones(features.stride(), len(self._columns))
+        lengths = features.to_dict()
+        for feature, (start, stop) in self._mean_features:
+            divisor[:, start:stop] = lengths[feature].lengths().clamp_min(1).to(divisor.dtype).unsqueeze(1)
+        return divisor
+
+    def _in_table_order(self, keyed: KeyedTensor, divisor: Tensor | None = None) -> KeyedTensor:
+        values = keyed.values().index_select(1, self._columns)
+        if divisor is not None:
+            values = values / divisor.to(values.device, values.dtype)
         return KeyedTensor(
             keys=list(self._feature_names),
             length_per_key=list(self._kt_dims),
-            values=keyed.values().index_select(1, self._columns),
+            values=values,
             key_dim=1,
         )
 
@@ -252,7 +319,8 @@ class ShardedKeyedCachedEmbeddingBagCollection(
 
     def global_metadata(self) -> dict[str, Any]:
         """Each table's shards over the ranks (TorchRec's ShardedTensorMetadata), in table order."""
-        found = {t.name: t.global_metadata for s in self._shardings for t in s.embedding_tables()}
+        found = {t.name: t.global_metadata for s in self._shardings for t in _every_table(s)}
+        # data-parallel tables: None (every rank holds the whole table, saved as a plain tensor)
         return {str(t.name): found[str(t.name)] for t in self._configs}
 
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
@@ -279,7 +347,7 @@ def _sharding_infos(
         if sharding is None:
             raise SlipcacheError(f"the sharding plan has no entry for table {config.name!r}")
         if sharding.sharding_type not in SHARDING_TYPES:
-            raise SlipcacheError(ROW_WISE_REFUSAL.format(table=config.name, kind=sharding.sharding_type))
+            raise SlipcacheError(REFUSAL.format(table=config.name, kind=sharding.sharding_type))
         table = EmbeddingTableConfig(
             num_embeddings=int(config.num_embeddings),
             embedding_dim=int(config.embedding_dim),
@@ -296,9 +364,116 @@ def _sharding_infos(
 
 
 def _sharding(kind: str, infos: list[EmbeddingShardingInfo], env: ShardingEnv, device: torch.device) -> Any:
-    if kind == ShardingType.TABLE_WISE.value:
+    if kind == TW:
         return TwPooledEmbeddingSharding(infos, env, device)
-    return CwPooledEmbeddingSharding(infos, env, device, permute_embeddings=False)
+    if kind == CW:
+        return CwPooledEmbeddingSharding(infos, env, device, permute_embeddings=False)
+    if kind == TWCW:
+        return TwCwPooledEmbeddingSharding(infos, env, device, permute_embeddings=False)
+    if kind == RW:
+        return RwPooledEmbeddingSharding(infos, env, device)
+    if kind == TWRW:
+        return TwRwPooledEmbeddingSharding(infos, env, device)
+    return DpPooledEmbeddingSharding(infos, env, device)
+
+
+def _input_dist(kind: str, sharding: Any, env: ShardingEnv) -> nn.Module:
+    if kind == DP:
+        return _ReplicatedFeaturesDist(env.process_group, len(sharding.feature_names()), env.world_size)
+    return sharding.create_input_dist()
+
+
+def _output_dist(kind: str, sharding: Any, env: ShardingEnv, device: torch.device) -> nn.Module:
+    if kind == DP:
+        return _ReplicaOutputDist(env.process_group, env.rank)
+    return sharding.create_output_dist(device)
+
+
+class _ReplicatedFeaturesDist(nn.Module):
+    """Data-parallel input distribution: every rank's features to every rank (the global batch, samples in
+    rank order), by TorchRec's KJT all-to-all of the features repeated once per rank."""
+
+    def __init__(self, pg: Any, num_features: int, world_size: int) -> None:
+        super().__init__()
+        self._world_size = world_size
+        self._dist = KJTAllToAll(pg=pg, splits=[num_features] * world_size)
+
+    def forward(self, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        copies = self._world_size
+        weights = features.weights_or_none()
+        repeated = KeyedJaggedTensor(
+            keys=list(features.keys()) * copies,
+            values=features.values().repeat(copies),
+            lengths=features.lengths().repeat(copies),
+            weights=None if weights is None else weights.repeat(copies),
+            stride=features.stride(),
+        )
+        return self._dist(repeated)
+
+
+class _ReplicaSlice(torch.autograd.Function):
+    """Forward: this rank's samples of the global batch's pooled rows; backward: the gradients of every
+    rank's samples (all-gathered, divided by the ranks as TorchRec's output distributions divide them), so
+    that every replica updates its rows by the same global gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, pooled: Tensor, batch_per_rank: list[int], rank: int, pg: Any) -> Tensor:
+        ctx.batch_per_rank, ctx.rank, ctx.pg = batch_per_rank, rank, pg
+        start = sum(batch_per_rank[:rank])
+        return pooled[start : start + batch_per_rank[rank]].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        sizes, world = ctx.batch_per_rank, len(ctx.batch_per_rank)
+        grad = grad.contiguous()
+        columns = grad.shape[1]
+        gathered = grad.new_empty(sum(sizes), columns)
+        dist.all_to_all_single(
+            gathered,
+            grad.repeat(world, 1),
+            output_split_sizes=list(sizes),
+            input_split_sizes=[sizes[ctx.rank]] * world,
+            group=ctx.pg,
+        )
+        if get_gradient_division():
+            gathered = gathered / world
+        return gathered, None, None, None
+
+
+class _ReplicaOutputDist(nn.Module):
+    """Data-parallel output distribution: this rank's samples, the gradient all-gathered (`_ReplicaSlice`)."""
+
+    def __init__(self, pg: Any, rank: int) -> None:
+        super().__init__()
+        self._pg, self._rank = pg, rank
+
+    def forward(
+        self, pooled: Tensor, sharding_ctx: EmbeddingShardingContext | None = None
+    ) -> Awaitable[Tensor]:
+        if sharding_ctx is None or not sharding_ctx.batch_size_per_rank:
+            raise RuntimeError("data-parallel output distribution needs the batch size of every rank")
+        sizes = [int(b) for b in sharding_ctx.batch_size_per_rank]
+        return _Done(_ReplicaSlice.apply(pooled, sizes, self._rank, self._pg))
+
+
+class _Done(Awaitable[Tensor]):
+    def __init__(self, value: Tensor) -> None:
+        super().__init__()
+        self._value = value
+
+    def _wait_impl(self) -> Tensor:
+        return self._value
+
+
+def _feature_columns(configs: list[Any], feature: str) -> tuple[int, int]:
+    """The columns of `feature` in the unsharded module's output (features in table order)."""
+    position = 0
+    for table in configs:
+        for name in table.feature_names:
+            if name == feature:
+                return position, position + int(table.embedding_dim)
+            position += int(table.embedding_dim)
+    raise KeyError(feature)
 
 
 class _NoShards(nn.Module):
@@ -381,10 +556,31 @@ def _shard_options(
     return options
 
 
-def _tables_of_rank(sharding: Any, rank: int) -> list[Any]:
+def _every_table(sharding: Any) -> list[Any]:
+    """Every shard a sharding places, on any rank (table-row-wise lists them by rank only)."""
+    if isinstance(sharding, TwRwPooledEmbeddingSharding):
+        return [
+            t
+            for rank in sharding._grouped_embedding_configs_per_rank
+            for c in rank
+            for t in c.embedding_tables
+        ]
+    return list(sharding.embedding_tables())
+
+
+def _tables_of_rank(kind: str, sharding: Any, rank: int) -> list[Any]:
     """The shards `rank` holds, in the order the input distribution delivers their features."""
-    mine = [t for t in sharding.embedding_tables() if t.local_metadata.placement.rank() == rank]
-    if [f for t in mine for f in t.feature_names] != sharding.feature_names_per_rank()[rank]:
+    if kind in (RW, DP):  # a shard (or the whole) of every table, the features in the sharding's order
+        mine = list(sharding.embedding_tables())
+        expected = sharding.feature_names()
+    elif kind == TWRW:  # a row range of every table placed on this rank's host, in the host's order
+        mine = [t for c in sharding._grouped_embedding_configs_per_rank[rank] for t in c.embedding_tables]
+        node = sharding._grouped_embedding_configs_per_node[rank // sharding._local_size]
+        expected = [f for config in node for f in config.feature_names()]
+    else:
+        mine = [t for t in sharding.embedding_tables() if t.local_metadata.placement.rank() == rank]
+        expected = sharding.feature_names_per_rank()[rank]
+    if [f for t in mine for f in t.feature_names] != expected:
         raise RuntimeError("shard order differs from the input distribution's feature order")
     return mine
 
@@ -396,10 +592,12 @@ def _local_lookup(
     device: torch.device,
     tables: list[Tensor] | None,
     overrides: Mapping[str, Any],
+    kind: str = TW,
 ) -> nn.Module:
     """This rank's shards of one sharding type as our collection. Its features are named by position (a
     column-wise table split twice on one rank reads its features twice), in the order the input
-    distribution delivers them; its rows are the module's (rounded per shard), or its own draw on meta."""
+    distribution delivers them; its rows are the module's (rounded per shard), or its own draw on meta.
+    Row-wise shards of a mean-pooled table sum (the sharded module divides the combined sums)."""
     names = [str(t.name) for t in module.embedding_bag_configs()]
     configs, position = [], 0
     for table in mine:
@@ -410,7 +608,7 @@ def _local_lookup(
                 embedding_dim=int(table.local_cols),
                 name=shard_name(table),
                 feature_names=[str(p) for p in range(position, position + count)],
-                pooling=table.pooling,
+                pooling=PoolingType.SUM if kind in ROW_CUTS else table.pooling,
             )
         )
         position += count
@@ -426,7 +624,13 @@ def _local_lookup(
         rows = []
         for table in mine:
             full = tables[names.index(table.name)]
-            start, width = table.local_metadata.shard_offsets[1], table.local_metadata.shard_sizes[1]
-            rows.append(full[:, start : start + width])
+            if table.local_metadata is None:  # data-parallel: the whole table
+                rows.append(full)
+                continue
+            (first, start), (count, width) = (
+                table.local_metadata.shard_offsets,
+                table.local_metadata.shard_sizes,
+            )
+            rows.append(full[first : first + count, start : start + width])
         lookup.load_tables(rows)
     return lookup
