@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,7 +11,7 @@ from slipcache.embedding.cache import EMPTY, LOOKAHEAD_POLICIES
 from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
 from slipcache.embedding.lookahead import Window, belady_hits
 from slipcache.training.backend import build_model
-from slipcache.training.config import TrainConfig, make_config
+from slipcache.training.config import CONFIG_FIELDS, make_config
 
 
 def _resident(coll: CachedEmbeddingBagCollection) -> set[int]:
@@ -196,8 +194,7 @@ def test_trainer_with_prefetch_equals_trainer_without(tmp_path) -> None:
 
 def _restore_embeddings(checkpoint, run):
     state = checkpoint.load_checkpoint(run / "checkpoints")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    config = make_config({}, {k: v for k, v in state["config"].items() if k in fields})
+    config = make_config({}, {k: v for k, v in state["config"].items() if k in CONFIG_FIELDS})
     model = build_model(config, state["table_sizes"], 13)
     model.embeddings.load_state_dict(state["embeddings"])
     return model.embeddings
