@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
+import types
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from benchmarks import studies
@@ -63,3 +67,24 @@ class FakeConfig:
 
     def flat(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def fake_trainer(train: Callable[[FakeConfig], dict[str, Any]]) -> types.SimpleNamespace:
+    """The trainer module the studies' runner calls, with `train` in place of training (no tables)."""
+    return types.SimpleNamespace(
+        TrainConfig=FakeConfig,
+        train=train,
+        prepare_data=lambda config, root: Path(config.data),
+        open_dataset=lambda path: types.SimpleNamespace(table_sizes=[100] * 26),
+    )
+
+
+def write_fake_run(config: FakeConfig, events: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
+    """A run directory as training leaves one: metrics.jsonl with `events`, summary.json with `summary` and
+    the config; returns the summary."""
+    run = Path(str(config.out))
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary = {**summary, "config": {**dataclasses.asdict(config), "embedding_dim": 16}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    return summary

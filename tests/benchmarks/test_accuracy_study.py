@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import statistics
-import types
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ import pytest
 from benchmarks import accuracy, runner
 from slipcache.data.synthetic import DEFAULT_GENERATOR
 from slipcache.errors import SlipcacheError
-from tests.benchmarks.study_runs import RAN, FakeConfig, run_study
+from tests.benchmarks.study_runs import RAN, FakeConfig, fake_trainer, run_study, write_fake_run
 
 PROBE = ["--probe-seconds", "0.05", "--probe-table-bytes", "8000000"]
 
@@ -74,32 +72,20 @@ def _auc(config: FakeConfig) -> float:
 
 
 def _fake_train(config: FakeConfig) -> dict[str, Any]:
-    run = Path(config.out)
-    run.mkdir(parents=True)
     auc = _auc(config)
     events = [{"event": "train", "samples": 100 * k, "val_auc": auc - 0.01 / k} for k in range(1, 5)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    summary = {
+    return write_fake_run(config, events, {
         "auc": auc, "logloss": 0.5 - auc / 10, "accuracy": 0.7, "train_samples": 400, "samples_per_s": 1000.0,
         "train_wall_s": 1.0, "embedding_bytes": 100, "memory_ratio": 2.0,
         "cache_hit_rate": 0.9 if config.cache_size else None, "skipped_fraction": 0.0,
         "embedding_stats": {k: 1 for k in ("lookups", "hits", "misses", "evictions", "rows_in", "rows_out",
                                            "bytes_in", "bytes_out")},
-        "config": {**dataclasses.asdict(config), "embedding_dim": 16},
-    }  # fmt: skip
-    (run / "summary.json").write_text(json.dumps(summary))
-    return summary
+    })  # fmt: skip
 
 
 @pytest.mark.slow
 def test_accuracy_study_with_a_fake_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = types.SimpleNamespace(
-        TrainConfig=FakeConfig,
-        train=_fake_train,
-        prepare_data=lambda config, root: Path(config.data),
-        open_dataset=lambda path: types.SimpleNamespace(table_sizes=[100] * 26),
-    )
-    monkeypatch.setattr(runner, "trainer", fake)
+    monkeypatch.setattr(runner, "trainer", fake_trainer(_fake_train))
     out = tmp_path / "out"
     lines = run_study("accuracy", "--out", str(out), "--data", str(tmp_path), "--accuracy-epochs", "4", *PROBE)
     results = json.loads((out / "results.json").read_text())

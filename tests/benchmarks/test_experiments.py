@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ import pytest
 
 from benchmarks import mixed_precision, runner, slipstream, studies
 from slipcache.errors import SlipcacheError
-from tests.benchmarks.study_runs import RAN, FakeConfig, run_study, study_args
+from tests.benchmarks.study_runs import RAN, FakeConfig, fake_trainer, run_study, study_args, write_fake_run
 
 # Far below --quick: ~35k embedding rows, 8 steps per run; still every setup of the quick grid.
 TINY = [
@@ -136,8 +134,6 @@ def _fake_train(config: FakeConfig) -> dict[str, Any]:
     of the time, so its speedup to target is 1 / (1 - skipped) exactly.
     """
     skipped = 0.8 * config.stale_target if config.skip_rule == "stale" else 0.0
-    run = Path(config.out)
-    run.mkdir(parents=True)
     events = [
         {
             "event": "train",
@@ -152,8 +148,7 @@ def _fake_train(config: FakeConfig) -> dict[str, Any]:
         }
         for i, s in enumerate(range(512, 8192, 512), 1)
     ]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    summary = {
+    return write_fake_run(config, events, {
         "auc": 0.75 - 0.01 * skipped + 0.001 * config.seed, "logloss": 0.5, "accuracy": 0.7,
         "train_samples": int(8192 * (1 - skipped)), "samples_per_s": 1000.0, "train_wall_s": 10.0 * (1 - skipped),
         "embedding_bytes": 100, "memory_ratio": 2.0, "cache_hit_rate": 0.9, "skipped_fraction": skipped,
@@ -161,21 +156,12 @@ def _fake_train(config: FakeConfig) -> dict[str, Any]:
         if skipped else None,
         "embedding_stats": {"lookups": 26, "hits": 20, "misses": 6, "evictions": 1, "rows_in": 6, "rows_out": 1,
                             "bytes_in": 114, "bytes_out": 19},
-        "config": {**dataclasses.asdict(config), "embedding_dim": 16},
-    }  # fmt: skip
-    (run / "summary.json").write_text(json.dumps(summary))
-    return summary
+    })  # fmt: skip
 
 
 @pytest.mark.slow
 def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = types.SimpleNamespace(
-        TrainConfig=FakeConfig,
-        train=_fake_train,
-        prepare_data=lambda config, root: Path(config.data),
-        open_dataset=lambda path: types.SimpleNamespace(table_sizes=[100] * 26),
-    )
-    monkeypatch.setattr(runner, "trainer", fake)
+    monkeypatch.setattr(runner, "trainer", fake_trainer(_fake_train))
     out = tmp_path / "out"
     lines = run_study("slipstream", "--out", str(out), "--data", str(tmp_path), "--seeds", "2", "--repeats", "3", *TINY)
     results = json.loads((out / "results.json").read_text())
@@ -204,9 +190,7 @@ def test_slipstream_report_with_a_fake_trainer(tmp_path: Path, monkeypatch: pyte
 
 def test_slipstream_runs_only_the_named_setups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--setup picks setups by name (a timing rerun of a baseline and one setting); a wrong name is one line."""
-    fake = types.SimpleNamespace(TrainConfig=FakeConfig, train=_fake_train, prepare_data=lambda config, root: Path(
-        config.data), open_dataset=lambda path: types.SimpleNamespace(table_sizes=[100] * 26))
-    monkeypatch.setattr(runner, "trainer", fake)
+    monkeypatch.setattr(runner, "trainer", fake_trainer(_fake_train))
     pick = ["fp32, no skipping", "fp32, convergence rule, warm-up val, D=0.5"]
     lines = run_study("slipstream", "--out", str(tmp_path / "out"), "--data", str(tmp_path), "--seeds", "1",
                  "--repeats", "3", "--setup", pick[0], "--setup", pick[1], *TINY)
