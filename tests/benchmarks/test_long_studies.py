@@ -135,3 +135,29 @@ def test_a_run_the_trainer_stops_is_recorded_as_failed(tmp_path: Path, monkeypat
     with pytest.raises(SlipcacheError, match="--resume continues it") as crashed:
         long_studies.run_one(TINY, arm, 0, tmp_path / "int8-s0", tmp_path, "c" * 40, lambda line: None)
     assert not isinstance(crashed.value, long_studies.RunFailed)
+
+
+def test_a_diverged_run_the_pinned_orchestrator_stopped_on_is_recorded_once(tmp_path: Path) -> None:
+    from benchmarks import long_studies
+    from benchmarks.record_divergence import record_divergence
+
+    study = long_studies.STUDIES["accuracy_converged"]
+    out_file = tmp_path / "study.json"
+    out_file.write_text(json.dumps({"commit": "f" * 40, "runs": [], "comparisons": []}))
+    (tmp_path / "int4-nearest-s1").mkdir()
+    (tmp_path / "int4-nearest-s1" / "metrics.jsonl").write_text(
+        json.dumps({"event": "eval", "samples": 512, "train_cpu_s": 3.0, "val_auc": 0.61}) + "\n")
+    log = tmp_path / "study.log"
+    log.write_text(
+        "accuracy_converged: int4-nearest seed 1 starts in ...\n"
+        "benchmarks.studies: error: int4-nearest seed 1 failed (exit 1): slipcache.errors.SlipcacheError: "
+        "training loss is nan at sample 1038848 (epoch 0, batch 2029); stopped. Check the input data\n")
+    record = record_divergence(study.name, log, tmp_path, out_file)
+    assert record["failed"] == "training loss is nan at sample 1038848 (epoch 0, batch 2029): the run diverged"
+    assert record["curve"] == [[3.0, 512, 0.61]] and record["test_auc"] is None
+    assert [r["arm"] for r in json.loads(out_file.read_text())["runs"]] == ["int4-nearest"]
+    with pytest.raises(SlipcacheError, match="recorded .* already"):
+        record_divergence(study.name, log, tmp_path, out_file)
+    log.write_text("benchmarks.studies: error: int8 seed 1 failed (exit -9): killed\n")
+    with pytest.raises(SlipcacheError, match="not a diverged run"):
+        record_divergence(study.name, log, tmp_path, out_file)
