@@ -161,3 +161,47 @@ def test_a_diverged_run_the_pinned_orchestrator_stopped_on_is_recorded_once(tmp_
     log.write_text("benchmarks.studies: error: int8 seed 1 failed (exit -9): killed\n")
     with pytest.raises(SlipcacheError, match="not a diverged run"):
         record_divergence(study.name, log, tmp_path, out_file)
+
+
+def test_a_borrowed_arm_is_copied_by_seed_and_waits_for_runs_not_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A study on another's data and settings copies that study's runs of an arm instead of training them."""
+    fp32 = TINY.arms[0]
+    borrow = Study(name="borrow", description="int4 against tiny's fp32", data=TINY.data, common=TINY.common,
+                   arms=(Arm("fp32", fp32.overrides, 2, borrowed_from="tiny"),
+                         Arm("int4", {"precision": "int4", "policy": "none"}, 2)),
+                   comparisons=(("int4", "fp32"),))
+    monkeypatch.setitem(long_studies.STUDIES, "tiny", TINY)
+    monkeypatch.setitem(long_studies.STUDIES, "borrow", borrow)
+    commit = "c0ffee" * 6 + "abcd"
+    monkeypatch.setattr(long_studies, "git_commit", lambda: (commit, False))
+    monkeypatch.setattr(long_studies, "pinned_source", lambda commit, root: long_studies.REPO)
+    monkeypatch.setattr(long_studies, "prepare_data", lambda study, log: None)
+    trained: list[tuple[str, int]] = []
+
+    def fake_run(study: Study, arm: Arm, seed: int, *rest: object) -> dict[str, object]:
+        trained.append((arm.name, seed))
+        return {"arm": arm.name, "seed": seed, "test_auc": 0.70 + seed / 100, "test_logloss": 0.5}
+
+    monkeypatch.setattr(long_studies, "run_one", fake_run)
+    tiny_run = {"arm": "fp32", "seed": 0, "test_auc": 0.72, "test_logloss": 0.49, "run_dir": "fp32-s0"}
+    (tmp_path / "tiny.json").write_text(json.dumps({"commit": "a" * 40, "runs": [tiny_run]}))
+    out = tmp_path / "borrow.json"
+    out.write_text(json.dumps({"commit": commit, "runs": [], "ceiling": None}))
+    args = argparse.Namespace(name="borrow", json=str(out), out=str(tmp_path / "runs"), resume=True,
+                              restart=False, max_runs=None)
+    lines: list[str] = []
+    assert long_studies.run_study(args, lines.append) == 0
+    assert trained == [("int4", 0), ("int4", 1)]  # fp32 is never trained here
+    runs = {(r["arm"], r["seed"]): r for r in json.loads(out.read_text())["runs"]}
+    assert runs["fp32", 0] == {**tiny_run, "borrowed_from": "tiny"} and ("fp32", 1) not in runs
+    assert "borrow: fp32 seed 1 waits for tiny to finish it (a later --resume takes it)" in lines
+    [auc] = [c for c in json.loads(out.read_text())["comparisons"] if c["metric"] == "test_auc"]
+    assert auc["n"] == 1 and auc["mean_diff"] == pytest.approx(0.70 - 0.72)
+    # A study whose settings differ from the one it borrows from would pair runs that are not pairs.
+    other = Study(name="borrow", description="", data=TINY.data, common={**TINY.common, "batch_size": 128},
+                  arms=borrow.arms, comparisons=borrow.comparisons)
+    monkeypatch.setitem(long_studies.STUDIES, "borrow", other)
+    with pytest.raises(SlipcacheError, match="whose runs differ in batch_size: train it here instead"):
+        long_studies.run_study(args, lines.append)
