@@ -50,7 +50,7 @@ def open_data(data: str, table_sizes: list[int] | None, dim: int, precision: str
 
     try:
         dataset = open_any(data, table_sizes=table_sizes)
-        require_inferred_sizes_fit(dataset, dim, precision=precision, cache_size=0.05)
+        require_inferred_sizes_fit(dataset, dim=dim, precision=precision, cache_size=0.05)
     except SlipcacheError as exc:
         raise SystemExit(f"torchrec_dlrm.py: error: {exc}") from None
     return dataset

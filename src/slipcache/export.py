@@ -406,6 +406,7 @@ def file_bytes(fmt: str, sizes: list[int], dim: int) -> int:
 def check_room(checkpoint: str | Path, out: str | Path, formats: tuple[str, ...]) -> None:
     """Before reading a table: refuse in one line when the export cannot fit the memory (the trained model,
     then a chunk of rows in each format beside it) or the disk under `out` (every file)."""
+    from slipcache.embedding.config import EmbeddingConfig
     from slipcache.memory import GB, require_tables_fit
     from slipcache.training.saved_run import find_checkpoint
 
@@ -416,13 +417,10 @@ def check_room(checkpoint: str | Path, out: str | Path, formats: tuple[str, ...]
     # A chunk in fp32, its conversion into each format, and tbe-int8's scale and bias of the largest table.
     extra = chunk_rows * dim * 4 * (1 + len(formats)) + (max(sizes) * 4 if "tbe-int8" in formats else 0)
     config = state["config"]
-    if config.get("embeddings", "cached") == "cached":
-        require_tables_fit(
-            sizes, dim, what="export", precision=config.get("precision"), cache_size=config.get("cache_size"),
-            cache_rows=config.get("cache_rows"), optimizer=config.get("optimizer"), extra_bytes=extra,
-        )
-    else:
-        require_tables_fit(sizes, dim, what="export", embeddings="torch", extra_bytes=extra)
+    settings = {key: config[key] for key in ("precision", "cache_size", "cache_rows", "optimizer")
+                if config.get(key) is not None}
+    require_tables_fit(EmbeddingConfig(sizes, dim, **settings), "export",
+                       embeddings=config.get("embeddings", "cached"), extra_bytes=extra)
     need = {fmt: file_bytes(fmt, sizes, dim) for fmt in formats}
     target = Path(out).parent  # the files are written beside --out, then renamed into it
     while not target.exists() and target != target.parent:

@@ -14,6 +14,7 @@ buffers (`model_bytes`) in the same check.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -21,7 +22,6 @@ import resource
 import shutil
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -156,39 +156,10 @@ def model_bytes(model: Any, batch_size: int, dense_optimizer: str = "sgd", eval_
     return 4 * params * slots + per_batch
 
 
-def table_bytes(
-    table_sizes: Sequence[int],
-    dim: int,
-    *,
-    embeddings: str = "cached",
-    precision: str | list[str] | None = None,
-    cache_size: float | list[float] | None = None,
-    cache_rows: int | list[int] | None = None,
-    optimizer: str | None = None,
-    policy: str | None = None,
-    storage_path: str | None = None,
-) -> int:
-    """Bytes the tables will hold in memory once built: the module's own accounting (storage, parameters,
-    cache, bookkeeping, optimizer state; storage in files under `storage_path` left out), computed on the
-    meta device; fp32 rows (+ Adagrad's state) for torch. A setting left None takes `EmbeddingConfig`'s
-    default."""
-    config = _table_config(
-        table_sizes, dim, precision=precision, cache_size=cache_size, cache_rows=cache_rows, optimizer=optimizer,
-        policy=policy, storage_path=storage_path,
-    )
-    return _config_bytes_as(config, embeddings)
-
-
-def _table_config(table_sizes: Sequence[int], dim: int, **settings: Any) -> EmbeddingConfig:
-    """The collection's config of these settings; those left None take its defaults (the one place they live)."""
-    from slipcache.embedding.config import EmbeddingConfig
-
-    given = {k: v for k, v in settings.items() if v is not None}
-    return EmbeddingConfig(table_sizes=[int(s) for s in table_sizes], dim=dim, **given)
-
-
-def _config_bytes_as(config: EmbeddingConfig, embeddings: str) -> int:
-    """The tables' bytes as `embeddings` builds them: the collection's accounting, or fp32 torch tables."""
+def table_bytes(config: EmbeddingConfig, embeddings: str = "cached") -> int:
+    """Bytes the tables of `config` will hold in memory once built, computed on the meta device: the
+    collection's own accounting (storage in files under `storage_path` left out), or with
+    embeddings="torch" fp32 `nn.EmbeddingBag` rows (+ Adagrad's state)."""
     if embeddings != "cached":
         return config.num_rows * config.dim * 4 * (2 if config.optimizer == "adagrad" else 1)
     return config_bytes(config)
@@ -256,68 +227,37 @@ def filesystem_type(path: Path) -> str | None:
     return kind
 
 
-def what_fits(table_sizes: Sequence[int], dim: int, available: int, optimizer: str = "sgd") -> str:
+def what_fits(config: EmbeddingConfig, available: int) -> str:
     """The best precision and cache share whose tables fit `available` (with the runtime's share), as flags."""
     budget = available - RUNTIME_BYTES
+
+    def need(precision: str, share: float) -> int:
+        return config_bytes(dataclasses.replace(config, precision=precision, cache_size=share, cache_rows=None))
+
     for precision, share in FALLBACKS:
-        need = table_bytes(table_sizes, dim, precision=precision, cache_size=share, optimizer=optimizer)
-        if need <= budget:
+        if need(precision, share) <= budget:
             return (
-                f"would fit: --precision {precision} --cache-size {share:g} ({need / GB:.1f} GB), or per table: "
-                f"slipcache plan --budget-gb {max(budget / GB, 0.1):.1f}"
+                f"would fit: --precision {precision} --cache-size {share:g} ({need(precision, share) / GB:.1f} GB), "
+                f"or per table: slipcache plan --budget-gb {max(budget / GB, 0.1):.1f}"
             )
-    smallest = table_bytes(table_sizes, dim, precision="int4", cache_size=0.01, optimizer=optimizer)
-    return f"nothing fits: even --precision int4 --cache-size 0.01 needs {smallest / GB:.1f} GB"
+    return f"nothing fits: even --precision int4 --cache-size 0.01 needs {need('int4', 0.01) / GB:.1f} GB"
 
 
 def require_tables_fit(
-    table_sizes: Sequence[int],
-    dim: int,
-    *,
-    what: str,
-    embeddings: str = "cached",
-    precision: str | list[str] | None = None,
-    cache_size: float | list[float] | None = None,
-    cache_rows: int | list[int] | None = None,
-    optimizer: str | None = None,
-    policy: str | None = None,
-    extra_bytes: int = 0,
-    available: int | None = None,
-    storage_path: str | None = None,
-    extra_what: str = "other buffers",
-    extra_advice: str = "make them smaller",
+    config: EmbeddingConfig, what: str, *, embeddings: str = "cached", extra_bytes: int = 0,
+    available: int | None = None, extra_what: str = "other buffers", extra_advice: str = "make them smaller",
 ) -> int:
-    """Stop with one line (MemoryShortError) unless these tables, `extra_bytes` and the runtime fit the
-    available memory; returns the tables' bytes. `what` names the command or path for the message (the
-    TorchRec path passes its hashed sizes, max id + 1, with precision="fp32")."""
-    if dim < 1:
-        raise SlipcacheError(f"{what}: the embedding dim must be positive, got {dim}")
-    if not table_sizes or any(int(s) < 1 for s in table_sizes):
-        raise SlipcacheError(f"{what}: every table needs at least one row, got sizes {list(table_sizes)}")
-    config = _table_config(
-        table_sizes, dim, precision=precision, cache_size=cache_size, cache_rows=cache_rows, optimizer=optimizer,
-        policy=policy, storage_path=storage_path,
-    )
-    need = _config_bytes_as(config, embeddings)
-    choice = (
-        "fp32 torch tables" if embeddings != "cached" else _describe(config.precision, config.cache_size,
-                                                                     config.cache_rows)
-    )
-    require_bytes(need, what=what, table_sizes=table_sizes, dim=dim, choice=choice, optimizer=config.optimizer,
-                  extra_bytes=extra_bytes, available=available, extra_what=extra_what, extra_advice=extra_advice)
-    return need
-
-
-def require_config_fits(config: EmbeddingConfig, what: str, extra_bytes: int = 0,
-                        extra_what: str = "other buffers", extra_advice: str = "make them smaller") -> int:
-    """`require_tables_fit` for a built config (the collection's own accounting), and the disk room of its
-    storage path; returns the bytes in memory. The row storage in files is mapped into the address space:
-    under an address-space limit (`ulimit -v`) it counts too."""
-    in_files = require_storage_room(config, what)
-    need = config_bytes(config)
-    choice = _describe(config.precision, config.cache_size, config.cache_rows)
-    require_bytes(need, what=what, table_sizes=config.table_sizes, dim=config.dim, optimizer=config.optimizer,
-                  choice=choice, extra_bytes=extra_bytes, extra_what=extra_what, extra_advice=extra_advice)
+    """Stop with one line (MemoryShortError) unless the tables of `config`, `extra_bytes` of `extra_what`
+    and the runtime fit the available memory, and the disk under its storage path has room for the row
+    storage; returns the tables' bytes in memory. `what` names the command or path for the message (the
+    TorchRec path passes its hashed sizes, max id + 1, at fp32). The row storage in files is mapped into
+    the address space: under an address-space limit (`ulimit -v`) it counts too."""
+    cached = embeddings == "cached"
+    in_files = require_storage_room(config, what) if cached else 0
+    need = table_bytes(config, embeddings)
+    choice = _describe(config.precision, config.cache_size, config.cache_rows) if cached else "fp32 torch tables"
+    require_bytes(need, what=what, config=config, choice=choice, extra_bytes=extra_bytes, available=available,
+                  extra_what=extra_what, extra_advice=extra_advice)
     headroom = _address_space_headroom() if in_files and not os.environ.get(ENV_AVAILABLE) else None
     if headroom is not None and need + in_files + extra_bytes + RUNTIME_BYTES > headroom:
         raise MemoryShortError(
@@ -330,9 +270,8 @@ def require_config_fits(config: EmbeddingConfig, what: str, extra_bytes: int = 0
 
 
 def require_bytes(
-    need: int, *, what: str, table_sizes: Sequence[int], dim: int, choice: str, optimizer: str = "sgd",
-    extra_bytes: int = 0, available: int | None = None, extra_what: str = "other buffers",
-    extra_advice: str = "make them smaller",
+    need: int, *, what: str, config: EmbeddingConfig, choice: str, extra_bytes: int = 0,
+    available: int | None = None, extra_what: str = "other buffers", extra_advice: str = "make them smaller",
 ) -> None:
     """Raise MemoryShortError when `need` bytes of tables (+ `extra_bytes` of `extra_what` + the runtime)
     exceed what is available: the smallest of available memory, the cgroup's limit and the address-space
@@ -348,10 +287,10 @@ def require_bytes(
     if extra_bytes + RUNTIME_BYTES > available:  # the tables are not the problem: no precision helps
         advice = f"the {extra_what} alone do not fit: {extra_advice}"
     else:
-        advice = what_fits(table_sizes, dim, available - extra_bytes, optimizer)
+        advice = what_fits(config, available - extra_bytes)
     where = "" if source == "available memory" else f" ({source})"
     raise MemoryShortError(
-        f"{what}: {sum(int(s) for s in table_sizes):,} rows at dim {dim} in {choice} need {total / GB:.1f} GB "
+        f"{what}: {config.num_rows:,} rows at dim {config.dim} in {choice} need {total / GB:.1f} GB "
         f"({parts} + {RUNTIME_BYTES / GB:.1f} GB runtime), available {available / GB:.1f} GB{where}; {advice}"
     )
 

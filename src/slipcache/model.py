@@ -16,7 +16,6 @@ docs/design.md, so the model and the training loop do not care which one they ge
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -207,24 +206,17 @@ def build_embeddings(
     `draw_rows` False: a checkpoint's rows are loaded next, so none are drawn. `extra_bytes`: what the caller
     allocates next (the MLPs and per-batch buffers, `memory.model_bytes`), priced in the same check.
     """
-    from slipcache.embedding.config import EmbeddingConfig
-    from slipcache.memory import require_config_fits, require_tables_fit
+    from slipcache.memory import require_tables_fit
 
-    if embeddings == "torch":
-        require_tables_fit(table_sizes, dim, what="embedding tables", embeddings="torch", extra_bytes=extra_bytes,
-                           extra_what=DENSE_PART, extra_advice=DENSE_ADVICE,
-                           optimizer=options.get("optimizer"))
-        defaults = {f.name: f.default for f in dataclasses.fields(EmbeddingConfig)}
-        return TorchEmbeddingBagCollection(
-            table_sizes, dim, lr=options.get("lr", defaults["lr"]), seed=options.get("seed", defaults["seed"])
-        )
-    if embeddings != "cached":
+    if embeddings not in EMBEDDING_KINDS:
         raise SlipcacheError(f"unknown embeddings {embeddings!r}; choose one of {', '.join(EMBEDDING_KINDS)}")
+    config = embedding_config(table_sizes, dim, **options)
+    require_tables_fit(config, "embedding tables", embeddings=embeddings, extra_bytes=extra_bytes,
+                       extra_what=DENSE_PART, extra_advice=DENSE_ADVICE)
+    if embeddings == "torch":
+        return TorchEmbeddingBagCollection(table_sizes, dim, lr=config.lr, seed=config.seed)
     from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
-    config = embedding_config(table_sizes, dim, **options)
-    require_config_fits(config, "embedding tables", extra_bytes=extra_bytes, extra_what=DENSE_PART,
-                        extra_advice=DENSE_ADVICE)
     return CachedEmbeddingBagCollection(config, draw_rows=draw_rows)
 
 

@@ -118,9 +118,11 @@ def _export_tables(directory: Path, info: dict[str, Any], sizes: list[int], dim:
         raise SlipcacheError(f"{directory}: no table file ({', '.join(FILES.values())}); export again")
     fmt = have[0]
     if fmt in ("int8", "tbe-int8"):
+        from slipcache.embedding.config import EmbeddingConfig
         from slipcache.memory import require_tables_fit
 
-        require_tables_fit(sizes, dim, what=f"loading {directory} (INT8 tables as fp32)", embeddings="torch")
+        require_tables_fit(EmbeddingConfig(sizes, dim), f"loading {directory} (INT8 tables as fp32)",
+                           embeddings="torch")
     saved = _load(directory / FILES[fmt], mmap=True)
     try:
         if fmt == "fp32":

@@ -21,15 +21,16 @@ MLPERF = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067
 
 
 def test_mlperf_tables_in_int4_with_a_one_percent_cache_are_costed_without_allocating() -> None:
-    need = table_bytes(MLPERF, 128, precision="int4", cache_size=0.01)
+    need = table_bytes(EmbeddingConfig(MLPERF, 128, precision="int4", cache_size=0.01))
     # 13.07 GB of codes + 0.61 GB of row parameters + 1.05 GB of fp32 cache + its bookkeeping
     assert 14.7 * GB < need < 14.8 * GB
-    assert table_bytes(MLPERF, 128, embeddings="torch") == sum(MLPERF) * 128 * 4
+    assert table_bytes(EmbeddingConfig(MLPERF, 128), embeddings="torch") == sum(MLPERF) * 128 * 4
 
 
 def test_a_shortfall_names_need_available_and_what_would_fit() -> None:
     with pytest.raises(MemoryShortError) as info:
-        require_tables_fit(MLPERF, 128, what="train", precision="int8", cache_size=0.05, available=int(17 * GB))
+        require_tables_fit(EmbeddingConfig(MLPERF, 128, precision="int8", cache_size=0.05), "train",
+                           available=int(17 * GB))
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("train: 204,184,588 rows at dim 128 in int8 + 0.05 cache need ")
@@ -39,14 +40,15 @@ def test_a_shortfall_names_need_available_and_what_would_fit() -> None:
 
 
 def test_what_fits_prefers_the_best_precision_that_fits() -> None:
-    assert "--precision int4 --cache-size 0.05" in memory.what_fits(MLPERF, 128, int(22 * GB))
-    assert "--precision fp16 --cache-size 0.05" in memory.what_fits(MLPERF[:9], 16, int(22 * GB))
-    assert memory.what_fits(MLPERF, 512, int(22 * GB)).startswith("nothing fits: even --precision int4")
+    assert "--precision int4 --cache-size 0.05" in memory.what_fits(EmbeddingConfig(MLPERF, 128), int(22 * GB))
+    assert "--precision fp16 --cache-size 0.05" in memory.what_fits(EmbeddingConfig(MLPERF[:9], 16), int(22 * GB))
+    nothing = memory.what_fits(EmbeddingConfig(MLPERF, 512, precision="int8", cache_rows=10), int(22 * GB))
+    assert nothing.startswith("nothing fits: even --precision int4")
 
 
 def test_tables_that_fit_pass_and_return_their_bytes() -> None:
-    need = require_tables_fit([1000, 10], 16, what="train", precision="int8", cache_size=0.05, available=int(2 * GB))
-    assert need == table_bytes([1000, 10], 16, precision="int8", cache_size=0.05)
+    tables = EmbeddingConfig([1000, 10], 16, precision="int8", cache_size=0.05)
+    assert require_tables_fit(tables, "train", available=int(2 * GB)) == table_bytes(tables)
 
 
 def test_absurd_dim_and_hashed_ids_hit_the_same_check(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,9 +59,7 @@ def test_absurd_dim_and_hashed_ids_hit_the_same_check(monkeypatch: pytest.Monkey
         build_embeddings([2**31], 16, embeddings="torch")
     # a TorchRec feature hashed to ids up to 2^40: max id + 1 rows, fp32
     with pytest.raises(MemoryShortError, match=r"^torchrec: 1,099,511,627,776 rows at dim 16 in fp32 need"):
-        require_tables_fit([2**40], 16, what="torchrec", precision="fp32", cache_size=0.0)
-    with pytest.raises(memory.SlipcacheError, match="dim must be positive"):
-        require_tables_fit([10], 0, what="train")
+        require_tables_fit(EmbeddingConfig([2**40], 16, precision="fp32", cache_size=0.0), "torchrec")
 
 
 def test_available_memory_is_the_smaller_of_meminfo_and_the_cgroup(
@@ -90,12 +90,8 @@ def test_storage_in_files_counts_only_what_stays_in_memory(tmp_path: Path, monke
     assert memory.require_storage_room(in_files, "train") == storage
     monkeypatch.setattr(memory.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=storage - 1))
     with pytest.raises(SlipcacheError, match=r"^train: the row storage needs 2\.\d GB on disk under .*rows"):
-        memory.require_config_fits(in_files, "train")
+        memory.require_tables_fit(in_files, "train")
     assert not (tmp_path / "rows").exists()  # refused before anything was created
-
-
-def test_settings_left_out_take_the_collections_defaults() -> None:
-    assert table_bytes([1000, 10], 16) == memory.config_bytes(EmbeddingConfig(table_sizes=[1000, 10], dim=16))
 
 
 def _model(bottom: list[int], top: list[int], dim: int = 16) -> ModelConfig:
@@ -151,7 +147,7 @@ def test_the_address_space_limit_is_one_of_the_limits(monkeypatch: pytest.Monkey
     assert source == "the address-space limit, ulimit -v"
     assert available < 6_000_000 * 1024
     with pytest.raises(memory.MemoryShortError, match=r"available .* GB \(the address-space limit, ulimit -v\)"):
-        memory.require_tables_fit([100_000_000], 16, what="train", precision="fp32", cache_size=0.0)
+        memory.require_tables_fit(EmbeddingConfig([100_000_000], 16, precision="fp32", cache_size=0.0), "train")
 
 
 @pytest.mark.usefixtures("private_cache_dir")

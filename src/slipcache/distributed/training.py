@@ -250,7 +250,7 @@ class DistributedBackend(RunBackend):
         """This rank's shards, the MLPs and its per-batch buffers against its host's memory, before any of
         them is allocated (tables on a GPU are that device's business: the host check prices the rest)."""
         from slipcache.distributed.sharded import shard_config
-        from slipcache.memory import model_bytes, require_bytes, require_config_fits
+        from slipcache.memory import model_bytes, require_bytes, require_tables_fit
         from slipcache.model import DENSE_ADVICE, DENSE_PART
 
         dense = model_bytes(config.model_config(table_sizes, num_dense), config.schedule.batch_size,
@@ -259,11 +259,10 @@ class DistributedBackend(RunBackend):
         shards = self.plan.shards_of(self.ctx.rank)
         what = f"rank {self.ctx.rank}'s tables"
         if shards and torch.device(tables_config.storage_device).type == "cpu":
-            require_config_fits(shard_config(tables_config, shards, self.ctx.rank), what, extra_bytes=dense,
-                                extra_what=DENSE_PART, extra_advice=DENSE_ADVICE)
+            require_tables_fit(shard_config(tables_config, shards, self.ctx.rank), what, extra_bytes=dense,
+                               extra_what=DENSE_PART, extra_advice=DENSE_ADVICE)
         else:
-            require_bytes(0, what=what, table_sizes=table_sizes, dim=config.model.embedding_dim,
-                          choice="no tables here",
+            require_bytes(0, what=what, config=tables_config, choice="no tables here",
                           extra_bytes=dense, extra_what=DENSE_PART, extra_advice=DENSE_ADVICE)
 
     # ---------------------------------------------------------------------------------- checkpoints

@@ -275,15 +275,16 @@ def fits_here(plan: Plan, budget_gb: float | None) -> bool:
     """The memory pre-check `slipcache train --config` will run on this plan, run now: a plan this machine
     cannot hold, or a budget above what it has, is said in one warning line. Only a warning: a plan may be
     made here for a larger machine."""
+    from slipcache.embedding.config import EmbeddingConfig
     from slipcache.memory import RUNTIME_BYTES, MemoryShortError, available_bytes, require_tables_fit
 
     available = available_bytes()
+    tables = EmbeddingConfig(
+        list(plan.rows), plan.dim, precision=[c.precision for c in plan.choices],
+        cache_rows=[c.cache_rows for c in plan.choices], optimizer=plan.optimizer, policy=plan.policy,
+    )
     try:
-        require_tables_fit(
-            plan.rows, plan.dim, what="plan", precision=[c.precision for c in plan.choices],
-            cache_rows=[c.cache_rows for c in plan.choices], optimizer=plan.optimizer, policy=plan.policy,
-            available=available,
-        )
+        require_tables_fit(tables, "plan", available=available)
     except MemoryShortError as exc:
         print(f"slipcache plan: warning: does not fit this machine: {exc}", file=sys.stderr)
         return False

@@ -129,17 +129,7 @@ def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
         raise
     except (OSError, ValueError, KeyError) as exc:
         raise SlipcacheError(f"cannot open dataset {path}: {exc}") from exc
-    require_inferred_sizes_fit(
-        dataset,
-        config.model.embedding_dim,
-        embeddings=config.embeddings.embeddings,
-        precision=config.embeddings.precision,
-        cache_size=config.embeddings.cache_size,
-        cache_rows=config.embeddings.cache_rows,
-        optimizer=config.embeddings.optimizer,
-        policy=config.embeddings.policy,
-        storage_path=config.embeddings.storage_path if config.embeddings.embeddings == "cached" else None,
-    )
+    require_inferred_sizes_fit(dataset, config.embeddings.embeddings, **config.embedding_options())
     return dataset
 
 
@@ -150,18 +140,19 @@ HASHED_IDS_HINT = (
 )
 
 
-def require_inferred_sizes_fit(dataset: Any, dim: int, **table_options: Any) -> None:
+def require_inferred_sizes_fit(dataset: Any, embeddings: str = "cached", **options: Any) -> None:
     """Tables sized by the data's max id + 1 (hashed ids can reach 2^31 per table): check them against the
     memory before anything is allocated, and say how to size them instead (one line).
 
-    `table_options` are `slipcache.memory.require_tables_fit`'s (embeddings, precision, cache_size, ...).
-    """
+    `options`: `EmbeddingConfig` fields, dim included; `embeddings`: the kind the caller builds."""
     from slipcache.memory import MemoryShortError, require_tables_fit
+    from slipcache.model import embedding_config
 
     if dataset.meta.get("table_sizes_from") != "max id + 1":
         return
+    tables = embedding_config(list(dataset.table_sizes), **options)
     try:
-        require_tables_fit(dataset.table_sizes, dim, what="tables sized by the ids' max + 1", **table_options)
+        require_tables_fit(tables, "tables sized by the ids' max + 1", embeddings=embeddings)
     except MemoryShortError as exc:
         raise MemoryShortError(f"{exc}; the ids look hashed: {HASHED_IDS_HINT}") from exc
 
