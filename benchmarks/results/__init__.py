@@ -197,8 +197,19 @@ def _run_value(run: Mapping[str, Any], key: str) -> float | None:
 
 
 def comparison(study: Mapping[str, Any], arm: str, vs: str, metric: str = "test_auc") -> dict[str, Any] | None:
-    """The paired comparison arm - vs of a long study, or None before a pair finished."""
-    return next((c for c in study["comparisons"] if (c["arm"], c["vs"], c["metric"]) == (arm, vs, metric)), None)
+    """The paired comparison arm - vs of a long study (recorded, or else computed from its runs the same
+    way), or None before a pair finished."""
+    from benchmarks.long_studies import t_interval
+
+    recorded = (c for c in study["comparisons"] if (c["arm"], c["vs"], c["metric"]) == (arm, vs, metric))
+    found = next(recorded, None)
+    if found is not None:
+        return found
+    diffs = paired_diffs(study, arm, vs, metric)
+    if not diffs:
+        return None
+    mean, ci = t_interval(diffs)
+    return {"arm": arm, "vs": vs, "metric": metric, "n": len(diffs), "mean_diff": mean, "ci95": ci}
 
 
 def paired_diffs(study: Mapping[str, Any], arm: str, vs: str, metric: str = "test_auc") -> list[float]:
