@@ -489,7 +489,8 @@ def empty_file(study: Study, commit: str) -> dict[str, Any]:
         "settings": {**study.common, **study.extra.get("settings", {})},
         **({"pilot": pilot_block(study.extra["pilot"])} if "pilot" in study.extra else {}),
         "arms": {
-            a.name: {"overrides": a.overrides, "seeds": a.seeds, **({"borrowed_from": a.borrowed_from} if a.borrowed_from else {})}
+            a.name: {"overrides": a.overrides, "seeds": a.seeds}
+            | ({"borrowed_from": a.borrowed_from} if a.borrowed_from else {})
             for a in study.arms
         },
         "runs": [],
