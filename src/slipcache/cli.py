@@ -97,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args._parser.prog}: error: {unknown_flag_message(args._parser, unknown)}", file=sys.stderr)
         raise SystemExit(2)
     module = importlib.import_module(args._module)
+    threads = None if getattr(args, "_run_sets_threads", False) else getattr(args, "threads", None)
     try:
         with (
             console_messages(),  # the library's log records, printed as the one-line messages they say
-            torch_threads(getattr(args, "threads", None)),
+            torch_threads(threads),
         ):
             return int(getattr(module, f"run_{args.command}")(args) or 0)
     except RunInterrupted as exc:  # stopped as asked, the work saved: not an error

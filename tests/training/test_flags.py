@@ -8,7 +8,8 @@ import pytest
 
 from slipcache.cli import build_parser, main
 from slipcache.training.config import CONFIG_FIELDS, TrainConfig, make_config
-from slipcache.training.flags import default_text
+from slipcache.training.flags import default_text, range_text
+from slipcache.training.settings import _interval
 
 
 def _train_action(dest: str):  # noqa: ANN202 - an argparse Action
@@ -24,7 +25,9 @@ def test_every_flag_shows_the_fields_default_and_offers_its_choices() -> None:
         action = _train_action(f.name)
         text = default_text(f)
         shown = getattr(action, "full_help", action.help)  # `--help` shows the common flags, `--help-all` all
-        assert text is None or f"(default {text})" in shown, f.name
+        assert text is None or f"(default {text}" in shown, f.name
+        if "within" in f.metadata:
+            assert f"range {range_text(f.metadata['within'])})" in shown, f.name
         if "choices" in f.metadata:
             assert tuple(action.choices) == tuple(f.metadata["choices"]), f.name
             if isinstance(f.default, str) and f.name != "precision":
@@ -34,7 +37,13 @@ def test_every_flag_shows_the_fields_default_and_offers_its_choices() -> None:
 def test_a_changed_default_changes_the_help(monkeypatch: pytest.MonkeyPatch) -> None:
     field = CONFIG_FIELDS["batch_size"]
     monkeypatch.setattr(field, "default", 512)
-    assert "(default 512)" in _train_action("batch_size").help
+    assert "(default 512; range > 0)" in _train_action("batch_size").help
+
+
+def test_the_help_says_a_range_as_the_user_reads_it() -> None:
+    assert range_text(_interval("(0, 1]")) == "(0, 1]" and range_text(_interval("[1, inf)")) == ">= 1"
+    assert range_text(_interval("(0, 2**31]")) == "> 0"  # a bound of the representation is not the meaning
+    assert range_text(_interval("[0, float32]")) == ">= 0"
 
 
 def test_flags_parse_into_the_config() -> None:
@@ -104,3 +113,19 @@ def test_the_old_skipping_spellings_are_gone(old: str, capsys: pytest.CaptureFix
         main(argv)
     assert stopped.value.code == 2 and f"unrecognized arguments: {old}" in capsys.readouterr().err
     assert make_config({}, {"skip_rule": "stale"}).skipping.skip_rule == "stale"
+
+
+def test_threads_are_applied_once_by_whoever_owns_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train` applies the run's own threads (a resumed run's, unless given); other commands get the CLI's."""
+    import contextlib
+
+    from slipcache import cli, train_command
+    from slipcache.training import cli as training_cli
+
+    applied: list[int | None] = []
+    monkeypatch.setattr(cli, "torch_threads", lambda n: applied.append(n) or contextlib.nullcontext())
+    monkeypatch.setattr(train_command, "run_train", lambda args: 0)
+    assert main(["train", "--threads", "2", "--quick"]) == 0
+    monkeypatch.setattr(training_cli, "run_eval", lambda args: 0)
+    assert main(["eval", "--checkpoint", "run", "--threads", "2"]) == 0
+    assert applied == [None, 2]

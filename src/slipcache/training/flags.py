@@ -48,9 +48,21 @@ def default_text(f: dataclasses.Field) -> str | None:
     return f"{value:,}".replace(",", "") if isinstance(value, int) else str(value)
 
 
+def range_text(within: tuple[str, float, float, bool, bool]) -> str:
+    """A setting's range as the help shows it: '> 0', '>= 1' (an upper bound of 2^31 or more is the
+    representation's, said only when broken), or the interval itself ('[0, 1]')."""
+    text, low, high, low_open, _ = within
+    if high >= 2**31:
+        return f"{'>' if low_open else '>='} {low:g}"
+    return text
+
+
 def flag_help(f: dataclasses.Field) -> str:
-    text = default_text(f)
-    return f"{f.metadata['help']} (default {text})" if text is not None else f.metadata["help"]
+    """The field's help, then its default and range (a range checked by a library config is said there)."""
+    notes = [f"default {text}"] if (text := default_text(f)) is not None else []
+    if "within" in f.metadata:
+        notes.append(f"range {range_text(f.metadata['within'])}")
+    return f"{f.metadata['help']} ({'; '.join(notes)})" if notes else f.metadata["help"]
 
 
 # The flags most runs need: `slipcache train --help` shows these, `--help-all` every flag (the research
