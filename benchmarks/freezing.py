@@ -1,8 +1,10 @@
-"""Freezing hot rows (`freeze_rows`): the test of saturation that skipping inputs cannot give.
+"""Freezing hot rows: the test of saturation that skipping inputs cannot give. A research arm of the
+Slipstream studies (`freeze-stalest`, `freeze-random`), not a feature of `slipcache train`: a study passes
+`freezing_arm(...)` to `train(config, extra_callbacks=...)`.
 
 Skipping an input removes its gradient from every row and from the MLP, so a skipping run that loses
 accuracy does not say whether its rows had stopped learning. Freezing asks only that: at the end of the
-epoch's window (`slipcache.staleness.schedule.window_plan`) a share `freeze_share` of the hot rows stops
+epoch's window (`slipcache.staleness.schedule.window_plan`) a share `share` of the hot rows stops
 being updated for the rest of the epoch, while every input is still trained. `stalest`: the rows whose
 L-inf change over the window was smallest (Slipstream's measure); `random`: a random share of the hot
 rows, the control. If freezing the stalest half costs nothing while a random half costs accuracy, the
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import typing
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,21 +38,47 @@ if typing.TYPE_CHECKING:
     from slipcache.data.batches import Batch
     from slipcache.training.run import Run
 
+MODES = ("stalest", "random")  # which hot rows stop being updated
+# The study settings of this arm (a study's Arm overrides): not `slipcache train` settings.
+SETTINGS = ("freeze_rows", "freeze_share")
+
+
+@dataclass(frozen=True)
+class FreezeSettings:
+    rows: str  # stalest: the rows that changed least over the window; random: the control
+    share: float = 0.5  # of the hot rows, frozen
+
+    def __post_init__(self) -> None:
+        if self.rows not in MODES:
+            raise SlipcacheError(f"freeze_rows must be one of {', '.join(MODES)}, got {self.rows!r}")
+        if not 0 < self.share <= 1:
+            raise SlipcacheError(f"freeze_share must be in (0, 1], got {self.share}")
+
+
+def freezing_arm(freeze_rows: str, freeze_share: float = 0.5) -> Callable[[Run, HotInputs | None], Callback]:
+    """The callback factory `train(config, extra_callbacks=[...])` takes, for a study arm's settings."""
+    settings = FreezeSettings(freeze_rows, freeze_share)
+    return lambda run, hot_inputs: FreezeRows(run, hot_inputs, settings)
+
 
 class FreezeRows(Callback):
-    """Measures the hot rows over the window, then holds `freeze_share` of them fixed until the epoch ends."""
+    """Measures the hot rows over the window, then holds `share` of them fixed until the epoch ends."""
 
     state_key = "freezing"
 
-    def __init__(self, run: Run, hot_inputs: HotInputs | None) -> None:
+    def __init__(self, run: Run, hot_inputs: HotInputs | None, settings: FreezeSettings) -> None:
         config = run.config
+        if config.skipping.skip_rule is not None:
+            raise SlipcacheError("freezing rows and skip_rule are separate arms: set one of them")
+        if config.skipping.stale_window_start is None:
+            raise SlipcacheError("freezing rows needs stale_window_start: where the window that picks the rows opens")
         tables = run.model.embeddings
         if not isinstance(tables, (TorchEmbeddingBagCollection, CachedEmbeddingBagCollection)):
-            raise SlipcacheError("freeze_rows needs embeddings that can be written row by row: train in one process")
+            raise SlipcacheError("freezing rows needs embeddings that can be written row by row: train in one process")
         self.coll = tables
         self.config, self.hot_inputs = config, hot_inputs
         self.split, self.batches_per_epoch = run.dataset.split("train"), run.batches_per_epoch
-        self.mode, self.share = str(config.skipping.freeze_rows), float(config.skipping.freeze_share)
+        self.mode, self.share = settings.rows, settings.share
         self.detector = StaleInputDetector.from_collection(self.coll, config.staleness_config(rule="paper"))
         self.offsets = self.detector.table_offsets
         self.epoch = -1
@@ -61,7 +91,7 @@ class FreezeRows(Callback):
     def start_epoch(self, run: Run) -> None:
         plan = window_plan(self.config, self.batches_per_epoch, self.hot_inputs)
         if plan is None:
-            raise SlipcacheError("freeze_rows needs stale_window_start: where the window opens")
+            raise SlipcacheError("freezing rows needs stale_window_start: where the window opens")
         self.open_at, self.window = plan
         epoch = run.progress.epoch
         if run.progress.batch_in_epoch > 0 and self.epoch == epoch:

@@ -549,22 +549,29 @@ def run_one(
 ) -> dict[str, Any]:
     """Train one arm x seed in a child process (its own peak memory and CPU time) on the study's commit,
     unpacked at `source`, so later edits of the checkout never reach a run; resume it if cut off."""
+    from benchmarks.freezing import SETTINGS as FREEZING_SETTINGS
+
     values = study.run_values(arm, seed)
+    research = {key: values.pop(key) for key in FREEZING_SETTINGS if key in values}  # a research arm's own
     resuming = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     if not resuming and run_dir.exists():
         shutil.rmtree(run_dir)  # started but never checkpointed: start over
-    spec = {"values": values, "out": str(run_dir), "resume": resuming}
+    spec = {"values": values, "research": research, "out": str(run_dir), "resume": resuming}
     code = (
         "import json, resource, sys, time\n"
         "from slipcache.training.config import make_config\n"
         "from slipcache.training.trainer import TrainConfig, train\n"
         "spec = json.loads(sys.argv[1])\n"
+        "extra = []\n"
+        "if spec['research']:  # freezing rows: research beside the product, passed again on a resume\n"
+        "    from benchmarks.freezing import freezing_arm\n"
+        "    extra = [freezing_arm(**spec['research'])]\n"
         "cpu = time.process_time()\n"
         "if spec['resume']:\n"
         "    config = TrainConfig.from_flat({'resume': spec['out'], 'progress': False, 'threads': 1})\n"
         "else:\n"
         "    config = make_config({}, {**spec['values'], 'out': spec['out']})  # as flags: presets apply\n"
-        "train(config)\n"
+        "train(config, extra_callbacks=extra)\n"
         "print(json.dumps({'cpu_s': time.process_time() - cpu,"
         " 'peak_rss_bytes': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))\n"
     )

@@ -1,5 +1,5 @@
 """Slipstream on its authors' schedule: the cold-first order, the window at a fixed batch, the summary's
-schedule fields, freezing hot rows, and the paper preset's precedence."""
+schedule fields, and the paper preset's precedence."""
 
 from __future__ import annotations
 
@@ -149,60 +149,6 @@ def test_schedule_fields_are_null_when_no_window_opened(data_dir: Path, tmp_path
     assert all(block[k] is None for k in ("window_start_batch", "window_batches", "threshold", "skipped_fraction"))
 
 
-@pytest.mark.parametrize("mode", ["stalest", "random"])
-@pytest.mark.parametrize("embeddings", ["torch", "cached"])
-def test_freezing_holds_exactly_the_chosen_rows(
-    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, embeddings: str
-) -> None:
-    from slipcache.staleness.freezing import FreezeRows
-
-    chosen: dict[str, object] = {}
-    real_freeze = FreezeRows._freeze
-
-    def freeze(self):  # noqa: ANN001, ANN202
-        real_freeze(self)
-        chosen["frozen"] = self.frozen.copy()
-        chosen["all"] = self.coll.read_rows(torch.arange(int(self.offsets[-1]))).clone()
-        chosen["hot"] = self.detector.hot.rows.copy()
-        chosen["coll"] = self.coll
-
-    seen = record_batches(monkeypatch, when=lambda: "frozen" in chosen)  # the batches after the freeze
-    monkeypatch.setattr(FreezeRows, "_freeze", freeze)
-    config = tiny_config(data_dir, tmp_path / "run", stale_preset="paper", freeze_rows=mode, embeddings=embeddings,
-                         precision="fp32", stale_window_count="epoch", stale_window_start=0.25, stale_window=0.1,
-                         **STUDY)
-    block = train.train(config)["staleness"]
-    frozen, before, hot = chosen["frozen"], chosen["all"], chosen["hot"]
-    assert block["frozen_rows"] == len(frozen) == round(0.5 * len(hot)) and set(frozen) <= set(hot)
-    after = chosen["coll"].read_rows(torch.arange(before.shape[0]))
-    unchanged = set(np.flatnonzero((after == before).all(dim=1).numpy()).tolist())
-    offsets = np.concatenate([[0], np.cumsum(open_dataset(data_dir).table_sizes)])[:-1]
-    looked_up = set(np.unique(torch.cat(seen).numpy() + offsets).tolist())
-    assert set(frozen) <= unchanged  # frozen rows kept their values
-    assert (unchanged & looked_up) == set(frozen) & looked_up  # every other row that was trained moved
-    assert len(set(frozen) & looked_up) > 10  # and the frozen ones were looked up: the hold was tested
-
-
-def test_freezing_the_stalest_picks_the_rows_that_moved_least(data_dir: Path, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from slipcache.staleness.freezing import FreezeRows
-
-    picked: dict[str, np.ndarray] = {}
-    real_freeze = FreezeRows._freeze
-
-    def freeze(self):  # noqa: ANN001, ANN202
-        real_freeze(self)
-        change = self.detector.row_score()
-        frozen = np.isin(self.detector.hot.rows, self.frozen)
-        picked["max_frozen"], picked["min_free"] = change[frozen].max(), change[~frozen].min()
-
-    monkeypatch.setattr(FreezeRows, "_freeze", freeze)
-    config = tiny_config(data_dir, tmp_path / "run", stale_preset="paper", freeze_rows="stalest",
-                         stale_window_count="epoch", stale_window_start=0.25, stale_window=0.1, **STUDY)
-    train.train(config)
-    assert picked["max_frozen"] <= picked["min_free"]
-
-
 def test_the_paper_preset_overrides_quick_and_flags_override_the_preset() -> None:
     config = make_config({}, {"quick": True, "stale_preset": "paper"})
     schedule = config.schedule
@@ -213,10 +159,6 @@ def test_the_paper_preset_overrides_quick_and_flags_override_the_preset() -> Non
     assert (config.schedule.batch_size, config.embeddings.lr) == (512, 0.05)  # a file's and a flag's values win
 
 
-def test_freezing_and_skipping_are_separate_arms(data_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="freeze_rows"):
-        tiny_config(data_dir, tmp_path / "run", stale_preset="paper", freeze_rows="random", skip_rule="stale")
-    with pytest.raises(Exception, match="stale_window_start"):
-        tiny_config(data_dir, tmp_path / "run", freeze_rows="random")
+def test_a_window_counted_in_hot_batches_needs_the_cold_first_order(data_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(Exception, match="cold_first"):
         tiny_config(data_dir, tmp_path / "run", skip_rule="stale", stale_window_count="hot", stale_window_start=0.1)

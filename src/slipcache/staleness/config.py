@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from slipcache.errors import InvalidInputError, SettingError
 
-__all__ = ["DETECTOR_RULES", "FREEZE_MODES", "HOT_SETS", "ORDERS", "RULES", "SKIP_RULES", "SKIP_RULE_HELP",
+__all__ = ["DETECTOR_RULES", "HOT_SETS", "ORDERS", "RULES", "SKIP_RULES", "SKIP_RULE_HELP",
            "STALE_PRESETS", "WINDOW_COUNTS", "GuardConfig", "StalenessConfig", "preset_help"]
 
 RULES = ("paper", "convergence")  # staleness rules a user picks (`--stale-rule`)
@@ -16,7 +16,6 @@ DETECTOR_RULES = (*RULES, "random")  # and the random control (`--skip-rule rand
 HOT_SETS = ("budget", "frequency")  # the most accessed rows fitting the budget, or an access-count threshold
 ORDERS = ("data", "cold_first")  # `input_order`: the data's own order, or FAE's cold inputs first
 WINDOW_COUNTS = ("epoch", "hot")  # `stale_window_count`: what the window's position and length are shares of
-FREEZE_MODES = ("stalest", "random")  # `freeze_rows`: which hot rows stop being updated
 
 
 @dataclass

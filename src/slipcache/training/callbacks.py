@@ -13,12 +13,15 @@ import numpy as np
 import torch
 
 from slipcache.callback import Callback
+from slipcache.errors import SlipcacheError
 from slipcache.safe_files import open_append
 from slipcache.training.rundir import write_events, write_json
 
 if typing.TYPE_CHECKING:
     from slipcache.data.batches import Batch, SampleFilter
     from slipcache.training.run import Run
+
+CALLBACK_KEYS = "callback_states"  # the checkpoint's list of the stateful callbacks' keys
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +120,19 @@ class Callbacks:
             callback.close(run)
 
     def state_dict(self) -> dict[str, Any]:
-        """Each stateful callback's state under its key (the top level of a checkpoint)."""
-        return {c.state_key: c.state_dict() for c in self.items if c.state_key is not None}
+        """Each stateful callback's state under its key (the top level of a checkpoint), and the list of
+        those keys: a resume without one of them (a research arm not passed again) is refused."""
+        states = {c.state_key: c.state_dict() for c in self.items if c.state_key is not None}
+        return {**states, CALLBACK_KEYS: sorted(states)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = {c.state_key for c in self.items if c.state_key is not None}
+        missing = sorted(set(state.get(CALLBACK_KEYS, ())) - mine)  # checkpoints before the list: not checked
+        if missing:
+            raise SlipcacheError(
+                f"the checkpoint holds the state of {', '.join(missing)}, which this run lacks: a research arm's "
+                "run resumes only with that arm passed again (train(config, extra_callbacks=...), as its study does)"
+            )
         for callback in self.items:
             if callback.state_key is not None:
                 callback.load_state_dict(state[callback.state_key])

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable, Sequence
 
 from slipcache.callback import Callback
 from slipcache.training.callbacks import Callbacks, MetricsLog
 from slipcache.training.upcoming import ShowUpcomingBatches, upcoming_batches
 
 if typing.TYPE_CHECKING:
+    from slipcache.staleness.order import HotInputs
     from slipcache.training.run import Run
 
+# A feature outside the product (a study's research arm): built from the run and the epoch's hot inputs
+# (None without the cold-first order).
+CallbackFactory = Callable[["Run", "HotInputs | None"], Callback]
 
-def run_callbacks(run: Run) -> Callbacks:
-    """The run's callbacks in the order they are called: features that change training first, then the
-    writers of the run directory (only in the process that writes it)."""
+
+def run_callbacks(run: Run, extra: Sequence[CallbackFactory] = ()) -> Callbacks:
+    """The run's callbacks in the order they are called: features that change training first (the product's,
+    then `extra`), then the writers of the run directory (only in the process that writes it)."""
     config = run.config
     callbacks: list[Callback] = []
     if config.schedule.lr_schedule == "mlperf":  # --lr-schedule: every learning rate, before each step
@@ -25,17 +31,15 @@ def run_callbacks(run: Run) -> Callbacks:
     if config.skipping.input_order == "cold_first":  # FAE's order: cold inputs first, then hot ones
         from slipcache.staleness.order import ColdFirstOrder
 
-        order = ColdFirstOrder(run, reports=config.skipping.skip_rule is None and config.skipping.freeze_rows is None)
+        # reports: the summary's `staleness` block is the order's unless skipping (or a research arm) writes it
+        order = ColdFirstOrder(run, reports=config.skipping.skip_rule is None and not extra)
         callbacks.append(order)  # first: skipping and freezing use the hot set it profiles each epoch
         hot_inputs = order.hot_inputs
     if config.skipping.skip_rule is not None:  # --skip-rule stale|random|loss
         from slipcache.training.skip_inputs import SkipStaleInputs
 
         callbacks.append(SkipStaleInputs(run, hot_inputs))
-    if config.skipping.freeze_rows is not None:  # --freeze-rows stalest|random
-        from slipcache.staleness.freezing import FreezeRows
-
-        callbacks.append(FreezeRows(run, hot_inputs))
+    callbacks.extend(make(run, hot_inputs) for make in extra)
     ahead = upcoming_batches(config)  # the lookahead policies' window, or the prefetch's one batch
     if ahead:
         callbacks.append(ShowUpcomingBatches(ahead, config.embeddings.prefetch))

@@ -18,7 +18,6 @@ from slipcache.errors import SlipcacheError
 from slipcache.model import AUTOCAST_DTYPES, EMBEDDING_KINDS, INTERACTIONS, ModelConfig
 from slipcache.options import HUGE_PAGES_HELP, THREADS_DEFAULT, THREADS_HELP
 from slipcache.staleness.config import (
-    FREEZE_MODES,
     HOT_SETS,
     ORDERS,
     RULES,
@@ -255,11 +254,6 @@ class SkippingSettings:
                                     "the epoch's batches from its start; hot: its hot batches, after the cold pass "
                                     "(needs --input-order cold_first)", resume="fixed",
                                     choices=WINDOW_COUNTS)
-    freeze_rows: str | None = _flag(None, "instead of skipping, stop updating --freeze-share of the hot rows from the "
-                                    "window's end to the epoch's (stalest: least L-inf change over the window; "
-                                    "random: the control); every input is still trained", resume="fixed",
-                                    choices=FREEZE_MODES, default_text="off")
-    freeze_share: float = _flag(0.5, "share of the hot rows frozen", resume="fixed", within="(0, 1]")
     stale_hot_set: str = _flag(help="budget: most accessed rows that fit --stale-budget-mb; frequency: FAE's "
                                "threshold", resume="fixed", sets="staleness.hot_set",
                                choices=HOT_SETS)
@@ -321,9 +315,5 @@ class SkippingSettings:
         if counted_hot and self.input_order != "cold_first":
             raise SlipcacheError("a window counted in hot batches (stale_window_count hot) needs "
                                  "input_order cold_first")
-        if self.freeze_rows is not None and self.skip_rule is not None:
-            raise SlipcacheError("freeze_rows and skip_rule are separate arms: set one of them")
-        if self.freeze_rows is not None and self.stale_window_start is None:
-            raise SlipcacheError("freeze_rows needs stale_window_start: where the window that picks the rows opens")
         if self.stale_reweight and self.stale_keep == 0.0:
             raise SlipcacheError("stale_reweight needs stale_keep > 0 (the kept share p is weighted 1/p)")

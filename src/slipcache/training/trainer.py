@@ -24,6 +24,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,7 @@ from slipcache.training.datasets import (
     training_batches,
 )
 from slipcache.training.evaluation import evaluate
-from slipcache.training.features import run_callbacks
+from slipcache.training.features import CallbackFactory, run_callbacks
 from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
 from slipcache.training.schedule import budget_steps, nearest_quotient
@@ -109,27 +110,32 @@ def _stats_totals(model: DLRM) -> tuple[int, int]:
 # Training: the loop first, then its steps in the order they run.
 
 
-def train(config: TrainConfig, backend: RunBackend | None = None) -> dict[str, Any]:
+def train(
+    config: TrainConfig, backend: RunBackend | None = None, *, extra_callbacks: Sequence[CallbackFactory] = ()
+) -> dict[str, Any]:
     """Train DLRM as configured, writing the run directory; returns the summary dict.
 
     `backend`: where the run executes (default: this process alone; `distributed.training` passes one
-    rank of N). Features join the loop as callbacks (`callbacks.py`, chosen in `features.py`), state that
+    rank of N). `extra_callbacks`: features outside the product (a study's research arm, `benchmarks/`),
+    each built from the run and the epoch's hot inputs; a resume must pass them again. Features join the
+    loop as callbacks (`callbacks.py`, chosen in `features.py`), state that
     must survive a resume goes into `Run` / `checkpoint_state`. Training time (`progress.train_wall_s`)
     runs from `run.tick` to the end of `record_step`; evaluation and checkpoints fall outside it.
     """
     anon_peak = AnonPeak().start()  # from before the tables are built
     try:
         with contextlib.ExitStack() as settings:  # the run's threads and huge pages: the caller's come back after
-            return run_loop(config, backend, settings, anon_peak)
+            return run_loop(config, backend, settings, anon_peak, extra_callbacks)
     finally:
         anon_peak.stop()
 
 
 def run_loop(
-    config: TrainConfig, backend: RunBackend | None, settings: contextlib.ExitStack, anon_peak: AnonPeak | None = None
+    config: TrainConfig, backend: RunBackend | None, settings: contextlib.ExitStack, anon_peak: AnonPeak | None = None,
+    extra_callbacks: Sequence[CallbackFactory] = (),
 ) -> dict[str, Any]:
     """`train`'s loop; `settings` holds the process settings the run applies until `train` returns."""
-    run = start_run(config, backend or LocalBackend(), settings)
+    run = start_run(config, backend or LocalBackend(), settings, extra_callbacks)
     run.anon_peak = anon_peak
     schedule = runs.schedule_of(run.config)
     try:
@@ -170,7 +176,10 @@ def _crossed(before: int, after: int, every: int) -> bool:
     return after // every > before // every
 
 
-def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.ExitStack) -> Run:
+def start_run(
+    config: TrainConfig, backend: RunBackend, settings: contextlib.ExitStack,
+    extra_callbacks: Sequence[CallbackFactory] = (),
+) -> Run:
     """A new run, or an interrupted one restored from its checkpoint (`config.run.resume`); `settings` takes
     this process's threads and huge pages for the run, put back when it closes."""
     if backend.writes_files:  # the extra is missing: refused before any directory or data is made
@@ -210,7 +219,7 @@ def start_run(config: TrainConfig, backend: RunBackend, settings: contextlib.Exi
         if changes and backend.writes_files:  # --allow-changes: each change said once, where it takes effect
             for line in change_lines(config_dict["changed_on_resume"][-1]):
                 logger.info(f"slipcache train: resuming with {line} (--allow-changes)")
-        run = _build_run(config, config_dict, run_dir, dataset, checkpoint, changes, backend)
+        run = _build_run(config, config_dict, run_dir, dataset, checkpoint, changes, backend, extra_callbacks)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -228,6 +237,7 @@ def _build_run(
     checkpoint: TrainingCheckpoint | None,
     changes: dict[str, list[Any]],
     backend: RunBackend,
+    extra_callbacks: Sequence[CallbackFactory] = (),
 ) -> Run:
     """The model, optimizers, callbacks and state of a run whose directory this process holds."""
     dataset_dir = Path(config_dict["dataset"])
@@ -265,7 +275,7 @@ def _build_run(
         data_quality=quality,
         changed=frozenset(changes),
     )
-    run.callbacks = run_callbacks(run)
+    run.callbacks = run_callbacks(run, extra_callbacks)
     if checkpoint is not None:
         check_table_sizes(checkpoint.state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
         restore(checkpoint, run)
