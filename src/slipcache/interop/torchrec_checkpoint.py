@@ -20,7 +20,7 @@ unsharded collection through `slipcache.interop.torchrec_weights` (`torchrec_sta
 The fused optimizer's state is TorchRec's too: `model.fused_optimizer.state_dict()` holds, per table,
 `<table>.momentum1` (Adagrad's sums; Adam's first moment), `<table>.momentum2` (Adam's second moment) as
 ShardedTensors placed as the rows are, and Adam's `<table>.step`; row-wise Adagrad's one value per row and
-column cut is a [rows, cuts] ShardedTensor. Saved and loaded with the rows, a resumed run continues as the
+column cut is one dimension, a block of rows per cut, as TorchRec's fused tables keep it. Saved and loaded with the rows, a resumed run continues as the
 saved one would: exactly with fp32 storage, and with INT8 storage without a cache and with nearest rounding
 (the stochastic-rounding generators are not saved); otherwise within rounding (the rows the cache held in
 fp32 are rounded into storage, and the cache starts empty).
@@ -295,10 +295,20 @@ def _state_rows(collection: Any, index: int, rows: int) -> Tensor:
     return collection.optimizer_state[start : start + rows]
 
 
-def _cut_metadata(table: Any) -> tuple[ShardMetadata, ShardedTensorMetadata]:
-    """Row-wise state of a table: [rows, cuts], cut i (by first column) in column i, each shard at its rows."""
+def _rowwise_metadata(table: Any) -> tuple[ShardMetadata, ShardedTensorMetadata]:
+    """Row-wise state of a table as TorchRec lays it out: one value per row in one dimension; a table cut
+    into c column shards keeps c values per row, cut i (by first column) at [i x rows, (i + 1) x rows),
+    each shard at its rows within its cut."""
     metadata = table.global_metadata
-    return _local_per_row(table.local_metadata, metadata), _per_row(metadata, metadata.tensor_properties.dtype)
+    cuts, rows = _column_cuts(metadata), int(metadata.size[0])
+
+    def placed(shard: Any) -> ShardMetadata:
+        start = cuts.index(shard.shard_offsets[1]) * rows + shard.shard_offsets[0]
+        return ShardMetadata([start], [shard.shard_sizes[0]], shard.placement)
+
+    whole = ShardedTensorMetadata([placed(m) for m in metadata.shards_metadata], torch.Size([rows * len(cuts)]),
+                                  TensorProperties(dtype=torch.float32))
+    return placed(table.local_metadata), whole
 
 
 def optimizer_state(module: Any) -> dict[str, dict[str, Any]]:
@@ -321,8 +331,8 @@ def optimizer_state(module: Any) -> dict[str, dict[str, Any]]:
         for table, collection, index in shards:
             rows = _state_rows(collection, index, int(table.local_rows)).detach().float().clone()
             if kind == "rowwise_adagrad":
-                local, metadata = _cut_metadata(table)
-                parts = {"momentum1": (rows.unsqueeze(1), local)}
+                local, metadata = _rowwise_metadata(table)
+                parts = {"momentum1": (rows, local)}
             elif kind == "adam":  # the two moments side by side
                 cols = int(table.local_cols)
                 parts = {
@@ -348,7 +358,7 @@ def _replicated_state(name: str, kind: str, rows: Tensor, cols: int) -> dict[str
     """A data-parallel table's optimizer state by TorchRec's names, as plain tensors (laid out as the
     ShardedTensors of a table in one shard)."""
     if kind == "rowwise_adagrad":
-        return {f"{name}.momentum1": rows.unsqueeze(1)}
+        return {f"{name}.momentum1": rows}
     if kind == "adam":
         return {
             f"{name}.momentum1": rows[:, :cols].contiguous(),
@@ -370,11 +380,11 @@ def load_optimizer_state(module: Any, state: Mapping[str, Mapping[str, Any]]) ->
         if name not in state:
             continue
         values = state[name]
-        kind = shards[0][1].config.optimizer
         locals_ = {key: _local_values(values[key]) for key in values if key != f"{name}.step"}
         for position, (table, collection, index) in enumerate(shards):
             parts = [locals_[key][position] for key in sorted(locals_)]
-            loaded = parts[0].squeeze(1) if kind == "rowwise_adagrad" else torch.cat(parts, dim=1)
+            # Adam's two moments side by side; one state as it is (a shape of another optimizer is said next)
+            loaded = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             rows = _state_rows(collection, index, int(table.local_rows))
             if loaded.shape != rows.shape:
                 raise InvalidInputError(
