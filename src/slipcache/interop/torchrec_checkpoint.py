@@ -20,10 +20,11 @@ unsharded collection through `slipcache.interop.torchrec_weights` (`torchrec_sta
 The fused optimizer's state is TorchRec's too: `model.fused_optimizer.state_dict()` holds, per table,
 `<table>.momentum1` (Adagrad's sums; Adam's first moment), `<table>.momentum2` (Adam's second moment) as
 ShardedTensors placed as the rows are, and Adam's `<table>.step`; row-wise Adagrad's one value per row and
-column cut is one dimension, a block of rows per cut, as TorchRec's fused tables keep it. Saved and loaded with the rows, a resumed run continues as the
-saved one would: exactly with fp32 storage, and with INT8 storage without a cache and with nearest rounding
-(the stochastic-rounding generators are not saved); otherwise within rounding (the rows the cache held in
-fp32 are rounded into storage, and the cache starts empty).
+column cut is one dimension, a block of rows per cut, as TorchRec's fused tables keep it. Saved and loaded
+with the rows, a resumed run continues as the saved one would: exactly with fp32 storage, and with INT8
+storage without a cache and with nearest rounding (the stochastic-rounding generators are not saved);
+otherwise within rounding (the rows the cache held in fp32 are rounded into storage, and the cache starts
+empty).
 """
 
 from __future__ import annotations
