@@ -355,8 +355,11 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
 
     # ------------------------------------------------------------------------------------- forward
     def forward(self, features: Tensor | SparseFeatures) -> Tensor:
+        training = self.training and torch.is_grad_enabled() and not self.frozen
+        if torch.compiler.is_compiling() and not training:
+            return self._traced_forward(features)
         lookup = self.inputs.prepare(features)
-        if self.training and torch.is_grad_enabled() and not self.frozen:
+        if training:
             refuse_replicated_training(self)
             self.prefetcher.join()
             window, prefetch = self.prefetcher.take_window()
@@ -370,6 +373,21 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
                 self.clock.lap("other")
             return _FusedLookup.apply(self._anchor, (self.inputs, self.planner, self.optimizer), lookup, plan)
         return self.inputs.pool(self._read_rows(lookup.rows), lookup)
+
+    def _traced_forward(self, features: Tensor | SparseFeatures) -> Tensor:
+        """Inference in torch operations only, for `torch.export` and `torch.compile`: the rows (cache over
+        storage) read and pooled without a compiled loop and without a branch on the ids' values, so the
+        graph has no break. The ids are not range-checked here: a traced program cannot raise on a value."""
+        if not isinstance(features, (Tensor, SparseFeatures)):
+            raise InvalidInputError(f"expected ids [batch, tables] or SparseFeatures, got {type(features).__name__}")
+        rows, bag, weight = self.inputs.traced_rows(features)
+        values = self.storage.read_traceable(rows, self.device)
+        if self.cache.capacity:
+            slots = self.cache.lookup(rows)
+            cached = self.cache.weights.index_select(0, slots.clamp_min(0))
+            values = torch.where((slots >= 0)[:, None], cached, values)
+        batch = features.shape[0] if isinstance(features, Tensor) else features.batch_size
+        return self.inputs.traced_pool(values, bag, weight, batch)
 
     def set_lookahead(self, upcoming: list[Tensor | SparseFeatures], prefetch: bool = False) -> None:
         """The ids of the batches after the next training step's (e.g. `BatchIterator.peek(k)`), for that

@@ -43,6 +43,10 @@ class SparseFeatures:
         return cls(values, offsets, lengths.shape[0])
 
 
+# An input torch.export takes: its tensors are the program's inputs, num_tables a constant of it.
+torch.export.register_dataclass(SparseFeatures, serialized_type_name="slipcache.SparseFeatures")
+
+
 @dataclass
 class _Lookup:
     """One batch's lookups: global rows in bag order and how they pool."""
@@ -154,6 +158,26 @@ class LookupInputs:
                 f"{caller}: row {bad} is outside [0, {self.num_rows}) (global rows of all tables)"
             )
         return rows
+
+    def traced_rows(self, features: Tensor | SparseFeatures) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """`prepare` in torch operations only, unchecked (a traced program cannot raise on a value): the
+        global rows, and for bags each value's bag and its mean-pooling weight."""
+        if isinstance(features, Tensor):
+            return (features.to(self.device, torch.int64) + self.table_offsets[:-1]).reshape(-1), None, None
+        values, offsets = features.values.to(self.device, torch.int64), features.offsets.to(self.device, torch.int64)
+        bag = torch.searchsorted(offsets[1:], torch.arange(values.numel(), device=self.device), right=True)
+        rows = values + self.table_offsets[bag // features.batch_size]
+        weight = 1.0 / offsets.diff().clamp_min(1).float()[bag] if self.pooling == "mean" else None
+        return rows, bag, weight
+
+    def traced_pool(self, values: Tensor, bag: Tensor | None, weight: Tensor | None, batch_size: int) -> Tensor:
+        """`pool` in torch operations only: the bags' sums (or means) [batch, tables, dim]."""
+        num_tables = len(self.table_sizes)
+        if bag is None:
+            return values.view(batch_size, num_tables, self.dim)
+        weighted = values if weight is None else values * weight[:, None]
+        pooled = torch.zeros(num_tables * batch_size, self.dim, device=values.device).index_add(0, bag, weighted)
+        return pooled.view(num_tables, batch_size, self.dim).transpose(0, 1)
 
     def pool(self, values: Tensor, lookup: _Lookup) -> Tensor:
         num_tables = len(self.table_sizes)

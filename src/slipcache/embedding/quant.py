@@ -276,6 +276,11 @@ class RowStorage(nn.Module):
                 self.precision, self.payload, self.bias if ints else None, self.scale_code if ints else None,
                 scales=_SCALES, rows=rows.long().contiguous(), dim=self.dim,
             )
+        return self.read_traceable(rows, device)
+
+    def read_traceable(self, rows: Tensor, device: torch.device) -> Tensor:
+        """`read` in torch operations only (what torch.export and torch.compile trace; accelerators read so)."""
+        rows = rows.to(self.payload.device)
         payload = self.payload.index_select(0, rows).to(device, non_blocking=True)
         if self.precision in FLOAT_DTYPES:
             return payload.float()
@@ -476,6 +481,17 @@ class TableRowStorage(nn.Module):
         for part in self.parts.values():
             part.pin_memory_()
         return self
+
+    def read_traceable(self, rows: Tensor, device: torch.device) -> Tensor:
+        """`read` in torch operations only and without a branch on the rows' values (torch.export): every
+        part reads every row (clamped into its range) and each row keeps its own part's value."""
+        part_of, local = self._locate(rows)
+        out = torch.zeros(rows.numel(), self.dim, device=device)
+        for index, kind in enumerate(self._kinds):
+            part = self.parts[kind]
+            values = part.read_traceable(local.clamp(0, part.num_rows - 1), device)
+            out = torch.where((part_of == index).to(device)[:, None], values, out)
+        return out
 
     def read(self, rows: Tensor, device: torch.device) -> Tensor:
         part_of, local = self._locate(rows)
