@@ -107,6 +107,16 @@ class TrafficCounters:
         counts = self.counts if into is None else into
         counts[:, COUNTERS.index(name)] += torch.bincount(tables, minlength=self.num_tables)
 
+    def per_table(self, tables: Tensor) -> Tensor:
+        """How many of `tables` name each table: what `count_tables` adds, for `add_per_table`."""
+        return torch.bincount(tables, minlength=self.num_tables)
+
+    def add_per_table(self, names: tuple[str, ...], per_table: Tensor, into: Tensor | None = None) -> None:
+        """Add per-table counts (`per_table`) to each of the columns `names`: one count for several columns."""
+        counts = self.counts if into is None else into
+        for name in names:
+            counts[:, COUNTERS.index(name)] += per_table
+
     def count_rows(self, name: str, rows: Tensor, into: Tensor | None = None) -> None:
         self.count_tables(name, self.tables_of(rows), into)
 
