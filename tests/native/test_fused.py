@@ -319,3 +319,29 @@ def test_sorted_unique_is_torch_unique_of_the_taken_rows(n: int) -> None:
             assert torch.equal(have, want)
     with pytest.raises(ValueError, match="slots"):
         _native.sorted_unique(torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+
+
+def test_fill_misses_is_the_indexed_copies_and_checks_first() -> None:
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(50, 8, generator=g)
+    slots = torch.full((40,), 7, dtype=torch.int64)
+    positions = torch.tensor([1, 4, 5, 9, 30, 39])
+    inverse = torch.tensor([0, 1, 0, 2, 3, 1])
+    assigned = torch.tensor([12, -1, 49, 0])
+    out = torch.zeros(40, 8)
+    expected_slots, expected_out = slots.clone(), out.clone()
+    expected_slots[positions] = assigned[inverse]
+    cached = positions[assigned[inverse] >= 0]
+    expected_out[cached] = weights[expected_slots[cached]]
+    _native.fill_misses(positions, inverse, assigned, slots, weights, out)
+    assert torch.equal(slots, expected_slots) and torch.equal(out, expected_out)
+    before = slots.clone(), out.clone()
+    for bad in (
+        (torch.tensor([1, 40]), torch.tensor([0, 1]), assigned),  # a position beyond the lookups
+        (torch.tensor([1, 2]), torch.tensor([0, 4]), assigned),  # a row beyond the distinct rows
+        (torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([3, 50])),  # a slot beyond the cache
+        (torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([3, -2])),
+    ):
+        with pytest.raises(ValueError, match="out of range"):
+            _native.fill_misses(*bad, slots, weights, out)
+        assert torch.equal(slots, before[0]) and torch.equal(out, before[1])  # nothing written

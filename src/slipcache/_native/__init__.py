@@ -142,8 +142,9 @@ def threads() -> int:
 
 def scratch_bytes() -> int:
     """Bytes the compiled loops keep between calls, every thread's together (0 without the library): per
-    calling thread, the backward's position lists and the Adagrad step's distinct-row check, grown to the
-    largest batch seen and freed when the thread exits."""
+    calling thread, the backward's position lists, the Adagrad step's distinct-row check, the distinct rows'
+    hash table and sort, the slot assignment's tables and the forward's per-table hit counts, each grown to
+    the largest batch seen and freed when the thread exits (no allocation per step)."""
     library = native()
     return 0 if library is None else int(library.slipcache_scratch_bytes())
 
@@ -396,6 +397,28 @@ def sorted_unique(
     return (
         positions[:m] if positions is not None else None, unique[:count], inverse[:m], counts[:count]
     )
+
+
+def fill_misses(
+    positions: Tensor, inverse: Tensor, assigned: Tensor, slots: Tensor, weights: Tensor, out: Tensor
+) -> None:
+    """The forward's misses once their rows have slots, in one pass: `slots[positions] = assigned[inverse]`
+    and, for each of those with a slot (not -1), `out[position] = weights[slot]` (the rows served from storage
+    are left to the caller). Every index is checked first (ValueError, nothing written)."""
+    library = native()
+    assert library is not None
+    _check("positions", positions, (torch.int64,), (None,))
+    _check("inverse", inverse, (torch.int64,), (positions.numel(),))
+    _check("assigned", assigned, (torch.int64,), (None,))
+    _check("slots", slots, (torch.int64,), (None,))
+    _check("weights", weights, (torch.float32,), (None, None))
+    _check("out", out, (torch.float32,), (slots.numel(), weights.shape[1]))
+    bad = library.fill_misses(
+        positions.data_ptr(), inverse.data_ptr(), positions.numel(), assigned.data_ptr(), assigned.numel(),
+        slots.data_ptr(), slots.numel(), weights.data_ptr(), weights.shape[0], weights.shape[1], out.data_ptr(),
+    )  # fmt: skip
+    if bad >= 0:
+        raise ValueError(f"compiled loop: miss {bad} has a position, row or slot out of range")
 
 
 def all_finite(values: Tensor) -> bool:

@@ -199,6 +199,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.unique_rows.restype = i64
     library.sorted_unique.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr]
     library.sorted_unique.restype = i64
+    library.fill_misses.argtypes = [ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ptr]
+    library.fill_misses.restype = i64
     library.finite_values.argtypes = [ptr, i64]
     library.finite_values.restype = i64
     library.assign_slots.argtypes = [

@@ -179,8 +179,10 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
                       float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
                       int64_t misses_col) {
     int64_t parts = chunks_for(batch * tables, LOOKUP_GRAIN);
-    int64_t *table_hits = calloc((size_t)(tables * parts), sizeof(int64_t));  /* [parts, tables] */
+    size_t hit_bytes = (size_t)(tables * parts) * sizeof(int64_t);
+    int64_t *table_hits = thread_scratch(SCRATCH_COUNTS, hit_bytes);  /* [parts, tables], kept between calls */
     if (!table_hits) return -1;
+    memset(table_hits, 0, hit_bytes);
     gather_args g = {{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
                       use_count, step, 0, parts > 1},
                      weights, dim, out, tables, table_hits, 0};
@@ -192,7 +194,6 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
         counters[k * stride + hits_col] += table;
         counters[k * stride + misses_col] += batch - table;
     }
-    free(table_hits);
     return hits;
 }
 
@@ -201,7 +202,8 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
 int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *inverse) {
     int64_t capacity = 16;
     while (capacity < 2 * n) capacity <<= 1;
-    int64_t *table = malloc((size_t)capacity * sizeof(int64_t));  /* index into unique, -1 when free */
+    /* index into unique, -1 when free: the calling thread's scratch, kept between calls */
+    int64_t *table = thread_scratch(SCRATCH_UNIQUE, (size_t)capacity * sizeof(int64_t));
     if (!table) return -1;
     for (int64_t k = 0; k < capacity; k++) table[k] = -1;
     int64_t count = 0;
@@ -212,7 +214,6 @@ int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *in
         if (table[h] < 0) { table[h] = count; unique[count++] = r; }
         inverse[i] = table[h];
     }
-    free(table);
     return count;
 }
 /* The distinct values of the taken rows in ascending order, as torch.unique(taken, return_inverse=True,
@@ -300,6 +301,36 @@ int64_t sorted_unique(const int64_t *rows, const int64_t *slots, int64_t n, int6
     return count;
 }
 
+/* The forward's misses once their rows have slots: for each missed lookup k (at position positions[k], its
+   distinct row inverse[k]), slots[positions[k]] = assigned[inverse[k]], and where that slot is not -1 the
+   cached row (just filled) is copied into out[positions[k]] (rows served from storage are left to the
+   caller). One pass instead of four indexed copies, the slot's row prefetched AHEAD lookups on. Everything
+   is checked first (nothing written then): returns -1, or the index k of the first miss whose position
+   is outside [0, n), whose row is outside [0, count) or whose slot is outside [-1, num_slots). */
+ROW_LOOPS int64_t fill_misses(const int64_t *positions, const int64_t *inverse, int64_t m, const int64_t *assigned,
+                              int64_t count, int64_t *slots, int64_t n, const float *weights, int64_t num_slots,
+                              int64_t dim, float *out) {
+    for (int64_t k = 0; k < m; k++) {
+        if ((uint64_t)positions[k] >= (uint64_t)n || (uint64_t)inverse[k] >= (uint64_t)count) return k;
+        int64_t slot = assigned[inverse[k]];
+        if (slot < -1 || slot >= num_slots) return k;
+    }
+    size_t row_bytes = (size_t)dim * sizeof(float);
+    for (int64_t k = 0; k < m; k++) {
+        if (k + AHEAD < m) {
+            int64_t later = assigned[inverse[k + AHEAD]];
+            if (later >= 0) prefetch_span(weights + later * dim, row_bytes, 0);
+        }
+        int64_t slot = assigned[inverse[k]], at = positions[k];
+        slots[at] = slot;
+        if (slot < 0) continue;
+        const float *src = weights + slot * dim;
+        float *dst = out + at * dim;
+        for (int64_t d = 0; d < dim; d++) dst[d] = src[d];
+    }
+    return -1;
+}
+
 /* RowCache.assign for LRU and LFU (no lookahead window), unpartitioned: slots for the unique missing `rows`.
    The rows of one set take its evictable ways (not pinned: last_used < pin_since, or empty) in victim order
    (empty first, then ascending key = last_used, or use_count when given; ties by way), in the order the
@@ -312,10 +343,14 @@ int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t 
                      int64_t n, int64_t *out_slots, int64_t *victim_slots, int64_t *victim_rows) {
     int64_t capacity = 16;
     while (capacity < 2 * n) capacity <<= 1;
-    set_entry *table = malloc((size_t)capacity * sizeof(set_entry));
-    int32_t *orders = malloc((size_t)(n > 0 ? n : 1) * (size_t)ways * sizeof(int32_t));
-    int64_t *keys = malloc((size_t)ways * sizeof(int64_t));
-    if (!table || !orders || !keys) { free(table); free(orders); free(keys); return -1; }
+    /* The set table, the victim orders and one set's keys: the calling thread's scratch, kept between calls. */
+    size_t table_bytes = (size_t)capacity * sizeof(set_entry), key_bytes_all = (size_t)ways * sizeof(int64_t);
+    char *memory = thread_scratch(SCRATCH_ASSIGN, table_bytes + key_bytes_all
+                                                  + (size_t)(n > 0 ? n : 1) * (size_t)ways * sizeof(int32_t));
+    if (!memory) return -1;
+    set_entry *table = (set_entry *)memory;
+    int64_t *keys = (int64_t *)(memory + table_bytes);
+    int32_t *orders = (int32_t *)(memory + table_bytes + key_bytes_all);
     for (int64_t k = 0; k < capacity; k++) table[k].set = -1;
     int64_t used_orders = 0, victims = 0;
     size_t way_bytes = (size_t)ways * (wide ? 8 : 4), key_bytes = (size_t)ways * sizeof(int32_t);
@@ -359,6 +394,5 @@ int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t 
         int64_t resident = wide ? ((const int64_t *)slot_rows)[slot] : ((const int32_t *)slot_rows)[slot];
         if (resident != -1) { victim_slots[victims] = slot; victim_rows[victims] = resident; victims++; }
     }
-    free(table); free(orders); free(keys);
     return victims;
 }

@@ -162,9 +162,12 @@ def format_bound(result: dict[str, Any]) -> list[str]:
     lines.append("")
     for r in bounded:
         terms = ", ".join(f"{k} {v:.1f}" for k, v in r["bound_ns_per_lookup"].items())
+        touched = r.get("lines_per_lookup") or {}
+        counted = ", ".join(f"{k} {v:.2f}" for k, v in touched.items() if k != "total")
         lines.append(
             f"- dim {r['dim']} {r['name']}: {terms}; bound {r['bound_samples_per_s']:,.0f} samples/s, "
             f"measured {r['fraction_of_bound']:.2f} of it"
+            + (f"; 64-byte lines per lookup {touched['total']:.2f} ({counted})" if touched else "")
         )
     return [*lines, ""]
 

@@ -73,6 +73,19 @@ def missing_rows(rows: Tensor, slots: Tensor) -> tuple[Tensor, Tensor, Tensor, T
     return positions, missing, inverse, uses
 
 
+def fill_misses(
+    positions: Tensor, inverse: Tensor, assigned: Tensor, slots: Tensor, weights: Tensor, out: Tensor | None
+) -> bool:
+    """`slots[positions] = assigned[inverse]`, and with `out` each of those lookups with a slot copied from
+    `weights` into `out` (compiled, one pass). Without the loop (or `out`) only the slots are written, and
+    False says the copies are the caller's."""
+    if out is not None and _native.usable(positions, inverse, assigned, slots, weights, out):
+        _native.fill_misses(positions, inverse, assigned, slots, weights, out)
+        return True
+    slots.index_copy_(0, positions, assigned[inverse])
+    return False
+
+
 def sum_rows(index: Tensor, values: Tensor, count: int) -> Tensor:
     """Rows of `values` [n, D] summed by `index` into [count, D], each sum in row order."""
     summed = values.new_zeros(count, values.shape[1])

@@ -222,7 +222,8 @@ class StepPlanner:
                 values = None if placed else self.storage.read(admitted_rows, self.device)
                 cache.install(admitted_slots, admitted_rows, values, step, uses[admitted])
             clock.lap("fill")
-            slots.index_copy_(0, positions, assigned[miss_inverse])
+            # The misses' slots, and (fused forward) their rows from the cache into the output, in one pass.
+            copied = kernels.fill_misses(positions, miss_inverse, assigned, slots, cache.weights, gathered)
             if miss is not None:
                 self.counters.count_lookups("misses", miss, lookup)
             missing_tables = self.counters.tables_of(missing)
@@ -253,7 +254,11 @@ class StepPlanner:
             self.storage.version,
         )
         if gathered is not None and any_miss:
-            self._fill_positions(gathered, plan, positions)
+            if not copied:
+                self._fill_positions(gathered, plan, positions)
+            elif storage_rows.numel():  # the rows that found no slot, from the storage copy
+                on_storage = positions[slots.index_select(0, positions) < 0]
+                gathered.index_copy_(0, on_storage, storage_values.index_select(0, storage_index))
         plan.gathered = gathered
         clock.lap("fill")
         self._in_flight[step] = weakref.ref(plan)
