@@ -6,6 +6,7 @@ import argparse
 import itertools
 import json
 import math
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ ROW_KEYS = {
     "dim",
     "samples_per_s",
     "ratio_vs_fbgemm_fp32",
+    "samples_per_cpu_s",
+    "ratio_vs_fbgemm_fp32_cpu",
     "bytes",
     "memory_ratio",
     "hit_rate",
@@ -192,7 +195,7 @@ def test_profile_runs_batches_the_timed_section_never_ran(monkeypatch: pytest.Mo
     class Clock:
         seconds: dict[str, float] = dict.fromkeys(bench_timing.PHASE_NAMES, 0.0)
 
-        def enable(self) -> None: ...
+        def enable(self, timer: object = None) -> None: ...
 
         def disable(self) -> None: ...
 
@@ -237,6 +240,7 @@ def test_rounds_are_combined_and_ours_is_profiled(result: dict[str, Any]) -> Non
             continue
         assert r["rounds"] == 2 and len(r["samples_per_s_rounds"]) == 2
         assert r["samples_per_s_min"] <= r["samples_per_s"] <= r["samples_per_s_max"]
+        assert len(r["samples_per_cpu_s_rounds"]) == 2 and _positive(r["samples_per_cpu_s"])
         profile = r["phase_us_per_sample"]
         if r["impl"] != "slipcache":
             assert profile is None
@@ -245,6 +249,15 @@ def test_rounds_are_combined_and_ours_is_profiled(result: dict[str, Any]) -> Non
         assert all(v >= 0 for v in profile.values())
         assert sum(v for k, v in profile.items() if k != "total") == pytest.approx(profile["total"], rel=1e-6)
         assert profile["cache lookup"] > 0 and profile["forward gather/pool"] > 0
+
+
+def test_phases_can_be_profiled_in_cpu_time(tmp_path: Path) -> None:
+    argv = ["--dims", "8", "--configs", "slipcache-int8-lru5", "--rounds", "1", "--profile-clock", "cpu"]
+    result = _run(tmp_path, *argv)
+    assert result["profile_clock"] == "cpu" and "--profile-clock cpu" in result["command"]
+    (row,) = result["rows"]
+    assert row["status"] == "ok" and _positive(row["samples_per_cpu_s"]) and row["cpu_s"] > 0
+    assert row["phase_us_per_sample"]["total"] > 0
 
 
 def test_combine_rounds_takes_the_median() -> None:
@@ -260,7 +273,8 @@ def _steady_clock(monkeypatch: pytest.MonkeyPatch, step_s: float = 0.01) -> None
     """The timing loop's clock advances `step_s` per reading, so a test of how long it runs does not
     depend on how loaded the machine is."""
     ticks = itertools.count()
-    monkeypatch.setattr(bench_timing, "time", types.SimpleNamespace(perf_counter=lambda: step_s * next(ticks)))
+    clock = types.SimpleNamespace(perf_counter=lambda: step_s * next(ticks), process_time=time.process_time)
+    monkeypatch.setattr(bench_timing, "time", clock)
 
 
 @pytest.mark.slow

@@ -71,5 +71,12 @@ def test_bounds_follow_the_model() -> None:
     assert terms["miss fill"] == pytest.approx(0.1 * 300.0)
     assert terms["write-back"] == pytest.approx(0.05 * (1.0 + 300.0))
     assert absent["bound_samples_per_s"] is None and absent["fraction_of_bound"] is None
+    # Lines: a dim-16 fp32 row is one line; an int8 row of 16 bytes one line, its bias and scale one each.
+    assert table["lines_per_lookup"] == {"table row": 1.5, "total": 1.5}
+    lines = ours["lines_per_lookup"]
+    assert lines["tags"] == 1 and lines["bookkeeping"] == pytest.approx(0.9) and lines["cached row"] == 1.5
+    assert lines["miss fill"] == pytest.approx(0.1 * (3 + 1)) and lines["write-back"] == pytest.approx(0.05 * 4)
+    assert lines["total"] == pytest.approx(1 + 0.9 + 1.5 + 0.4 + 0.2)
+    assert "lines_per_lookup" not in absent
     assert len(fake_probe.calls) == len(set(fake_probe.calls))  # each size probed once
     assert all(size <= 1 << 30 for size, _ in fake_probe.calls)

@@ -293,3 +293,55 @@ def test_unique_rows_in_order_of_first_occurrence() -> None:
     assert unique.tolist() == [7, 3, 2**40, 0] and torch.equal(unique[inverse], rows)
     empty, none = _native.unique_rows(torch.empty(0, dtype=torch.int64))
     assert empty.numel() == 0 and none.numel() == 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 5000])
+def test_sorted_unique_is_torch_unique_of_the_taken_rows(n: int) -> None:
+    """The compiled distinct rows, sorted: torch.unique's tensors, of every row or of the missed lookups only,
+    negative and 64-bit rows too (the radix sort orders signed keys and skips the bytes they share)."""
+    g = torch.Generator().manual_seed(n)
+    for rows in (
+        torch.randint(0, 40, (n,), generator=g),
+        torch.randint(-(2**62), 2**62, (n,), generator=g),
+        torch.randint(0, 2**40, (n,), generator=g) * 256,  # the low byte shared by all
+    ):
+        slots = torch.randint(-1, 2, (n,), generator=g)
+        found = _native.sorted_unique(rows)
+        assert found is not None and found[0] is None
+        for have, want in zip(found[1:], torch.unique(rows, return_inverse=True, return_counts=True), strict=True):
+            assert torch.equal(have, want)
+        found = _native.sorted_unique(rows, slots)
+        assert found is not None
+        positions = torch.nonzero(slots < 0).squeeze(1)
+        assert found[0] is not None and torch.equal(found[0], positions)
+        expected = torch.unique(rows[positions], return_inverse=True, return_counts=True)
+        for have, want in zip(found[1:], expected, strict=True):
+            assert torch.equal(have, want)
+    with pytest.raises(ValueError, match="slots"):
+        _native.sorted_unique(torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+
+
+def test_fill_misses_is_the_indexed_copies_and_checks_first() -> None:
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(50, 8, generator=g)
+    slots = torch.full((40,), 7, dtype=torch.int64)
+    positions = torch.tensor([1, 4, 5, 9, 30, 39])
+    inverse = torch.tensor([0, 1, 0, 2, 3, 1])
+    assigned = torch.tensor([12, -1, 49, 0])
+    out = torch.zeros(40, 8)
+    expected_slots, expected_out = slots.clone(), out.clone()
+    expected_slots[positions] = assigned[inverse]
+    cached = positions[assigned[inverse] >= 0]
+    expected_out[cached] = weights[expected_slots[cached]]
+    _native.fill_misses(positions, inverse, assigned, slots, weights, out)
+    assert torch.equal(slots, expected_slots) and torch.equal(out, expected_out)
+    before = slots.clone(), out.clone()
+    for bad in (
+        (torch.tensor([1, 40]), torch.tensor([0, 1]), assigned),  # a position beyond the lookups
+        (torch.tensor([1, 2]), torch.tensor([0, 4]), assigned),  # a row beyond the distinct rows
+        (torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([3, 50])),  # a slot beyond the cache
+        (torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([3, -2])),
+    ):
+        with pytest.raises(ValueError, match="out of range"):
+            _native.fill_misses(*bad, slots, weights, out)
+        assert torch.equal(slots, before[0]) and torch.equal(out, before[1])  # nothing written

@@ -240,12 +240,13 @@ def test_the_compiled_or_torch_choice_is_made_once_per_operation() -> None:
         if not name.startswith("slipcache._native")
         for where in _choices(ast.parse(path.read_text()))
     }
-    kernels = ["global_rows", "pool_bags", "distinct_rows", "sum_rows", "sum_rows_if_finite", "sgd_scatter",
-               "sgd_scatter_if_finite", "adagrad_update", "all_finite"]
+    kernels = ["global_rows", "pool_bags", "distinct_rows", "missing_rows", "fill_misses", "sum_rows",
+               "sum_rows_if_finite", "sgd_scatter", "sgd_scatter_if_finite", "adagrad_update", "all_finite"]
     assert asked == {
         *(f"slipcache.embedding.kernels:{name}" for name in kernels),
         "slipcache.embedding.cache:RowCache._compiled",  # its lookup, fused gather and slot assignment
         "slipcache.embedding.quant:RowStorage.read",  # the dequantize pass
+        "slipcache.embedding.quant:RowStorage.read_into",  # the dequantize pass, into given rows (cache slots)
         "slipcache.embedding.quant:RowStorage._write_compiled",  # the quantize pass
         "slipcache.staleness.filtering:_compiled",  # classify and filter_inputs
         "slipcache.staleness.filtering:count_hot_lookups",

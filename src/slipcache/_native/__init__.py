@@ -142,8 +142,9 @@ def threads() -> int:
 
 def scratch_bytes() -> int:
     """Bytes the compiled loops keep between calls, every thread's together (0 without the library): per
-    calling thread, the backward's position lists and the Adagrad step's distinct-row check, grown to the
-    largest batch seen and freed when the thread exits."""
+    calling thread, the backward's position lists, the Adagrad step's distinct-row check, the distinct rows'
+    hash table and sort, the slot assignment's tables and the forward's per-table hit counts, each grown to
+    the largest batch seen and freed when the thread exits (no allocation per step)."""
     library = native()
     return 0 if library is None else int(library.slipcache_scratch_bytes())
 
@@ -156,13 +157,15 @@ def _check(name: str, tensor: Tensor | None, dtypes: tuple[torch.dtype, ...], sh
     """The C loops trust their pointers: refuse anything but a contiguous CPU tensor of the expected layout."""
     if tensor is None:
         return
-    if (
-        tensor.device.type != "cpu"
-        or tensor.dtype not in dtypes
-        or not tensor.is_contiguous()
-        or tensor.dim() != len(shape)
-        or any(want is not None and have != want for have, want in zip(tensor.shape, shape, strict=True))
-    ):
+    # Called a few dozen times a step: plain comparisons, no generator (the same checks).
+    ok = tensor.is_cpu and tensor.dtype in dtypes and tensor.is_contiguous() and tensor.dim() == len(shape)
+    if ok:
+        have_shape = tensor.shape
+        for k, want in enumerate(shape):
+            if want is not None and have_shape[k] != want:
+                ok = False
+                break
+    if not ok:
         want_shape = tuple("*" if s is None else s for s in shape)
         raise ValueError(
             f"compiled loop: {name} must be a contiguous CPU tensor of dtype {'/'.join(map(str, dtypes))} "
@@ -363,6 +366,59 @@ def unique_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
     if count < 0:
         raise MemoryError("compiled loop: no memory for the distinct rows")
     return unique[:count], inverse
+
+
+def sorted_unique(
+    rows: Tensor, slots: Tensor | None = None
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor] | None:
+    """`torch.unique(taken, return_inverse=True, return_counts=True)` of the taken rows, in one compiled pass
+    (hashed, then the distinct rows radix-sorted): the same tensors, as sorting gives them. The taken rows are
+    every row, or with `slots` (as many) those at the positions where `slots` is negative (a forward's
+    misses). Returns (those positions, or None without `slots`; distinct rows ascending; index of each taken
+    row there; uses of each distinct row), or None beyond the loop's 2^30 rows (the caller sorts in torch)."""
+    library = native()
+    assert library is not None
+    _check("rows", rows, (torch.int64,), (None,))
+    _check("slots", slots, (torch.int64,), (rows.numel(),))
+    n = rows.numel()
+    positions = torch.empty_like(rows) if slots is not None else None
+    unique, inverse, counts = torch.empty_like(rows), torch.empty_like(rows), torch.empty_like(rows)
+    taken = ctypes.c_int64(0)
+    count = library.sorted_unique(
+        rows.data_ptr(), slots.data_ptr() if slots is not None else None, n,
+        positions.data_ptr() if positions is not None else None, unique.data_ptr(), inverse.data_ptr(),
+        counts.data_ptr(), ctypes.byref(taken),
+    )  # fmt: skip
+    if count == -2:
+        return None
+    if count < 0:
+        raise MemoryError("compiled loop: no memory for the distinct rows")
+    m = taken.value
+    return (
+        positions[:m] if positions is not None else None, unique[:count], inverse[:m], counts[:count]
+    )
+
+
+def fill_misses(
+    positions: Tensor, inverse: Tensor, assigned: Tensor, slots: Tensor, weights: Tensor, out: Tensor
+) -> None:
+    """The forward's misses once their rows have slots, in one pass: `slots[positions] = assigned[inverse]`
+    and, for each of those with a slot (not -1), `out[position] = weights[slot]` (the rows served from storage
+    are left to the caller). Every index is checked first (ValueError, nothing written)."""
+    library = native()
+    assert library is not None
+    _check("positions", positions, (torch.int64,), (None,))
+    _check("inverse", inverse, (torch.int64,), (positions.numel(),))
+    _check("assigned", assigned, (torch.int64,), (None,))
+    _check("slots", slots, (torch.int64,), (None,))
+    _check("weights", weights, (torch.float32,), (None, None))
+    _check("out", out, (torch.float32,), (slots.numel(), weights.shape[1]))
+    bad = library.fill_misses(
+        positions.data_ptr(), inverse.data_ptr(), positions.numel(), assigned.data_ptr(), assigned.numel(),
+        slots.data_ptr(), slots.numel(), weights.data_ptr(), weights.shape[0], weights.shape[1], out.data_ptr(),
+    )  # fmt: skip
+    if bad >= 0:
+        raise ValueError(f"compiled loop: miss {bad} has a position, row or slot out of range")
 
 
 def all_finite(values: Tensor) -> bool:

@@ -197,6 +197,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.lookup_gather.restype = i64
     library.unique_rows.argtypes = [ptr, i64, ptr, ptr]
     library.unique_rows.restype = i64
+    library.sorted_unique.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr]
+    library.sorted_unique.restype = i64
+    library.fill_misses.argtypes = [ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, ptr]
+    library.fill_misses.restype = i64
     library.finite_values.argtypes = [ptr, i64]
     library.finite_values.restype = i64
     library.assign_slots.argtypes = [
@@ -213,10 +217,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.adagrad_update.restype = i64
     f32 = ctypes.c_float
     library.quantize_rows.argtypes = [
-        ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+        ptr, i64, i64, ctypes.c_int, ptr, ptr, f32, f32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64,
     ]
     library.quantize_rows.restype = i64
-    library.dequantize_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    library.dequantize_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64]
     library.dequantize_rows.restype = i64
     library.torch_uniform.argtypes = [ptr, ptr, i64]
     library.torch_uniform.restype = i64

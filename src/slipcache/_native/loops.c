@@ -2,6 +2,7 @@
    the slots of missing rows (LRU and LFU). */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "pool.h"
 
 /* Must match RowCache.set_of: ((r ^ (r >> 17)) * M >> 5) mod num_sets, with wrapping int64;
@@ -178,8 +179,10 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
                       float *out, int64_t *counters, int64_t stride, int64_t lookups_col, int64_t hits_col,
                       int64_t misses_col) {
     int64_t parts = chunks_for(batch * tables, LOOKUP_GRAIN);
-    int64_t *table_hits = calloc((size_t)(tables * parts), sizeof(int64_t));  /* [parts, tables] */
+    size_t hit_bytes = (size_t)(tables * parts) * sizeof(int64_t);
+    int64_t *table_hits = thread_scratch(SCRATCH_COUNTS, hit_bytes);  /* [parts, tables], kept between calls */
     if (!table_hits) return -1;
+    memset(table_hits, 0, hit_bytes);
     gather_args g = {{slot_rows, wide, num_sets, ways, multiplier, rows, batch * tables, out_slots, last_used,
                       use_count, step, 0, parts > 1},
                      weights, dim, out, tables, table_hits, 0};
@@ -191,7 +194,6 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
         counters[k * stride + hits_col] += table;
         counters[k * stride + misses_col] += batch - table;
     }
-    free(table_hits);
     return hits;
 }
 
@@ -200,7 +202,8 @@ int64_t lookup_gather(const void *slot_rows, int wide, int64_t num_sets, int64_t
 int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *inverse) {
     int64_t capacity = 16;
     while (capacity < 2 * n) capacity <<= 1;
-    int64_t *table = malloc((size_t)capacity * sizeof(int64_t));  /* index into unique, -1 when free */
+    /* index into unique, -1 when free: the calling thread's scratch, kept between calls */
+    int64_t *table = thread_scratch(SCRATCH_UNIQUE, (size_t)capacity * sizeof(int64_t));
     if (!table) return -1;
     for (int64_t k = 0; k < capacity; k++) table[k] = -1;
     int64_t count = 0;
@@ -211,9 +214,123 @@ int64_t unique_rows(const int64_t *rows, int64_t n, int64_t *unique, int64_t *in
         if (table[h] < 0) { table[h] = count; unique[count++] = r; }
         inverse[i] = table[h];
     }
-    free(table);
     return count;
 }
+/* The distinct values of the taken rows in ascending order, as torch.unique(taken, return_inverse=True,
+   return_counts=True) gives them (the same tensors: a function of the values alone), where the taken rows
+   are rows[i] for the i with slots[i] < 0, in order (the forward's misses; their positions into
+   `positions`, their count into *taken), or every row when `slots` is NULL (positions unused). One pass
+   hashes each taken row to its first occurrence (the distinct rows, their counts); an LSD radix sort of the
+   distinct rows alone, a byte at a time, skipping the bytes they all share, orders them; each taken row's
+   index follows from its first occurrence's rank. Scratch memory is the calling thread's, kept between
+   calls. Returns the count of distinct rows, -1 without scratch memory, -2 for more than 2^30 rows (nothing
+   written then: the caller sorts with torch). `counts` may be NULL. */
+int64_t sorted_unique(const int64_t *rows, const int64_t *slots, int64_t n, int64_t *positions, int64_t *unique,
+                      int64_t *inverse, int64_t *counts, int64_t *taken) {
+    if (n < 0 || n > ((int64_t)1 << 30)) return -2;
+    int64_t m = n;
+    if (slots) {  /* the misses' positions, without a branch per lookup */
+        m = 0;
+        for (int64_t i = 0; i < n; i++) {
+            positions[m] = i;
+            m += slots[i] < 0;
+        }
+    }
+    *taken = m;
+    if (m == 0) return 0;
+    int bits = 4;
+    while (((int64_t)1 << bits) < 2 * m) bits++;
+    int64_t capacity = (int64_t)1 << bits, mask = capacity - 1;
+    size_t table_bytes = (size_t)capacity * sizeof(int32_t), m4 = (size_t)m * sizeof(int32_t);
+    size_t m8 = (size_t)m * sizeof(int64_t);
+    char *memory = thread_scratch(SCRATCH_UNIQUE, table_bytes + 4 * m4 + 2 * m8);
+    if (!memory) return -1;
+    int32_t *table = (int32_t *)memory;             /* index into unique, -1 when free */
+    int32_t *first = (int32_t *)(memory + table_bytes);  /* each taken row's first occurrence */
+    int32_t *ids = first + m, *ids_b = ids + m, *rank = ids_b + m;
+    int64_t *keys_b = (int64_t *)(memory + table_bytes + 4 * m4), *uses = keys_b + m;
+    memset(table, 0xff, table_bytes);
+    int64_t count = 0;
+    for (int64_t k = 0; k < m; k++) {
+        int64_t r = rows[slots ? positions[k] : k];
+        int64_t h = (int64_t)(((uint64_t)r * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+        while (table[h] >= 0 && unique[table[h]] != r) h = (h + 1) & mask;
+        if (table[h] < 0) {
+            table[h] = (int32_t)count;
+            unique[count] = r;
+            uses[count++] = 0;
+        }
+        first[k] = table[h];
+        uses[first[k]]++;
+    }
+    /* Signed order: the sign bit flipped, the keys sort as unsigned. One pass counts every byte's values. */
+    const uint64_t flip = (uint64_t)1 << 63;
+    static const int BYTES = 8;
+    uint32_t histogram[8][256];
+    memset(histogram, 0, sizeof histogram);
+    for (int64_t j = 0; j < count; j++) {
+        uint64_t key = (uint64_t)unique[j] ^ flip;
+        for (int b = 0; b < BYTES; b++) histogram[b][(key >> (8 * b)) & 255]++;
+        ids[j] = (int32_t)j;
+    }
+    int64_t *keys = unique;
+    for (int b = 0; b < BYTES; b++) {
+        uint32_t *bucket = histogram[b];
+        if (bucket[(((uint64_t)keys[0] ^ flip) >> (8 * b)) & 255] == (uint32_t)count) continue;  /* all share it */
+        uint32_t offset[256], sum = 0;
+        for (int c = 0; c < 256; c++) {
+            offset[c] = sum;
+            sum += bucket[c];
+        }
+        for (int64_t j = 0; j < count; j++) {
+            uint32_t at = offset[(((uint64_t)keys[j] ^ flip) >> (8 * b)) & 255]++;
+            keys_b[at] = keys[j];
+            ids_b[at] = ids[j];
+        }
+        int64_t *swap_keys = keys;
+        keys = keys_b, keys_b = swap_keys;
+        int32_t *swap_ids = ids;
+        ids = ids_b, ids_b = swap_ids;
+    }
+    if (keys != unique) memcpy(unique, keys, (size_t)count * sizeof(int64_t));
+    for (int64_t j = 0; j < count; j++) {
+        rank[ids[j]] = (int32_t)j;
+        if (counts) counts[j] = uses[ids[j]];
+    }
+    for (int64_t k = 0; k < m; k++) inverse[k] = rank[first[k]];
+    return count;
+}
+
+/* The forward's misses once their rows have slots: for each missed lookup k (at position positions[k], its
+   distinct row inverse[k]), slots[positions[k]] = assigned[inverse[k]], and where that slot is not -1 the
+   cached row (just filled) is copied into out[positions[k]] (rows served from storage are left to the
+   caller). One pass instead of four indexed copies, the slot's row prefetched AHEAD lookups on. Everything
+   is checked first (nothing written then): returns -1, or the index k of the first miss whose position
+   is outside [0, n), whose row is outside [0, count) or whose slot is outside [-1, num_slots). */
+ROW_LOOPS int64_t fill_misses(const int64_t *positions, const int64_t *inverse, int64_t m, const int64_t *assigned,
+                              int64_t count, int64_t *slots, int64_t n, const float *weights, int64_t num_slots,
+                              int64_t dim, float *out) {
+    for (int64_t k = 0; k < m; k++) {
+        if ((uint64_t)positions[k] >= (uint64_t)n || (uint64_t)inverse[k] >= (uint64_t)count) return k;
+        int64_t slot = assigned[inverse[k]];
+        if (slot < -1 || slot >= num_slots) return k;
+    }
+    size_t row_bytes = (size_t)dim * sizeof(float);
+    for (int64_t k = 0; k < m; k++) {
+        if (k + AHEAD < m) {
+            int64_t later = assigned[inverse[k + AHEAD]];
+            if (later >= 0) prefetch_span(weights + later * dim, row_bytes, 0);
+        }
+        int64_t slot = assigned[inverse[k]], at = positions[k];
+        slots[at] = slot;
+        if (slot < 0) continue;
+        const float *src = weights + slot * dim;
+        float *dst = out + at * dim;
+        for (int64_t d = 0; d < dim; d++) dst[d] = src[d];
+    }
+    return -1;
+}
+
 /* RowCache.assign for LRU and LFU (no lookahead window), unpartitioned: slots for the unique missing `rows`.
    The rows of one set take its evictable ways (not pinned: last_used < pin_since, or empty) in victim order
    (empty first, then ascending key = last_used, or use_count when given; ties by way), in the order the
@@ -226,10 +343,14 @@ int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t 
                      int64_t n, int64_t *out_slots, int64_t *victim_slots, int64_t *victim_rows) {
     int64_t capacity = 16;
     while (capacity < 2 * n) capacity <<= 1;
-    set_entry *table = malloc((size_t)capacity * sizeof(set_entry));
-    int32_t *orders = malloc((size_t)(n > 0 ? n : 1) * (size_t)ways * sizeof(int32_t));
-    int64_t *keys = malloc((size_t)ways * sizeof(int64_t));
-    if (!table || !orders || !keys) { free(table); free(orders); free(keys); return -1; }
+    /* The set table, the victim orders and one set's keys: the calling thread's scratch, kept between calls. */
+    size_t table_bytes = (size_t)capacity * sizeof(set_entry), key_bytes_all = (size_t)ways * sizeof(int64_t);
+    char *memory = thread_scratch(SCRATCH_ASSIGN, table_bytes + key_bytes_all
+                                                  + (size_t)(n > 0 ? n : 1) * (size_t)ways * sizeof(int32_t));
+    if (!memory) return -1;
+    set_entry *table = (set_entry *)memory;
+    int64_t *keys = (int64_t *)(memory + table_bytes);
+    int32_t *orders = (int32_t *)(memory + table_bytes + key_bytes_all);
     for (int64_t k = 0; k < capacity; k++) table[k].set = -1;
     int64_t used_orders = 0, victims = 0;
     size_t way_bytes = (size_t)ways * (wide ? 8 : 4), key_bytes = (size_t)ways * sizeof(int32_t);
@@ -273,6 +394,5 @@ int64_t assign_slots(const void *slot_rows, int wide, int64_t num_sets, int64_t 
         int64_t resident = wide ? ((const int64_t *)slot_rows)[slot] : ((const int32_t *)slot_rows)[slot];
         if (resident != -1) { victim_slots[victims] = slot; victim_rows[victims] = resident; victims++; }
     }
-    free(table); free(orders); free(keys);
     return victims;
 }

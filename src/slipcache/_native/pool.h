@@ -38,7 +38,7 @@ SLIPCACHE_INTERNAL int64_t run_ranges(range_fn fn, void *args, int64_t n, int64_
    A buffer per kind and per calling thread, kept between calls and grown on demand (zeroed when it grows),
    instead of a malloc per call; freed when its thread exits. NULL when the memory cannot be had. Each kind
    has one user at a time on a thread (the loops do not nest). */
-enum { SCRATCH_ORDER, SCRATCH_MARKS, SCRATCH_KINDS };
+enum { SCRATCH_ORDER, SCRATCH_MARKS, SCRATCH_UNIQUE, SCRATCH_ASSIGN, SCRATCH_COUNTS, SCRATCH_KINDS };
 SLIPCACHE_INTERNAL void *thread_scratch(int kind, size_t bytes);
 
 /* ------------------------------------------------------------------ the row loops' helpers

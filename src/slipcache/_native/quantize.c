@@ -227,12 +227,18 @@ static int64_t quantize_range(void *args, int64_t lo, int64_t hi, int64_t part) 
    slots, without a gathered copy). With `stream_state` (a CPU Generator's saved state, and `noise` NULL),
    the noise is drawn in the pass from that stream (the values torch.rand of [n, dim] would give, in the
    same order, the state advanced past them), on the calling thread alone: one stream is drawn in order.
-   Returns the rows not written, -1 for a kind or dim it cannot store, -2 for a state it cannot read. */
+   Rows are checked first (rows[i] in [0, num_rows), source[i] in [0, num_values)), in one pass.
+   Returns the rows not written, -1 for a kind or dim it cannot store, -2 for a state it cannot read, -3 for a
+   row and -4 for a source row out of range (nothing written then). */
 int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, const float *noise,
                       const float *scales, float limit, float max_span, const int64_t *rows, void *payload,
                       uint16_t *bias, uint8_t *scale_code, uint8_t *bad, const int64_t *source,
-                      uint8_t *stream_state) {
+                      uint8_t *stream_state, int64_t num_rows, int64_t num_values) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (rows && (uint64_t)rows[i] >= (uint64_t)num_rows) return -3;
+        if (source && (uint64_t)source[i] >= (uint64_t)num_values) return -4;
+    }
     quantize_args a = {values, n, dim, kind, noise, scales, limit, max_span, rows, payload, bias, scale_code, bad,
                        0, n, 0, source, 0};
     if (stream_state && !noise) {
@@ -246,12 +252,13 @@ int64_t quantize_rows(const float *values, int64_t n, int64_t dim, int kind, con
     return run_ranges(quantize_range, &a, n, chunks_for(n, QUANTIZE_GRAIN), NULL);
 }
 
-/* Storage rows -> fp32: out[i] = row rows[i] decoded, as quant.dequantize_int does (bias + scale * code,
-   each rounded to fp32, no contraction: bit-identical) or the float kinds' exact widening. One pass with the
-   rows' payload and parameters prefetched AHEAD rows on (misses are scattered over the whole table). */
+/* Storage rows -> fp32: out[i] (out[out_rows[i]] when out_rows is given) = row rows[i] decoded, as
+   quant.dequantize_int does (bias + scale * code, each rounded to fp32, no contraction: bit-identical) or the
+   float kinds' exact widening. One pass with the rows' payload and parameters prefetched AHEAD rows on
+   (misses are scattered over the whole table), and the target row too when it is scattered (a cache slot). */
 ROW_LOOPS static int64_t dequantize_span(const void *payload, int kind, const uint16_t *bias,
                                          const uint8_t *scale_code, const float *scales, const int64_t *rows,
-                                         int64_t n, int64_t dim, float *out) {
+                                         int64_t n, int64_t dim, float *out, const int64_t *out_rows) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
     const int64_t width = kind == Q_INT4 ? (dim + 1) / 2 : dim;
     const size_t row_bytes = (size_t)(kind == Q_FP32 ? dim * 4 : kind >= Q_FP16 ? dim * 2 : width);
@@ -261,9 +268,10 @@ ROW_LOOPS static int64_t dequantize_span(const void *payload, int kind, const ui
             prefetch_span((const char *)payload + later * (int64_t)row_bytes, row_bytes, 0);
             if (bias) __builtin_prefetch(bias + later, 0);
             if (scale_code) __builtin_prefetch(scale_code + later, 0);
+            if (out_rows) prefetch_span(out + out_rows[i + AHEAD] * dim, (size_t)dim * sizeof(float), 1);
         }
         int64_t r = rows[i];
-        float *o = out + i * dim;
+        float *o = out + (out_rows ? out_rows[i] : i) * dim;
         if (kind == Q_FP32) {
             const float *x = (const float *)payload + r * dim;
             for (int64_t j = 0; j < dim; j++) o[j] = x[j];
@@ -278,25 +286,35 @@ ROW_LOOPS static int64_t dequantize_span(const void *payload, int kind, const ui
     return 0;
 }
 
-/* Split by position: part p decodes its range of the rows into its range of `out` (reads only, elsewhere). */
+/* Split by position: part p decodes its range of the rows into its rows of `out` (reads only, elsewhere;
+   distinct out_rows: parts write disjoint rows). */
 #define DEQUANTIZE_GRAIN 512 /* rows per part at least */
 
 typedef struct {
     const void *payload; int kind; const uint16_t *bias; const uint8_t *scale_code; const float *scales;
-    const int64_t *rows; int64_t dim; float *out;
+    const int64_t *rows; int64_t dim; float *out; const int64_t *out_rows;
 } dequantize_args;
 
 static int64_t dequantize_range(void *args, int64_t lo, int64_t hi, int64_t part) {
     (void)part;
     const dequantize_args *j = args;
     return dequantize_span(j->payload, j->kind, j->bias, j->scale_code, j->scales, j->rows + lo, hi - lo, j->dim,
-                           j->out + lo * j->dim);
+                           j->out_rows ? j->out : j->out + lo * j->dim, j->out_rows ? j->out_rows + lo : 0);
 }
 
+/* Decode storage rows[0..n) (each in [0, num_rows)) into out [n, dim], or, with out_rows (distinct, each in
+   [0, out_count)), into row out_rows[i] of out [out_count, dim] (e.g. straight into the cache slots the rows
+   were given). Returns 0, -1 for a kind or dim it cannot decode, -2 for a row out of range, -3 for an out
+   row out of range (nothing written then). */
 int64_t dequantize_rows(const void *payload, int kind, const uint16_t *bias, const uint8_t *scale_code,
-                        const float *scales, const int64_t *rows, int64_t n, int64_t dim, float *out) {
+                        const float *scales, const int64_t *rows, int64_t n, int64_t dim, float *out,
+                        int64_t num_rows, const int64_t *out_rows, int64_t out_count) {
     if (dim < 1 || kind < Q_INT8 || kind > Q_FP32) return -1;
-    dequantize_args a = {payload, kind, bias, scale_code, scales, rows, dim, out};
+    for (int64_t i = 0; i < n; i++) {  /* the checks in one pass, without a branch per row */
+        if ((uint64_t)rows[i] >= (uint64_t)num_rows) return -2;
+        if (out_rows && (uint64_t)out_rows[i] >= (uint64_t)out_count) return -3;
+    }
+    dequantize_args a = {payload, kind, bias, scale_code, scales, rows, dim, out, out_rows};
     int64_t parts = chunks_for(n, DEQUANTIZE_GRAIN), status[POOL_MAX];
     run_ranges(dequantize_range, &a, n, parts, status);
     for (int64_t p = 0; p < parts; p++) {

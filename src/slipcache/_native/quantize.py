@@ -58,8 +58,6 @@ def quantize_rows(
     width = (dim + 1) // 2 if precision == "int4" else dim
     _check("values", values, (torch.float32,), (values.shape[0] if source is not None else n, dim))
     _check("source", source, (torch.int64,), (n,))
-    if source is not None and n and (int(source.min()) < 0 or int(source.max()) >= values.shape[0]):
-        raise ValueError(f"compiled loop: a source row is outside [0, {values.shape[0]})")
     _check("payload", payload, (_PAYLOAD_DTYPES[precision],), (None, width))
     _check("noise", noise, (torch.float32,), (n, dim))
     _check("rows", rows, (torch.int64,), (n,))
@@ -73,8 +71,6 @@ def quantize_rows(
             raise ValueError("compiled loop: int precisions need bias and scale_code")
         _check("bias", bias, (torch.float16,), (payload.shape[0],))
         _check("scale_code", scale_code, (torch.uint8,), (payload.shape[0],))
-    if rows is not None and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= payload.shape[0]):
-        raise ValueError(f"compiled loop: a row is outside [0, {payload.shape[0]})")
     if rows is None and n > payload.shape[0]:
         raise ValueError(f"compiled loop: {n} rows do not fit {payload.shape[0]} storage rows")
     if n == 0:
@@ -91,7 +87,12 @@ def quantize_rows(
         bad.data_ptr() if bad is not None else None,
         source.data_ptr() if source is not None else None,
         stream.data_ptr() if stream is not None else None,
-    )
+        payload.shape[0], values.shape[0],
+    )  # rows and source checked in the compiled pass, before anything is written
+    if count == -3:
+        raise ValueError(f"compiled loop: a row is outside [0, {payload.shape[0]})")
+    if count == -4:
+        raise ValueError(f"compiled loop: a source row is outside [0, {values.shape[0]})")
     if count == -2:
         raise ValueError("compiled loop: not a generator state it can read")
     if count < 0:
@@ -108,9 +109,13 @@ def dequantize_rows(
     scales: Tensor,
     rows: Tensor,
     dim: int,
+    out: Tensor | None = None,
+    out_rows: Tensor | None = None,
 ) -> Tensor:
-    """fp32 [n, dim] of storage `rows` (int64, each in range: the caller's rows are its own), decoded as
-    `quant.dequantize_int` does (bit-identical), in one pass that prefetches the scattered rows ahead."""
+    """fp32 [n, dim] of storage `rows` (int64), decoded as `quant.dequantize_int` does (bit-identical), in one
+    pass that prefetches the scattered rows ahead. With `out` and `out_rows` (distinct int64 rows of `out`,
+    fp32 [*, dim]), row i is decoded straight into `out[out_rows[i]]` (e.g. the cache slots of admitted rows)
+    and `out` returned. Rows are checked in the compiled pass (ValueError, nothing written)."""
     library = _native.native()
     assert library is not None
     width = (dim + 1) // 2 if precision == "int4" else dim
@@ -122,15 +127,24 @@ def dequantize_rows(
         _check("scale_code", scale_code, (torch.uint8,), (payload.shape[0],))
     else:
         bias = scale_code = None
-    out = torch.empty(rows.numel(), dim)
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= payload.shape[0]):
-        raise ValueError(f"compiled loop: a row is outside [0, {payload.shape[0]})")
+    if (out is None) != (out_rows is None):
+        raise ValueError("compiled loop: out and out_rows go together")
+    if out is None:
+        out = torch.empty(rows.numel(), dim)
+    else:
+        _check("out", out, (torch.float32,), (None, dim))
+        _check("out_rows", out_rows, (torch.int64,), (rows.numel(),))
     status = library.dequantize_rows(
         payload.data_ptr(), KINDS[precision],
         bias.data_ptr() if bias is not None else None,
         scale_code.data_ptr() if scale_code is not None else None,
-        scales.data_ptr(), rows.data_ptr(), rows.numel(), dim, out.data_ptr(),
+        scales.data_ptr(), rows.data_ptr(), rows.numel(), dim, out.data_ptr(), payload.shape[0],
+        out_rows.data_ptr() if out_rows is not None else None, out.shape[0],
     )  # fmt: skip
+    if status == -2:
+        raise ValueError(f"compiled loop: a row is outside [0, {payload.shape[0]})")
+    if status == -3:
+        raise ValueError(f"compiled loop: an out row is outside [0, {out.shape[0]})")
     if status != 0:
         raise ValueError(f"compiled loop: cannot dequantize {precision} at dim {dim}")
     return out

@@ -87,8 +87,10 @@ static int sgd_split(float *weights, int64_t num_slots, int64_t dim, const int64
     int64_t parts = parts_for(n, UPDATE_GRAIN), nonfinite = 0;
     if (parts > num_slots) parts = num_slots > 1 ? num_slots : 1;
     /* The position lists live in the calling thread's scratch (no malloc per backward); without memory for
-       them each part tests every lookup instead (the same updates). */
-    int64_t *order = n >= UPDATE_GRAIN ? thread_scratch(SCRATCH_ORDER, (size_t)(parts * n) * sizeof(int64_t)) : 0;
+       them each part tests every lookup instead (the same updates). One part owns every slot: no list, the
+       updates run in batch order straight away (no pass over the positions first). */
+    int64_t *order = parts > 1 && n >= UPDATE_GRAIN
+                         ? thread_scratch(SCRATCH_ORDER, (size_t)(parts * n) * sizeof(int64_t)) : 0;
     sgd_job job = {{weights, dim, slots, grad, n, lr, 0, num_slots, 0, sum}, num_slots, order, {0}};
     run_parts(sgd_part, &job, parts);
     for (int64_t p = 0; p < parts; p++) nonfinite |= job.nonfinite[p];

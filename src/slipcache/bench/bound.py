@@ -23,8 +23,17 @@ caches):
   + rows_out x (cached row + storage access), rows_in and rows_out per lookup as the run counted them.
 
 A storage access of an int8/int4 row is three: its payload, its fp16 bias and its scale code live in three
-arrays. Working sets above `max_probe_bytes` are probed at that size (what it leaves out is the page walks
-of larger sets, so the bound is optimistic there).
+arrays.
+
+Beside the time, the model counts the 64-byte lines each lookup touches (`lines_per_lookup`, by the same
+terms: a row of b bytes is ceil(b / 64) lines, as the tables are 64-byte aligned and their rows a multiple
+or divisor of 64 bytes at the usual dims; a row read and written again counts once). With a cache: the probe
+reads one line of tags per set of 16 int32 ways (ways x tag bytes / 64), a hit writes its last use (one line,
+and one more for LFU's use count, a second array); that is the least this layout allows, as a set's tags and
+its 16 last uses are 64 bytes each.
+
+Working sets above `max_probe_bytes` are probed at that size (what it leaves out is the page walks of larger
+sets, so the bound is optimistic there).
 """
 
 from __future__ import annotations
@@ -155,10 +164,40 @@ def lookup_terms(
     }
 
 
+def _lines(row_bytes: float) -> int:
+    """64-byte lines of one row (aligned)."""
+    return max(1, math.ceil(row_bytes / 64))
+
+
+def lookup_lines(row: dict[str, Any], u: float, ways: int = 16) -> dict[str, float] | None:
+    """Lines touched per lookup by each term of `lookup_terms` (None: no model)."""
+    dim, precision = row["dim"], row["precision"]
+    if row["impl"] in ("torch", "fbgemm"):
+        return {"table row": (1 + u) * _lines(dim * _ELEMENT_BYTES[precision])}
+    if row["impl"] != "slipcache" or precision not in _ELEMENT_BYTES:
+        return None
+    storage = _lines(math.ceil(dim * _ELEMENT_BYTES[precision])) + len(_PARAM_BYTES.get(precision, ()))
+    lookups = row.get("lookups") or 0
+    rows_in = (row.get("rows_in") or 0) / lookups if lookups else u
+    rows_out = (row.get("rows_out") or 0) / lookups if lookups else u
+    if not row["cache_fraction"]:
+        return {"storage read": rows_in * storage, "storage write": rows_out * storage}
+    hits = row.get("hit_rate") or 0.0
+    cached = _lines(dim * 4)
+    return {
+        "tags": float(_lines(ways * 4)),
+        "bookkeeping": hits * (2 if row.get("policy") == "lfu" else 1),
+        "cached row": (1 + u) * cached,
+        "miss fill": rows_in * (storage + cached),
+        "write-back": rows_out * (cached + storage),
+    }
+
+
 def attach_bounds(
     rows: list[dict[str, Any]], table_sizes: list[int], u: float, costs: AccessCosts, popularity: Popularity
 ) -> None:
-    """Add `bound_samples_per_s`, `fraction_of_bound` and `bound_ns_per_lookup` (by term) to measured rows."""
+    """Add `bound_samples_per_s`, `fraction_of_bound`, `bound_ns_per_lookup` and `lines_per_lookup` (by term)
+    to measured rows."""
     lookups_per_sample = len(table_sizes)
     for row in rows:
         row["bound_samples_per_s"] = row["fraction_of_bound"] = row["bound_ns_per_lookup"] = None
@@ -169,5 +208,8 @@ def attach_bounds(
             continue
         per_lookup = sum(terms.values())
         row["bound_ns_per_lookup"] = {name: seconds * 1e9 for name, seconds in terms.items()}
+        lines = lookup_lines(row, u)
+        if lines:
+            row["lines_per_lookup"] = {**lines, "total": sum(lines.values())}
         row["bound_samples_per_s"] = 1.0 / (lookups_per_sample * per_lookup)
         row["fraction_of_bound"] = row["samples_per_s"] / row["bound_samples_per_s"]

@@ -11,15 +11,23 @@ from slipcache.bench.timing import GB
 
 
 def _attach_ratios(rows: list[dict[str, Any]]) -> None:
-    """samples/s over FBGEMM fp32 at the same dim (None where that row did not run)."""
+    """samples/s (and samples per CPU second) over FBGEMM fp32's at the same dim (None where that row did not
+    run)."""
     base = {
         r["dim"]: r["samples_per_s"]
         for r in rows
         if r["name"] == "fbgemm-fp32" and r["status"] == "ok" and r["samples_per_s"]
     }
+    cpu_base = {
+        r["dim"]: r.get("samples_per_cpu_s")
+        for r in rows
+        if r["name"] == "fbgemm-fp32" and r["status"] == "ok" and r.get("samples_per_cpu_s")
+    }
     for r in rows:
         ref = base.get(r["dim"])
         r["ratio_vs_fbgemm_fp32"] = r["samples_per_s"] / ref if ref and r["samples_per_s"] else None
+        cpu_ref, cpu = cpu_base.get(r["dim"]), r.get("samples_per_cpu_s")
+        r["ratio_vs_fbgemm_fp32_cpu"] = cpu / cpu_ref if cpu_ref and cpu else None
 
 
 def evaluate_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,6 +72,8 @@ def format_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
         "samples/s",
         "min-max",
         "x fbgemm fp32",
+        "samples/CPU-s",
+        "x fbgemm (CPU)",
         "of bound",
         "GB",
         "mem ratio",
@@ -81,6 +91,8 @@ def format_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
                 _fmt(r["samples_per_s"], ",.0f"),
                 _spread(r),
                 _fmt(r["ratio_vs_fbgemm_fp32"], ".2f"),
+                _fmt(r.get("samples_per_cpu_s"), ",.0f"),
+                _fmt(r.get("ratio_vs_fbgemm_fp32_cpu"), ".2f"),
                 _fmt(r.get("fraction_of_bound"), ".2f"),
                 _fmt(None if r["bytes"] is None else r["bytes"] / GB, ".3f"),
                 _fmt(r["memory_ratio"], ".2f"),
@@ -97,7 +109,7 @@ def format_table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     widths = [max(len(h), *(len(c[i]) for c in lines)) if lines else len(h) for i, h in enumerate(header)]
 
     def fmt_line(cells: list[str]) -> str:
-        numeric = range(2, 11)  # right-align the number columns
+        numeric = range(2, 13)  # right-align the number columns
         return "  ".join(
             c.rjust(w) if i in numeric else c.ljust(w)
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))
@@ -150,9 +162,12 @@ def format_bound(result: dict[str, Any]) -> list[str]:
     lines.append("")
     for r in bounded:
         terms = ", ".join(f"{k} {v:.1f}" for k, v in r["bound_ns_per_lookup"].items())
+        touched = r.get("lines_per_lookup") or {}
+        counted = ", ".join(f"{k} {v:.2f}" for k, v in touched.items() if k != "total")
         lines.append(
             f"- dim {r['dim']} {r['name']}: {terms}; bound {r['bound_samples_per_s']:,.0f} samples/s, "
             f"measured {r['fraction_of_bound']:.2f} of it"
+            + (f"; 64-byte lines per lookup {touched['total']:.2f} ({counted})" if touched else "")
         )
     return [*lines, ""]
 
@@ -219,12 +234,16 @@ def _markdown(result: dict[str, Any]) -> str:
             else "no timed batch was replayed."
         ),
         "",
+        "`samples/CPU-s` = samples per second of this process's CPU time over the timed steps (median of the "
+        "rounds), `x fbgemm (CPU)` its ratio to FBGEMM fp32's: on a machine shared with other jobs, where "
+        "descheduling stretches wall time, these are the comparable figures.",
+        "",
         "`of bound` = samples/s over the configuration's own bound: the samples/s at which its random memory "
         "accesses alone, priced by the random-gather probe at their working-set and row sizes, would take the "
         "whole step (the model: `slipcache.bench.bound`, docs/design.md).",
         "",
         *format_bound(result),
-        "## Phase profile (µs per sample)",
+        f"## Phase profile (µs per sample, {result.get('profile_clock', 'wall')} clock)",
         "",
         format_profile(result["rows"], markdown=True) or "(not profiled)",
         "",

@@ -62,6 +62,8 @@ def _row(cfg: BenchConfig, dim: int) -> dict[str, Any]:
         "dim": dim,
         "samples_per_s": None,
         "ratio_vs_fbgemm_fp32": None,
+        "samples_per_cpu_s": None,
+        "ratio_vs_fbgemm_fp32_cpu": None,
         "bytes": None,
         "memory_ratio": None,
         "hit_rate": None,
@@ -91,11 +93,15 @@ def measure(
     lr: float = 0.1,
     min_seconds: float = 0.0,
     profile_steps: int = 0,
+    profile_clock: str = "wall",
 ) -> dict[str, Any]:
     """Build, warm up, time and free one configuration; never raises for a failing implementation.
 
     Timing runs the workload's timed batches (cycling over them) until both `timed_steps` steps and
-    `min_seconds` have passed; then, for ours, `profile_steps` more steps with the phase clock on.
+    `min_seconds` have passed; then, for ours, `profile_steps` more steps with the phase clock on (`profile_clock`
+    "cpu": this process's CPU time, for a machine shared with other jobs). Besides samples/s by the wall clock,
+    the timed section's samples per CPU second of this process (`samples_per_cpu_s`) are kept: on a busy
+    machine descheduling inflates wall time and not CPU time.
     """
     row = _row(cfg, dim)
     sizes = work.table_sizes
@@ -155,6 +161,7 @@ def measure(
         row["load_avg_1m"] = _load_average()
         step_s: list[float] = []
         start = last = time.perf_counter()
+        cpu_start = time.process_time()
         steps = 0
         while steps < work.timed_steps or last - start < min_seconds:
             built.step(batches[first + steps % work.timed_steps], grad)
@@ -163,7 +170,10 @@ def measure(
             step_s.append(now - last)
             last = now
         elapsed = last - start
+        cpu = time.process_time() - cpu_start
         samples = steps * work.batch_size
+        row["cpu_s"] = cpu
+        row["samples_per_cpu_s"] = samples / cpu if cpu > 0 else None
         row["timed_steps"] = steps
         row["replayed_batches"] = max(0, steps - work.timed_steps)  # only with --min-seconds: flagged
         row["timed_s"] = elapsed
@@ -181,7 +191,7 @@ def measure(
             if row["evictions"] is not None:
                 row["evictions_per_step"] = row["evictions"] / steps
         if built.clock is not None and profile_steps > 0:
-            row["phase_us_per_sample"] = _profile(built, work, grad, profile_steps)
+            row["phase_us_per_sample"] = _profile(built, work, grad, profile_steps, profile_clock)
     except MemoryError:
         row["status"] = "skipped: out of memory"
     except (KeyboardInterrupt, SlipcacheError):
@@ -210,19 +220,23 @@ def _prefill(built: Built, work: Workload, dim: int) -> int:
     return len(batches)
 
 
-def _profile(built: Built, work: Workload, grad: Tensor, steps: int) -> dict[str, float]:
+PROFILE_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _profile(built: Built, work: Workload, grad: Tensor, steps: int, clock_name: str = "wall") -> dict[str, float]:
     """µs per sample in each phase of our step over `steps` steps; the rest of the step is Python overhead
     (validation, autograd, counters, the calls themselves). The steps run the workload's profile batches,
     fresh ids (cycling only if it has fewer): a replay of timed batches would find their rows cached and
-    profile a step without misses."""
+    profile a step without misses. `clock_name` "cpu" times the phases in this process's CPU time."""
     clock = built.clock
-    clock.enable()
-    start = time.perf_counter()
+    timer = PROFILE_CLOCKS[clock_name]
+    clock.enable(timer)
+    start = timer()
     first, count = work.first_timed + work.timed_steps, work.profile_steps
     for i in range(steps):
         index = first + i % count if count else work.first_timed + i % work.timed_steps
         built.step(work.batches[index], grad)
-    total = time.perf_counter() - start
+    total = timer() - start
     seconds = dict(clock.seconds)
     clock.disable()
     per_sample = 1e6 / (steps * work.batch_size)
@@ -247,6 +261,11 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     if speeds:
         row["samples_per_s"] = float(np.median(speeds))
         row["samples_per_s_min"], row["samples_per_s_max"] = min(speeds), max(speeds)
+    cpu_speeds = [r["samples_per_cpu_s"] for r in ok if r.get("samples_per_cpu_s")]
+    row["samples_per_cpu_s_rounds"] = cpu_speeds
+    if cpu_speeds:
+        row["samples_per_cpu_s"] = float(np.median(cpu_speeds))
+        row["samples_per_cpu_s_min"], row["samples_per_cpu_s_max"] = min(cpu_speeds), max(cpu_speeds)
     if len(ok) < len(rounds) and ok:
         row["status"] = f"ok in {len(ok)} of {len(rounds)} rounds"
     profiles = [r["phase_us_per_sample"] for r in ok if r.get("phase_us_per_sample")]

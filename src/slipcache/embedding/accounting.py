@@ -6,6 +6,7 @@ step with.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +33,8 @@ COUNTERS = (
 
 
 class PhaseClock:
-    """Wall time per phase of the training step, off unless `enable`d (`slipcache bench embedding` profile).
+    """Time per phase of the training step (wall time unless `enable` is given another timer), off unless
+    `enable`d (`slipcache bench embedding` profile).
 
     `mark()` starts a lap, `lap(name)` adds the time since the last mark to `name` and starts the next; when
     off both return at once, so the hot path keeps only a few no-op calls. On GPU the laps time the launch,
@@ -44,20 +46,23 @@ class PhaseClock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] | None = None
         self._last = 0.0
+        self._timer: Callable[[], float] = time.perf_counter
 
-    def enable(self) -> None:
+    def enable(self, timer: Callable[[], float] = time.perf_counter) -> None:
+        """Start counting, by `timer` (the wall clock; `time.process_time` for CPU time)."""
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self._timer = timer
 
     def disable(self) -> None:
         self.seconds = None
 
     def mark(self) -> None:
         if self.seconds is not None:
-            self._last = time.perf_counter()
+            self._last = self._timer()
 
     def lap(self, phase: str) -> None:
         if self.seconds is not None:
-            now = time.perf_counter()
+            now = self._timer()
             self.seconds[phase] += now - self._last
             self._last = now
 
@@ -101,6 +106,16 @@ class TrafficCounters:
     def count_tables(self, name: str, tables: Tensor, into: Tensor | None = None) -> None:
         counts = self.counts if into is None else into
         counts[:, COUNTERS.index(name)] += torch.bincount(tables, minlength=self.num_tables)
+
+    def per_table(self, tables: Tensor) -> Tensor:
+        """How many of `tables` name each table: what `count_tables` adds, for `add_per_table`."""
+        return torch.bincount(tables, minlength=self.num_tables)
+
+    def add_per_table(self, names: tuple[str, ...], per_table: Tensor, into: Tensor | None = None) -> None:
+        """Add per-table counts (`per_table`) to each of the columns `names`: one count for several columns."""
+        counts = self.counts if into is None else into
+        for name in names:
+            counts[:, COUNTERS.index(name)] += per_table
 
     def count_rows(self, name: str, rows: Tensor, into: Tensor | None = None) -> None:
         self.count_tables(name, self.tables_of(rows), into)

@@ -317,16 +317,18 @@ class RowCache(nn.Module):
             raise ValueError("cache state holds a row outside its set")
 
     def install(
-        self, slots: Tensor, rows: Tensor, values: Tensor, step: int, uses: Tensor, quiet: bool = False
+        self, slots: Tensor, rows: Tensor, values: Tensor | None, step: int, uses: Tensor, quiet: bool = False
     ) -> None:
-        """Put `rows` with `values` into `slots` (replacing their residents).
+        """Put `rows` with `values` into `slots` (replacing their residents); `values` None: the caller wrote
+        them into `weights[slots]` already (decoded straight from storage).
 
         `quiet` leaves `version` as it is: for a caller that moves no row any plan located (the prefetch
         keeps to unpinned slots and to rows no plan serves from storage) and calls `invalidate` once done.
         """
         if not quiet:
             self.version += 1
-        self.weights[slots] = values
+        if values is not None:
+            self.weights[slots] = values
         self.slot_rows[slots] = rows.to(self.slot_rows.dtype)
         self.last_used[slots] = step
         if self.policy in _COUNTING_POLICIES:

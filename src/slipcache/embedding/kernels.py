@@ -47,10 +47,43 @@ def pool_bags(values: Tensor, bags: Tensor, weight: Tensor | None, num_bags: int
 
 def distinct_rows(rows: Tensor, any_order: bool = True) -> tuple[Tensor, Tensor]:
     """(distinct rows, index of each row there). With `any_order`, the compiled loop finds them by hashing
-    (in order of first occurrence); else, and without it, sorted (`torch.unique`)."""
-    if any_order and _native.usable(rows):
-        return _native.unique_rows(rows)
+    (in order of first occurrence); else sorted, as `torch.unique` gives them (compiled: hashed, then the
+    distinct rows radix-sorted)."""
+    if _native.usable(rows) and rows.dtype == torch.int64:
+        if any_order:
+            return _native.unique_rows(rows)
+        found = _native.sorted_unique(rows)
+        if found is not None:
+            return found[1], found[2]
     return torch.unique(rows, return_inverse=True)
+
+
+def missing_rows(rows: Tensor, slots: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The lookups a forward missed (slot < 0): (their positions, their distinct rows ascending, the index of
+    each there, the uses of each): `nonzero`, `index_select` and `torch.unique` with inverse and counts in
+    one compiled pass where it can run, the same tensors."""
+    if _native.usable(rows, slots) and rows.dtype == slots.dtype == torch.int64:
+        found = _native.sorted_unique(rows, slots)
+        if found is not None:
+            positions, missing, inverse, uses = found
+            assert positions is not None
+            return positions, missing, inverse, uses
+    positions = torch.nonzero(slots < 0).squeeze(1)
+    missing, inverse, uses = torch.unique(rows.index_select(0, positions), return_inverse=True, return_counts=True)
+    return positions, missing, inverse, uses
+
+
+def fill_misses(
+    positions: Tensor, inverse: Tensor, assigned: Tensor, slots: Tensor, weights: Tensor, out: Tensor | None
+) -> bool:
+    """`slots[positions] = assigned[inverse]`, and with `out` each of those lookups with a slot copied from
+    `weights` into `out` (compiled, one pass). Without the loop (or `out`) only the slots are written, and
+    False says the copies are the caller's."""
+    if out is not None and _native.usable(positions, inverse, assigned, slots, weights, out):
+        _native.fill_misses(positions, inverse, assigned, slots, weights, out)
+        return True
+    slots.index_copy_(0, positions, assigned[inverse])
+    return False
 
 
 def sum_rows(index: Tensor, values: Tensor, count: int) -> Tensor:

@@ -52,6 +52,8 @@ class _StepPlan:
     residency_version: int  # the cache's and the storage's versions when the plan was made
     storage_version: int
     gathered: Tensor | None = None  # [L, D] values the fused forward already gathered (taken by the forward)
+    # (table of each of storage_rows, storage rows per table), where the forward counted them (no cache)
+    storage_tables: tuple[Tensor, Tensor] | None = None
 
 
 class GradientReceiver(Protocol):
@@ -182,7 +184,7 @@ class StepPlanner:
         if fused is not None:
             slots, hits = fused
             any_miss = hits < rows.numel()
-            miss = slots < 0 if any_miss else None
+            miss = None  # counted in the compiled pass; `missing_rows` finds the positions
         else:
             gathered = None
             slots = cache.lookup_and_touch(rows, step)
@@ -193,11 +195,10 @@ class StepPlanner:
             any_miss = bool(miss.any())
         clock.lap("lookup")
         storage_rows = storage_index = rows.new_empty(0)
-        if any_miss and miss is not None:
-            positions = torch.nonzero(miss).squeeze(1)  # found once, used for every write below
-            missing, miss_inverse, uses = torch.unique(
-                rows.index_select(0, positions), return_inverse=True, return_counts=True
-            )
+        if any_miss:
+            # The missed positions and their distinct rows, found once (one compiled pass) and used by the
+            # eviction, the fill, the backward's storage rows and the forward's gather below.
+            positions, missing, miss_inverse, uses = kernels.missing_rows(rows, slots)
             clock.lap("lookup")
             if admit:
                 assignment = cache.assign(missing, self.pin_since(), window)
@@ -213,17 +214,17 @@ class StepPlanner:
             clock.lap("evict")
             admitted = assigned >= 0
             if bool(admitted.any()):
-                admitted_rows = missing[admitted]
-                cache.install(
-                    assigned[admitted],
-                    admitted_rows,
-                    self.storage.read(admitted_rows, self.device),
-                    step,
-                    uses[admitted],
+                admitted_rows, admitted_slots = missing[admitted], assigned[admitted]
+                # Decoded straight into their slots where the compiled pass can; else read, then copied.
+                placed = isinstance(self.storage, RowStorage) and self.storage.read_into(
+                    admitted_rows, cache.weights, admitted_slots
                 )
+                values = None if placed else self.storage.read(admitted_rows, self.device)
+                cache.install(admitted_slots, admitted_rows, values, step, uses[admitted])
             clock.lap("fill")
-            slots.index_copy_(0, positions, assigned[miss_inverse])
-            if fused is None:
+            # The misses' slots, and (fused forward) their rows from the cache into the output, in one pass.
+            copied = kernels.fill_misses(positions, miss_inverse, assigned, slots, cache.weights, gathered)
+            if miss is not None:
                 self.counters.count_lookups("misses", miss, lookup)
             missing_tables = self.counters.tables_of(missing)
             self.counters.count_tables("rows_in", missing_tables)
@@ -252,8 +253,12 @@ class StepPlanner:
             cache.version,
             self.storage.version,
         )
-        if gathered is not None and miss is not None:
-            self._fill_positions(gathered, plan, positions)
+        if gathered is not None and any_miss:
+            if not copied:
+                self._fill_positions(gathered, plan, positions)
+            elif storage_rows.numel():  # the rows that found no slot, from the storage copy
+                on_storage = positions[slots.index_select(0, positions) < 0]
+                gathered.index_copy_(0, on_storage, storage_values.index_select(0, storage_index))
         plan.gathered = gathered
         clock.lap("fill")
         self._in_flight[step] = weakref.ref(plan)
@@ -270,8 +275,8 @@ class StepPlanner:
         storage_rows, storage_index = kernels.distinct_rows(rows, any_order=self.order_free)
         clock.lap("lookup")
         tables = counters.tables_of(storage_rows)
-        counters.count_tables("rows_in", tables)
-        counters.count_tables("overflow_rows", tables)
+        per_table = counters.per_table(tables)  # counted once: rows in, overflow rows, and rows out after
+        counters.add_per_table(("rows_in", "overflow_rows"), per_table)
         clock.lap("other")
         plan = _StepPlan(
             step,
@@ -282,6 +287,7 @@ class StepPlanner:
             self.storage.read(storage_rows, self.device),
             self.cache.version,
             self.storage.version,
+            storage_tables=(tables, per_table),
         )
         clock.lap("fill")
         self._in_flight[step] = weakref.ref(plan)

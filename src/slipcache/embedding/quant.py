@@ -289,6 +289,26 @@ class RowStorage(nn.Module):
         codes = payload if self.precision == "int8" else unpack_int4(payload, self.dim)
         return dequantize_int(codes, bias, scale_code)
 
+    def read_into(self, rows: Tensor, out: Tensor, out_rows: Tensor) -> bool:
+        """`out[out_rows] = read(rows)` (distinct `out_rows`, fp32 `out` on the CPU) in the compiled pass, each
+        row decoded straight into its place (no [n, D] copy written and read again); False, having done
+        nothing, where that pass cannot run (then the caller reads and copies)."""
+        if not (
+            self.dim
+            and self.payload.device.type == "cpu"
+            and quantize.available()
+            and _native.usable(rows, out, out_rows)
+            and out.dtype == torch.float32
+            and rows.dtype == out_rows.dtype == torch.int64
+        ):
+            return False
+        ints = self.precision in INT_BITS
+        quantize.dequantize_rows(
+            self.precision, self.payload, self.bias if ints else None, self.scale_code if ints else None,
+            scales=_SCALES, rows=rows, dim=self.dim, out=out, out_rows=out_rows,
+        )
+        return True
+
     def encode(
         self, values: Tensor, rounding: str, generator: torch.Generator | None
     ) -> tuple[list[Tensor], Fitted]:

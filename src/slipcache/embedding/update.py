@@ -181,7 +181,7 @@ class FusedOptimizer:
         self.steps += 1
         values = plan.storage_values
         values.add_(summed, alpha=-self.lr)
-        self.writer.write(plan.storage_rows, values)
+        self.writer.write(plan.storage_rows, values, tables=plan.storage_tables)
         return True
 
     def _gradient_factor(self, entries: list[tuple[_StepPlan, Tensor]]) -> float:

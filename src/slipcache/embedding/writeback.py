@@ -28,15 +28,27 @@ class RowWriter:
     ) -> None:
         self.storage, self.counters, self.rounding, self.generator = storage, counters, rounding, generator
 
-    def write(self, rows: Tensor, values: Tensor, into: Tensor | None = None, source: Tensor | None = None) -> Tensor:
+    def write(
+        self,
+        rows: Tensor,
+        values: Tensor,
+        into: Tensor | None = None,
+        source: Tensor | None = None,
+        tables: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         """Round `values` of unique `rows` (with `source`: `values[source]`, e.g. the cache's rows at the
         evicted slots) into storage, count rows out and saturated values (into the collection's counters, or
-        `into`); returns the table of each row."""
+        `into`); returns the table of each row. `tables`: (the table of each row, rows per table), where the
+        caller has them already (the rows' forward counted them)."""
         fitted = self.storage.write(rows, values, self.rounding, self.generator, source)
-        tables = self.counters.tables_of(rows)
-        self.counters.count_tables("rows_out", tables, into)
-        self.counters.count_fitted(tables, fitted, into)
-        return tables
+        if tables is None:
+            of_row = self.counters.tables_of(rows)
+            self.counters.count_tables("rows_out", of_row, into)
+        else:
+            of_row = tables[0]
+            self.counters.add_per_table(("rows_out",), tables[1], into)
+        self.counters.count_fitted(of_row, fitted, into)
+        return of_row
 
     def follow(self, device: torch.device) -> None:
         """After a move to `device`: generator states do not carry across device types, so the stream
