@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args._parser.prog}: error: {unknown_flag_message(args._parser, unknown)}", file=sys.stderr)
         raise SystemExit(2)
     module = importlib.import_module(args._module)
-    threads = None if getattr(args, "_run_sets_threads", False) else getattr(args, "threads", None)
+    # A command that applies its own threads (train: the run's, a resumed run's unless given) says so.
+    threads = None if getattr(module, "APPLIES_THREADS", False) else getattr(args, "threads", None)
     try:
         with (
             console_messages(),  # the library's log records, printed as the one-line messages they say

@@ -13,6 +13,8 @@ from slipcache.training.cli import add_train_arguments as add_train_arguments  #
 from slipcache.training.cli import format_summary
 from slipcache.training.config import CONFIG_FIELDS, load_config_file, make_config
 
+APPLIES_THREADS = True  # `train()` sets the run's threads itself: the CLI leaves them alone
+
 
 def run_train(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k in CONFIG_FIELDS}

@@ -85,7 +85,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_config_flags(parser)
     add_progress_flag(parser, default=argparse.SUPPRESS)
-    parser.set_defaults(_run_sets_threads=True)  # `train()` applies the run's own (a resumed run's, unless given)
     flags = [a for a in parser._actions if a.option_strings and not isinstance(a, (argparse._HelpAction, HelpAll))]
     shown = sum(1 for a in flags if a.help is not argparse.SUPPRESS)
     parser.usage = f"{parser.prog} [--data PATH] [--out DIR] [--quick] [FLAG ...]"
