@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from slipcache.callback import Callback
-from slipcache.training import features
 from slipcache.training import trainer as train
 from slipcache.training.callbacks import Callbacks
 from tests.helpers import make_dataset
@@ -96,27 +95,24 @@ class _Recorder(Callback):
         self.steps = state["steps"]
 
 
-@pytest.fixture
-def recorders(monkeypatch: pytest.MonkeyPatch) -> list[_Recorder]:
-    """Every run of the test gets a `_Recorder` besides its usual callbacks: registered, not wired in."""
-    made: list[_Recorder] = []
-    usual = features.run_callbacks
+def _recording(made: list[_Recorder]) -> list[Any]:
+    """`train(..., extra_callbacks=...)` for a run that gets a new `_Recorder` besides its usual callbacks."""
 
-    def with_recorder(run: Any) -> Callbacks:
+    def new_recorder(run: Any, hot_inputs: Any) -> _Recorder:
         made.append(_Recorder())
-        return Callbacks([*usual(run), made[-1]])
+        return made[-1]
 
-    monkeypatch.setattr(train, "run_callbacks", with_recorder)
-    return made
+    return [new_recorder]
 
 
 @pytest.mark.slow
-def test_a_callback_sees_every_hook_and_its_state_survives_a_resume(
-    tmp_path: Path, recorders: list[_Recorder]
-) -> None:
+def test_a_callback_sees_every_hook_and_its_state_survives_a_resume(tmp_path: Path) -> None:
+    """A callback joins the loop through the trainer's one hook for callbacks of its own (`extra_callbacks`)."""
     data = make_dataset(tmp_path / "data", n=640)
     run = tmp_path / "run"
-    summary = train.train(tiny(data, run, epochs=2, log_every=128, eval_every=320, checkpoint_every=320))
+    recorders: list[_Recorder] = []
+    summary = train.train(tiny(data, run, epochs=2, log_every=128, eval_every=320, checkpoint_every=320),
+                          extra_callbacks=_recording(recorders))
     first = recorders[0]
     assert summary["recorded_steps"] == first.steps == 20  # 2 epochs of 10 batches
     assert first.calls[:2] == ["on_start", "start_epoch"] and first.calls[-1] == "on_finish"
@@ -126,6 +122,8 @@ def test_a_callback_sees_every_hook_and_its_state_survives_a_resume(
     assert [e["recorded_steps"] for e in train_events] == [e["samples"] // 64 for e in train_events]
 
     resumed = tmp_path / "resumed"
-    train.train(tiny(data, resumed, epochs=1, log_every=128, eval_every=320, checkpoint_every=320))
-    summary = train.train(tiny(data, resumed, resume=str(resumed), epochs=2, allow_changes=True))
+    train.train(tiny(data, resumed, epochs=1, log_every=128, eval_every=320, checkpoint_every=320),
+                extra_callbacks=_recording(recorders))
+    summary = train.train(tiny(data, resumed, resume=str(resumed), epochs=2, allow_changes=True),
+                          extra_callbacks=_recording(recorders))
     assert recorders[-1].calls[0] == "on_start" and summary["recorded_steps"] == 20  # 10 restored + 10
