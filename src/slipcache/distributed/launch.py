@@ -45,7 +45,6 @@ class DistributedContext:
     local_world_size: int
     backend: str
     device: torch.device
-    embedding_group: dist.ProcessGroup  # the sharded tables' all-to-alls, apart from DDP's all-reduces
     threads: int
 
     @property
@@ -167,7 +166,6 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedContext | 
         local_world_size=local_world_size,
         backend=backend,
         device=device,
-        embedding_group=dist.new_group(backend=backend, timeout=timeout),
         threads=threads,
     )
 

@@ -1,9 +1,9 @@
 """A model of memory per rank and all-to-all traffic for many GPUs: `python -m slipcache.distributed.scaling`.
 
 Memory per rank comes from the planner (`plan_sharding` over `table_specs`, i.e. the collection's own
-memory estimate); traffic from what the sharded collection sends (`ShardedEmbeddingCollection.traffic`
-counts the same bytes in a run): per lookup that leaves its rank, one int64 id forward, one fp32 row
-forward and one fp32 gradient row backward. With equal batch slices a lookup stays on its own rank with
+memory estimate); traffic from what an all-to-all of the lookups sends: per lookup that leaves its
+rank, one int64 id forward, one fp32 row forward and one fp32 gradient row backward. With equal batch slices a lookup
+stays on its own rank with
 probability 1/N whatever the placement, so (N - 1)/N of the lookups cross. Prints the tables of
 docs/scaling.md.
 """
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from slipcache.data.synthetic import KAGGLE_CARDINALITIES
 from slipcache.distributed.planner import plan_sharding, table_specs
-from slipcache.distributed.sharded import ID_BYTES
+
+ID_BYTES = 8  # one int64 per routed lookup
 
 # Criteo 1TB as MLPerf's DLRM reference trains it (ids capped at 40 M rows per table), dim 128.
 TERABYTE_40M = [39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208]
