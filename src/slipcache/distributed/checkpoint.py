@@ -7,7 +7,7 @@ trainer's state, a manifest written last.
                                                  each rank's cache and rounding generators (`rank_state`)
         trainer.pt                               rank 0's trainer state (config, MLPs, dense optimizer,
                                                  progress, random generators), checksummed
-        manifest.json                            world size, the plan, every file's size: written last
+        manifest.json                            world size, the plan, every file's size and SHA-256: last
 
 A step counts only once its manifest is there and its directory has its final name, so a crash mid-write
 leaves the previous checkpoint the newest complete one. Resuming on the same number of processes with the
@@ -21,6 +21,7 @@ Checkpoints of the earlier per-rank format (rank-<r>.pt files) are refused in on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -87,12 +88,18 @@ def save_step(
         except OSError as exc:
             error = _cannot_write(directory, exc, run_dir)
     _agree_on_error(error)
-    dcp.save(dcp_state, checkpoint_id=str(partial))  # a collective: every rank's shards
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(dcp_state, checkpoint_id=str(partial))  # a collective: every rank's shards
+    except CheckpointException as exc:  # raised on every rank, with every rank's failure in it
+        raise SlipcacheError(_cannot_write(directory, OSError(_first_line(exc)), run_dir)) from exc
     error, size = None, None
     if rank == 0:
         try:
             ckpt.save_checkpoint(partial / TRAINER_FILE, trainer_state)
-            files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+            written = [p for p in sorted(partial.iterdir()) if p.is_file()]
+            files = {p.name: p.stat().st_size for p in written}
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,
@@ -100,6 +107,7 @@ def save_step(
                 "samples": samples,
                 "plan": plan,
                 "files": files,
+                "sha256": {p.name: file_digest(p) for p in written},  # DCP's files carry no checksum
             }
             write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2) + "\n", durable=True)
             if final.exists():  # the same step written again: the new one replaces it whole
@@ -175,13 +183,25 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
     for name, size in manifest["files"].items():
         file = step_dir / str(name)
         if not file.is_file() or file.stat().st_size != size:
-            older = [p for _, p in ckpt.complete_steps(step_dir.parent) if p.name < step_dir.name]
-            then = f"to continue from the newest complete one: --resume {older[-1]}" if older else (
-                "no older complete checkpoint")
-            raise SlipcacheError(
-                f"checkpoint {step_dir} is damaged ({name} is missing or not the size its manifest records); {then}"
-            )
+            problem = f"{name} is missing or not the size its manifest records"
+        elif file_digest(file) != manifest["sha256"][name]:
+            problem = f"{name} fails its checksum"
+        else:
+            continue
+        older = [p for _, p in ckpt.complete_steps(step_dir.parent) if p.name < step_dir.name]
+        then = f"to continue from the newest complete one: --resume {older[-1]}" if older else (
+            "no older complete checkpoint")
+        raise SlipcacheError(f"checkpoint {step_dir} is damaged ({problem}); {then}")
     return manifest
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 MAX_WORLD_SIZE = 1 << 16  # a manifest naming more processes is not one slipcache wrote
@@ -204,6 +224,11 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
     )
     if not plain or TRAINER_FILE not in files or ".metadata" not in files:
         return f"files must name {TRAINER_FILE} and .metadata with their sizes, plain names in the step directory"
+    digests = manifest.get("sha256")
+    if not isinstance(digests, dict) or sorted(digests) != sorted(files) or not all(
+        isinstance(d, str) and len(d) == 64 for d in digests.values()
+    ):
+        return "sha256 must give every file's digest"
     if not isinstance(manifest.get("plan"), dict):
         return "plan is not a sharding plan"
     return None
@@ -227,15 +252,21 @@ def load_into_shards(step_dir: Path, manifest: dict[str, Any], tables: Any, rank
     same = manifest["world_size"] == world_size and manifest.get("plan") == sharding_plan_record(sharded)
     if same:
         state.update(rank_state(sharded))
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.load(state, checkpoint_id=str(step_dir))
         sharded.load_state_dict(state[TABLES])
         sharded.fused_optimizer.load_state_dict(state[OPTIMIZER])
         if same:
             load_rank_state(sharded, state)
-    except (RuntimeError, ValueError, KeyError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise SlipcacheError(f"checkpoint {step_dir} does not fit this run's tables: {first}") from exc
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as exc:
+        raise SlipcacheError(f"checkpoint {step_dir} does not fit this run's tables: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def dcp_state(tables: Any) -> dict[str, Any]:
