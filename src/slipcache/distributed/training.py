@@ -302,4 +302,5 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
             raise lost_rank_error(exc, ctx.rank) from exc
         raise
     finally:
+        run.model = None  # the sharded model holds the group
         shutdown()
