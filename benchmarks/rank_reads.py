@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 
 def _epoch(dataset: Any, batch_size: int, mode: str, rank: int, world: int) -> dict[str, float]:
-    from slipcache.distributed.training import slice_bounds  # there in older code too
+    from slipcache.data.batches import slice_bounds
     from slipcache.training.datasets import training_batches
 
     part = {"part": (rank, world)} if mode == "part" else {}

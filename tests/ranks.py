@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import slipcache.distributed.launch  # noqa: F401  (before any group: see its import of torch.distributed.nn)
+
 STALL_S = 60.0  # no rank ran for this long: hung
 COLLECTIVE_TIMEOUT_S = 600.0
 POLL_S = 1.0

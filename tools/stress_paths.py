@@ -88,7 +88,8 @@ def _samples_of(run: Path) -> int | None:
 
 
 def chain_trial(runner: Any, workdir: Path, index: int, rng: random.Random, seconds: float) -> dict[str, Any]:
-    """One run continued alternately by 2 processes (torchrun) and 1, the first start killed at a random
+    """One run started by 2 processes (torchrun) and continued by 1 (a one-process checkpoint does not resume
+    on 2), the first start killed at a random
     moment and each continuation with probability 0.5 (at most 4 kills), until it finishes (a first start
     that finished before its kill is started over). Every continuation changes
     --eval-samples (with --allow-changes), so config.json records the samples each one resumed from; each
@@ -128,7 +129,7 @@ def chain_trial(runner: Any, workdir: Path, index: int, rng: random.Random, seco
             return {"steps": steps, "verdict": "FAILURE", "error": f"exit {code}; see {log}"}
         if not killed:
             break
-        world = 1 if world == 2 else 2
+        world = 1  # a 2-process step read by one process; one process's file stays with one
     else:
         return {"steps": steps, "verdict": "FAILURE", "error": "did not finish in 12 continuations"}
     config = json.loads((run / "config.json").read_text())

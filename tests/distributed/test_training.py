@@ -1,4 +1,6 @@
-"""`slipcache train` as 2 gloo processes: equal to 1 process, exact resume, a clear stop when a rank dies."""
+"""`slipcache train` as 2 gloo processes under DistributedModelParallel: equal to 1 process, the gathered
+test AUC equal to a one-process evaluation of the saved model, exact resume from its DCP checkpoint, a
+resume on another number of processes, one-line refusals, and a clear stop when a rank dies."""
 
 from __future__ import annotations
 
@@ -11,14 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from slipcache import export
-from slipcache.distributed import checkpoint as dckpt
 from slipcache.errors import SlipcacheError
 from slipcache.training import trainer
 from slipcache.training.cli import evaluate_checkpoint
 from slipcache.training.config import make_config
 from tests.helpers import make_dataset
 from tests.ranks import exit_codes, run_ranks
+
+pytest.importorskip("torchrec", reason="torchrec not installed (the torchrec extra)")
 
 
 def _train_rank(rank: int, world_size: int, values: dict[str, Any]) -> None:
@@ -27,12 +29,7 @@ def _train_rank(rank: int, world_size: int, values: dict[str, Any]) -> None:
     from slipcache.distributed.training import train_on_ranks
 
     os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-        }
+        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
     )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "0")
@@ -49,11 +46,7 @@ def _settings(data: str, out: str, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _events(run: Path) -> list[dict[str, Any]]:
-    drop = {"samples_per_s", "train_wall_s", "train_seconds", "train_cpu_s", "disk_read_bytes_per_step"}
-    drop |= {"disk_write_bytes_per_step", "train_disk_read_bytes"}
-    return [
-        {k: v for k, v in json.loads(line).items() if k not in drop} for line in open(run / "metrics.jsonl")
-    ]
+    return [json.loads(line) for line in open(run / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -62,39 +55,63 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one_step_by_step(data_dir: Path, tmp_path: Path) -> None:
-    """fp32 tables, no stochastic rounding: the same global batches give the same losses and metrics."""
-    settings = {"precision": "fp32", "cache_size": 0.25, "batch_size": 63}  # 63 = 32 + 31: uneven slices
+def test_two_processes_train_like_one_and_one_process_evaluates_the_same_auc(data_dir: Path, tmp_path: Path) -> None:
+    """fp32 tables: the same global batches give the same losses and metrics as one process (summation
+    order only), and the gathered test AUC is what one process computes from the saved model (1e-9)."""
+    settings = {"precision": "fp32", "cache_size": 0.25}
     one = trainer.train(make_config({}, _settings(str(data_dir), str(tmp_path / "one"), settings)))
     run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "two"), settings))
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     single, double = _events(tmp_path / "one"), _events(tmp_path / "two")
     saved = [[e for e in events if e["event"] == "checkpoint"] for events in (single, double)]
-    assert [e["samples"] for e in saved[0]] == [e["samples"] for e in saved[1]] == [315, 630, 945, 1260, 1449]
-    assert all(e["bytes"] > 0 for e in saved[1])  # every rank's file, as the step's manifest records them
+    assert [e["samples"] for e in saved[0]] == [e["samples"] for e in saved[1]]
+    assert all(e["bytes"] > 0 for e in saved[1])  # every file of the step, as its manifest records them
     single, double = ([e for e in events if e["event"] == "train"] for events in (single, double))
-    assert len(single) == len(double) == 23
+    assert len(single) == len(double) > 10
     for a, b in zip(single, double, strict=True):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)
         if "val_auc" in a:
             assert b["val_auc"] == pytest.approx(a["val_auc"], abs=1e-6)
     assert two["auc"] == pytest.approx(one["auc"], abs=1e-6)
-    assert two["test_samples"] == one["test_samples"]  # metrics over the whole split
-    # cache lookups summed over ranks: every lookup of every sample, once
-    assert two["embedding_stats"]["lookups"] == one["embedding_stats"]["lookups"]
-    assert len(two["memory_per_rank"]) == 2 and two["distributed"]["world_size"] == 2
-    assert sum(r["total_bytes"] for r in two["memory_per_rank"]) == two["embedding_bytes"]
-    assert (tmp_path / "two" / "rank-1.log").is_file() and (tmp_path / "two" / "plan.json").is_file()
-    # `slipcache eval` reads the 2-rank checkpoint in one process (fp32: flushing the caches is exact)
+    assert two["logloss"] == pytest.approx(one["logloss"], abs=1e-6)
+    assert two["test_samples"] == one["test_samples"]  # metrics over the whole split, gathered
+    assert two["distributed"]["world_size"] == 2 and len(two["memory_per_rank"]) == 2
+    assert sorted(two["distributed"]["plan"]) == sorted(f"t{i}" for i in range(len(two["table_sizes"])))
+    assert (tmp_path / "two" / "rank-1.log").is_file()
+    assert not list((tmp_path / "two").glob("rank-0*"))  # rank 0 writes the run's files, and no log of its own
+    step = sorted((tmp_path / "two" / "checkpoints").glob("step-*"))[-1]
+    assert (step / "manifest.json").is_file() and (step / ".metadata").is_file()
+    # one process reads the DCP checkpoint (fp32 rows: exact) and evaluates the same model
     again = evaluate_checkpoint(tmp_path / "two")
     assert again["auc"] == pytest.approx(two["auc"], abs=1e-9)
-    # `slipcache export` reads it too: the tables of the 2-process run equal the 1-process run's
-    for got, want in zip(export.load_tables(tmp_path / "two"), export.load_tables(tmp_path / "one"), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert again["samples"] == two["test_samples"]
+
+
+def _group_threads() -> list[str]:
+    names = (Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task"))
+    return [name for name in names if "gloo" in name or "tcpstore" in name]
+
+
+def _train_rank_counting_threads(rank: int, world_size: int, values: dict[str, Any]) -> None:
+    dist.barrier()  # gloo starts its worker threads with the first collective
+    assert _group_threads()
+    _train_rank(rank, world_size, values)
+    # They ended with the group, not at interpreter exit, where one still releasing a tensor aborts the
+    # process (SIGABRT after a good run, about 1 run in 40 on a loaded machine).
+    assert not dist.is_initialized() and _group_threads() == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_a_rank_leaves_no_group_thread_behind_when_it_returns(data_dir: Path, tmp_path: Path) -> None:
+    run_ranks(_train_rank_counting_threads, _settings(str(data_dir), str(tmp_path / "run"), {"samples": 640}))
 
 
 @pytest.mark.slow
 def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_path: Path) -> None:
+    """INT8 rows, an LFU cache, stochastic rounding: the DCP checkpoint with each rank's caches and
+    generators resumes bit for bit; one process evaluates it within 1e-3 (the cached fp32 rows are saved
+    rounded to nearest into INT8)."""
     settings = {"precision": "int8", "cache_size": 0.25, "policy": "lfu", "samples": 1280}
     run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "full"), settings))
     run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "part"), {**settings, "samples": 640}))
@@ -106,41 +123,25 @@ def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_pat
     resumed = json.loads((tmp_path / "part" / "summary.json").read_text())
     for key in ("auc", "logloss", "train_samples"):
         assert resumed[key] == full[key], key
-    a, b = dckpt.latest_sharded(tmp_path / "full"), dckpt.latest_sharded(tmp_path / "part")
-    for rank in range(2):
-        saved, again = (
-            dckpt.load_rank_state(a, rank)["embeddings"],
-            dckpt.load_rank_state(b, rank)["embeddings"],
-        )
-        for name, tensor in saved.items():
-            if isinstance(tensor, torch.Tensor):
-                assert torch.equal(tensor, again[name]), (rank, name)
+    losses = [[e["train_loss"] for e in _events(tmp_path / run) if e["event"] == "train"] for run in ("full", "part")]
+    assert losses[0] == losses[1]
+    assert evaluate_checkpoint(tmp_path / "full")["auc"] == pytest.approx(full["auc"], abs=1e-3)
 
 
 @pytest.mark.slow
-def test_runs_resume_on_another_number_of_processes(
-    data_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    """2 -> 1 and 1 -> 2 processes: the tables are re-sharded (fp32: exactly), the run continues as the
-    uninterrupted one does, and the resume says what it did."""
-    settings = {"precision": "fp32", "cache_size": 0.25, "samples": 640}
+def test_a_two_process_run_resumes_on_one(data_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """2 -> 1 process: the whole tables and their optimizer state read from the DCP checkpoint (fp32:
+    exactly); the run continues as the uninterrupted one-process run does, and says what it did."""
+    settings = {"precision": "fp32", "cache_size": 0.25, "samples": 640, "optimizer": "adagrad"}
     full = trainer.train(make_config({}, _settings(str(data_dir), str(tmp_path / "full"), settings)))
-    resume = {"samples": 640, "allow_changes": True, "progress": False}
-    # 2 processes, then 1
     run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "two"), {**settings, "samples": 320}))
     capfd.readouterr()
-    one = trainer.train(make_config({}, {**resume, "resume": str(tmp_path / "two")}))
-    assert "written by 2 processes, into 1: each rank copied" in capfd.readouterr().out
-    # 1 process, then 2
-    trainer.train(make_config({}, _settings(str(data_dir), str(tmp_path / "one"), {**settings, "samples": 320})))
-    capfd.readouterr()
-    run_ranks(_train_rank, {**resume, "resume": str(tmp_path / "one")})
-    assert "written by 1 process, over 2 processes" in capfd.readouterr().out
-    two = json.loads((tmp_path / "one" / "summary.json").read_text())
-    for resumed in (one, two):
-        assert resumed["train_samples"] == full["train_samples"]
-        assert resumed["auc"] == pytest.approx(full["auc"], abs=1e-5)
-        assert resumed["logloss"] == pytest.approx(full["logloss"], abs=1e-5)
+    one = trainer.train(make_config({}, {"samples": 640, "allow_changes": True, "progress": False,
+                                         "resume": str(tmp_path / "two")}))
+    assert "written by 2 processes, into 1" in capfd.readouterr().out
+    assert one["train_samples"] == full["train_samples"]
+    assert one["auc"] == pytest.approx(full["auc"], abs=1e-5)
+    assert one["logloss"] == pytest.approx(full["logloss"], abs=1e-5)
 
 
 def _die_midway(rank: int, world_size: int, data: str, out: str, result: str) -> None:
@@ -166,5 +167,61 @@ def test_a_dead_rank_stops_the_others_with_one_line(data_dir: Path, tmp_path: Pa
     result = tmp_path / "rank0.txt"
     assert exit_codes(_die_midway, str(data_dir), str(tmp_path / "run"), str(result)) == [0, 3]
     message = result.read_text()  # the closed connection, not a collective's timeout, stopped rank 0
-    assert "another rank stopped (Read error" in message or "another rank stopped (Connection" in message
+    assert "another rank stopped" in message
     assert "--resume" in message and "\n" not in message
+
+
+# ------------------------------------------------------------------------ one-line refusals, no ranks
+def _backend(world_size: int = 2) -> Any:
+    from slipcache.distributed.launch import DistributedContext
+    from slipcache.distributed.training import DistributedBackend
+
+    return DistributedBackend(DistributedContext(0, world_size, 0, world_size, "gloo", torch.device("cpu"), 1))
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({"skip_rule": "stale"}, "--skip-rule stale with more than one process is not supported yet: run it on one"),
+        ({"embeddings": "torch"}, "--embeddings torch is sharded only as slipcache's cached tables"),
+        ({"wire_precision": "fp16"}, "--wire-precision fp16 with more than one process is not supported yet"),
+        ({"prefetch": True}, "--prefetch with more than one process is not supported yet"),
+        ({"batch_size": 63}, "--batch-size 63 does not split evenly over 2 processes"),
+    ],
+)
+def test_what_the_sharded_trainer_does_not_do_is_refused_in_one_line(values: dict[str, Any], expected: str) -> None:
+    with pytest.raises(SlipcacheError) as caught:
+        _backend().check_config(make_config({}, values))
+    assert expected in str(caught.value) and "\n" not in str(caught.value)
+    _backend().check_config(make_config({}, {"batch_size": 64}))  # the defaults are supported
+
+
+def _old_step(run_dir: Path) -> Path:
+    """A step directory of the earlier per-rank format, as that release wrote it."""
+    step = run_dir / "checkpoints" / "step-000000000640"
+    step.mkdir(parents=True)
+    for rank in range(2):
+        (step / f"rank-{rank}.pt").write_bytes(b"old")
+    manifest = {"format": "slipcache-sharded-checkpoint", "version": 1, "world_size": 2, "samples": 640,
+                "files": {"rank-0.pt": 3, "rank-1.pt": 3}}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    return step
+
+
+def test_a_checkpoint_of_the_old_per_rank_format_is_refused_in_one_line(tmp_path: Path) -> None:
+    from slipcache.training.step_reader import read_step
+
+    step = _old_step(tmp_path / "run")
+    for read in (lambda: read_step(step), lambda: _backend().read_resume_checkpoint(step, tmp_path / "run")):
+        with pytest.raises(SlipcacheError) as caught:
+            read()
+        message = str(caught.value)
+        assert "per-rank format of an earlier slipcache" in message and "start it again" in message
+        assert "\n" not in message
+
+
+def test_a_one_process_checkpoint_resumed_on_n_is_refused_in_one_line(tmp_path: Path) -> None:
+    file = tmp_path / "ckpt-000000000640.pt"
+    file.write_bytes(b"one process")
+    with pytest.raises(SlipcacheError, match="written by one process; resume it on one process"):
+        _backend().read_resume_checkpoint(file, None)

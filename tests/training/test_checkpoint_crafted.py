@@ -101,20 +101,26 @@ def test_a_crafted_raw_tensor_record_is_one_line(
         ("world_size", "two", "world_size must be a number of processes"),
         ("world_size", 0, "world_size must be a number of processes"),
         ("world_size", 10**9, "world_size must be a number of processes"),
-        ("files", ["rank-0.pt"], "files must name rank-0.pt"),
-        ("files", {"../../victim": 1}, "files must name rank-0.pt"),
-        ("plan", {"format": "x"}, "plan is not a sharding plan"),
+        ("files", ["trainer.pt"], "files must name trainer.pt and .metadata"),
+        ("files", {"../../victim": 1, "trainer.pt": 1, ".metadata": 0}, "files must name trainer.pt and .metadata"),
+        ("plan", ["x"], "plan is not a sharding plan"),
+        ("sha256", {"trainer.pt": "0" * 64}, "sha256 must give every file's digest"),
     ],
 )
 def test_a_crafted_manifest_is_one_line_and_leaves_the_run_as_it_was(
     finished_run: Path, tmp_path: Path, field: str, value: object, expected: str, capsys: pytest.CaptureFixture
 ) -> None:
+    from slipcache.distributed.checkpoint import file_digest
+
     run = copy_run(finished_run, tmp_path / "run")
     step = run / "checkpoints" / "step-000000999999"  # newer than the run's own: the one a resume takes
     step.mkdir()
-    shutil.copyfile(run / "checkpoints" / "latest.pt", step / "rank-0.pt")
-    manifest = {"format": "slipcache-sharded-checkpoint", "version": 1, "world_size": 1, "samples": 999999,
-                "files": {"rank-0.pt": (step / "rank-0.pt").stat().st_size}, "plan": {}, field: value}
+    shutil.copyfile(run / "checkpoints" / "latest.pt", step / "trainer.pt")
+    (step / ".metadata").write_bytes(b"")
+    files = {"trainer.pt": (step / "trainer.pt").stat().st_size, ".metadata": 0}
+    digests = {name: file_digest(step / name) for name in files}
+    manifest = {"format": "slipcache-dcp-checkpoint", "version": 1, "world_size": 1, "samples": 999999,
+                "files": files, "sha256": digests, "plan": {}, field: value}
     (step / "manifest.json").write_text(json.dumps(manifest))
     before = file_contents(run)
     cli_fails(["train", "--resume", str(run), "--no-progress"], capsys, f"manifest.json is malformed: {expected}")

@@ -362,7 +362,7 @@ def test_a_damaged_newest_step_of_n_ranks_can_be_skipped(data_dir: Path, tmp_pat
     run = tmp_path / "run"
     assert exit_codes(_train_pair, str(data_dir), str(run), {}, str(tmp_path)) == [0, 0]
     steps = sorted((run / "checkpoints").glob("step-*"))
-    newest = steps[-1] / "rank-1.pt"
+    newest = steps[-1] / "__1_0.distcp"  # rank 1's DCP file: its bytes are checked against the manifest
     raw = bytearray(newest.read_bytes())
     raw[-5] ^= 0xFF
     newest.write_bytes(bytes(raw))
@@ -370,7 +370,8 @@ def test_a_damaged_newest_step_of_n_ranks_can_be_skipped(data_dir: Path, tmp_pat
     assert exit_codes(_train_pair, str(data_dir), str(run), resume, str(tmp_path)) == [0, 0]
     for rank in range(2):  # every rank stops with the same line, naming the older step to resume from
         message = (tmp_path / f"rank-{rank}.txt").read_text()
-        assert f"checkpoint {steps[-1]} is damaged (rank-1.pt" in message and f"--resume {steps[-2]}" in message
+        assert f"checkpoint {steps[-1]} is damaged (__1_0.distcp fails its checksum" in message
+        assert f"--resume {steps[-2]}" in message
         (tmp_path / f"rank-{rank}.txt").unlink()
     resume["resume"] = str(steps[-2])
     assert exit_codes(_train_pair, str(data_dir), str(run), resume, str(tmp_path)) == [0, 0]

@@ -51,7 +51,7 @@ class Batch:
 
     def logits(self, model: Callable[..., torch.Tensor]) -> torch.Tensor:
         """`model`'s logits of the global batch; a rank's part goes with the global batch size
-        (`DistributedDLRM.forward`), a whole batch as (dense, sparse) alone."""
+        (`distributed.model.ShardedDLRM.forward`), a whole batch as (dense, sparse) alone."""
         if self.rows is None:
             return model(self.dense, self.sparse)
         return model(self.dense, self.sparse, batch_size=len(self))

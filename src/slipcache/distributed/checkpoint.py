@@ -1,276 +1,419 @@
-"""Checkpoints written by many ranks: one file per rank, a manifest written last.
+"""Checkpoints of a run of N processes: a torch.distributed.checkpoint (DCP) of the sharded tables beside the
+trainer's state, a manifest written last.
 
-    <run>/checkpoints/step-<samples>/rank-<r>.pt     each rank's state (its shards under "embeddings")
-    <run>/checkpoints/step-<samples>/manifest.json   world size, plan, file sizes: written by rank 0
-                                                     after a barrier, once every rank's file is complete
+    <run>/checkpoints/step-<samples>/            written as .step-<samples>.partial, renamed once complete
+        .metadata, __<r>_0.distcp                DCP: every table (TorchRec's keys: fp32 rows, or an INT8
+                                                 table's stored bytes), the fused optimizer's state, and
+                                                 each rank's cache and rounding generators (`rank_state`)
+        trainer.pt                               rank 0's trainer state (config, MLPs, dense optimizer,
+                                                 progress, random generators), checksummed
+        manifest.json                            world size, the plan, every file's size and SHA-256: last
 
-A checkpoint counts only when its manifest exists, so a crash mid-write leaves the previous one as the
-newest complete checkpoint. Each file is written atomically by `slipcache.training.checkpoint`.
-Resuming with another world size re-shards the tables (`reshard_into`): every new rank reads the old
-shards that overlap its own, flushes their caches into storage and copies the rows (storage bytes and
-optimizer state, exactly); caches start empty and cache counters from zero.
+A step counts only once its manifest is there and its directory has its final name, so a crash mid-write
+leaves the previous checkpoint the newest complete one. Resuming on the same number of processes with the
+same plan is exact (caches and generators come back); on another number (two or more), DCP re-shards the
+tables and their optimizer state into the new plan (an INT8 table into a plan with the same column cuts)
+and the caches start empty. One process (`slipcache eval`, `export`, `--resume` without torchrun) reads the
+whole tables and their optimizer state from it (`read_in_one_process`).
+
+Checkpoints of the earlier per-rank format (rank-<r>.pt files) are refused in one line (`OLD_FORMAT`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import shutil
-from functools import partial
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from slipcache.distributed.planner import Shard, ShardingPlan
-from slipcache.distributed.sharded import ShardedEmbeddingCollection, shard_config
-from slipcache.embedding.collection import CachedEmbeddingBagCollection
 from slipcache.errors import SlipcacheError
 from slipcache.safe_files import ensure_dir, write_atomic
 from slipcache.training import checkpoint as ckpt
-from slipcache.training.run_state import TrainingCheckpoint, check_checkpoint
+from slipcache.training.run_state import TrainingCheckpoint
+from slipcache.training.rundir import load_training_checkpoint
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = ckpt.STEP_MANIFEST
-RESHARDED = (
-    "each rank copied the rows it now holds from the saved shards (their caches flushed into storage first; "
-    "rows and optimizer state exact); caches start empty"
+MANIFEST_FORMAT = "slipcache-dcp-checkpoint"
+MANIFEST_VERSION = 1
+OLD_MANIFEST_FORMAT = "slipcache-sharded-checkpoint"  # the per-rank files of earlier releases
+OLD_FORMAT = (
+    "checkpoint {path} is in the per-rank format of an earlier slipcache (rank-<r>.pt files), which this "
+    "version does not read; continue the run with the version that wrote it, or start it again"
 )
-MANIFEST_FORMAT = "slipcache-sharded-checkpoint"
-_STEP_DIR = ckpt.STEP_DIR
-MAX_WORLD_SIZE = 1 << 16  # a manifest naming more processes is not one slipcache wrote
+TRAINER_FILE = "trainer.pt"
+TABLES, OPTIMIZER = "tables", "tables_optimizer"
+RESHARDED = "DCP re-sharded the tables and their optimizer state into this plan; caches start empty"
 
 
-def rank_file(step_dir: Path, rank: int) -> Path:
-    return step_dir / f"rank-{rank}.pt"
+def step_name(samples: int) -> str:
+    return f"step-{samples:012d}"
 
 
-def save_sharded(
-    directory: Path,
+# ---------------------------------------------------------------------------------------------- writing
+def save_step(
+    run_dir: Path,
     samples: int,
     rank: int,
     world_size: int,
-    state: dict[str, Any],
-    manifest: dict[str, Any],
+    trainer_state: dict[str, Any],
+    dcp_state: dict[str, Any],
+    plan: dict[str, Any],
     *,
-    keep: int = 2,
-    group: dist.ProcessGroup | None = None,
-) -> Path:
-    """Every rank writes its file; after a barrier rank 0 writes the manifest and prunes old checkpoints.
+    keep: int,
+) -> int | None:
+    """Write one step (module doc) from every rank; returns, on rank 0, the bytes of all its files.
 
-    `manifest` (rank 0's is used) holds what resuming needs besides the files, e.g. the plan.
-    """
-    step_dir = ensure_dir(Path(directory) / f"step-{samples:012d}", inside=Path(directory).parent)
-    ckpt.save_checkpoint(rank_file(step_dir, rank), state)
-    dist.barrier(group=group)  # every rank's file is complete (and fsynced) past this point
+    Every rank calls it. A failure on rank 0 (a full disk) is said on every rank in the same line."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = run_dir / "checkpoints"
+    final = directory / step_name(samples)
+    partial = directory / f".{step_name(samples)}.partial"
+    error = None
     if rank == 0:
-        files = {
-            rank_file(step_dir, r).name: rank_file(step_dir, r).stat().st_size for r in range(world_size)
-        }
-        content = {
-            "format": MANIFEST_FORMAT,
-            "version": 1,
-            "world_size": world_size,
-            "samples": samples,
-            "files": files,
-            **manifest,
-        }
-        write_atomic(step_dir / MANIFEST, json.dumps(content, indent=2) + "\n", durable=True)
-        _prune(Path(directory), keep)
-    dist.barrier(group=group)  # no rank moves on (or reports the checkpoint) before it counts
-    return step_dir
+        try:
+            ensure_dir(directory, inside=run_dir)  # a link there is refused
+            shutil.rmtree(partial, ignore_errors=True)  # left by a write that was killed
+            partial.mkdir()
+        except OSError as exc:
+            error = _cannot_write(directory, exc, run_dir)
+    _agree_on_error(error)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(dcp_state, checkpoint_id=str(partial))  # a collective: every rank's shards
+    except CheckpointException as exc:  # raised on every rank, with every rank's failure in it
+        raise SlipcacheError(_cannot_write(directory, OSError(_first_line(exc)), run_dir)) from exc
+    error, size = None, None
+    if rank == 0:
+        try:
+            ckpt.save_checkpoint(partial / TRAINER_FILE, trainer_state)
+            written = [p for p in sorted(partial.iterdir()) if p.is_file()]
+            files = {p.name: p.stat().st_size for p in written}
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "version": MANIFEST_VERSION,
+                "world_size": world_size,
+                "samples": samples,
+                "plan": plan,
+                "files": files,
+                "sha256": {p.name: file_digest(p) for p in written},  # DCP's files carry no checksum
+            }
+            write_atomic(partial / MANIFEST, json.dumps(manifest, indent=2) + "\n", durable=True)
+            if final.exists():  # the same step written again: the new one replaces it whole
+                aside = directory / f".{step_name(samples)}.old"
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            os.replace(partial, final)
+            _fsync_dir(directory)
+            _prune(directory, keep)
+            size = sum(files.values()) + (final / MANIFEST).stat().st_size
+        except OSError as exc:
+            error = _cannot_write(directory, exc, run_dir)
+    _agree_on_error(error)
+    return size
+
+
+def _cannot_write(directory: Path, exc: OSError, run_dir: Path) -> str:
+    complete = ckpt.complete_steps(directory) if directory.is_dir() else []
+    then = (
+        f"the last complete checkpoint is {complete[-1][1]}; free space, then --resume {run_dir}"
+        if complete
+        else f"no checkpoint was written yet; free space, then --resume {run_dir} starts it again"
+    )
+    return f"cannot write a checkpoint into {directory}: {exc.strerror or exc}; {then}"
+
+
+def _agree_on_error(error: str | None) -> None:
+    """Rank 0's failure raised on every rank (no rank left waiting in the next collective)."""
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise SlipcacheError(box[0])
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _prune(directory: Path, keep: int) -> None:
-    """Keep the `keep` newest complete checkpoints; drop older ones and incomplete ones before them."""
-    steps = sorted(p for p in directory.iterdir() if _STEP_DIR.match(p.name))
-    complete = [p for p in steps if (p / MANIFEST).is_file()]
+    """Keep the `keep` newest complete steps; drop older ones and unfinished writes."""
+    for path in directory.iterdir():
+        if path.name.startswith(".step-") and path.name.endswith((".partial", ".old")) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+    complete = ckpt.complete_steps(directory)
     if keep <= 0 or len(complete) <= keep:
         return
-    oldest_kept = complete[-keep]
-    for path in steps:
-        if path < oldest_kept:
+    oldest_kept = complete[-keep][1]
+    for path in sorted(directory.iterdir()):
+        if ckpt.STEP_DIR.match(path.name) and path.name < oldest_kept.name:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def latest_sharded(path: Path) -> Path | None:
-    """The newest complete checkpoint under a run dir, its checkpoints dir, or a step dir itself."""
-    path = Path(path)
-    if (path / MANIFEST).is_file():
-        return path
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if not path.is_dir():
-        return None
-    complete = sorted(p for p in path.iterdir() if _STEP_DIR.match(p.name) and (p / MANIFEST).is_file())
-    return complete[-1] if complete else None
-
-
+# ---------------------------------------------------------------------------------------------- reading
 def read_manifest(step_dir: Path) -> dict[str, Any]:
-    """The manifest, after checking that every rank file it names is there with its recorded size."""
+    """The manifest, after checking that every file it names is there with its recorded size; a step of
+    the earlier per-rank format is refused in one line."""
     try:
         manifest = json.loads((step_dir / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise SlipcacheError(f"cannot read {step_dir / MANIFEST}: {exc}") from exc
+    if isinstance(manifest, dict) and manifest.get("format") == OLD_MANIFEST_FORMAT:
+        raise SlipcacheError(OLD_FORMAT.format(path=step_dir))
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise SlipcacheError(f"{step_dir / MANIFEST} is not a slipcache sharded checkpoint manifest")
-    _check_files(manifest, step_dir / MANIFEST)
+        raise SlipcacheError(f"{step_dir / MANIFEST} is not a slipcache checkpoint manifest")
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise SlipcacheError(f"checkpoint manifest {step_dir / MANIFEST} is malformed: {problem}")
     for name, size in manifest["files"].items():
-        file = step_dir / name
+        file = step_dir / str(name)
         if not file.is_file() or file.stat().st_size != size:
-            raise SlipcacheError(
-                f"checkpoint {step_dir}: {name} is missing or not the size the manifest records"
-            )
-    _check_plan(manifest, step_dir / MANIFEST)
+            problem = f"{name} is missing or not the size its manifest records"
+        elif file_digest(file) != manifest["sha256"][name]:
+            problem = f"{name} fails its checksum"
+        else:
+            continue
+        older = [p for _, p in ckpt.complete_steps(step_dir.parent) if p.name < step_dir.name]
+        then = f"to continue from the newest complete one: --resume {older[-1]}" if older else (
+            "no older complete checkpoint")
+        raise SlipcacheError(f"checkpoint {step_dir} is damaged ({problem}); {then}")
     return manifest
 
 
-def _malformed(manifest: dict[str, Any], path: Path, field: str, problem: str) -> SlipcacheError:
-    return SlipcacheError(
-        f"checkpoint manifest {path} is malformed: {field} {problem}, got {manifest.get(field)!r:.60}"
-    )
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
-def _check_files(manifest: dict[str, Any], path: Path) -> None:
-    """The processes and their files, before any file is looked at: one line naming the malformed field."""
+MAX_WORLD_SIZE = 1 << 16  # a manifest naming more processes is not one slipcache wrote
 
-    def bad(field: str, problem: str) -> SlipcacheError:
-        return _malformed(manifest, path, field, problem)
 
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is wrong with a manifest's fields, in words; None when they are well-formed."""
+    if manifest.get("version") != MANIFEST_VERSION:
+        return f"version must be {MANIFEST_VERSION}, got {manifest.get('version')!r}"
     world = manifest.get("world_size")
-    if type(world) is not int or not 1 <= world <= MAX_WORLD_SIZE:
-        raise bad("world_size", f"must be a number of processes in [1, {MAX_WORLD_SIZE}]")
+    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= MAX_WORLD_SIZE:
+        return f"world_size must be a number of processes in [1, {MAX_WORLD_SIZE}], got {world!r}"
     files = manifest.get("files")
-    expected = {rank_file(path.parent, r).name for r in range(world)}
-    if not isinstance(files, dict) or set(files) != expected:
-        named = f"{', '.join(sorted(expected)[:3])}{', ...' if world > 3 else ''}"
-        raise bad("files", f"must name {named} (one file per rank)")
-    if not all(type(size) is int and size >= 0 for size in files.values()):
-        raise bad("files", "must give each file's size in bytes")
-
-
-def _check_plan(manifest: dict[str, Any], path: Path) -> None:
-    """What a resume reads besides the files: the position and the sharding plan."""
-
-    def bad(field: str, problem: str) -> SlipcacheError:
-        return _malformed(manifest, path, field, problem)
-
-    if type(manifest.get("samples")) is not int or manifest["samples"] < 0:
-        raise bad("samples", "must be a non-negative integer")
-    world = manifest["world_size"]
-    try:
-        plan = ShardingPlan.from_dict(manifest["plan"])
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        raise bad("plan", f"is not a sharding plan ({type(exc).__name__})") from None
-    if plan.world_size != world:
-        raise bad("plan", f"is for {plan.world_size} processes, the manifest's world_size {world}")
-
-
-def load_rank_state(step_dir: Path, rank: int) -> dict[str, Any]:
-    return ckpt.load_checkpoint(rank_file(step_dir, rank))
-
-
-def reshard_into(collection: ShardedEmbeddingCollection, step_dir: Path, manifest: dict[str, Any]) -> None:
-    """Fill `collection`'s shards from a checkpoint written under another plan (any world size)."""
-    old_plan = ShardingPlan.from_dict(manifest["plan"])
-    if [t.rows for t in old_plan.tables] != collection.table_sizes:
-        raise SlipcacheError(f"checkpoint {step_dir} holds other tables than this model's")
-    if collection.local is None:
-        return
-    collection.local.cache.evict(collection.local.cache.cached()[0])  # the new shards start with empty caches
-    for old_rank in range(old_plan.world_size):
-        old_shards = old_plan.shards_of(old_rank)
-        if _overlaps(old_shards, collection.shards):
-            saved = load_rank_state(step_dir, old_rank)["embeddings"]  # the sharded collection's state dict
-            _copy_rows(collection, old_shards, old_rank, {k.removeprefix("local."): v for k, v in saved.items()})
-
-
-def reshard_from_single(collection: ShardedEmbeddingCollection, embeddings: dict[str, Any]) -> None:
-    """Fill `collection`'s shards from a one-process checkpoint's tables (its "embeddings" state dict)."""
-    if collection.local is None:
-        return
-    collection.local.cache.evict(collection.local.cache.cached()[0])
-    whole = [Shard(t, 0, 0, n) for t, n in enumerate(collection.table_sizes)]
-    _copy_rows(collection, whole, 0, embeddings)
-
-
-def _overlaps(old_shards: list[Shard], new_shards: list[Shard]) -> list[tuple[int, int, int, int]]:
-    """(old shard, new shard, first row, end row) of every row range both hold."""
-    return [
-        (i, j, max(a.row_start, b.row_start), min(a.row_end, b.row_end))
-        for i, a in enumerate(old_shards)
-        for j, b in enumerate(new_shards)
-        if a.table == b.table and max(a.row_start, b.row_start) < min(a.row_end, b.row_end)
-    ]
-
-
-def _copy_rows(
-    collection: ShardedEmbeddingCollection, old_shards: list[Shard], old_rank: int, saved: dict[str, Any]
-) -> None:
-    """Load one old rank's shards (`saved`, a collection state dict), flush its cache into storage and copy
-    the rows this rank now holds: storage bytes and optimizer state, exactly."""
-    local = collection.local
-    assert local is not None
-    old = CachedEmbeddingBagCollection(shard_config(collection.config, old_shards, old_rank), draw_rows=False)
-    # A one-process checkpoint read lazily leaves its large tensors on disk (tables past the streaming
-    # threshold, 16 MiB): read them, digests checked, straight into the old collection's buffers.
-    ckpt.materialize(saved, old.state_dict(), old.storage_files())
-    old.load_state_dict(saved)
-    old.flush()
-    sources, targets = old.table_offsets.tolist(), local.table_offsets.tolist()
-    for i, j, lo, hi in _overlaps(old_shards, collection.shards):
-        src = sources[i] + lo - old_shards[i].row_start
-        dst = targets[j] + lo - collection.shards[j].row_start
-        for target, source in _row_buffers(local, old):
-            target[dst : dst + hi - lo].copy_(source[src : src + hi - lo])
-
-
-def _row_buffers(
-    new: CachedEmbeddingBagCollection, old: CachedEmbeddingBagCollection
-) -> list[tuple[Any, Any]]:
-    """(new, old) pairs of every buffer indexed by row: storage bytes, quantization parameters, optimizer."""
-    pairs = list(zip(new.storage.buffers(), old.storage.buffers(), strict=True))
-    if hasattr(new, "optimizer_state"):
-        pairs.append((new.optimizer_state, old.optimizer_state))
-    return pairs
-
-
-def unshard_into(collection: CachedEmbeddingBagCollection, step_dir: Path) -> None:
-    """Fill one process's collection of all tables from an N-rank checkpoint (for `slipcache eval`).
-
-    Every rank's shards are loaded in turn, their caches flushed, and their rows and optimizer state copied
-    to the tables' places; the cache of `collection` starts empty.
-    """
-    plan = ShardingPlan.from_dict(read_manifest(step_dir)["plan"])
-    if [t.rows for t in plan.tables] != collection.table_sizes:
-        raise SlipcacheError(f"checkpoint {step_dir} holds other tables than this model's")
-    collection.cache.evict(collection.cache.cached()[0])
-    offsets = collection.table_offsets.tolist()
-    for rank in range(plan.world_size):
-        shards = plan.shards_of(rank)
-        if not shards:
-            continue
-        old = CachedEmbeddingBagCollection(shard_config(collection.config, shards, rank), draw_rows=False)
-        saved = load_rank_state(step_dir, rank)["embeddings"]
-        old.load_state_dict({k.removeprefix("local."): v for k, v in saved.items()})
-        old.flush()
-        sources = old.table_offsets.tolist()
-        for i, shard in enumerate(shards):
-            dst = offsets[shard.table] + shard.row_start
-            for target, source in _row_buffers(collection, old):
-                target[dst : dst + shard.rows].copy_(source[sources[i] : sources[i] + shard.rows])
-
-
-def read_in_one_process(step_dir: Path) -> TrainingCheckpoint:
-    """A step directory read by one process (`--resume` without torchrun, `slipcache eval`, `export`):
-    rank 0's trainer state now; every rank's shards gathered into the tables when it is loaded."""
-    manifest = read_manifest(step_dir)  # every rank's file present, with its recorded size
-    state = load_rank_state(step_dir, 0)
-    check_checkpoint(state, step_dir)
-    del state["embeddings"]  # rank 0's shards alone: the tables come from every rank's
-    return TrainingCheckpoint(
-        step_dir,
-        state,
-        load_tables=partial(unshard_into, step_dir=step_dir),
-        resharding=(
-            f"re-sharding {step_dir}, written by {manifest['world_size']} processes, into 1: {RESHARDED}"
-        ),
+    if not isinstance(files, dict):
+        files = {}
+    plain = bool(files) and all(
+        isinstance(n, str) and n not in ("", ".", "..") and "/" not in n and "\\" not in n
+        and isinstance(size, int) and size >= 0
+        for n, size in files.items()
     )
+    if not plain or TRAINER_FILE not in files or ".metadata" not in files:
+        return f"files must name {TRAINER_FILE} and .metadata with their sizes, plain names in the step directory"
+    digests = manifest.get("sha256")
+    if not isinstance(digests, dict) or sorted(digests) != sorted(files) or not all(
+        isinstance(d, str) and len(d) == 64 for d in digests.values()
+    ):
+        return "sha256 must give every file's digest"
+    if not isinstance(manifest.get("plan"), dict):
+        return "plan is not a sharding plan"
+    return None
+
+
+def read_trainer_state(step_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(manifest, the trainer state rank 0 saved), verified."""
+    manifest = read_manifest(step_dir)
+    return manifest, load_training_checkpoint(step_dir / TRAINER_FILE)
+
+
+def load_into_shards(step_dir: Path, manifest: dict[str, Any], tables: Any, rank: int, world_size: int) -> None:
+    """The step's tables, their optimizer state and (same world size and plan) this rank's caches and
+    generators into the sharded tables (`model.ShardedTables`); a collective."""
+    import torch.distributed.checkpoint as dcp
+
+    from slipcache.interop.torchrec_checkpoint import load_rank_state, rank_state
+
+    sharded = tables.sharded
+    state: dict[str, Any] = {TABLES: sharded.state_dict(), OPTIMIZER: sharded.fused_optimizer.state_dict()}
+    same = manifest["world_size"] == world_size and manifest.get("plan") == sharding_plan_record(sharded)
+    if same:
+        state.update(rank_state(sharded))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=str(step_dir))
+        sharded.load_state_dict(state[TABLES])
+        sharded.fused_optimizer.load_state_dict(state[OPTIMIZER])
+        if same:
+            load_rank_state(sharded, state)
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as exc:
+        raise SlipcacheError(f"checkpoint {step_dir} does not fit this run's tables: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def dcp_state(tables: Any) -> dict[str, Any]:
+    """What a step's DCP holds for this rank (module doc)."""
+    from slipcache.interop.torchrec_checkpoint import rank_state
+
+    sharded = tables.sharded
+    return {TABLES: sharded.state_dict(), OPTIMIZER: sharded.fused_optimizer.state_dict(), **rank_state(sharded)}
+
+
+def sharding_plan_record(sharded: Any) -> dict[str, Any]:
+    """Each table's sharding type and ranks, as the manifest records them."""
+    record: dict[str, Any] = {}
+    for name, metadata in sharded.global_metadata().items():
+        if metadata is None:
+            record[name] = {"type": "data_parallel"}
+            continue
+        record[name] = {
+            "shards": [
+                [list(m.shard_offsets), list(m.shard_sizes), m.placement.rank() if m.placement else None]
+                for m in metadata.shards_metadata
+            ]
+        }
+    return record
+
+
+# --------------------------------------------------------------------------------- one process reads it
+def read_in_one_process(step_dir: Path) -> TrainingCheckpoint:
+    """A step of N processes for one process: the trainer state, and the whole tables (with their
+    optimizer state) put into a one-process collection when the checkpoint is loaded."""
+    manifest, state = read_trainer_state(step_dir)
+    line = (
+        f"reading {step_dir}, written by {manifest['world_size']} processes, into 1: the tables gathered from "
+        "their shards (rows and optimizer state as saved); the cache starts empty"
+    )
+    return TrainingCheckpoint(step_dir, state, load_tables=_whole_tables_loader(step_dir), resharding=line)
+
+
+def _whole_tables_loader(step_dir: Path) -> Callable[[Any], None]:
+    def load(collection: Any) -> None:
+        load_whole_tables(step_dir, collection)
+
+    return load
+
+
+def load_whole_tables(step_dir: Path, collection: Any) -> None:
+    """Every table of the step, whole, into the one-process `CachedEmbeddingBagCollection`: its rows (an
+    INT8 table of one column cut as its stored bytes, exactly; of more cuts rounded from its values) and its
+    optimizer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from slipcache.distributed.model import table_names
+    from slipcache.interop.torchrec_checkpoint import int8_keys
+    from slipcache.interop.torchrec_weights import torchrec_key
+
+    metadata = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    names = table_names(len(collection.table_sizes))
+    if len(names) != len(collection.table_names):
+        raise SlipcacheError(f"checkpoint {step_dir} holds other tables than this model")
+
+    def key(part: str, name: str) -> str:
+        return f"{part}.{name}"
+
+    wanted: dict[str, Any] = {}
+    for name in names:
+        keys = [torchrec_key(name)] if f"{TABLES}.{torchrec_key(name)}" in metadata else list(int8_keys(name).values())
+        for k in keys:
+            full = key(TABLES, k)
+            if full not in metadata:
+                raise SlipcacheError(f"checkpoint {step_dir} has no {k!r}: not a checkpoint of these tables")
+            wanted[full] = _empty_like_saved(metadata[full])
+    optimizer_keys = [k for k in metadata if k.startswith(OPTIMIZER + ".state.")]
+    for k in optimizer_keys:
+        wanted[k] = _empty_like_saved(metadata[k])
+    with warnings.catch_warnings():  # DCP says it loads in one process: that is the point here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(wanted, checkpoint_id=str(step_dir), no_dist=True)
+    rows = []
+    int8: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for t, name in enumerate(names):
+        fp32 = wanted.get(key(TABLES, torchrec_key(name)))
+        if fp32 is not None:
+            rows.append(fp32)
+            continue
+        parts = int8_keys(name)
+        payload, bias, scale = (wanted[key(TABLES, parts[p])] for p in ("payload", "bias", "scale_code"))
+        cuts = [int(c) for c in wanted[key(TABLES, parts["cuts"])].tolist()]
+        rows.append(_dequantized(payload, bias, scale, cuts))
+        if len(cuts) == 1:
+            int8[t] = (payload, bias[:, 0], scale[:, 0])
+    collection.load_tables(rows)  # rounded to nearest; INT8 tables of one cut then get their bytes back
+    if int8:
+        from slipcache.interop.torchrec_checkpoint import _storage_of
+
+        for t, (payload, bias, scale) in int8.items():
+            part, start = _storage_of(collection, t)
+            n = payload.shape[0]
+            for buffer, value in ((part.payload, payload), (part.bias, bias), (part.scale_code, scale)):
+                buffer[start : start + n].copy_(value.to(buffer.dtype))
+            part.version += 1
+    _load_whole_optimizer_state(collection, names, wanted)
+
+
+def _dequantized(payload: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    from slipcache.embedding.quant import dequantize_int
+
+    bounds = [*cuts, payload.shape[1]]
+    pieces = [
+        dequantize_int(payload[:, start:end], bias[:, i], scale[:, i])
+        for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
+    ]
+    return torch.cat(pieces, dim=1)
+
+
+def _load_whole_optimizer_state(collection: Any, names: list[str], loaded: dict[str, Any]) -> None:
+    kind = collection.config.optimizer
+    if kind == "sgd":
+        return
+    state = getattr(collection, "optimizer_state", None)
+    for t, name in enumerate(names):
+        values = {k.rsplit(".", 1)[-1]: v for k, v in loaded.items() if k.startswith(OPTIMIZER + ".state.")
+                  and k.split(".state.", 1)[1].split(".")[-2:-1] == [name]}
+        if not values or state is None:
+            continue
+        start, rows = int(collection.table_offsets[t]), int(collection.table_sizes[t])
+        target = state[start : start + rows]
+        if kind == "rowwise_adagrad":
+            value = values["momentum1"]
+            if value.shape[1] != 1:
+                raise SlipcacheError(
+                    f"table {name!r}: its row-wise Adagrad state was saved with {value.shape[1]} column cuts; "
+                    "one process holds one: resume it on as many processes as wrote it"
+                )
+            target.copy_(value[:, 0].to(target.dtype))
+        elif kind == "adam":
+            target.copy_(torch.cat([values["momentum1"], values["momentum2"]], dim=1).to(target.dtype))
+            if "step" in values:
+                collection.optimizer.steps = int(values["step"])
+        else:
+            target.copy_(values["momentum1"].to(target.dtype))
+
+
+def _empty_like_saved(item: Any) -> Any:
+    """A tensor to load a saved value into (its global size and dtype), or None for a saved object."""
+    size = getattr(item, "size", None)
+    properties = getattr(item, "properties", None)
+    if size is None or properties is None:
+        return None
+    return torch.empty(tuple(size), dtype=properties.dtype)

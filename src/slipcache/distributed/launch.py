@@ -13,10 +13,12 @@ whose collective failed reports that instead (`announce_stop`), once.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
 import sys
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +26,12 @@ from typing import TextIO
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists, on purpose: this module binds the default group into its
+# functions' default arguments when it is first imported. Imported later (TorchRec's sharded tensors do it
+# lazily), it keeps the group alive past `destroy_process_group`; gloo's worker threads then outlive it and
+# one may release a tensor during interpreter exit, which aborts the process (SIGABRT) after a good run.
+import torch.distributed.nn.functional  # noqa: F401
 
 from slipcache._native import check_thread_count, usable_cores
 from slipcache.errors import SlipcacheError
@@ -45,7 +53,6 @@ class DistributedContext:
     local_world_size: int
     backend: str
     device: torch.device
-    embedding_group: dist.ProcessGroup  # the sharded tables' all-to-alls, apart from DDP's all-reduces
     threads: int
 
     @property
@@ -167,7 +174,6 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedContext | 
         local_world_size=local_world_size,
         backend=backend,
         device=device,
-        embedding_group=dist.new_group(backend=backend, timeout=timeout),
         threads=threads,
     )
 
@@ -181,5 +187,16 @@ def redirect_output(run_dir: Path, rank: int) -> TextIO:
 
 
 def shutdown() -> None:
+    """Leave the process group and let its worker threads end now: one still releasing a tensor during
+    interpreter exit aborts the process. Whatever holds the group must go first: the caller drops its model,
+    the frames of an exception in flight are cleared (their locals only: the traceback still prints), and the
+    garbage is collected."""
+    seen: set[int] = set()
+    exc = sys.exception()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()

@@ -1,9 +1,9 @@
 """A model of memory per rank and all-to-all traffic for many GPUs: `python -m slipcache.distributed.scaling`.
 
-Memory per rank comes from the planner (`plan_sharding` over `table_specs`, i.e. the collection's own
-memory estimate); traffic from what the sharded collection sends (`ShardedEmbeddingCollection.traffic`
-counts the same bytes in a run): per lookup that leaves its rank, one int64 id forward, one fp32 row
-forward and one fp32 gradient row backward. With equal batch slices a lookup stays on its own rank with
+Memory per rank is the tables' bytes (the collection's own memory estimate) spread evenly over the ranks;
+traffic from what an all-to-all of the lookups sends: per lookup that leaves its
+rank, one int64 id forward, one fp32 row forward and one fp32 gradient row backward. With equal batch slices a lookup
+stays on its own rank with
 probability 1/N whatever the placement, so (N - 1)/N of the lookups cross. Prints the tables of
 docs/scaling.md.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slipcache.data.synthetic import KAGGLE_CARDINALITIES
-from slipcache.distributed.planner import plan_sharding, table_specs
-from slipcache.distributed.sharded import ID_BYTES
+
+ID_BYTES = 8  # one int64 per routed lookup
 
 # Criteo 1TB as MLPerf's DLRM reference trains it (ids capped at 40 M rows per table), dim 128.
 TERABYTE_40M = [39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208]
@@ -68,8 +68,18 @@ def inter_node_share(world_size: int, gpus_per_node: int = GPUS_PER_NODE) -> flo
 
 
 def max_rank_gib(sizes: list[int], dim: int, precision: str, cache: float, world_size: int) -> float:
-    plan = plan_sharding(table_specs(sizes, dim, precision=precision, cache_size=cache), world_size)
-    return max(plan.bytes_per_rank()) / 2**30
+    """GiB of embedding state per rank with the tables' bytes spread evenly over the ranks (row-wise cuts
+    where a table is bigger than a rank's share): each table costed as a collection of its own
+    (`CachedEmbeddingBagCollection.estimate_memory`: storage, quantization parameters, cache; SGD)."""
+    from slipcache.embedding.collection import CachedEmbeddingBagCollection, EmbeddingConfig
+
+    total = sum(
+        CachedEmbeddingBagCollection.estimate_memory(
+            EmbeddingConfig(table_sizes=[int(rows)], dim=dim, precision=precision, cache_size=cache)
+        )["total_bytes"]
+        for rows in sizes
+    )
+    return total / world_size / 2**30
 
 
 def main() -> None:
@@ -84,7 +94,7 @@ def main() -> None:
         for name, (precision, cache) in CONFIGS.items():
             cells = [f"{max_rank_gib(sizes, dim, precision, cache, n):.2f}" for n in worlds]
             print(f"| {name} | " + " | ".join(cells) + " |")
-        print("\nGiB of embedding state on the fullest rank (planner, tolerance 5 %).\n")
+        print("\nGiB of embedding state per rank (the tables spread evenly).\n")
         print("| N | ids B/sample | rows fwd B/sample | grads bwd B/sample | total | off-node share |")
         print("|---|---|---|---|---|---|")
         for n in worlds[1:]:

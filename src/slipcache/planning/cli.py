@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from slipcache.distributed.planner import TableSpec, plan_sharding
 from slipcache.embedding.config import OPTIMIZERS
 from slipcache.errors import SlipcacheError
 from slipcache.options import add_progress_flag, add_threads_flag, image_file, seed_arg
@@ -299,21 +298,54 @@ def fits_here(plan: Plan, budget_gb: float | None) -> bool:
 
 
 def preview_sharding(plan: Plan, profile: IdProfile, world_size: int) -> dict[str, Any]:
-    """The distributed planner's placement of the planned tables, costed with this profile's lookups."""
-    specs = [
-        TableSpec(
-            name=name,
-            rows=rows,
-            dim=plan.dim,
-            bytes_per_row=choice.bytes / rows,
-            lookups_per_sample=table.lookups_per_sample,
-            row_histogram=tuple(float(v) for v in table.histogram),
-        )
-        for name, rows, choice, table in zip(plan.names, plan.rows, plan.choices, profile.tables, strict=True)
+    """Where `torchrun ... slipcache train` would place the planned tables on `world_size` ranks: TorchRec's
+    planner over these tables (each at its planned precision and cache, costed by what our shards hold), as
+    the trainer plans them. Needs the torchrec extra (one line without it)."""
+    import importlib.util
+    import logging
+    import warnings
+
+    if importlib.util.find_spec("torchrec") is None:
+        raise SlipcacheError("--world-size previews TorchRec's plan and needs the torchrec extra (README: Using "
+                             "slipcache with TorchRec)")
+    from torchrec import EmbeddingBagConfig
+    from torchrec.distributed.planner import Topology
+
+    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollection, KeyedCachedEmbeddingBagCollectionSharder
+    from slipcache.interop.torchrec_planner import slipcache_planner
+
+    configs = [
+        EmbeddingBagConfig(name=name, embedding_dim=plan.dim, num_embeddings=int(rows), feature_names=[f"f{t}"])
+        for t, (name, rows) in enumerate(zip(plan.names, plan.rows, strict=True))
     ]
-    sharding = plan_sharding(specs, world_size)
-    shards = [
-        {"table": plan.names[s.table], "rank": s.rank, "row_start": s.row_start, "row_end": s.row_end}
-        for s in sharding.shards
-    ]
-    return {"world_size": world_size, "shards": shards, "text": sharding.format_table()}
+    module = KeyedCachedEmbeddingBagCollection(
+        configs, device="meta", precision={n: c.precision for n, c in zip(plan.names, plan.choices, strict=True)},
+        cache_rows={n: c.cache_rows for n, c in zip(plan.names, plan.choices, strict=True)},
+        policy=plan.policy, optimizer=plan.optimizer,
+    )
+    torchrec_logger = logging.getLogger("torchrec")
+    level = torchrec_logger.level
+    with warnings.catch_warnings():  # TorchRec warns about GPU-only features on CPU
+        warnings.simplefilter("ignore")
+        torchrec_logger.setLevel(max(level, logging.ERROR))
+        try:
+            planner = slipcache_planner(Topology(world_size=world_size, compute_device="cpu"))
+            sharding = planner.plan(module, [KeyedCachedEmbeddingBagCollectionSharder()])
+        finally:
+            torchrec_logger.setLevel(level)
+    shards: list[dict[str, Any]] = []
+    lines = ["sharding plan (TorchRec's planner):", "| table | sharding | rank | rows |", "|---|---|---|---|"]
+    for table, parameter in next(iter(sharding.plan.values())).items():
+        placed = parameter.sharding_spec.shards if parameter.sharding_spec is not None else None
+        if placed is None:  # data-parallel: the whole table on every rank
+            entries = [(rank, 0, plan.rows[plan.names.index(table)]) for rank in range(world_size)]
+        else:
+            entries = [
+                (m.placement.rank(), int(m.shard_offsets[0]), int(m.shard_offsets[0]) + int(m.shard_sizes[0]))
+                for m in placed
+            ]
+        for rank, first, end in entries:
+            shards.append({"table": table, "sharding": parameter.sharding_type, "rank": rank, "row_start": first,
+                           "row_end": end})
+            lines.append(f"| {table} | {parameter.sharding_type} | {rank} | {first}..{end} |")
+    return {"world_size": world_size, "shards": shards, "text": "\n".join(lines)}

@@ -1,8 +1,7 @@
 """The id profiler and the miss-ratio curves it gives: how often each row of each table is looked up.
 
-One profile serves both planners: the per-table memory planner (`slipcache.planning.planner`) reads its
-hit-rate curves, the sharding planner (`slipcache.distributed.planner`) its lookups per sample and row
-histograms.
+The per-table memory planner (`slipcache.planning.planner`) reads its hit-rate curves (and its lookups
+per sample and row histograms).
 
 A profile counts ids on a uniform sample of the training split's rows (without replacement, read in row
 order so memory-mapped files are read forward). The curves assume independent references drawn from the

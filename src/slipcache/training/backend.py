@@ -79,9 +79,10 @@ class RunBackend:
         raise NotImplementedError
 
     @property
-    def processes(self) -> int:
-        """How many processes train the run together (one here; a rank of N answers N)."""
-        return 1
+    def stops_alone(self) -> bool:
+        """Whether this process may stop the run by itself (a full disk foreseen, a signal, a timer): one
+        process may; a rank of N may not, the others would wait in a collective (torchrun stops them all)."""
+        return True
 
     def claim_run_dir(self, run_dir: Path, record: dict[str, Any]) -> RunLock:
         """Take the run directory for this run (`run.lock`): one writer per run directory."""

@@ -52,7 +52,7 @@ def run_callbacks(run: Run, extra: Sequence[CallbackFactory] = ()) -> Callbacks:
             assert writer is not None
             callbacks.append(TensorBoardLog(writer))
     minutes = config.schedule.checkpoint_minutes or None  # 0: no time interval
-    if run.backend.processes == 1 and (minutes or config.schedule.checkpoint_on_interrupt):
+    if run.backend.stops_alone and (minutes or config.schedule.checkpoint_on_interrupt):
         from slipcache.training.stopping import CheckpointTimer  # last: it stops the run after the others
 
         callbacks.append(CheckpointTimer(minutes, on_signal=config.schedule.checkpoint_on_interrupt))

@@ -284,7 +284,7 @@ def _build_run(
         refuse_link(run_dir / "checkpoints")  # everything written into it would land elsewhere
         for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
             ckpt.remove_partial_writes(directory)
-        if run.backend.processes == 1:  # of N, one rank's stop would leave the others waiting in a collective
+        if run.backend.stops_alone:
             check_checkpoint_room(run)
     run.callbacks.on_start(run)
     run.bar = progress_bar(  # off a terminal: a plain line every 30 s
