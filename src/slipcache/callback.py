@@ -3,7 +3,8 @@ lives here, below the loop (`slipcache.training`) and the features (`slipcache.s
 feature never imports the loop.
 
 A `Callback` overrides the hooks it needs; the trainer calls every callback of the run, in list order, at
-these points (see `trainer.train`):
+these points (see `trainer.train`). `run` is what the run is made of, with its progress to read; the loop
+alone writes the progress (a callback reports what it counts through a hook, `skipped_inputs`):
 
     on_start(run)                         the run is built and restored, before the first batch
     start_epoch(run)                      before the epoch's batches are read
@@ -12,6 +13,7 @@ these points (see `trainer.train`):
     before_step(run, batches)             before every step (`batches`: the epoch's iterator, to peek ahead)
     loss_weights(run, n) -> Tensor | None per-sample loss weights of the next trained batch
     after_step(run, batch, logits, loss)  after every optimizer step (logits detached)
+    skipped_inputs() -> int | None        inputs its sample filter dropped so far (they count in the budget)
     checkpoint_due(run) -> bool           whether to write a checkpoint at this step boundary as well
     event_fields(run) -> dict             keys merged into each metrics.jsonl event
     after_eval(run, scores)               after every periodic validation
@@ -65,6 +67,9 @@ class Callback:
 
     def after_step(self, run: Run, batch: Batch, logits: torch.Tensor, loss: float) -> None:
         pass
+
+    def skipped_inputs(self) -> int | None:
+        return None  # drops none
 
     def checkpoint_due(self, run: Run) -> bool:
         return False

@@ -91,10 +91,10 @@ def test_a_run_trains_with_the_knobs_records_them_and_a_resume_keeps_them(data_d
     seen: list[tuple[float, float]] = []
     real_step = trainer.train_step
 
-    def step(r: Any, batch: Any, batches: Any = None) -> Any:
+    def step(loop: Any, batch: Any, batches: Any = None) -> Any:
         # torch tables: their optimizer
-        seen.append((r.dense_opt.param_groups[0]["lr"], r.emb_opt.param_groups[0]["lr"]))
-        return real_step(r, batch, batches)
+        seen.append((loop.run.dense_opt.param_groups[0]["lr"], loop.run.emb_opt.param_groups[0]["lr"]))
+        return real_step(loop, batch, batches)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(trainer, "train_step", step)
@@ -109,11 +109,12 @@ def test_a_run_trains_with_the_knobs_records_them_and_a_resume_keeps_them(data_d
     assert seen == [pytest.approx((0.1 * f, 0.2 * f)) for f in factors]
     resumed = {}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trainer, "finish_run", lambda r: resumed.setdefault("run", r) and {})
+        patch.setattr(trainer, "finish_run", lambda loop: resumed.setdefault("loop", loop) and {})
         trainer.train(make_config({}, {"resume": str(run), "progress": False}))
-    r = resumed["run"]
+    loop = resumed["loop"]
+    r = loop.run
     assert isinstance(r.dense_opt, torch.optim.Adam) and r.dense_opt.state  # its moments came back
     assert r.model.config.interaction == "cat" and r.model.top[0].in_features == 27 * 8
     assert r.model.config.autocast == "bf16" and r.config.schedule.checkpoint_minutes == 5.0
-    timers = [c for c in r.callbacks if isinstance(c, CheckpointTimer)]
+    timers = [c for c in loop.callbacks if isinstance(c, CheckpointTimer)]
     assert [(t.seconds, t.on_signal) for t in timers] == [(300.0, False)]  # every 5 minutes, no signal handler

@@ -171,9 +171,9 @@ def test_changed_settings_on_resume_are_what_trains(
     interrupted(data_dir, run, monkeypatch, **SKIPPING)
     seen: dict[str, Any] = {}
     real_finish = train.finish_run
-    monkeypatch.setattr(train, "finish_run", lambda r: seen.setdefault("run", r) and real_finish(r))
+    monkeypatch.setattr(train, "finish_run", lambda loop: seen.setdefault("loop", loop) and real_finish(loop))
     train.train(make_config({}, {"resume": str(run), "progress": False, "allow_changes": True, **CHANGED}))
-    r = seen["run"]
+    r = seen["loop"].run
     recorded = json.loads((run / "config.json").read_text())
     for name, value in CHANGED.items():
         assert recorded[name] == value and r.config.get(name) == value, name
@@ -181,7 +181,7 @@ def test_changed_settings_on_resume_are_what_trains(
     # The copies each part keeps of a setting follow it, not the checkpoint:
     assert r.model.embeddings.lr == 0.11
     assert [g["lr"] for g in r.dense_opt.param_groups] == [0.07]
-    skipper = next(c.skipper for c in r.callbacks if c.state_key == "skipping")
+    skipper = next(c.skipper for c in seen["loop"].callbacks if c.state_key == "skipping")
     assert skipper.guard.base_target == 0.2 and skipper.detector.target <= 0.2
     assert r.budget == 2560 and r.consumed >= 2560  # trained + skipped reach the new budget
     final = checkpoint.load_checkpoint(run / "checkpoints")

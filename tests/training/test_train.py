@@ -379,9 +379,9 @@ def test_a_library_call_puts_the_process_settings_back(
     seen: dict[str, object] = {}
     real_finish = train.finish_run
 
-    def finish(run: object) -> object:  # inside the run: its settings hold
-        seen.update(threads=torch.get_num_threads(), mode=run.model.embeddings.config.huge_pages)  # type: ignore[attr-defined]
-        return real_finish(run)  # type: ignore[arg-type]
+    def finish(loop: train.Loop) -> object:  # inside the run: its settings hold
+        seen.update(threads=torch.get_num_threads(), mode=loop.run.model.embeddings.config.huge_pages)
+        return real_finish(loop)
 
     monkeypatch.setattr(train, "finish_run", finish)
     train.train(tiny(data_dir, tmp_path / "run", threads=wanted, huge_pages="auto", embeddings="cached"))

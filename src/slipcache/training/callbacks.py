@@ -88,6 +88,11 @@ class Callbacks:
         for callback in self.items:
             callback.after_step(run, batch, logits, loss)
 
+    def skipped_inputs(self) -> int | None:
+        """The inputs the callbacks' filters dropped so far; None when none of them drops any."""
+        counts = [n for n in (callback.skipped_inputs() for callback in self.items) if n is not None]
+        return sum(counts) if counts else None
+
     def checkpoint_due(self, run: Run) -> bool:
         return any(callback.checkpoint_due(run) for callback in self.items)
 

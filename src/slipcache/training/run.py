@@ -1,17 +1,18 @@
-"""The state of a training run: `Run` (everything the loop reads and writes) and `Progress` (the position
-in the schedule and the open logging window). A checkpoint saves both (`run_state.py`).
+"""A training run: `Run`, what it is made of (fixed once built: the callbacks are built from it and see
+nothing else), `Progress`, the loop's position and counts (what a checkpoint saves of the loop), and
+`TrainingClock`, the time, CPU and disk bytes of the training itself.
 """
 
 from __future__ import annotations
 
 import time
 import typing
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from slipcache.errors import SlipcacheError
-from slipcache.iostats import AnonPeak, DiskIO, disk_io
+from slipcache.iostats import DiskIO, disk_io
 from slipcache.memory import process_age_s
 
 if typing.TYPE_CHECKING:
@@ -19,9 +20,7 @@ if typing.TYPE_CHECKING:
 
     from slipcache.model import DLRM
     from slipcache.training.backend import RunBackend
-    from slipcache.training.callbacks import Callbacks
     from slipcache.training.config import TrainConfig
-    from slipcache.training.runlock import RunLock
 
 
 @dataclass
@@ -50,7 +49,22 @@ class Progress:
     train_disk_write_bytes: int = 0
     train_lookups: int = 0
     train_hits: int = 0
+    # Set by the run's last batch. Not saved: a resume with a longer schedule (--allow-changes) goes on.
+    finished: bool = False
     events: list[dict[str, Any]] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = asdict(self)  # a copy: the events go on growing
+        del state["finished"]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's progress (checked by `state_check`); a field it lacks keeps its default."""
+        known = {f.name for f in fields(self)}
+        for name, value in state.items():
+            if name not in known:
+                raise SlipcacheError(f"checkpoint does not fit the run: progress has an unknown field {name!r:.60}")
+            setattr(self, name, value)
 
     def close_window(self, disk_counted: bool = True) -> dict[str, Any]:
         """One `metrics.jsonl` event for the batches since the previous one; resets the window.
@@ -84,12 +98,10 @@ class Progress:
         return event
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """Everything the training loop reads and writes. `trainer.start_run` builds it; a checkpoint saves it.
-
-    What differs between one process and N lives in `backend`; what a feature adds to the loop lives in
-    `callbacks` (skipping, the metrics log, TensorBoard), called at fixed hooks.
+    """What a run is made of, built whole before its callbacks, which read it at every hook. Only `progress`
+    changes as the run goes (the loop writes it). What differs between one process and N lives in `backend`.
     """
 
     config: TrainConfig  # resolved: sample budget and intervals filled in
@@ -99,42 +111,56 @@ class Run:
     model: DLRM
     dense_opt: torch.optim.Optimizer
     emb_opt: torch.optim.Optimizer | None
-    progress: Progress
     backend: RunBackend
-    callbacks: Callbacks
     budget: int  # samples to consume (trained + skipped), a whole number of batches
     max_epochs: int
     batches_per_epoch: int
     data_quality: dict[str, Any] | None  # malformed lines skipped while preprocessing raw input
-    bar: Any = None  # tqdm progress bar
-    base_lookups: int = 0  # the collection's cumulative counters when the open logging window began
-    base_hits: int = 0
-    tick: float = 0.0  # when the running training-time interval began (paused for eval and checkpoints)
-    tick_cpu: float = 0.0  # process CPU time at `tick`
-    tick_io: DiskIO | None = None  # the process's disk bytes at `tick`; None where the kernel does not count them
-    finished: bool = False  # set by the run's last batch
     changed: frozenset[str] = frozenset()  # settings this resume changed (--allow-changes)
-    lock: RunLock | None = None  # run.lock of the run directory (rank 0 of N holds it), released at the end
-    startup_s: float | None = None  # process start to the first training step (memory.process_age_s)
-    startup_disk_read_bytes: int | None = None  # disk bytes read from process start to the first step
-    anon_peak: AnonPeak | None = None  # the peak of the process's own (anonymous) memory
-    last_checkpoint: dict[str, Any] | None = None  # bytes and write time of the newest checkpoint written
+    progress: Progress = field(default_factory=Progress)
+
+    @property
+    def consumed(self) -> int:
+        """Samples trained or skipped: the position in the data that the budget and eval schedule count."""
+        return self.progress.samples + self.progress.skipped
+
+    def more_epochs(self) -> bool:
+        progress = self.progress
+        return not progress.finished and self.consumed < self.budget and progress.epoch < self.max_epochs
+
+
+class TrainingClock:
+    """Wall time, CPU time and disk bytes of the training itself: counted in spans that the loop starts and
+    ends around evaluation and checkpoints, added to `Progress`'s totals and open window."""
+
+    def __init__(self) -> None:
+        self.tick = 0.0
+        self.tick_cpu = 0.0
+        self.tick_io: DiskIO | None = None
+        self.startup_s: float | None = None  # process start to the first training step (memory.process_age_s)
+        self.startup_disk_read_bytes: int | None = None  # disk bytes read from process start to the first step
+
+    @property
+    def disk_counted(self) -> bool:
+        """Whether the kernel counts this process's disk bytes (else the disk fields are None)."""
+        return self.tick_io is not None
 
     def mark_started(self) -> None:
         """At the first step: how long the start-up took, and what it read from the disk."""
+        if self.startup_s is not None:
+            return
         self.startup_s = process_age_s()
         started = disk_io()
         self.startup_disk_read_bytes = None if started is None else started.read_bytes
 
-    def restart_clock(self) -> None:
+    def restart(self) -> None:
         """Start a span of training time: wall clock, CPU time and the disk's bytes count from here."""
         self.tick = time.perf_counter()
         self.tick_cpu = time.process_time()
         self.tick_io = disk_io()
 
-    def count_span(self) -> float:
-        """Add the span since `tick` to the loop's totals (wall, CPU, disk bytes); returns its wall time."""
-        progress = self.progress
+    def count(self, progress: Progress) -> float:
+        """Add the span since `restart` to the loop's totals (wall, CPU, disk bytes); returns its wall time."""
         elapsed = time.perf_counter() - self.tick
         progress.train_wall_s += elapsed
         progress.train_cpu_s += time.process_time() - self.tick_cpu
@@ -146,23 +172,6 @@ class Run:
             progress.window_disk_read_bytes += read
             progress.window_disk_write_bytes += written
         return elapsed
-
-    @property
-    def consumed(self) -> int:
-        """Samples trained or skipped: the position in the data that the budget and eval schedule count."""
-        return self.progress.samples + self.progress.skipped
-
-    def checkpointed_here(self) -> bool:
-        """Whether the newest event is the checkpoint of where the run stands (it resumed from that one);
-        then the summary reports that checkpoint."""
-        last = self.progress.events[-1] if self.progress.events else {}
-        if last.get("event") != "checkpoint" or last.get("samples") != self.progress.samples:
-            return False
-        self.last_checkpoint = {k: last.get(k) for k in ("samples", "bytes", "write_s")}
-        return True
-
-    def more_epochs(self) -> bool:
-        return not self.finished and self.consumed < self.budget and self.progress.epoch < self.max_epochs
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import typing
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from slipcache.training import checkpoint as ckpt
 from slipcache.training.state_check import check_state
 
 if typing.TYPE_CHECKING:
+    from slipcache.training.callbacks import Callbacks
     from slipcache.training.run import Run
 
 CHECKPOINT_FORMAT = ckpt.MAGIC
@@ -65,7 +66,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((python[0], tuple(python[1]), python[2]))
 
 
-def checkpoint_state(run: Run) -> dict[str, Any]:
+def checkpoint_state(run: Run, callbacks: Callbacks) -> dict[str, Any]:
     """Every piece of state the loop reads, so a resumed run ends exactly where an uninterrupted one ends."""
     # The collection's own state_dict (cache contents, quantized storage, optimizer state, rounding RNG)
     # is saved through its method, not through the parent's, which would bypass an override.
@@ -80,13 +81,13 @@ def checkpoint_state(run: Run) -> dict[str, Any]:
         "embeddings": model.embeddings.state_dict(),
         "dense_optimizer": run.dense_opt.state_dict(),
         "embedding_optimizer": run.emb_opt.state_dict() if run.emb_opt is not None else None,
-        "progress": asdict(run.progress),
+        "progress": run.progress.state_dict(),
         "rng": _rng_state(),
-        **run.callbacks.state_dict(),  # e.g. "skipping"
+        **callbacks.state_dict(),  # e.g. "skipping"
     }
 
 
-def restore(checkpoint: TrainingCheckpoint, run: Run) -> None:
+def restore(checkpoint: TrainingCheckpoint, run: Run, callbacks: Callbacks) -> None:
     """Load what `checkpoint_state` saved (checked by `check_checkpoint`) into the run's freshly built
     objects; what does not fit them is one line, before the run writes anything."""
     checkpoint.load_into(run.model)
@@ -94,11 +95,10 @@ def restore(checkpoint: TrainingCheckpoint, run: Run) -> None:
     _load_optimizer(run.dense_opt, state["dense_optimizer"], "dense_optimizer")
     if run.emb_opt is not None and state["embedding_optimizer"] is not None:
         _load_optimizer(run.emb_opt, state["embedding_optimizer"], "embedding_optimizer")
-    for name, value in state["progress"].items():
-        setattr(run.progress, name, value)
+    run.progress.load_state_dict(state["progress"])
     _set_rng_state(state["rng"])
     try:
-        run.callbacks.load_state_dict(state)
+        callbacks.load_state_dict(state)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
         raise SlipcacheError(f"checkpoint does not fit the run: a feature's state is malformed ({exc!r:.120})") from exc
 

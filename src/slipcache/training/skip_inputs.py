@@ -20,7 +20,7 @@ if typing.TYPE_CHECKING:
 
 
 class SkipStaleInputs(Callback):
-    """Drops the skip rule's inputs from the epoch's batches; its counts go to the run's progress and reports.
+    """Drops the skip rule's inputs from the epoch's batches; the loop reads their count into the progress.
 
     Skipped inputs count against the sample budget (`progress.skipped`), so a skipping run covers the same
     data as one without. The checkpoint key stays "skipping".
@@ -51,7 +51,9 @@ class SkipStaleInputs(Callback):
 
     def after_step(self, run: Run, batch: Batch, logits: torch.Tensor, loss: float) -> None:
         self.skipper.after_batch(batch, logits, loss)  # warm-up, counting, snapshots, fits, guard
-        run.progress.skipped = self.skipper.skipped_inputs
+
+    def skipped_inputs(self) -> int | None:
+        return self.skipper.skipped_inputs
 
     def event_fields(self, run: Run) -> dict[str, Any]:
         return self.skipper.event_fields(_seconds_per_trained_sample(run))

@@ -26,7 +26,7 @@ from slipcache.training.checkpoint import RawTensor, materialize
 from slipcache.training.run import Progress
 
 PARTS = ("config", "table_sizes", "dense", "embeddings", "dense_optimizer", "progress", "rng")
-_PROGRESS_TYPES = {f.name: f.type for f in fields(Progress)}
+_PROGRESS_TYPES = {f.name: f.type for f in fields(Progress) if f.name != "finished"}  # not saved
 
 
 class MalformedCheckpointError(SlipcacheError):

@@ -74,7 +74,7 @@ class CheckpointTimer(Callback):
         if event.get("event") != "checkpoint":
             return
         self.last = time.monotonic()
-        if self.signum is not None and not run.finished and run.consumed < run.budget:
+        if self.signum is not None and not run.progress.finished and run.consumed < run.budget:
             name = signal.Signals(self.signum).name
             raise RunInterrupted(
                 f"stopped by {name} at sample {run.progress.samples:,} of {run.budget:,}; the checkpoint "

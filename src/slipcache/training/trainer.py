@@ -1,7 +1,8 @@
 """The DLRM training loop (`train`) and evaluation; `slipcache train` / `eval` are in `training/cli.py`.
 
-Read top to bottom: the model and `evaluate`, the run state, then the loop (`train`) and its steps in the
-order they run. A run writes its directory:
+Read top to bottom: the schedule, then the loop (`train`) and its steps in the order they run. The loop
+holds a `Loop`: the `Run` (what the run is made of, and its `Progress`), its callbacks, and the clock,
+progress bar and cache counts around them. Callbacks see only the `Run`. A run writes its directory:
 
     <out>/config.json      the resolved config
     <out>/metrics.jsonl    one JSON object per logging or evaluation event
@@ -25,6 +26,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +44,7 @@ from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
 from slipcache.training import run as runs
 from slipcache.training.backend import LocalBackend, RunBackend, dense_optimizer, embedding_optimizer
+from slipcache.training.callbacks import Callbacks
 from slipcache.training.config import TrainConfig, cache_rows_note
 from slipcache.training.datasets import (
     check_table_sizes,
@@ -55,6 +58,7 @@ from slipcache.training.datasets import (
 )
 from slipcache.training.evaluation import evaluate
 from slipcache.training.features import CallbackFactory, run_callbacks
+from slipcache.training.run import Run, TrainingClock
 from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
 from slipcache.training.schedule import budget_steps, nearest_quotient
@@ -64,7 +68,7 @@ from slipcache.training.tensorboard import embedding_event_fields, resolve_setti
 from slipcache.units import amount
 
 if TYPE_CHECKING:
-    from slipcache.training.run import Run
+    from slipcache.training.runlock import RunLock
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +110,40 @@ def _stats_totals(model: DLRM) -> tuple[int, int]:
     return int(stats.get("lookups") or 0), int(stats.get("hits") or 0)
 
 
+class CacheWindow:
+    """The cache's lookups and hits of the open logging window, from the collection's cumulative counters
+    (which may or may not come back with a resumed collection's state: counted relative to what they say)."""
+
+    def __init__(self, model: DLRM, open_lookups: int = 0, open_hits: int = 0) -> None:
+        self.model = model
+        self.lookups, self.hits = _stats_totals(model)
+        self.lookups -= open_lookups  # a resumed window's counts so far
+        self.hits -= open_hits
+
+    def sync(self, progress: runs.Progress) -> None:
+        lookups, hits = _stats_totals(self.model)
+        progress.window_lookups = lookups - self.lookups
+        progress.window_hits = hits - self.hits
+
+    def reset(self) -> None:
+        """A new window (evaluation lookups do not count)."""
+        self.lookups, self.hits = _stats_totals(self.model)
+
+
+@dataclass
+class Loop:
+    """What the loop holds while it runs: the run, its callbacks, and the bookkeeping around them."""
+
+    run: Run
+    callbacks: Callbacks
+    bar: Any  # tqdm progress bar
+    cache: CacheWindow
+    clock: TrainingClock
+    lock: RunLock | None  # run.lock of the run directory (rank 0 of N holds it), released at the end
+    anon_peak: AnonPeak | None  # the peak of the process's own (anonymous) memory
+    last_checkpoint: dict[str, Any] | None = None  # bytes and write time of the newest checkpoint written
+
+
 # ----------------------------------------------------------------------------------------------------
 # Training: the loop first, then its steps in the order they run.
 
@@ -118,9 +156,10 @@ def train(
     `backend`: where the run executes (default: this process alone; `distributed.training` passes one
     rank of N). `extra_callbacks`: features outside the product (a study's research arm, `benchmarks/`),
     each built from the run and the epoch's hot inputs; a resume must pass them again. Features join the
-    loop as callbacks (`callbacks.py`, chosen in `features.py`), state that
-    must survive a resume goes into `Run` / `checkpoint_state`. Training time (`progress.train_wall_s`)
-    runs from `run.tick` to the end of `record_step`; evaluation and checkpoints fall outside it.
+    loop as callbacks (`callbacks.py`, chosen in `features.py`); what must survive a resume is the
+    `Progress` and the callbacks' own `state_dict`s (`run_state.checkpoint_state`). Training time
+    (`progress.train_wall_s`) runs from the clock's restart to the end of `record_step`; evaluation and
+    checkpoints fall outside it.
     """
     anon_peak = AnonPeak().start()  # from before the tables are built
     try:
@@ -135,40 +174,50 @@ def run_loop(
     extra_callbacks: Sequence[CallbackFactory] = (),
 ) -> dict[str, Any]:
     """`train`'s loop; `settings` holds the process settings the run applies until `train` returns."""
-    run = start_run(config, backend or LocalBackend(), settings, extra_callbacks)
-    run.anon_peak = anon_peak
+    loop = start_run(config, backend or LocalBackend(), settings, extra_callbacks, anon_peak)
+    run, callbacks = loop.run, loop.callbacks
     schedule = runs.schedule_of(run.config)
     try:
         while run.more_epochs():
-            batches = epoch_batches(run)
+            batches = epoch_batches(loop)
             for batch in batches:
-                if run.startup_s is None:
-                    run.mark_started()
-                loss, logits = train_step(run, batch, batches)
+                loop.clock.mark_started()
+                loss, logits = train_step(loop, batch, batches)
                 consumed_before = run.consumed
-                last = record_step(run, batch, loss, logits, batches)
+                last = record_step(loop, batch, loss, logits, batches)
                 eval_due = _crossed(consumed_before, run.consumed, schedule.eval_every) or last
                 if run.progress.samples % schedule.log_every == 0 or eval_due:
-                    log_event(run, evaluate_now=eval_due)
+                    log_event(loop, evaluate_now=eval_due)
                 every = run.progress.samples % schedule.checkpoint_every == 0
-                if (run.callbacks.checkpoint_due(run) or every) and not last:  # due: time, or a signal
-                    save_checkpoint(run)
+                if (callbacks.checkpoint_due(run) or every) and not last:  # due: time, or a signal
+                    save_checkpoint(loop)
                 if last:
                     # A filtered (skipping) run's last epoch can end with trained + skipped just under the
                     # budget (the tail that fills no batch is dropped); it must not restart the epoch.
-                    run.finished = True
+                    run.progress.finished = True
                     break
-                run.restart_clock()  # eval and checkpoints excluded
+                loop.clock.restart()  # eval and checkpoints excluded
             else:  # the iterator ran out: next epoch (a sample filter may have made this one shorter)
-                end_epoch(run)
-        if not run.checkpointed_here():  # resumed from its final checkpoint (killed before the end): not twice
-            save_checkpoint(run)
-        return finish_run(run)
+                end_epoch(loop)
+        if not _checkpointed_here(loop):  # resumed from its final checkpoint (killed before the end): not twice
+            save_checkpoint(loop)
+        return finish_run(loop)
     finally:
-        run.bar.close()
-        run.callbacks.close(run)
-        if run.lock is not None:
-            run.lock.release()
+        loop.bar.close()
+        callbacks.close(run)
+        if loop.lock is not None:
+            loop.lock.release()
+
+
+def _checkpointed_here(loop: Loop) -> bool:
+    """Whether the newest event is the checkpoint of where the run stands (it resumed from that one);
+    then the summary reports that checkpoint."""
+    events = loop.run.progress.events
+    last = events[-1] if events else {}
+    if last.get("event") != "checkpoint" or last.get("samples") != loop.run.progress.samples:
+        return False
+    loop.last_checkpoint = {k: last.get(k) for k in ("samples", "bytes", "write_s")}
+    return True
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
@@ -178,8 +227,8 @@ def _crossed(before: int, after: int, every: int) -> bool:
 
 def start_run(
     config: TrainConfig, backend: RunBackend, settings: contextlib.ExitStack,
-    extra_callbacks: Sequence[CallbackFactory] = (),
-) -> Run:
+    extra_callbacks: Sequence[CallbackFactory] = (), anon_peak: AnonPeak | None = None,
+) -> Loop:
     """A new run, or an interrupted one restored from its checkpoint (`config.run.resume`); `settings` takes
     this process's threads and huge pages for the run, put back when it closes."""
     if backend.writes_files:  # the extra is missing: refused before any directory or data is made
@@ -219,14 +268,13 @@ def start_run(
         if changes and backend.writes_files:  # --allow-changes: each change said once, where it takes effect
             for line in change_lines(config_dict["changed_on_resume"][-1]):
                 logger.info(f"slipcache train: resuming with {line} (--allow-changes)")
-        run = _build_run(config, config_dict, run_dir, dataset, checkpoint, changes, backend, extra_callbacks)
+        return _build_run(config, config_dict, run_dir, dataset, checkpoint, changes, backend, extra_callbacks,
+                          lock, anon_peak)
     except BaseException:
         if lock is not None:
             lock.release()
         remove_empty_dirs(new_dirs)
         raise
-    run.lock = lock
-    return run
 
 
 def _build_run(
@@ -237,9 +285,11 @@ def _build_run(
     checkpoint: TrainingCheckpoint | None,
     changes: dict[str, list[Any]],
     backend: RunBackend,
-    extra_callbacks: Sequence[CallbackFactory] = (),
-) -> Run:
-    """The model, optimizers, callbacks and state of a run whose directory this process holds."""
+    extra_callbacks: Sequence[CallbackFactory],
+    lock: RunLock | None,
+    anon_peak: AnonPeak | None,
+) -> Loop:
+    """The model, optimizers, callbacks and state of a run whose directory this process holds (`lock`)."""
     dataset_dir = Path(config_dict["dataset"])
     quality = data_quality(dataset)
     if quality is not None and quality["malformed_lines"]:
@@ -258,7 +308,7 @@ def _build_run(
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
     batches_per_epoch = dataset.splits["train"] // config.schedule.batch_size
     total_steps = budget_steps(runs.schedule_of(config).samples, config.schedule.batch_size)
-    run = runs.Run(
+    run = Run(
         config=config,
         config_dict=config_dict,
         run_dir=run_dir,
@@ -266,28 +316,26 @@ def _build_run(
         model=model,
         dense_opt=dense_opt,
         emb_opt=embedding_optimizer(config, model),
-        progress=runs.Progress(),
         backend=backend,
-        callbacks=None,  # type: ignore[arg-type]  # built next: callbacks may read the run
         budget=total_steps * config.schedule.batch_size,
         max_epochs=-(-total_steps // batches_per_epoch),
         batches_per_epoch=batches_per_epoch,
         data_quality=quality,
         changed=frozenset(changes),
     )
-    run.callbacks = run_callbacks(run, extra_callbacks)
+    callbacks = run_callbacks(run, extra_callbacks)
     if checkpoint is not None:
         check_table_sizes(checkpoint.state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
-        restore(checkpoint, run)
+        restore(checkpoint, run, callbacks)
         apply_settings(run)  # config.json is what runs (callbacks apply theirs in on_start)
     if backend.writes_files:  # the checkpoint is restored: from here on the run changes its directory
         refuse_link(run_dir / "checkpoints")  # everything written into it would land elsewhere
         for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
             ckpt.remove_partial_writes(directory)
         if run.backend.stops_alone:
-            check_checkpoint_room(run)
-    run.callbacks.on_start(run)
-    run.bar = progress_bar(  # off a terminal: a plain line every 30 s
+            check_checkpoint_room(run, callbacks)
+    callbacks.on_start(run)
+    bar = progress_bar(  # off a terminal: a plain line every 30 s
         total=run.budget,
         initial=run.progress.samples,
         desc="train",
@@ -296,41 +344,40 @@ def _build_run(
         disable=not config.schedule.progress,
         dynamic_ncols=True,
     )
-    # The collection's counters may or may not come back with its state; count relative to what it says now.
-    run.base_lookups, run.base_hits = _stats_totals(model)
-    run.base_lookups -= run.progress.window_lookups
-    run.base_hits -= run.progress.window_hits
-    return run
+    cache = CacheWindow(model, run.progress.window_lookups, run.progress.window_hits)
+    return Loop(run, callbacks, bar, cache, TrainingClock(), lock, anon_peak)
 
 
-def epoch_batches(run: Run) -> Any:
+def epoch_batches(loop: Loop) -> Any:
     """The current epoch's training batches from where the run stands; starts the training clock."""
-    run.restart_clock()  # wall time includes reading and filtering batches, not eval or checkpoints
-    run.callbacks.start_epoch(run)
+    run, callbacks = loop.run, loop.callbacks
+    loop.clock.restart()  # wall time includes reading and filtering batches, not eval or checkpoints
+    callbacks.start_epoch(run)
     return training_batches(
         run.dataset,
         run.config.schedule.batch_size,
         seed=run.config.model.seed,
         epoch=run.progress.epoch,
         start_batch=run.progress.batch_in_epoch,
-        sample_filter=run.callbacks.sample_filter(run),
-        groups=run.callbacks.input_groups(run),  # an order of the features (the cold-first order)
+        sample_filter=callbacks.sample_filter(run),
+        groups=callbacks.input_groups(run),  # an order of the features (the cold-first order)
         time_order=run.config.data.time_order,
-        part=None if run.callbacks.reads_batch_ids else run.backend.batch_part(),
+        part=None if callbacks.reads_batch_ids else run.backend.batch_part(),
     )
 
 
-def train_step(run: Run, batch: Any, batches: Any = None) -> tuple[float, torch.Tensor]:
+def train_step(loop: Loop, batch: Any, batches: Any = None) -> tuple[float, torch.Tensor]:
     """Forward, backward and optimizer steps on one batch; returns its mean loss and (detached) logits.
 
     `batches` (the iterator `batch` came from) lets the callbacks see the batches that follow, after the
     sample filter: those that will be trained.
     """
+    run, callbacks = loop.run, loop.callbacks
     t0 = time.perf_counter()
     if batches is not None:
-        run.callbacks.before_step(run, batches)
+        callbacks.before_step(run, batches)
     logits = batch.logits(run.model)
-    weights = run.callbacks.loss_weights(run, batch.labels.shape[0])
+    weights = callbacks.loss_weights(run, batch.labels.shape[0])
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, weight=weights)
     loss_value = loss.item()
     if not math.isfinite(loss_value):
@@ -357,14 +404,17 @@ def _non_finite_loss(run: Run, loss_value: float) -> SlipcacheError:
     )
 
 
-def record_step(run: Run, batch: Any, loss_value: float, logits: torch.Tensor, batches: Any) -> bool:
+def record_step(loop: Loop, batch: Any, loss_value: float, logits: torch.Tensor, batches: Any) -> bool:
     """Per-batch bookkeeping after a step (callbacks, counters, clock); returns whether it was the last."""
+    run = loop.run
     progress = run.progress
-    run.callbacks.after_step(run, batch, logits, loss_value)
+    loop.callbacks.after_step(run, batch, logits, loss_value)
+    if (skipped := loop.callbacks.skipped_inputs()) is not None:  # counted by the part that skips them
+        progress.skipped = skipped
     n = batch.labels.shape[0]
     # The budget is reached, or, in the last epoch, no batch follows (a filtered epoch has fewer batches).
     last = run.consumed + n >= run.budget or (progress.epoch == run.max_epochs - 1 and not batches.peek(1))
-    elapsed = run.count_span()
+    elapsed = loop.clock.count(progress)
     progress.step += 1
     progress.samples += n
     progress.batch_in_epoch += 1
@@ -372,35 +422,29 @@ def record_step(run: Run, batch: Any, loss_value: float, logits: torch.Tensor, b
     progress.window_loss += loss_value * n
     progress.window_samples += n
     progress.window_wall_s += elapsed
-    run.bar.update(n)
+    loop.bar.update(n)
     return last
 
 
-def log_event(run: Run, *, evaluate_now: bool) -> None:
+def log_event(loop: Loop, *, evaluate_now: bool) -> None:
     """Close the logging window into a `metrics.jsonl` event, with validation metrics when `evaluate_now`."""
+    run, callbacks = loop.run, loop.callbacks
     progress = run.progress
-    _sync_window_counts(run)
-    event = progress.close_window(disk_counted=run.tick_io is not None)
+    loop.cache.sync(progress)
+    event = progress.close_window(disk_counted=loop.clock.disk_counted)
     event.update(embedding_event_fields(run.model.embeddings, progress.samples, progress.skipped))
-    event.update(run.callbacks.event_fields(run))
-    run.bar.set_postfix(_postfix(event), refresh=False)
+    event.update(callbacks.event_fields(run))
+    loop.bar.set_postfix(_postfix(event), refresh=False)
     if evaluate_now:
         scores = evaluate(
             run.model, run.dataset.split("val"), max_samples=run.config.schedule.eval_samples,
             part=run.backend.batch_part()
         )
         event.update({f"val_{k}": v for k, v in scores.items()})
-        run.callbacks.after_eval(run, scores)
+        callbacks.after_eval(run, scores)
     progress.events.append(event)
-    run.callbacks.on_event(run, event)
-    run.base_lookups, run.base_hits = _stats_totals(run.model)  # evaluation lookups do not count
-
-
-def _sync_window_counts(run: Run) -> None:
-    """Cache lookups and hits of the open logging window, from the collection's cumulative counters."""
-    lookups, hits = _stats_totals(run.model)
-    run.progress.window_lookups = lookups - run.base_lookups
-    run.progress.window_hits = hits - run.base_hits
+    callbacks.on_event(run, event)
+    loop.cache.reset()  # evaluation lookups do not count
 
 
 def _postfix(event: dict[str, Any]) -> dict[str, str]:
@@ -410,11 +454,11 @@ def _postfix(event: dict[str, Any]) -> dict[str, str]:
     return postfix
 
 
-def check_checkpoint_room(run: Run) -> None:
+def check_checkpoint_room(run: Run, callbacks: Callbacks) -> None:
     """Say at the start what a full disk would otherwise say at a checkpoint hours in: a warning when the
     checkpoints the run keeps at once do not all fit, an error when not one does."""
     config = run.config
-    each = ckpt.tensor_bytes(checkpoint_state(run))
+    each = ckpt.tensor_bytes(checkpoint_state(run, callbacks))
     # The scheduled ones and the final one; timed ones (--checkpoint-minutes) depend on a speed not known yet.
     every, done = runs.schedule_of(config).checkpoint_every, run.progress.samples
     writes = 0 if done >= run.budget else 1 + max(0, (run.budget - 1) // every - done // every)
@@ -440,36 +484,38 @@ def check_checkpoint_room(run: Run) -> None:
     )
 
 
-def save_checkpoint(run: Run) -> None:
+def save_checkpoint(loop: Loop) -> None:
     """A checkpoint of the whole run (`run_state.checkpoint_state`), written by the backend; the open
     window's cache counts travel with it."""
-    _sync_window_counts(run)
+    run = loop.run
+    loop.cache.sync(run.progress)
     start = time.perf_counter()
     # Its own metrics.jsonl event, in the events the checkpoint holds with size and time still unknown
     # (a run resumed from it fills the size in from the file: `fill_checkpoint_event`).
     event: dict[str, Any] = {"event": "checkpoint", "samples": run.progress.samples, "bytes": None, "write_s": None}
     run.progress.events.append(event)
-    state = checkpoint_state(run)  # a copy of the events: this one stays open below
+    state = checkpoint_state(run, loop.callbacks)  # a copy of the events: this one stays open below
     event["bytes"] = run.backend.save_checkpoint(
         run.run_dir, state, run.progress.samples, keep=run.config.schedule.keep_checkpoints
     )
     event["write_s"] = time.perf_counter() - start
-    run.callbacks.on_event(run, event)
-    run.last_checkpoint = {k: event[k] for k in ("samples", "bytes", "write_s")}
+    loop.callbacks.on_event(run, event)
+    loop.last_checkpoint = {k: event[k] for k in ("samples", "bytes", "write_s")}
 
 
-def end_epoch(run: Run) -> None:
+def end_epoch(loop: Loop) -> None:
     """The epoch's batches ran out: count the time spent filtering its tail and move to the next epoch."""
-    progress = run.progress
+    progress = loop.run.progress
     if progress.batch_in_epoch == 0:
         raise SlipcacheError(f"epoch {progress.epoch} produced no training batches")
-    run.count_span()
+    loop.clock.count(progress)
     progress.epoch += 1
     progress.batch_in_epoch = 0
 
 
-def finish_run(run: Run) -> dict[str, Any]:
+def finish_run(loop: Loop) -> dict[str, Any]:
     """Test-set evaluation and the summary; the callbacks write it (summary.json, report.md, ...)."""
+    run, clock = loop.run, loop.clock
     progress, model = run.progress, run.model
     test = evaluate(model, run.dataset.split("test"), part=run.backend.batch_part())
     memory = model.embeddings.memory_report()
@@ -488,15 +534,15 @@ def finish_run(run: Run) -> dict[str, Any]:
         "fp32_embedding_bytes": int(memory["fp32_bytes"]),
         "memory_ratio": float(memory["memory_ratio"]),
         "table_sizes": [int(n) for n in run.dataset.table_sizes],
-        "startup_s": run.startup_s,
+        "startup_s": clock.startup_s,
         # The OS's peak resident set of this process so far: tables, data loading, evaluation, checkpoints.
         "peak_rss_bytes": peak_rss_bytes(),
-        "peak_rss_anon_bytes": run.anon_peak.peak() if run.anon_peak is not None else None,
+        "peak_rss_anon_bytes": loop.anon_peak.peak() if loop.anon_peak is not None else None,
         # disk bytes of the training loop alone (the span of train_wall_s), and of the start-up before it
-        "train_disk_read_bytes": progress.train_disk_read_bytes if run.tick_io is not None else None,
-        "train_disk_write_bytes": progress.train_disk_write_bytes if run.tick_io is not None else None,
-        "startup_disk_read_bytes": run.startup_disk_read_bytes,
-        "last_checkpoint": run.last_checkpoint,  # samples, bytes and write time of the final checkpoint
+        "train_disk_read_bytes": progress.train_disk_read_bytes if clock.disk_counted else None,
+        "train_disk_write_bytes": progress.train_disk_write_bytes if clock.disk_counted else None,
+        "startup_disk_read_bytes": clock.startup_disk_read_bytes,
+        "last_checkpoint": loop.last_checkpoint,  # samples, bytes and write time of the final checkpoint
         "memory_components": memory["components"],
         "memory_per_rank": memory.get("per_rank"),  # N processes: each rank's own report
         "embedding_stats": {k: v for k, v in model.embeddings.stats().items() if k != "per_table"},
@@ -508,6 +554,6 @@ def finish_run(run: Run) -> dict[str, Any]:
         "config": run.config_dict,
         "distributed": run.backend.summary(model),
     }
-    summary.update(run.callbacks.summary_fields(run))
-    run.callbacks.on_finish(run, summary)
+    summary.update(loop.callbacks.summary_fields(run))
+    loop.callbacks.on_finish(run, summary)
     return summary
