@@ -144,6 +144,28 @@ def test_a_two_process_run_resumes_on_one(data_dir: Path, tmp_path: Path, capfd:
     assert one["logloss"] == pytest.approx(full["logloss"], abs=1e-5)
 
 
+@pytest.mark.slow
+def test_a_two_process_run_resumes_on_three(data_dir: Path, tmp_path: Path) -> None:
+    """2 -> 3 processes: DCP re-shards the tables and their optimizer state over three ranks as they load
+    (fp32, row-wise Adagrad); the run ends where the uninterrupted run ends (summation order only)."""
+    settings = {"precision": "fp32", "cache_size": 0.25, "samples": 1152, "optimizer": "adagrad",
+                "batch_size": 96, "log_every": 96, "eval_every": 576, "checkpoint_every": 288}
+    full = trainer.train(make_config({}, _settings(str(data_dir), str(tmp_path / "full"), settings)))
+    run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "run"), {**settings, "samples": 576}))
+    resume = {"resume": str(tmp_path / "run"), "samples": 1152, "allow_changes": True, "progress": False}
+    run_ranks(_train_rank, resume, world_size=3)
+    three = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert three["distributed"]["world_size"] == 3 and len(three["memory_per_rank"]) == 3
+    assert three["train_samples"] == full["train_samples"]
+    assert three["auc"] == pytest.approx(full["auc"], abs=1e-5)
+    assert three["logloss"] == pytest.approx(full["logloss"], abs=1e-5)
+    resumed = [e for e in _events(tmp_path / "run") if e["event"] == "train" and e["samples"] > 576]
+    expected = [e for e in _events(tmp_path / "full") if e["event"] == "train" and e["samples"] > 576]
+    assert [e["samples"] for e in resumed] == [e["samples"] for e in expected]
+    for a, b in zip(expected, resumed, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)
+
+
 def _die_midway(rank: int, world_size: int, data: str, out: str, result: str) -> None:
     real_loss = trainer.F.binary_cross_entropy_with_logits
     calls = {"n": 0}

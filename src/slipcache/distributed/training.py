@@ -287,7 +287,8 @@ def train_on_ranks(config: Any, ctx: DistributedContext) -> dict[str, Any]:
         # The flags as given first (a rank with other flags fails here, before anything it would do apart
         # from the others); the resolved settings and the data's fingerprint when the run starts.
         run.check_same_settings(config.flat(), ignore=("out", "resume"))
-        run.check_config(config)
+        if config.run.resume is None:  # a resumed run's settings are its checkpoint's: checked once they are read
+            run.check_config(config)
         if config.run.out is None and config.run.resume is None:
             config.run.out = run.agree(str(new_run_dir()))
         if not run.is_main:
