@@ -257,12 +257,25 @@ class ShardedDLRM(nn.Module):
         return dlrm.load_state_dict(mlps, strict=False, assign=assign)
 
 
+def wire_codecs(precision: str) -> dict[str, Any] | None:
+    """TorchRec's codecs for `--wire-precision` (None for fp32): fp16 sends the pooled rows in fp16 and
+    their gradients in bf16 (fp16's range is too narrow for gradients without loss scaling); bf16 sends
+    both in bf16. Either halves the bytes of the embeddings' all-to-all."""
+    if precision == "fp32":
+        return None
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+
+    forward = {"fp16": CommType.FP16, "bf16": CommType.BF16}[precision]
+    return get_qcomm_codecs_registry(QCommsConfig(forward_precision=forward, backward_precision=CommType.BF16))
+
+
 def shard_model(
-    dlrm: DLRM, rank: int, world_size: int, batch_size: int, device: torch.device | None = None
+    dlrm: DLRM, rank: int, world_size: int, batch_size: int, device: torch.device | None = None,
+    wire_precision: str = "fp32",
 ) -> ShardedDLRM:
     """`dlrm` (its tables a `KeyedTables` over a `KeyedCachedEmbeddingBagCollection`) under
     DistributedModelParallel, planned by TorchRec's planner costing our shards (`slipcache_planner`) on
-    every rank together (`collective_plan`: the same plan everywhere)."""
+    every rank together (`collective_plan`: the same plan everywhere); `wire_precision` as `wire_codecs`."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
 
@@ -270,7 +283,7 @@ def shard_model(
     from slipcache.interop.torchrec_sharding import KeyedCachedEmbeddingBagCollectionSharder
 
     device = device or torch.device("cpu")
-    sharder = KeyedCachedEmbeddingBagCollectionSharder()
+    sharder = KeyedCachedEmbeddingBagCollectionSharder(qcomm_codecs_registry=wire_codecs(wire_precision))
     with warnings.catch_warnings():  # TorchRec's planner and DMP warn about GPU-only features on CPU
         warnings.simplefilter("ignore")
         torchrec_logger = logging.getLogger("torchrec")

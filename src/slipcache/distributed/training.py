@@ -50,7 +50,6 @@ def unsupported(config: Any) -> str | None:
          f"--embeddings {embeddings.embeddings} is sharded only as slipcache's cached tables (--embeddings cached)"),
         (skipping.skip_rule is not None, f"--skip-rule {skipping.skip_rule}"),
         (skipping.input_order != "data", f"--input-order {skipping.input_order}"),
-        (embeddings.wire_precision != "fp32", f"--wire-precision {embeddings.wire_precision}"),
         (embeddings.storage_path is not None, "--storage-path"),
         (embeddings.prefetch, "--prefetch"),
         (embeddings.policy in _lookahead_policies(), f"--policy {embeddings.policy}"),
@@ -179,7 +178,7 @@ class DistributedBackend(RunBackend):
         keyed = cast("EmbeddingTables", KeyedTables(tables, table_sizes, dim))  # DLRM's collection interface
         dlrm = DLRM(config.model_config(table_sizes, num_dense), keyed)
         self.model = shard_model(dlrm, self.ctx.rank, self.ctx.world_size, config.schedule.batch_size,
-                                 self.ctx.device)
+                                 self.ctx.device, wire_precision=config.embeddings.wire_precision)
         if self.is_main:
             logger.info(_plan_line(self.model))
         return self.model

@@ -183,7 +183,9 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         self._is_weighted = module.is_weighted()
         infos = _sharding_infos(module, params)
         self._sharding_types = [kind for kind in SHARDING_TYPES if infos.get(kind)]
-        self._shardings = [_sharding(kind, infos[kind], env, device) for kind in self._sharding_types]
+        self._shardings = [
+            _sharding(kind, infos[kind], env, device, qcomm_codecs_registry) for kind in self._sharding_types
+        ]
         self._input_dists = nn.ModuleList(
             _input_dist(kind, s, env) for kind, s in zip(self._sharding_types, self._shardings, strict=True)
         )
@@ -363,17 +365,23 @@ def _sharding_infos(
     return infos
 
 
-def _sharding(kind: str, infos: list[EmbeddingShardingInfo], env: ShardingEnv, device: torch.device) -> Any:
+def _sharding(
+    kind: str, infos: list[EmbeddingShardingInfo], env: ShardingEnv, device: torch.device,
+    codecs: dict[str, QuantizedCommCodecs] | None,
+) -> Any:
+    """TorchRec's sharding of `kind`; `codecs` (the sharder's qcomm_codecs_registry) encode the pooled
+    embeddings and their gradients on the wire (a data-parallel table sends none)."""
     if kind == TW:
-        return TwPooledEmbeddingSharding(infos, env, device)
+        return TwPooledEmbeddingSharding(infos, env, device, qcomm_codecs_registry=codecs)
     if kind == CW:
-        return CwPooledEmbeddingSharding(infos, env, device, permute_embeddings=False)
+        return CwPooledEmbeddingSharding(infos, env, device, permute_embeddings=False, qcomm_codecs_registry=codecs)
     if kind == TWCW:
-        return TwCwPooledEmbeddingSharding(infos, env, device, permute_embeddings=False)
+        return TwCwPooledEmbeddingSharding(infos, env, device, permute_embeddings=False,
+                                           qcomm_codecs_registry=codecs)
     if kind == RW:
-        return RwPooledEmbeddingSharding(infos, env, device)
+        return RwPooledEmbeddingSharding(infos, env, device, qcomm_codecs_registry=codecs)
     if kind == TWRW:
-        return TwRwPooledEmbeddingSharding(infos, env, device)
+        return TwRwPooledEmbeddingSharding(infos, env, device, qcomm_codecs_registry=codecs)
     return DpPooledEmbeddingSharding(infos, env, device)
 
 

@@ -121,9 +121,9 @@ class EmbeddingSettings:
                            sets="embedding.optimizer", choices=OPTIMIZERS)
     # The trainer's own learning rate (tuned on synthetic data at batch 256), not the collection's 0.1.
     lr: float = _flag(0.3, "embedding learning rate", resume="changeable", sets="embedding.lr")
-    wire_precision: str = _flag("fp32", "torchrun runs: rows and gradients between ranks; fp16/bf16 (half the "
-                                "bytes) are not supported yet across processes", resume="changeable",
-                                choices=WIRE_PRECISIONS)
+    wire_precision: str = _flag("fp32", "torchrun runs: the pooled rows and their gradients between ranks, in "
+                                "TorchRec's codecs; fp16 (gradients in bf16) and bf16 send half the bytes",
+                                resume="changeable", choices=WIRE_PRECISIONS)
     storage_path: str | None = _flag(None, "keep the row storage in memory-mapped files in DIR (unnamed: gone with "
                                      "the process) so that tables larger than memory train, the OS paging rows in; "
                                      "the memory check then counts the cache and optimizer state only; docs/scale.md "
