@@ -128,6 +128,11 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
         self._groups = [
             _Group(g, members, [feature_of[i] for i in members]) for g, members in enumerate(keys.values())
         ]
+        # One collection whose tables each one feature reads, in table order: its [B, T, D] output is the
+        # KeyedTensor's values without a copy per feature (and without their slices' backward).
+        self._one_feature_per_table_in_order = len(self._groups) == 1 and self._groups[0].features == [
+            [t] for t in range(len(tables))
+        ]
         self.placement = _placement(device)
         collections = nn.ModuleList(
             CachedEmbeddingBagCollection(
@@ -321,6 +326,9 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
         ordered = _ordered(kjt, self.feature_names)
         batch = kjt.stride()
         lengths = ordered.lengths().view(len(self.feature_names), batch)
+        if not self._is_weighted and self._one_feature_per_table_in_order:  # the KJT is the group's input
+            out = self.collections[0](SparseFeatures.from_lengths(ordered.values(), lengths))
+            return _keyed_values(out.reshape(batch, -1), self.feature_names, int(out.shape[2]))
         values = torch.split(ordered.values(), lengths.sum(dim=1).tolist())
         weights = None
         if self._is_weighted:
@@ -477,6 +485,14 @@ def keyed_tensor_of(pooled: Sequence[Tensor], feature_names: Sequence[str]) -> A
         length_per_key=[int(p.shape[1]) for p in pooled],
         values=torch.cat(list(pooled), dim=1),
         key_dim=1,
+    )
+
+
+def _keyed_values(values: Tensor, feature_names: Sequence[str], dim: int) -> Any:
+    """[B, F * dim] values, `dim` columns per feature, as a `KeyedTensor` keyed by feature."""
+    torchrec = import_torchrec()
+    return torchrec.KeyedTensor(
+        keys=list(feature_names), length_per_key=[dim] * len(feature_names), values=values, key_dim=1
     )
 
 
