@@ -247,7 +247,7 @@ def _old_step(run_dir: Path) -> Path:
 
 
 def test_a_checkpoint_of_the_old_per_rank_format_is_refused_in_one_line(tmp_path: Path) -> None:
-    from slipcache.training.step_reader import read_step
+    from slipcache.training.step_checkpoint import read_step
 
     step = _old_step(tmp_path / "run")
     for read in (lambda: read_step(step), lambda: _backend().read_resume_checkpoint(step, tmp_path / "run")):

@@ -107,14 +107,14 @@ def test_no_runtime_import_cycle() -> None:
     assert cycles(import_graph()) == []
 
 
-# Import cycles that close only through TYPE_CHECKING imports, not broken yet: the training modules all take
-# the mutable `Run` (the hooks in `callback.py`, the state in `run.py` holding the backend and callbacks).
-# A cycle may shrink or go; a new one, or one that grows, fails.
+# Import cycles that close only through TYPE_CHECKING imports, not broken yet: the hooks (`callback.py`) take
+# the `Run`, which holds the backend; the backend reads checkpoints (`run_state`), which hold the callbacks'
+# states. A cycle may shrink or go; a new one, or one that grows, fails.
 KNOWN_TYPE_CHECKING_CYCLES = [
     {
         "slipcache.callback", "slipcache.training.backend", "slipcache.training.callbacks", "slipcache.training.run",
         "slipcache.training.run_state", "slipcache.training.rundir", "slipcache.training.state_check",
-        "slipcache.training.step_reader",
+        "slipcache.training.step_checkpoint",
     },
 ]  # fmt: skip
 
@@ -181,9 +181,8 @@ def test_dependencies_point_down_to_the_loop() -> None:
 
 
 def test_training_does_not_import_distributed() -> None:
-    """`distributed` builds on `training`; the one-process side reads a checkpoint of N processes through
-    the reader `slipcache/__init__.py` registers (`training.step_reader`), and `slipcache train` picks one
-    process or N in `train_command.py`."""
+    """`distributed` builds on `training`; one process reads a checkpoint of N processes with torch's DCP
+    alone (`training.step_checkpoint`), and `slipcache train` picks one process or N in `train_command.py`."""
     up = sorted(
         f"{name} -> {target}" for name, imports in import_graph().items() if name.startswith("slipcache.training")
         for target in imports if target.startswith("slipcache.distributed")

@@ -110,7 +110,7 @@ def test_a_crafted_raw_tensor_record_is_one_line(
 def test_a_crafted_manifest_is_one_line_and_leaves_the_run_as_it_was(
     finished_run: Path, tmp_path: Path, field: str, value: object, expected: str, capsys: pytest.CaptureFixture
 ) -> None:
-    from slipcache.distributed.checkpoint import file_digest
+    from slipcache.training.step_checkpoint import file_digest
 
     run = copy_run(finished_run, tmp_path / "run")
     step = run / "checkpoints" / "step-000000999999"  # newer than the run's own: the one a resume takes

@@ -29,14 +29,11 @@ from torch import Tensor, nn
 
 from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM, ModelConfig
+from slipcache.training.step_checkpoint import table_names
 
 logger = logging.getLogger(__name__)
 
 TABLES = "embeddings.tables"  # where the sharded collection sits in the DLRM (its state_dict keys' prefix)
-
-
-def table_names(count: int) -> list[str]:
-    return [f"t{i}" for i in range(count)]
 
 
 def feature_names(count: int) -> list[str]:

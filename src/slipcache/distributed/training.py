@@ -31,6 +31,7 @@ from slipcache.training import runlock
 from slipcache.training.backend import RunBackend
 from slipcache.training.run_state import TrainingCheckpoint
 from slipcache.training.runlock import RunLock
+from slipcache.training.step_checkpoint import MANIFEST, RESHARDED, read_trainer_state
 
 if TYPE_CHECKING:
     from slipcache.embedding.tables import EmbeddingTables
@@ -197,21 +198,21 @@ class DistributedBackend(RunBackend):
         """The trainer state to resume from, its tables loaded by DCP once the model is built: exactly with
         the world size and plan that wrote it, re-sharded on another (rank 0 says so)."""
         path = Path(path)  # the newest complete checkpoint, or the one --resume names (`find_checkpoint`)
-        if not (path / dckpt.MANIFEST).is_file():
+        if not (path / MANIFEST).is_file():
             if path.is_file():
                 raise SlipcacheError(
                     f"{path} was written by one process; resume it on one process (without torchrun), or start "
                     "the run again on N"
                 )
             raise SlipcacheError(
-                f"no complete checkpoint (with its {dckpt.MANIFEST}) under {home or path}; "
+                f"no complete checkpoint (with its {MANIFEST}) under {home or path}; "
                 "start the run again with its --out"
             )
-        manifest, state = dckpt.read_trainer_state(path)
+        manifest, state = read_trainer_state(path)
         line = None
         if manifest["world_size"] != self.ctx.world_size:
             line = (f"re-sharding {path}, written by {manifest['world_size']} processes, over "
-                    f"{self.ctx.world_size}: {dckpt.RESHARDED}")
+                    f"{self.ctx.world_size}: {RESHARDED}")
             if self.is_main:
                 logger.info(line)
 

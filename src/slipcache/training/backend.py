@@ -4,8 +4,7 @@ The backend is everything the training loop does differently across processes: b
 reading the checkpoint to resume from (a `TrainingCheckpoint` that puts its tables back itself, re-sharded
 where another number of processes wrote it), writing checkpoints, which process writes the run directory,
 and what the summary adds. The loop calls it and never asks which one it has. The one-process backend
-knows only one-process files; a step directory of N processes is read by the reader `distributed` provides
-(`step_reader`).
+knows only one-process files and reads a step directory of N processes whole (`step_checkpoint`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from slipcache.training import runlock
 from slipcache.training.run_state import TrainingCheckpoint
 from slipcache.training.rundir import has_checkpoint, load_training_checkpoint
 from slipcache.training.runlock import RunLock
-from slipcache.training.step_reader import read_step
+from slipcache.training.step_checkpoint import read_step
 
 if typing.TYPE_CHECKING:
 

@@ -1,7 +1,7 @@
 """A saved run's checkpoint, found and read one way for `slipcache eval` and `slipcache export` (and, for
 finding it, `--resume`): a run directory, its checkpoints directory, a checkpoint file, or the step
-directories of a run of N processes (read through `step_reader`: every rank's shards gathered into one
-process's tables).
+directories of a run of N processes (`step_checkpoint`: every rank's shards gathered into one process's
+tables).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from slipcache.training.backend import build_model
 from slipcache.training.config import TrainConfig, config_from_saved
 from slipcache.training.run_state import TrainingCheckpoint
 from slipcache.training.rundir import load_training_checkpoint, resolve_checkpoint
-from slipcache.training.step_reader import read_step
+from slipcache.training.step_checkpoint import read_step
 
 
 @dataclass(frozen=True)
