@@ -10,6 +10,7 @@ import json
 import logging
 import typing
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,6 @@ from slipcache.training.run_state import check_checkpoint
 from slipcache.training.runlock import LOCK_NAME
 
 if typing.TYPE_CHECKING:
-    from slipcache.training.backend import RunBackend
     from slipcache.training.run_state import TrainingCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -205,9 +205,10 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def load_resume(
-    config: TrainConfig, backend: RunBackend
+    config: TrainConfig, read_checkpoint: Callable[[Path, Path | None], TrainingCheckpoint | None]
 ) -> tuple[TrainingCheckpoint | None, dict[str, Any], TrainConfig, dict[str, list[Any]]]:
     """(checkpoint or None, the run's saved config, the config to continue with, changed settings).
+    `read_checkpoint(path, run_dir)`: the run backend's reader (`RunBackend.read_resume_checkpoint`).
 
     The resumed run writes into the directory `--resume` names, whatever the checkpoint says (a copied
     run directory stays a copy), or into a new or empty `--out`; never into another run. A run that
@@ -222,7 +223,7 @@ def load_resume(
         run_dir = home
         # A live run is the first thing said, before anything about its checkpoints (it may have none yet).
         runlock.refuse_if_held(home)
-    checkpoint = backend.read_resume_checkpoint(path, home)
+    checkpoint = read_checkpoint(path, home)
     if checkpoint is not None:
         fill_checkpoint_event(checkpoint.state, path)
     if checkpoint is None:

@@ -5,7 +5,7 @@ file with a valid checksum must not reach `restore` with a string for a sample c
 state of the wrong size or an optimizer group without parameters, where it would end in a traceback
 after the run directory was already changed. So every part the loop reads is checked here, before
 anything is written, and the first problem is one line naming the field. What depends on the model
-(tensor shapes, parameter counts) is checked when it is loaded (`run_state.restore`), still before
+(tensor shapes, parameter counts) is checked when it is loaded (`snapshot.restore`), still before
 anything is written.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from slipcache.errors import SlipcacheError
 from slipcache.training.checkpoint import RawTensor, materialize
-from slipcache.training.run import Progress
+from slipcache.training.loop_state import Progress
 
 PARTS = ("config", "table_sizes", "dense", "embeddings", "dense_optimizer", "progress", "rng")
 _PROGRESS_TYPES = {f.name: f.type for f in fields(Progress) if f.name != "finished"}  # not saved

@@ -11,8 +11,8 @@ progress bar and cache counts around them. Callbacks see only the `Run`. A run w
     <out>/checkpoints/     latest.pt plus the newest periodic checkpoints (atomic, checksummed writes)
 
 Around the loop: `config.py` (TrainConfig), `datasets.py` (where the data comes from; raw Criteo input is
-preprocessed once into the cache), `rundir.py` (which `--out` and `--resume` are allowed), `run_state.py`
-(what a checkpoint holds). Nothing is written outside `<out>` and the cache.
+preprocessed once into the cache), `rundir.py` (which `--out` and `--resume` are allowed), `snapshot.py`
+(what a checkpoint holds of the run). Nothing is written outside `<out>` and the cache.
 
 Determinism: everything random is seeded from `config.model.seed`, and a checkpoint holds all state the loop reads,
 so an interrupted run resumed with `--resume` ends exactly where the uninterrupted run ends.
@@ -58,11 +58,13 @@ from slipcache.training.datasets import (
 )
 from slipcache.training.evaluation import evaluate
 from slipcache.training.features import CallbackFactory, run_callbacks
+from slipcache.training.loop_state import Progress
 from slipcache.training.run import Run, TrainingClock
-from slipcache.training.run_state import TrainingCheckpoint, apply_settings, checkpoint_state, restore
+from slipcache.training.run_state import TrainingCheckpoint
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
 from slipcache.training.schedule import budget_steps, nearest_quotient
 from slipcache.training.settings import change_lines
+from slipcache.training.snapshot import apply_settings, checkpoint_state, restore
 from slipcache.training.tensorboard import check_available as check_tensorboard
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 from slipcache.units import amount
@@ -120,7 +122,7 @@ class CacheWindow:
         self.lookups -= open_lookups  # a resumed window's counts so far
         self.hits -= open_hits
 
-    def sync(self, progress: runs.Progress) -> None:
+    def sync(self, progress: Progress) -> None:
         lookups, hits = _stats_totals(self.model)
         progress.window_lookups = lookups - self.lookups
         progress.window_hits = hits - self.hits
@@ -157,7 +159,7 @@ def train(
     rank of N). `extra_callbacks`: features outside the product (a study's research arm, `benchmarks/`),
     each built from the run and the epoch's hot inputs; a resume must pass them again. Features join the
     loop as callbacks (`callbacks.py`, chosen in `features.py`); what must survive a resume is the
-    `Progress` and the callbacks' own `state_dict`s (`run_state.checkpoint_state`). Training time
+    `Progress` and the callbacks' own `state_dict`s (`snapshot.checkpoint_state`). Training time
     (`progress.train_wall_s`) runs from the clock's restart to the end of `record_step`; evaluation and
     checkpoints fall outside it.
     """
@@ -238,7 +240,8 @@ def start_run(
     changes: dict[str, list[Any]] = {}
     new_dirs: list[Path] = []  # what this call creates: taken away again, where still empty, if the start fails
     if config.run.resume is not None:
-        checkpoint, saved, config, changes = load_resume(config, backend)  # the run's threads, unless given
+        # the run's threads, unless given
+        checkpoint, saved, config, changes = load_resume(config, backend.read_resume_checkpoint)
         run_dir = Path(config.run.out or "")
         if backend.writes_files:  # a run that had --tensorboard keeps it: refused before the model is built
             check_tensorboard(config.schedule.tensorboard)
@@ -485,7 +488,7 @@ def check_checkpoint_room(run: Run, callbacks: Callbacks) -> None:
 
 
 def save_checkpoint(loop: Loop) -> None:
-    """A checkpoint of the whole run (`run_state.checkpoint_state`), written by the backend; the open
+    """A checkpoint of the whole run (`snapshot.checkpoint_state`), written by the backend; the open
     window's cache counts travel with it."""
     run = loop.run
     loop.cache.sync(run.progress)
