@@ -153,9 +153,9 @@ class DistributedBackend(RunBackend):
     def build_model(
         self, config: Any, table_sizes: list[int], num_dense: int, run_dir: Path, *, draw_rows: bool = True
     ) -> Any:
-        """The run's DLRM with its tables sharded by TorchRec's planner over the ranks. A new run draws
-        every table as one process would (so N processes start where one does) before it is sharded; a
-        resumed one draws none (its rows come from the checkpoint)."""
+        """The run's DLRM with its tables sharded by TorchRec's planner over the ranks. A new run's shards
+        take the rows one process would draw (so N processes start where one does), streamed so that a rank
+        holds only its own shards; a resumed one draws none (its rows come from the checkpoint)."""
         from slipcache.distributed.model import KeyedTables, bag_configs, shard_model
         from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollection
         from slipcache.memory import model_bytes, require_tables_fit
@@ -164,7 +164,7 @@ class DistributedBackend(RunBackend):
         self.check_config(config)  # the resolved settings (a resumed run's come from its checkpoint)
         options = config.embedding_options()
         dim = options.pop("dim", config.model.embedding_dim)
-        if draw_rows:  # the whole tables are drawn here before sharding: priced as one process's
+        if draw_rows:  # priced at the whole tables: a bound on this rank's shards (the plan is not made yet)
             dense = model_bytes(config.model_config(table_sizes, num_dense), config.schedule.batch_size,
                                 config.model.dense_optimizer)
             require_tables_fit(embedding_config(table_sizes, dim, **options), f"rank {self.ctx.rank}'s tables",
@@ -173,9 +173,8 @@ class DistributedBackend(RunBackend):
         dist.barrier()
         if not self.is_main:
             redirect_output(run_dir, self.ctx.rank)
-        device = "cpu" if draw_rows else "meta"
-        tables = KeyedCachedEmbeddingBagCollection(bag_configs(table_sizes, dim),
-                                                   device=device, **options)
+        tables = KeyedCachedEmbeddingBagCollection(bag_configs(table_sizes, dim), device="meta",
+                                                   draw_like_one_process=draw_rows, **options)
         keyed = cast("EmbeddingTables", KeyedTables(tables, table_sizes, dim))  # DLRM's collection interface
         dlrm = DLRM(config.model_config(table_sizes, num_dense), keyed)
         self.model = shard_model(dlrm, self.ctx.rank, self.ctx.world_size, config.schedule.batch_size,

@@ -97,13 +97,17 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
 
     `options` are `EmbeddingConfig` fields; `precision`, `cache_size` and `cache_rows` may be dicts by table
     name. `device`: where the cache lives (rows are stored in host memory); "meta" allocates nothing, for a
-    model that `DistributedModelParallel` shards (each shard then draws its own rows).
+    model that `DistributedModelParallel` shards: each shard then draws its own rows, or, with
+    `draw_like_one_process`, exactly the rows this collection would have drawn on the CPU, streamed so
+    that a rank holds only its shards' rows.
     """
 
     def __init__(
-        self, tables: Sequence[Any], *, is_weighted: bool = False, device: Any = None, **options: Any
+        self, tables: Sequence[Any], *, is_weighted: bool = False, device: Any = None,
+        draw_like_one_process: bool = False, **options: Any
     ) -> None:
         super().__init__()
+        self.draw_like_one_process = draw_like_one_process
         check_table_configs(tables)
         self._torchrec_tables = list(tables)
         self.options = dict(options)  # what the sharder builds each rank's shards with

@@ -28,7 +28,7 @@ Grid sharding (and any other type) is refused in one line (REFUSAL).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -193,12 +193,12 @@ class ShardedKeyedCachedEmbeddingBagCollection(
             _output_dist(kind, s, env, device)
             for kind, s in zip(self._sharding_types, self._shardings, strict=True)
         )
-        tables = None if module.placement.get("storage_device") == "meta" else module.export_tables()
         # per sharding type: TorchRec's description of each shard this rank holds, in its lookup's order
         self.local_tables = [
             _tables_of_rank(kind, sharding, env.rank)
             for kind, sharding in zip(self._sharding_types, self._shardings, strict=True)
         ]
+        tables = _shard_rows_source(module, [t for mine in self.local_tables for t in mine])
         lookups = nn.ModuleList(
             _local_lookup(module, mine, params, device, tables, overrides or {}, kind)
             for kind, mine in zip(self._sharding_types, self.local_tables, strict=True)
@@ -593,12 +593,51 @@ def _tables_of_rank(kind: str, sharding: Any, rank: int) -> list[Any]:
     return mine
 
 
+ShardRows = Callable[[int, int, int, int, int], Tensor]  # (table, first row, rows, first column, columns)
+
+
+def _block(table: Any) -> tuple[int, int, int, int]:
+    """(first row, rows, first column, columns) of a shard in its whole table (a data-parallel copy: all)."""
+    if table.local_metadata is None:
+        return 0, int(table.num_embeddings), 0, int(table.embedding_dim)
+    (first, start), (count, width) = table.local_metadata.shard_offsets, table.local_metadata.shard_sizes
+    return int(first), int(count), int(start), int(width)
+
+
+def _shard_rows_source(module: KeyedCachedEmbeddingBagCollection, shards: list[Any]) -> ShardRows | None:
+    """Where this rank's shards take their rows from: the module's tables (drawn on the CPU); on meta, the
+    one-process draw streamed chunk by chunk with only these shards' blocks kept (`draw_like_one_process`);
+    otherwise None (each shard draws its own)."""
+    if module.placement.get("storage_device") != "meta":
+        whole = module.export_tables()
+        return lambda t, first, count, start, width: whole[t][first : first + count, start : start + width]
+    if not module.draw_like_one_process:
+        return None
+    from slipcache.embedding.collection import initial_rows
+
+    names = [str(t.name) for t in module.embedding_bag_configs()]
+    blocks: dict[tuple[int, int, int, int, int], Tensor] = {}
+    for shard in shards:
+        first, count, start, width = _block(shard)
+        blocks[(names.index(shard.name), first, count, start, width)] = torch.empty(count, width)
+    by_table: dict[int, list[tuple[tuple[int, int, int, int, int], Tensor]]] = {}
+    for key, rows in blocks.items():
+        by_table.setdefault(key[0], []).append((key, rows))
+    for group, collection in zip(module._groups, module.collections, strict=True):
+        for t, chunk_first, values in initial_rows(collection.table_sizes, collection.dim, collection.config.seed):
+            for (_, first, count, start, width), rows in by_table.get(group.tables[t], []):
+                lo, hi = max(first, chunk_first), min(first + count, chunk_first + values.shape[0])
+                if lo < hi:
+                    rows[lo - first : hi - first] = values[lo - chunk_first : hi - chunk_first, start : start + width]
+    return lambda t, first, count, start, width: blocks[(t, first, count, start, width)]
+
+
 def _local_lookup(
     module: KeyedCachedEmbeddingBagCollection,
     mine: list[Any],
     params: dict[str, ParameterSharding],
     device: torch.device,
-    tables: list[Tensor] | None,
+    tables: ShardRows | None,
     overrides: Mapping[str, Any],
     kind: str = TW,
 ) -> nn.Module:
@@ -629,16 +668,5 @@ def _local_lookup(
     for collection in lookup.collections:
         collection.sharded_by_slipcache = True  # one rank's shards: they differ by rank on purpose
     if tables is not None:
-        rows = []
-        for table in mine:
-            full = tables[names.index(table.name)]
-            if table.local_metadata is None:  # data-parallel: the whole table
-                rows.append(full)
-                continue
-            (first, start), (count, width) = (
-                table.local_metadata.shard_offsets,
-                table.local_metadata.shard_sizes,
-            )
-            rows.append(full[first : first + count, start : start + width])
-        lookup.load_tables(rows)
+        lookup.load_tables([tables(names.index(table.name), *_block(table)) for table in mine])
     return lookup
