@@ -212,6 +212,8 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         # each table's storage precision (an INT8 table's checkpoint holds its stored bytes)
         self.table_precisions = {str(t.name): table_precision(module.options, t) for t in self._configs}
         self.register_buffer("_columns", _output_columns(self._shardings, self._configs), persistent=False)
+        # the output distributions already deliver the columns in table order (a row-wise-only plan)
+        self._columns_in_order = bool(torch.equal(self._columns, torch.arange(len(self._columns))))
         # row-wise features of mean-pooled tables: their shards sum, the combined sums are divided here
         self._mean_features = [
             (f, _feature_columns(self._configs, f))
@@ -304,7 +306,7 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         return divisor
 
     def _in_table_order(self, keyed: KeyedTensor, divisor: Tensor | None = None) -> KeyedTensor:
-        values = keyed.values().index_select(1, self._columns)
+        values = keyed.values() if self._columns_in_order else keyed.values().index_select(1, self._columns)
         if divisor is not None:
             values = values / divisor.to(values.device, values.dtype)
         return KeyedTensor(
