@@ -23,14 +23,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
 import torch.fx
 from torch import Tensor, nn
 
-from slipcache.embedding.collection import CachedEmbeddingBagCollection, SparseFeatures
+from slipcache.embedding.collection import CachedEmbeddingBagCollection, SparseFeatures, initial_rows
 from slipcache.errors import InvalidInputError, SlipcacheError
 from slipcache.interop.tables import (
     check_per_table_options,
@@ -367,6 +367,13 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
             )
 
     # ------------------------------------------------------------------------------------ tables
+    def initial_rows(self) -> Iterator[tuple[int, int, Tensor]]:
+        """(table in config order, its first row, fp32 values): the rows this collection draws on the CPU,
+        chunk by chunk, also on meta (a sharded rank keeps its shards' part). The values tensor is reused."""
+        for group, collection in zip(self._groups, self.collections, strict=True):
+            for t, first, values in initial_rows(collection.table_sizes, collection.dim, collection.config.seed):
+                yield group.tables[t], first, values
+
     def export_tables(self) -> list[Tensor]:
         """Current fp32 values of every table, in the order of the configs."""
         tables: list[Tensor | None] = [None] * len(self._torchrec_tables)

@@ -615,22 +615,16 @@ def _shard_rows_source(module: KeyedCachedEmbeddingBagCollection, shards: list[A
         return lambda t, first, count, start, width: whole[t][first : first + count, start : start + width]
     if not module.draw_like_one_process:
         return None
-    from slipcache.embedding.collection import initial_rows
-
     names = [str(t.name) for t in module.embedding_bag_configs()]
     blocks: dict[tuple[int, int, int, int, int], Tensor] = {}
     for shard in shards:
         first, count, start, width = _block(shard)
         blocks[(names.index(shard.name), first, count, start, width)] = torch.empty(count, width)
-    by_table: dict[int, list[tuple[tuple[int, int, int, int, int], Tensor]]] = {}
-    for key, rows in blocks.items():
-        by_table.setdefault(key[0], []).append((key, rows))
-    for group, collection in zip(module._groups, module.collections, strict=True):
-        for t, chunk_first, values in initial_rows(collection.table_sizes, collection.dim, collection.config.seed):
-            for (_, first, count, start, width), rows in by_table.get(group.tables[t], []):
-                lo, hi = max(first, chunk_first), min(first + count, chunk_first + values.shape[0])
-                if lo < hi:
-                    rows[lo - first : hi - first] = values[lo - chunk_first : hi - chunk_first, start : start + width]
+    for table, chunk_first, values in module.initial_rows():
+        for (t, first, count, start, width), rows in blocks.items():
+            lo, hi = max(first, chunk_first), min(first + count, chunk_first + values.shape[0])
+            if t == table and lo < hi:
+                rows[lo - first : hi - first] = values[lo - chunk_first : hi - chunk_first, start : start + width]
     return lambda t, first, count, start, width: blocks[(t, first, count, start, width)]
 
 
