@@ -303,6 +303,7 @@ SLIPSTREAM_UNBIASED = Study(
     arms=(
         *(Arm(a.name, a.overrides, 5, borrowed_from=SLIPSTREAM_CONVERGED.name)
           for a in SLIPSTREAM_CONVERGED.arms if a.name in ("baseline", "stale", "random")),
+        # `stale_reweight` is a flag of the study's pinned commit only: the correction lost and left the product.
         Arm("stale-unbiased", {"skip_rule": "stale", "stale_keep": UNBIASED_KEEP, "stale_reweight": True}, 5),
         Arm("random-matched", {"skip_rule": "random", "stale_target": MATCHED_RANDOM_D}, 5),
     ),

@@ -57,8 +57,6 @@ class FakeConfig:
     stale_warmup_min: float = 0.1
     stale_decision: str = "rolling"
     stale_keep: float = 0.05
-    stale_reweight: bool = False
-    stale_weight_max: float | None = None
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> FakeConfig:

@@ -97,6 +97,9 @@ def test_a_run_that_froze_rows_resumes_only_with_the_arm(data_dir: Path, tmp_pat
     assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
     summary = train.train(resume, extra_callbacks=[freezing_arm("stalest")])
     assert summary["staleness"]["frozen_rows"] > 0
-    # A run saved while freezing was a setting of `slipcache train` is refused rather than trained unfrozen.
-    with pytest.raises(SlipcacheError, match=r"froze hot rows .*\(python -m benchmarks.studies NAME --resume\)"):
-        config_from_saved({**config.flat(), "freeze_rows": "stalest"}, "run/config.json")
+    # A run saved while a study's arm was a setting of `slipcache train` is refused rather than trained without
+    # it; the arm's "off" value still reads.
+    for key, value in (("freeze_rows", "stalest"), ("stale_reweight", True), ("stale_weight_max", 2.0)):
+        with pytest.raises(SlipcacheError, match=rf"used {key} {value}, .*\(python -m benchmarks.studies NAME"):
+            config_from_saved({**config.flat(), key: value}, "run/config.json")
+    assert config_from_saved({**config.flat(), "stale_reweight": False, "stale_weight_max": None}, "x") == config

@@ -43,7 +43,7 @@ def test_train_help_shows_the_common_flags_on_one_screen(
 def test_the_generator_flag_lists_v5_as_the_default(capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(["train", "--help"], capsys)
     entry = " ".join(text[text.index("--generator") : text.index("--table-sizes")].split())
-    assert entry.startswith("--generator {v5,v4,v3,v2}") and "v5 (the default" in entry
+    assert entry.startswith("--generator {v5,v4,v3}") and "v5 (the default" in entry
     assert entry.endswith("(default v5)")
 
 

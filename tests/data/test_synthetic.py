@@ -149,7 +149,7 @@ def test_cli_synth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         run_cli(["--out", str(tmp_path / "e"), "--samples", "0", "--quiet"])
 
 
-# ---------------------------------------------------------------------------------------------- v3 / v2
+# ---------------------------------------------------------------------------------------------- v3
 
 
 def _splits_digest(ds: CriteoDataset) -> hashlib._Hash:
@@ -162,19 +162,10 @@ def _splits_digest(ds: CriteoDataset) -> hashlib._Hash:
     return digest
 
 
-def test_v2_reproduces_earlier_output(tmp_path: Path) -> None:
-    """`--generator v2` writes exactly what the generator wrote before v3 existed (commit 8872c6f)."""
-    generate_synthetic(tmp_path, num_samples=5000, scale=0.001, seed=7, generator="v2", progress=False)
-    ds = CriteoDataset(tmp_path)
-    digest = _splits_digest(ds)
-    assert digest.hexdigest()[:16] == "357ab3b19f55b59d"
-    assert ds.meta["generator"]["version"] == 2 and not ds.meta["time_ordered"]
-
-
 @pytest.mark.slow
 def test_v3_big_tables_co_recur_far_above_independent() -> None:
     """C3, C4, C12, C16, C21 are views of one entity: they recur together far more often than the product
-    of their recurrence shares (what independent tables, as in v2, give; see test_cli_compare)."""
+    of their recurrence shares (what independent tables give)."""
     ids = synthetic_window(0, 2000, scale=1.0, seed=1)
     co = compute_stats_arrays(ids, missing_value=synthetic.MISSING_ROW)["co_recurrence"]
     assert co["all_recur"] > 0.3 and co["all_recur"] > 5 * co["independent"]
@@ -249,53 +240,52 @@ def test_default_path_keys_on_generator(tmp_path: Path) -> None:
     v5 = default_synthetic_path(tmp_path, 2000, 0.001, 0, progress=False)
     v4 = default_synthetic_path(tmp_path, 2000, 0.001, 0, generator="v4", progress=False)
     v3 = default_synthetic_path(tmp_path, 2000, 0.001, 0, generator="v3", progress=False)
-    v2 = default_synthetic_path(tmp_path, 2000, 0.001, 0, generator="v2", progress=False)
     assert (
-        len({v5, v4, v3, v2}) == 4
-        and v2.name == "n2000-scale0.001-seed0-v2"
+        len({v5, v4, v3}) == 3
         and v5.name.startswith("n2000-scale0.001-seed0-v5-")
         and v3.name.startswith("n2000-scale0.001-seed0-v3-")
         and v4.name.startswith("n2000-scale0.001-seed0-v4-")
     )
-    assert CriteoDataset(v2).meta["generator"]["version"] == 2
+    assert [CriteoDataset(p).meta["generator"]["version"] for p in (v5, v4, v3)] == [5, 4, 3]
 
 
 @needs_shared
 @pytest.mark.slow
 def test_cli_compare(capsys: pytest.CaptureFixture[str]) -> None:
-    """`synth --compare` on the shared real rows: v4 and v3 recur together as the real rows do, v2 does
-    not; the signal figures (target AUC, dense shapes, ad/site heads, links) tell v4 apart from v3."""
+    """`synth --compare` on the shared real rows: v4 and v3 recur together as the real rows do; the signal
+    figures (target AUC, dense shapes, ad/site heads, links) tell v4 apart from v3."""
     assert run_cli(["--compare", str(SHARED / "kaggle_train_tiny.csv")]) == 0
     out = capsys.readouterr().out.splitlines()
     co = next(line.split() for line in out if line.startswith("big-table co-recurrence"))
-    assert co[-4:] == ["ok", "ok", "ok", "FAIL"]  # columns: ... v5, v4, v3, v2 pass
-    assert abs(float(co[6]) - float(co[2])) > 0.3  # v2
+    assert co[-3:] == ["ok", "ok", "ok"]  # columns: ... v5, v4, v3 pass
     passed = {g: int(p.split()[1].split("/")[0]) for g, p in
-              zip(("v5", "v4", "v3", "v2"), out[-1].removeprefix("within tolerance: ").split(", "), strict=True)}
+              zip(("v5", "v4", "v3"), out[-1].removeprefix("within tolerance: ").split(", "), strict=True)}
     total = int(out[-1].split("/")[1].split(",")[0])
     assert passed["v5"] >= passed["v4"] >= total - 6
-    assert passed["v3"] < passed["v4"] - 20 and passed["v2"] < passed["v3"]
+    assert passed["v3"] < passed["v4"] - 20
     for line in out:
         if line.startswith(("link C11->C13", "I2 negative share", "C15 lookups to values seen 2-9")):
-            assert line.split()[-4:-1] == ["ok", "ok", "FAIL"], line  # v5 and v4 ok, v3 not
+            assert line.split()[-3:] == ["ok", "ok", "FAIL"], line  # v5 and v4 ok, v3 not
     big = [line.split() for line in out
            if line.startswith(("C3 ", "C4 ", "C12 ", "C16 ", "C21 ")) and "target AUC" in line]
-    assert len(big) == 5 and all(row[-4] == "ok" for row in big)  # v5 within tolerance on every big table
+    assert len(big) == 5 and all(row[-3] == "ok" for row in big)  # v5 within tolerance on every big table
 
 
 def test_train_picks_the_generator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`slipcache train --generator v2` asks for v2 data (v4 by default); an unknown name is refused."""
+    """`slipcache train --generator v3` asks for v3 data (v5 by default); an unknown name, or the research
+    code's v2, is refused."""
     from slipcache.training.datasets import prepare_data
 
     asked = []
     monkeypatch.setattr(
         synthetic, "default_synthetic_path", lambda *a, generator, **k: asked.append(generator) or tmp_path
     )
-    for flags in ({}, {"synthetic_generator": "v2"}):
+    for flags in ({}, {"synthetic_generator": "v3"}):
         prepare_data(make_config({}, flags), tmp_path)
-    assert asked == ["v5", "v2"]
-    with pytest.raises(SlipcacheError, match=r"--generator \(synthetic_generator\) must be one of"):
-        make_config({}, {"synthetic_generator": "v9"})
+    assert asked == ["v5", "v3"]
+    for name in ("v9", "v2"):
+        with pytest.raises(SlipcacheError, match=r"--generator \(synthetic_generator\) must be one of"):
+            make_config({}, {"synthetic_generator": name})
 
 
 @pytest.mark.slow

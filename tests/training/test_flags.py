@@ -49,11 +49,11 @@ def test_the_help_says_a_range_as_the_user_reads_it() -> None:
 def test_flags_parse_into_the_config() -> None:
     args = build_parser("train").parse_args(
         ["train", "--dim", "8", "--precision", "int4", "--no-stale-guard", "--stale-keep", "0.1",
-         "--table-sizes", "3,4", "--tensorboard", "--threads", "1", "--generator", "v2"]
+         "--table-sizes", "3,4", "--tensorboard", "--threads", "1", "--generator", "v3"]
     )  # fmt: skip
     given = {k: v for k, v in vars(args).items() if k in CONFIG_FIELDS}
     assert given == {"embedding_dim": 8, "precision": "int4", "stale_guard": False, "stale_keep": 0.1,
-                     "table_sizes": [3, 4], "tensorboard": "", "threads": 1, "synthetic_generator": "v2"}  # fmt: skip
+                     "table_sizes": [3, 4], "tensorboard": "", "threads": 1, "synthetic_generator": "v3"}  # fmt: skip
     with pytest.raises(SystemExit):
         build_parser("train").parse_args(["train", "--policy", "fifo"])
 

@@ -151,7 +151,7 @@ CHANGED = {  # every setting a resume may change (--allow-changes), and a new va
     "stale_budget_mb": 64.0, "stale_min_accesses": 0.5, "stale_release_cache": True, "stale_refit": False,
     "stale_min_updates": 3, "stale_count_share": 0.5, "stale_warmup": "epoch",
     "stale_warmup_epoch": 0, "stale_warmup_min": 0.2, "stale_warmup_tol": 0.01, "stale_decision": "epoch",
-    "stale_keep": 0.1, "stale_reweight": True, "stale_weight_max": 5.0, "wire_precision": "bf16",
+    "stale_keep": 0.1, "wire_precision": "bf16",
     "autocast": "bf16", "lr_schedule": "mlperf", "lr_warmup_steps": 0, "lr_decay_start": 5, "lr_decay_steps": 0,
     "stale_threshold_sample": 0.02, "stale_window_start": 0.9, "stale_window_start_max": 5,
 }  # fmt: skip

@@ -131,7 +131,6 @@ STALE_PRESETS: dict[str, dict[str, object]] = {
         "stale_decision": "epoch",  # one threshold per window: fitted once, no re-checks
         "stale_keep": 0.0,  # no control group
         "stale_guard": False,  # no guard
-        "stale_reweight": False,
         "stale_warmup": "none",  # the window's position decides
         "stale_warmup_min": 0.0,
         "stale_alpha": 1.0,  # stale only when all lookups are
@@ -146,7 +145,6 @@ STALE_PRESETS: dict[str, dict[str, object]] = {
         "stale_decision": "rolling",  # re-check and refit every window length
         "stale_keep": 0.05,  # a control group, trained anyway
         "stale_guard": True,  # control-loss and validation-AUC guard
-        "stale_reweight": False,
         "stale_warmup": "val",  # after validation loss flattened
         "stale_warmup_min": 0.1,
         "stale_alpha": 1.0,

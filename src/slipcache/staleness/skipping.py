@@ -67,9 +67,8 @@ VAL_DROP = 0.002  # validation AUC below its best since skipping began by this m
 # on, and in `--quick` the noisy 20 k-sample validation loss sometimes flattened only at the very end.
 WARMUP_LATEST = 0.5
 # profile: hot rows and the window's first read; filter: classifying inputs; counting: update counters of
-# hot rows (convergence rule); snapshots: re-checks, threshold fits and cache release; guard: its bookkeeping;
-# weights: the per-input loss weights of unbiased skipping (`loss_weights`, called from the train step).
-OVERHEAD_PARTS = ("profile", "filter", "counting", "snapshots", "guard", "weights")
+# hot rows (convergence rule); snapshots: re-checks, threshold fits and cache release; guard: its bookkeeping.
+OVERHEAD_PARTS = ("profile", "filter", "counting", "snapshots", "guard")
 
 
 class StaleSkipper:
@@ -89,18 +88,13 @@ class StaleSkipper:
         self.window = self.detector.window_batches(batches_per_epoch)
         self.guard = SkipGuard.from_config(GuardConfig(), float(config.skipping.stale_target))
         self.guard_every = int(config.skipping.stale_guard_every) if config.skipping.stale_guard else 0
-        # p: share of the would-be-skipped inputs trained anyway (the guard's control group); with reweighting
-        # their loss counts 1/p, an importance sample of all would-be-skipped inputs (see loss_weights).
+        # p: share of the would-be-skipped inputs trained anyway (the guard's control group).
         self.control_share = float(config.skipping.stale_keep)
-        reweight = config.skipping.stale_reweight and self.control_share > 0
-        self.control_weight = 1.0 / self.control_share if reweight else 1.0
-        if config.skipping.stale_weight_max is not None:  # a clipped weight: less variance, part of the bias back
-            self.control_weight = min(self.control_weight, float(config.skipping.stale_weight_max))
         if self.detector.config.rule == "random":
             # The equal-share control: every hot input is a candidate and D of them are skipped at random (the
-            # kept share, 1 - D, reuses the stateless control draw); no guard, no weights, same schedule.
+            # kept share, 1 - D, reuses the stateless control draw); no guard, same schedule.
             self.control_share = 1.0 - float(config.skipping.stale_target)
-            self.control_weight, self.guard_every = 1.0, 0
+            self.guard_every = 0
         self.release_cache = bool(config.skipping.stale_release_cache) and hasattr(self.coll, "release_rows")
         self.min_accesses = float(config.skipping.stale_min_accesses)
         self.refit = bool(config.skipping.stale_refit) and config.skipping.stale_decision == "rolling"
@@ -177,24 +171,8 @@ class StaleSkipper:
     sample_filter.wants_positions = True  # type: ignore[attr-defined]
 
     def loss_weights(self, n: int) -> torch.Tensor | None:
-        """Per-input loss weights of the next trained batch of ``n``: 1/p on its kept would-be-skipped inputs.
-
-        Why: Slipstream drops stale inputs, so the gradient of the dense MLP and of every row they look up
-        loses their terms (biased). Training a random share p of them with weight 1/p makes the epoch's
-        expected gradient sum the one without skipping; only its variance grows. The weights are the
-        mean-reduced loss's, over the batch's n inputs: an epoch's update sums lr / n x w x gradient over the
-        kept inputs, whose expectation is the no-skipping sum. None (plain mean) when no input of the batch
-        is weighted, so p = 1 or reweighting off trains bit-identically.
-        """
-        if self.control_weight == 1.0:
-            return None
-        t0 = time.perf_counter()
-        control = self.pending_controls[:n]
-        weights = None
-        if control.any():
-            weights = torch.from_numpy(np.where(control, np.float32(self.control_weight), np.float32(1.0)))
-        self.overhead["weights"] += time.perf_counter() - t0
-        return weights
+        """None: every trained input weighs the same (the kept controls too; the loss rule weighs its own)."""
+        return None
 
     def after_batch(self, batch: Batch, logits: torch.Tensor, loss: float | None = None) -> None:
         """Warm-up check, update counting, window close and threshold fit, re-checks, guard bookkeeping.
@@ -345,7 +323,7 @@ class StaleSkipper:
         """Add the batch's losses: the sum over its controls (as the filter marked them) and over all inputs.
 
         With the step's mean loss given, only the controls' losses are computed (a few % of the batch) and the
-        batch's sum follows from the mean: n x mean - (w - 1) x controls' sum, w their loss weight.
+        batch's sum follows from the mean: n x mean.
         """
         n = int(batch.labels.shape[0])
         if control.size != n:  # cannot happen while batches are cut from the kept inputs in order
@@ -357,7 +335,7 @@ class StaleSkipper:
         else:
             control_loss = float(F.binary_cross_entropy_with_logits(
                 logits.detach()[idx], batch.labels[idx], reduction="sum")) if idx.numel() else 0.0
-            all_loss = n * loss - (self.control_weight - 1.0) * control_loss
+            all_loss = n * loss
         sums = self.control_sums
         sums[0] += control_loss
         sums[1] += int(idx.numel())

@@ -192,16 +192,20 @@ def cache_rows_note(config: TrainConfig, table_sizes: list[int]) -> str | None:
             f"({rows:,}), which takes more memory than fp32 tables without a cache (--embeddings torch)")
 
 
+# Settings that only studies used, now research code, with the value that meant "off".
+RESEARCH_SETTINGS: dict[str, Any] = {"freeze_rows": None, "stale_reweight": False, "stale_weight_max": None}
+
+
 def config_from_saved(saved: Any, where: str) -> TrainConfig:
     """A run's config from its checkpoint or config.json, checked like any other input."""
     if not isinstance(saved, dict):
         raise SlipcacheError(f"{where} holds no run config")
-    if saved.get("freeze_rows") is not None:  # runs saved while freezing rows was a setting of its own
-        raise SlipcacheError(
-            f"{where}: this run froze hot rows (freeze_rows {saved['freeze_rows']}), a study's research arm that "
-            "slipcache train no longer runs: continue it with the study that started it (python -m "
-            "benchmarks.studies NAME --resume)"
-        )
+    for key, off in RESEARCH_SETTINGS.items():  # runs saved while a study's arm was a setting of its own
+        if saved.get(key, off) != off:
+            raise SlipcacheError(
+                f"{where}: this run used {key} {saved[key]}, a study's research arm that slipcache train no longer "
+                "runs: continue it with the study that started it (python -m benchmarks.studies NAME --resume)"
+            )
     # huge_pages was None ("the environment's choice") in runs saved before it was a plain setting
     given = {k: v for k, v in saved.items() if k in CONFIG_FIELDS and not (k == "huge_pages" and v is None)}
     try:

@@ -74,8 +74,7 @@ class DataSettings:
                                    doc="synthetic data: table sizes relative to Criteo Kaggle (data.kaggle)")
     synthetic_generator: str = _flag(DEFAULT_GENERATOR, "synthetic data generator: v5 (the default: v4 with the "
                                      "label signal of real rows in the big tables; docs/data.md), v4 (v3 with real "
-                                     "signal, dense shapes and links), v3 (entities, time order) or v2 (earlier "
-                                     "figures)",
+                                     "signal, dense shapes and links) or v3 (entities, time order)",
                                      resume="fixed", flag=("--generator",),
                                      choices=tuple(GENERATOR_VERSIONS))
     strict: bool = _flag(False, "raw data: stop at the first malformed line instead of skipping it",
@@ -304,10 +303,6 @@ class SkippingSettings:
                                 resume="changeable", choices=DECISIONS)
     stale_keep: float = _flag(0.05, "p: share of would-be-skipped inputs trained anyway, the guard's control",
                               resume="changeable", within="[0, 1]")
-    stale_reweight: bool = _flag(False, "weight those inputs' loss by 1/p: the expected gradient is the one "
-                                 "without skipping", resume="changeable")
-    stale_weight_max: float | None = _flag(None, "clip that weight at this value (less variance, some bias "
-                                           "back)", resume="changeable", within="[1, inf)", default_text="none, 1/p")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -316,5 +311,3 @@ class SkippingSettings:
         if counted_hot and self.input_order != "cold_first":
             raise SlipcacheError("a window counted in hot batches (stale_window_count hot) needs "
                                  "input_order cold_first")
-        if self.stale_reweight and self.stale_keep == 0.0:
-            raise SlipcacheError("stale_reweight needs stale_keep > 0 (the kept share p is weighted 1/p)")

@@ -5,16 +5,16 @@ with its shape (26 tables with the Kaggle cardinalities, power-law id popularity
 positive rate 0.256) and a known achievable AUC. Labels come from a teacher that a DLRM can represent:
 a dense linear term, first-order terms and pairwise dot products of per-value teacher vectors.
 
-Two generators (docs/data.md):
-- v3, the default: the big tables are views of latent entities (user, ad, site) with their own power-law
+The generators (docs/data.md), each building on the one before:
+- v3: the big tables are views of latent entities (user, ad, site) with their own power-law
   popularity, derived with table-specific collisions and noise, so they recur together as in real rows;
   missing values come in the real rows' groups; rows are in time order over days, with new entities and
   drifting popularity; splits follow time. Everything per value is a hash, so no per-row arrays.
-- v2, kept bit for bit so earlier figures reproduce: every table drawn independently by rank from a
-  bounded continuous Zipf law (inverse CDF) and mapped to row ids by a random permutation per table
-  (int32, 135 MB at full scale); teacher parameters for the `HOT_ROWS` most popular rows of each table.
+- v4: v3 with the label signal, dense shapes and links of real rows;
+- v5, the default: v4 with the label signal reaching the rarer values.
+The earlier v2 (independent tables) is research code now: `python -m benchmarks.generator_v2`.
 
-Modules: `teacher` (the shape and the labelling teacher both generators share), `v2`, `v3`, `generate`
+Modules: `teacher` (the shape and the labelling teacher the generators share), `v3`, `v4`, `v5`, `generate`
 (writing a dataset, windows of rows, the dataset cache), `compare` (`synth --compare`), `cli`.
 """
 

@@ -54,26 +54,26 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
         "--generator",
         choices=tuple(GENERATOR_VERSIONS),
         default=DEFAULT_GENERATOR,
-        help="v4 (default): v3 with the label signal, dense shapes and links of real rows; "
-        "v3: latent entities, time order; v2: independent tables",
+        help="v5 (default): v4 with the label signal reaching the rarer values; v4: v3 with the label signal, "
+        "dense shapes and links of real rows; v3: latent entities, time order",
     )
-    parser.add_argument("--days", type=int, default=DAYS, help="v3/v4: days the log spans (default %(default)s)")
+    parser.add_argument("--days", type=int, default=DAYS, help="days the log spans (default %(default)s)")
     parser.add_argument(
         "--new-entity-rate",
         type=float,
         default=NEW_ENTITY_RATE,
-        help="v3/v4: share of each entity's popularity ranks taken by new entities per day (default %(default)s)",
+        help="share of each entity's popularity ranks taken by new entities per day (default %(default)s)",
     )
     parser.add_argument(
         "--drift-rate",
         type=float,
         default=DRIFT_RATE,
-        help="v3/v4: share of ranks passed to another existing entity per day (default %(default)s)",
+        help="share of ranks passed to another existing entity per day (default %(default)s)",
     )
     parser.add_argument(
         "--compare",
         metavar="REAL_FILE",
-        help="instead of writing data: real vs synthetic statistics (v3 and v2) side by side, with tolerances",
+        help="instead of writing data: real vs synthetic statistics (v5, v4 and v3) side by side, with tolerances",
     )
     parser.add_argument(
         "--compare-rows",

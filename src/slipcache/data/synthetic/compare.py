@@ -43,7 +43,7 @@ def compare_with_real(
     from the start of day `day`, per generator, each statistic with its tolerance and pass/fail.
 
     Like with like: the real rows are one contiguous window from the start of a log, an empty field
-    counts as a value (v3's row 0; v2 has no empty values), and both sides go through `slipcache.data.stats`.
+    counts as a value (the generators' row 0), and both sides go through `slipcache.data.stats`.
     """
     from slipcache.data.stats import compute_stats, compute_stats_arrays
 
@@ -59,7 +59,7 @@ def compare_with_real(
         dense, ids, labels = synthetic_rows(start, rows, num_samples=num_samples, scale=scale, seed=seed,
                                             generator=name, days=days, new_entity_rate=new_entity_rate,
                                             drift_rate=drift_rate)
-        stats[name] = compute_stats_arrays(ids, dense, labels, missing_value=None if name == "v2" else MISSING_ROW)
+        stats[name] = compute_stats_arrays(ids, dense, labels, missing_value=MISSING_ROW)
 
     def corr(result: dict[str, Any], a: str, b: str) -> float | None:
         names = result["recurrence_correlation"]["tables"]
@@ -75,7 +75,6 @@ def compare_with_real(
     for t, table in enumerate(real["tables"]):
         for key in ("recur_share", "missing_rate"):
             label = f"{table['name']} {key.replace('_', ' ')}"
-            # v2 has no empty values: its missing rate is 0, not unknown
             checks.append((label, key, lambda r, t=t, key=key: r["tables"][t][key] or 0.0))
     checks += _signal_checks(real)
     lines = []

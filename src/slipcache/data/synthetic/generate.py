@@ -25,7 +25,6 @@ from slipcache.data.synthetic.teacher import (
     expected_auc,
     sigmoid,
 )
-from slipcache.data.synthetic.v2 import GeneratorV2
 from slipcache.data.synthetic.v3 import DAYS, DRIFT_RATE, MISSING_ROW, NEW_ENTITY_RATE, GeneratorV3
 from slipcache.data.synthetic.v4 import GeneratorV4
 from slipcache.data.synthetic.v5 import GeneratorV5
@@ -33,7 +32,7 @@ from slipcache.errors import SlipcacheError
 from slipcache.metrics import auc
 from slipcache.progress import progress_bar
 
-GENERATOR_VERSIONS = {"v5": 5, "v4": 4, "v3": 3, "v2": 2}  # `--generator` name -> the version recorded in meta.json
+GENERATOR_VERSIONS = {"v5": 5, "v4": 4, "v3": 3}  # `--generator` name -> the version recorded in meta.json
 DEFAULT_GENERATOR = "v5"
 LAYOUTS = ("slipcache", "torchrec")  # `synth --format`: our dataset files, or TorchRec's day files
 TEACHER_AUC_ROWS = 1 << 22  # test rows the teacher's AUC is computed on (bounds the memory it takes)
@@ -51,13 +50,9 @@ def make_generator(
     drift_rate: float = DRIFT_RATE,
     table_sizes: list[int] | None = None,
 ) -> Teacher:
-    """The (uncalibrated) generator `generator` ("v5", "v4", "v3" or "v2") of a dataset of `num_samples` rows;
-    v3 and later also take explicit `table_sizes` (26, in column order) instead of a scale of Kaggle's."""
-    if generator == "v2":
-        if table_sizes is not None:
-            raise SlipcacheError("--table-sizes needs generator v3 (v2 scales Kaggle's sizes only)")
-        return GeneratorV2(scale, seed)
-    if generator not in ("v3", "v4", "v5"):
+    """The (uncalibrated) generator `generator` ("v5", "v4" or "v3") of a dataset of `num_samples` rows, of
+    Kaggle's table sizes times `scale` or of explicit `table_sizes` (26, in column order)."""
+    if generator not in GENERATOR_VERSIONS:
         raise SlipcacheError(f"generator must be one of {', '.join(GENERATOR_VERSIONS)}, got {generator!r}")
     if days < 1:
         raise SlipcacheError(f"days must be at least 1, got {days}")
@@ -83,7 +78,7 @@ def generate_synthetic(
     seed: int = 0,
     val_fraction: float = 0.1,
     test_fraction: float = 0.1,
-    generator: str = DEFAULT_GENERATOR,
+    generator: str | Teacher = DEFAULT_GENERATOR,
     days: int = DAYS,
     new_entity_rate: float = NEW_ENTITY_RATE,
     drift_rate: float = DRIFT_RATE,
@@ -95,7 +90,8 @@ def generate_synthetic(
 
     Rows are written in log order and the splits are contiguous: with v3 (time-ordered over `days` days)
     train holds the earlier days, validation and test the last ones, as in the standard Criteo split.
-    `days` and the two rates apply to v3 only.
+    `days` and the two rates apply to v3 and later. `generator` may also be a `Teacher` built elsewhere
+    (the research code's earlier generators), of `scale` and `seed`.
 
     Memory is bounded whatever `num_samples`: rows are generated a chunk at a time and appended to the
     files (`slipcache.data.streaming`); the teacher's AUC is taken on the first TEACHER_AUC_ROWS test rows.
@@ -106,7 +102,7 @@ def generate_synthetic(
         raise SlipcacheError(f"number of samples must be at least 1, got {num_samples}")
     if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
         raise SlipcacheError("val and test fractions must be in [0, 1) and sum to less than 1")
-    gen = make_generator(
+    gen = generator if isinstance(generator, Teacher) else make_generator(
         generator,
         scale,
         seed,
@@ -167,7 +163,7 @@ def generate_synthetic(
                 **({"missing_row": MISSING_ROW} if isinstance(gen, GeneratorV3) else {}),
                 **({"layout": layout, "teacher_auc_rows": scored} if layout == "torchrec" or scored < n_test else {}),
                 "generator": {
-                    "version": GENERATOR_VERSIONS[generator],
+                    "version": gen.version,
                     "num_samples": num_samples,
                     "scale": scale,
                     "seed": seed,
@@ -307,15 +303,14 @@ def default_synthetic_path(
     """A cached synthetic dataset for these parameters: reused when present, generated when not.
 
     `cache_root` None means $SLIPCACHE_CACHE_DIR, else ~/.cache/slipcache; data lives under `synthetic/`.
-    The key holds the generator's version and, for v3, a digest of its parameters, so data from another
-    generator or an older calibration is never reused.
+    The key holds the generator's version and a digest of its parameters, so data from another generator
+    or an older calibration is never reused.
     """
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     described = make_generator(generator, scale, seed, num_samples=num_samples).describe()
     version = GENERATOR_VERSIONS[generator]
-    name = f"n{num_samples}-scale{scale:g}-seed{seed}-v{version}"
-    if generator != "v2":  # v2 keeps its earlier directory name, so its cached datasets stay valid
-        name += "-" + hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:8]
+    name = f"n{num_samples}-scale{scale:g}-seed{seed}-v{version}-{digest}"
     path = root / "synthetic" / name
     try:
         gen = json.loads((path / "meta.json").read_text()).get("generator", {})

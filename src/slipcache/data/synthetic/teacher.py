@@ -31,12 +31,13 @@ def synthetic_table_sizes(scale: float) -> list[int]:
 
 
 class Teacher:
-    """What v2 and v3 share: dense features, the teacher's logit terms and their calibration.
+    """What every generator shares: dense features, the teacher's logit terms and their calibration.
 
-    Subclasses set `first_order` [P + 1] and `vectors` [P + 1, TEACHER_DIM] (the last row all zero, read
-    by values without signal) and implement `sample(rng, start, n)`.
+    Subclasses set `version` (recorded in meta.json), `first_order` [P + 1] and `vectors` [P + 1,
+    TEACHER_DIM] (the last row all zero, read by values without signal) and implement `sample(rng, start, n)`.
     """
 
+    version: int
     first_order: np.ndarray
     vectors: np.ndarray
     variance_shares: tuple[float, float, float] = VARIANCE_SHARES  # dense, first-order, pairwise

@@ -133,6 +133,8 @@ class GeneratorV3(Teacher):
     holds no per-row arrays except the rank permutations of the small tables drawn on their own.
     """
 
+    version = 3
+
     def __init__(
         self,
         scale: float,

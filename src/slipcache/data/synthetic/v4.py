@@ -73,6 +73,8 @@ class GeneratorV4(GeneratorV3):
     """v4: v3's structure with signal on every entity, real dense shapes, flatter ad/site heads, the
     missing group per user and the C3 -> C15, C11 -> C13 links (module docstring)."""
 
+    version = 4
+
     variance_shares = VARIANCE_SHARES_V4
     source_weight = SOURCE_WEIGHT
 

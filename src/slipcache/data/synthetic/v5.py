@@ -21,6 +21,8 @@ VARIANCE_SHARES_V5 = (0.15, 0.75, 0.10)  # dense, first-order, pairwise
 class GeneratorV5(GeneratorV4):
     """v4 with the user's first-order term carrying most of the teacher's variance (module docstring)."""
 
+    version = 5
+
     variance_shares = VARIANCE_SHARES_V5
     source_weight = SOURCE_WEIGHT_V5
 

@@ -1,4 +1,4 @@
-"""A model of memory per rank and all-to-all traffic for many GPUs: `python -m slipcache.distributed.scaling`.
+"""A model of memory per rank and all-to-all traffic for many GPUs: `python -m benchmarks.scaling`.
 
 Memory per rank is the tables' bytes (the collection's own memory estimate) spread evenly over the ranks;
 traffic from what an all-to-all of the lookups sends: per lookup that leaves its

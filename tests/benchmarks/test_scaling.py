@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slipcache.distributed import scaling
+from benchmarks import scaling
 
 
 @pytest.mark.slow
