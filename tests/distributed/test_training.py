@@ -210,12 +210,85 @@ def test_a_dead_rank_stops_the_others_with_one_line(data_dir: Path, tmp_path: Pa
     assert "--resume" in message and "\n" not in message
 
 
+def _train_on_a_small_machine(rank: int, world_size: int, data: str, out: str, result: str, per_node: int) -> None:
+    """A rank of a run whose machines each have 1.3 GB: a rank's 1 GB of runtime and 300 MB more."""
+    os.environ["SLIPCACHE_MEMORY_AVAILABLE_GB"] = "1.3"
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(per_node),
+                       "LOCAL_RANK": str(rank % per_node)})
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "0")
+    from slipcache.distributed.launch import init_from_env
+    from slipcache.distributed.training import train_on_ranks
+
+    try:
+        train_on_ranks(make_config({}, _settings(data, out, {"precision": "fp32", "eval_every": None})),
+                       init_from_env())
+    except SlipcacheError as exc:
+        Path(result + str(rank)).write_text(str(exc))
+        raise SystemExit(2) from exc
+
+
+@pytest.mark.slow
+def test_a_machine_short_of_memory_for_its_ranks_shards_stops_every_rank_in_one_line(tmp_path: Path) -> None:
+    """Two tables of 1.5 M rows (and a small one) at dim 8 in fp32, one per rank (about 110 MB each with
+    its cache and the rows a new run streams in), priced after the plan and before any shard is built: one
+    rank per machine fits in 1.3 GB and trains; two ranks on one such machine do not (each has 1 GB of
+    runtime), and both stop with the line that says so. The whole tables (about 220 MB) would fit beside
+    one rank's runtime."""
+    data = make_dataset(tmp_path / "data", n=600, sizes=[1_500_000, 1_500_000, 10])
+    result = str(tmp_path / "said")
+    assert exit_codes(_train_on_a_small_machine, str(data), str(tmp_path / "apart"), result, 1) == [0, 0]
+    assert json.loads((tmp_path / "apart" / "summary.json").read_text())["distributed"]["world_size"] == 2
+    assert exit_codes(_train_on_a_small_machine, str(data), str(tmp_path / "together"), result, 2) == [2, 2]
+    lines = {Path(result + str(rank)).read_text() for rank in (0, 1)}
+    assert len(lines) == 1
+    line = lines.pop()
+    assert line.startswith("ranks 0-1 on this machine: their shards of the tables (with the fp32 rows a new run")
+    assert "SLIPCACHE_MEMORY_AVAILABLE_GB is 1.3 GB" in line and "\n" not in line
+    assert not (tmp_path / "together" / "checkpoints").exists()
+
+
 # ------------------------------------------------------------------------ one-line refusals, no ranks
 def _backend(world_size: int = 2) -> Any:
     from slipcache.distributed.launch import DistributedContext
     from slipcache.distributed.training import DistributedBackend
 
     return DistributedBackend(DistributedContext(0, world_size, 0, world_size, "gloo", torch.device("cpu"), 1))
+
+
+def test_a_ranks_shards_are_priced_from_the_plan_not_from_the_whole_tables() -> None:
+    """Each rank's share of a table-wise plan is its own tables' bytes; the two ranks' add up to the whole
+    tables'; a new run adds the fp32 rows it streams in; a data-parallel table counts on every rank."""
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+
+    from slipcache.distributed.model import KeyedTables, bag_configs, shard_bytes_of_ranks
+    from slipcache.distributed.training import node_memory_refusal
+    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollection
+    from slipcache.interop.torchrec_planner import shard_bytes, slipcache_planner
+    from slipcache.interop.torchrec_sharding import KeyedCachedEmbeddingBagCollectionSharder
+    from slipcache.model import DLRM, ModelConfig
+
+    sizes, dim = [40_000, 30_000, 20], 8
+    tables = KeyedCachedEmbeddingBagCollection(bag_configs(sizes, dim), device="meta", precision="int8",
+                                               cache_size=0.05)
+    dlrm = DLRM(ModelConfig(sizes, 4, dim, [8, dim], [8, 1]), KeyedTables(tables, sizes, dim))  # type: ignore[arg-type]
+    constraints = {"t0": ParameterConstraints(sharding_types=["table_wise"]),
+                   "t1": ParameterConstraints(sharding_types=["table_wise"]),
+                   "t2": ParameterConstraints(sharding_types=["data_parallel"])}
+    planner = slipcache_planner(Topology(world_size=2, compute_device="cpu"), constraints=constraints)
+    plan = planner.plan(dlrm, [KeyedCachedEmbeddingBagCollectionSharder()])
+    whole = {t: sum(shard_bytes(tables, t, rows, dim, None).values())
+             for t, rows in zip(("t0", "t1", "t2"), sizes, strict=True)}
+    per_rank = [shard_bytes_of_ranks(tables, plan, range(r, r + 1), staged=False) for r in (0, 1)]
+    assert sorted(per_rank) == sorted([whole["t0"] + whole["t2"], whole["t1"] + whole["t2"]])  # t2 on both
+    assert shard_bytes_of_ranks(tables, plan, range(2), staged=False) == whole["t0"] + whole["t1"] + 2 * whole["t2"]
+    staged = shard_bytes_of_ranks(tables, plan, range(2), staged=True)
+    assert staged - sum(per_rank) == 4 * dim * (sizes[0] + sizes[1] + 2 * sizes[2])
+    assert node_memory_refusal(10**9, 10**8, range(2), (int(4e9), "available memory"), staged=True) is None
+    line = node_memory_refusal(10**9, 10**8, range(1), (int(1.5e9), "available memory"), staged=False)
+    assert line is not None and line.startswith("rank 0: their shards of the tables need 1.0 GB + ")
+    assert "available memory is 1.5 GB; spread the ranks over more machines" in line
+    assert node_memory_refusal(1, 1, range(1), None, staged=False) is None  # no known limit
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,10 @@ optimizer state are not in `state_dict()`: they go into the run's DCP checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -266,14 +268,11 @@ def wire_codecs(precision: str) -> dict[str, Any] | None:
     return get_qcomm_codecs_registry(QCommsConfig(forward_precision=forward, backward_precision=CommType.BF16))
 
 
-def shard_model(
-    dlrm: DLRM, rank: int, world_size: int, batch_size: int, device: torch.device | None = None,
-    wire_precision: str = "fp32",
-) -> ShardedDLRM:
-    """`dlrm` (its tables a `KeyedTables` over a `KeyedCachedEmbeddingBagCollection`) under
-    DistributedModelParallel, planned by TorchRec's planner costing our shards (`slipcache_planner`) on
-    every rank together (`collective_plan`: the same plan everywhere); `wire_precision` as `wire_codecs`."""
-    from torchrec.distributed.model_parallel import DistributedModelParallel
+def plan_tables(dlrm: DLRM, world_size: int, batch_size: int, device: torch.device | None = None,
+                wire_precision: str = "fp32") -> tuple[Any, Any]:
+    """(TorchRec's ShardingPlan, our sharder) for `dlrm`'s tables (a `KeyedTables` over a collection on meta
+    or the CPU), planned by TorchRec's planner costing our shards (`slipcache_planner`) on every rank together
+    (`collective_plan`: the same plan everywhere); `wire_precision` as `wire_codecs`. Nothing is allocated."""
     from torchrec.distributed.planner import Topology
 
     from slipcache.interop.torchrec_planner import slipcache_planner
@@ -281,18 +280,58 @@ def shard_model(
 
     device = device or torch.device("cpu")
     sharder = KeyedCachedEmbeddingBagCollectionSharder(qcomm_codecs_registry=wire_codecs(wire_precision))
-    with warnings.catch_warnings():  # TorchRec's planner and DMP warn about GPU-only features on CPU
+    with _quiet_torchrec():
+        topology = Topology(world_size=world_size, compute_device=device.type)
+        planner = slipcache_planner(topology, batch_size=max(1, batch_size // world_size))
+        plan = planner.collective_plan(dlrm, [sharder], dist.group.WORLD)
+    return plan, sharder
+
+
+def shard_bytes_of_ranks(tables: Any, plan: Any, ranks: range, *, staged: bool) -> int:
+    """Bytes the shards of `tables` (a `KeyedCachedEmbeddingBagCollection`) that `plan` places on `ranks` will
+    hold, as the planner costs them (`shard_bytes`: storage, cache, bookkeeping, optimizer state); `staged`
+    adds the fp32 copy of those shards' rows that a new run streams in before they are stored."""
+    from slipcache.interop.torchrec_planner import shard_bytes
+
+    sizes = {str(t.name): (int(t.num_embeddings), int(t.embedding_dim)) for t in tables.embedding_bag_configs()}
+    total = 0
+    for module_plan in plan.plan.values():
+        for table, sharding in module_plan.items():
+            if table not in sizes:
+                continue
+            if sharding.sharding_spec is None:  # data-parallel: the whole table on every rank
+                blocks = [(sizes[table], rank) for rank in ranks]
+            else:
+                blocks = [(tuple(shard.shard_sizes), shard.placement.rank()) for shard in sharding.sharding_spec.shards]
+            share = sharding.cache_params.load_factor if sharding.cache_params is not None else None
+            for (rows, columns), rank in blocks:
+                if rank in ranks:
+                    total += sum(shard_bytes(tables, table, int(rows), int(columns), share).values())
+                    total += 4 * int(rows) * int(columns) if staged else 0
+    return total
+
+
+def shard_model(dlrm: DLRM, plan: Any, sharder: Any, rank: int, world_size: int,
+                device: torch.device | None = None) -> ShardedDLRM:
+    """`dlrm` under DistributedModelParallel by `plan` (`plan_tables`): this rank's shards are built here."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    with _quiet_torchrec():
+        dmp = DistributedModelParallel(dlrm, device=device or torch.device("cpu"), sharders=[sharder], plan=plan)
+    model = ShardedDLRM(dmp, dmp.module, rank, world_size)  # dmp.module: the DLRM, its tables sharded
+    model.plan = plan
+    return model
+
+
+@contextlib.contextmanager
+def _quiet_torchrec() -> Iterator[None]:
+    """TorchRec's planner and DMP warn about GPU-only features on CPU: below errors, silenced."""
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torchrec_logger = logging.getLogger("torchrec")
         level = torchrec_logger.level
         torchrec_logger.setLevel(max(level, logging.ERROR))
         try:
-            topology = Topology(world_size=world_size, compute_device=device.type)
-            planner = slipcache_planner(topology, batch_size=max(1, batch_size // world_size))
-            plan = planner.collective_plan(dlrm, [sharder], dist.group.WORLD)
-            dmp = DistributedModelParallel(dlrm, device=device, sharders=[sharder], plan=plan)
+            yield
         finally:
             torchrec_logger.setLevel(level)
-    model = ShardedDLRM(dmp, dmp.module, rank, world_size)  # dmp.module: the DLRM, its tables sharded
-    model.plan = plan
-    return model

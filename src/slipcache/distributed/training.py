@@ -156,19 +156,12 @@ class DistributedBackend(RunBackend):
         """The run's DLRM with its tables sharded by TorchRec's planner over the ranks. A new run's shards
         take the rows one process would draw (so N processes start where one does), streamed so that a rank
         holds only its own shards; a resumed one draws none (its rows come from the checkpoint)."""
-        from slipcache.distributed.model import KeyedTables, bag_configs, shard_model
+        from slipcache.distributed.model import KeyedTables, bag_configs, plan_tables, shard_model
         from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollection
-        from slipcache.memory import model_bytes, require_tables_fit
-        from slipcache.model import DENSE_ADVICE, DENSE_PART, embedding_config
 
         self.check_config(config)  # the resolved settings (a resumed run's come from its checkpoint)
         options = config.embedding_options()
         dim = options.pop("dim", config.model.embedding_dim)
-        if draw_rows:  # priced at the whole tables: a bound on this rank's shards (the plan is not made yet)
-            dense = model_bytes(config.model_config(table_sizes, num_dense), config.schedule.batch_size,
-                                config.model.dense_optimizer)
-            require_tables_fit(embedding_config(table_sizes, dim, **options), f"rank {self.ctx.rank}'s tables",
-                               extra_bytes=dense, extra_what=DENSE_PART, extra_advice=DENSE_ADVICE)
         # Every rank has checked the run directory by now; from here on the others write their logs in it.
         dist.barrier()
         if not self.is_main:
@@ -177,11 +170,37 @@ class DistributedBackend(RunBackend):
                                                    draw_like_one_process=draw_rows, **options)
         keyed = cast("EmbeddingTables", KeyedTables(tables, table_sizes, dim))  # DLRM's collection interface
         dlrm = DLRM(config.model_config(table_sizes, num_dense), keyed)
-        self.model = shard_model(dlrm, self.ctx.rank, self.ctx.world_size, config.schedule.batch_size,
-                                 self.ctx.device, wire_precision=config.embeddings.wire_precision)
+        plan, sharder = plan_tables(dlrm, self.ctx.world_size, config.schedule.batch_size, self.ctx.device,
+                                    wire_precision=config.embeddings.wire_precision)
+        self.require_node_fits(config, tables, plan, table_sizes, num_dense, staged=draw_rows)
+        self.model = shard_model(dlrm, plan, sharder, self.ctx.rank, self.ctx.world_size, self.ctx.device)
         if self.is_main:
             logger.info(_plan_line(self.model))
         return self.model
+
+    def require_node_fits(self, config: Any, tables: Any, plan: Any, table_sizes: list[int], num_dense: int, *,
+                          staged: bool) -> None:
+        """Stop with one line, on every rank, unless what this node's ranks allocate next fits its memory:
+        the shards the plan gives them (and, for a new run, the fp32 rows they stream in) and each rank's
+        dense layers. torchrun numbers a node's ranks consecutively, so they are known without a collective;
+        the ranks then share their verdicts, so that every rank stops if any node is short."""
+        from slipcache.distributed.model import shard_bytes_of_ranks
+        from slipcache.memory import GB, MemoryShortError, limiting_memory, model_bytes
+        from slipcache.model import DENSE_PART
+
+        per_node = self.ctx.local_world_size
+        first = self.ctx.rank - self.ctx.local_rank
+        ranks = range(first, first + per_node)
+        shards = shard_bytes_of_ranks(tables, plan, ranks, staged=staged)
+        dense = per_node * model_bytes(config.model_config(table_sizes, num_dense), config.schedule.batch_size,
+                                       config.model.dense_optimizer)
+        refusals: list[str | None] = [None] * self.ctx.world_size  # every node's verdict, so all ranks stop
+        dist.all_gather_object(refusals, node_memory_refusal(shards, dense, ranks, limiting_memory(), staged=staged))
+        refusal = next((line for line in refusals if line is not None), None)
+        if refusal is not None:
+            raise MemoryShortError(refusal)
+        logger.debug("ranks %d-%d: shards %.2f GB, %s %.2f GB", ranks[0], ranks[-1], shards / GB, DENSE_PART,
+                     dense / GB)
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> int | None:
@@ -239,6 +258,27 @@ def _plan_of(model: Any) -> dict[str, Any]:
         for table, sharding in module_plan.items():
             found[table] = {"sharding": sharding.sharding_type, "ranks": list(sharding.ranks or [])}
     return found
+
+
+def node_memory_refusal(shards: int, dense: int, ranks: range, limit: tuple[int, str] | None, *,
+                        staged: bool) -> str | None:
+    """The line that refuses a node whose ranks' `shards` and `dense` bytes (with the runtime of each) exceed
+    `limit` (bytes, what it is); None when they fit or no limit is known."""
+    from slipcache.memory import GB, RUNTIME_BYTES
+    from slipcache.model import DENSE_PART
+
+    if limit is None:
+        return None
+    available, source = limit
+    runtime = len(ranks) * RUNTIME_BYTES
+    if shards + dense + runtime <= available:
+        return None
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]} on this machine"
+    staging = " (with the fp32 rows a new run streams in)" if staged else ""
+    return (f"{who}: their shards of the tables{staging} need {shards / GB:.1f} GB + {DENSE_PART} "
+            f"{dense / GB:.1f} GB + {runtime / GB:.1f} GB runtime, and {source} is {available / GB:.1f} GB; "
+            "spread the ranks over more machines, or store the tables at a lower precision or with a "
+            "smaller cache")
 
 
 def _plan_line(model: Any) -> str:

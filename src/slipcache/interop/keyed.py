@@ -102,6 +102,8 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
     that a rank holds only its shards' rows.
     """
 
+    torchrec_prefix = "embedding_bags."  # the keys of TorchRec's weights: embedding_bags.<table>.weight
+
     def __init__(
         self, tables: Sequence[Any], *, is_weighted: bool = False, device: Any = None,
         draw_like_one_process: bool = False, **options: Any
@@ -212,13 +214,13 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
         """A TorchRec `EmbeddingBagCollection`'s weights (`embedding_bags.<table>.weight`, alone or inside a
         whole model's state_dict) load too: taken here, rounded into the tables once the load is done
         (`_load_torchrec_weights`). A state_dict of our own keys loads exactly, as saved."""
-        weights = {k: v for k, v in state_dict.items() if k.startswith(prefix + TORCHREC_PREFIX)}
+        weights = {k: v for k, v in state_dict.items() if k.startswith(prefix + self.torchrec_prefix)}
         ours = any(k.startswith(prefix + "collections.") for k in state_dict)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         if weights and not ours:
-            keys = {prefix + TORCHREC_PREFIX + f"{name}.weight": name for name in self.table_names}
+            keys = {prefix + self.torchrec_prefix + f"{name}.weight": name for name in self.table_names}
             taken = {keys[k]: v for k, v in weights.items() if k in keys}
             unexpected_keys[:] = [k for k in unexpected_keys if k not in keys]
             self.__dict__["_torchrec_weights"] = (prefix, taken)
@@ -314,11 +316,11 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
             return self.collections[0](features)
         return _keyed_lookup(self, features)
 
-    def _lookup(self, kjt: Any) -> Any:
+    def _read_input(self, kjt: Any, accepted: str) -> tuple[Any, Tensor]:
+        """The KJT's features in table order and their lengths [features, batch], once it is checked (and
+        the tables' optimizer follows `apply_optimizer_in_backward`). `accepted` names the inputs taken."""
         if not hasattr(kjt, "lengths") or not hasattr(kjt, "keys"):
-            raise InvalidInputError(
-                f"expected a KeyedJaggedTensor, SparseFeatures or ids [batch, tables], got {type(kjt).__name__}"
-            )
+            raise InvalidInputError(f"expected {accepted}, got {type(kjt).__name__}")
         _check_kjt(kjt, self.feature_names)
         self._follow_in_backward()
         self._warn_extra_keys(kjt)
@@ -328,8 +330,11 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
                 "build them with is_weighted=True"
             )
         ordered = _ordered(kjt, self.feature_names)
+        return ordered, ordered.lengths().view(len(self.feature_names), kjt.stride())
+
+    def _lookup(self, kjt: Any) -> Any:
+        ordered, lengths = self._read_input(kjt, "a KeyedJaggedTensor, SparseFeatures or ids [batch, tables]")
         batch = kjt.stride()
-        lengths = ordered.lengths().view(len(self.feature_names), batch)
         if not self._is_weighted and self._one_feature_per_table_in_order:  # the KJT is the group's input
             out = self.collections[0](SparseFeatures.from_lengths(ordered.values(), lengths))
             return _keyed_values(out.reshape(batch, -1), self.feature_names, int(out.shape[2]))
@@ -390,7 +395,75 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
             collection.load_tables([tables[i] for i in group.tables])
 
 
-TORCHREC_PREFIX = "embedding_bags."  # TorchRec's EmbeddingBagCollection: embedding_bags.<table>.weight
+class KeyedCachedEmbeddingCollection(KeyedCachedEmbeddingBagCollection):
+    """Cached low-precision tables where a TorchRec `EmbeddingCollection` goes (sequence features, no
+    pooling): forward(KeyedJaggedTensor) -> {feature: JaggedTensor of its ids' rows [ids, D], the KJT's
+    lengths}, as TorchRec's. Built from TorchRec `EmbeddingConfig`s; storage, cache, fused update, options
+    and TorchRec's optimizer conventions are the bag collection's: every id is looked up as a bag of its
+    own, so each row read trains. TorchRec's weights load from `embeddings.<table>.weight`. Tables of
+    several dims are allowed (TorchRec's collection wants one). Not sharded under DMP yet."""
+
+    torchrec_prefix = "embeddings."  # TorchRec's EmbeddingCollection: embeddings.<table>.weight
+
+    def __init__(self, tables: Sequence[Any], *, device: Any = None, need_indices: bool = False,
+                 **options: Any) -> None:
+        torchrec = import_torchrec()
+        if not tables:
+            raise SlipcacheError("no tables: give at least one EmbeddingConfig")
+        pooled = [t.name for t in tables if hasattr(t, "pooling")]
+        if pooled:
+            raise SlipcacheError(f"table {pooled[0]!r} is an EmbeddingBagConfig (pooled): give EmbeddingConfigs, or "
+                                 "use KeyedCachedEmbeddingBagCollection")
+        fields = [f.name for f in dataclasses.fields(torchrec.EmbeddingBagConfig) if f.name != "pooling"]
+        bags = [
+            torchrec.EmbeddingBagConfig(**{name: getattr(t, name) for name in fields if hasattr(t, name)},
+                                        pooling=torchrec.PoolingType.SUM)
+            for t in tables
+        ]
+        for bag in bags:
+            bag.feature_names = list(bag.feature_names) or [str(bag.name)]  # as TorchRec's collection names them
+        super().__init__(bags, device=device, **options)
+        self._sequence_tables = list(tables)
+        self._need_indices = bool(need_indices)
+
+    def embedding_configs(self) -> list[Any]:
+        """The TorchRec configs it was built from."""
+        return list(self._sequence_tables)
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return [list(t.feature_names) for t in self._torchrec_tables]
+
+    def embedding_dim(self) -> int:
+        return int(self._torchrec_tables[0].embedding_dim)
+
+    def need_indices(self) -> bool:
+        """Whether each JaggedTensor carries its ids as weights (TorchRec's `need_indices`)."""
+        return self._need_indices
+
+    def forward(self, features: Any) -> Any:
+        return _sequence_lookup(self, features)
+
+    def _sequence(self, kjt: Any) -> dict[str, Any]:
+        torchrec = import_torchrec()
+        ordered, lengths = self._read_input(kjt, "a KeyedJaggedTensor")
+        values = torch.split(ordered.values(), lengths.sum(dim=1).tolist())
+        rows: list[Tensor | None] = [None] * len(self.feature_names)
+        for group, collection in zip(self._groups, self.collections, strict=True):
+            for r in range(max(len(f) for f in group.features)):  # a table several features read: once each
+                members = [(t, f[r]) for t, f in enumerate(group.features) if r < len(f)]
+                for f, looked_up in _each_id_alone(collection, values, members, len(group.tables)):
+                    rows[f] = looked_up
+        return {
+            name: torchrec.JaggedTensor(values=rows[f], lengths=lengths[f],
+                                        weights=values[f] if self._need_indices else None)
+            for f, name in enumerate(self.feature_names)
+        }
+
+
+@torch.fx.wrap
+def _sequence_lookup(module: KeyedCachedEmbeddingCollection, kjt: Any) -> Any:
+    """One call in a traced graph, as `_keyed_lookup`."""
+    return module._sequence(kjt)
 
 
 def _load_torchrec_weights(module: nn.Module, incompatible: Any) -> None:
@@ -402,7 +475,7 @@ def _load_torchrec_weights(module: nn.Module, incompatible: Any) -> None:
     prefix, weights = pending
     incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.startswith(prefix)]
     incompatible.missing_keys.extend(
-        f"{prefix}{TORCHREC_PREFIX}{name}.weight" for name in module.table_names if name not in weights
+        f"{prefix}{module.torchrec_prefix}{name}.weight" for name in module.table_names if name not in weights
     )
     current = module.export_tables()
     with torch.no_grad():
@@ -473,19 +546,26 @@ def _weighted_round(
 ) -> list[tuple[int, Tensor]]:
     """Per-id weighted sums: every id looked up as its own bag (so gradients reach each row through the
     collection's update), then weighted and summed into its bag here."""
+    out = []
+    for f, rows in _each_id_alone(collection, values, members, len(group.tables)):
+        bag = torch.repeat_interleave(torch.arange(batch), lengths[f])
+        weighted = rows * weights[f][:, None].to(rows.dtype)
+        out.append((f, rows.new_zeros(batch, rows.shape[-1]).index_add(0, bag, weighted)))
+    return out
+
+
+def _each_id_alone(
+    collection: CachedEmbeddingBagCollection, values: Sequence[Tensor], members: list[tuple[int, int]],
+    num_tables: int,
+) -> list[tuple[int, Tensor]]:
+    """(feature, rows [its ids, D]): every id of the `members` (table in group, feature) looked up as a bag
+    of its own in one call of the group's collection, so each row read trains through its update."""
     counts = [values[f].numel() for _, f in members]
-    width = max(counts + [1])
-    single = torch.zeros(len(group.tables), width, dtype=lengths.dtype)
+    single = torch.zeros(num_tables, max(counts + [1]), dtype=torch.int64)
     for (t, _), n in zip(members, counts, strict=True):
         single[t, :n] = 1
     rows = collection(SparseFeatures.from_lengths(torch.cat([values[f] for _, f in members]), single))
-    out = []
-    for t, f in members:
-        n = values[f].numel()
-        bag = torch.repeat_interleave(torch.arange(batch), lengths[f])
-        weighted = rows[:n, t] * weights[f][:, None].to(rows.dtype)
-        out.append((f, rows.new_zeros(batch, rows.shape[-1]).index_add(0, bag, weighted)))
-    return out
+    return [(f, rows[:n, t]) for (t, f), n in zip(members, counts, strict=True)]
 
 
 def keyed_tensor_of(pooled: Sequence[Tensor], feature_names: Sequence[str]) -> Any:

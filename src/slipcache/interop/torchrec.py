@@ -2,6 +2,8 @@
 
 - `KeyedCachedEmbeddingBagCollection` (`keyed.py`): our cached low-precision tables where TorchRec's
   `EmbeddingBagCollection` goes (KJT in, KeyedTensor out);
+- `KeyedCachedEmbeddingCollection` (`keyed.py`): the same tables where TorchRec's `EmbeddingCollection` goes
+  (sequence features: KJT in, a JaggedTensor of rows per feature out);
 - `KeyedCachedEmbeddingBagCollectionSharder` (`torchrec_sharding.py`): shards them under TorchRec's
   `DistributedModelParallel` (table-wise, column-wise);
 - `slipcache_planner`, `SlipcacheStorageEstimator` (`torchrec_planner.py`): TorchRec's planner, costing
@@ -18,6 +20,7 @@ from typing import Any
 from slipcache.interop.keyed import (
     INSTALL_HINT,
     KeyedCachedEmbeddingBagCollection,
+    KeyedCachedEmbeddingCollection,
     import_torchrec,
     keyed_tensor,
     keyed_tensor_of,
@@ -29,6 +32,7 @@ from slipcache.interop.keyed import (
 __all__ = [
     "INSTALL_HINT",
     "KeyedCachedEmbeddingBagCollection",
+    "KeyedCachedEmbeddingCollection",
     "import_torchrec",
     "keyed_tensor",
     "keyed_tensor_of",
