@@ -77,8 +77,8 @@ def _plan(world_size: int, table_rows: tuple[int, ...]) -> dict[str, Any]:
     return plan
 
 
-def _models(world_size: int, table_rows: tuple[int, ...],
-            meta: bool) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+def _models(world_size: int, table_rows: tuple[int, ...], meta: bool,
+            huge_pages: str = "off") -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -104,7 +104,7 @@ def _models(world_size: int, table_rows: tuple[int, ...],
     theirs_tables = EmbeddingBagCollection(tables=configs, device=torch.device("meta" if meta else "cpu"))
     if meta:
         ours = KeyedCachedEmbeddingBagCollection(configs, device="meta", precision="int8", cache_size=0.05,
-                                                 policy="lru", lr=LR)
+                                                 policy="lru", lr=LR, huge_pages=huge_pages)
         tables = {"torchrec-fp32": (theirs_tables, EmbeddingBagCollectionSharder()),
                   "ours-int8-lru5": (ours, KeyedCachedEmbeddingBagCollectionSharder())}
     else:
@@ -138,8 +138,8 @@ def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: li
         optimizer.zero_grad()
 
 
-def _rank(rank: int, world_size: int, port: int, rounds: int, steps: int, tables: str, out: str,
-          command: str) -> None:
+def _rank(rank: int, world_size: int, port: int, rounds: int, steps: int, tables: str, huge_pages: str,
+          out: str, command: str) -> None:
     import torch.distributed as dist
 
     import slipcache.distributed.launch  # noqa: F401  (before the group: see its import of torch.distributed.nn)
@@ -151,7 +151,7 @@ def _rank(rank: int, world_size: int, port: int, rounds: int, steps: int, tables
     try:
         table_rows = TABLES[tables]
         batches = _batches(rank, world_size, table_rows)
-        models = _models(world_size, table_rows, meta=tables == "kaggle")
+        models = _models(world_size, table_rows, meta=tables == "kaggle", huge_pages=huge_pages)
         for model, optimizer in models.values():
             _steps(model, optimizer, batches, 0, WARMUP_STEPS)
         done = WARMUP_STEPS
@@ -224,10 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--tables", choices=tuple(TABLES), default="review",
                         help="review: 8 tables of 521 k rows; kaggle: Criteo Kaggle's 26 tables of 33.8 M rows")
+    parser.add_argument("--huge-pages", choices=("off", "auto"), default="off",
+                        help="auto: huge pages for both sides' tables (ours by their option, TorchRec's by starting "
+                        "the ranks with THP_MEM_ALLOC_ENABLE=1); --tables kaggle only")
     parser.add_argument("--out", default="docs/bench/dmp_step.json")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.processes < 2 or GLOBAL_BATCH % args.processes:
         parser.error(f"--rounds and --steps must be at least 1, --processes at least 2 and divide {GLOBAL_BATCH}")
+    if args.huge_pages != "off" and args.tables != "kaggle":
+        parser.error("--huge-pages needs --tables kaggle")
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -235,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         port = s.getsockname()[1]
     command = "python -m benchmarks.dmp_step " + " ".join(argv if argv is not None else sys.argv[1:])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_rank, args=(args.processes, port, args.rounds, args.steps, args.tables, args.out,
-                                    command.strip()),
+    if args.huge_pages == "auto":  # read by torch's allocator when a process starts: the spawned ranks
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+    mp.start_processes(_rank, args=(args.processes, port, args.rounds, args.steps, args.tables, args.huge_pages,
+                                    args.out, command.strip()),
                        nprocs=args.processes, start_method="spawn")
     return 0
 

@@ -336,7 +336,12 @@ class KeyedCachedEmbeddingBagCollection(nn.Module):
         ordered, lengths = self._read_input(kjt, "a KeyedJaggedTensor, SparseFeatures or ids [batch, tables]")
         batch = kjt.stride()
         if not self._is_weighted and self._one_feature_per_table_in_order:  # the KJT is the group's input
-            out = self.collections[0](SparseFeatures.from_lengths(ordered.values(), lengths))
+            values = ordered.values()
+            if values.numel() == lengths.numel() and bool((lengths == 1).all()):
+                # one id per bag (Criteo's features): ids [B, T], whose lookups pool and unpool as views
+                out = self.collections[0](values.view(len(self.feature_names), batch).t())
+            else:
+                out = self.collections[0](SparseFeatures.from_lengths(values, lengths))
             return _keyed_values(out.reshape(batch, -1), self.feature_names, int(out.shape[2]))
         values = torch.split(ordered.values(), lengths.sum(dim=1).tolist())
         weights = None
