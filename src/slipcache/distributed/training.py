@@ -50,7 +50,6 @@ def unsupported(config: Any) -> str | None:
         (embeddings.embeddings != "cached",
          f"--embeddings {embeddings.embeddings} is sharded only as slipcache's cached tables (--embeddings cached)"),
         (skipping.skip_rule is not None, f"--skip-rule {skipping.skip_rule}"),
-        (skipping.input_order != "data", f"--input-order {skipping.input_order}"),
         (embeddings.storage_path is not None, "--storage-path"),
         (embeddings.prefetch, "--prefetch"),
         (embeddings.policy in _lookahead_policies(), f"--policy {embeddings.policy}"),
