@@ -184,6 +184,26 @@ def test_half_precision_on_the_wire_trains_as_fp32_does_within_its_rounding(data
 
 
 @pytest.mark.slow
+def test_random_skipping_across_two_processes_trains_like_one(tmp_path: Path) -> None:
+    """`--skip-rule random` reads no rows: every rank profiles the same hot set, draws the same skips from
+    the global positions and checks its guard on the gathered logits, so 2 processes skip the same inputs
+    and train like 1 (fp32 tables)."""
+    data = make_dataset(tmp_path / "data", n=1500, skewed=True)
+    settings = {"precision": "fp32", "cache_size": 0.25, "skip_rule": "random", "stale_hot_share": 0.6,
+                "stale_warmup": "none", "stale_warmup_min": 0.0, "stale_target": 0.5, "stale_window": 0.1,
+                "epochs": 2}
+    one = trainer.train(make_config({}, _settings(str(data), str(tmp_path / "one"), settings)))
+    run_ranks(_train_rank, _settings(str(data), str(tmp_path / "two"), settings))
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert one["skipped_fraction"] > 0.02 and two["skipped_fraction"] == one["skipped_fraction"]
+    single, double = ([e for e in _events(tmp_path / run) if e["event"] == "train"] for run in ("one", "two"))
+    assert len(single) == len(double) > 10
+    for a, b in zip(single, double, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)
+    assert two["auc"] == pytest.approx(one["auc"], abs=1e-6)
+
+
+@pytest.mark.slow
 def test_fae_order_across_two_processes_trains_like_one(tmp_path: Path) -> None:
     """`--input-order cold_first` (each epoch's cold inputs, then its hot ones) reads no rows: every rank
     profiles the same hot set from the data and reads its slice of the same reordered batches, so 2
@@ -315,6 +335,7 @@ def test_a_ranks_shards_are_priced_from_the_plan_not_from_the_whole_tables() -> 
     ("values", "expected"),
     [
         ({"skip_rule": "stale"}, "--skip-rule stale with more than one process is not supported yet: run it on one"),
+        ({"skip_rule": "loss"}, "--skip-rule loss with more than one process is not supported yet"),
         ({"embeddings": "torch"}, "--embeddings torch is sharded only as slipcache's cached tables"),
         ({"prefetch": True}, "--prefetch with more than one process is not supported yet"),
         ({"storage_path": "rows"}, "--storage-path with more than one process is not supported yet"),

@@ -108,6 +108,8 @@ class ShardedTables:
         self.table_sizes = list(table_sizes)
         self.dim = dim
         self.group = group
+        # each table's first global row, as a collection's (what the hot-set profile and random skipping use)
+        self.table_offsets = torch.cumsum(torch.tensor([0, *self.table_sizes], dtype=torch.int64), 0)
 
     def local_collections(self) -> list[Any]:
         return list(self.sharded.local_collections())

@@ -49,7 +49,9 @@ def unsupported(config: Any) -> str | None:
     refusals = [
         (embeddings.embeddings != "cached",
          f"--embeddings {embeddings.embeddings} is sharded only as slipcache's cached tables (--embeddings cached)"),
-        (skipping.skip_rule is not None, f"--skip-rule {skipping.skip_rule}"),
+        # random skipping reads no rows; the stale rule measures rows of other ranks' shards, loss pruning keeps
+        # per-input losses that each rank sees only for its slice
+        (skipping.skip_rule not in (None, "random"), f"--skip-rule {skipping.skip_rule}"),
         (embeddings.storage_path is not None, "--storage-path"),
         (embeddings.prefetch, "--prefetch"),
         (embeddings.policy in _lookahead_policies(), f"--policy {embeddings.policy}"),
