@@ -184,18 +184,22 @@ def test_half_precision_on_the_wire_trains_as_fp32_does_within_its_rounding(data
 
 
 @pytest.mark.slow
-def test_random_skipping_across_two_processes_trains_like_one(tmp_path: Path) -> None:
-    """`--skip-rule random` reads no rows: every rank profiles the same hot set, draws the same skips from
-    the global positions and checks its guard on the gathered logits, so 2 processes skip the same inputs
-    and train like 1 (fp32 tables)."""
+@pytest.mark.parametrize("rule", ["random", "stale"])
+def test_skipping_across_two_processes_trains_like_one(tmp_path: Path, rule: str) -> None:
+    """Every rank profiles the same hot set and decides on the global positions and the gathered logits;
+    `random` reads no rows, `stale` (the paper rule) reads the hot rows' snapshots from every rank's shards
+    at once (the planner cuts these tables row-wise). So 2 processes skip the same inputs and train like 1 (fp32
+    tables)."""
     data = make_dataset(tmp_path / "data", n=1500, skewed=True)
-    settings = {"precision": "fp32", "cache_size": 0.25, "skip_rule": "random", "stale_hot_share": 0.6,
-                "stale_warmup": "none", "stale_warmup_min": 0.0, "stale_target": 0.5, "stale_window": 0.1,
-                "epochs": 2}
+    settings = {"precision": "fp32", "cache_size": 0.25, "skip_rule": rule, "stale_rule": "paper",
+                "stale_hot_share": 0.6, "stale_warmup": "none", "stale_warmup_min": 0.0, "stale_target": 0.5,
+                "stale_window": 0.1, "epochs": 2}
     one = trainer.train(make_config({}, _settings(str(data), str(tmp_path / "one"), settings)))
     run_ranks(_train_rank, _settings(str(data), str(tmp_path / "two"), settings))
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert one["skipped_fraction"] > 0.02 and two["skipped_fraction"] == one["skipped_fraction"]
+    assert two["staleness"]["rows_read"] == one["staleness"]["rows_read"] and (rule == "random") == (
+        one["staleness"]["rows_read"] == 0)
     single, double = ([e for e in _events(tmp_path / run) if e["event"] == "train"] for run in ("one", "two"))
     assert len(single) == len(double) > 10
     for a, b in zip(single, double, strict=True):

@@ -114,6 +114,22 @@ class ShardedTables:
     def local_collections(self) -> list[Any]:
         return list(self.sharded.local_collections())
 
+    def read_rows(self, rows: Tensor) -> Tensor:
+        """The fp32 values [n, dim] of global rows [n], from whichever ranks hold them: each rank fills in
+        what its shards hold and a sum over the ranks completes every row. A collective: every rank calls it
+        with the same rows (as the staleness detector does, at the same points of the run)."""
+        rows = rows.to(torch.int64)
+        table = torch.searchsorted(self.table_offsets, rows, right=True) - 1
+        local = rows - self.table_offsets[table]
+        values = torch.zeros(rows.numel(), self.dim)
+        for t, name in enumerate(table_names(len(self.table_sizes))):
+            mine = (table == t).nonzero().squeeze(1)
+            if mine.numel():
+                for positions, start, part in self.sharded.held_rows(name, local[mine]):
+                    values[mine[positions], start : start + part.shape[1]] = part
+        dist.all_reduce(values, group=self.group)
+        return values
+
     @property
     def lr(self) -> float:
         return float(next(iter(self.sharded.fused_optimizer.param_groups))["lr"])

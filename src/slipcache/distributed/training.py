@@ -46,22 +46,23 @@ _PER_RANK_SETTINGS = ("progress", "tensorboard", "data", "dataset", "run_id")
 def unsupported(config: Any) -> str | None:
     """What the sharded trainer does not do yet, as the one line that refuses it; None if all is supported."""
     embeddings, skipping = config.embeddings, config.skipping
+    one_process = "with more than one process is not supported yet: run it on one process"
     refusals = [
         (embeddings.embeddings != "cached",
-         f"--embeddings {embeddings.embeddings} is sharded only as slipcache's cached tables (--embeddings cached)"),
-        # random skipping reads no rows; the stale rule measures rows of other ranks' shards, loss pruning keeps
-        # per-input losses that each rank sees only for its slice
-        (skipping.skip_rule not in (None, "random"), f"--skip-rule {skipping.skip_rule}"),
-        (embeddings.storage_path is not None, "--storage-path"),
-        (embeddings.prefetch, "--prefetch"),
-        (embeddings.policy in _lookahead_policies(), f"--policy {embeddings.policy}"),
+         f"--embeddings {embeddings.embeddings} is sharded only as slipcache's cached tables (--embeddings cached) "
+         "with more than one process"),
+        # random skipping reads no rows and the paper rule reads them from every rank at once (`read_rows`);
+        # the convergence rule counts updates, and loss pruning keeps losses, of each rank's slice only
+        (skipping.skip_rule == "loss", f"--skip-rule loss {one_process}"),
+        (skipping.skip_rule == "stale" and skipping.stale_rule != "paper",
+         f"--skip-rule stale {one_process}, or with --stale-rule paper (--stale-rule {skipping.stale_rule} counts "
+         "each rank's updates alone)"),
+        (skipping.skip_rule is not None and skipping.stale_release_cache, f"--stale-release-cache {one_process}"),
+        (embeddings.storage_path is not None, f"--storage-path {one_process}"),
+        (embeddings.prefetch, f"--prefetch {one_process}"),
+        (embeddings.policy in _lookahead_policies(), f"--policy {embeddings.policy} {one_process}"),
     ]
-    for refused, what in refusals:
-        if refused:
-            if what.startswith("--embeddings"):
-                return f"{what} with more than one process"
-            return f"{what} with more than one process is not supported yet: run it on one process"
-    return None
+    return next((line for refused, line in refusals if refused), None)
 
 
 def _lookahead_policies() -> tuple[str, ...]:

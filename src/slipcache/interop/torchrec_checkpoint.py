@@ -71,7 +71,7 @@ def sharded_state_dict(module: Any, destination: dict[str, Any], prefix: str) ->
     """Every table of the sharded `module` under `prefix`: a ShardedTensor of its fp32 rows, or for an INT8
     table its stored bytes (`int8_keys`)."""
     pieces = _local_rows(module)
-    held = _held_shards(module)
+    held = held_shards(module)
     for name, metadata in module.global_metadata().items():
         if module.table_precisions[name] == "int8":
             _int8_state(module, name, metadata, held.get(name, []), destination, prefix)
@@ -280,7 +280,7 @@ def shard_name(table: Any) -> str:
     )
 
 
-def _held_shards(module: Any) -> dict[str, list[tuple[Any, Any, int]]]:
+def held_shards(module: Any) -> dict[str, list[tuple[Any, Any, int]]]:
     """Per table this rank holds a shard of: (TorchRec's shard description, its collection, its index
     there), in the order of the rank's local shards."""
     held: dict[str, list[tuple[Any, Any, int]]] = {}
@@ -316,7 +316,7 @@ def optimizer_state(module: Any) -> dict[str, dict[str, Any]]:
     """The fused optimizer's state of every table this rank holds a shard of, fp32 copies as
     ShardedTensors (TorchRec's state names), empty for SGD."""
     state: dict[str, dict[str, Any]] = {}
-    for name, shards in _held_shards(module).items():
+    for name, shards in held_shards(module).items():
         kind = shards[0][1].config.optimizer
         if kind == "sgd":
             continue
@@ -377,7 +377,7 @@ def _local_values(value: Any) -> list[Tensor]:
 
 def load_optimizer_state(module: Any, state: Mapping[str, Mapping[str, Any]]) -> None:
     """Write `optimizer_state(module)`-shaped values (loaded in place) back into the collections."""
-    for name, shards in _held_shards(module).items():
+    for name, shards in held_shards(module).items():
         if name not in state:
             continue
         values = state[name]

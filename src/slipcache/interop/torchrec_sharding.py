@@ -67,7 +67,7 @@ from slipcache.embedding.config import EmbeddingConfig
 from slipcache.errors import SlipcacheError
 from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection
 from slipcache.interop.tables import table_precision
-from slipcache.interop.torchrec_checkpoint import load_sharded_state_dict, shard_name, sharded_state_dict
+from slipcache.interop.torchrec_checkpoint import held_shards, load_sharded_state_dict, shard_name, sharded_state_dict
 from slipcache.interop.torchrec_fused import fused_params_options
 from slipcache.interop.torchrec_optim import CachedTablesOptimizer
 
@@ -339,6 +339,21 @@ class ShardedKeyedCachedEmbeddingBagCollection(
     def local_collections(self) -> list[Any]:
         """This rank's `CachedEmbeddingBagCollection`s (stats, memory_report, flush)."""
         return [c for lookup in self.lookups for c in lookup.collections]
+
+    def held_rows(self, table: str, rows: Tensor) -> list[tuple[Tensor, int, Tensor]]:
+        """The parts of rows `rows` (of `table`, its own numbering) that this rank's shards hold, each as
+        (positions in `rows`, first column, fp32 values [positions, columns]); a data-parallel table's only on
+        rank 0, so that the ranks' parts cover each row once (`distributed.model.ShardedTables.read_rows`)."""
+        parts = []
+        for shard, collection, index in held_shards(self).get(table, []):
+            if shard.local_metadata is None and self._env.rank != 0:
+                continue
+            first, count, start, _ = _block(shard)
+            positions = ((rows >= first) & (rows < first + count)).nonzero().squeeze(1)
+            if positions.numel():
+                local = rows[positions] - first + collection.table_offsets[index]
+                parts.append((positions, start, collection.read_rows(local).float()))
+        return parts
 
 
 def _sharding_infos(
