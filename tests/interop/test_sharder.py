@@ -56,6 +56,7 @@ def _sharded_training_equals_unsharded(rank: int, world_size: int, directory: st
         scheduler.step()
         reference.lr = OPTIONS["lr"] * 0.5 ** (step + 1)
     _check_shards(sharded, reference, HELD["mixed"][rank])
+    _check_rows_read_from_every_rank(sharded.module.tables, reference)
     _checkpoint_reloads(sharded, reference, rank, directory)
 
 
@@ -195,6 +196,20 @@ def _check_row_shards(sharded: torch.nn.Module, reference: object) -> None:
     held: list[object] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(held, sorted(checked))
     assert set().union(*held) == {"t0", "t1", "t2", "t3"}  # every table checked on some rank
+    _check_rows_read_from_every_rank(module, reference)
+
+
+def _check_rows_read_from_every_rank(module: object, reference: object) -> None:
+    """Rows asked of every rank at once (`held_rows`, what the staleness detector reads across processes):
+    the parts the ranks' shards hold, summed over the ranks, are every row whole, a data-parallel table's
+    counted once; some rows are asked twice."""
+    for name, whole in zip(reference.table_names, reference.export_tables(), strict=True):
+        rows = torch.cat([torch.arange(whole.shape[0]).flip(0), torch.tensor([0, whole.shape[0] - 1])])
+        values = torch.zeros(rows.numel(), whole.shape[1])
+        for positions, start, part in module.held_rows(name, rows):
+            values[positions, start : start + part.shape[1]] = part
+        torch.distributed.all_reduce(values)
+        torch.testing.assert_close(values, whole[rows], rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
