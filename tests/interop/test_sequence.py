@@ -84,3 +84,5 @@ def test_int8_sequences_learn_and_torchrecs_weights_load() -> None:
                                                            feature_names=["f"])])
     with pytest.raises(SlipcacheError, match="no tables"):
         KeyedCachedEmbeddingCollection([])
+    with pytest.raises(SlipcacheError, match="per-id weights are not supported for sequence features"):
+        KeyedCachedEmbeddingCollection(TABLES, is_weighted=True)

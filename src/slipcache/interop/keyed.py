@@ -415,6 +415,10 @@ class KeyedCachedEmbeddingCollection(KeyedCachedEmbeddingBagCollection):
         torchrec = import_torchrec()
         if not tables:
             raise SlipcacheError("no tables: give at least one EmbeddingConfig")
+        if options.get("is_weighted"):
+            raise SlipcacheError("per-id weights are not supported for sequence features (TorchRec's "
+                                 "EmbeddingCollection takes none either)")
+        options.pop("is_weighted", None)
         pooled = [t.name for t in tables if hasattr(t, "pooling")]
         if pooled:
             raise SlipcacheError(f"table {pooled[0]!r} is an EmbeddingBagConfig (pooled): give EmbeddingConfigs, or "
