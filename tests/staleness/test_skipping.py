@@ -100,7 +100,6 @@ def test_off_is_the_plain_loop(data_dir: Path, tmp_path: Path, monkeypatch: pyte
             skip_rule=None,
             stale_target=0.9,
             stale_alpha=0.5,
-            stale_release_cache=True,
             stale_guard=False,
             stale_rule="paper",
             stale_warmup="epoch",

@@ -20,6 +20,7 @@ from slipcache.training.config import (
     PART_OF,
     PARTS,
     QUICK,
+    RESEARCH_SETTINGS,
     TrainConfig,
     config_from_saved,
     load_config_file,
@@ -137,6 +138,18 @@ def test_a_crafted_saved_config_is_checked_by_its_parts() -> None:
     saved = {**TrainConfig().flat(), "stale_alpha": 0.0, "dataset": "elsewhere", "run_id": "x"}
     with pytest.raises(SlipcacheError, match=r"config.json holds an invalid run config: --stale-alpha is a fraction"):
         config_from_saved(saved, "config.json")
+
+
+@pytest.mark.parametrize(("key", "value"), [("stale_release_cache", True), ("stale_min_accesses", 0.5),
+                                            ("stale_refit", False)])
+def test_a_saved_run_of_a_removed_variant_is_refused_and_its_off_value_reads(key: str, value: object) -> None:
+    flat = TrainConfig().flat()
+    with pytest.raises(SlipcacheError, match=rf"config.json: this run used {key} {value}, a setting") as raised:
+        config_from_saved({**flat, key: value}, "config.json")
+    assert "\n" not in str(raised.value)
+    assert config_from_saved({**flat, key: RESEARCH_SETTINGS[key]}, "config.json") == TrainConfig()
+    with pytest.raises(SlipcacheError, match=key.replace("_", "[-_]")):  # not a setting of today's trainer
+        TrainConfig.from_flat({**flat, key: value})
 
 
 def test_a_setting_of_a_library_config_has_that_configs_range_and_no_other() -> None:

@@ -57,7 +57,6 @@ def unsupported(config: Any) -> str | None:
         (skipping.skip_rule == "stale" and skipping.stale_rule != "paper",
          f"--skip-rule stale {one_process}, or with --stale-rule paper (--stale-rule {skipping.stale_rule} counts "
          "each rank's updates alone)"),
-        (skipping.skip_rule is not None and skipping.stale_release_cache, f"--stale-release-cache {one_process}"),
         (embeddings.storage_path is not None, f"--storage-path {one_process}"),
         (embeddings.prefetch, f"--prefetch {one_process}"),
         (embeddings.policy in _lookahead_policies(), f"--policy {embeddings.policy} {one_process}"),

@@ -3,12 +3,12 @@
 DLRM takes one of three collections (the fp32 `nn.EmbeddingBag` baseline, slipcache's cached tables, their
 shards over N processes); each derives from this class, so that the model, the loop and the features
 depend on this interface, not on one implementation. What only some collections do (a learning rate of
-their own, a cache to release rows from, row files on disk) is asked with `isinstance` where it is used.
+their own, row files on disk) is asked with `isinstance` where it is used.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -33,10 +33,3 @@ class EmbeddingTables(nn.Module):
     def memory_report(self) -> dict[str, Any]:
         """Bytes the tables hold, by part."""
         raise NotImplementedError
-
-
-@runtime_checkable
-class ReleasesRows(Protocol):
-    """Tables with a cache: rows can give their slots back (`--stale-release-cache`); the baseline has none."""
-
-    def release_rows(self, rows: Tensor) -> int: ...

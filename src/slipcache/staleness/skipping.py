@@ -47,13 +47,11 @@ import torch.nn.functional as F
 
 from slipcache.data.batches import Batch
 from slipcache.data.dataset import SplitArrays
-from slipcache.embedding.tables import ReleasesRows
 from slipcache.model import DLRM
 from slipcache.staleness.calibration import LabelCounts
 from slipcache.staleness.config import GuardConfig
 from slipcache.staleness.detector import StaleInputDetector
 from slipcache.staleness.guard import GuardDecision, SkipGuard
-from slipcache.staleness.hotset import HotSet
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +65,7 @@ VAL_DROP = 0.002  # validation AUC below its best since skipping began by this m
 # on, and in `--quick` the noisy 20 k-sample validation loss sometimes flattened only at the very end.
 WARMUP_LATEST = 0.5
 # profile: hot rows and the window's first read; filter: classifying inputs; counting: update counters of
-# hot rows (convergence rule); snapshots: re-checks, threshold fits and cache release; guard: its bookkeeping.
+# hot rows (convergence rule); snapshots: re-checks and threshold fits; guard: its bookkeeping.
 OVERHEAD_PARTS = ("profile", "filter", "counting", "snapshots", "guard")
 
 
@@ -95,9 +93,7 @@ class StaleSkipper:
             # kept share, 1 - D, reuses the stateless control draw); no guard, same schedule.
             self.control_share = 1.0 - float(config.skipping.stale_target)
             self.guard_every = 0
-        self.release_cache = bool(config.skipping.stale_release_cache) and hasattr(self.coll, "release_rows")
-        self.min_accesses = float(config.skipping.stale_min_accesses)
-        self.refit = bool(config.skipping.stale_refit) and config.skipping.stale_decision == "rolling"
+        self.refit = config.skipping.stale_decision == "rolling"
         self.warmup = str(config.skipping.stale_warmup)
         self.warmup_epoch = int(config.skipping.stale_warmup_epoch)
         self.warmup_floor = float(config.skipping.stale_warmup_min) * int(config.schedule.samples or 0)
@@ -116,7 +112,6 @@ class StaleSkipper:
         self.decisions: list[np.ndarray] = []  # keep masks of this epoch, in filter-call order
         self._replay = np.zeros(0, dtype=bool)  # decisions to repeat after a resume
         self._replay_pos = 0
-        self.released_rows = 0
         self.guard_checks = 0
         self.guard_actions: list[dict[str, Any]] = []
         self._reported_actions = 0
@@ -204,8 +199,6 @@ class StaleSkipper:
         elif rechecked and self.refit:
             det.refit()
             self.refits += 1
-        if rechecked and self.release_cache and det.skipping and isinstance(self.coll, ReleasesRows):
-            self.released_rows += int(self.coll.release_rows(torch.from_numpy(det.stale_rows())))
         t3 = time.perf_counter()
         if self.guard_every and self.batch % self.guard_every == 0:
             self._control_check()
@@ -271,7 +264,6 @@ class StaleSkipper:
         n = len(self.split)
         sample = self.split.sparse[det.sample_indices(n, det.config.profile_fraction, "profile")]
         det.profile(sample)
-        self._keep_frequent(sample_share=len(sample) / max(n, 1))
         det.begin_window(self.coll)
         self.window_start = self.batch
 
@@ -300,23 +292,6 @@ class StaleSkipper:
                 "skips nothing (summary.json's staleness.threshold_fits has each fit)",
                 100 * result.target, result.reason,
             )
-
-    def _keep_frequent(self, sample_share: float) -> None:
-        """Drop hot rows expected to be accessed fewer than `stale_min_accesses` times in a window.
-
-        Under the paper's rule a row untouched between two snapshots has change 0 and looks converged when it
-        was merely not sampled; this keeps such rows out of the hot set (the convergence rule needs no such
-        filter: it never judges a row without updates).
-        """
-        det = self.detector
-        hot = det.hot
-        if hot is None or not len(hot) or self.min_accesses <= 0:
-            return
-        window_inputs = self.window * self.batch_size
-        expected = hot.counts / max(sample_share, 1e-12) * window_inputs / max(len(self.split), 1)
-        keep = expected >= self.min_accesses
-        if not keep.all():
-            det.set_hot(HotSet(hot.rows[keep], hot.counts[keep], det.table_offsets))
 
     def _account_controls(self, batch: Batch, logits: torch.Tensor, control: np.ndarray,
                           loss: float | None = None) -> None:
@@ -395,7 +370,6 @@ class StaleSkipper:
             "skipping": stats["skipping"],
             "guard_drift": self.last_guard.drift if self.last_guard else None,
             "guard_actions": new_actions,
-            "released_rows": self.released_rows,
             "skip_overhead_s": self.overhead_s,
             "time_saved_s": saved,
         }
@@ -450,7 +424,6 @@ class StaleSkipper:
             "window_start": self.window_start,
             "decisions": torch.from_numpy(np.packbits(decisions)),
             "num_decisions": int(decisions.size),
-            "released_rows": self.released_rows,
             "guard_checks": self.guard_checks,
             "guard_actions": list(self.guard_actions),
             "reported_actions": self._reported_actions,
@@ -468,7 +441,7 @@ class StaleSkipper:
             raise ValueError(f"unsupported skipping state version {state.get('version')}")
         self.detector.load_state_dict(state["detector"])
         self.guard.load_state_dict(state["guard"])
-        for name in ("epoch", "batch", "trained", "released_rows", "guard_checks", "refits"):
+        for name in ("epoch", "batch", "trained", "guard_checks", "refits"):
             setattr(self, name, int(state[name]))
         self.warm, self.val_flat = bool(state["warm"]), bool(state["val_flat"])
         self.warm_at = state["warm_at"]

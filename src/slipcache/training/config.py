@@ -192,8 +192,12 @@ def cache_rows_note(config: TrainConfig, table_sizes: list[int]) -> str | None:
             f"({rows:,}), which takes more memory than fp32 tables without a cache (--embeddings torch)")
 
 
-# Settings that only studies used, now research code, with the value that meant "off".
-RESEARCH_SETTINGS: dict[str, Any] = {"freeze_rows": None, "stale_reweight": False, "stale_weight_max": None}
+# Settings slipcache train no longer has (a study's arm, now research code, or a variant no study measured),
+# with the value that meant "off".
+RESEARCH_SETTINGS: dict[str, Any] = {
+    "freeze_rows": None, "stale_reweight": False, "stale_weight_max": None,
+    "stale_min_accesses": 0.0, "stale_release_cache": False, "stale_refit": True,
+}  # fmt: skip
 
 
 def config_from_saved(saved: Any, where: str) -> TrainConfig:
@@ -203,8 +207,9 @@ def config_from_saved(saved: Any, where: str) -> TrainConfig:
     for key, off in RESEARCH_SETTINGS.items():  # runs saved while a study's arm was a setting of its own
         if saved.get(key, off) != off:
             raise SlipcacheError(
-                f"{where}: this run used {key} {saved[key]}, a study's research arm that slipcache train no longer "
-                "runs: continue it with the study that started it (python -m benchmarks.studies NAME --resume)"
+                f"{where}: this run used {key} {saved[key]}, a setting slipcache train no longer has (a study's "
+                "arm, or a variant no study measured): continue it with the version or the study that started it "
+                "(python -m benchmarks.studies NAME --resume)"
             )
     # huge_pages was None ("the environment's choice") in runs saved before it was a plain setting
     given = {k: v for k, v in saved.items() if k in CONFIG_FIELDS and not (k == "huge_pages" and v is None)}

@@ -277,12 +277,6 @@ class SkippingSettings:
                                       sets="staleness.recheck_interval")
     stale_budget_mb: float = _flag(help="hot-row snapshot budget in MiB", resume="changeable",
                                    sets="staleness.memory_budget_bytes", scale=2**20)
-    stale_min_accesses: float = _flag(0.0, "hot rows must expect this many accesses per window (0 = budget "
-                                      "only, as the paper)", resume="changeable", within="[0, inf)")
-    stale_release_cache: bool = _flag(False, "stale rows give their cache slots to rows that still move",
-                                      resume="changeable")
-    stale_refit: bool = _flag(True, "fit the threshold once per epoch (the paper) instead of at every re-check",
-                              resume="changeable", flag=("--no-stale-refit",))
     stale_rule: str = _flag(help="convergence: change per update of rows updated >= k times; paper: L-inf change "
                             "between snapshots", resume="fixed", sets="staleness.rule",
                             choices=RULES)
