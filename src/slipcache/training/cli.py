@@ -78,7 +78,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     ones most runs need, `--help-all` every one."""
     from slipcache.training.flags import HelpAll
 
-    parser.add_argument("--help-all", action=HelpAll, help="show every flag (the research options too) and exit")
+    parser.add_argument("--help-all", action=HelpAll, help="show every flag (the detailed options too) and exit")
     parser.add_argument(
         "--config", metavar="FILE", default=argparse.SUPPRESS,
         help="TOML or YAML file of config keys (a flag --a-b is the key a_b); flags override it",
@@ -90,7 +90,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = f"{parser.prog} [--data PATH] [--out DIR] [--quick] [FLAG ...]"
     parser.epilog = (
         f"These are the flags most runs need ({shown} of {len(flags)}); `{parser.prog} --help-all` "
-        "shows every one: stale-input skipping's research options, the schedule's details, the data's options."
+        "shows every one: stale-input skipping's detailed options, the schedule's details, the data's options."
     )
 
 
