@@ -33,7 +33,7 @@ def run_train(args: argparse.Namespace) -> int:
         summary = train_on_ranks(config, context)
         if not context.is_main:
             return 0
-    print(f"run: {summary['run_dir']}")
+    print(f"finished: {summary['run_dir']}")  # its start printed `run: DIR` before training
     print(format_summary(summary))
     return 0
 

@@ -278,6 +278,7 @@ def test_quick_run_from_the_command_line(quick_run: tuple[Path, str]) -> None:
     """`slipcache train --quick`: synthetic data, recommended settings, AUC > 0.70."""
     run, out = quick_run
     assert "AUC (test)" in out and "samples/s" in out
+    assert out.count(f"run: {run}\n") <= 1 and f"finished: {run}\n" in out  # named once at the start, once at the end
     summary = json.loads((run / "summary.json").read_text())
     assert summary["auc"] > 0.70
     assert summary["config"]["precision"] == "int8" and summary["config"]["embeddings"] == "cached"
