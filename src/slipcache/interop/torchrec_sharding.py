@@ -218,15 +218,15 @@ class ShardedCachedTables:
         if features.variable_stride_per_key():
             raise SlipcacheError("KeyedJaggedTensor with a batch size per feature is not supported")
         keys = list(features.keys())
-        if self._input_order is None:
+        if keys != self._input_keys:
             wanted = [f for s in self._shardings for f in s.feature_names()]
             missing = [f for f in wanted if f not in keys]
             if missing:
                 raise SlipcacheError(f"KeyedJaggedTensor has no feature {missing[0]!r} (has: {', '.join(keys)})")
+            if self._input_order is not None:
+                raise SlipcacheError("every batch's KeyedJaggedTensor must list the same features in the same order")
             self._input_order = [keys.index(f) for f in wanted]
             self._input_keys = keys
-        elif keys != self._input_keys:
-            raise SlipcacheError("every batch's KeyedJaggedTensor must list the same features in the same order")
         ordered = features.permute(self._input_order)
         return list(ordered.split([len(s.feature_names()) for s in self._shardings]))
 
