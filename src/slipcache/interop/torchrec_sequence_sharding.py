@@ -159,6 +159,11 @@ class ShardedKeyedCachedEmbeddingCollection(
             for name, order in _column_shard_order(s).items()
         }
         self._optimizer = CachedTablesOptimizer(self)
+        logger.debug(
+            "rank %d holds sequence shards %s",
+            env.rank,
+            {kind: [t.name for t in mine] for kind, mine in zip(self._sharding_types, self.local_tables, strict=True)},
+        )
 
     @property
     def unsharded_module_type(self) -> type[KeyedCachedEmbeddingCollection]:
