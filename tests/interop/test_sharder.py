@@ -56,7 +56,7 @@ def _sharded_training_equals_unsharded(rank: int, world_size: int, directory: st
         scheduler.step()
         reference.lr = OPTIONS["lr"] * 0.5 ** (step + 1)
     _check_shards(sharded, reference, HELD["mixed"][rank])
-    _check_rows_read_from_every_rank(sharded.module.tables, reference)
+    shards.check_rows_read_from_every_rank(sharded.module.tables, reference)
     _checkpoint_reloads(sharded, reference, rank, directory)
 
 
@@ -168,48 +168,8 @@ def _every_sharding_type_equals_unsharded(
         torch.testing.assert_close(sum(losses), reference_loss.detach(), rtol=0, atol=1e-5)
         loss.backward()
         (reference_loss / world_size).backward()
-    _check_row_shards(sharded, reference)
+    shards.check_row_shards(sharded, reference)
     _checkpoint_reloads(sharded, reference, rank, directory)
-
-
-def _check_row_shards(sharded: torch.nn.Module, reference: object) -> None:
-    """Every shard this rank holds (any sharding type) equals its rows and columns of the reference."""
-    module = sharded.module.tables
-    names = reference.table_names
-    full = reference.export_tables()
-    checked = set()
-    for lookup, tables in zip(module.lookups, module.local_tables, strict=True):
-        if not tables:
-            continue
-        for table, rows in zip(tables, lookup.export_tables(), strict=True):
-            whole = full[names.index(table.name)]
-            if table.local_metadata is None:  # data-parallel: the whole table on every rank
-                expected = whole
-            else:
-                (first, start), (count, width) = (
-                    table.local_metadata.shard_offsets,
-                    table.local_metadata.shard_sizes,
-                )
-                expected = whole[first : first + count, start : start + width]
-            torch.testing.assert_close(rows, expected, rtol=0, atol=1e-6)
-            checked.add(table.name)
-    held: list[object] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(held, sorted(checked))
-    assert set().union(*held) == {"t0", "t1", "t2", "t3"}  # every table checked on some rank
-    _check_rows_read_from_every_rank(module, reference)
-
-
-def _check_rows_read_from_every_rank(module: object, reference: object) -> None:
-    """Rows asked of every rank at once (`held_rows`, what the staleness detector reads across processes):
-    the parts the ranks' shards hold, summed over the ranks, are every row whole, a data-parallel table's
-    counted once; some rows are asked twice."""
-    for name, whole in zip(reference.table_names, reference.export_tables(), strict=True):
-        rows = torch.cat([torch.arange(whole.shape[0]).flip(0), torch.tensor([0, whole.shape[0] - 1])])
-        values = torch.zeros(rows.numel(), whole.shape[1])
-        for positions, start, part in module.held_rows(name, rows):
-            values[positions, start : start + part.shape[1]] = part
-        torch.distributed.all_reduce(values)
-        torch.testing.assert_close(values, whole[rows], rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Tables, batches and plans the DMP tests share: four tables (dims 8 and 4, sum and mean pooling, one read
 by two features), multi-hot batches, and plans of table-wise, column-wise, table-column-wise, row-wise and
-data-parallel shards."""
+data-parallel shards; the same for sequence tables (one width, unpooled); checks of the shards' rows."""
 
 from __future__ import annotations
 
@@ -177,3 +177,113 @@ def shard_pair(
         models.append((sharded, dense_optimizer(dense.values())))
     models[1][0].load_state_dict(models[0][0].state_dict())
     return models
+
+
+def check_row_shards(sharded: torch.nn.Module, reference: object) -> None:
+    """Every shard this rank holds (any sharding type) equals its rows and columns of the reference."""
+    module = sharded.module.tables
+    names = reference.table_names
+    full = reference.export_tables()
+    checked = set()
+    for lookup, tables in zip(module.lookups, module.local_tables, strict=True):
+        if not tables:
+            continue
+        for table, rows in zip(tables, lookup.export_tables(), strict=True):
+            whole = full[names.index(table.name)]
+            if table.local_metadata is None:  # data-parallel: the whole table on every rank
+                expected = whole
+            else:
+                (first, start), (count, width) = (
+                    table.local_metadata.shard_offsets,
+                    table.local_metadata.shard_sizes,
+                )
+                expected = whole[first : first + count, start : start + width]
+            torch.testing.assert_close(rows, expected, rtol=0, atol=1e-6)
+            checked.add(table.name)
+    held: list[object] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(held, sorted(checked))
+    assert set().union(*held) == {"t0", "t1", "t2", "t3"}  # every table checked on some rank
+    check_rows_read_from_every_rank(module, reference)
+
+
+def check_rows_read_from_every_rank(module: object, reference: object) -> None:
+    """Rows asked of every rank at once (`held_rows`, what the staleness detector reads across processes):
+    the parts the ranks' shards hold, summed over the ranks, are every row whole, a data-parallel table's
+    counted once; some rows are asked twice."""
+    for name, whole in zip(reference.table_names, reference.export_tables(), strict=True):
+        rows = torch.cat([torch.arange(whole.shape[0]).flip(0), torch.tensor([0, whole.shape[0] - 1])])
+        values = torch.zeros(rows.numel(), whole.shape[1])
+        for positions, start, part in module.held_rows(name, rows):
+            values[positions, start : start + part.shape[1]] = part
+        torch.distributed.all_reduce(values)
+        torch.testing.assert_close(values, whole[rows], rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- sequence tables (unpooled)
+SEQUENCE_KINDS = ("table_wise", "column_wise", "row_wise", "data_parallel", "mixed")
+
+
+def sequence_tables() -> list:
+    """Four tables of one width (a sequence sharding type sends one), one read by two features."""
+    from torchrec import EmbeddingConfig
+
+    return [
+        EmbeddingConfig(name="t0", embedding_dim=8, num_embeddings=40, feature_names=["f0"]),
+        EmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=20, feature_names=["f1"]),
+        EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=30, feature_names=["f2", "f3"]),
+        EmbeddingConfig(name="t3", embedding_dim=8, num_embeddings=25, feature_names=["f4"]),
+    ]
+
+
+def sequence_plan(module: torch.nn.Module, sharder: object, kind: str) -> object:
+    """Every table of one sharding type (column-wise: shards in reversed rank order, two on one rank), or
+    "mixed": the four types in one collection."""
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_wise,
+    )
+    from torchrec.distributed.types import ShardingPlan
+
+    per_table = {
+        "table_wise": {"t0": table_wise(rank=1), "t1": table_wise(rank=0), "t2": table_wise(rank=1),
+                       "t3": table_wise(rank=0)},
+        "column_wise": {"t0": column_wise(ranks=[0, 1]), "t1": column_wise(ranks=[1, 0]),
+                        "t2": column_wise(ranks=[1, 0]), "t3": column_wise(ranks=[1, 1])},
+        "row_wise": {name: row_wise() for name in ("t0", "t1", "t2", "t3")},
+        "data_parallel": {name: data_parallel() for name in ("t0", "t1", "t2", "t3")},
+        "mixed": {"t0": row_wise(), "t1": data_parallel(), "t2": column_wise(ranks=[1, 0]),
+                  "t3": table_wise(rank=1)},
+    }[kind]
+    plan = construct_module_sharding_plan(module, per_table, sharder=sharder, device_type="cpu")
+    return ShardingPlan({"tables": plan})
+
+
+class SequenceModel(torch.nn.Module):
+    def __init__(self, tables: torch.nn.Module) -> None:
+        super().__init__()
+        self.tables = tables
+
+    def forward(self, kjt: object) -> dict:
+        return self.tables(kjt)
+
+
+def sequence_batch(step: int, rank: int) -> object:
+    """Sequences of 0 to 4 ids, features listed in another order than the tables'; every rank's first
+    sample of each feature repeats one id (the same on every rank), so rows are read several times."""
+    from torchrec import KeyedJaggedTensor
+
+    sizes = {"f3": 30, "f0": 40, "f4": 25, "f1": 20, "f2": 30}
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    lengths = torch.randint(0, 5, (len(sizes), BATCH), generator=generator)
+    lengths[:, 0] = 3
+    values = []
+    for i, n in enumerate(sizes.values()):
+        ids = torch.randint(0, n, (int(lengths[i].sum()),), generator=generator)
+        ids[:2] = (7 * step + i) % n
+        values.append(ids)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=list(sizes), values=torch.cat(values), lengths=lengths.reshape(-1)
+    )

@@ -406,7 +406,8 @@ class KeyedCachedEmbeddingCollection(KeyedCachedEmbeddingBagCollection):
     lengths}, as TorchRec's. Built from TorchRec `EmbeddingConfig`s; storage, cache, fused update, options
     and TorchRec's optimizer conventions are the bag collection's: every id is looked up as a bag of its
     own, so each row read trains. TorchRec's weights load from `embeddings.<table>.weight`. Tables of
-    several dims are allowed (TorchRec's collection wants one). Not sharded under DMP yet."""
+    several dims are allowed (TorchRec's collection wants one). Under `DistributedModelParallel` the tables
+    are sharded by `KeyedCachedEmbeddingCollectionSharder`."""
 
     torchrec_prefix = "embeddings."  # TorchRec's EmbeddingCollection: embeddings.<table>.weight
 

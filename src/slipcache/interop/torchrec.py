@@ -4,8 +4,10 @@
   `EmbeddingBagCollection` goes (KJT in, KeyedTensor out);
 - `KeyedCachedEmbeddingCollection` (`keyed.py`): the same tables where TorchRec's `EmbeddingCollection` goes
   (sequence features: KJT in, a JaggedTensor of rows per feature out);
-- `KeyedCachedEmbeddingBagCollectionSharder` (`torchrec_sharding.py`): shards them under TorchRec's
-  `DistributedModelParallel` (table-wise, column-wise);
+- `KeyedCachedEmbeddingBagCollectionSharder` (`torchrec_sharding.py`): shards the bag collection under
+  TorchRec's `DistributedModelParallel`;
+- `KeyedCachedEmbeddingCollectionSharder` (`torchrec_sequence_sharding.py`): shards the sequence collection
+  (table-wise, column-wise, row-wise, data-parallel);
 - `slipcache_planner`, `SlipcacheStorageEstimator` (`torchrec_planner.py`): TorchRec's planner, costing
   these tables by what they hold.
 
@@ -48,6 +50,11 @@ def __getattr__(name: str) -> Any:
         from slipcache.interop import torchrec_sharding
 
         return getattr(torchrec_sharding, name)
+    if name in ("KeyedCachedEmbeddingCollectionSharder", "ShardedKeyedCachedEmbeddingCollection"):
+        import_torchrec()
+        from slipcache.interop import torchrec_sequence_sharding
+
+        return getattr(torchrec_sequence_sharding, name)
     if name in ("slipcache_planner", "SlipcacheStorageEstimator"):
         import_torchrec()
         from slipcache.interop import torchrec_planner

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -59,13 +59,18 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingTableConfig, PoolingType
+from torchrec.modules.embedding_configs import (
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    EmbeddingTableConfig,
+    PoolingType,
+)
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from slipcache.embedding.config import EmbeddingConfig
+from slipcache.embedding.config import EmbeddingConfig as SlipcacheConfig
 from slipcache.errors import SlipcacheError
-from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection
+from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection, KeyedCachedEmbeddingCollection
 from slipcache.interop.tables import table_precision
 from slipcache.interop.torchrec_checkpoint import held_shards, load_sharded_state_dict, shard_name, sharded_state_dict
 from slipcache.interop.torchrec_fused import fused_params_options
@@ -89,17 +94,14 @@ REFUSAL = "table {table!r}: {kind} sharding is not offered for slipcache's table
 )
 
 
-class KeyedCachedEmbeddingBagCollectionSharder(ModuleSharder[KeyedCachedEmbeddingBagCollection]):
-    """TorchRec's sharder for `KeyedCachedEmbeddingBagCollection`: table-wise, column-wise,
-    table-column-wise, row-wise, table-row-wise and data-parallel, on CPU and GPUs.
+Tables = TypeVar("Tables", bound=KeyedCachedEmbeddingBagCollection)
 
-    `ParameterConstraints(cache_params=CacheParams(load_factor=s))` for a table sets its cache share `s`
-    (our `cache_size`) in its shards; precision and the other options are the collection's own.
-    `fused_params` (as TorchRec's `EmbeddingBagCollectionSharder`'s: optimizer, learning_rate, eps,
-    weight_decay, weight_decay_mode L2, beta1, beta2, stochastic_rounding, cache_load_factor) override the
-    collection's options in every shard, and what `apply_optimizer_in_backward` set on the collection's
-    parameters overrides them (`torchrec_fused.py`); other keys are refused in one line.
-    """
+
+class CachedTablesSharder(ModuleSharder[Tables]):
+    """What the sharders of our bag and sequence collections share: fused_params, the tables' shapes for the
+    planner, the sharding types offered (`offered`) and their compute kernels."""
+
+    offered: tuple[str, ...] = SHARDING_TYPES
 
     def __init__(
         self,
@@ -115,6 +117,44 @@ class KeyedCachedEmbeddingBagCollectionSharder(ModuleSharder[KeyedCachedEmbeddin
         """The sharder's fused_params, as given (TorchRec's planner reads `cache_load_factor` from them)."""
         return dict(self._fused_params)
 
+    def shard_overrides(self, module: KeyedCachedEmbeddingBagCollection) -> dict[str, Any]:
+        """The options that replace the module's in every shard: fused_params, then what
+        `apply_optimizer_in_backward` set on the module's parameters."""
+        overrides = fused_params_options(self._fused_params)
+        overrides.update(module.in_backward_options() or {})
+        return overrides
+
+    def shardable_parameters(self, module: Tables) -> dict[str, nn.Parameter]:
+        """Each table's shape, for the planner (the rows are not parameters: no memory is allocated)."""
+        return {
+            str(t.name): nn.Parameter(
+                torch.empty(int(t.num_embeddings), int(t.embedding_dim), device="meta"), requires_grad=False
+            )
+            for t in module.embedding_bag_configs()
+        }
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return list(self.offered)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        # data-parallel as TorchRec's planner and `data_parallel()` plan it (the update is ours either way)
+        if sharding_type == DP:
+            return [EmbeddingComputeKernel.DENSE.value]
+        return [EmbeddingComputeKernel.FUSED.value]
+
+
+class KeyedCachedEmbeddingBagCollectionSharder(CachedTablesSharder[KeyedCachedEmbeddingBagCollection]):
+    """TorchRec's sharder for `KeyedCachedEmbeddingBagCollection`: table-wise, column-wise,
+    table-column-wise, row-wise, table-row-wise and data-parallel, on CPU and GPUs.
+
+    `ParameterConstraints(cache_params=CacheParams(load_factor=s))` for a table sets its cache share `s`
+    (our `cache_size`) in its shards; precision and the other options are the collection's own.
+    `fused_params` (as TorchRec's `EmbeddingBagCollectionSharder`'s: optimizer, learning_rate, eps,
+    weight_decay, weight_decay_mode L2, beta1, beta2, stochastic_rounding, cache_load_factor) override the
+    collection's options in every shard, and what `apply_optimizer_in_backward` set on the collection's
+    parameters overrides them (`torchrec_fused.py`); other keys are refused in one line.
+    """
+
     @property
     def module_type(self) -> type[KeyedCachedEmbeddingBagCollection]:
         return KeyedCachedEmbeddingBagCollection
@@ -127,33 +167,116 @@ class KeyedCachedEmbeddingBagCollectionSharder(ModuleSharder[KeyedCachedEmbeddin
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedKeyedCachedEmbeddingBagCollection:
-        overrides = fused_params_options(self._fused_params)
-        overrides.update(module.in_backward_options() or {})
         return ShardedKeyedCachedEmbeddingBagCollection(
-            module, params, env, device or torch.device("cpu"), self.qcomm_codecs_registry, overrides
+            module, params, env, device or torch.device("cpu"), self.qcomm_codecs_registry,
+            self.shard_overrides(module),
         )
 
-    def shardable_parameters(self, module: KeyedCachedEmbeddingBagCollection) -> dict[str, nn.Parameter]:
-        """Each table's shape, for the planner (the rows are not parameters: no memory is allocated)."""
-        return {
-            str(t.name): nn.Parameter(
-                torch.empty(int(t.num_embeddings), int(t.embedding_dim), device="meta"), requires_grad=False
-            )
-            for t in module.embedding_bag_configs()
-        }
 
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        return list(SHARDING_TYPES)
+class ShardedCachedTables:
+    """What one rank's part of our sharded bag and sequence collections share: its lookups (one of our
+    collections per sharding type, `_place_shards`), the fused optimizer, the checkpoint (TorchRec's
+    ShardedTensors, `torchrec_checkpoint.py`) and the rows it holds."""
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        # data-parallel as TorchRec's planner and `data_parallel()` plan it (the update is ours either way)
-        if sharding_type == DP:
-            return [EmbeddingComputeKernel.DENSE.value]
-        return [EmbeddingComputeKernel.FUSED.value]
+    _env: ShardingEnv
+    _shardings: list[Any]
+    _sharding_types: list[str]
+    _configs: list[Any]
+    _optimizer: CachedTablesOptimizer
+    _input_order: list[int] | None  # the input KJT's features in the shardings' order, from the first batch
+    _input_keys: list[str]
+    local_tables: list[list[Any]]
+    lookups: Sequence[KeyedCachedEmbeddingBagCollection | NoShards]
+    table_precisions: dict[str, str]
+
+    def _place_shards(
+        self,
+        module: KeyedCachedEmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        device: torch.device,
+        overrides: Mapping[str, Any],
+    ) -> None:
+        """This rank's shards of each sharding type as one of our collections, their rows the module's."""
+        # per sharding type: TorchRec's description of each shard this rank holds, in its lookup's order
+        self.local_tables = [
+            _tables_of_rank(kind, sharding, self._env.rank)
+            for kind, sharding in zip(self._sharding_types, self._shardings, strict=True)
+        ]
+        tables = _shard_rows_source(module, [t for mine in self.local_tables for t in mine])
+        lookups = nn.ModuleList(
+            _local_lookup(module, mine, params, device, tables, overrides, kind)
+            for kind, mine in zip(self._sharding_types, self.local_tables, strict=True)
+        )
+        # A ModuleList (child modules: state dict, device moves); to a type checker, what it holds.
+        self.lookups = cast("Sequence[KeyedCachedEmbeddingBagCollection | NoShards]", lookups)
+        # each table's storage precision (an INT8 table's checkpoint holds its stored bytes)
+        self.table_precisions = {str(t.name): table_precision(module.options, t) for t in self._configs}
+
+    def _split_by_sharding(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
+        """The features each sharding type reads, in its order (a column-wise table's once per column shard),
+        once the KJT is checked: one batch size, every feature, the first batch's key order."""
+        if features.variable_stride_per_key():
+            raise SlipcacheError("KeyedJaggedTensor with a batch size per feature is not supported")
+        keys = list(features.keys())
+        if keys != self._input_keys:
+            wanted = [f for s in self._shardings for f in s.feature_names()]
+            missing = [f for f in wanted if f not in keys]
+            if missing:
+                raise SlipcacheError(f"KeyedJaggedTensor has no feature {missing[0]!r} (has: {', '.join(keys)})")
+            if self._input_order is not None:
+                raise SlipcacheError("every batch's KeyedJaggedTensor must list the same features in the same order")
+            self._input_order = [keys.index(f) for f in wanted]
+            self._input_keys = keys
+        ordered = features.permute(self._input_order)
+        return list(ordered.split([len(s.feature_names()) for s in self._shardings]))
+
+    @property
+    def fused_optimizer(self) -> CachedTablesOptimizer:
+        return self._optimizer
+
+    @property
+    def process_group(self) -> Any:
+        return self._env.process_group
+
+    def global_metadata(self) -> dict[str, Any]:
+        """Each table's shards over the ranks (TorchRec's ShardedTensorMetadata), in table order."""
+        found = {t.name: t.global_metadata for s in self._shardings for t in _every_table(s)}
+        # data-parallel tables: None (every rank holds the whole table, saved as a plain tensor)
+        return {str(t.name): found[str(t.name)] for t in self._configs}
+
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """TorchRec's keys, one ShardedTensor of fp32 rows per table (`torchrec_checkpoint.py`)."""
+        return sharded_state_dict(self, OrderedDict() if destination is None else destination, prefix)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        return load_sharded_state_dict(self, state_dict, strict)
+
+    def local_collections(self) -> list[Any]:
+        """This rank's `CachedEmbeddingBagCollection`s (stats, memory_report, flush)."""
+        return [c for lookup in self.lookups for c in lookup.collections]
+
+    def held_rows(self, table: str, rows: Tensor) -> list[tuple[Tensor, int, Tensor]]:
+        """The parts of rows `rows` (of `table`, its own numbering) that this rank's shards hold, each as
+        (positions in `rows`, first column, fp32 values [positions, columns]); a data-parallel table's only on
+        rank 0, so that the ranks' parts cover each row once (`distributed.model.ShardedTables.read_rows`)."""
+        parts = []
+        for shard, collection, index in held_shards(self).get(table, []):
+            if shard.local_metadata is None and self._env.rank != 0:
+                continue
+            first, count, start, _ = _block(shard)
+            positions = ((rows >= first) & (rows < first + count)).nonzero().squeeze(1)
+            if positions.numel():
+                local = rows[positions] - first + collection.table_offsets[index]
+                parts.append((positions, start, collection.read_rows(local).float()))
+        return parts
 
 
 class ShardedKeyedCachedEmbeddingBagCollection(
-    ShardedModule[KJTList, list[Tensor], KeyedTensor, EmbeddingBagCollectionContext], FusedOptimizerModule
+    ShardedCachedTables,
+    ShardedModule[KJTList, list[Tensor], KeyedTensor, EmbeddingBagCollectionContext],
+    FusedOptimizerModule,
 ):
     """One rank's part of a sharded `KeyedCachedEmbeddingBagCollection`.
 
@@ -181,7 +304,7 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         self._configs = module.embedding_bag_configs()
         self._feature_names = list(module.feature_names)
         self._is_weighted = module.is_weighted()
-        infos = _sharding_infos(module, params)
+        infos = sharding_infos(module, params, SHARDING_TYPES, REFUSAL)
         self._sharding_types = [kind for kind in SHARDING_TYPES if infos.get(kind)]
         self._shardings = [
             _sharding(kind, infos[kind], env, device, qcomm_codecs_registry) for kind in self._sharding_types
@@ -193,24 +316,11 @@ class ShardedKeyedCachedEmbeddingBagCollection(
             _output_dist(kind, s, env, device)
             for kind, s in zip(self._sharding_types, self._shardings, strict=True)
         )
-        # per sharding type: TorchRec's description of each shard this rank holds, in its lookup's order
-        self.local_tables = [
-            _tables_of_rank(kind, sharding, env.rank)
-            for kind, sharding in zip(self._sharding_types, self._shardings, strict=True)
-        ]
-        tables = _shard_rows_source(module, [t for mine in self.local_tables for t in mine])
-        lookups = nn.ModuleList(
-            _local_lookup(module, mine, params, device, tables, overrides or {}, kind)
-            for kind, mine in zip(self._sharding_types, self.local_tables, strict=True)
-        )
-        # A ModuleList (child modules: state dict, device moves); to a type checker, what it holds.
-        self.lookups = cast("Sequence[KeyedCachedEmbeddingBagCollection | _NoShards]", lookups)
-        self._input_order: list[int] | None = None  # the input KJT's features in the shardings' order
-        self._input_keys: list[str] = []
+        self._place_shards(module, params, device, overrides or {})
+        self._input_order = None
+        self._input_keys = []
         self._dist_names = [n for s in self._shardings for n in s.embedding_names()]
         self._kt_dims = [int(t.embedding_dim) for t in self._configs for _ in t.feature_names]
-        # each table's storage precision (an INT8 table's checkpoint holds its stored bytes)
-        self.table_precisions = {str(t.name): table_precision(module.options, t) for t in self._configs}
         self.register_buffer("_columns", _output_columns(self._shardings, self._configs), persistent=False)
         # the output distributions already deliver the columns in table order (a row-wise-only plan)
         self._columns_in_order = bool(torch.equal(self._columns, torch.arange(len(self._columns))))
@@ -222,10 +332,6 @@ class ShardedKeyedCachedEmbeddingBagCollection(
             for f in t.feature_names
         ]
         self._optimizer = CachedTablesOptimizer(self)
-
-    @property
-    def fused_optimizer(self) -> CachedTablesOptimizer:
-        return self._optimizer
 
     @property
     def unsharded_module_type(self) -> type[KeyedCachedEmbeddingBagCollection]:
@@ -245,26 +351,9 @@ class ShardedKeyedCachedEmbeddingBagCollection(
         self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KJTList]]:
         """The features grouped by sharding type, each sent by TorchRec's KJT all-to-all to its tables."""
-        if features.variable_stride_per_key():
-            raise SlipcacheError("KeyedJaggedTensor with a batch size per feature is not supported")
-        if self._input_order is None:
-            keys = list(features.keys())
-            wanted = [f for s in self._shardings for f in s.feature_names()]
-            missing = [f for f in wanted if f not in keys]
-            if missing:
-                raise SlipcacheError(
-                    f"KeyedJaggedTensor has no feature {missing[0]!r} (has: {', '.join(keys)})"
-                )
-            self._input_order = [keys.index(f) for f in wanted]
-            self._input_keys = keys
-        elif list(features.keys()) != self._input_keys:
-            raise SlipcacheError(
-                "every batch's KeyedJaggedTensor must list the same features in the same order"
-            )
         with torch.no_grad():
+            splits = self._split_by_sharding(features)
             ctx.divisor = self._mean_divisor(features)
-            ordered = features.permute(self._input_order)
-            splits = ordered.split([len(s.feature_names()) for s in self._shardings])
             awaitables = []
             for dist, part in zip(self._input_dists, splits, strict=True):
                 awaitables.append(dist(part))
@@ -316,57 +405,22 @@ class ShardedKeyedCachedEmbeddingBagCollection(
             key_dim=1,
         )
 
-    # ------------------------------------------------------------------------- tables
-    @property
-    def process_group(self) -> Any:
-        return self._env.process_group
 
-    def global_metadata(self) -> dict[str, Any]:
-        """Each table's shards over the ranks (TorchRec's ShardedTensorMetadata), in table order."""
-        found = {t.name: t.global_metadata for s in self._shardings for t in _every_table(s)}
-        # data-parallel tables: None (every rank holds the whole table, saved as a plain tensor)
-        return {str(t.name): found[str(t.name)] for t in self._configs}
-
-    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        """TorchRec's keys, one ShardedTensor of fp32 rows per table (`torchrec_checkpoint.py`)."""
-        return sharded_state_dict(self, OrderedDict() if destination is None else destination, prefix)
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        return load_sharded_state_dict(self, state_dict, strict)
-
-    def local_collections(self) -> list[Any]:
-        """This rank's `CachedEmbeddingBagCollection`s (stats, memory_report, flush)."""
-        return [c for lookup in self.lookups for c in lookup.collections]
-
-    def held_rows(self, table: str, rows: Tensor) -> list[tuple[Tensor, int, Tensor]]:
-        """The parts of rows `rows` (of `table`, its own numbering) that this rank's shards hold, each as
-        (positions in `rows`, first column, fp32 values [positions, columns]); a data-parallel table's only on
-        rank 0, so that the ranks' parts cover each row once (`distributed.model.ShardedTables.read_rows`)."""
-        parts = []
-        for shard, collection, index in held_shards(self).get(table, []):
-            if shard.local_metadata is None and self._env.rank != 0:
-                continue
-            first, count, start, _ = _block(shard)
-            positions = ((rows >= first) & (rows < first + count)).nonzero().squeeze(1)
-            if positions.numel():
-                local = rows[positions] - first + collection.table_offsets[index]
-                parts.append((positions, start, collection.read_rows(local).float()))
-        return parts
-
-
-def _sharding_infos(
-    module: KeyedCachedEmbeddingBagCollection, params: dict[str, ParameterSharding]
+def sharding_infos(
+    module: KeyedCachedEmbeddingBagCollection,
+    params: dict[str, ParameterSharding],
+    offered: Sequence[str],
+    refusal: str,
 ) -> dict[str, list[EmbeddingShardingInfo]]:
-    """TorchRec's per-table sharding inputs, by sharding type (every table planned, row-wise refused)."""
+    """TorchRec's per-table sharding inputs, by sharding type (every table planned, each of a type in
+    `offered`; another type is refused by `refusal`, formatted with the table and the type)."""
     infos: dict[str, list[EmbeddingShardingInfo]] = {}
     for config in module.embedding_bag_configs():
         sharding = params.get(str(config.name))
         if sharding is None:
             raise SlipcacheError(f"the sharding plan has no entry for table {config.name!r}")
-        if sharding.sharding_type not in SHARDING_TYPES:
-            raise SlipcacheError(REFUSAL.format(table=config.name, kind=sharding.sharding_type))
+        if sharding.sharding_type not in offered:
+            raise SlipcacheError(refusal.format(table=config.name, kind=sharding.sharding_type))
         table = EmbeddingTableConfig(
             num_embeddings=int(config.num_embeddings),
             embedding_dim=int(config.embedding_dim),
@@ -404,7 +458,7 @@ def _sharding(
 
 def _input_dist(kind: str, sharding: Any, env: ShardingEnv) -> nn.Module:
     if kind == DP:
-        return _ReplicatedFeaturesDist(env.process_group, len(sharding.feature_names()), env.world_size)
+        return ReplicatedFeaturesDist(env.process_group, len(sharding.feature_names()), env.world_size)
     return sharding.create_input_dist()
 
 
@@ -414,7 +468,7 @@ def _output_dist(kind: str, sharding: Any, env: ShardingEnv, device: torch.devic
     return sharding.create_output_dist(device)
 
 
-class _ReplicatedFeaturesDist(nn.Module):
+class ReplicatedFeaturesDist(nn.Module):
     """Data-parallel input distribution: every rank's features to every rank (the global batch, samples in
     rank order), by TorchRec's KJT all-to-all of the features repeated once per rank."""
 
@@ -436,7 +490,7 @@ class _ReplicatedFeaturesDist(nn.Module):
         return self._dist(repeated)
 
 
-class _ReplicaSlice(torch.autograd.Function):
+class ReplicaSlice(torch.autograd.Function):
     """Forward: this rank's samples of the global batch's pooled rows; backward: the gradients of every
     rank's samples (all-gathered, divided by the ranks as TorchRec's output distributions divide them), so
     that every replica updates its rows by the same global gradient."""
@@ -466,7 +520,7 @@ class _ReplicaSlice(torch.autograd.Function):
 
 
 class _ReplicaOutputDist(nn.Module):
-    """Data-parallel output distribution: this rank's samples, the gradient all-gathered (`_ReplicaSlice`)."""
+    """Data-parallel output distribution: this rank's samples, the gradient all-gathered (`ReplicaSlice`)."""
 
     def __init__(self, pg: Any, rank: int) -> None:
         super().__init__()
@@ -478,10 +532,10 @@ class _ReplicaOutputDist(nn.Module):
         if sharding_ctx is None or not sharding_ctx.batch_size_per_rank:
             raise RuntimeError("data-parallel output distribution needs the batch size of every rank")
         sizes = [int(b) for b in sharding_ctx.batch_size_per_rank]
-        return _Done(_ReplicaSlice.apply(pooled, sizes, self._rank, self._pg))
+        return Done(ReplicaSlice.apply(pooled, sizes, self._rank, self._pg))
 
 
-class _Done(Awaitable[Tensor]):
+class Done(Awaitable[Tensor]):
     def __init__(self, value: Tensor) -> None:
         super().__init__()
         self._value = value
@@ -501,7 +555,7 @@ def _feature_columns(configs: list[Any], feature: str) -> tuple[int, int]:
     raise KeyError(feature)
 
 
-class _NoShards(nn.Module):
+class NoShards(nn.Module):
     """The lookup of a rank that holds no table of a sharding type: it still takes part in the
     all-to-alls (and in their backward, so it answers with an empty output that takes gradients)."""
 
@@ -510,19 +564,23 @@ class _NoShards(nn.Module):
 
 
 def _local_pooled(
-    lookup: KeyedCachedEmbeddingBagCollection | _NoShards, features: KeyedJaggedTensor, batch: int, training: bool
+    lookup: KeyedCachedEmbeddingBagCollection | NoShards, features: KeyedJaggedTensor, batch: int, training: bool
 ) -> Tensor:
     """Pooled [global batch, this rank's columns] of the features the input distribution delivered."""
-    if isinstance(lookup, _NoShards):
+    if isinstance(lookup, NoShards):
         return torch.zeros(batch, 0).requires_grad_(training and torch.is_grad_enabled())
-    renamed = KeyedJaggedTensor(
+    return lookup(by_position(lookup, features)).values()
+
+
+def by_position(lookup: KeyedCachedEmbeddingBagCollection, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The features an input distribution delivered, named as the lookup's (by position)."""
+    return KeyedJaggedTensor(
         keys=list(lookup.feature_names),
         values=features.values(),
         lengths=features.lengths(),
         weights=features.weights_or_none(),
         stride=features.stride(),
     )
-    return lookup(renamed).values()
 
 
 def _sharding_context(features: KeyedJaggedTensor) -> EmbeddingShardingContext:
@@ -575,7 +633,7 @@ def _shard_options(
         if params[t.name].cache_params is not None and params[t.name].cache_params.load_factor is not None
     }
     if shares:
-        default = options.get("cache_size", EmbeddingConfig.cache_size)
+        default = options.get("cache_size", SlipcacheConfig.cache_size)
         per_table = default if isinstance(default, Mapping) else {shard_name(t): default for t in mine}
         options["cache_size"] = {**per_table, **shares}
     return options
@@ -655,27 +713,32 @@ def _local_lookup(
     """This rank's shards of one sharding type as our collection. Its features are named by position (a
     column-wise table split twice on one rank reads its features twice), in the order the input
     distribution delivers them; its rows are the module's (rounded per shard), or its own draw on meta.
-    Row-wise shards of a mean-pooled table sum (the sharded module divides the combined sums)."""
+    Row-wise shards of a mean-pooled table sum (the sharded module divides the combined sums). A sequence
+    collection's shards are a sequence collection (rows per id, unpooled)."""
     names = [str(t.name) for t in module.embedding_bag_configs()]
-    configs, position = [], 0
+    sequence = isinstance(module, KeyedCachedEmbeddingCollection)
+    configs: list[Any] = []
+    position = 0
     for table in mine:
-        count = len(table.feature_names)
-        configs.append(
-            EmbeddingBagConfig(
-                num_embeddings=int(table.local_rows),
-                embedding_dim=int(table.local_cols),
-                name=shard_name(table),
-                feature_names=[str(p) for p in range(position, position + count)],
-                pooling=PoolingType.SUM if kind in ROW_CUTS else table.pooling,
-            )
+        shape = dict(
+            num_embeddings=int(table.local_rows),
+            embedding_dim=int(table.local_cols),
+            name=shard_name(table),
+            feature_names=[str(p) for p in range(position, position + len(table.feature_names))],
         )
-        position += count
+        if sequence:
+            configs.append(EmbeddingConfig(**shape))
+        else:
+            configs.append(EmbeddingBagConfig(**shape, pooling=PoolingType.SUM if kind in ROW_CUTS else table.pooling))
+        position += len(table.feature_names)
     if not configs:
-        return _NoShards()
+        return NoShards()
     options = _shard_options(module, mine, params, overrides)
-    lookup = KeyedCachedEmbeddingBagCollection(
-        configs, is_weighted=module.is_weighted(), device=device, **options
-    )
+    lookup: KeyedCachedEmbeddingBagCollection
+    if sequence:
+        lookup = KeyedCachedEmbeddingCollection(configs, device=device, **options)
+    else:
+        lookup = KeyedCachedEmbeddingBagCollection(configs, is_weighted=module.is_weighted(), device=device, **options)
     for collection in lookup.collections:
         collection.sharded_by_slipcache = True  # one rank's shards: they differ by rank on purpose
     if tables is not None:
