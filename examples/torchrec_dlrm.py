@@ -19,6 +19,7 @@ themselves in backward.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,10 @@ def train_dmp(args: argparse.Namespace, table_sizes: list[int]) -> None:
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+
+    # Before the group exists: imported later (TorchRec does it lazily), this module keeps the group alive in
+    # its functions' default arguments, and a gloo thread outliving it can abort the process at exit.
+    import torch.distributed.nn.functional  # noqa: F401
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -163,6 +168,8 @@ def train_dmp(args: argparse.Namespace, table_sizes: list[int]) -> None:
         dcp.save(state, checkpoint_id=args.checkpoint_dir)
     if rank == 0:
         print(f"step {args.steps} loss {float(loss) / world:.6f}")
+    del model, optimizer, state  # they hold the group: let go of it before it is destroyed
+    gc.collect()
     dist.destroy_process_group()
 
 
