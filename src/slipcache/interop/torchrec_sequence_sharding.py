@@ -63,7 +63,6 @@ from slipcache.interop.torchrec_sharding import (
     ReplicatedFeaturesDist,
     ShardedCachedTables,
     by_position,
-    sharding_infos,
 )
 
 logger = logging.getLogger(__name__)
@@ -125,17 +124,12 @@ class ShardedKeyedCachedEmbeddingCollection(
     ) -> None:
         """`overrides`: options that replace the module's in every shard (the sharder's fused_params)."""
         super().__init__(qcomm_codecs_registry)
-        self._env = env
-        self._configs = module.embedding_bag_configs()
         self._sequence_configs = module.embedding_configs()
-        self._feature_names = list(module.feature_names)
         self._need_indices = module.need_indices()
-        infos = sharding_infos(module, params, SEQUENCE_SHARDING_TYPES, REFUSAL)
-        self._sharding_types = [kind for kind in SEQUENCE_SHARDING_TYPES if infos.get(kind)]
-        self._shardings = [
-            _sequence_sharding(kind, infos[kind], env, device, qcomm_codecs_registry)
-            for kind in self._sharding_types
-        ]
+        self._plan_shardings(
+            module, params, env, SEQUENCE_SHARDING_TYPES, REFUSAL,
+            lambda kind, infos: _sequence_sharding(kind, infos, env, device, qcomm_codecs_registry),
+        )
         # the width of the rows each sharding type sends (one per type)
         self._widths = [_one_width(kind, s) for kind, s in zip(self._sharding_types, self._shardings, strict=True)]
         self._input_dists = nn.ModuleList(

@@ -182,12 +182,31 @@ class ShardedCachedTables:
     _shardings: list[Any]
     _sharding_types: list[str]
     _configs: list[Any]
+    _feature_names: list[str]
     _optimizer: CachedTablesOptimizer
     _input_order: list[int] | None  # the input KJT's features in the shardings' order, from the first batch
     _input_keys: list[str]
     local_tables: list[list[Any]]
     lookups: Sequence[KeyedCachedEmbeddingBagCollection | NoShards]
     table_precisions: dict[str, str]
+
+    def _plan_shardings(
+        self,
+        module: KeyedCachedEmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        offered: tuple[str, ...],
+        refusal: str,
+        build: Callable[[str, list[Any]], Any],
+    ) -> None:
+        """The sharding types the plan uses (in `offered`'s order; others refused with `refusal`) and
+        TorchRec's sharding of each, from `build(kind, infos)`."""
+        self._env = env
+        self._configs = module.embedding_bag_configs()
+        self._feature_names = list(module.feature_names)
+        infos = sharding_infos(module, params, offered, refusal)
+        self._sharding_types = [kind for kind in offered if infos.get(kind)]
+        self._shardings = [build(kind, infos[kind]) for kind in self._sharding_types]
 
     def _place_shards(
         self,
@@ -300,15 +319,9 @@ class ShardedKeyedCachedEmbeddingBagCollection(
     ) -> None:
         """`overrides`: options that replace the module's in every shard (the sharder's fused_params)."""
         super().__init__(qcomm_codecs_registry)
-        self._env = env
-        self._configs = module.embedding_bag_configs()
-        self._feature_names = list(module.feature_names)
         self._is_weighted = module.is_weighted()
-        infos = sharding_infos(module, params, SHARDING_TYPES, REFUSAL)
-        self._sharding_types = [kind for kind in SHARDING_TYPES if infos.get(kind)]
-        self._shardings = [
-            _sharding(kind, infos[kind], env, device, qcomm_codecs_registry) for kind in self._sharding_types
-        ]
+        self._plan_shardings(module, params, env, SHARDING_TYPES, REFUSAL,
+                             lambda kind, infos: _sharding(kind, infos, env, device, qcomm_codecs_registry))
         self._input_dists = nn.ModuleList(
             _input_dist(kind, s, env) for kind, s in zip(self._sharding_types, self._shardings, strict=True)
         )
