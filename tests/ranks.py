@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import slipcache.distributed.launch  # noqa: F401  (before any group: see its import of torch.distributed.nn)
+from slipcache.distributed.launch import shutdown  # before any group: see its import of torch.distributed.nn
 
 STALL_S = 60.0  # no rank ran for this long: hung
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -47,8 +47,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., None], args:
         with console_messages():  # a rank prints the library's messages as `slipcache train`'s ranks do
             fn(rank, world_size, *args)
     finally:
-        if dist.is_initialized():  # the code under test may have shut it down itself
-            dist.destroy_process_group()
+        shutdown()  # as `slipcache train`'s ranks: a gloo thread outliving the group aborts the process at exit
 
 
 def cpu_seconds(pid: int) -> float:
