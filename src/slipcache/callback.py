@@ -35,7 +35,7 @@ if typing.TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from slipcache.data.batches import Batch, SampleFilter
+    from slipcache.data.batches import Batch, BatchIterator, SampleFilter
     from slipcache.training.run import Run
 
 
@@ -59,7 +59,7 @@ class Callback:
     def sample_filter(self, run: Run) -> SampleFilter | None:
         return None
 
-    def before_step(self, run: Run, batches: Any) -> None:
+    def before_step(self, run: Run, batches: BatchIterator) -> None:
         pass
 
     def loss_weights(self, run: Run, n: int) -> torch.Tensor | None:

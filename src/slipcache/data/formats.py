@@ -436,12 +436,15 @@ def _decompress_npz(file: Path, folder: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------ entry point
+Dataset = CriteoDataset | ExternalDataset  # what `open_any` opens: one interface over every layout
+
+
 def open_any(
     path: str | os.PathLike[str],
     *,
     table_sizes: Sequence[int] | None = None,
     split_order: str | None = None,
-) -> CriteoDataset | ExternalDataset:
+) -> Dataset:
     """Open a slipcache dataset directory or a directory of one of the external formats."""
     path = Path(path)
     layout = detect_format(path)  # a directory holding two formats' files is refused here, whichever

@@ -7,15 +7,15 @@
     torch.distributed.checkpoint.load(state, checkpoint_id=DIR)
     model.load_state_dict(state)
 
-Keys are TorchRec's (`embedding_bags.<table>.weight`); each rank's local shards are fp32 copies of the rows
-its shards hold, the rows the model reads (the cache overlaid on storage: what a flush would write), with
-the placement TorchRec's sharding gave them. Loading rounds them into each shard's storage precision and
-empties the caches. An INT8 table is saved as its stored bytes (`int8_keys`: uint8 codes placed as the rows,
-fp16 biases and uint8 scale codes per row and column cut, [rows, cuts]; the cache's rows rounded to nearest
-into them), which loading copies as they are: a round trip gives back every byte, in a quarter of the fp32
-size, into any plan with the same column cuts. One process reads a checkpoint of fp32 rows into an
-unsharded collection through `slipcache.interop.torchrec_weights` (`torchrec_state_dict`, then
-`load_torchrec_state_dict`).
+Keys are TorchRec's (`embedding_bags.<table>.weight`, a sequence collection's `embeddings.<table>.weight`);
+each rank's local shards are fp32 copies of the rows its shards hold, the rows the model reads (the cache
+overlaid on storage: what a flush would write), with the placement TorchRec's sharding gave them. Loading
+rounds them into each shard's storage precision and empties the caches. An INT8 table is saved as its stored
+bytes (`int8_keys`: uint8 codes placed as the rows, fp16 biases and uint8 scale codes per row and column
+cut, [rows, cuts]; the cache's rows rounded to nearest into them), which loading copies as they are: a round
+trip gives back every byte, in a quarter of the fp32 size, into any plan with the same column cuts. One
+process reads a checkpoint of fp32 rows into an unsharded collection through
+`slipcache.interop.torchrec_weights` (`torchrec_state_dict`, then `load_torchrec_state_dict`).
 
 The fused optimizer's state is TorchRec's too: `model.fused_optimizer.state_dict()` holds, per table,
 `<table>.momentum1` (Adagrad's sums; Adam's first moment), `<table>.momentum2` (Adam's second moment) as
@@ -39,7 +39,7 @@ from torch import Tensor
 
 from slipcache.embedding.quant import RowStorage, TableRowStorage
 from slipcache.errors import InvalidInputError
-from slipcache.interop.torchrec_weights import torchrec_key
+from slipcache.interop.torchrec_weights import PREFIX, torchrec_key
 from slipcache.torch_private import (
     IncompatibleKeys,
     Shard,
@@ -56,15 +56,18 @@ logger = logging.getLogger(__name__)
 INT8_PARTS = {"payload": torch.uint8, "bias": torch.float16, "scale_code": torch.uint8}
 
 
-def int8_keys(name: str) -> dict[str, str]:
+def int8_keys(name: str, prefix: str = PREFIX) -> dict[str, str]:
     """The state_dict keys of an INT8 table: `embedding_bags.<table>.weight_<part>` and its column cuts."""
-    base = torchrec_key(name)
+    base = torchrec_key(name, prefix)
     return {**{part: f"{base}_{part}" for part in INT8_PARTS}, "cuts": f"{base}_cuts"}
 
 
 def table_keys(module: Any, name: str) -> list[str]:
     """The state_dict keys of one table of the sharded `module`."""
-    return list(int8_keys(name).values()) if module.table_precisions[name] == "int8" else [torchrec_key(name)]
+    prefix = module.torchrec_prefix
+    if module.table_precisions[name] == "int8":
+        return list(int8_keys(name, prefix).values())
+    return [torchrec_key(name, prefix)]
 
 
 def sharded_state_dict(module: Any, destination: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -72,15 +75,16 @@ def sharded_state_dict(module: Any, destination: dict[str, Any], prefix: str) ->
     table its stored bytes (`int8_keys`)."""
     pieces = _local_rows(module)
     held = held_shards(module)
+    key_prefix = prefix + module.torchrec_prefix
     for name, metadata in module.global_metadata().items():
         if module.table_precisions[name] == "int8":
             _int8_state(module, name, metadata, held.get(name, []), destination, prefix)
             continue
         if metadata is None:  # data-parallel: every rank holds the whole table, a plain (replicated) tensor
-            destination[prefix + torchrec_key(name)] = next(rows for t, rows in pieces if t.name == name)
+            destination[torchrec_key(name, key_prefix)] = next(rows for t, rows in pieces if t.name == name)
             continue
         shards = [Shard(rows, table.local_metadata) for table, rows in pieces if table.name == name]
-        destination[prefix + torchrec_key(name)] = sharded_tensor_from_local_shards(
+        destination[torchrec_key(name, key_prefix)] = sharded_tensor_from_local_shards(
             shards, metadata, module.process_group
         )
     return destination
@@ -139,7 +143,7 @@ def _stored_bytes(collection: Any, index: int, rows: int) -> list[Tensor]:
 def _int8_state(
     module: Any, name: str, metadata: Any, held: list[Any], destination: dict[str, Any], prefix: str
 ) -> None:
-    keys = {part: prefix + key for part, key in int8_keys(name).items()}
+    keys = int8_keys(name, prefix + module.torchrec_prefix)
     destination[keys["cuts"]] = torch.tensor(_column_cuts(metadata), dtype=torch.int64)
     local: dict[str, list[Shard]] = {part: [] for part in INT8_PARTS}
     for table, collection, index in held:
@@ -178,38 +182,40 @@ def load_sharded_state_dict(
     the same placement) or whole fp32 tables (their columns of it). An INT8 table takes its stored bytes
     (`int8_keys`, copied as they are: exact) or fp32 rows under TorchRec's key (rounded to nearest)."""
     names = list(module.global_metadata())
+    prefix = module.torchrec_prefix
+    fp32_key = {name: torchrec_key(name, prefix) for name in names}
     expected = {key: name for name in names for key in table_keys(module, name)}
-    given = {name for name in names if torchrec_key(name) in state_dict}  # fp32 rows of an INT8 table too
+    given = {name for name in names if fp32_key[name] in state_dict}  # fp32 rows of an INT8 table too
     missing = [key for key, name in expected.items() if key not in state_dict and name not in given]
-    unexpected = [key for key in state_dict if key not in expected and key not in map(torchrec_key, given)]
+    unexpected = [key for key in state_dict if key not in expected and key not in {fp32_key[n] for n in given}]
     if strict and (missing or unexpected):
         detail = f"no {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
         raise InvalidInputError(f"state_dict does not match these sharded tables: {detail}")
     for lookup, tables in zip(module.lookups, module.local_tables, strict=True):
         if not tables:
             continue
-        stored = [t for t in tables if torchrec_key(t.name) not in state_dict and _has_int8(state_dict, t.name)]
-        if any(torchrec_key(t.name) not in state_dict and t not in stored for t in tables):
+        stored = [t for t in tables if fp32_key[t.name] not in state_dict and _has_int8(state_dict, t.name, prefix)]
+        if any(fp32_key[t.name] not in state_dict and t not in stored for t in tables):
             continue
         current = dict(zip(map(shard_name, tables), lookup.export_tables(), strict=True)) if stored else {}
         lookup.load_tables(
             [
-                current[shard_name(t)] if t in stored else _shard_rows(state_dict[torchrec_key(t.name)], t)
+                current[shard_name(t)] if t in stored else _shard_rows(state_dict[fp32_key[t.name]], t)
                 for t in tables
             ]
         )  # empties the caches
         for table in stored:
-            _load_int8(lookup, table, state_dict)
+            _load_int8(lookup, table, state_dict, prefix)
     return IncompatibleKeys(missing, unexpected)
 
 
-def _has_int8(state_dict: Mapping[str, Any], name: str) -> bool:
-    return all(key in state_dict for key in int8_keys(name).values())
+def _has_int8(state_dict: Mapping[str, Any], name: str, prefix: str) -> bool:
+    return all(key in state_dict for key in int8_keys(name, prefix).values())
 
 
-def _load_int8(lookup: Any, table: Any, state_dict: Mapping[str, Any]) -> None:
+def _load_int8(lookup: Any, table: Any, state_dict: Mapping[str, Any], prefix: str) -> None:
     """An INT8 shard's stored bytes, copied from the saved ones of the same rows and column cut."""
-    keys = int8_keys(table.name)
+    keys = int8_keys(table.name, prefix)
     cuts = [int(c) for c in state_dict[keys["cuts"]].tolist()]
     here = _column_cuts(table.global_metadata)
     if cuts != here:

@@ -36,7 +36,9 @@ class CachedTablesOptimizer(FusedOptimizer):
         # identifies params (and groups) by tensor
         names = dict.fromkeys(t.name for tables in module.local_tables for t in tables)
         self._placeholders = {name: torch.empty(0) for name in names}
-        params = {torchrec_key(name): placeholder for name, placeholder in self._placeholders.items()}
+        params = {
+            torchrec_key(name, module.torchrec_prefix): placeholder for name, placeholder in self._placeholders.items()
+        }
         first = self._collections[0].config if self._collections else None
         group = {
             "params": list(params.values()),

@@ -190,6 +190,15 @@ class ShardedCachedTables:
     lookups: Sequence[KeyedCachedEmbeddingBagCollection | NoShards]
     table_precisions: dict[str, str]
 
+    @property
+    def unsharded_module_type(self) -> type[KeyedCachedEmbeddingBagCollection]:
+        raise NotImplementedError
+
+    @property
+    def torchrec_prefix(self) -> str:
+        """The checkpoint keys' prefix: the unsharded collection's, as TorchRec's sharded modules keep theirs."""
+        return self.unsharded_module_type.torchrec_prefix
+
     def _plan_shardings(
         self,
         module: KeyedCachedEmbeddingBagCollection,

@@ -26,20 +26,24 @@ from torch import Tensor
 from slipcache.errors import InvalidInputError
 from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection, import_torchrec
 
-PREFIX = "embedding_bags."
+PREFIX = "embedding_bags."  # an EmbeddingBagCollection's; an EmbeddingCollection's is "embeddings."
 
 
-def torchrec_key(table: str) -> str:
-    """TorchRec's state_dict key of a table's weight."""
-    return f"{PREFIX}{table}.weight"
+def torchrec_key(table: str, prefix: str = PREFIX) -> str:
+    """TorchRec's state_dict key of a table's weight in a bag (`prefix` "embedding_bags.") or a sequence
+    ("embeddings.") collection."""
+    return f"{prefix}{table}.weight"
 
 
 def torchrec_state_dict(module: KeyedCachedEmbeddingBagCollection) -> dict[str, Tensor]:
-    """Every table's current fp32 rows under TorchRec's `embedding_bags.<table>.weight` keys."""
+    """Every table's current fp32 rows under TorchRec's keys: `embedding_bags.<table>.weight`, or
+    `embeddings.<table>.weight` for a sequence collection."""
     with torch.no_grad():
         tables = module.export_tables()
+    prefix = module.torchrec_prefix
     return {
-        torchrec_key(n): t.detach().float().cpu() for n, t in zip(module.table_names, tables, strict=True)
+        torchrec_key(n, prefix): t.detach().float().cpu()
+        for n, t in zip(module.table_names, tables, strict=True)
     }
 
 
@@ -54,11 +58,11 @@ def load_torchrec_state_dict(
     found: dict[str, Tensor] = {}
     unused = []
     for key, value in state_dict.items():
-        name = _table_of_key(key)
+        name = _table_of_key(key, module.torchrec_prefix)
         if name in module.table_names:
             if name in found:
                 raise InvalidInputError(
-                    f"two weights for table {name!r} (keys ending in {torchrec_key(name)})"
+                    f"two weights for table {name!r} (keys ending in {torchrec_key(name, module.torchrec_prefix)})"
                 )
             found[name] = value
         elif name is not None:
@@ -75,11 +79,11 @@ def load_torchrec_state_dict(
     module.load_tables(tables)
 
 
-def _table_of_key(key: str) -> str | None:
-    """The table of a `...embedding_bags.<table>.weight` key, else None."""
-    if not key.endswith(".weight") or PREFIX not in key:
+def _table_of_key(key: str, prefix: str) -> str | None:
+    """The table of a `...<prefix><table>.weight` key, else None."""
+    if not key.endswith(".weight") or prefix not in key:
         return None
-    return key[key.rindex(PREFIX) + len(PREFIX) : -len(".weight")]
+    return key[key.rindex(prefix) + len(prefix) : -len(".weight")]
 
 
 def from_torchrec(ebc: Any, **options: Any) -> KeyedCachedEmbeddingBagCollection:

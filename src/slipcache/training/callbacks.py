@@ -18,7 +18,7 @@ from slipcache.safe_files import open_append
 from slipcache.training.rundir import write_events, write_json
 
 if typing.TYPE_CHECKING:
-    from slipcache.data.batches import Batch, SampleFilter
+    from slipcache.data.batches import Batch, BatchIterator, SampleFilter
     from slipcache.training.run import Run
 
 CALLBACK_KEYS = "callback_states"  # the checkpoint's list of the stateful callbacks' keys
@@ -71,7 +71,7 @@ class Callbacks:
         keep_all.wants_positions = True  # type: ignore[attr-defined]
         return keep_all
 
-    def before_step(self, run: Run, batches: Any) -> None:
+    def before_step(self, run: Run, batches: BatchIterator) -> None:
         for callback in self.items:
             callback.before_step(run, batches)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from slipcache.cache_dir import default_cache_root
 from slipcache.data.batches import BatchIterator, SampleFilter
+from slipcache.data.formats import Dataset
 from slipcache.errors import SlipcacheError
 from slipcache.training.config import TrainConfig
 
@@ -117,7 +118,7 @@ def prepare_data(config: TrainConfig, cache_root: Path | None = None) -> Path:
     return out_dir
 
 
-def open_dataset(path: Path, config: TrainConfig | None = None) -> Any:
+def open_dataset(path: Path, config: TrainConfig | None = None) -> Dataset:
     """The dataset at `path` in any supported layout (`formats.open_any`); errors become one line."""
     from slipcache.data.formats import open_any
 
@@ -140,7 +141,7 @@ HASHED_IDS_HINT = (
 )
 
 
-def require_inferred_sizes_fit(dataset: Any, embeddings: str = "cached", **options: Any) -> None:
+def require_inferred_sizes_fit(dataset: Dataset, embeddings: str = "cached", **options: Any) -> None:
     """Tables sized by the data's max id + 1 (hashed ids can reach 2^31 per table): check them against the
     memory before anything is allocated, and say how to size them instead (one line).
 
@@ -175,7 +176,7 @@ def run_dataset_dir(config: TrainConfig, saved_dataset: str | None) -> Path:
     return prepare_data(config)
 
 
-def data_quality(dataset: Any) -> dict[str, Any] | None:
+def data_quality(dataset: Dataset) -> dict[str, Any] | None:
     """Lines read and skipped as malformed when the dataset was preprocessed from raw files (else None)."""
     source = dataset.meta.get("source") or {}
     if "bad_lines" not in source:
@@ -203,7 +204,7 @@ def warn_line(message: str) -> None:
 
 
 def training_batches(
-    dataset: Any,
+    dataset: Dataset,
     batch_size: int,
     *,
     seed: int,

@@ -19,6 +19,7 @@ from slipcache.training.loop_state import Progress
 if typing.TYPE_CHECKING:
     import torch
 
+    from slipcache.data.formats import Dataset
     from slipcache.model import DLRM
     from slipcache.training.backend import RunBackend
     from slipcache.training.config import TrainConfig
@@ -33,7 +34,7 @@ class Run:
     config: TrainConfig  # resolved: sample budget and intervals filled in
     config_dict: dict[str, Any]  # what config.json and every checkpoint record
     run_dir: Path
-    dataset: Any
+    dataset: Dataset
     model: DLRM
     dense_opt: torch.optim.Optimizer
     emb_opt: torch.optim.Optimizer | None

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from slipcache.data.batches import Batch, BatchIterator
+from slipcache.data.formats import Dataset
 from slipcache.errors import SlipcacheError
 from slipcache.iostats import AnonPeak
 from slipcache.memory import peak_rss_bytes
@@ -284,7 +286,7 @@ def _build_run(
     config: TrainConfig,
     config_dict: dict[str, Any],
     run_dir: Path,
-    dataset: Any,
+    dataset: Dataset,
     checkpoint: TrainingCheckpoint | None,
     changes: dict[str, list[Any]],
     backend: RunBackend,
@@ -351,7 +353,7 @@ def _build_run(
     return Loop(run, callbacks, bar, cache, TrainingClock(), lock, anon_peak)
 
 
-def epoch_batches(loop: Loop) -> Any:
+def epoch_batches(loop: Loop) -> BatchIterator:
     """The current epoch's training batches from where the run stands; starts the training clock."""
     run, callbacks = loop.run, loop.callbacks
     loop.clock.restart()  # wall time includes reading and filtering batches, not eval or checkpoints
@@ -369,7 +371,7 @@ def epoch_batches(loop: Loop) -> Any:
     )
 
 
-def train_step(loop: Loop, batch: Any, batches: Any = None) -> tuple[float, torch.Tensor]:
+def train_step(loop: Loop, batch: Batch, batches: BatchIterator | None = None) -> tuple[float, torch.Tensor]:
     """Forward, backward and optimizer steps on one batch; returns its mean loss and (detached) logits.
 
     `batches` (the iterator `batch` came from) lets the callbacks see the batches that follow, after the
@@ -407,7 +409,7 @@ def _non_finite_loss(run: Run, loss_value: float) -> SlipcacheError:
     )
 
 
-def record_step(loop: Loop, batch: Any, loss_value: float, logits: torch.Tensor, batches: Any) -> bool:
+def record_step(loop: Loop, batch: Batch, loss_value: float, logits: torch.Tensor, batches: BatchIterator) -> bool:
     """Per-batch bookkeeping after a step (callbacks, counters, clock); returns whether it was the last."""
     run = loop.run
     progress = run.progress

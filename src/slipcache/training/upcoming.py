@@ -10,6 +10,7 @@ from slipcache.embedding.cache import LOOKAHEAD_POLICIES
 from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
 if typing.TYPE_CHECKING:
+    from slipcache.data.batches import BatchIterator
     from slipcache.training.config import TrainConfig
     from slipcache.training.run import Run
 
@@ -31,7 +32,7 @@ class ShowUpcomingBatches(Callback):
         self.count = count
         self.prefetch = prefetch
 
-    def before_step(self, run: Run, batches: typing.Any) -> None:
+    def before_step(self, run: Run, batches: BatchIterator) -> None:
         tables = run.model.embeddings
         if not isinstance(tables, CachedEmbeddingBagCollection):  # a collection sharded over N processes reads
             return  # no rows ahead: they page in when used
