@@ -188,11 +188,19 @@ def require_storage_room(config: EmbeddingConfig, what: str) -> int:
     if config.storage_path is None:
         return 0
     in_files = _memory_split(config)[1]
-    directory = Path(config.storage_path)
+    line = storage_room_refusal(Path(config.storage_path), in_files, what)
+    if line is not None:
+        raise SlipcacheError(line)
+    return in_files
+
+
+def storage_room_refusal(directory: Path, in_files: int, what: str) -> str | None:
+    """The line that refuses `in_files` bytes of row storage under `directory` (not a directory, or short of
+    free space), None when they fit; warns when the directory is on a network file system."""
     existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
     if not existing.is_dir():
         where = "is a file" if existing == directory else f"lies under the file {existing}"
-        raise SlipcacheError(f"--storage-path {directory} {where}; give a directory (new or existing)")
+        return f"--storage-path {directory} {where}; give a directory (new or existing)"
     free = shutil.disk_usage(existing).free
     kind = filesystem_type(existing)
     if kind in NETWORK_FILESYSTEMS:
@@ -200,12 +208,9 @@ def require_storage_room(config: EmbeddingConfig, what: str) -> int:
                        "row the caches lack is read across the network, 10-100x slower than a local disk "
                        "(docs/scale.md)")
     if in_files > free:
-        raise SlipcacheError(
-            f"{what}: the row storage needs {amount(in_files)} on disk under {directory}, which has "
-            f"{amount(free)} free; give --storage-path a directory on a disk with room"
-        )
-    return in_files
-
+        return (f"{what}: the row storage needs {amount(in_files)} on disk under {directory}, which has "
+                f"{amount(free)} free; give --storage-path a directory on a disk with room")
+    return None
 
 
 def filesystem_type(path: Path) -> str | None:

@@ -129,6 +129,50 @@ def test_int8_cache_run_on_two_processes_resumes_exactly(data_dir: Path, tmp_pat
 
 
 @pytest.mark.slow
+def test_rows_in_files_on_two_processes_train_and_resume_as_rows_in_memory(data_dir: Path, tmp_path: Path) -> None:
+    """--storage-path on 2 processes: each rank keeps its shards' INT8 rows in unnamed files there (nothing
+    is left in the directory), trains bit for bit as the same run with its rows in memory, and a resume from
+    its checkpoint in the middle reads the rows back into files and ends as the uninterrupted run."""
+    settings = {"precision": "int8", "cache_size": 0.25, "samples": 1280}
+    rows = tmp_path / "rows"
+    run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "memory"), settings))
+    run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "files"), {**settings, "storage_path": str(rows)}))
+    run_ranks(_train_rank, _settings(str(data_dir), str(tmp_path / "part"),
+                                     {**settings, "storage_path": str(rows), "samples": 640}))
+    run_ranks(_train_rank, {"resume": str(tmp_path / "part"), "samples": 1280, "allow_changes": True,
+                            "progress": False})
+    assert rows.is_dir() and not any(rows.iterdir())
+    runs = ("memory", "files", "part")
+    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in runs]
+    for key in ("auc", "logloss", "train_samples"):
+        assert summaries[0][key] == summaries[1][key] == summaries[2][key], key
+    losses = [[e["train_loss"] for e in _events(tmp_path / run) if e["event"] == "train"] for run in runs]
+    assert losses[0] == losses[1] == losses[2]
+
+
+def _train_rank_saying(rank: int, world_size: int, values: dict[str, Any], result: str) -> None:
+    """`_train_rank`, its one-line error written to `result` + rank."""
+    try:
+        _train_rank(rank, world_size, values)
+    except SlipcacheError as exc:
+        Path(result + str(rank)).write_text(str(exc))
+        raise SystemExit(2) from exc
+
+
+@pytest.mark.slow
+def test_a_storage_path_without_room_stops_every_rank_in_one_line(data_dir: Path, tmp_path: Path) -> None:
+    """--storage-path under a file: asked once a machine, before any shard is built; every rank stops with
+    the same line."""
+    (tmp_path / "a-file").write_text("")
+    values = _settings(str(data_dir), str(tmp_path / "run"), {"storage_path": str(tmp_path / "a-file" / "rows")})
+    assert exit_codes(_train_rank_saying, values, str(tmp_path / "said")) == [2, 2]
+    lines = {(tmp_path / f"said{rank}").read_text() for rank in (0, 1)}
+    assert lines == {f"--storage-path {tmp_path / 'a-file' / 'rows'} lies under the file {tmp_path / 'a-file'}; "
+                     "give a directory (new or existing)"}
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
 def test_a_two_process_run_resumes_on_one(data_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """2 -> 1 process: the whole tables and their optimizer state read from the DCP checkpoint (fp32:
     exactly); the run continues as the uninterrupted one-process run does, and says what it did."""
@@ -323,11 +367,17 @@ def test_a_ranks_shards_are_priced_from_the_plan_not_from_the_whole_tables() -> 
     plan = planner.plan(dlrm, [KeyedCachedEmbeddingBagCollectionSharder()])
     whole = {t: sum(shard_bytes(tables, t, rows, dim, None).values())
              for t, rows in zip(("t0", "t1", "t2"), sizes, strict=True)}
-    per_rank = [shard_bytes_of_ranks(tables, plan, range(r, r + 1), staged=False) for r in (0, 1)]
+    per_rank = [shard_bytes_of_ranks(tables, plan, range(r, r + 1), staged=False)[0] for r in (0, 1)]
     assert sorted(per_rank) == sorted([whole["t0"] + whole["t2"], whole["t1"] + whole["t2"]])  # t2 on both
-    assert shard_bytes_of_ranks(tables, plan, range(2), staged=False) == whole["t0"] + whole["t1"] + 2 * whole["t2"]
-    staged = shard_bytes_of_ranks(tables, plan, range(2), staged=True)
+    both = shard_bytes_of_ranks(tables, plan, range(2), staged=False)
+    assert both == (whole["t0"] + whole["t1"] + 2 * whole["t2"], 0)
+    staged = shard_bytes_of_ranks(tables, plan, range(2), staged=True)[0]
     assert staged - sum(per_rank) == 4 * dim * (sizes[0] + sizes[1] + 2 * sizes[2])
+    # Rows in files (--storage-path): the INT8 codes leave memory for the disk, the rest stays.
+    tables.options["storage_path"] = "rows"
+    memory, in_files = shard_bytes_of_ranks(tables, plan, range(2), staged=False)
+    codes = sum(sizes) + sizes[2]  # rows held: t2 is on both ranks; one byte per value
+    assert in_files == dim * codes and memory + in_files == both[0]
     assert node_memory_refusal(10**9, 10**8, range(2), (int(4e9), "available memory"), staged=True) is None
     line = node_memory_refusal(10**9, 10**8, range(1), (int(1.5e9), "available memory"), staged=False)
     assert line is not None and line.startswith("rank 0: their shards of the tables need 1.0 GB + ")
@@ -342,7 +392,6 @@ def test_a_ranks_shards_are_priced_from_the_plan_not_from_the_whole_tables() -> 
         ({"skip_rule": "loss"}, "--skip-rule loss with more than one process is not supported yet"),
         ({"embeddings": "torch"}, "--embeddings torch is sharded only as slipcache's cached tables"),
         ({"prefetch": True}, "--prefetch with more than one process is not supported yet"),
-        ({"storage_path": "rows"}, "--storage-path with more than one process is not supported yet"),
         ({"batch_size": 63}, "--batch-size 63 does not split evenly over 2 processes"),
     ],
 )

@@ -305,14 +305,17 @@ def plan_tables(dlrm: DLRM, world_size: int, batch_size: int, device: torch.devi
     return plan, sharder
 
 
-def shard_bytes_of_ranks(tables: Any, plan: Any, ranks: range, *, staged: bool) -> int:
+def shard_bytes_of_ranks(tables: Any, plan: Any, ranks: range, *, staged: bool) -> tuple[int, int]:
     """Bytes the shards of `tables` (a `KeyedCachedEmbeddingBagCollection`) that `plan` places on `ranks` will
-    hold, as the planner costs them (`shard_bytes`: storage, cache, bookkeeping, optimizer state); `staged`
-    adds the fp32 copy of those shards' rows that a new run streams in before they are stored."""
+    hold, as the planner costs them (`shard_bytes`: storage, cache, bookkeeping, optimizer state): (in
+    memory, in the files under the tables' `storage_path`, 0 without one). `staged` adds to memory the fp32
+    copy of those shards' rows that a new run streams in before they are stored."""
     from slipcache.interop.torchrec_planner import shard_bytes
+    from slipcache.memory import STORAGE_COMPONENTS
 
+    in_files = tables.options.get("storage_path") is not None
     sizes = {str(t.name): (int(t.num_embeddings), int(t.embedding_dim)) for t in tables.embedding_bag_configs()}
-    total = 0
+    memory = files = 0
     for module_plan in plan.plan.values():
         for table, sharding in module_plan.items():
             if table not in sizes:
@@ -324,9 +327,11 @@ def shard_bytes_of_ranks(tables: Any, plan: Any, ranks: range, *, staged: bool) 
             share = sharding.cache_params.load_factor if sharding.cache_params is not None else None
             for (rows, columns), rank in blocks:
                 if rank in ranks:
-                    total += sum(shard_bytes(tables, table, int(rows), int(columns), share).values())
-                    total += 4 * int(rows) * int(columns) if staged else 0
-    return total
+                    parts = shard_bytes(tables, table, int(rows), int(columns), share)
+                    stored = sum(parts[k] for k in STORAGE_COMPONENTS) if in_files else 0
+                    memory += sum(parts.values()) - stored + (4 * int(rows) * int(columns) if staged else 0)
+                    files += stored
+    return memory, files
 
 
 def shard_model(dlrm: DLRM, plan: Any, sharder: Any, rank: int, world_size: int,

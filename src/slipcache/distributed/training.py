@@ -57,7 +57,6 @@ def unsupported(config: Any) -> str | None:
         (skipping.skip_rule == "stale" and skipping.stale_rule != "paper",
          f"--skip-rule stale {one_process}, or with --stale-rule paper (--stale-rule {skipping.stale_rule} counts "
          "each rank's updates alone)"),
-        (embeddings.storage_path is not None, f"--storage-path {one_process}"),
         (embeddings.prefetch, f"--prefetch {one_process}"),
         (embeddings.policy in _lookahead_policies(), f"--policy {embeddings.policy} {one_process}"),
     ]
@@ -183,25 +182,30 @@ class DistributedBackend(RunBackend):
                           staged: bool) -> None:
         """Stop with one line, on every rank, unless what this node's ranks allocate next fits its memory:
         the shards the plan gives them (and, for a new run, the fp32 rows they stream in) and each rank's
-        dense layers. torchrun numbers a node's ranks consecutively, so they are known without a collective;
-        the ranks then share their verdicts, so that every rank stops if any node is short."""
+        dense layers; with --storage-path, their shards' rows go to files there instead, which must fit its
+        disk. torchrun numbers a node's ranks consecutively, so they are known without a collective; the
+        ranks then share their verdicts, so that every rank stops if any node is short."""
         from slipcache.distributed.model import shard_bytes_of_ranks
-        from slipcache.memory import GB, MemoryShortError, limiting_memory, model_bytes
+        from slipcache.memory import GB, MemoryShortError, limiting_memory, model_bytes, storage_room_refusal
         from slipcache.model import DENSE_PART
 
         per_node = self.ctx.local_world_size
         first = self.ctx.rank - self.ctx.local_rank
         ranks = range(first, first + per_node)
-        shards = shard_bytes_of_ranks(tables, plan, ranks, staged=staged)
+        shards, in_files = shard_bytes_of_ranks(tables, plan, ranks, staged=staged)
         dense = per_node * model_bytes(config.model_config(table_sizes, num_dense), config.schedule.batch_size,
                                        config.model.dense_optimizer)
         refusals: list[str | None] = [None] * self.ctx.world_size  # every node's verdict, so all ranks stop
-        dist.all_gather_object(refusals, node_memory_refusal(shards, dense, ranks, limiting_memory(), staged=staged))
+        refusal = node_memory_refusal(shards, dense, ranks, limiting_memory(), staged=staged)
+        storage_path = config.embeddings.storage_path
+        if refusal is None and storage_path is not None and self.ctx.local_rank == 0:  # one rank a node asks
+            refusal = storage_room_refusal(Path(storage_path), in_files, f"{_who(ranks)}: their shards")
+        dist.all_gather_object(refusals, refusal)
         refusal = next((line for line in refusals if line is not None), None)
         if refusal is not None:
             raise MemoryShortError(refusal)
-        logger.debug("ranks %d-%d: shards %.2f GB, %s %.2f GB", ranks[0], ranks[-1], shards / GB, DENSE_PART,
-                     dense / GB)
+        logger.debug("ranks %d-%d: shards %.2f GB (and %.2f GB in files), %s %.2f GB", ranks[0], ranks[-1],
+                     shards / GB, in_files / GB, DENSE_PART, dense / GB)
 
     # ---------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, run_dir: Path, state: dict[str, Any], samples: int, keep: int) -> int | None:
@@ -274,12 +278,16 @@ def node_memory_refusal(shards: int, dense: int, ranks: range, limit: tuple[int,
     runtime = len(ranks) * RUNTIME_BYTES
     if shards + dense + runtime <= available:
         return None
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]} on this machine"
+    who = _who(ranks)
     staging = " (with the fp32 rows a new run streams in)" if staged else ""
     return (f"{who}: their shards of the tables{staging} need {shards / GB:.1f} GB + {DENSE_PART} "
             f"{dense / GB:.1f} GB + {runtime / GB:.1f} GB runtime, and {source} is {available / GB:.1f} GB; "
             "spread the ranks over more machines, or store the tables at a lower precision or with a "
             "smaller cache")
+
+
+def _who(ranks: range) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]} on this machine"
 
 
 def _plan_line(model: Any) -> str:
