@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +253,36 @@ def test_skipping_across_two_processes_trains_like_one(tmp_path: Path, rule: str
 
 
 @pytest.mark.slow
+def test_loss_pruning_across_processes_trains_like_one_and_resumes_on_more(tmp_path: Path) -> None:
+    """--skip-rule loss: every rank decides on the gathered logits' losses, each keeping its own copy of the
+    per-input bytes, so 2 processes prune the inputs 1 process prunes and train like it (fp32 tables). A
+    2-process run stopped in its second epoch (pruning on) and resumed on 3 ends where the uninterrupted
+    2-process run ends: the third rank starts from rank 0's bytes."""
+    data = make_dataset(tmp_path / "data", n=1500)
+    settings = {"precision": "fp32", "cache_size": 0.25, "skip_rule": "loss", "prune_share": 0.5,
+                "prune_final": 0.0, "epochs": 2, "batch_size": 96, "log_every": 96, "eval_every": 576,
+                "checkpoint_every": 576, "keep_checkpoints": 10}
+    one = trainer.train(make_config({}, _settings(str(data), str(tmp_path / "one"), settings)))
+    run_ranks(_train_rank, _settings(str(data), str(tmp_path / "two"), settings))
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert one["skipped_fraction"] > 0.05 and two["skipped_fraction"] == one["skipped_fraction"]
+    single, double = ([e for e in _events(tmp_path / run) if e["event"] == "train"] for run in ("one", "two"))
+    assert len(single) == len(double) > 10
+    for a, b in zip(single, double, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)
+    assert (tmp_path / "two" / "prune-rank-1" / "prune_losses_0.u8").is_file()
+    # Resumed from the 2-process run's checkpoint in its second epoch (pruning on), on 3 processes.
+    shutil.copytree(tmp_path / "two", tmp_path / "again")
+    step = tmp_path / "again" / "checkpoints" / f"step-{1728:012d}"
+    run_ranks(_train_rank, {"resume": str(step), "progress": False}, world_size=3)
+    resumed = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert resumed["distributed"]["world_size"] == 3
+    assert resumed["skipped_fraction"] == two["skipped_fraction"]
+    assert resumed["train_samples"] == two["train_samples"]
+    assert resumed["auc"] == pytest.approx(two["auc"], abs=1e-5)
+
+
+@pytest.mark.slow
 def test_fae_order_across_two_processes_trains_like_one(tmp_path: Path) -> None:
     """`--input-order cold_first` (each epoch's cold inputs, then its hot ones) reads no rows: every rank
     profiles the same hot set from the data and reads its slice of the same reordered batches, so 2
@@ -389,7 +420,6 @@ def test_a_ranks_shards_are_priced_from_the_plan_not_from_the_whole_tables() -> 
     ("values", "expected"),
     [
         ({"skip_rule": "stale"}, "--skip-rule stale with more than one process is not supported yet: run it on one"),
-        ({"skip_rule": "loss"}, "--skip-rule loss with more than one process is not supported yet"),
         ({"embeddings": "torch"}, "--embeddings torch is sharded only as slipcache's cached tables"),
         ({"prefetch": True}, "--prefetch with more than one process is not supported yet"),
         ({"batch_size": 63}, "--batch-size 63 does not split evenly over 2 processes"),

@@ -52,8 +52,8 @@ def unsupported(config: Any) -> str | None:
          f"--embeddings {embeddings.embeddings} is sharded only as slipcache's cached tables (--embeddings cached) "
          "with more than one process"),
         # random skipping reads no rows and the paper rule reads them from every rank at once (`read_rows`);
-        # the convergence rule counts updates, and loss pruning keeps losses, of each rank's slice only
-        (skipping.skip_rule == "loss", f"--skip-rule loss {one_process}"),
+        # loss pruning decides on the gathered logits' losses, each rank on its own copy of them; the
+        # convergence rule counts the updates of each rank's slice only
         (skipping.skip_rule == "stale" and skipping.stale_rule != "paper",
          f"--skip-rule stale {one_process}, or with --stale-rule paper (--stale-rule {skipping.stale_rule} counts "
          "each rank's updates alone)"),

@@ -37,6 +37,12 @@ LOSS_CAP = 16.0  # losses above this are stored as this (a BCE of 16 is p = 1e-7
 _SALT = 0x5EED_105  # the pruning draw's stream, apart from the control draws of stale skipping
 
 
+def _copy_into(source: Path, target: Path) -> None:
+    """`source`'s bytes into a new file `target`, written in place (`open_fd`: no link followed)."""
+    with open(source, "rb") as reader, open(open_fd(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as writer:
+        shutil.copyfileobj(reader, writer, 1 << 24)
+
+
 def quantize(loss: np.ndarray) -> np.ndarray:
     """uint8: 1 + 254 sqrt(loss / cap) (0 = never measured); square-root steps are fine near 0."""
     scaled = np.sqrt(np.clip(loss, 0.0, LOSS_CAP) / LOSS_CAP)
@@ -50,7 +56,10 @@ def dequantize(q: np.ndarray) -> np.ndarray:
 class LossPruner:
     """The trainer's hooks for loss-based pruning (the same hooks as `StaleSkipper`)."""
 
-    def __init__(self, config: Any, num_inputs: int, state_dir: Path | None) -> None:
+    def __init__(self, config: Any, num_inputs: int, state_dir: Path | None, seed_from: Path | None = None) -> None:
+        """`state_dir`: where the two files live (None: unnamed files); `seed_from`: another process's state
+        directory, copied when `state_dir` has no files yet (a rank that joins a resumed run of fewer ranks)."""
+
         self.share = float(config.skipping.prune_share)
         self.final = float(config.skipping.prune_final)
         self.seed = int(config.model.seed) ^ _SALT
@@ -64,7 +73,12 @@ class LossPruner:
                 shutil.rmtree(scratch, ignore_errors=True)  # open maps keep the unlinked files alive
         else:
             ensure_dir(state_dir, inside=state_dir.parent)  # in the run directory: no link followed
-            self.files = [self._open(state_dir / f"prune_losses_{i}.u8") for i in range(2)]
+            names = [f"prune_losses_{i}.u8" for i in range(2)]
+            if seed_from is not None and not any((state_dir / n).exists() for n in names):
+                for name in names:
+                    if (seed_from / name).is_file():
+                        _copy_into(seed_from / name, state_dir / name)
+            self.files = [self._open(state_dir / name) for name in names]
         self.epoch = -1
         self.position = 0  # inputs filtered in the run (trained or pruned): the draws' position
         self.trained = 0
