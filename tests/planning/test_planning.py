@@ -3,6 +3,7 @@
 import tomllib
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -210,3 +211,27 @@ def test_plan_out_replaces_only_a_plan(tmp_path: Path, capsys: pytest.CaptureFix
     assert main([*argv, str(tmp_path / "plan.toml")]) == 0
     assert main([*argv, str(tmp_path / "plan.toml")]) == 0  # its own plan: replaced
 
+
+
+def test_the_sharding_preview_weights_shards_by_the_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--world-size` plans with the profile's histograms and lookups per sample, by the plan's table names."""
+    pytest.importorskip("torchrec", reason="torchrec not installed (the torchrec extra)")
+    from slipcache.interop import torchrec_planner
+    from slipcache.planning.cli import preview_sharding
+
+    given: list[Any] = []
+    planner = torchrec_planner.slipcache_planner
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        given.append(kwargs.get("lookups"))
+        return planner(*args, **kwargs)
+
+    monkeypatch.setattr(torchrec_planner, "slipcache_planner", recording)
+    profile = _skewed_profile()
+    plan = make_plan(profile, 1e9, 16, names=["small", "skewed", "uniform"])
+    sharding = preview_sharding(plan, profile, 2)
+    assert {s["table"] for s in sharding["shards"]} == {"small", "skewed", "uniform"}
+    (lookups,) = given
+    assert list(lookups) == ["small", "skewed", "uniform"]
+    assert lookups["skewed"].histogram == tuple(profile.tables[1].histogram.tolist())
+    assert lookups["skewed"].lookups_per_sample == profile.tables[1].lookups_per_sample == 1.0

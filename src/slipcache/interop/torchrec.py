@@ -9,7 +9,9 @@
 - `KeyedCachedEmbeddingCollectionSharder` (`torchrec_sequence_sharding.py`): shards the sequence collection
   (table-wise, column-wise, row-wise, data-parallel);
 - `slipcache_planner`, `SlipcacheStorageEstimator` (`torchrec_planner.py`): TorchRec's planner, costing
-  these tables by what they hold.
+  these tables by what they hold;
+- `SlipcachePerfEstimator`, `TableLookups`, `lookups_from_profile` (`torchrec_perf.py`): its perf estimate,
+  weighted by where each table's lookups fall.
 
 torchrec is optional (`pip install 'slipcache[torchrec]'`): the sharder and planner names import it when
 first used; the collection imports it only to convert a KJT or build a KeyedTensor.
@@ -60,4 +62,9 @@ def __getattr__(name: str) -> Any:
         from slipcache.interop import torchrec_planner
 
         return getattr(torchrec_planner, name)
+    if name in ("SlipcachePerfEstimator", "TableLookups", "lookups_from_profile"):
+        import_torchrec()
+        from slipcache.interop import torchrec_perf
+
+        return getattr(torchrec_perf, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""TorchRec's planner, costing slipcache's tables by what their shards hold.
+"""TorchRec's planner, costing slipcache's tables by what their shards hold and where their lookups fall.
 
 TorchRec's own estimate counts a table as fp32 rows (and its optimizer state as TorchRec's optimizers
 keep it). A slipcache shard holds its rows at their storage precision, plus its cache rows, the cache's
@@ -13,22 +13,34 @@ TorchRec's estimate. The input and output buffers TorchRec adds per shard are le
 
 A table's cache share comes from `ParameterConstraints(cache_params=CacheParams(load_factor=s))` when
 given (it is then the shard's `cache_size` too), else from the collection's options.
+
+`lookups` (a table's row histogram and lookups per sample, `TableLookups`) weight its shards' compute by
+the lookups their rows take (`SlipcachePerfEstimator`, `torchrec_perf.py`), so that the partitioner does not
+stack a table's busy row ranges on one rank:
+
+    planner = slipcache_planner(topology, lookups=lookups_from_profile(profile, table_names))
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from typing import Any
 
+import torch.distributed as dist
+from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
 from torchrec.distributed.planner.types import ShardingOption, Storage
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
 from slipcache.embedding.collection import CachedEmbeddingBagCollection
+from slipcache.errors import SlipcacheError
 from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection
 from slipcache.interop.tables import group_config
 from slipcache.interop.torchrec_fused import fused_params_options
+from slipcache.interop.torchrec_perf import SlipcachePerfEstimator, TableLookups
 
 DEVICE_COMPONENTS = ("cache_rows", "cache_bookkeeping")  # on an accelerator, what lives in its memory
 
@@ -71,25 +83,63 @@ class SlipcacheStorageEstimator(EmbeddingStorageEstimator):
                 shard.storage = Storage(hbm=on_device, ddr=sum(components.values()) - on_device)
 
 
+class SlipcachePlanner(EmbeddingShardingPlanner):
+    """TorchRec's planner that first refuses, in one line, lookups given for a table that no slipcache
+    collection of the module has (a misspelt name would otherwise leave that table at TorchRec's estimate)."""
+
+    def __init__(self, *args: Any, lookup_tables: Collection[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lookup_tables = sorted(lookup_tables)
+
+    def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        self._check_tables(module)
+        return super().plan(module, sharders)
+
+    def collective_plan(
+        self,
+        module: nn.Module,
+        sharders: list[ModuleSharder[nn.Module]] | None = None,
+        pg: dist.ProcessGroup | None = None,
+    ) -> ShardingPlan:
+        self._check_tables(module)  # on every rank: none waits for rank 0's plan while it refuses
+        return super().collective_plan(module, sharders, pg)
+
+    def _check_tables(self, module: nn.Module) -> None:
+        tables = {
+            str(t.name)
+            for m in module.modules()
+            if isinstance(m, KeyedCachedEmbeddingBagCollection)
+            for t in m.embedding_bag_configs()
+        }
+        unknown = [name for name in self._lookup_tables if name not in tables]
+        if unknown:
+            raise SlipcacheError(
+                f"lookups for table {unknown[0]!r}, which no slipcache collection of this model has "
+                f"(its tables: {', '.join(sorted(tables)) or 'none'})"
+            )
+
+
 def slipcache_planner(
     topology: Topology,
     batch_size: int = BATCH_SIZE,
     constraints: dict[str, ParameterConstraints] | None = None,
+    lookups: Mapping[str, TableLookups] | None = None,
     **planner_options: Any,
-) -> EmbeddingShardingPlanner:
-    """TorchRec's `EmbeddingShardingPlanner`, its storage estimate replaced by `SlipcacheStorageEstimator`
-    (its performance estimate kept). `planner_options` go to the planner."""
-    estimators = [
-        EmbeddingPerfEstimator(topology=topology, constraints=constraints),
-        SlipcacheStorageEstimator(topology=topology, constraints=constraints),
-    ]
+) -> SlipcachePlanner:
+    """TorchRec's `EmbeddingShardingPlanner`, its storage estimate replaced by `SlipcacheStorageEstimator` and
+    its perf estimate weighted by `lookups` (`SlipcachePerfEstimator`: each named table's row histogram and
+    lookups per sample; `lookups_from_profile` makes them from an id profile). `planner_options` go to the
+    planner."""
+    perf = SlipcachePerfEstimator(topology=topology, constraints=constraints, lookups=lookups)
+    estimators = [perf, SlipcacheStorageEstimator(topology=topology, constraints=constraints)]
     enumerator = EmbeddingEnumerator(
         topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimators
     )
-    return EmbeddingShardingPlanner(
+    return SlipcachePlanner(
         topology=topology,
         batch_size=batch_size,
         enumerator=enumerator,
         constraints=constraints,
+        lookup_tables=list(lookups or ()),
         **planner_options,
     )

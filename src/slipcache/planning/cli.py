@@ -298,9 +298,11 @@ def fits_here(plan: Plan, budget_gb: float | None) -> bool:
 
 
 def preview_sharding(plan: Plan, profile: IdProfile, world_size: int) -> dict[str, Any]:
-    """Where `torchrun ... slipcache train` would place the planned tables on `world_size` ranks: TorchRec's
-    planner over these tables (each at its planned precision and cache, costed by what our shards hold), as
-    the trainer plans them. Needs the torchrec extra (one line without it)."""
+    """Where TorchRec's planner places the planned tables on `world_size` ranks: each at its planned precision
+    and cache, costed by what our shards hold, each shard's compute weighted by the lookups the profile puts
+    in its rows (`SlipcachePerfEstimator`). `torchrun ... slipcache train` plans the same way without a
+    profile (it samples none), so its placement differs where a table's shards split rows its lookups
+    crowd into. Needs the torchrec extra (one line without it)."""
     import importlib.util
     import logging
     import warnings
@@ -312,6 +314,7 @@ def preview_sharding(plan: Plan, profile: IdProfile, world_size: int) -> dict[st
     from torchrec.distributed.planner import Topology
 
     from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollection, KeyedCachedEmbeddingBagCollectionSharder
+    from slipcache.interop.torchrec_perf import lookups_from_profile
     from slipcache.interop.torchrec_planner import slipcache_planner
 
     configs = [
@@ -329,12 +332,14 @@ def preview_sharding(plan: Plan, profile: IdProfile, world_size: int) -> dict[st
         warnings.simplefilter("ignore")
         torchrec_logger.setLevel(max(level, logging.ERROR))
         try:
-            planner = slipcache_planner(Topology(world_size=world_size, compute_device="cpu"))
+            planner = slipcache_planner(Topology(world_size=world_size, compute_device="cpu"),
+                                        lookups=lookups_from_profile(profile, plan.names))
             sharding = planner.plan(module, [KeyedCachedEmbeddingBagCollectionSharder()])
         finally:
             torchrec_logger.setLevel(level)
     shards: list[dict[str, Any]] = []
-    lines = ["sharding plan (TorchRec's planner):", "| table | sharding | rank | rows |", "|---|---|---|---|"]
+    lines = ["sharding plan (TorchRec's planner, shards weighted by the profile's lookups):",
+             "| table | sharding | rank | rows |", "|---|---|---|---|"]
     for table, parameter in next(iter(sharding.plan.values())).items():
         placed = parameter.sharding_spec.shards if parameter.sharding_spec is not None else None
         if placed is None:  # data-parallel: the whole table on every rank
