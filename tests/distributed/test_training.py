@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -414,6 +415,28 @@ def test_a_ranks_shards_are_priced_from_the_plan_not_from_the_whole_tables() -> 
     assert line is not None and line.startswith("rank 0: their shards of the tables need 1.0 GB + ")
     assert "available memory is 1.5 GB; spread the ranks over more machines" in line
     assert node_memory_refusal(1, 1, range(1), None, staged=False) is None  # no known limit
+
+
+def test_the_plan_weighs_shards_by_a_profile_of_the_training_rows(tmp_path: Path) -> None:
+    """`plan_lookups`: each table's row histogram from the training split's ids, under the names the
+    trainer's collection gives its tables, drawn the same for the same seed; a table whose ids crowd into its
+    first rows gets a histogram that says so."""
+    from slipcache.data.formats import open_any
+    from slipcache.distributed.model import bag_configs, plan_lookups
+    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollection
+    from slipcache.planning.profile import HISTOGRAM_BUCKETS
+
+    dataset = open_any(make_dataset(tmp_path / "data", n=600, sizes=[1000, 50, 20], skewed=True))
+    tables = KeyedCachedEmbeddingBagCollection(bag_configs(list(dataset.table_sizes), 8), device="meta")
+    lookups = plan_lookups(dataset, tables, seed=0)
+    assert list(lookups) == tables.table_names
+    for table in lookups.values():
+        assert len(table.histogram) == HISTOGRAM_BUCKETS and table.lookups_per_sample == 1.0
+    train = dataset.split("train").sparse[:, 0]
+    expected = np.bincount(np.asarray(train) * HISTOGRAM_BUCKETS // 1000, minlength=HISTOGRAM_BUCKETS)
+    assert list(lookups["t0"].histogram) == expected.tolist()  # fewer training rows than the sample: all
+    assert lookups["t0"].histogram[0] > sum(lookups["t0"].histogram) / 2  # Zipf ids: most in the first rows
+    assert plan_lookups(dataset, tables, seed=0) == lookups
 
 
 @pytest.mark.parametrize(

@@ -164,7 +164,10 @@ def load_into_shards(step_dir: Path, manifest: dict[str, Any], tables: Any, rank
     from slipcache.interop.torchrec_checkpoint import load_rank_state, rank_state
 
     sharded = tables.sharded
-    state: dict[str, Any] = {TABLES: sharded.state_dict(), OPTIMIZER: sharded.fused_optimizer.state_dict()}
+    state: dict[str, Any] = {TABLES: sharded.state_dict()}
+    optimizer = sharded.fused_optimizer.state_dict()
+    if optimizer["state"]:  # SGD keeps none: DCP saved nothing under the key, so none is asked for
+        state[OPTIMIZER] = optimizer
     same = manifest["world_size"] == world_size and manifest.get("plan") == sharding_plan_record(sharded)
     if same:
         state.update(rank_state(sharded))
@@ -173,7 +176,8 @@ def load_into_shards(step_dir: Path, manifest: dict[str, Any], tables: Any, rank
     try:
         dcp.load(state, checkpoint_id=str(step_dir))
         sharded.load_state_dict(state[TABLES])
-        sharded.fused_optimizer.load_state_dict(state[OPTIMIZER])
+        if OPTIMIZER in state:
+            sharded.fused_optimizer.load_state_dict(state[OPTIMIZER])
         if same:
             load_rank_state(sharded, state)
     except (RuntimeError, ValueError, KeyError, CheckpointException) as exc:

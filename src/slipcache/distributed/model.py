@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -286,11 +286,27 @@ def wire_codecs(precision: str) -> dict[str, Any] | None:
     return get_qcomm_codecs_registry(QCommsConfig(forward_precision=forward, backward_precision=CommType.BF16))
 
 
+PLAN_PROFILE_ROWS = 100_000  # training rows whose ids the plan's lookups are counted on (about 0.1 s)
+
+
+def plan_lookups(dataset: Any, tables: Any, seed: int) -> dict[str, Any]:
+    """Each table's row histogram and lookups per sample (`TableLookups`), counted on PLAN_PROFILE_ROWS
+    rows of the training split drawn from `seed`, under the names of `tables` (the collection the trainer
+    shards): what the planner weighs each shard's compute by."""
+    from slipcache.interop.torchrec_perf import lookups_from_profile
+    from slipcache.planning.profile import profile_split
+
+    profile = profile_split(dataset.split("train"), list(dataset.table_sizes), sample_rows=PLAN_PROFILE_ROWS,
+                            seed=seed)
+    return lookups_from_profile(profile, tables.table_names)
+
+
 def plan_tables(dlrm: DLRM, world_size: int, batch_size: int, device: torch.device | None = None,
-                wire_precision: str = "fp32") -> tuple[Any, Any]:
+                wire_precision: str = "fp32", lookups: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
     """(TorchRec's ShardingPlan, our sharder) for `dlrm`'s tables (a `KeyedTables` over a collection on meta
-    or the CPU), planned by TorchRec's planner costing our shards (`slipcache_planner`) on every rank together
-    (`collective_plan`: the same plan everywhere); `wire_precision` as `wire_codecs`. Nothing is allocated."""
+    or the CPU), planned by TorchRec's planner costing our shards (`slipcache_planner`, each shard's compute
+    weighted by `lookups`, `plan_lookups`) on every rank together (`collective_plan`: rank 0's plan
+    everywhere); `wire_precision` as `wire_codecs`. Nothing is allocated."""
     from torchrec.distributed.planner import Topology
 
     from slipcache.interop.torchrec_planner import slipcache_planner
@@ -300,7 +316,7 @@ def plan_tables(dlrm: DLRM, world_size: int, batch_size: int, device: torch.devi
     sharder = KeyedCachedEmbeddingBagCollectionSharder(qcomm_codecs_registry=wire_codecs(wire_precision))
     with _quiet_torchrec():
         topology = Topology(world_size=world_size, compute_device=device.type)
-        planner = slipcache_planner(topology, batch_size=max(1, batch_size // world_size))
+        planner = slipcache_planner(topology, batch_size=max(1, batch_size // world_size), lookups=lookups)
         plan = planner.collective_plan(dlrm, [sharder], dist.group.WORLD)
     return plan, sharder
 

@@ -34,6 +34,7 @@ from slipcache.training.runlock import RunLock
 from slipcache.training.step_checkpoint import MANIFEST, RESHARDED, read_trainer_state
 
 if TYPE_CHECKING:
+    from slipcache.data.formats import Dataset
     from slipcache.embedding.tables import EmbeddingTables
 
 logger = logging.getLogger(__name__)
@@ -150,14 +151,15 @@ class DistributedBackend(RunBackend):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def build_model(
-        self, config: Any, table_sizes: list[int], num_dense: int, run_dir: Path, *, draw_rows: bool = True
-    ) -> Any:
-        """The run's DLRM with its tables sharded by TorchRec's planner over the ranks. A new run's shards
+    def build_model(self, config: Any, dataset: Dataset, run_dir: Path, *, draw_rows: bool = True) -> Any:
+        """The run's DLRM with its tables sharded by TorchRec's planner over the ranks, each shard weighted
+        by the lookups a profile of the training split puts in its rows (`plan_lookups`). A new run's shards
         take the rows one process would draw (so N processes start where one does), streamed so that a rank
         holds only its own shards; a resumed one draws none (its rows come from the checkpoint)."""
-        from slipcache.distributed.model import KeyedTables, bag_configs, plan_tables, shard_model
+        from slipcache.distributed.model import KeyedTables, bag_configs, plan_lookups, plan_tables, shard_model
         from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollection
+
+        table_sizes, num_dense = list(dataset.table_sizes), dataset.num_dense
 
         self.check_config(config)  # the resolved settings (a resumed run's come from its checkpoint)
         options = config.embedding_options()
@@ -170,8 +172,10 @@ class DistributedBackend(RunBackend):
                                                    draw_like_one_process=draw_rows, **options)
         keyed = cast("EmbeddingTables", KeyedTables(tables, table_sizes, dim))  # DLRM's collection interface
         dlrm = DLRM(config.model_config(table_sizes, num_dense), keyed)
+        # rank 0 plans for all (`collective_plan`): only it profiles the data
+        lookups = plan_lookups(dataset, tables, config.model.seed) if self.is_main else None
         plan, sharder = plan_tables(dlrm, self.ctx.world_size, config.schedule.batch_size, self.ctx.device,
-                                    wire_precision=config.embeddings.wire_precision)
+                                    wire_precision=config.embeddings.wire_precision, lookups=lookups)
         self.require_node_fits(config, tables, plan, table_sizes, num_dense, staged=draw_rows)
         self.model = shard_model(dlrm, plan, sharder, self.ctx.rank, self.ctx.world_size, self.ctx.device)
         if self.is_main:

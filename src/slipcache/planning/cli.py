@@ -300,9 +300,8 @@ def fits_here(plan: Plan, budget_gb: float | None) -> bool:
 def preview_sharding(plan: Plan, profile: IdProfile, world_size: int) -> dict[str, Any]:
     """Where TorchRec's planner places the planned tables on `world_size` ranks: each at its planned precision
     and cache, costed by what our shards hold, each shard's compute weighted by the lookups the profile puts
-    in its rows (`SlipcachePerfEstimator`). `torchrun ... slipcache train` plans the same way without a
-    profile (it samples none), so its placement differs where a table's shards split rows its lookups
-    crowd into. Needs the torchrec extra (one line without it)."""
+    in its rows (`SlipcachePerfEstimator`), as `torchrun ... slipcache train` plans them from a profile of
+    its own (`distributed.model.plan_lookups`). Needs the torchrec extra (one line without it)."""
     import importlib.util
     import logging
     import warnings

@@ -28,7 +28,7 @@ from slipcache.training.runlock import RunLock
 from slipcache.training.step_checkpoint import read_step
 
 if typing.TYPE_CHECKING:
-
+    from slipcache.data.formats import Dataset
     from slipcache.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,9 @@ class RunBackend:
         """Take the run directory for this run (`run.lock`): one writer per run directory."""
         raise NotImplementedError
 
-    def build_model(
-        self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path, *, draw_rows: bool = True
-    ) -> Any:
-        """The run's model; `draw_rows` False: a checkpoint's rows are loaded next, so none are drawn."""
+    def build_model(self, config: TrainConfig, dataset: Dataset, run_dir: Path, *, draw_rows: bool = True) -> Any:
+        """The run's model on the dataset's tables; `draw_rows` False: a checkpoint's rows are loaded next, so
+        none are drawn."""
         raise NotImplementedError
 
     def batch_part(self) -> tuple[int, int] | None:
@@ -124,10 +123,8 @@ class LocalBackend(RunBackend):
     def claim_run_dir(self, run_dir: Path, record: dict[str, Any]) -> RunLock:
         return runlock.acquire(run_dir, record["run_id"])
 
-    def build_model(
-        self, config: TrainConfig, table_sizes: list[int], num_dense: int, run_dir: Path, *, draw_rows: bool = True
-    ) -> DLRM:
-        return build_model(config, table_sizes, num_dense, draw_rows=draw_rows)
+    def build_model(self, config: TrainConfig, dataset: Dataset, run_dir: Path, *, draw_rows: bool = True) -> DLRM:
+        return build_model(config, list(dataset.table_sizes), dataset.num_dense, draw_rows=draw_rows)
 
     def batch_part(self) -> None:
         return None

@@ -305,9 +305,7 @@ def _build_run(
     np.random.seed(config.model.seed)
     torch.manual_seed(config.model.seed)
     # A resumed run loads every row from its checkpoint: none are drawn (minutes at the MLPerf sizes).
-    model = backend.build_model(
-        config, dataset.table_sizes, dataset.num_dense, run_dir, draw_rows=checkpoint is None
-    )
+    model = backend.build_model(config, dataset, run_dir, draw_rows=checkpoint is None)
     dense_opt = dense_optimizer(config, model)
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
