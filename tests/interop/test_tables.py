@@ -228,3 +228,24 @@ def test_the_planner_costs_each_shard_by_what_it_holds() -> None:
             assert (shard.storage.ddr, shard.storage.hbm) == (expected, 0)
             checked += 1
     assert checked >= 4
+
+
+def test_a_table_of_fewer_rows_than_ranks_is_never_cut_into_an_empty_shard() -> None:
+    """Kaggle's 3- and 4-row tables on 4 ranks: TorchRec's row-wise option gives a rank a shard without rows,
+    which our sharder cannot build; it is priced beyond any machine, so the planner places those tables
+    otherwise, and the big table is still cut row-wise."""
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+
+    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollectionSharder, slipcache_planner
+
+    module = KeyedCachedEmbeddingBagCollection(
+        [_table("big", rows=40_000, dim=8), _table("three", rows=3, dim=8), _table("four", rows=4, dim=8)]
+    )
+    constraints = {"big": ParameterConstraints(sharding_types=["row_wise"])}
+    planner = slipcache_planner(Topology(world_size=4, compute_device="cpu"), constraints=constraints)
+    placed = planner.plan(torch.nn.ModuleDict({"tables": module}), [KeyedCachedEmbeddingBagCollectionSharder()])
+    tables = placed.plan["tables"]
+    assert tables["big"].sharding_type == "row_wise"
+    for parameter in tables.values():
+        shards = parameter.sharding_spec.shards if parameter.sharding_spec is not None else []
+        assert all(min(shard.shard_sizes) > 0 for shard in shards)

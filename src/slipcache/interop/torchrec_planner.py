@@ -43,6 +43,7 @@ from slipcache.interop.torchrec_fused import fused_params_options
 from slipcache.interop.torchrec_perf import SlipcachePerfEstimator, TableLookups
 
 DEVICE_COMPONENTS = ("cache_rows", "cache_bookkeeping")  # on an accelerator, what lives in its memory
+UNBUILDABLE = 2**60  # bytes: the storage of a shard our sharder cannot build, more than any machine has
 
 
 def shard_bytes(
@@ -78,6 +79,10 @@ class SlipcacheStorageEstimator(EmbeddingStorageEstimator):
             fused = getattr(data, "fused_params", None)
             for shard in option.shards:
                 rows, columns = int(shard.size[0]), int(shard.size[1])
+                if not rows or not columns:  # a table of fewer rows than ranks cut row-wise: a shard without
+                    # rows, which our sharder cannot build; priced beyond any machine, the option is never chosen
+                    shard.storage = Storage(hbm=UNBUILDABLE if accelerator else 0, ddr=UNBUILDABLE)
+                    continue
                 components = shard_bytes(module, option.name, rows, columns, option.cache_load_factor, fused)
                 on_device = sum(components[c] for c in DEVICE_COMPONENTS) if accelerator else 0
                 shard.storage = Storage(hbm=on_device, ddr=sum(components.values()) - on_device)
