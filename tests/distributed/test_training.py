@@ -230,14 +230,15 @@ def test_half_precision_on_the_wire_trains_as_fp32_does_within_its_rounding(data
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rule", ["random", "stale"])
-def test_skipping_across_two_processes_trains_like_one(tmp_path: Path, rule: str) -> None:
+@pytest.mark.parametrize(("rule", "stale_rule"), [("random", "paper"), ("stale", "paper"), ("stale", "convergence")])
+def test_skipping_across_two_processes_trains_like_one(tmp_path: Path, rule: str, stale_rule: str) -> None:
     """Every rank profiles the same hot set and decides on the global positions and the gathered logits;
-    `random` reads no rows, `stale` (the paper rule) reads the hot rows' snapshots from every rank's shards
-    at once (the planner cuts these tables row-wise). So 2 processes skip the same inputs and train like 1 (fp32
-    tables)."""
+    `random` reads no rows; `stale` reads the hot rows from every rank's shards at once (the planner cuts
+    these tables row-wise): the paper rule its snapshots, the convergence rule the rows updated often enough,
+    counted on the global batch that every rank reads. So 2 processes skip the same inputs and train like 1
+    (fp32 tables)."""
     data = make_dataset(tmp_path / "data", n=1500, skewed=True)
-    settings = {"precision": "fp32", "cache_size": 0.25, "skip_rule": rule, "stale_rule": "paper",
+    settings = {"precision": "fp32", "cache_size": 0.25, "skip_rule": rule, "stale_rule": stale_rule,
                 "stale_hot_share": 0.6, "stale_warmup": "none", "stale_warmup_min": 0.0, "stale_target": 0.5,
                 "stale_window": 0.1, "epochs": 2}
     one = trainer.train(make_config({}, _settings(str(data), str(tmp_path / "one"), settings)))
@@ -442,7 +443,6 @@ def test_the_plan_weighs_shards_by_a_profile_of_the_training_rows(tmp_path: Path
 @pytest.mark.parametrize(
     ("values", "expected"),
     [
-        ({"skip_rule": "stale"}, "--skip-rule stale with more than one process is not supported yet: run it on one"),
         ({"embeddings": "torch"}, "--embeddings torch is sharded only as slipcache's cached tables"),
         ({"prefetch": True}, "--prefetch with more than one process is not supported yet"),
         ({"batch_size": 63}, "--batch-size 63 does not split evenly over 2 processes"),

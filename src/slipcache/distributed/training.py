@@ -46,18 +46,14 @@ _PER_RANK_SETTINGS = ("progress", "tensorboard", "data", "dataset", "run_id")
 
 def unsupported(config: Any) -> str | None:
     """What the sharded trainer does not do yet, as the one line that refuses it; None if all is supported."""
-    embeddings, skipping = config.embeddings, config.skipping
+    embeddings = config.embeddings
     one_process = "with more than one process is not supported yet: run it on one process"
     refusals = [
         (embeddings.embeddings != "cached",
          f"--embeddings {embeddings.embeddings} is sharded only as slipcache's cached tables (--embeddings cached) "
          "with more than one process"),
-        # random skipping reads no rows and the paper rule reads them from every rank at once (`read_rows`);
-        # loss pruning decides on the gathered logits' losses, each rank on its own copy of them; the
-        # convergence rule counts the updates of each rank's slice only
-        (skipping.skip_rule == "stale" and skipping.stale_rule != "paper",
-         f"--skip-rule stale {one_process}, or with --stale-rule paper (--stale-rule {skipping.stale_rule} counts "
-         "each rank's updates alone)"),
+        # (every skip rule runs on every rank alike: the ranks read whole batches, count and decide on the
+        # global batch and its gathered logits, and read hot rows from every rank's shards at once)
         (embeddings.prefetch, f"--prefetch {one_process}"),
         (embeddings.policy in _lookahead_policies(), f"--policy {embeddings.policy} {one_process}"),
     ]
