@@ -285,6 +285,26 @@ def test_loss_pruning_across_processes_trains_like_one_and_resumes_on_more(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+def test_prefetch_and_lookahead_across_two_processes_train_like_one(tmp_path: Path, policy: str) -> None:
+    """--prefetch (and the lookahead policy) on 2 processes: every rank reads the whole upcoming batches and
+    shows each of its shards the rows of them it holds, so each shard's cache fills ahead from its own rows.
+    At fp32 the cache's contents change no value: 2 processes train like 1 with the same settings, and their
+    shards prefetched rows."""
+    data = make_dataset(tmp_path / "data", n=1500, sizes=[2000, 1000, 500] + [50] * 23, skewed=True)
+    settings = {"precision": "fp32", "cache_size": 0.25, "prefetch": True, "policy": policy, "samples": 960}
+    one = trainer.train(make_config({}, _settings(str(data), str(tmp_path / "one"), settings)))
+    run_ranks(_train_rank, _settings(str(data), str(tmp_path / "two"), settings))
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert one["embedding_stats"]["prefetched_rows"] > 0 and two["embedding_stats"]["prefetched_rows"] > 0
+    single, double = ([e for e in _events(tmp_path / run) if e["event"] == "train"] for run in ("one", "two"))
+    assert len(single) == len(double) > 10
+    for a, b in zip(single, double, strict=True):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-6)
+    assert two["auc"] == pytest.approx(one["auc"], abs=1e-6)
+
+
+@pytest.mark.slow
 def test_fae_order_across_two_processes_trains_like_one(tmp_path: Path) -> None:
     """`--input-order cold_first` (each epoch's cold inputs, then its hot ones) reads no rows: every rank
     profiles the same hot set from the data and reads its slice of the same reordered batches, so 2
@@ -444,7 +464,6 @@ def test_the_plan_weighs_shards_by_a_profile_of_the_training_rows(tmp_path: Path
     ("values", "expected"),
     [
         ({"embeddings": "torch"}, "--embeddings torch is sharded only as slipcache's cached tables"),
-        ({"prefetch": True}, "--prefetch with more than one process is not supported yet"),
         ({"batch_size": 63}, "--batch-size 63 does not split evenly over 2 processes"),
     ],
 )

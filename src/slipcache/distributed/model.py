@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -113,6 +113,12 @@ class ShardedTables:
 
     def local_collections(self) -> list[Any]:
         return list(self.sharded.local_collections())
+
+    def set_lookahead(self, upcoming: Sequence[Tensor], prefetch: bool = False) -> None:
+        """The ids [B, T] of the global batches after the next step's (every rank gives the same ones): each
+        shard's collection is shown the rows of them it holds (`set_lookahead` of the sharded module)."""
+        names = table_names(len(self.table_sizes))
+        self.sharded.set_lookahead([{name: ids[:, t] for t, name in enumerate(names)} for ids in upcoming], prefetch)
 
     def read_rows(self, rows: Tensor) -> Tensor:
         """The fp32 values [n, dim] of global rows [n], from whichever ranks hold them: each rank fills in

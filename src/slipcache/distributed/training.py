@@ -45,25 +45,16 @@ _PER_RANK_SETTINGS = ("progress", "tensorboard", "data", "dataset", "run_id")
 
 
 def unsupported(config: Any) -> str | None:
-    """What the sharded trainer does not do yet, as the one line that refuses it; None if all is supported."""
-    embeddings = config.embeddings
-    one_process = "with more than one process is not supported yet: run it on one process"
-    refusals = [
-        (embeddings.embeddings != "cached",
-         f"--embeddings {embeddings.embeddings} is sharded only as slipcache's cached tables (--embeddings cached) "
-         "with more than one process"),
-        # (every skip rule runs on every rank alike: the ranks read whole batches, count and decide on the
-        # global batch and its gathered logits, and read hot rows from every rank's shards at once)
-        (embeddings.prefetch, f"--prefetch {one_process}"),
-        (embeddings.policy in _lookahead_policies(), f"--policy {embeddings.policy} {one_process}"),
-    ]
-    return next((line for refused, line in refusals if refused), None)
+    """What the sharded trainer does not do, as the one line that refuses it; None if all is supported.
 
-
-def _lookahead_policies() -> tuple[str, ...]:
-    from slipcache.embedding.cache import LOOKAHEAD_POLICIES
-
-    return tuple(LOOKAHEAD_POLICIES)
+    Every skip rule, `--prefetch` and the lookahead policies run on every rank alike: the ranks read whole
+    batches, decide on the global batch and its gathered logits, read hot rows from every rank's shards at
+    once, and show each shard the rows of the upcoming batches it holds."""
+    embeddings = config.embeddings.embeddings
+    if embeddings != "cached":
+        return (f"--embeddings {embeddings} is sharded only as slipcache's cached tables (--embeddings cached) "
+                "with more than one process")
+    return None
 
 
 class DistributedBackend(RunBackend):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -389,7 +389,7 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         batch = features.shape[0] if isinstance(features, Tensor) else features.batch_size
         return self.inputs.traced_pool(values, bag, weight, batch)
 
-    def set_lookahead(self, upcoming: list[Tensor | SparseFeatures], prefetch: bool = False) -> None:
+    def set_lookahead(self, upcoming: Sequence[Tensor | SparseFeatures], prefetch: bool = False) -> None:
         """The ids of the batches after the next training step's (e.g. `BatchIterator.peek(k)`), for that
         step only: the lookahead policies evict by their use, and with `prefetch` the first one's missing
         rows are brought into the cache in the background while that step computes (a thread on CPU, a

@@ -6,7 +6,7 @@ file the farthest batch's missing rows are asked of the disk (`readahead.py`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -60,7 +60,7 @@ class Prefetcher:
     def device(self) -> torch.device:
         return self.inputs.device
 
-    def set_lookahead(self, upcoming: list[Tensor | SparseFeatures], prefetch: bool = False) -> None:
+    def set_lookahead(self, upcoming: Sequence[Tensor | SparseFeatures], prefetch: bool = False) -> None:
         """See `CachedEmbeddingBagCollection.set_lookahead`."""
         known = {id(features): rows for features, rows in self._upcoming_rows}
         self._upcoming_rows = [
@@ -69,6 +69,13 @@ class Prefetcher:
             for features in upcoming
         ]
         self.window = Window([rows for _, rows in self._upcoming_rows])
+        self.prefetch_next = prefetch
+
+    def set_lookahead_rows(self, upcoming: list[Tensor], prefetch: bool = False) -> None:
+        """`set_lookahead` with each upcoming batch given as its sorted unique rows of this collection
+        (a shard of a sharded table works out which of a global batch's ids are its own)."""
+        self._upcoming_rows = []
+        self.window = Window(upcoming)
         self.prefetch_next = prefetch
 
     def take_window(self) -> tuple[Window | None, bool]:

@@ -8,6 +8,7 @@ their own, row files on disk) is asked with `isinstance` where it is used.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -33,3 +34,7 @@ class EmbeddingTables(nn.Module):
     def memory_report(self) -> dict[str, Any]:
         """Bytes the tables hold, by part."""
         raise NotImplementedError
+
+    def set_lookahead(self, upcoming: Sequence[Tensor], prefetch: bool = False) -> None:
+        """The ids [b, T] of the batches after the next training step's, for that step: tables with a cache
+        evict and prefetch by them; others have no use for them."""

@@ -285,6 +285,26 @@ class ShardedCachedTables:
         """This rank's `CachedEmbeddingBagCollection`s (stats, memory_report, flush)."""
         return [c for lookup in self.lookups for c in lookup.collections]
 
+    def set_lookahead(self, upcoming: list[Mapping[str, Tensor]], prefetch: bool = False) -> None:
+        """The ids of the batches after the next step's, each as {table: ids of the global batch, in the
+        table's own numbering}, for that step only (`CachedEmbeddingBagCollection.set_lookahead`): each of this
+        rank's collections is given the rows of its shards that those ids read. Every rank gives the same
+        global batches, so each shard's collection sees the ids TorchRec's input distribution will bring it."""
+        rows: dict[int, tuple[Any, list[list[Tensor]]]] = {}
+        for collection in self.local_collections():
+            rows[id(collection)] = (collection, [[] for _ in upcoming])
+        for table, shards in held_shards(self).items():
+            for shard, collection, index in shards:
+                first, count, _, _ = _block(shard)
+                for step, ids_of in enumerate(upcoming):
+                    ids = ids_of[table].to(torch.int64)
+                    mine = ids[(ids >= first) & (ids < first + count)]
+                    rows[id(collection)][1][step].append(mine - first + collection.table_offsets[index])
+        for collection, steps in rows.values():
+            window = [torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
+                      for parts in steps]
+            collection.prefetcher.set_lookahead_rows(window, prefetch)
+
     def held_rows(self, table: str, rows: Tensor) -> list[tuple[Tensor, int, Tensor]]:
         """The parts of rows `rows` (of `table`, its own numbering) that this rank's shards hold, each as
         (positions in `rows`, first column, fp32 values [positions, columns]); a data-parallel table's only on

@@ -7,7 +7,6 @@ import typing
 
 from slipcache.callback import Callback
 from slipcache.embedding.cache import LOOKAHEAD_POLICIES
-from slipcache.embedding.collection import CachedEmbeddingBagCollection
 
 if typing.TYPE_CHECKING:
     from slipcache.data.batches import BatchIterator
@@ -28,12 +27,11 @@ class ShowUpcomingBatches(Callback):
     """Shows the embeddings the next `count` batches before every step; with `prefetch` the first one's
     missing rows are read into the cache in the background while the step computes."""
 
+    reads_batch_ids = True  # a rank of N shows its shards the ids of the whole global batches
+
     def __init__(self, count: int, prefetch: bool) -> None:
         self.count = count
         self.prefetch = prefetch
 
     def before_step(self, run: Run, batches: BatchIterator) -> None:
-        tables = run.model.embeddings
-        if not isinstance(tables, CachedEmbeddingBagCollection):  # a collection sharded over N processes reads
-            return  # no rows ahead: they page in when used
-        tables.set_lookahead([b.sparse for b in batches.peek(self.count)], self.prefetch)
+        run.model.embeddings.set_lookahead([b.sparse for b in batches.peek(self.count)], self.prefetch)
