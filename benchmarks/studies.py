@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -63,7 +62,7 @@ from benchmarks.slipstream import (
     slipstream_section,
     stale_name,
 )
-from slipcache.bench.experiment import COMMAND, PROG_VARIABLE
+from slipcache.bench.experiment import AS_COMMAND, COMMAND
 from slipcache.cli import OneLineErrors
 from slipcache.data.synthetic import DEFAULT_GENERATOR, GENERATOR_VERSIONS
 from slipcache.errors import SlipcacheError
@@ -368,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import long_studies
 
     argv = sys.argv[1:] if argv is None else argv
-    via_command = os.environ.pop(PROG_VARIABLE, None) == COMMAND  # run by `slipcache experiment`: its name
+    via_command = argv[:1] == [AS_COMMAND]  # run by `slipcache experiment`: its name in usage and errors
+    argv = argv[1:] if via_command else argv
     prog = COMMAND if via_command else "python -m benchmarks.studies"
     parser_class = OneLineErrors if via_command else argparse.ArgumentParser
     try:

@@ -20,8 +20,8 @@ MISSING = ("the studies are not installed with the package: run `python -m bench
            "source checkout of slipcache (they live in its benchmarks/ directory)")
 
 COMMAND = "slipcache experiment"
-# Set for the child: its usage and errors then name `slipcache experiment`, the command the user typed.
-PROG_VARIABLE = "SLIPCACHE_STUDIES_PROG"
+# The child's first argument: its usage and errors then name `slipcache experiment`, the command the user typed.
+AS_COMMAND = "--as-slipcache-experiment"
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds this slipcache package
 CHECKOUT = PACKAGE_ROOT.parent  # src/slipcache/bench/experiment.py -> the checkout
@@ -36,10 +36,9 @@ def studies_command(argv: list[str], root: Path | None = None) -> tuple[list[str
     env = dict(os.environ)
     paths = [str(root), str(PACKAGE_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env[PROG_VARIABLE] = COMMAND
     # -P: the working directory is not put first on the child's path, so another `benchmarks` there
     # cannot stand in for the checkout's.
-    return [sys.executable, "-P", "-m", "benchmarks.studies", *argv], env
+    return [sys.executable, "-P", "-m", "benchmarks.studies", AS_COMMAND, *argv], env
 
 
 def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
