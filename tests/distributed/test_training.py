@@ -143,7 +143,7 @@ def test_rows_in_files_on_two_processes_train_and_resume_as_rows_in_memory(data_
                                      {**settings, "storage_path": str(rows), "samples": 640}))
     run_ranks(_train_rank, {"resume": str(tmp_path / "part"), "samples": 1280, "allow_changes": True,
                             "progress": False})
-    assert rows.is_dir() and not any(rows.iterdir())
+    assert rows.is_dir() and not any(rows.iterdir())  # made by the first storage file, none left
     runs = ("memory", "files", "part")
     summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in runs]
     for key in ("auc", "logloss", "train_samples"):
@@ -162,9 +162,9 @@ def _train_rank_saying(rank: int, world_size: int, values: dict[str, Any], resul
 
 
 @pytest.mark.slow
-def test_a_storage_path_without_room_stops_every_rank_in_one_line(data_dir: Path, tmp_path: Path) -> None:
-    """--storage-path under a file: asked once a machine, before any shard is built; every rank stops with
-    the same line."""
+def test_a_storage_path_under_a_file_stops_every_rank_in_one_line(data_dir: Path, tmp_path: Path) -> None:
+    """--storage-path under a file: asked once a machine (as is its disk's free space), before any shard is
+    built; every rank stops with the same line."""
     (tmp_path / "a-file").write_text("")
     values = _settings(str(data_dir), str(tmp_path / "run"), {"storage_path": str(tmp_path / "a-file" / "rows")})
     assert exit_codes(_train_rank_saying, values, str(tmp_path / "said")) == [2, 2]

@@ -122,7 +122,9 @@ def _same_rows_keys_and_state(rank: int, world_size: int) -> None:
         for key, shards_now in _rows(model).items():
             for a, b in zip(shards_now, after_theirs[key], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=key)
-        for key, value in _states(model).items():
+        states = _states(model)
+        assert sorted(states) == sorted(expected)
+        for key, value in states.items():
             for a, b in zip(value.local_shards(), expected[key].local_shards(), strict=True):
                 torch.testing.assert_close(a.tensor, b.tensor, rtol=1e-5, atol=1e-7, msg=key)
 

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,11 @@ from torch import Tensor, nn
 from slipcache.errors import SlipcacheError
 from slipcache.model import DLRM, ModelConfig
 from slipcache.training.step_checkpoint import table_names
+
+if TYPE_CHECKING:
+    from slipcache.data.formats import Dataset
+    from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection
+    from slipcache.interop.torchrec_perf import TableLookups
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +300,7 @@ def wire_codecs(precision: str) -> dict[str, Any] | None:
 PLAN_PROFILE_ROWS = 100_000  # training rows whose ids the plan's lookups are counted on (about 0.1 s)
 
 
-def plan_lookups(dataset: Any, tables: Any, seed: int) -> dict[str, Any]:
+def plan_lookups(dataset: Dataset, tables: KeyedCachedEmbeddingBagCollection, seed: int) -> dict[str, TableLookups]:
     """Each table's row histogram and lookups per sample (`TableLookups`), counted on PLAN_PROFILE_ROWS
     rows of the training split drawn from `seed`, under the names of `tables` (the collection the trainer
     shards): what the planner weighs each shard's compute by."""
@@ -308,7 +313,7 @@ def plan_lookups(dataset: Any, tables: Any, seed: int) -> dict[str, Any]:
 
 
 def plan_tables(dlrm: DLRM, world_size: int, batch_size: int, device: torch.device | None = None,
-                wire_precision: str = "fp32", lookups: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
+                wire_precision: str = "fp32", lookups: Mapping[str, TableLookups] | None = None) -> tuple[Any, Any]:
     """(TorchRec's ShardingPlan, our sharder) for `dlrm`'s tables (a `KeyedTables` over a collection on meta
     or the CPU), planned by TorchRec's planner costing our shards (`slipcache_planner`, each shard's compute
     weighted by `lookups`, `plan_lookups`) on every rank together (`collective_plan`: rank 0's plan

@@ -159,8 +159,16 @@ class DistributedBackend(RunBackend):
                                                    draw_like_one_process=draw_rows, **options)
         keyed = cast("EmbeddingTables", KeyedTables(tables, table_sizes, dim))  # DLRM's collection interface
         dlrm = DLRM(config.model_config(table_sizes, num_dense), keyed)
-        # rank 0 plans for all (`collective_plan`): only it profiles the data
-        lookups = plan_lookups(dataset, tables, config.model.seed) if self.is_main else None
+        # rank 0 plans for all (`collective_plan`): only it profiles the data, and says on every rank why not
+        lookups, refusal = None, None
+        if self.is_main:
+            try:
+                lookups = plan_lookups(dataset, tables, config.model.seed)
+            except SlipcacheError as exc:
+                refusal = str(exc)
+        refusal = self.agree(refusal)
+        if refusal is not None:
+            raise SlipcacheError(refusal)
         plan, sharder = plan_tables(dlrm, self.ctx.world_size, config.schedule.batch_size, self.ctx.device,
                                     wire_precision=config.embeddings.wire_precision, lookups=lookups)
         self.require_node_fits(config, tables, plan, table_sizes, num_dense, staged=draw_rows)
@@ -190,7 +198,7 @@ class DistributedBackend(RunBackend):
         refusal = node_memory_refusal(shards, dense, ranks, limiting_memory(), staged=staged)
         storage_path = config.embeddings.storage_path
         if refusal is None and storage_path is not None and self.ctx.local_rank == 0:  # one rank a node asks
-            refusal = storage_room_refusal(Path(storage_path), in_files, f"{_who(ranks)}: their shards")
+            refusal = storage_room_refusal(Path(storage_path), in_files, _who(ranks))
         dist.all_gather_object(refusals, refusal)
         refusal = next((line for line in refusals if line is not None), None)
         if refusal is not None:

@@ -57,7 +57,8 @@ INT8_PARTS = {"payload": torch.uint8, "bias": torch.float16, "scale_code": torch
 
 
 def int8_keys(name: str, prefix: str = PREFIX) -> dict[str, str]:
-    """The state_dict keys of an INT8 table: `embedding_bags.<table>.weight_<part>` and its column cuts."""
+    """The state_dict keys of an INT8 table: `<prefix><table>.weight_<part>` and its column cuts (`prefix`:
+    `embedding_bags.` for a bag collection, `embeddings.` for a sequence collection)."""
     base = torchrec_key(name, prefix)
     return {**{part: f"{base}_{part}" for part in INT8_PARTS}, "cuts": f"{base}_cuts"}
 

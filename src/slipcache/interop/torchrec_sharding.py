@@ -68,6 +68,7 @@ from torchrec.modules.embedding_configs import (
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from slipcache.embedding.collection import CachedEmbeddingBagCollection
 from slipcache.embedding.config import EmbeddingConfig as SlipcacheConfig
 from slipcache.errors import SlipcacheError
 from slipcache.interop.keyed import KeyedCachedEmbeddingBagCollection, KeyedCachedEmbeddingCollection
@@ -289,21 +290,20 @@ class ShardedCachedTables:
         """The ids of the batches after the next step's, each as {table: ids of the global batch, in the
         table's own numbering}, for that step only (`CachedEmbeddingBagCollection.set_lookahead`): each of this
         rank's collections is given the rows of its shards that those ids read. Every rank gives the same
-        global batches, so each shard's collection sees the ids TorchRec's input distribution will bring it."""
-        rows: dict[int, tuple[Any, list[list[Tensor]]]] = {}
+        global batches, so a row-wise or table-wise shard sees the ids TorchRec's input distribution will
+        bring it; a data-parallel copy is shown every id of the global batch."""
+        rows: dict[int, tuple[CachedEmbeddingBagCollection, list[list[Tensor]]]] = {}
         for collection in self.local_collections():
             rows[id(collection)] = (collection, [[] for _ in upcoming])
         for table, shards in held_shards(self).items():
             for shard, collection, index in shards:
-                first, count, _, _ = _block(shard)
                 for step, ids_of in enumerate(upcoming):
-                    ids = ids_of[table].to(torch.int64)
-                    mine = ids[(ids >= first) & (ids < first + count)]
-                    rows[id(collection)][1][step].append(mine - first + collection.table_offsets[index])
+                    _, local = _rows_in_shard(shard, collection, index, ids_of[table].to(torch.int64))
+                    rows[id(collection)][1][step].append(local)
         for collection, steps in rows.values():
             window = [torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
                       for parts in steps]
-            collection.prefetcher.set_lookahead_rows(window, prefetch)
+            collection.prefetcher.set_lookahead_rows([w.to(collection.device) for w in window], prefetch)
 
     def held_rows(self, table: str, rows: Tensor) -> list[tuple[Tensor, int, Tensor]]:
         """The parts of rows `rows` (of `table`, its own numbering) that this rank's shards hold, each as
@@ -313,11 +313,9 @@ class ShardedCachedTables:
         for shard, collection, index in held_shards(self).get(table, []):
             if shard.local_metadata is None and self._env.rank != 0:
                 continue
-            first, count, start, _ = _block(shard)
-            positions = ((rows >= first) & (rows < first + count)).nonzero().squeeze(1)
+            positions, local = _rows_in_shard(shard, collection, index, rows)
             if positions.numel():
-                local = rows[positions] - first + collection.table_offsets[index]
-                parts.append((positions, start, collection.read_rows(local).float()))
+                parts.append((positions, _block(shard)[2], collection.read_rows(local).float()))
         return parts
 
 
@@ -711,6 +709,13 @@ def _tables_of_rank(kind: str, sharding: Any, rank: int) -> list[Any]:
 
 
 ShardRows = Callable[[int, int, int, int, int], Tensor]  # (table, first row, rows, first column, columns)
+
+
+def _rows_in_shard(shard: Any, collection: Any, index: int, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(positions in `ids` of the ids the shard holds, their rows in its collection, table `index` there)."""
+    first, count, _, _ = _block(shard)
+    positions = ((ids >= first) & (ids < first + count)).nonzero().squeeze(1)
+    return positions, ids[positions] - first + int(collection.table_offsets[index])
 
 
 def _block(table: Any) -> tuple[int, int, int, int]:

@@ -28,6 +28,6 @@ def make_skipper(config: Any, model: DLRM, split: SplitArrays, batches_per_epoch
 
 def prune_state_dir(run_dir: Path, rank: int) -> Path:
     """Where a process keeps loss pruning's per-input bytes: `prune/`, and for rank r > 0 of a torchrun run
-    its own copy in `prune-rank-<r>/` (every rank decides on the same bytes; each writes its own, so that
-    ranks on different machines need no shared files)."""
+    its own copy in `prune-rank-<r>/`, started from rank 0's (every rank decides on the same bytes, and each
+    writes its own copy of them)."""
     return run_dir / ("prune" if rank == 0 else f"prune-rank-{rank}")

@@ -57,8 +57,9 @@ class LossPruner:
     """The trainer's hooks for loss-based pruning (the same hooks as `StaleSkipper`)."""
 
     def __init__(self, config: Any, num_inputs: int, state_dir: Path | None, seed_from: Path | None = None) -> None:
-        """`state_dir`: where the two files live (None: unnamed files); `seed_from`: another process's state
-        directory, copied when `state_dir` has no files yet (a rank that joins a resumed run of fewer ranks)."""
+        """`state_dir`: where the two files live (None: unnamed files); `seed_from`: rank 0's state directory,
+        whose files (when it has them) replace this rank's copy at the start: a copy left from an earlier leg of
+        the run on more ranks, or none at all, would decide otherwise than rank 0."""
 
         self.share = float(config.skipping.prune_share)
         self.final = float(config.skipping.prune_final)
@@ -74,10 +75,9 @@ class LossPruner:
         else:
             ensure_dir(state_dir, inside=state_dir.parent)  # in the run directory: no link followed
             names = [f"prune_losses_{i}.u8" for i in range(2)]
-            if seed_from is not None and not any((state_dir / n).exists() for n in names):
-                for name in names:
-                    if (seed_from / name).is_file():
-                        _copy_into(seed_from / name, state_dir / name)
+            if seed_from is not None and all((seed_from / n).is_file() for n in names):
+                for name in names:  # rank 0 writes none before the first step, which waits for this rank
+                    _copy_into(seed_from / name, state_dir / name)
             self.files = [self._open(state_dir / name) for name in names]
         self.epoch = -1
         self.position = 0  # inputs filtered in the run (trained or pruned): the draws' position
