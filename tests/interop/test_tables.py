@@ -249,3 +249,16 @@ def test_a_table_of_fewer_rows_than_ranks_is_never_cut_into_an_empty_shard() -> 
     for parameter in tables.values():
         shards = parameter.sharding_spec.shards if parameter.sharding_spec is not None else []
         assert all(min(shard.shard_sizes) > 0 for shard in shards)
+
+
+def test_a_table_of_fewer_rows_than_ranks_constrained_to_row_wise_is_refused_in_one_line() -> None:
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+
+    from slipcache.interop.torchrec import KeyedCachedEmbeddingBagCollectionSharder, slipcache_planner
+
+    module = KeyedCachedEmbeddingBagCollection([_table("big", rows=400, dim=8), _table("three", rows=3, dim=8)])
+    constraints = {"three": ParameterConstraints(sharding_types=["row_wise"])}
+    planner = slipcache_planner(Topology(world_size=4, compute_device="cpu"), constraints=constraints)
+    refusal = r"^table 'three' has 3 rows, fewer than the ranks .*data_parallel for it$"
+    with pytest.raises(SlipcacheError, match=refusal):
+        planner.plan(torch.nn.ModuleDict({"tables": module}), [KeyedCachedEmbeddingBagCollectionSharder()])

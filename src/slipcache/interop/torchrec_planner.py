@@ -89,8 +89,11 @@ class SlipcacheStorageEstimator(EmbeddingStorageEstimator):
 
 
 class SlipcachePlanner(EmbeddingShardingPlanner):
-    """TorchRec's planner that first refuses, in one line, lookups given for a table that no slipcache
-    collection of the module has (a misspelt name would otherwise leave that table at TorchRec's estimate)."""
+    """TorchRec's planner that first refuses, in one line, what it would otherwise plan wrong or fail on
+    without saying why: lookups given for a table that no slipcache collection of the module has (a misspelt
+    name would leave that table at TorchRec's estimate), and a table of fewer rows than ranks whose
+    constraints allow only row-wise cuts (each leaves a rank a shard without rows, which our sharder cannot
+    build: `UNBUILDABLE`)."""
 
     def __init__(self, *args: Any, lookup_tables: Collection[str] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -106,22 +109,31 @@ class SlipcachePlanner(EmbeddingShardingPlanner):
         sharders: list[ModuleSharder[nn.Module]] | None = None,
         pg: dist.ProcessGroup | None = None,
     ) -> ShardingPlan:
-        self._check_tables(module)  # on every rank: none waits for rank 0's plan while it refuses
+        self._check_tables(module)  # given the same lookups on every rank, none waits while rank 0 refuses
         return super().collective_plan(module, sharders, pg)
 
     def _check_tables(self, module: nn.Module) -> None:
-        tables = {
-            str(t.name)
+        rows = {
+            str(t.name): int(t.num_embeddings)
             for m in module.modules()
             if isinstance(m, KeyedCachedEmbeddingBagCollection)
             for t in m.embedding_bag_configs()
         }
-        unknown = [name for name in self._lookup_tables if name not in tables]
+        unknown = [name for name in self._lookup_tables if name not in rows]
         if unknown:
             raise SlipcacheError(
                 f"lookups for table {unknown[0]!r}, which no slipcache collection of this model has "
-                f"(its tables: {', '.join(sorted(tables)) or 'none'})"
+                f"(its tables: {', '.join(sorted(rows)) or 'none'})"
             )
+        ranks = {"row_wise": self._topology.world_size, "table_row_wise": self._topology.local_world_size}
+        for name, constraint in (self._constraints or {}).items():
+            allowed = constraint.sharding_types
+            if name in rows and allowed and all(rows[name] < ranks.get(kind, 0) for kind in allowed):
+                raise SlipcacheError(
+                    f"table {name!r} has {rows[name]} rows, fewer than the ranks its constraints' sharding types "
+                    f"({', '.join(allowed)}) cut it over: a rank would hold none of its rows; allow table_wise "
+                    "or data_parallel for it"
+                )
 
 
 def slipcache_planner(
