@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from tqdm import tqdm
 
 LOG_EVERY_S = 30.0
+
+
+class ProgressBar(Protocol):
+    """What a progress bar offers its callers, whichever `progress_bar` made (tqdm's or `LineProgress`)."""
+
+    def update(self, n: float = 1) -> Any: ...
+    def set_postfix(self, ordered_dict: dict[str, Any] | None = None, refresh: bool = True, **kwargs: Any) -> None: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Any: ...
+    def __exit__(self, *exc: object) -> Any: ...
 
 
 def progress_bar(
@@ -26,7 +36,7 @@ def progress_bar(
     disable: bool = False,
     file: TextIO | None = None,
     **bar_options: Any,
-) -> Any:
+) -> ProgressBar:
     """A tqdm bar on a terminal, else a `LineProgress`; both take `update`, `set_postfix`, `close` and `with`."""
     stream = file if file is not None else sys.stderr
     if disable or _is_terminal(stream):

@@ -41,7 +41,7 @@ from slipcache.iostats import AnonPeak
 from slipcache.memory import peak_rss_bytes
 from slipcache.model import DLRM
 from slipcache.options import torch_threads
-from slipcache.progress import progress_bar
+from slipcache.progress import ProgressBar, progress_bar
 from slipcache.safe_files import refuse_link
 from slipcache.training import checkpoint as ckpt
 from slipcache.training import run as runs
@@ -140,7 +140,7 @@ class Loop:
 
     run: Run
     callbacks: Callbacks
-    bar: Any  # tqdm progress bar
+    bar: ProgressBar
     cache: CacheWindow
     clock: TrainingClock
     lock: RunLock | None  # run.lock of the run directory (rank 0 of N holds it), released at the end
