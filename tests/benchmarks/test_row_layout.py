@@ -47,3 +47,11 @@ def test_split_and_inline_rows_gather_and_update_alike(tmp_path: object, monkeyp
     untouched = np.setdiff1d(np.arange(rows), distinct)
     np.testing.assert_array_equal(codes[untouched], before[untouched])
     assert not np.array_equal(codes[distinct], before[distinct])
+    assert np.unique(bias[distinct]).size > 1  # each updated row found a bias of its own
+    # and the rows read back alike with those biases and scale codes
+    again = [np.zeros_like(outs[0]) for _ in range(2)]
+    lib.split_gather(codes.ctypes.data_as(u8), bias.ctypes.data_as(u16), scale.ctypes.data_as(u8), *args,
+                     again[0].ctypes.data_as(f32))
+    lib.inline_gather(inline.ctypes.data_as(u8), *args, again[1].ctypes.data_as(f32))
+    np.testing.assert_array_equal(again[0], again[1])
+    assert not np.array_equal(again[0], outs[0])

@@ -82,6 +82,10 @@ class DistributedBackend(RunBackend):
         """(rank, world size): each rank reads its slice of every global batch."""
         return self.ctx.rank, self.ctx.world_size
 
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
     # ------------------------------------------------------------------------------------- set-up
     def check_config(self, config: Any) -> None:
         """Refuse what does not work across processes yet, with the same one-line error on every rank."""

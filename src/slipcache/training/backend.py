@@ -97,6 +97,11 @@ class RunBackend:
         None: the whole batch."""
         raise NotImplementedError
 
+    @property
+    def rank(self) -> int:
+        """This process's rank among the run's processes (0 for one process)."""
+        return 0
+
     def read_resume_checkpoint(self, path: Path, home: Path | None) -> TrainingCheckpoint | None:
         """The checkpoint to resume from (`path`: the one `--resume` names, inside run dir `home`): its state
         and how its tables go into this backend's model (`TrainingCheckpoint.load_into`), or None when the

@@ -30,9 +30,8 @@ class SkipStaleInputs(Callback):
     reads_batch_ids = True  # the hot-set detector counts the updates of every id of the global batch
 
     def __init__(self, run: Run, hot_inputs: HotInputs | None = None) -> None:
-        part = run.backend.batch_part()  # (rank, ranks) of a torchrun run: each rank keeps its own state files
         self.skipper = make_skipper(run.config, run.model, run.dataset.split("train"), run.batches_per_epoch,
-                                    run.run_dir, hot_inputs, rank=part[0] if part else 0)
+                                    run.run_dir, hot_inputs, rank=run.backend.rank)  # each rank's own state files
 
     def on_start(self, run: Run) -> None:
         skipper = self.skipper
