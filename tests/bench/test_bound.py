@@ -80,3 +80,23 @@ def test_bounds_follow_the_model() -> None:
     assert "lines_per_lookup" not in absent
     assert len(fake_probe.calls) == len(set(fake_probe.calls))  # each size probed once
     assert all(size <= 1 << 30 for size, _ in fake_probe.calls)
+
+
+def test_the_output_and_its_gradient_are_priced_at_the_copy_bandwidth() -> None:
+    """Every configuration streams the pooled output and its gradient, whatever its tables hold: one copy of
+    dim x 4 bytes per bag, 2 lines per bag of a 16-dim row."""
+    costs = AccessCosts(0.1, max_probe_bytes=1 << 30, probe=fake_probe, cache_bytes=2 << 20,
+                        copy_bytes_per_s=64e9)  # 64 bytes per ns
+    rows = [
+        {"impl": "fbgemm", "precision": "fp32", "dim": 16, "cache_fraction": 0.0, "status": "ok", "samples_per_s": 1e6},
+        {"impl": "slipcache", "precision": "int8", "dim": 16, "cache_fraction": 0.0, "status": "ok",
+         "samples_per_s": 1e6, "lookups": 1000, "rows_in": 500, "rows_out": 500},
+    ]
+    attach_bounds(rows, [1_000_000], 0.5, costs, Flat(), bags_per_lookup=0.5)
+    for row in rows:
+        assert row["bound_ns_per_lookup"]["output and gradient"] == pytest.approx(0.5 * 16 * 4 / 64)
+        assert row["lines_per_lookup"]["output and gradient"] == pytest.approx(0.5 * 2)
+    table, ours = rows
+    assert table["bound_ns_per_lookup"]["table row"] == pytest.approx(150.0)
+    assert table["bound_samples_per_s"] == pytest.approx(1 / (150.5e-9))
+    assert ours["lines_per_lookup"]["total"] == pytest.approx(0.5 * 3 + 0.5 * 3 + 1.0)

@@ -22,6 +22,13 @@ caches):
   storage (rows out): tags + bookkeeping + (1 + u) x cached row + rows_in x storage access
   + rows_out x (cached row + storage access), rows_in and rows_out per lookup as the run counted them.
 
+Every configuration also streams what the layer hands on and gets back: the forward writes each bag's pooled
+fp32 row (dim x 4 bytes) and the backward reads the gradient of it, whatever the tables' precision. At one id
+per bag (the bench's workload) that is 2 x dim x 4 bytes per lookup, 512 at dim 64: more than an int8 row's
+accesses. The model prices it as one sequential copy of dim x 4 bytes per bag (the copy probe: a byte read
+and a byte written), the "output and gradient" term; the least those bytes can cost (a store that
+allocates its line costs more), so the bound stays a bound.
+
 A storage access of an int8/int4 row is three: its payload, its fp16 bias and its scale code live in three
 arrays.
 
@@ -99,8 +106,12 @@ class AccessCosts:
         max_probe_bytes: int,
         probe: Callable[..., dict[str, float]] = probe_random_gather,
         cache_bytes: int | None = None,
+        copy_bytes_per_s: float | None = None,
     ):
+        """`copy_bytes_per_s`: the sequential copy probe's bytes copied per second, which prices the output
+        and its gradient (None: that term is left out)."""
         self.seconds, self.max_probe_bytes, self.probe = seconds, max_probe_bytes, probe
+        self.copy_bytes_per_s = copy_bytes_per_s
         self.cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
         self.measured: dict[tuple[int, int], float] = {}
 
@@ -126,9 +137,19 @@ class AccessCosts:
 
 
 def lookup_terms(
-    row: dict[str, Any], rows: int, u: float, costs: AccessCosts, popularity: Popularity
+    row: dict[str, Any], rows: int, u: float, costs: AccessCosts, popularity: Popularity, bags_per_lookup: float = 1.0
 ) -> dict[str, float] | None:
     """Seconds per lookup of each access the model counts for this measured configuration (None: no model)."""
+    terms = _row_terms(row, rows, u, costs, popularity)
+    if terms is not None and costs.copy_bytes_per_s:
+        terms["output and gradient"] = bags_per_lookup * row["dim"] * 4 / costs.copy_bytes_per_s
+    return terms
+
+
+def _row_terms(
+    row: dict[str, Any], rows: int, u: float, costs: AccessCosts, popularity: Popularity
+) -> dict[str, float] | None:
+    """`lookup_terms` of the rows' random accesses."""
     dim, precision = row["dim"], row["precision"]
     near = costs.cache_bytes / 2
 
@@ -169,8 +190,19 @@ def _lines(row_bytes: float) -> int:
     return max(1, math.ceil(row_bytes / 64))
 
 
-def lookup_lines(row: dict[str, Any], u: float, ways: int = 16) -> dict[str, float] | None:
-    """Lines touched per lookup by each term of `lookup_terms` (None: no model)."""
+def lookup_lines(
+    row: dict[str, Any], u: float, ways: int = 16, bags_per_lookup: float | None = 1.0
+) -> dict[str, float] | None:
+    """Lines touched per lookup by each term of `lookup_terms` (None: no model); `bags_per_lookup` None leaves
+    the output and its gradient out (as `lookup_terms` does without a copy price)."""
+    lines = _row_lines(row, u, ways)
+    if lines is not None and bags_per_lookup is not None:
+        lines["output and gradient"] = bags_per_lookup * 2 * _lines(row["dim"] * 4)
+    return lines
+
+
+def _row_lines(row: dict[str, Any], u: float, ways: int) -> dict[str, float] | None:
+    """`lookup_lines` of the rows' random accesses."""
     dim, precision = row["dim"], row["precision"]
     if row["impl"] in ("torch", "fbgemm"):
         return {"table row": (1 + u) * _lines(dim * _ELEMENT_BYTES[precision])}
@@ -194,21 +226,26 @@ def lookup_lines(row: dict[str, Any], u: float, ways: int = 16) -> dict[str, flo
 
 
 def attach_bounds(
-    rows: list[dict[str, Any]], table_sizes: list[int], u: float, costs: AccessCosts, popularity: Popularity
+    rows: list[dict[str, Any]],
+    table_sizes: list[int],
+    u: float,
+    costs: AccessCosts,
+    popularity: Popularity,
+    bags_per_lookup: float = 1.0,
 ) -> None:
     """Add `bound_samples_per_s`, `fraction_of_bound`, `bound_ns_per_lookup` and `lines_per_lookup` (by term)
-    to measured rows."""
+    to measured rows. `bags_per_lookup`: pooled outputs per lookup (1: one id per bag, the bench's workload)."""
     lookups_per_sample = len(table_sizes)
     for row in rows:
         row["bound_samples_per_s"] = row["fraction_of_bound"] = row["bound_ns_per_lookup"] = None
         if not str(row.get("status", "")).startswith("ok") or not row.get("samples_per_s"):
             continue
-        terms = lookup_terms(row, sum(table_sizes), u, costs, popularity)
+        terms = lookup_terms(row, sum(table_sizes), u, costs, popularity, bags_per_lookup)
         if not terms:
             continue
         per_lookup = sum(terms.values())
         row["bound_ns_per_lookup"] = {name: seconds * 1e9 for name, seconds in terms.items()}
-        lines = lookup_lines(row, u)
+        lines = lookup_lines(row, u, bags_per_lookup=bags_per_lookup if costs.copy_bytes_per_s else None)
         if lines:
             row["lines_per_lookup"] = {**lines, "total": sum(lines.values())}
         row["bound_samples_per_s"] = 1.0 / (lookups_per_sample * per_lookup)

@@ -360,7 +360,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     share = unique_share(work.batches[work.first_timed :], sizes)
     if probes is not None:
         progress("probing random accesses at each configuration's working-set sizes (the bound) ...")
-        costs = AccessCosts(0.2 if args.quick else 0.5, int(min(2 * GB, budget / 4)))
+        costs = AccessCosts(
+            0.2 if args.quick else 0.5, int(min(2 * GB, budget / 4)),
+            copy_bytes_per_s=probes["sequential_copy"]["copy_gb_s"] * 1e9,
+        )
         popularity = Popularity(work.batches[work.first_timed :], sizes)
         attach_bounds(rows, sizes, share, costs, popularity)
         probes["access_costs"] = costs.describe()

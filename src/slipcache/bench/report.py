@@ -159,6 +159,12 @@ def format_bound(result: dict[str, Any]) -> list[str]:
         )
         + f" (share of first lookups of a row in a step u = {result.get('unique_share', 0):.3f})."
     )
+    copy = (result.get("probes") or {}).get("sequential_copy")
+    if copy and any("output and gradient" in r["bound_ns_per_lookup"] for r in bounded):
+        lines.append(
+            f"The output and its gradient (4 x dim bytes each per bag) are priced at the copy probe's "
+            f"{copy['copy_gb_s']:.1f} GB/s."
+        )
     lines.append("")
     for r in bounded:
         terms = ", ".join(f"{k} {v:.1f}" for k, v in r["bound_ns_per_lookup"].items())
