@@ -36,10 +36,12 @@ def add_threads_flag(parser: argparse.ArgumentParser, default: object = None, he
 def add_huge_pages_flag(parser: argparse.ArgumentParser) -> None:
     """`--huge-pages`: whether the tables' big tensors ask for 2 MiB pages, on every command that builds tables
     (`main` applies it for the command's duration; docs/scale.md says when it helps)."""
+    from slipcache.embedding.config import EmbeddingConfig
     from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 
-    parser.add_argument("--huge-pages", choices=HUGE_PAGE_MODES, default="off", dest="huge_pages",
-                        help=f"{HUGE_PAGES_HELP} (default: off)")
+    default = EmbeddingConfig.huge_pages  # the collection's own default
+    parser.add_argument("--huge-pages", choices=HUGE_PAGE_MODES, default=default, dest="huge_pages",
+                        help=f"{HUGE_PAGES_HELP} (default: {default})")
 
 
 @contextlib.contextmanager
@@ -65,14 +67,17 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         _native.set_threads(previous_loops)
 
 
+SEED_RANGE = "[0, 2**32)"  # numpy's and torch's seeds (`slipcache train --seed` too)
+
+
 def seed_arg(text: str) -> int:
-    """A random seed for argparse: numpy and torch take [0, 2**32); anything else is a usage error."""
+    """A random seed for argparse, in SEED_RANGE; anything else is a usage error."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"a seed must be in [0, 2**32), got {value}")
+        raise argparse.ArgumentTypeError(f"a seed must be in {SEED_RANGE}, got {value}")
     return value
 
 

@@ -144,14 +144,12 @@ INT8 = {"precision": "int8", "cache_size": 0.0, "rounding": "nearest"}
 
 def _stored(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
     """Every INT8 shard's stored bytes on this rank (codes, biases, scale codes)."""
-    from slipcache.interop.torchrec_checkpoint import _stored_bytes
-
     module = model.module.tables
     return {
-        name: _stored_bytes(c, i, size)
+        name: list(c.stored_int8(i))
         for lookup in module.lookups
         for c in lookup.collections
-        for i, (name, size) in enumerate(zip(c.table_names, c.table_sizes, strict=True))
+        for i, name in enumerate(c.table_names)
     }
 
 

@@ -92,8 +92,7 @@ def _run_torchrec(config: Any, out: Path) -> dict[str, Any]:
     config = trainer.resolve_schedule(config, dataset.splits["train"])
     torch.manual_seed(config.model.seed)
     model = _TorchRecDLRM(dataset.table_sizes, config)
-    dense_lr = config.embeddings.lr if config.model.dense_lr is None else config.model.dense_lr
-    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=dense_lr)
+    dense_opt = torch.optim.SGD(model.dense_parameters(), lr=config.mlp_lr())
     samples, wall, epoch = 0, 0.0, 0
     while samples < config.schedule.samples:
         start = time.perf_counter()

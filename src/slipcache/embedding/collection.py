@@ -316,6 +316,59 @@ class CachedEmbeddingBagCollection(EmbeddingTables):
         parts = self.storage.parts.values() if isinstance(self.storage, TableRowStorage) else [self.storage]
         return [file for file in (part.payload_file for part in parts) if file is not None]
 
+    def _table_storage(self, table: int) -> tuple[RowStorage, int]:
+        """The storage holding `table`, and the table's first row in it."""
+        storage = self.storage
+        if isinstance(storage, TableRowStorage):
+            return storage.parts[self.config.precisions[table]], storage.table_start(table)
+        return storage, int(self.table_offsets[table])
+
+    def _int8_storage(self, table: int) -> tuple[RowStorage, int]:
+        part, start = self._table_storage(table)
+        if part.precision != "int8":
+            raise SlipcacheError(f"table {self.table_names[table]!r} is not stored in INT8")
+        return part, start
+
+    @after_prefetch
+    def stored_int8(self, table: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Copies of INT8 `table`'s codes [rows, dim], fp16 biases [rows] and scale codes [rows] as stored,
+        the rows the cache holds rounded to nearest into them (what a flush to nearest would store): the
+        bytes themselves, for a checkpoint that keeps them exactly."""
+        part, start = self._int8_storage(table)
+        rows = int(self.config.table_sizes[table])
+        payload, bias, scale_code = (buffer[start : start + rows].clone() for buffer in part.buffers())
+        slots, cached = self.cache.cached()
+        first = int(self.table_offsets[table])
+        mine = (cached >= first) & (cached < first + rows)
+        if bool(mine.any()):
+            encoded, _ = part.encode(self.cache.weights[slots[mine]].float(), "nearest", None)
+            local = (cached[mine] - first).to(payload.device)
+            for value, codes in zip((payload, bias, scale_code), encoded, strict=True):
+                value[local] = codes.to(value.device)
+        return payload, bias, scale_code
+
+    @after_prefetch
+    def load_int8(self, table: int, payload: Tensor, bias: Tensor, scale_code: Tensor) -> None:
+        """INT8 `table`'s stored bytes (as `stored_int8` gives them) put back exactly, over what
+        `load_tables` rounded: the cache holds none of its rows then (it was emptied by that load)."""
+        part, start = self._int8_storage(table)
+        rows = int(self.config.table_sizes[table])
+        for name, buffer, value in zip(("payload", "bias", "scale_code"), part.buffers(), (payload, bias, scale_code),
+                                       strict=True):
+            mine = buffer[start : start + rows]
+            if tuple(value.shape) != tuple(mine.shape) or value.dtype != mine.dtype:
+                raise InvalidInputError(
+                    f"table {self.table_names[table]!r}: saved INT8 {name} is {value.dtype} {list(value.shape)}, "
+                    f"the table's is {mine.dtype} {list(mine.shape)}"
+                )
+            mine.copy_(value)
+        part.version += 1
+
+    def set_lookahead_rows(self, upcoming: list[Tensor], prefetch: bool = False) -> None:
+        """`set_lookahead` with each upcoming batch given as its sorted unique rows of this collection (a
+        shard of a sharded table works out which of a global batch's ids are its own)."""
+        self.prefetcher.set_lookahead_rows([rows.to(self.device) for rows in upcoming], prefetch)
+
     @after_prefetch
     def load_tables(self, tables: list[Tensor]) -> None:
         """Replace every row with the given fp32 tables (rounded to nearest); empties the cache."""

@@ -497,6 +497,10 @@ class TableRowStorage(nn.Module):
     def row_bytes_of(self, precision: str) -> tuple[int, int]:
         return self.parts[precision].row_bytes()
 
+    def table_start(self, table: int) -> int:
+        """The first row of `table` in the part of its precision."""
+        return int(self._local_start[table])
+
     def pin_memory_(self) -> TableRowStorage:
         for part in self.parts.values():
             part.pin_memory_()

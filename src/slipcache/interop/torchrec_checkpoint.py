@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slipcache.embedding.quant import RowStorage, TableRowStorage
 from slipcache.errors import InvalidInputError
 from slipcache.interop.torchrec_weights import PREFIX, torchrec_key
 from slipcache.torch_private import (
@@ -115,32 +114,6 @@ def _local_per_row(shard: Any, metadata: Any) -> ShardMetadata:
     return ShardMetadata([shard.shard_offsets[0], cut], [shard.shard_sizes[0], 1], shard.placement)
 
 
-def _storage_of(collection: Any, index: int) -> tuple[RowStorage, int]:
-    """The storage holding table `index` of `collection`, and the table's first row in it."""
-    storage = collection.storage
-    if isinstance(storage, TableRowStorage):
-        return storage.parts[collection.config.precisions[index]], int(storage._local_start[index])
-    return storage, int(collection.table_offsets[index])
-
-
-def _stored_bytes(collection: Any, index: int, rows: int) -> list[Tensor]:
-    """Copies of an INT8 table's codes [rows, dim], biases [rows] and scale codes [rows] as stored, the rows
-    the cache holds rounded to nearest into them (what a flush to nearest would store)."""
-    part, start = _storage_of(collection, index)
-    if part.precision != "int8":
-        raise RuntimeError(f"table {collection.table_names[index]!r} is not stored in INT8")
-    values = [buffer[start : start + rows].clone() for buffer in (part.payload, part.bias, part.scale_code)]
-    slots, cached = collection.cache.cached()
-    first = int(collection.table_offsets[index])
-    mine = (cached >= first) & (cached < first + rows)
-    if bool(mine.any()):
-        encoded, _ = part.encode(collection.cache.weights[slots[mine]].float(), "nearest", None)
-        local = (cached[mine] - first).to(values[0].device)
-        for value, codes in zip(values, encoded, strict=True):
-            value[local] = codes.to(value.device)
-    return values
-
-
 def _int8_state(
     module: Any, name: str, metadata: Any, held: list[Any], destination: dict[str, Any], prefix: str
 ) -> None:
@@ -148,7 +121,7 @@ def _int8_state(
     destination[keys["cuts"]] = torch.tensor(_column_cuts(metadata), dtype=torch.int64)
     local: dict[str, list[Shard]] = {part: [] for part in INT8_PARTS}
     for table, collection, index in held:
-        payload, bias, scale_code = _stored_bytes(collection, index, int(table.local_rows))
+        payload, bias, scale_code = collection.stored_int8(index)
         if metadata is None:  # data-parallel: plain tensors, the same on every rank
             destination[keys["payload"]] = payload
             destination[keys["bias"]] = bias.unsqueeze(1)
@@ -226,22 +199,15 @@ def _load_int8(lookup: Any, table: Any, state_dict: Mapping[str, Any], prefix: s
         )
     where = {name: (c, i) for c in lookup.collections for i, name in enumerate(c.table_names)}
     collection, index = where[shard_name(table)]
-    part, start = _storage_of(collection, index)
     rows = int(table.local_rows)
     per_row = None if table.local_metadata is None else _local_per_row(table.local_metadata, table.global_metadata)
-    for name, buffer in (("payload", part.payload), ("bias", part.bias), ("scale_code", part.scale_code)):
+    values = []
+    for name in INT8_PARTS:
         value = state_dict[keys[name]]
         if isinstance(value, ShardedTensor):
-            wanted = table.local_metadata if name == "payload" else per_row
-            value = _local_shard(value, wanted, table.name)
-        values = value if name == "payload" else value.squeeze(1)
-        if tuple(values.shape) != tuple(buffer[start : start + rows].shape) or values.dtype != buffer.dtype:
-            raise InvalidInputError(
-                f"table {table.name!r}: saved INT8 {name} is {values.dtype} {list(values.shape)}, this shard's "
-                f"is {buffer.dtype} {list(buffer[start : start + rows].shape)}"
-            )
-        buffer[start : start + rows].copy_(values)
-    part.version += 1
+            value = _local_shard(value, table.local_metadata if name == "payload" else per_row, table.name)
+        values.append(value if name == "payload" else value.squeeze(1))
+    collection.load_int8(index, *values)
     logger.debug("table %r: loaded its INT8 bytes (%d rows)", table.name, rows)
 
 

@@ -303,7 +303,7 @@ class ShardedCachedTables:
         for collection, steps in rows.values():
             window = [torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
                       for parts in steps]
-            collection.prefetcher.set_lookahead_rows([w.to(collection.device) for w in window], prefetch)
+            collection.set_lookahead_rows(window, prefetch)
 
     def held_rows(self, table: str, rows: Tensor) -> list[tuple[Tensor, int, Tensor]]:
         """The parts of rows `rows` (of `table`, its own numbering) that this rank's shards hold, each as

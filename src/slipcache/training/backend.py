@@ -48,8 +48,7 @@ def build_model(config: TrainConfig, table_sizes: list[int], num_dense: int, *, 
 
 def dense_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer:
     """The MLPs' optimizer (`--dense-optimizer`, one of config.DENSE_OPTIMIZERS) at `--dense-lr`, else `--lr`."""
-    dense_lr = config.model.dense_lr
-    params, lr = model.dense_parameters(), config.embeddings.lr if dense_lr is None else dense_lr
+    params, lr = model.dense_parameters(), config.mlp_lr()
     if config.model.dense_optimizer == "adagrad":
         return torch.optim.Adagrad(params, lr=lr)
     if config.model.dense_optimizer == "adam":

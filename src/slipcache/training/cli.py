@@ -23,6 +23,7 @@ from slipcache.training.datasets import (
     run_dataset_dir,
 )
 from slipcache.training.flags import add_config_flags
+from slipcache.training.parts import ScheduleSettings
 from slipcache.training.saved_run import find_checkpoint, load_saved_model, saved_config
 from slipcache.training.trainer import evaluate
 
@@ -123,8 +124,8 @@ def evaluate_checkpoint(
 ) -> dict[str, float]:
     """Metrics of a saved model on a dataset split. On the run's own dataset (no `data`), that dataset must
     still be the data the run trained on (its fingerprint), unless `allow_changes`."""
-    if samples is not None and samples < 1:
-        raise SlipcacheError(f"--eval-samples / --samples must be at least 1, got {samples}")
+    if samples is not None:
+        ScheduleSettings(eval_samples=samples)  # checked as the run's own --eval-samples is
     saved = find_checkpoint(checkpoint_path, "--checkpoint").read()
     state, path = saved.state, saved.path
     config = saved_config(saved)

@@ -33,7 +33,6 @@ from slipcache.training.settings import (
     coerce,
     part_options,
     read_settings_file,
-    setting_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -94,6 +93,10 @@ class TrainConfig:
         """A copy with these settings (by key) changed, checked like any other."""
         return TrainConfig.from_flat({**self.flat(), **values}, given=self.given)
 
+    def mlp_lr(self) -> float:
+        """The MLPs' learning rate: `--dense-lr`, else the tables' `--lr`."""
+        return self.embeddings.lr if self.model.dense_lr is None else self.model.dense_lr
+
     def embedding_options(self) -> dict[str, Any]:
         """The embedding collection's settings (`EmbeddingConfig` fields, dim included), shared by the
         one-process and the sharded model."""
@@ -148,9 +151,8 @@ def make_config(
     """Defaults, then `--quick`, then a `--stale-preset`, then the config file, then command-line flags."""
     user = {**(file_values or {}), **(flag_values or {})}
     preset = user.get("stale_preset")
-    if preset is not None and preset not in STALE_PRESETS:
-        named = setting_name("stale_preset", CONFIG_FIELDS["stale_preset"])
-        raise SlipcacheError(f"{named} must be one of {', '.join(STALE_PRESETS)}, got {preset!r}")
+    if preset is not None:
+        SkippingSettings(stale_preset=preset)  # its part checks it (one of STALE_PRESETS) before it is applied
     # each fills only what the later ones leave: the preset wins over --quick, the user over both
     given = {**(QUICK if user.get("quick") else {}), **(STALE_PRESETS[preset] if preset else {}), **user}
     if "embedding_dim" in user and "bottom_mlp" not in user:

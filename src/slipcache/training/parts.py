@@ -16,7 +16,7 @@ from slipcache.embedding.hostmem import HUGE_PAGE_MODES
 from slipcache.embedding.quant import PRECISIONS, ROUNDINGS
 from slipcache.errors import SlipcacheError
 from slipcache.model import AUTOCAST_DTYPES, EMBEDDING_KINDS, INTERACTIONS, ModelConfig
-from slipcache.options import HUGE_PAGES_HELP, THREADS_DEFAULT, THREADS_HELP
+from slipcache.options import HUGE_PAGES_HELP, SEED_RANGE, THREADS_DEFAULT, THREADS_HELP
 from slipcache.staleness.config import (
     HOT_SETS,
     ORDERS,
@@ -37,6 +37,10 @@ WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 TIME_ORDERS = ("first", "every")
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")  # the MLPs' (`backend.dense_optimizer`)
 LR_SCHEDULES = ("constant", "mlperf")  # `training/schedule.py`
+# What a run of any length gets when the intervals are not given (`trainer.resolve_schedule`).
+LOGS_PER_RUN, EVALS_PER_RUN, CHECKPOINTS_PER_RUN = 100, 10, 4
+# The mlperf schedule's warm-up and decay start when not given, as shares of the run's steps (`schedule.py`).
+WARMUP_SHARE, DECAY_START_SHARE = 0.04, 0.75
 
 
 @dataclass
@@ -157,7 +161,7 @@ class ModelSettings:
                                  "tables keep their precision)", resume="changeable",
                                  sets="model.autocast", choices=tuple(AUTOCAST_DTYPES), default_text="fp32")
     seed: int = _flag(0, "random seed (model init, shuffling, stochastic rounding)", resume="fixed",
-                      within="[0, 2**32)",
+                      within=SEED_RANGE,
                       sets=("embedding.seed", "staleness.seed"))
 
     def __post_init__(self) -> None:
@@ -175,15 +179,15 @@ class ScheduleSettings:
     samples: int | None = _flag(None, "training budget in samples (overrides --epochs)", resume="changeable",
                                 within="(0, inf)", default_text="--epochs passes over the split")
     log_every: int | None = _flag(None, resume="changeable", within="(0, inf)",
-                                  doc="samples between metrics.jsonl events; None: 100 per run")
+                                  doc=f"samples between metrics.jsonl events; None: {LOGS_PER_RUN} per run")
     eval_every: int | None = _flag(None, "evaluate on the validation split after every SAMPLES samples consumed "
                                    "(trained or skipped)", resume="changeable", within="(0, inf)", metavar="SAMPLES",
-                                   default_text="10 per run")
+                                   default_text=f"{EVALS_PER_RUN} per run")
     eval_samples: int | None = _flag(100_000, "validation samples per evaluation, the first N of the split "
                                      "(a config file's null: all)", resume="changeable", within="(0, inf)",
                                      metavar="N")
     checkpoint_every: int | None = _flag(None, "samples between checkpoints", resume="changeable", within="(0, inf)",
-                                         default_text="4 per run")
+                                         default_text=f"{CHECKPOINTS_PER_RUN} per run")
     checkpoint_minutes: float = _flag(10.0, "also a checkpoint after every N minutes of training: the most work a "
                                       "kill loses (0: none)", resume="free", within="[0, inf)", metavar="N")
     checkpoint_on_interrupt: bool = _flag(True, "no checkpoint on Ctrl-C or SIGTERM (by default the run writes one "
@@ -194,9 +198,10 @@ class ScheduleSettings:
                              resume="changeable", choices=LR_SCHEDULES)
     lr_warmup_steps: int | None = _flag(None, "mlperf schedule: steps of linear warm-up from 0",
                                         resume="changeable", within="[0, inf)", metavar="STEPS",
-                                        default_text="4 percent of the run's steps")
+                                        default_text=f"{WARMUP_SHARE * 100:g} percent of the run's steps")
     lr_decay_start: int | None = _flag(None, "mlperf schedule: the step the decay starts at", resume="changeable",
-                                       within="[0, inf)", metavar="STEP", default_text="75 percent of the run's steps")
+                                       within="[0, inf)", metavar="STEP",
+                                       default_text=f"{DECAY_START_SHARE * 100:g} percent of the run's steps")
     lr_decay_steps: int | None = _flag(None, "mlperf schedule: steps of the decay (its last rate then holds)",
                                        resume="changeable",
                                        within="[0, inf)", metavar="STEPS", default_text="the rest of the run")

@@ -13,11 +13,11 @@ import typing
 from typing import Any
 
 from slipcache.callback import Callback
+from slipcache.training.parts import DECAY_START_SHARE, WARMUP_SHARE
 
 if typing.TYPE_CHECKING:
+    from slipcache.training.config import TrainConfig
     from slipcache.training.run import Run
-
-WARMUP_SHARE, DECAY_START_SHARE = 0.04, 0.75
 
 
 def lr_factor(step: int, warmup: int, decay_start: int, decay_steps: int) -> float:
@@ -30,7 +30,7 @@ def lr_factor(step: int, warmup: int, decay_start: int, decay_steps: int) -> flo
     return 1.0
 
 
-def schedule_steps(config: Any, total_steps: int) -> tuple[int, int, int]:
+def schedule_steps(config: TrainConfig, total_steps: int) -> tuple[int, int, int]:
     """(warm-up, decay start, decay steps) of a run of `total_steps`: the given ones, else the shares."""
     given = config.schedule
     warmup = given.lr_warmup_steps if given.lr_warmup_steps is not None else round(WARMUP_SHARE * total_steps)
@@ -59,7 +59,7 @@ class LRSchedule(Callback):
     def __init__(self, run: Run) -> None:
         total_steps = run.budget // run.config.schedule.batch_size
         self.steps = schedule_steps(run.config, total_steps)
-        self.dense_lr = run.config.embeddings.lr if run.config.model.dense_lr is None else run.config.model.dense_lr
+        self.dense_lr = run.config.mlp_lr()
         self.lr = run.config.embeddings.lr
 
     def on_start(self, run: Run) -> None:

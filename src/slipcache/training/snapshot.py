@@ -101,6 +101,6 @@ def apply_settings(run: Run) -> None:
     if hasattr(model.embeddings, "lr"):
         model.embeddings.lr = config.embeddings.lr
     for group in run.dense_opt.param_groups:
-        group["lr"] = config.embeddings.lr if config.model.dense_lr is None else config.model.dense_lr
+        group["lr"] = config.mlp_lr()
     for group in run.emb_opt.param_groups if run.emb_opt is not None else []:
         group["lr"] = config.embeddings.lr

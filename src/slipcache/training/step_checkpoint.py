@@ -180,15 +180,8 @@ def load_whole_tables(step_dir: Path, collection: Any) -> None:
         if len(cuts) == 1:
             int8[t] = (payload, bias[:, 0], scale[:, 0])
     collection.load_tables(rows)  # rounded to nearest; INT8 tables of one cut then get their bytes back
-    if int8:
-        from slipcache.interop.torchrec_checkpoint import _storage_of
-
-        for t, (payload, bias, scale) in int8.items():
-            part, start = _storage_of(collection, t)
-            n = payload.shape[0]
-            for buffer, value in ((part.payload, payload), (part.bias, bias), (part.scale_code, scale)):
-                buffer[start : start + n].copy_(value.to(buffer.dtype))
-            part.version += 1
+    for t, (payload, bias, scale) in int8.items():
+        collection.load_int8(t, payload.to(torch.uint8), bias.to(torch.float16), scale.to(torch.uint8))
     _load_whole_optimizer_state(collection, names, wanted)
 
 

@@ -61,6 +61,7 @@ from slipcache.training.datasets import (
 from slipcache.training.evaluation import evaluate
 from slipcache.training.features import CallbackFactory, run_callbacks
 from slipcache.training.loop_state import Progress
+from slipcache.training.parts import CHECKPOINTS_PER_RUN, EVALS_PER_RUN, LOGS_PER_RUN
 from slipcache.training.run import Run, TrainingClock
 from slipcache.training.run_state import TrainingCheckpoint
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
@@ -98,11 +99,11 @@ def resolve_schedule(config: TrainConfig, train_rows: int) -> TrainConfig:
 
     return config.replaced(
         samples=samples,
-        log_every=every(config.schedule.log_every, 100),
+        log_every=every(config.schedule.log_every, LOGS_PER_RUN),
         # Evaluation follows the data consumed (trained + skipped), so runs with and without skipping
         # evaluate at the same positions; a given interval stays exact (see `_crossed`).
-        eval_every=config.schedule.eval_every if config.schedule.eval_every is not None else every(None, 10),
-        checkpoint_every=every(config.schedule.checkpoint_every, 4),
+        eval_every=config.schedule.eval_every if config.schedule.eval_every is not None else every(None, EVALS_PER_RUN),
+        checkpoint_every=every(config.schedule.checkpoint_every, CHECKPOINTS_PER_RUN),
     )
 
 
