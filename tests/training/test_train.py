@@ -85,6 +85,20 @@ def test_end_to_end_writes_run_dir(data_dir: Path, tmp_path: Path) -> None:
     assert "![Training](training.png)" in (run / "report.md").read_text()
 
 
+def test_train_leaves_the_callers_config_as_given(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run resolves its paths, schedule and split order on a copy: a library caller's config object is
+    the one it built, reusable for the next run."""
+    monkeypatch.chdir(data_dir.parent)
+    config = tiny(Path(data_dir.name), Path(tmp_path.name) / "run", epochs=1, storage_path=str(tmp_path))
+    config.embeddings.embeddings = "cached"
+    before = config.flat()
+    train.train(config)
+    assert before["samples"] is None and not Path(before["data"]).is_absolute()
+    assert config.flat() == before  # relative data path, no samples, intervals or split order filled in
+
+
 def test_cached_embeddings_end_to_end(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     summary = train.train(

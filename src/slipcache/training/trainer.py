@@ -255,9 +255,10 @@ def start_run(
     lock = None
     try:
         settings.enter_context(torch_threads(config.process.threads))  # torch's and the compiled loops' threads
-        if config.data.data is not None:  # absolute, so the run can be resumed and evaluated from anywhere
-            config.data.data = str(resolve_data(config.data.data))
-        if config.embeddings.storage_path:  # absolute too: a resume, eval or export from elsewhere uses this one
+        # The run's own copy from here on (the caller's config stays as given), its paths absolute, so the run
+        # can be resumed, evaluated and exported from anywhere.
+        config = config.replaced(**({} if config.data.data is None else {"data": str(resolve_data(config.data.data))}))
+        if config.embeddings.storage_path:
             config.embeddings.storage_path = str(Path(config.embeddings.storage_path).expanduser().absolute())
 
         dataset_dir = run_dataset_dir(config, saved.get("dataset"))
