@@ -32,6 +32,7 @@ class Run:
     """
 
     config: TrainConfig  # resolved: sample budget and intervals filled in
+    schedule: Schedule  # those counts, read once from `config`
     config_dict: dict[str, Any]  # what config.json and every checkpoint record
     run_dir: Path
     dataset: Dataset

@@ -181,7 +181,7 @@ def run_loop(
     """`train`'s loop; `settings` holds the process settings the run applies until `train` returns."""
     loop = start_run(config, backend or LocalBackend(), settings, extra_callbacks, anon_peak)
     run, callbacks = loop.run, loop.callbacks
-    schedule = runs.schedule_of(run.config)
+    schedule = run.schedule
     try:
         while run.more_epochs():
             batches = epoch_batches(loop)
@@ -312,9 +312,11 @@ def _build_run(
     # The budget counts inputs trained or skipped, so a skipping run covers the same data; it ends after
     # as many epochs as the run without skipping, even though its epochs have fewer batches.
     batches_per_epoch = dataset.splits["train"] // config.schedule.batch_size
-    total_steps = budget_steps(runs.schedule_of(config).samples, config.schedule.batch_size)
+    schedule = runs.schedule_of(config)
+    total_steps = budget_steps(schedule.samples, config.schedule.batch_size)
     run = Run(
         config=config,
+        schedule=schedule,
         config_dict=config_dict,
         run_dir=run_dir,
         dataset=dataset,
@@ -465,7 +467,7 @@ def check_checkpoint_room(run: Run, callbacks: Callbacks) -> None:
     config = run.config
     each = ckpt.tensor_bytes(checkpoint_state(run, callbacks))
     # The scheduled ones and the final one; timed ones (--checkpoint-minutes) depend on a speed not known yet.
-    every, done = runs.schedule_of(config).checkpoint_every, run.progress.samples
+    every, done = run.schedule.checkpoint_every, run.progress.samples
     writes = 0 if done >= run.budget else 1 + max(0, (run.budget - 1) // every - done // every)
     directory = run.run_dir / "checkpoints"
     at_once, fit, free = ckpt.checkpoints_that_fit(directory, each, writes, config.schedule.keep_checkpoints)
