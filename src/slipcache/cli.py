@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("slipcache.train_command", "train a DLRM model (synthetic data by default)"),
     "eval": ("slipcache.training.cli", "evaluate a checkpoint on a dataset split"),
     "synth": ("slipcache.data.synthetic.cli", "generate a synthetic Criteo-shaped dataset"),
-    "preprocess": ("slipcache.data.preprocess", "convert raw Criteo files to a binary dataset"),
+    "preprocess": ("slipcache.data.preprocess_cli", "convert raw Criteo files to a binary dataset"),
     "stats": ("slipcache.data.stats.cli", "access-pattern statistics of raw Criteo files or a dataset"),
     "bench": ("slipcache.bench.cli", "benchmark embedding implementations"),
     "experiment": ("slipcache.bench.experiment", "run the papers' experiments and write a report"),

@@ -12,6 +12,7 @@ import pytest
 
 from slipcache.cli import main
 from slipcache.data import preprocess as pp
+from slipcache.data import preprocess_cli
 from slipcache.data.criteo import MISSING, read_chunks
 from slipcache.data.dataset import CriteoDataset, DatasetWriter
 from slipcache.data.preprocess import hash_ids, parse_split, preprocess
@@ -167,11 +168,11 @@ def test_cli_reports_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str
     line = "\t".join(["0"] + ["2"] * 13 + ["0000abcd"] * 26)
     data.write_text((line + "\n") * 9 + "oops\n" + line + "\n")
     parser = argparse.ArgumentParser()
-    pp.add_preprocess_arguments(parser)
+    preprocess_cli.add_preprocess_arguments(parser)
     args = parser.parse_args(
         [str(data), "--out", str(tmp_path / "ds"), "--vocab", "hash", "--max-rows", "64", "--quiet"]
     )
-    assert pp.run_preprocess(args) == 0
+    assert preprocess_cli.run_preprocess(args) == 0
     out = capsys.readouterr().out
     assert "good lines: 10, bad lines: 1" in out
     assert f"{data}:10: expected 15 to 40 fields, found 1" in out
