@@ -400,3 +400,23 @@ def test_a_cache_replaying_its_timed_batches_is_warned(tmp_path: Path, monkeypat
     replayed = _run(tmp_path, *argv, "--min-seconds", "0.2")
     assert any("ran over its 3 batches more than once" in w for w in replayed["warnings"])
     assert replayed["rows"][0]["replayed_batches"] == replayed["rows"][0]["timed_steps"] - 3 > 0
+
+
+def test_the_recorded_command_names_huge_pages_and_the_allocators_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the bench ran with must be in the command it records, or the figures cannot be reproduced."""
+    import argparse
+
+    from slipcache.bench import cli as bench_cli
+
+    parser = argparse.ArgumentParser()
+    bench_cli.add_bench_arguments(parser)
+    args = parser.parse_args(["embedding", "--out", str(tmp_path), "--huge-pages", "auto", "--dims", "8"])
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    command = bench_cli._command(args, [8], [])
+    assert command.startswith("THP_MEM_ALLOC_ENABLE=1 slipcache bench embedding") and "--huge-pages auto" in command
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    args = parser.parse_args(["embedding", "--out", str(tmp_path), "--dims", "8"])
+    command = bench_cli._command(args, [8], [])
+    assert command.startswith("slipcache bench embedding") and "--huge-pages" not in command

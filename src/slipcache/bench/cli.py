@@ -225,6 +225,7 @@ def _command(args: argparse.Namespace, dims: list[int], configs: list[BenchConfi
         ("--rounds", args.rounds),
         ("--min-seconds", args.min_seconds),
         ("--profile-clock", None if args.profile_clock == "wall" else args.profile_clock),
+        ("--huge-pages", None if args.huge_pages == "off" else args.huge_pages),
     ):
         if value is not None:
             parts += [flag, str(value)]
@@ -235,7 +236,9 @@ def _command(args: argparse.Namespace, dims: list[int], configs: list[BenchConfi
     if args.skip_probes:
         parts.append("--skip-probes")
     parts += ["--out", str(args.out)]
-    return shlex.join(parts)
+    # torch's allocator reads it at start-up: the peers' tables on huge pages (see the warning in `_run_bench`)
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
+    return ("" if thp in ("", "0") else f"THP_MEM_ALLOC_ENABLE={shlex.quote(thp)} ") + shlex.join(parts)
 
 
 def run_bench(args: argparse.Namespace) -> int:
