@@ -136,3 +136,13 @@ def test_settings_that_are_ignored_are_said(tmp_path: Path, capsys: pytest.Captu
     make_config({}, {"policy": "lru", "cache_size": 0.5})
     assert capsys.readouterr().err == ""
 
+
+
+def test_a_library_config_of_another_dim_gets_a_bottom_mlp_that_meets_it() -> None:
+    """`--dim` alone sets the bottom MLP's last width; a config built in code follows the same rule, and a
+    bottom MLP given on purpose is still checked against the dim."""
+    from slipcache.training.config import TrainConfig
+
+    assert TrainConfig.from_flat({"embedding_dim": 32}).model.bottom_mlp[-1] == 32
+    with pytest.raises(SlipcacheError, match="must end in the embedding dim 32"):
+        TrainConfig.from_flat({"embedding_dim": 32, "bottom_mlp": [64, 16]})

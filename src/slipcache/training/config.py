@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ class TrainConfig:
         unknown = sorted(set(values) - set(CONFIG_FIELDS))
         if unknown:
             raise SlipcacheError(f"unknown settings: {', '.join(unknown)}")
+        values = bottom_follows_dim(values, values)
         by_part: dict[str, dict[str, Any]] = {part: {} for part in PARTS}
         for key, value in values.items():
             by_part[PART_OF[key]][key] = value
@@ -154,15 +156,23 @@ def make_config(
     if preset is not None:
         SkippingSettings(stale_preset=preset)  # its part checks it (one of STALE_PRESETS) before it is applied
     # each fills only what the later ones leave: the preset wins over --quick, the user over both
-    given = {**(QUICK if user.get("quick") else {}), **(STALE_PRESETS[preset] if preset else {}), **user}
-    if "embedding_dim" in user and "bottom_mlp" not in user:
-        # The bottom MLP's output meets the embeddings, so its last layer follows --dim.
-        base = given.get("bottom_mlp", ModelSettings().bottom_mlp)
-        given["bottom_mlp"] = [*base[:-1], user["embedding_dim"]]
+    given = bottom_follows_dim(
+        {**(QUICK if user.get("quick") else {}), **(STALE_PRESETS[preset] if preset else {}), **user}, user
+    )
     config = TrainConfig.from_flat(given, given=frozenset(given))
     for message in ignored_settings(config, set(user)):
         logger.warning(f"slipcache train: warning: {message}")
     return config
+
+
+def bottom_follows_dim(values: dict[str, Any], chosen: Collection[str]) -> dict[str, Any]:
+    """`values` with the bottom MLP's last layer set to the embedding dim where `chosen` (what was set on
+    purpose) names the dim and not the bottom MLP: its output meets the embeddings. The widths before it are
+    those of `values` (e.g. --quick's), else the default."""
+    if "embedding_dim" not in chosen or "bottom_mlp" in chosen:
+        return values
+    base = values.get("bottom_mlp", ModelSettings().bottom_mlp)
+    return {**values, "bottom_mlp": [*base[:-1], values["embedding_dim"]]}
 
 
 def ignored_settings(config: TrainConfig, given: set[str]) -> list[str]:
