@@ -1,4 +1,4 @@
-"""Raw Criteo files -> the binary dataset format; `slipcache preprocess`.
+"""Raw Criteo files -> the binary dataset format (`slipcache preprocess` is its command, `preprocess_cli.py`).
 
 Choices (documented here because the dataset depends on them):
 - The text is parsed once. Rows go to temporary binary files in the output directory; splitting, the
