@@ -26,7 +26,7 @@ class TrainingCheckpoint:
     so whoever loads it needs to know no layout and nothing is kept between reading and loading."""
 
     path: Path  # the file, or the step directory of N processes
-    state: dict[str, Any]  # `checkpoint_state`'s; without "embeddings" when `load_tables` fills them
+    state: dict[str, Any]  # `TrainingState.state_dict()`'s; without "embeddings" when `load_tables` fills them
     # Fills a freshly built model's embedding collection from the checkpoint; None: `state["embeddings"]`.
     load_tables: Callable[[Any], None] | None = None
     resharding: str | None = None  # one line saying how the tables are re-sharded as they load

@@ -6,6 +6,7 @@ exactly where the uninterrupted run ends. Only the trainer uses it.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,41 +37,53 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((python[0], tuple(python[1]), python[2]))
 
 
-def checkpoint_state(run: Run, callbacks: Callbacks) -> dict[str, Any]:
-    """Every piece of state the loop reads, so a resumed run ends exactly where an uninterrupted one ends."""
-    # The collection's own state_dict (cache contents, quantized storage, optimizer state, rounding RNG)
-    # is saved through its method, not through the parent's, which would bypass an override.
-    model = run.model
-    dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "version": ckpt.FORMAT_VERSION,
-        "config": run.config_dict,
-        "table_sizes": list(run.dataset.table_sizes),
-        "dense": dense,
-        "embeddings": model.embeddings.state_dict(),
-        "dense_optimizer": run.dense_opt.state_dict(),
-        "embedding_optimizer": run.emb_opt.state_dict() if run.emb_opt is not None else None,
-        "progress": run.progress.state_dict(),
-        "rng": _rng_state(),
-        **callbacks.state_dict(),  # e.g. "skipping"
-    }
+@dataclass(frozen=True)
+class TrainingState:
+    """The training state of a run, one object: the model, the optimizers, `Progress`, the random generators
+    and the callbacks' own states. `state_dict` is what a checkpoint holds; `load_state_dict` puts it back and
+    the run's settings over it, so a resumed run ends exactly where the uninterrupted one ends."""
 
+    run: Run
+    callbacks: Callbacks
 
-def restore(checkpoint: TrainingCheckpoint, run: Run, callbacks: Callbacks) -> None:
-    """Load what `checkpoint_state` saved (checked by `check_checkpoint`) into the run's freshly built
-    objects; what does not fit them is one line, before the run writes anything."""
-    checkpoint.load_into(run.model)
-    state = checkpoint.state
-    _load_optimizer(run.dense_opt, state["dense_optimizer"], "dense_optimizer")
-    if run.emb_opt is not None and state["embedding_optimizer"] is not None:
-        _load_optimizer(run.emb_opt, state["embedding_optimizer"], "embedding_optimizer")
-    run.progress.load_state_dict(state["progress"])
-    _set_rng_state(state["rng"])
-    try:
-        callbacks.load_state_dict(state)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
-        raise SlipcacheError(f"checkpoint does not fit the run: a feature's state is malformed ({exc!r:.120})") from exc
+    def state_dict(self) -> dict[str, Any]:
+        run = self.run
+        # The collection's own state_dict (cache contents, quantized storage, optimizer state, rounding RNG)
+        # is saved through its method, not through the parent's, which would bypass an override.
+        model = run.model
+        dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "version": ckpt.FORMAT_VERSION,
+            "config": run.config_dict,
+            "table_sizes": list(run.dataset.table_sizes),
+            "dense": dense,
+            "embeddings": model.embeddings.state_dict(),
+            "dense_optimizer": run.dense_opt.state_dict(),
+            "embedding_optimizer": run.emb_opt.state_dict() if run.emb_opt is not None else None,
+            "progress": run.progress.state_dict(),
+            "rng": _rng_state(),
+            **self.callbacks.state_dict(),  # e.g. "skipping"
+        }
+
+    def load_state_dict(self, checkpoint: TrainingCheckpoint) -> None:
+        """What `state_dict` saved (checked by `check_checkpoint`), into the run's freshly built objects; what
+        does not fit them is one line, before the run writes anything. Then the run's own settings go back
+        over the restored copies (`_apply_settings`); a callback puts back its own in `on_start`."""
+        run, state = self.run, checkpoint.state
+        checkpoint.load_into(run.model)
+        _load_optimizer(run.dense_opt, state["dense_optimizer"], "dense_optimizer")
+        if run.emb_opt is not None and state["embedding_optimizer"] is not None:
+            _load_optimizer(run.emb_opt, state["embedding_optimizer"], "embedding_optimizer")
+        run.progress.load_state_dict(state["progress"])
+        _set_rng_state(state["rng"])
+        try:
+            self.callbacks.load_state_dict(state)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+            raise SlipcacheError(
+                f"checkpoint does not fit the run: a feature's state is malformed ({exc!r:.120})"
+            ) from exc
+        _apply_settings(run)
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], field: str) -> None:
@@ -93,7 +106,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any], fie
     optimizer.load_state_dict(saved)
 
 
-def apply_settings(run: Run) -> None:
+def _apply_settings(run: Run) -> None:
     """Put the run's settings back over what a checkpoint restored: the collection and the optimizers
     each keep their own copy of a learning rate, and a resume with `--allow-changes` must train with what
     config.json says, not with the checkpoint's copy. (A callback puts back its own in `on_start`.)"""

@@ -5,7 +5,7 @@ file with a valid checksum must not reach `restore` with a string for a sample c
 state of the wrong size or an optimizer group without parameters, where it would end in a traceback
 after the run directory was already changed. So every part the loop reads is checked here, before
 anything is written, and the first problem is one line naming the field. What depends on the model
-(tensor shapes, parameter counts) is checked when it is loaded (`snapshot.restore`), still before
+(tensor shapes, parameter counts) is checked when it is loaded (`TrainingState.load_state_dict`), still before
 anything is written.
 """
 

@@ -67,7 +67,7 @@ from slipcache.training.run_state import TrainingCheckpoint
 from slipcache.training.rundir import load_resume, new_run_dir, prepare_out_dir, remove_empty_dirs, run_record, warn
 from slipcache.training.schedule import budget_steps, nearest_quotient
 from slipcache.training.settings import change_lines
-from slipcache.training.snapshot import apply_settings, checkpoint_state, restore
+from slipcache.training.snapshot import TrainingState
 from slipcache.training.tensorboard import check_available as check_tensorboard
 from slipcache.training.tensorboard import embedding_event_fields, resolve_setting
 from slipcache.units import amount
@@ -148,6 +148,11 @@ class Loop:
     anon_peak: AnonPeak | None  # the peak of the process's own (anonymous) memory
     last_checkpoint: dict[str, Any] | None = None  # bytes and write time of the newest checkpoint written
 
+    @property
+    def state(self) -> TrainingState:
+        """What a checkpoint saves of the run, and puts back."""
+        return TrainingState(self.run, self.callbacks)
+
 
 # ----------------------------------------------------------------------------------------------------
 # Training: the loop first, then its steps in the order they run.
@@ -162,7 +167,7 @@ def train(
     rank of N). `extra_callbacks`: features outside the product (a study's research arm, `benchmarks/`),
     each built from the run and the epoch's hot inputs; a resume must pass them again. Features join the
     loop as callbacks (`callbacks.py`, chosen in `features.py`); what must survive a resume is the
-    `Progress` and the callbacks' own `state_dict`s (`snapshot.checkpoint_state`). Training time
+    `Progress` and the callbacks' own `state_dict`s (`snapshot.TrainingState`). Training time
     (`progress.train_wall_s`) runs from the clock's restart to the end of `record_step`; evaluation and
     checkpoints fall outside it.
     """
@@ -333,8 +338,7 @@ def _build_run(
     callbacks = run_callbacks(run, extra_callbacks)
     if checkpoint is not None:
         check_table_sizes(checkpoint.state["table_sizes"], dataset.table_sizes, f"dataset {dataset_dir}")
-        restore(checkpoint, run, callbacks)
-        apply_settings(run)  # config.json is what runs (callbacks apply theirs in on_start)
+        TrainingState(run, callbacks).load_state_dict(checkpoint)  # then config.json's settings over it
     if backend.writes_files:  # the checkpoint is restored: from here on the run changes its directory
         refuse_link(run_dir / "checkpoints")  # everything written into it would land elsewhere
         for directory in (run_dir, run_dir / "checkpoints"):  # left by a process killed while writing
@@ -465,7 +469,7 @@ def check_checkpoint_room(run: Run, callbacks: Callbacks) -> None:
     """Say at the start what a full disk would otherwise say at a checkpoint hours in: a warning when the
     checkpoints the run keeps at once do not all fit, an error when not one does."""
     config = run.config
-    each = ckpt.tensor_bytes(checkpoint_state(run, callbacks))
+    each = ckpt.tensor_bytes(TrainingState(run, callbacks).state_dict())
     # The scheduled ones and the final one; timed ones (--checkpoint-minutes) depend on a speed not known yet.
     every, done = run.schedule.checkpoint_every, run.progress.samples
     writes = 0 if done >= run.budget else 1 + max(0, (run.budget - 1) // every - done // every)
@@ -492,7 +496,7 @@ def check_checkpoint_room(run: Run, callbacks: Callbacks) -> None:
 
 
 def save_checkpoint(loop: Loop) -> None:
-    """A checkpoint of the whole run (`snapshot.checkpoint_state`), written by the backend; the open
+    """A checkpoint of the whole run (`TrainingState.state_dict`), written by the backend; the open
     window's cache counts travel with it."""
     run = loop.run
     loop.cache.sync(run.progress)
@@ -501,7 +505,7 @@ def save_checkpoint(loop: Loop) -> None:
     # (a run resumed from it fills the size in from the file: `fill_checkpoint_event`).
     event: dict[str, Any] = {"event": "checkpoint", "samples": run.progress.samples, "bytes": None, "write_s": None}
     run.progress.events.append(event)
-    state = checkpoint_state(run, loop.callbacks)  # a copy of the events: this one stays open below
+    state = loop.state.state_dict()  # a copy of the events: this one stays open below
     event["bytes"] = run.backend.save_checkpoint(
         run.run_dir, state, run.progress.samples, keep=run.config.schedule.keep_checkpoints
     )
